@@ -1,0 +1,448 @@
+//! Rule configuration, validated when a limiter is built.
+//!
+//! Nothing here panics: zero, overflowing and contradictory values are
+//! returned as a [`ConfigError`] that names the field, so a bad config fails
+//! at start-up, never at request time.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::algorithm::{
+    FixedWindow, Gcra, LeakyBucket, Semaphore, SlidingWindowCounter, SlidingWindowLog, TokenBucket,
+};
+use crate::clock::duration_to_nanos;
+
+/// A configuration value was rejected. The message names the field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    field: &'static str,
+    message: Cow<'static, str>,
+}
+
+impl ConfigError {
+    /// An error about `field`.
+    pub fn new(field: &'static str, message: impl Into<Cow<'static, str>>) -> Self {
+        Self {
+            field,
+            message: message.into(),
+        }
+    }
+
+    /// The offending field, e.g. `"burst"`.
+    pub fn field(&self) -> &'static str {
+        self.field
+    }
+
+    /// Why it was rejected.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid `{}`: {}", self.field, self.message)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// A steady rate: `amount` units every `period`.
+///
+/// Constructors never fail; the rate is checked when a rule is built
+/// (an amount of zero, a zero period, or more than one unit per
+/// nanosecond are errors).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Rate {
+    /// Units per period.
+    pub amount: u32,
+    /// The period.
+    pub period: Duration,
+}
+
+impl Rate {
+    /// `amount` units every `period`.
+    pub const fn new(amount: u32, period: Duration) -> Self {
+        Self { amount, period }
+    }
+    /// `amount` units per second.
+    pub const fn per_second(amount: u32) -> Self {
+        Self::new(amount, Duration::from_secs(1))
+    }
+    /// `amount` units per minute.
+    pub const fn per_minute(amount: u32) -> Self {
+        Self::new(amount, Duration::from_secs(60))
+    }
+    /// `amount` units per hour.
+    pub const fn per_hour(amount: u32) -> Self {
+        Self::new(amount, Duration::from_secs(3_600))
+    }
+    /// `amount` units per day.
+    pub const fn per_day(amount: u32) -> Self {
+        Self::new(amount, Duration::from_secs(86_400))
+    }
+
+    /// Nanoseconds per unit, validated. `field` names the rate in errors.
+    pub(crate) fn interval_nanos(&self, field: &'static str) -> Result<u64, ConfigError> {
+        if self.amount == 0 {
+            return Err(ConfigError::new(field, "amount must be at least 1"));
+        }
+        let period = duration_to_nanos(self.period);
+        if period == 0 {
+            return Err(ConfigError::new(field, "period must be longer than zero"));
+        }
+        match period.checked_div(u64::from(self.amount)) {
+            Some(t) if t >= 1 => Ok(t),
+            _ => Err(ConfigError::new(
+                field,
+                "more than one unit per nanosecond is not supported",
+            )),
+        }
+    }
+}
+
+/// Which algorithm a rate rule uses, with its parameters (not yet
+/// validated; [`Rule::new`] validates).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Limit {
+    /// Generic cell rate algorithm: a smooth `rate` with bursts of up to
+    /// `burst` (the same as a continuously refilled token bucket, in one
+    /// 64-bit word).
+    Gcra {
+        /// The sustained rate.
+        rate: Rate,
+        /// The most that may be consumed at once from a full budget.
+        burst: u32,
+    },
+    /// Token bucket with discrete refills (Envoy's model): holds up to
+    /// `capacity` tokens and gains `refill` tokens at every multiple of
+    /// `interval`.
+    TokenBucket {
+        /// Most tokens the bucket holds.
+        capacity: u32,
+        /// Tokens added at each refill.
+        refill: u32,
+        /// Time between refills.
+        interval: Duration,
+    },
+    /// At most `limit` per aligned window of length `window`.
+    FixedWindow {
+        /// Units per window.
+        limit: u32,
+        /// Window length (at least 1 ms).
+        window: Duration,
+    },
+    /// Sliding window counter: the previous window's count weighted by how
+    /// much of it still overlaps the sliding window, plus the current one.
+    SlidingWindowCounter {
+        /// Units per window.
+        limit: u32,
+        /// Window length.
+        window: Duration,
+    },
+    /// Sliding window log: exact, keeps one entry per admitted request
+    /// (at most `limit` entries per key, `limit` at most
+    /// [`SlidingWindowLog::MAX_LIMIT`]).
+    SlidingWindowLog {
+        /// Units per window.
+        limit: u32,
+        /// Window length.
+        window: Duration,
+    },
+    /// Leaky bucket as a pacer: requests leave at `rate`; one that would
+    /// wait longer than `max_delay` for its turn is denied.
+    LeakyBucket {
+        /// The drain rate.
+        rate: Rate,
+        /// The longest a request may be delayed.
+        max_delay: Duration,
+    },
+}
+
+impl Limit {
+    /// GCRA at `rate` with bursts of `burst`.
+    pub const fn gcra(rate: Rate, burst: u32) -> Self {
+        Self::Gcra { rate, burst }
+    }
+    /// A token bucket of `capacity`, adding `refill` tokens every `interval`.
+    pub const fn token_bucket(capacity: u32, refill: u32, interval: Duration) -> Self {
+        Self::TokenBucket {
+            capacity,
+            refill,
+            interval,
+        }
+    }
+    /// `limit` per fixed `window`.
+    pub const fn fixed_window(limit: u32, window: Duration) -> Self {
+        Self::FixedWindow { limit, window }
+    }
+    /// `limit` per sliding `window`, approximated by two counters.
+    pub const fn sliding_window_counter(limit: u32, window: Duration) -> Self {
+        Self::SlidingWindowCounter { limit, window }
+    }
+    /// `limit` per sliding `window`, exact.
+    pub const fn sliding_window_log(limit: u32, window: Duration) -> Self {
+        Self::SlidingWindowLog { limit, window }
+    }
+    /// A pacer draining at `rate` that delays requests up to `max_delay`.
+    pub const fn leaky_bucket(rate: Rate, max_delay: Duration) -> Self {
+        Self::LeakyBucket { rate, max_delay }
+    }
+}
+
+/// A validated algorithm with its parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[allow(missing_docs)] // each variant is documented on its type
+pub enum Algorithm {
+    Gcra(Gcra),
+    TokenBucket(TokenBucket),
+    FixedWindow(FixedWindow),
+    SlidingWindowCounter(SlidingWindowCounter),
+    SlidingWindowLog(SlidingWindowLog),
+    LeakyBucket(LeakyBucket),
+}
+
+impl Algorithm {
+    /// Validates `limit`.
+    pub fn new(limit: Limit) -> Result<Self, ConfigError> {
+        Ok(match limit {
+            Limit::Gcra { rate, burst } => Self::Gcra(Gcra::new(rate, burst)?),
+            Limit::TokenBucket {
+                capacity,
+                refill,
+                interval,
+            } => Self::TokenBucket(TokenBucket::new(capacity, refill, interval)?),
+            Limit::FixedWindow { limit, window } => {
+                Self::FixedWindow(FixedWindow::new(limit, window)?)
+            }
+            Limit::SlidingWindowCounter { limit, window } => {
+                Self::SlidingWindowCounter(SlidingWindowCounter::new(limit, window)?)
+            }
+            Limit::SlidingWindowLog { limit, window } => {
+                Self::SlidingWindowLog(SlidingWindowLog::new(limit, window)?)
+            }
+            Limit::LeakyBucket { rate, max_delay } => {
+                Self::LeakyBucket(LeakyBucket::new(rate, max_delay)?)
+            }
+        })
+    }
+
+    /// The most that may be consumed at once (the `q` of `RateLimit-Policy`).
+    pub fn capacity(&self) -> u64 {
+        use crate::algorithm::RateAlgorithm as _;
+        match self {
+            Self::Gcra(a) => a.capacity(),
+            Self::TokenBucket(a) => a.capacity(),
+            Self::FixedWindow(a) => a.capacity(),
+            Self::SlidingWindowCounter(a) => a.capacity(),
+            Self::SlidingWindowLog(a) => a.capacity(),
+            Self::LeakyBucket(a) => a.capacity(),
+        }
+    }
+
+    /// The policy window in nanoseconds (the `w` of `RateLimit-Policy`):
+    /// the time over which `capacity` is granted.
+    pub fn window(&self) -> u64 {
+        use crate::algorithm::RateAlgorithm as _;
+        match self {
+            Self::Gcra(a) => a.window(),
+            Self::TokenBucket(a) => a.window(),
+            Self::FixedWindow(a) => a.window(),
+            Self::SlidingWindowCounter(a) => a.window(),
+            Self::SlidingWindowLog(a) => a.window(),
+            Self::LeakyBucket(a) => a.window(),
+        }
+    }
+}
+
+/// Longest rule name, in bytes.
+pub const MAX_RULE_NAME_LEN: usize = 64;
+
+fn validate_name(name: &str) -> Result<(), ConfigError> {
+    if name.is_empty() || name.len() > MAX_RULE_NAME_LEN {
+        return Err(ConfigError::new(
+            "name",
+            format!("must be 1 to {MAX_RULE_NAME_LEN} bytes long"),
+        ));
+    }
+    // The name appears in headers (inside a structured-field string), in
+    // store keys and in metric labels: keep it to a safe token alphabet.
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
+    {
+        return Err(ConfigError::new(
+            "name",
+            "may contain only ASCII letters, digits, '-', '_', '.' and ':'",
+        ));
+    }
+    Ok(())
+}
+
+/// A named, validated rate rule. Cheap to clone.
+///
+/// ```
+/// use tollgate_core::{Limit, Rate, Rule};
+///
+/// let rule = Rule::new("per-key", Limit::gcra(Rate::per_second(10), 20)).unwrap();
+/// assert_eq!(rule.capacity(), 20);
+/// assert_eq!(rule.window(), 2_000_000_000); // 20 units at 10/s: 2 s
+///
+/// let err = Rule::new("per-key", Limit::gcra(Rate::per_second(10), 0)).unwrap_err();
+/// assert_eq!(err.field(), "burst");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rule {
+    name: Arc<str>,
+    algorithm: Algorithm,
+}
+
+impl Rule {
+    /// Validates the name and the limit.
+    pub fn new(name: impl AsRef<str>, limit: Limit) -> Result<Self, ConfigError> {
+        let name = name.as_ref();
+        validate_name(name)?;
+        Ok(Self {
+            name: name.into(),
+            algorithm: Algorithm::new(limit)?,
+        })
+    }
+
+    /// The rule's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The validated algorithm.
+    pub fn algorithm(&self) -> &Algorithm {
+        &self.algorithm
+    }
+
+    /// See [`Algorithm::capacity`].
+    pub fn capacity(&self) -> u64 {
+        self.algorithm.capacity()
+    }
+
+    /// See [`Algorithm::window`].
+    pub fn window(&self) -> u64 {
+        self.algorithm.window()
+    }
+}
+
+/// A named, validated concurrency rule: at most `max` permits held at once
+/// per key; a lease not released within `lease_ttl` lapses, so a crashed
+/// holder cannot keep its permits forever.
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate_core::ConcurrencyRule;
+///
+/// let rule = ConcurrencyRule::new("reports", 4, Duration::from_secs(60)).unwrap();
+/// assert_eq!(rule.semaphore().max(), 4);
+/// assert_eq!(
+///     ConcurrencyRule::new("reports", 0, Duration::from_secs(60)).unwrap_err().field(),
+///     "max"
+/// );
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConcurrencyRule {
+    name: Arc<str>,
+    semaphore: Semaphore,
+}
+
+impl ConcurrencyRule {
+    /// Validates the name, `max` and `lease_ttl`.
+    pub fn new(name: impl AsRef<str>, max: u32, lease_ttl: Duration) -> Result<Self, ConfigError> {
+        let name = name.as_ref();
+        validate_name(name)?;
+        Ok(Self {
+            name: name.into(),
+            semaphore: Semaphore::new(max, lease_ttl)?,
+        })
+    }
+
+    /// The rule's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The validated semaphore parameters.
+    pub fn semaphore(&self) -> &Semaphore {
+        &self.semaphore
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases = [
+            (Limit::gcra(Rate::per_second(0), 1), "rate"),
+            (Limit::gcra(Rate::new(1, Duration::ZERO), 1), "rate"),
+            (
+                Limit::gcra(Rate::new(2, Duration::from_nanos(1)), 1),
+                "rate",
+            ),
+            (Limit::gcra(Rate::per_second(1), 0), "burst"),
+            (Limit::gcra(Rate::per_day(1), u32::MAX), "burst"),
+            (
+                Limit::token_bucket(0, 1, Duration::from_secs(1)),
+                "capacity",
+            ),
+            (Limit::token_bucket(1, 0, Duration::from_secs(1)), "refill"),
+            (Limit::token_bucket(1, 1, Duration::ZERO), "interval"),
+            (Limit::token_bucket(1, 5, Duration::from_nanos(2)), "refill"),
+            (Limit::fixed_window(0, Duration::from_secs(1)), "limit"),
+            (Limit::fixed_window(1, Duration::from_micros(10)), "window"),
+            (
+                Limit::sliding_window_counter(0, Duration::from_secs(1)),
+                "limit",
+            ),
+            (Limit::sliding_window_counter(1, Duration::ZERO), "window"),
+            (
+                Limit::sliding_window_log(0, Duration::from_secs(1)),
+                "limit",
+            ),
+            (
+                Limit::sliding_window_log(SlidingWindowLog::MAX_LIMIT + 1, Duration::from_secs(1)),
+                "limit",
+            ),
+            (Limit::sliding_window_log(1, Duration::ZERO), "window"),
+            (
+                Limit::leaky_bucket(Rate::per_second(0), Duration::ZERO),
+                "rate",
+            ),
+        ];
+        for (limit, field) in cases {
+            let err = Rule::new("r", limit).expect_err(&format!("{limit:?} must be rejected"));
+            assert_eq!(err.field(), field, "{limit:?}: {err}");
+            assert!(err.to_string().contains(field));
+        }
+    }
+
+    #[test]
+    fn names_are_checked() {
+        let ok = Limit::fixed_window(1, Duration::from_secs(1));
+        assert!(Rule::new("per-key:v1.api_x", ok).is_ok());
+        for bad in ["", "has space", "quote\"", "brace{", &"x".repeat(65), "é"] {
+            assert_eq!(Rule::new(bad, ok).unwrap_err().field(), "name", "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn rates_divide_down_to_nanoseconds() {
+        assert_eq!(Rate::per_second(10).interval_nanos("rate"), Ok(100_000_000));
+        assert_eq!(
+            Rate::new(1, Duration::from_nanos(1)).interval_nanos("rate"),
+            Ok(1)
+        );
+        assert_eq!(
+            Rate::new(1, Duration::MAX).interval_nanos("rate"),
+            Ok(u64::MAX)
+        );
+    }
+}

@@ -1,0 +1,71 @@
+//! The decision engine of [tollgate]: rate-limiting algorithms as pure
+//! functions, the [`Decision`] they return, the [`Clock`] they are given,
+//! validated rule configuration, and the [`Store`] contract that the
+//! in-memory and Redis stores implement.
+//!
+//! This crate does no I/O and knows nothing of tokio, HTTP or Redis. Every
+//! algorithm is `(params, &mut state, now, cost) -> Decision`:
+//!
+//! | algorithm | state | use it for |
+//! |---|---|---|
+//! | [`Gcra`] | one `u64` | smooth rate with bursts (the default) |
+//! | [`TokenBucket`] | one `u64` | Envoy-style discrete refills |
+//! | [`FixedWindow`] | one `u64` | cheap counters, quotas per day/month |
+//! | [`SlidingWindowCounter`] | three integers | sliding windows at any limit |
+//! | [`SlidingWindowLog`] | ≤ `limit` entries | exact sliding windows, small limits |
+//! | [`LeakyBucket`] | one `u64` | pacing: delay instead of reject |
+//! | [`Semaphore`] | ≤ `max` leases | concurrency, with lease expiry |
+//!
+//! ```
+//! use tollgate_core::{Limit, Outcome, Rate, RateAlgorithm, Rule, Algorithm};
+//!
+//! // 10 per second, bursts of 20.
+//! let rule = Rule::new("per-key", Limit::gcra(Rate::per_second(10), 20))?;
+//! let Algorithm::Gcra(gcra) = rule.algorithm() else { unreachable!() };
+//!
+//! let mut state = 0; // a fresh key
+//! let now = 1_000_000_000;
+//! let report = gcra.decide(&mut state, now, 15); // a report costs 15
+//! assert!(report.is_allowed());
+//! assert_eq!(report.remaining, 5);
+//!
+//! let another = gcra.decide(&mut state, now, 15);
+//! assert_eq!(another.outcome, Outcome::Deny { retry_after: 1_000_000_000 });
+//! assert_eq!(gcra.decide(&mut state, now, 21).outcome, Outcome::Never);
+//! # Ok::<(), tollgate_core::ConfigError>(())
+//! ```
+//!
+//! # Features
+//!
+//! | feature | what it adds |
+//! |---|---|
+//! | `testing` | [`testing`]: the conformance suite every store must pass |
+//!
+//! [tollgate]: https://docs.rs/tollgate
+
+#![cfg_attr(
+    test,
+    allow(
+        clippy::unwrap_used,
+        clippy::panic,
+        clippy::indexing_slicing,
+        clippy::arithmetic_side_effects
+    )
+)]
+
+pub mod algorithm;
+mod clock;
+mod config;
+mod decision;
+mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+pub use algorithm::{
+    FixedWindow, Gcra, LeakyBucket, RateAlgorithm, Semaphore, SemaphoreState, SlidingWindowCounter,
+    SlidingWindowCounterState, SlidingWindowLog, SlidingWindowLogState, TokenBucket,
+};
+pub use clock::{duration_to_nanos, Clock, ManualClock, SystemClock};
+pub use config::{Algorithm, ConcurrencyRule, ConfigError, Limit, Rate, Rule, MAX_RULE_NAME_LEN};
+pub use decision::{Acquire, Decision, Lease, Outcome};
+pub use store::{ConcurrencyLimiter, Limiter, Store, StoreError, StoreErrorKind};

@@ -1,0 +1,125 @@
+//! The store contract: where per-key state lives.
+//!
+//! A [`Store`] binds a rule once, when a limiter is built (validating
+//! anything store-specific), and returns a handle — a [`Limiter`] or a
+//! [`ConcurrencyLimiter`] — whose calls take a client key and return a
+//! future. The futures are associated types rather than boxed trait
+//! objects so that the in-memory store can return
+//! [`std::future::Ready`]: no allocation and no boxing on its hot path,
+//! while a networked store returns whatever future it needs.
+//!
+//! The traits are therefore generic, not object-safe; layers are generic
+//! over the store.
+//!
+//! Keys are raw bytes of any length; a store hashes or bounds them as it
+//! must. Time is the store's: the in-memory store reads its [`Clock`](crate::Clock),
+//! the Redis store reads Redis's.
+
+use std::fmt;
+use std::future::Future;
+
+use crate::{Acquire, ConcurrencyRule, ConfigError, Decision, Lease, Rule};
+
+/// A store failed to answer (network, timeout, script error). The limiter's
+/// failure policy decides what the request gets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreError {
+    kind: StoreErrorKind,
+    message: String,
+}
+
+/// What kind of store failure this was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum StoreErrorKind {
+    /// The store did not answer in time.
+    Timeout,
+    /// The store could not be reached, or the breaker is open.
+    Unavailable,
+    /// The store answered with something unexpected.
+    Protocol,
+}
+
+impl StoreError {
+    /// A new error.
+    pub fn new(kind: StoreErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// Its kind.
+    pub fn kind(&self) -> StoreErrorKind {
+        self.kind
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "store {:?}: {}", self.kind, self.message)
+    }
+}
+
+impl std::error::Error for StoreError {}
+
+/// Where limiter state lives: in process ([`MemoryStore`]) or shared across
+/// a fleet (Redis).
+///
+/// [`MemoryStore`]: https://docs.rs/tollgate-memory
+pub trait Store: Clone + Send + Sync + 'static {
+    /// The handle for one rate rule.
+    type Limiter: Limiter;
+    /// The handle for one concurrency rule.
+    type ConcurrencyLimiter: ConcurrencyLimiter;
+
+    /// Binds `rule`. Called once per limiter, at build time.
+    fn limiter(&self, rule: &Rule) -> Result<Self::Limiter, ConfigError>;
+
+    /// Binds a concurrency `rule`. Called once per limiter, at build time.
+    fn concurrency_limiter(
+        &self,
+        rule: &ConcurrencyRule,
+    ) -> Result<Self::ConcurrencyLimiter, ConfigError>;
+}
+
+/// One rate rule bound to a store: decide-and-consume, refund, peek.
+pub trait Limiter: Clone + Send + Sync + 'static {
+    /// Future of [`decide`](Self::decide).
+    type DecideFuture: Future<Output = Result<Decision, StoreError>> + Send + 'static;
+    /// Future of [`refund`](Self::refund).
+    type RefundFuture: Future<Output = Result<(), StoreError>> + Send + 'static;
+
+    /// The rule this limiter enforces.
+    fn rule(&self) -> &Rule;
+
+    /// Decides a request of `cost` for `key` and consumes the cost if it
+    /// is admitted. Cost 0 peeks: it reports the budget and consumes
+    /// nothing.
+    fn decide(&self, key: &[u8], cost: u32) -> Self::DecideFuture;
+
+    /// Gives back `cost` consumed earlier for `key` (a later rule in a
+    /// chain denied the request).
+    fn refund(&self, key: &[u8], cost: u32) -> Self::RefundFuture;
+}
+
+/// One concurrency rule bound to a store: acquire and release leases.
+pub trait ConcurrencyLimiter: Clone + Send + Sync + 'static {
+    /// Future of [`acquire`](Self::acquire).
+    type AcquireFuture: Future<Output = Result<Acquire, StoreError>> + Send + 'static;
+    /// Future of [`release`](Self::release) and [`renew`](Self::renew):
+    /// whether the lease was still held.
+    type ReleaseFuture: Future<Output = Result<bool, StoreError>> + Send + 'static;
+
+    /// The rule this limiter enforces.
+    fn rule(&self) -> &ConcurrencyRule;
+
+    /// Takes `permits` for `key` under a new lease, if free.
+    fn acquire(&self, key: &[u8], permits: u32) -> Self::AcquireFuture;
+
+    /// Releases `lease` for `key`.
+    fn release(&self, key: &[u8], lease: Lease) -> Self::ReleaseFuture;
+
+    /// Extends `lease` by the rule's lease TTL from now.
+    fn renew(&self, key: &[u8], lease: Lease) -> Self::ReleaseFuture;
+}

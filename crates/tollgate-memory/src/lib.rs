@@ -1,1 +1,513 @@
-//! wip
+//! The in-process store of [tollgate]: every limiter's per-key state in
+//! this process's memory. The default store, and the fallback when Redis
+//! is down.
+//!
+//! - **Fast.** Keys live in a sharded hash table. GCRA, token bucket, fixed
+//!   window and leaky bucket states are one `AtomicU64`, updated with one
+//!   compare-and-swap under the shard's read lock (governor's design); the
+//!   sliding windows sit behind a per-key mutex. A decision neither
+//!   allocates nor boxes: the store's futures are [`std::future::Ready`].
+//! - **Keys of any length, never kept.** A client key is stored as its
+//!   128-bit SipHash-1-3 under a per-store random secret: 16 bytes however
+//!   long the key, no raw key (personal data) in memory, and without the
+//!   secret nobody can aim two keys at one slot. Two distinct keys share a
+//!   slot only by a 128-bit accident.
+//! - **Self-cleaning.** A key whose state decides exactly as a fresh key's
+//!   (its budget is whole again) carries no information and is dropped.
+//!   Shards are swept when they grow, and one shard in turn is looked at
+//!   every few thousand decisions per thread, so memory comes back after a
+//!   flood of one-off keys with no background thread and nothing for the
+//!   user to call ([`MemoryStore::purge_idle`] exists for tests and quiet
+//!   processes).
+//! - **Bounded.** [`MemoryStoreBuilder::max_keys`] caps the keys held across
+//!   all rules of the store (default 1,000,000). When the store is full and
+//!   a sweep frees nothing, a new key is decided against an **overflow
+//!   state shared by all new keys of its shard**: memory stays bounded, and
+//!   the flood is limited as a group — never more than one key's limit per
+//!   shard, so no key gets more than its own limit — while keys already
+//!   held keep their own state. [`MemoryStore::overflowed`] counts those
+//!   decisions. As keys go idle and are swept, new keys get their own slots
+//!   again.
+//!
+//! ```
+//! use tollgate_core::{Limit, Limiter, Rate, Rule, Store};
+//! use tollgate_memory::MemoryStore;
+//!
+//! let store = MemoryStore::new();
+//! let rule = Rule::new("per-key", Limit::gcra(Rate::per_second(10), 20))?;
+//! let limiter = store.limiter(&rule)?;
+//!
+//! // The futures are ready at once; `decide_now` skips them.
+//! let first = limiter.decide_now(b"api-key-1", 15);
+//! assert!(first.is_allowed());
+//! assert_eq!(first.remaining, 5);
+//! assert!(!limiter.decide_now(b"api-key-1", 15).is_allowed());
+//! assert!(limiter.decide_now(b"api-key-2", 15).is_allowed());
+//! # Ok::<(), tollgate_core::ConfigError>(())
+//! ```
+//!
+//! [tollgate]: https://docs.rs/tollgate
+
+#![cfg_attr(
+    test,
+    allow(
+        clippy::unwrap_used,
+        clippy::panic,
+        clippy::indexing_slicing,
+        clippy::arithmetic_side_effects
+    )
+)]
+
+mod cell;
+mod key;
+mod table;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::{ready, Ready};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use tollgate_core::{
+    Acquire, Algorithm, Clock, ConcurrencyLimiter, ConcurrencyRule, ConfigError, Decision,
+    FixedWindow, Gcra, LeakyBucket, Lease, Limiter, RateAlgorithm, Rule, Semaphore,
+    SlidingWindowCounter, SlidingWindowLog, Store, StoreError, SystemClock, TokenBucket,
+};
+
+use crate::key::KeyHasher;
+use crate::table::{Shared, Table};
+
+/// The default [`MemoryStoreBuilder::max_keys`].
+pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
+
+/// The default [`MemoryStoreBuilder::shards`].
+pub const DEFAULT_SHARDS: usize = 64;
+
+/// The in-process store. Cheap to clone; clones share all state.
+///
+/// See the [crate docs](crate) for how keys are held, cleaned up and
+/// bounded.
+pub struct MemoryStore<C = SystemClock> {
+    inner: Arc<Inner<C>>,
+}
+
+struct Inner<C> {
+    shared: Arc<Shared<C>>,
+    shards: usize,
+    rules: Mutex<HashMap<String, Bound<C>>>,
+}
+
+enum Bound<C> {
+    Rate(Algorithm, AnyTable<C>),
+    Concurrency(Semaphore, Arc<Table<Semaphore, C>>),
+}
+
+impl<C> Clone for MemoryStore<C> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<C> fmt::Debug for MemoryStore<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("keys", &self.inner.shared.keys.load(Ordering::Relaxed))
+            .field("max_keys", &self.inner.shared.max_keys)
+            .field("shards", &self.inner.shards)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MemoryStore<SystemClock> {
+    /// A store on the system clock with the default bounds.
+    pub fn new() -> Self {
+        Self::with_clock(SystemClock)
+    }
+
+    /// A builder, to set the clock, the key bound or the shard count.
+    pub fn builder() -> MemoryStoreBuilder<SystemClock> {
+        MemoryStoreBuilder {
+            clock: SystemClock,
+            max_keys: DEFAULT_MAX_KEYS,
+            shards: DEFAULT_SHARDS,
+        }
+    }
+}
+
+impl Default for MemoryStore<SystemClock> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<C: Clock> MemoryStore<C> {
+    /// A store reading `clock`, with the default bounds.
+    pub fn with_clock(clock: C) -> Self {
+        Self::from_parts(clock, DEFAULT_MAX_KEYS, DEFAULT_SHARDS)
+    }
+
+    fn from_parts(clock: C, max_keys: usize, shards: usize) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                shared: Arc::new(Shared {
+                    clock,
+                    hasher: KeyHasher::random(),
+                    keys: AtomicUsize::new(0),
+                    max_keys,
+                    overflowed: AtomicU64::new(0),
+                }),
+                shards,
+                rules: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// Keys currently held, across all rules.
+    pub fn key_count(&self) -> usize {
+        self.inner.shared.keys.load(Ordering::Acquire)
+    }
+
+    /// Decisions made against a shard's shared overflow state because the
+    /// store was full.
+    pub fn overflowed(&self) -> u64 {
+        self.inner.shared.overflowed.load(Ordering::Relaxed)
+    }
+
+    /// Drops every idle key now and returns how many. Never needed for
+    /// correctness or to bound memory; useful in tests and in a process
+    /// that goes quiet after a flood.
+    pub fn purge_idle(&self) -> usize {
+        let now = self.inner.shared.clock.now();
+        let rules = self
+            .inner
+            .rules
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        rules
+            .values()
+            .map(|bound| match bound {
+                Bound::Rate(_, table) => dispatch!(table, t => t.purge(now)),
+                Bound::Concurrency(_, t) => t.purge(now),
+            })
+            .sum()
+    }
+
+    fn table(&self, kind: impl FnOnce(usize, Arc<Shared<C>>) -> Bound<C>) -> Bound<C> {
+        kind(self.inner.shards, Arc::clone(&self.inner.shared))
+    }
+}
+
+/// Builds a [`MemoryStore`].
+#[derive(Debug, Clone)]
+pub struct MemoryStoreBuilder<C> {
+    clock: C,
+    max_keys: usize,
+    shards: usize,
+}
+
+impl<C: Clock> MemoryStoreBuilder<C> {
+    /// The clock to read (default: [`SystemClock`]). Tests pass a
+    /// [`ManualClock`](tollgate_core::ManualClock).
+    pub fn clock<C2: Clock>(self, clock: C2) -> MemoryStoreBuilder<C2> {
+        MemoryStoreBuilder {
+            clock,
+            max_keys: self.max_keys,
+            shards: self.shards,
+        }
+    }
+
+    /// Most keys held at once across all rules (default
+    /// [`DEFAULT_MAX_KEYS`]). See the crate docs for what happens when the
+    /// store is full.
+    pub fn max_keys(mut self, max_keys: usize) -> Self {
+        self.max_keys = max_keys;
+        self
+    }
+
+    /// Shards per rule: a power of two from 1 to 4096 (default
+    /// [`DEFAULT_SHARDS`]). More shards, less lock contention between keys.
+    pub fn shards(mut self, shards: usize) -> Self {
+        self.shards = shards;
+        self
+    }
+
+    /// Validates and builds.
+    pub fn build(self) -> Result<MemoryStore<C>, ConfigError> {
+        if self.max_keys == 0 {
+            return Err(ConfigError::new("max_keys", "must be at least 1"));
+        }
+        if !self.shards.is_power_of_two() || self.shards > 4096 {
+            return Err(ConfigError::new(
+                "shards",
+                "must be a power of two from 1 to 4096",
+            ));
+        }
+        Ok(MemoryStore::from_parts(
+            self.clock,
+            self.max_keys,
+            self.shards,
+        ))
+    }
+}
+
+/// A table of any rate algorithm.
+enum AnyTable<C> {
+    Gcra(Arc<Table<Gcra, C>>),
+    TokenBucket(Arc<Table<TokenBucket, C>>),
+    FixedWindow(Arc<Table<FixedWindow, C>>),
+    SlidingWindowCounter(Arc<Table<SlidingWindowCounter, C>>),
+    SlidingWindowLog(Arc<Table<SlidingWindowLog, C>>),
+    LeakyBucket(Arc<Table<LeakyBucket, C>>),
+}
+
+/// Runs `$body` with `$t` bound to the table, whatever its algorithm.
+macro_rules! dispatch {
+    ($table:expr, $t:ident => $body:expr) => {
+        match $table {
+            AnyTable::Gcra($t) => $body,
+            AnyTable::TokenBucket($t) => $body,
+            AnyTable::FixedWindow($t) => $body,
+            AnyTable::SlidingWindowCounter($t) => $body,
+            AnyTable::SlidingWindowLog($t) => $body,
+            AnyTable::LeakyBucket($t) => $body,
+        }
+    };
+}
+use dispatch;
+
+impl<C> Clone for AnyTable<C> {
+    fn clone(&self) -> Self {
+        match self {
+            Self::Gcra(t) => Self::Gcra(Arc::clone(t)),
+            Self::TokenBucket(t) => Self::TokenBucket(Arc::clone(t)),
+            Self::FixedWindow(t) => Self::FixedWindow(Arc::clone(t)),
+            Self::SlidingWindowCounter(t) => Self::SlidingWindowCounter(Arc::clone(t)),
+            Self::SlidingWindowLog(t) => Self::SlidingWindowLog(Arc::clone(t)),
+            Self::LeakyBucket(t) => Self::LeakyBucket(Arc::clone(t)),
+        }
+    }
+}
+
+impl<C: Clock> AnyTable<C> {
+    fn new(algorithm: &Algorithm, shards: usize, shared: Arc<Shared<C>>) -> Self {
+        match algorithm {
+            Algorithm::Gcra(a) => Self::Gcra(Arc::new(Table::new(*a, shards, shared))),
+            Algorithm::TokenBucket(a) => {
+                Self::TokenBucket(Arc::new(Table::new(*a, shards, shared)))
+            }
+            Algorithm::FixedWindow(a) => {
+                Self::FixedWindow(Arc::new(Table::new(*a, shards, shared)))
+            }
+            Algorithm::SlidingWindowCounter(a) => {
+                Self::SlidingWindowCounter(Arc::new(Table::new(*a, shards, shared)))
+            }
+            Algorithm::SlidingWindowLog(a) => {
+                Self::SlidingWindowLog(Arc::new(Table::new(*a, shards, shared)))
+            }
+            Algorithm::LeakyBucket(a) => {
+                Self::LeakyBucket(Arc::new(Table::new(*a, shards, shared)))
+            }
+        }
+    }
+}
+
+fn conflict() -> ConfigError {
+    ConfigError::new(
+        "name",
+        "a rule of this name is already bound to this store with other parameters",
+    )
+}
+
+impl<C: Clock> Store for MemoryStore<C> {
+    type Limiter = MemoryLimiter<C>;
+    type ConcurrencyLimiter = MemoryConcurrencyLimiter<C>;
+
+    /// Binds `rule`. Binding a rule of the same name and parameters again
+    /// shares its state; the same name with other parameters is an error.
+    fn limiter(&self, rule: &Rule) -> Result<MemoryLimiter<C>, ConfigError> {
+        let mut rules = self
+            .inner
+            .rules
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let bound = rules.entry(rule.name().to_owned()).or_insert_with(|| {
+            self.table(|shards, shared| {
+                Bound::Rate(
+                    rule.algorithm().clone(),
+                    AnyTable::new(rule.algorithm(), shards, shared),
+                )
+            })
+        });
+        match bound {
+            Bound::Rate(algorithm, table) if algorithm == rule.algorithm() => Ok(MemoryLimiter {
+                rule: rule.clone(),
+                table: table.clone(),
+            }),
+            _ => Err(conflict()),
+        }
+    }
+
+    /// Binds a concurrency `rule`; the same sharing rules as
+    /// [`limiter`](Self::limiter).
+    fn concurrency_limiter(
+        &self,
+        rule: &ConcurrencyRule,
+    ) -> Result<MemoryConcurrencyLimiter<C>, ConfigError> {
+        let mut rules = self
+            .inner
+            .rules
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let bound = rules.entry(rule.name().to_owned()).or_insert_with(|| {
+            self.table(|shards, shared| {
+                Bound::Concurrency(
+                    *rule.semaphore(),
+                    Arc::new(Table::new(*rule.semaphore(), shards, shared)),
+                )
+            })
+        });
+        match bound {
+            Bound::Concurrency(semaphore, table) if semaphore == rule.semaphore() => {
+                Ok(MemoryConcurrencyLimiter {
+                    rule: rule.clone(),
+                    table: Arc::clone(table),
+                })
+            }
+            _ => Err(conflict()),
+        }
+    }
+}
+
+/// A rate rule bound to a [`MemoryStore`].
+pub struct MemoryLimiter<C = SystemClock> {
+    rule: Rule,
+    table: AnyTable<C>,
+}
+
+impl<C> Clone for MemoryLimiter<C> {
+    fn clone(&self) -> Self {
+        Self {
+            rule: self.rule.clone(),
+            table: self.table.clone(),
+        }
+    }
+}
+
+impl<C> fmt::Debug for MemoryLimiter<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryLimiter")
+            .field("rule", &self.rule)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C: Clock> MemoryLimiter<C> {
+    /// [`Limiter::decide`] without the future.
+    #[inline]
+    pub fn decide_now(&self, key: &[u8], cost: u32) -> Decision {
+        dispatch!(&self.table, t => {
+            let now = t.now();
+            t.update(key, now, |s| t.kind.decide(s, now, cost))
+        })
+    }
+
+    /// [`Limiter::refund`] without the future.
+    pub fn refund_now(&self, key: &[u8], cost: u32) {
+        dispatch!(&self.table, t => {
+            let now = t.now();
+            t.update(key, now, |s| t.kind.refund(s, now, cost))
+        })
+    }
+}
+
+impl<C: Clock> Limiter for MemoryLimiter<C> {
+    type DecideFuture = Ready<Result<Decision, StoreError>>;
+    type RefundFuture = Ready<Result<(), StoreError>>;
+
+    fn rule(&self) -> &Rule {
+        &self.rule
+    }
+
+    #[inline]
+    fn decide(&self, key: &[u8], cost: u32) -> Self::DecideFuture {
+        ready(Ok(self.decide_now(key, cost)))
+    }
+
+    fn refund(&self, key: &[u8], cost: u32) -> Self::RefundFuture {
+        self.refund_now(key, cost);
+        ready(Ok(()))
+    }
+}
+
+/// A concurrency rule bound to a [`MemoryStore`].
+pub struct MemoryConcurrencyLimiter<C = SystemClock> {
+    rule: ConcurrencyRule,
+    table: Arc<Table<Semaphore, C>>,
+}
+
+impl<C> Clone for MemoryConcurrencyLimiter<C> {
+    fn clone(&self) -> Self {
+        Self {
+            rule: self.rule.clone(),
+            table: Arc::clone(&self.table),
+        }
+    }
+}
+
+impl<C> fmt::Debug for MemoryConcurrencyLimiter<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryConcurrencyLimiter")
+            .field("rule", &self.rule)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C: Clock> MemoryConcurrencyLimiter<C> {
+    /// [`ConcurrencyLimiter::acquire`] without the future.
+    pub fn acquire_now(&self, key: &[u8], permits: u32) -> Acquire {
+        let t = &self.table;
+        let now = t.now();
+        let id = t.next_id.fetch_add(1, Ordering::Relaxed);
+        t.update(key, now, |s| t.kind.acquire(s, now, permits, id))
+    }
+
+    /// [`ConcurrencyLimiter::release`] without the future.
+    pub fn release_now(&self, key: &[u8], lease: Lease) -> bool {
+        let t = &self.table;
+        let now = t.now();
+        // A lease granted while the store was full lives in the overflow state.
+        t.update(key, now, |s| t.kind.release(s, now, lease.id))
+            || t.update_overflow(key, |s| t.kind.release(s, now, lease.id))
+    }
+
+    /// [`ConcurrencyLimiter::renew`] without the future.
+    pub fn renew_now(&self, key: &[u8], lease: Lease) -> bool {
+        let t = &self.table;
+        let now = t.now();
+        t.update(key, now, |s| t.kind.renew(s, now, lease.id))
+            || t.update_overflow(key, |s| t.kind.renew(s, now, lease.id))
+    }
+}
+
+impl<C: Clock> ConcurrencyLimiter for MemoryConcurrencyLimiter<C> {
+    type AcquireFuture = Ready<Result<Acquire, StoreError>>;
+    type ReleaseFuture = Ready<Result<bool, StoreError>>;
+
+    fn rule(&self) -> &ConcurrencyRule {
+        &self.rule
+    }
+
+    fn acquire(&self, key: &[u8], permits: u32) -> Self::AcquireFuture {
+        ready(Ok(self.acquire_now(key, permits)))
+    }
+
+    fn release(&self, key: &[u8], lease: Lease) -> Self::ReleaseFuture {
+        ready(Ok(self.release_now(key, lease)))
+    }
+
+    fn renew(&self, key: &[u8], lease: Lease) -> Self::ReleaseFuture {
+        ready(Ok(self.renew_now(key, lease)))
+    }
+}

@@ -1,0 +1,265 @@
+//! A sharded table of per-key cells, bounded and self-cleaning.
+
+use std::cell::Cell as StdCell;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use tollgate_core::{Clock, RateAlgorithm, Semaphore, SemaphoreState};
+
+use crate::cell::{Cell, Stored};
+use crate::key::{BuildIdentity, KeyHash, KeyHasher};
+
+/// What a table stores: the state type, its cell, and when it is idle.
+pub(crate) trait Kind: Send + Sync + 'static {
+    type State: Default + PartialEq + Send + 'static;
+    type Cell: Cell<Self::State>;
+    fn is_idle(&self, state: &Self::State, now: u64) -> bool;
+    /// How often (ns) a shard may be swept by the background-free sweeper.
+    fn sweep_every(&self) -> u64;
+}
+
+const SECOND: u64 = 1_000_000_000;
+
+impl<A: Stored> Kind for A {
+    type State = A::State;
+    type Cell = A::Cell;
+
+    #[inline]
+    fn is_idle(&self, state: &Self::State, now: u64) -> bool {
+        RateAlgorithm::is_idle(self, state, now)
+    }
+
+    fn sweep_every(&self) -> u64 {
+        self.window().clamp(SECOND, 60 * SECOND)
+    }
+}
+
+impl Kind for Semaphore {
+    type State = SemaphoreState;
+    type Cell = Mutex<SemaphoreState>;
+
+    fn is_idle(&self, state: &SemaphoreState, now: u64) -> bool {
+        Semaphore::is_idle(self, state, now)
+    }
+
+    fn sweep_every(&self) -> u64 {
+        self.lease_ttl().clamp(SECOND, 60 * SECOND)
+    }
+}
+
+/// What every table of one store shares: the clock, the key hasher and the
+/// key budget.
+#[derive(Debug)]
+pub(crate) struct Shared<C> {
+    pub(crate) clock: C,
+    pub(crate) hasher: KeyHasher,
+    pub(crate) keys: AtomicUsize,
+    pub(crate) max_keys: usize,
+    pub(crate) overflowed: AtomicU64,
+}
+
+/// A shard never sweeps on growth below this many keys.
+const MIN_SWEEP_LEN: usize = 64;
+
+/// One decision in this many, per thread, checks one shard for idle keys.
+const SWEEP_TICK: u32 = 4096;
+
+// Cache-line sized and aligned so neighbouring shards' locks do not share a line.
+#[repr(align(128))]
+struct Shard<Ce> {
+    map: RwLock<HashMap<KeyHash, Ce, BuildIdentity>>,
+    /// Shared by every key that found the table full (see the crate docs).
+    overflow: Ce,
+    /// Sweep before growing past this length.
+    next_sweep: AtomicUsize,
+    last_sweep: AtomicU64,
+}
+
+pub(crate) struct Table<K: Kind, C> {
+    pub(crate) kind: K,
+    shards: Box<[Shard<K::Cell>]>,
+    mask: usize,
+    pub(crate) shared: std::sync::Arc<Shared<C>>,
+    cursor: AtomicUsize,
+    /// Lease ids for semaphores.
+    pub(crate) next_id: AtomicU64,
+}
+
+impl<K: Kind + std::fmt::Debug, C> std::fmt::Debug for Table<K, C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Table")
+            .field("kind", &self.kind)
+            .field("shards", &self.shards.len())
+            .finish_non_exhaustive()
+    }
+}
+
+fn read<T>(lock: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    lock.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    lock.write().unwrap_or_else(PoisonError::into_inner)
+}
+
+thread_local! {
+    static TICK: StdCell<u32> = const { StdCell::new(0) };
+}
+
+impl<K: Kind, C: Clock> Table<K, C> {
+    /// `shards` is a power of two (the builder checks).
+    pub(crate) fn new(kind: K, shards: usize, shared: std::sync::Arc<Shared<C>>) -> Self {
+        let shards: Box<[_]> = (0..shards.max(1))
+            .map(|_| Shard {
+                map: RwLock::new(HashMap::default()),
+                overflow: K::Cell::new(K::State::default()),
+                next_sweep: AtomicUsize::new(MIN_SWEEP_LEN),
+                last_sweep: AtomicU64::new(0),
+            })
+            .collect();
+        Self {
+            kind,
+            mask: shards.len().saturating_sub(1),
+            shards,
+            shared,
+            cursor: AtomicUsize::new(0),
+            next_id: AtomicU64::new(1),
+        }
+    }
+
+    #[inline]
+    pub(crate) fn now(&self) -> u64 {
+        self.shared.clock.now()
+    }
+
+    #[inline]
+    fn shard(&self, index: usize) -> &Shard<K::Cell> {
+        #[allow(clippy::indexing_slicing)] // masked by len − 1, len a power of two
+        &self.shards[index & self.mask]
+    }
+
+    /// Runs `f` on `key`'s state. A key that is not stored and whose state
+    /// `f` leaves fresh (a denial, a peek) is not stored either.
+    #[inline]
+    pub(crate) fn update<R>(
+        &self,
+        key: &[u8],
+        now: u64,
+        mut f: impl FnMut(&mut K::State) -> R,
+    ) -> R {
+        self.tick(now);
+        let hash = self.shared.hasher.hash(key);
+        let shard = self.shard(hash.shard as usize);
+        if let Some(cell) = read(&shard.map).get(&hash) {
+            return cell.update(&mut f);
+        }
+        let mut fresh = K::State::default();
+        let result = f(&mut fresh);
+        if fresh == K::State::default() {
+            return result;
+        }
+        let mut map = write(&shard.map);
+        if let Some(cell) = map.get(&hash) {
+            // Inserted by another thread meanwhile: decide on its state.
+            return cell.update(&mut f);
+        }
+        if !self.reserve(shard, &mut map, now) {
+            self.shared.overflowed.fetch_add(1, Ordering::Relaxed);
+            return shard.overflow.update(&mut f);
+        }
+        map.insert(hash, K::Cell::new(fresh));
+        result
+    }
+
+    /// Runs `f` on the overflow state that `key` would share if the table
+    /// were full.
+    pub(crate) fn update_overflow<R>(&self, key: &[u8], f: impl FnMut(&mut K::State) -> R) -> R {
+        let hash = self.shared.hasher.hash(key);
+        self.shard(hash.shard as usize).overflow.update(f)
+    }
+
+    /// Makes room for one more key in `shard`: sweeps on growth, and
+    /// takes one unit of the store's key budget. `false` when full.
+    fn reserve(
+        &self,
+        shard: &Shard<K::Cell>,
+        map: &mut HashMap<KeyHash, K::Cell, BuildIdentity>,
+        now: u64,
+    ) -> bool {
+        let mut swept = false;
+        if map.len() >= shard.next_sweep.load(Ordering::Relaxed) {
+            self.sweep(shard, map, now);
+            swept = true;
+        }
+        loop {
+            if self.shared.keys.fetch_add(1, Ordering::AcqRel) < self.shared.max_keys {
+                return true;
+            }
+            self.shared.keys.fetch_sub(1, Ordering::AcqRel);
+            if swept || self.sweep(shard, map, now) == 0 {
+                return false;
+            }
+            swept = true;
+        }
+    }
+
+    /// Drops idle keys from one shard; returns how many.
+    fn sweep(
+        &self,
+        shard: &Shard<K::Cell>,
+        map: &mut HashMap<KeyHash, K::Cell, BuildIdentity>,
+        now: u64,
+    ) -> usize {
+        let before = map.len();
+        map.retain(|_, cell| !cell.with(|s| self.kind.is_idle(s, now)));
+        let after = map.len();
+        let removed = before.saturating_sub(after);
+        self.shared.keys.fetch_sub(removed, Ordering::AcqRel);
+        if map.capacity() > after.max(MIN_SWEEP_LEN).saturating_mul(4) {
+            map.shrink_to_fit();
+        }
+        shard.next_sweep.store(
+            after.saturating_mul(2).max(MIN_SWEEP_LEN),
+            Ordering::Relaxed,
+        );
+        shard.last_sweep.store(now, Ordering::Relaxed);
+        removed
+    }
+
+    /// Every `SWEEP_TICK` decisions on a thread, looks at the next shard
+    /// and sweeps it if it was not swept for a while, so memory comes back
+    /// after a key flood without a background thread or a user call.
+    #[inline]
+    fn tick(&self, now: u64) {
+        let due = TICK.with(|t| {
+            let v = t.get().wrapping_add(1);
+            t.set(v);
+            v % SWEEP_TICK == 0
+        });
+        if due {
+            self.sweep_one(now);
+        }
+    }
+
+    #[cold]
+    fn sweep_one(&self, now: u64) {
+        let shard = self.shard(self.cursor.fetch_add(1, Ordering::Relaxed));
+        let last = shard.last_sweep.load(Ordering::Relaxed);
+        if now.saturating_sub(last) < self.kind.sweep_every() {
+            return;
+        }
+        // Never wait for a busy shard: it will be looked at again.
+        if let Ok(mut map) = shard.map.try_write() {
+            self.sweep(shard, &mut map, now);
+        }
+    }
+
+    /// Sweeps every shard now.
+    pub(crate) fn purge(&self, now: u64) -> usize {
+        self.shards
+            .iter()
+            .map(|shard| self.sweep(shard, &mut write(&shard.map), now))
+            .sum()
+    }
+}

@@ -1,0 +1,163 @@
+//! What the memory store does with idle keys and when it is full.
+#![allow(missing_docs, clippy::unwrap_used, clippy::arithmetic_side_effects)]
+
+use std::time::Duration;
+
+use tollgate_core::{ConcurrencyRule, Limit, ManualClock, Rate, Rule, Store};
+use tollgate_memory::MemoryStore;
+
+fn store(clock: &ManualClock, max_keys: usize, shards: usize) -> MemoryStore<ManualClock> {
+    MemoryStore::builder()
+        .clock(clock.clone())
+        .max_keys(max_keys)
+        .shards(shards)
+        .build()
+        .unwrap()
+}
+
+fn gcra() -> Rule {
+    Rule::new("per-ip", Limit::gcra(Rate::per_second(1), 3)).unwrap()
+}
+
+#[test]
+fn builder_rejects_bad_bounds_naming_the_field() {
+    let err = MemoryStore::builder().max_keys(0).build().unwrap_err();
+    assert_eq!(err.field(), "max_keys");
+    for shards in [0, 3, 8192] {
+        let err = MemoryStore::builder().shards(shards).build().unwrap_err();
+        assert_eq!(err.field(), "shards");
+    }
+}
+
+#[test]
+fn a_rule_name_cannot_be_rebound_with_other_parameters() {
+    let s = MemoryStore::new();
+    s.limiter(&gcra()).unwrap();
+    let other = Rule::new("per-ip", Limit::gcra(Rate::per_second(2), 3)).unwrap();
+    assert_eq!(s.limiter(&other).unwrap_err().field(), "name");
+    let conc = ConcurrencyRule::new("per-ip", 1, Duration::from_secs(1)).unwrap();
+    assert_eq!(s.concurrency_limiter(&conc).unwrap_err().field(), "name");
+}
+
+#[test]
+fn denials_and_peeks_of_unknown_keys_store_nothing() {
+    let clock = ManualClock::starting_at(1);
+    let s = store(&clock, 100, 1);
+    let l = s.limiter(&gcra()).unwrap();
+    for i in 0..50u32 {
+        l.decide_now(&i.to_be_bytes(), 0); // peek
+        l.decide_now(&i.to_be_bytes(), 4); // never
+        l.refund_now(&i.to_be_bytes(), 1);
+    }
+    assert_eq!(s.key_count(), 0);
+}
+
+#[test]
+fn idle_keys_are_reclaimed_without_any_call() {
+    let clock = ManualClock::starting_at(1);
+    let s = store(&clock, 1_000_000, 4);
+    let l = s.limiter(&gcra()).unwrap();
+    // A flood of one-off keys...
+    for i in 0..100_000u32 {
+        assert!(l.decide_now(&i.to_be_bytes(), 1).is_allowed());
+    }
+    // Growth sweeps find nothing idle yet (the clock has not moved).
+    assert_eq!(s.key_count(), 100_000);
+    // ...then the flood stops; time passes; ordinary traffic from a few
+    // clients continues. Their decisions sweep the flood away.
+    clock.advance(Duration::from_secs(120));
+    for round in 0..200_000u32 {
+        l.decide_now(&(round % 7).to_be_bytes(), 1);
+        if round % 1_000 == 0 {
+            clock.advance(Duration::from_millis(100));
+        }
+    }
+    assert!(
+        s.key_count() <= 7,
+        "{} keys still held after the flood went idle",
+        s.key_count()
+    );
+    // Reclaiming idle keys changed no decision: a reclaimed key is fresh.
+    let d = l.decide_now(&5u32.to_be_bytes(), 0);
+    assert!(d.remaining <= 3);
+    let d = l.decide_now(&99_999u32.to_be_bytes(), 0);
+    assert_eq!(d.remaining, 3);
+}
+
+#[test]
+fn full_store_decides_new_keys_against_a_shared_overflow_state() {
+    let clock = ManualClock::starting_at(1);
+    let s = store(&clock, 10, 1);
+    let l = s.limiter(&gcra()).unwrap();
+    for i in 0..10u32 {
+        assert!(l.decide_now(&i.to_be_bytes(), 1).is_allowed());
+    }
+    assert_eq!(s.key_count(), 10);
+    // The store is full and nothing is idle: new keys share one budget of 3.
+    let admitted = (10..1_010u32)
+        .filter(|i| l.decide_now(&i.to_be_bytes(), 1).is_allowed())
+        .count();
+    assert_eq!(
+        admitted, 3,
+        "the overflow group got more than one key's limit"
+    );
+    assert_eq!(s.key_count(), 10, "the bound was exceeded");
+    assert_eq!(s.overflowed(), 1_000);
+    // Keys already held keep their own budgets.
+    assert_eq!(l.decide_now(&0u32.to_be_bytes(), 0).remaining, 2);
+    assert!(l.decide_now(&0u32.to_be_bytes(), 2).is_allowed());
+    // Once held keys go idle, a new key gets its own slot again.
+    clock.advance(Duration::from_secs(10));
+    assert!(l.decide_now(b"newcomer", 3).is_allowed());
+    assert!(s.key_count() <= 10);
+    assert!(!l.decide_now(b"newcomer", 1).is_allowed());
+    assert_eq!(s.overflowed(), 1_000);
+}
+
+#[test]
+fn the_bound_is_shared_by_all_rules_of_a_store() {
+    let clock = ManualClock::starting_at(1);
+    let s = store(&clock, 5, 1);
+    let a = s.limiter(&gcra()).unwrap();
+    let b = s
+        .limiter(&Rule::new("per-user", Limit::fixed_window(3, Duration::from_secs(1))).unwrap())
+        .unwrap();
+    for i in 0..5u32 {
+        a.decide_now(&i.to_be_bytes(), 1);
+        b.decide_now(&i.to_be_bytes(), 1);
+    }
+    assert_eq!(s.key_count(), 5);
+    assert!(s.overflowed() >= 5);
+}
+
+#[test]
+fn purge_idle_drops_exactly_the_idle_keys() {
+    let clock = ManualClock::starting_at(1);
+    let s = store(&clock, 100, 2);
+    let l = s.limiter(&gcra()).unwrap();
+    l.decide_now(b"short", 1);
+    clock.advance(Duration::from_millis(500));
+    l.decide_now(b"long", 3);
+    clock.advance(Duration::from_millis(600));
+    // "short" refilled at 1 s; "long" needs until 3.5 s.
+    assert_eq!(s.purge_idle(), 1);
+    assert_eq!(s.key_count(), 1);
+    assert!(!l.decide_now(b"long", 3).is_allowed());
+}
+
+#[test]
+fn leases_granted_while_full_can_be_released() {
+    let clock = ManualClock::starting_at(1);
+    let s = store(&clock, 1, 1);
+    let sem = s
+        .concurrency_limiter(&ConcurrencyRule::new("conc", 2, Duration::from_secs(30)).unwrap())
+        .unwrap();
+    let held = sem.acquire_now(b"a", 1).lease.unwrap();
+    let over = sem.acquire_now(b"b", 2).lease.unwrap();
+    assert_eq!(s.key_count(), 1);
+    // "c" shares the overflow state with "b": nothing left.
+    assert!(sem.acquire_now(b"c", 1).lease.is_none());
+    assert!(sem.release_now(b"b", over));
+    assert!(sem.acquire_now(b"c", 1).lease.is_some());
+    assert!(sem.release_now(b"a", held));
+}

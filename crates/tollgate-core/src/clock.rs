@@ -9,7 +9,7 @@
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Converts a [`Duration`] to nanoseconds, saturating at `u64::MAX`
 /// (about 584 years).
@@ -34,26 +34,51 @@ impl<C: Clock + ?Sized> Clock for Arc<C> {
     }
 }
 
-/// The production clock: [`Instant`] measured from the first time any
+/// The production clock: monotonic nanoseconds since the first time any
 /// `SystemClock` is read in this process.
 ///
-/// Every `SystemClock` in a process shares that origin, so states written
-/// through one can be read through another.
+/// It reads the CPU's time-stamp counter through [quanta] where that
+/// counter is invariant (calibrated once, at first use, against the OS
+/// clock), and the OS monotonic clock elsewhere: about 10 ns a reading
+/// instead of 25 ns for [`std::time::Instant`], which is a third of a
+/// decision's cost. Every `SystemClock` in a process shares one origin, so
+/// states written through one can be read through another.
+///
+/// [quanta]: https://docs.rs/quanta
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SystemClock;
 
-fn origin() -> Instant {
-    static ORIGIN: OnceLock<Instant> = OnceLock::new();
-    *ORIGIN.get_or_init(Instant::now)
+struct Source {
+    clock: quanta::Clock,
+    origin: u64,
+}
+
+fn source() -> &'static Source {
+    static SOURCE: OnceLock<Source> = OnceLock::new();
+    SOURCE.get_or_init(|| {
+        let clock = quanta::Clock::new();
+        let origin = clock.raw();
+        Source { clock, origin }
+    })
+}
+
+impl SystemClock {
+    /// Calibrates the clock now rather than on the first decision (the
+    /// first reading in a process may take up to a few hundred ms).
+    pub fn warm_up() {
+        source();
+    }
 }
 
 impl Clock for SystemClock {
     #[inline]
     fn now(&self) -> u64 {
-        let origin = origin();
+        let s = source();
         // Offset by one so that no reading is ever zero: zero is the
         // "fresh" state of several algorithms.
-        duration_to_nanos(Instant::now().saturating_duration_since(origin)).saturating_add(1)
+        s.clock
+            .delta_as_nanos(s.origin, s.clock.raw())
+            .saturating_add(1)
     }
 }
 

@@ -43,6 +43,7 @@
 //!
 //! [tollgate]: https://docs.rs/tollgate
 
+#![forbid(unsafe_code)]
 #![cfg_attr(
     test,
     allow(

@@ -7,11 +7,13 @@
 //!   compare-and-swap under the shard's read lock (governor's design); the
 //!   sliding windows sit behind a per-key mutex. A decision neither
 //!   allocates nor boxes: the store's futures are [`std::future::Ready`].
-//! - **Keys of any length, never kept.** A client key is stored as its
-//!   128-bit SipHash-1-3 under a per-store random secret: 16 bytes however
-//!   long the key, no raw key (personal data) in memory, and without the
-//!   secret nobody can aim two keys at one slot. Two distinct keys share a
-//!   slot only by a 128-bit accident.
+//! - **Keys of any length, never kept.** A client key is stored as a
+//!   SipHash-1-3 under a per-store random secret: 8 bytes however long the
+//!   key (plus 8 for a one-word state), no raw key (personal data) in
+//!   memory, and without the secret nobody can aim two keys at one slot.
+//!   Two keys share a slot only by accident (about n² / 2⁶⁵ for n live keys:
+//!   one in 37 million for a million keys), and then they share one budget:
+//!   stricter, never looser.
 //! - **Self-cleaning.** A key whose state decides exactly as a fresh key's
 //!   (its budget is whole again) carries no information and is dropped.
 //!   Shards are swept when they grow, and one shard in turn is looked at
@@ -48,6 +50,7 @@
 //!
 //! [tollgate]: https://docs.rs/tollgate
 
+#![forbid(unsafe_code)]
 #![cfg_attr(
     test,
     allow(

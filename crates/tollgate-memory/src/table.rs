@@ -8,7 +8,7 @@ use std::sync::{Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use tollgate_core::{Clock, RateAlgorithm, Semaphore, SemaphoreState};
 
 use crate::cell::{Cell, Stored};
-use crate::key::{BuildIdentity, KeyHash, KeyHasher};
+use crate::key::{BuildIdentity, KeyHasher};
 
 /// What a table stores: the state type, its cell, and when it is idle.
 pub(crate) trait Kind: Send + Sync + 'static {
@@ -68,7 +68,7 @@ const SWEEP_TICK: u32 = 4096;
 // Cache-line sized and aligned so neighbouring shards' locks do not share a line.
 #[repr(align(128))]
 struct Shard<Ce> {
-    map: RwLock<HashMap<KeyHash, Ce, BuildIdentity>>,
+    map: RwLock<HashMap<u64, Ce, BuildIdentity>>,
     /// Shared by every key that found the table full (see the crate docs).
     overflow: Ce,
     /// Sweep before growing past this length.
@@ -151,7 +151,7 @@ impl<K: Kind, C: Clock> Table<K, C> {
         self.tick(now);
         let hash = self.shared.hasher.hash(key);
         let shard = self.shard(hash.shard as usize);
-        if let Some(cell) = read(&shard.map).get(&hash) {
+        if let Some(cell) = read(&shard.map).get(&hash.slot) {
             return cell.update(&mut f);
         }
         let mut fresh = K::State::default();
@@ -160,7 +160,7 @@ impl<K: Kind, C: Clock> Table<K, C> {
             return result;
         }
         let mut map = write(&shard.map);
-        if let Some(cell) = map.get(&hash) {
+        if let Some(cell) = map.get(&hash.slot) {
             // Inserted by another thread meanwhile: decide on its state.
             return cell.update(&mut f);
         }
@@ -168,7 +168,7 @@ impl<K: Kind, C: Clock> Table<K, C> {
             self.shared.overflowed.fetch_add(1, Ordering::Relaxed);
             return shard.overflow.update(&mut f);
         }
-        map.insert(hash, K::Cell::new(fresh));
+        map.insert(hash.slot, K::Cell::new(fresh));
         result
     }
 
@@ -184,7 +184,7 @@ impl<K: Kind, C: Clock> Table<K, C> {
     fn reserve(
         &self,
         shard: &Shard<K::Cell>,
-        map: &mut HashMap<KeyHash, K::Cell, BuildIdentity>,
+        map: &mut HashMap<u64, K::Cell, BuildIdentity>,
         now: u64,
     ) -> bool {
         let mut swept = false;
@@ -208,7 +208,7 @@ impl<K: Kind, C: Clock> Table<K, C> {
     fn sweep(
         &self,
         shard: &Shard<K::Cell>,
-        map: &mut HashMap<KeyHash, K::Cell, BuildIdentity>,
+        map: &mut HashMap<u64, K::Cell, BuildIdentity>,
         now: u64,
     ) -> usize {
         let before = map.len();

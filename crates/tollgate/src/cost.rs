@@ -1,0 +1,355 @@
+//! What a request costs: cost functions.
+//!
+//! A [`Cost`] weighs a request in units of the rule's budget: a read 1, a
+//! write 3, a report 10, a batch its size. A cost above the rule's
+//! capacity can never be admitted and is answered with a 429 that says so
+//! (no `Retry-After`). Cost 0 is free (a peek).
+//!
+//! Closures are cost functions: `|req: &Request<B>| -> u32`.
+//!
+//! ```
+//! use http::{Method, Request};
+//! use tollgate::cost::{ByRoute, Cost, HeaderCost};
+//!
+//! let by_route = ByRoute::new(1)
+//!     .route(Some(Method::POST), "/api/orders", 3)
+//!     .route(Some(Method::POST), "/api/reports", 10);
+//! let req = Request::post("/api/reports").body(()).unwrap();
+//! assert_eq!(by_route.cost(&req), 10);
+//!
+//! // A batch endpoint: `x-batch-size` items, at most 100 counted.
+//! let batch = HeaderCost::named("x-batch-size", 1, 100).unwrap();
+//! let req = Request::post("/batch").header("x-batch-size", "5000").body(()).unwrap();
+//! assert_eq!(batch.cost(&req), 100);
+//! ```
+
+use std::sync::Arc;
+
+use http::header::{HeaderName, CONTENT_LENGTH};
+use http::{Method, Request};
+use tollgate_core::ConfigError;
+
+/// Weighs a request.
+pub trait Cost<B>: Clone + Send + Sync + 'static {
+    /// The units `req` consumes.
+    fn cost(&self, req: &Request<B>) -> u32;
+}
+
+impl<B, F> Cost<B> for F
+where
+    F: Fn(&Request<B>) -> u32 + Clone + Send + Sync + 'static,
+{
+    fn cost(&self, req: &Request<B>) -> u32 {
+        self(req)
+    }
+}
+
+/// The same cost for every request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fixed(pub u32);
+
+impl Default for Fixed {
+    fn default() -> Self {
+        Self(1)
+    }
+}
+
+impl<B> Cost<B> for Fixed {
+    fn cost(&self, _req: &Request<B>) -> u32 {
+        self.0
+    }
+}
+
+/// A cost per method, with a default for the rest.
+#[derive(Debug, Clone)]
+pub struct ByMethod {
+    default: u32,
+    table: Arc<[(Method, u32)]>,
+}
+
+impl ByMethod {
+    /// Every method costs `default` until told otherwise.
+    pub fn new(default: u32) -> Self {
+        Self {
+            default,
+            table: Arc::new([]),
+        }
+    }
+
+    /// `method` costs `cost`.
+    pub fn method(self, method: Method, cost: u32) -> Self {
+        let mut table = self.table.to_vec();
+        table.retain(|(m, _)| *m != method);
+        table.push((method, cost));
+        Self {
+            default: self.default,
+            table: table.into(),
+        }
+    }
+}
+
+impl<B> Cost<B> for ByMethod {
+    fn cost(&self, req: &Request<B>) -> u32 {
+        self.table
+            .iter()
+            .find(|(m, _)| m == req.method())
+            .map_or(self.default, |(_, c)| *c)
+    }
+}
+
+/// A cost per exact path (and optionally method), with a default: the
+/// classic "a read costs 1, a report 10".
+#[derive(Debug, Clone)]
+pub struct ByRoute {
+    default: u32,
+    routes: Arc<[RouteCost]>,
+}
+
+/// One entry of a [`ByRoute`] table: method (any if `None`), path, cost.
+type RouteCost = (Option<Method>, Box<str>, u32);
+
+impl ByRoute {
+    /// Every request costs `default` until told otherwise.
+    pub fn new(default: u32) -> Self {
+        Self {
+            default,
+            routes: Arc::new([]),
+        }
+    }
+
+    /// Requests to exactly `path` (with `method`, or any method if `None`)
+    /// cost `cost`. The first matching route wins.
+    pub fn route(self, method: Option<Method>, path: &str, cost: u32) -> Self {
+        let mut routes = self.routes.to_vec();
+        routes.push((method, path.into(), cost));
+        Self {
+            default: self.default,
+            routes: routes.into(),
+        }
+    }
+}
+
+impl<B> Cost<B> for ByRoute {
+    fn cost(&self, req: &Request<B>) -> u32 {
+        let path = req.uri().path();
+        self.routes
+            .iter()
+            .find(|(m, p, _)| **p == *path && m.as_ref().is_none_or(|m| m == req.method()))
+            .map_or(self.default, |(_, _, c)| *c)
+    }
+}
+
+/// Parses a decimal count, saturating at `u32::MAX`; `None` if not a number.
+fn parse_count(s: &[u8]) -> Option<u32> {
+    let s = s.trim_ascii();
+    if s.is_empty() || !s.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(s.iter().fold(0u32, |n, d| {
+        n.saturating_mul(10)
+            .saturating_add(u32::from(d.saturating_sub(b'0')))
+    }))
+}
+
+fn check_cap(default: u32, cap: u32) -> Result<(), ConfigError> {
+    if cap == 0 {
+        return Err(ConfigError::new("cap", "must be at least 1"));
+    }
+    if default > cap {
+        return Err(ConfigError::new("default", "must not exceed `cap`"));
+    }
+    Ok(())
+}
+
+/// A count from a header (a batch size), `min(n, cap)`. Absent: `default`.
+/// Not a number: `cap` (a client that sends nonsense pays the most).
+#[derive(Debug, Clone)]
+pub struct HeaderCost {
+    name: HeaderName,
+    default: u32,
+    cap: u32,
+}
+
+impl HeaderCost {
+    /// Reads header `name`; errors name the field (`header`, `cap`,
+    /// `default`).
+    pub fn named(name: &str, default: u32, cap: u32) -> Result<Self, ConfigError> {
+        check_cap(default, cap)?;
+        let name = HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
+            ConfigError::new("header", format!("{name:?} is not a valid header name"))
+        })?;
+        Ok(Self { name, default, cap })
+    }
+}
+
+impl<B> Cost<B> for HeaderCost {
+    fn cost(&self, req: &Request<B>) -> u32 {
+        match req.headers().get(&self.name) {
+            None => self.default,
+            Some(v) => parse_count(v.as_bytes()).map_or(self.cap, |n| n.min(self.cap)),
+        }
+    }
+}
+
+/// A count from a query parameter (`?count=25`), `min(n, cap)`. Absent:
+/// `default`. Not a number: `cap`.
+#[derive(Debug, Clone)]
+pub struct QueryCost {
+    param: Box<str>,
+    default: u32,
+    cap: u32,
+}
+
+impl QueryCost {
+    /// Reads query parameter `param`.
+    pub fn named(param: &str, default: u32, cap: u32) -> Result<Self, ConfigError> {
+        check_cap(default, cap)?;
+        if param.is_empty() {
+            return Err(ConfigError::new("param", "must not be empty"));
+        }
+        Ok(Self {
+            param: param.into(),
+            default,
+            cap,
+        })
+    }
+}
+
+impl<B> Cost<B> for QueryCost {
+    fn cost(&self, req: &Request<B>) -> u32 {
+        let Some(query) = req.uri().query() else {
+            return self.default;
+        };
+        query
+            .split('&')
+            .find_map(|pair| {
+                let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+                (k == &*self.param).then_some(v)
+            })
+            .map_or(self.default, |v| {
+                parse_count(v.as_bytes()).map_or(self.cap, |n| n.min(self.cap))
+            })
+    }
+}
+
+/// The request body's declared size (`Content-Length`), one unit per
+/// `bytes_per_unit` bytes rounded up, at least `min`, at most `cap`.
+/// A body of unknown length (streamed, no `Content-Length`) costs `cap`.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyLength {
+    bytes_per_unit: u64,
+    min: u32,
+    cap: u32,
+}
+
+impl BodyLength {
+    /// One unit per `bytes_per_unit` bytes.
+    pub fn new(bytes_per_unit: u64, min: u32, cap: u32) -> Result<Self, ConfigError> {
+        check_cap(min, cap).map_err(|e| {
+            if e.field() == "default" {
+                ConfigError::new("min", "must not exceed `cap`")
+            } else {
+                e
+            }
+        })?;
+        if bytes_per_unit == 0 {
+            return Err(ConfigError::new("bytes_per_unit", "must be at least 1"));
+        }
+        Ok(Self {
+            bytes_per_unit,
+            min,
+            cap,
+        })
+    }
+}
+
+impl<B> Cost<B> for BodyLength {
+    fn cost(&self, req: &Request<B>) -> u32 {
+        let Some(len) = req
+            .headers()
+            .get(CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+        else {
+            return self.cap;
+        };
+        let units = len.div_ceil(self.bytes_per_unit);
+        u32::try_from(units)
+            .unwrap_or(u32::MAX)
+            .clamp(self.min, self.cap)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(method: Method, uri: &str) -> Request<()> {
+        Request::builder().method(method).uri(uri).body(()).unwrap()
+    }
+
+    #[test]
+    fn by_method_and_route() {
+        let m = ByMethod::new(1)
+            .method(Method::POST, 3)
+            .method(Method::POST, 4);
+        assert_eq!(m.cost(&req(Method::GET, "/")), 1);
+        assert_eq!(m.cost(&req(Method::POST, "/")), 4);
+        let r = ByRoute::new(1)
+            .route(Some(Method::POST), "/orders", 3)
+            .route(None, "/reports", 10);
+        assert_eq!(r.cost(&req(Method::POST, "/orders")), 3);
+        assert_eq!(r.cost(&req(Method::GET, "/orders")), 1);
+        assert_eq!(r.cost(&req(Method::GET, "/reports?x=1")), 10);
+    }
+
+    #[test]
+    fn header_and_query_counts_are_capped_and_hostile_values_pay_the_cap() {
+        let h = HeaderCost::named("x-n", 1, 50).unwrap();
+        let with = |v: &[u8]| {
+            let mut r = req(Method::POST, "/");
+            r.headers_mut()
+                .insert("x-n", http::HeaderValue::from_bytes(v).unwrap());
+            h.cost(&r)
+        };
+        assert_eq!(h.cost(&req(Method::POST, "/")), 1);
+        assert_eq!(with(b"7"), 7);
+        assert_eq!(with(b" 7 "), 7);
+        assert_eq!(with(b"99999999999999999999999"), 50);
+        assert_eq!(with(b"-1"), 50);
+        assert_eq!(with(b"\xff\xfe"), 50);
+        let q = QueryCost::named("count", 1, 20).unwrap();
+        assert_eq!(q.cost(&req(Method::GET, "/?a=1&count=5")), 5);
+        assert_eq!(q.cost(&req(Method::GET, "/?count=lots")), 20);
+        assert_eq!(q.cost(&req(Method::GET, "/?counter=5")), 1);
+        assert_eq!(HeaderCost::named("x-n", 5, 0).unwrap_err().field(), "cap");
+        assert_eq!(
+            HeaderCost::named("x-n", 5, 4).unwrap_err().field(),
+            "default"
+        );
+        assert_eq!(
+            HeaderCost::named("bad name", 1, 4).unwrap_err().field(),
+            "header"
+        );
+    }
+
+    #[test]
+    fn body_length_rounds_up_and_charges_unknown_lengths_the_cap() {
+        let b = BodyLength::new(1024, 1, 100).unwrap();
+        let with = |len: Option<&str>| {
+            let mut r = req(Method::POST, "/");
+            if let Some(len) = len {
+                r.headers_mut().insert(CONTENT_LENGTH, len.parse().unwrap());
+            }
+            b.cost(&r)
+        };
+        assert_eq!(with(Some("0")), 1);
+        assert_eq!(with(Some("1025")), 2);
+        assert_eq!(with(Some("18446744073709551615")), 100);
+        assert_eq!(with(None), 100);
+        assert_eq!(
+            BodyLength::new(0, 1, 2).unwrap_err().field(),
+            "bytes_per_unit"
+        );
+    }
+}

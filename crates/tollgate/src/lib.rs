@@ -1,0 +1,87 @@
+//! Tower middleware that keeps APIs available and affordable under floods,
+//! retry storms, credential stuffing and expensive calls.
+//!
+//! [`RateLimitLayer`] limits requests per client key (API key, user, IP
+//! behind trusted proxies, route, or any mix), weighted per request (a
+//! report costs more than a read), with every classic algorithm
+//! (GCRA, token bucket, fixed and sliding windows, leaky-bucket pacing),
+//! in process or across a fleet. It works with any `http::Request` service:
+//! axum routers (`.layer`, `.route_layer`), tonic servers, and plain Tower
+//! stacks.
+//!
+//! ```
+//! use axum::{routing::{get, post}, Router};
+//! use http::{Method, Request, StatusCode};
+//! use tower::ServiceExt;
+//! use tollgate::{cost::ByRoute, key::{Header, KeyExtractorExt, PeerIp}, Limit, Rate, RateLimitLayer};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // 10 requests per second per client, bursts of 20; writes cost 3.
+//! let limit = RateLimitLayer::builder("per-key", Limit::gcra(Rate::per_second(10), 20))
+//!     .key(Header::named("x-api-key")?.or(PeerIp::new()))
+//!     .cost(ByRoute::new(1).route(Some(Method::POST), "/orders", 3))
+//!     .build()?;
+//! let app = Router::new()
+//!     .route("/hello", get(|| async { "hello" }))
+//!     .route("/orders", post(|| async { "ordered" }))
+//!     .layer(limit);
+//!
+//! let order = || Request::post("/orders").header("x-api-key", "k1").body(String::new()).unwrap();
+//! for _ in 0..6 {
+//!     let res = app.clone().oneshot(order()).await?;
+//!     assert_eq!(res.status(), StatusCode::OK);
+//! }
+//! // 6 orders × 3 = 18 of 20: a seventh does not fit.
+//! let res = app.clone().oneshot(order()).await?;
+//! assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+//! assert_eq!(res.headers()["retry-after"], "1");
+//! assert_eq!(res.headers()["ratelimit"], "\"per-key\";r=2;t=1");
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Modules
+//!
+//! - [`key`]: who a request counts against;
+//! - [`cost`]: what it costs;
+//! - [`rate_limit`]: the layer, and why it decides in `call`;
+//! - [`headers`] and [`rejection`]: what clients see.
+//!
+//! The decision engine ([`tollgate_core`]) and the in-memory store
+//! ([`tollgate_memory`]) are re-exported.
+//!
+//! # Features
+//!
+//! | feature | default | what it adds |
+//! |---|---|---|
+//! | `axum` | yes | peer IPs from axum's `ConnectInfo`, [`key::Route`] from `MatchedPath` |
+
+#![forbid(unsafe_code)]
+#![cfg_attr(
+    test,
+    allow(
+        clippy::unwrap_used,
+        clippy::panic,
+        clippy::indexing_slicing,
+        clippy::arithmetic_side_effects
+    )
+)]
+
+mod body;
+pub mod cost;
+pub mod headers;
+mod ip;
+pub mod key;
+pub mod rate_limit;
+pub mod rejection;
+
+pub use body::ResponseBody;
+pub use rate_limit::{MissingKey, RateLimit, RateLimitLayer, RateLimitLayerBuilder, RateLimited};
+pub use tollgate_core::{
+    self as core, Algorithm, ConfigError, Decision, Limit, Outcome, Rate, Rule, Store,
+};
+pub use tollgate_memory::{self as memory, MemoryStore};
+
+/// The boxed error of error-mode services.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

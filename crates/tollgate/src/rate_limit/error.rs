@@ -1,0 +1,24 @@
+use std::fmt;
+
+use crate::rejection::{Reason, Rejected};
+
+/// The error of [`RateLimitErrors`](super::RateLimitErrors): the request
+/// was rejected. Carries everything the HTTP rejection would have said.
+#[derive(Debug, Clone)]
+pub struct RateLimited(pub Rejected);
+
+impl fmt::Display for RateLimited {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0.reason {
+            Reason::Limited => write!(f, "rate limit \"{}\" exceeded", self.0.rule),
+            Reason::TooCostly => write!(
+                f,
+                "request costs more than rule \"{}\" allows at once",
+                self.0.rule
+            ),
+            Reason::MissingKey => write!(f, "request has no key for rule \"{}\"", self.0.rule),
+        }
+    }
+}
+
+impl std::error::Error for RateLimited {}

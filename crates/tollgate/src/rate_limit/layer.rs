@@ -1,0 +1,319 @@
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::Response;
+use tollgate_core::{ConfigError, Limit, Rule, Store};
+use tollgate_memory::MemoryStore;
+use tower_layer::Layer;
+
+use super::service::{RateLimit, RateLimitErrors};
+use crate::cost::Fixed;
+use crate::headers::Headers;
+use crate::key::PeerIp;
+use crate::rejection::Rejected;
+
+/// What to do with a request whose key cannot be extracted (no API key
+/// header, no peer address).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MissingKey {
+    /// Let it through unlimited.
+    Skip,
+    /// Count it against this shared key: every keyless request shares one
+    /// budget. The default (with the key `"unkeyed"`).
+    Fallback(Bytes),
+    /// Reject it: HTTP 400 (gRPC `INVALID_ARGUMENT`), with a problem body.
+    Reject,
+}
+
+impl Default for MissingKey {
+    fn default() -> Self {
+        Self::Fallback(Bytes::from_static(b"unkeyed"))
+    }
+}
+
+pub(crate) type RejectFn = Arc<dyn Fn(&Rejected) -> Response<Bytes> + Send + Sync>;
+
+/// Everything a response future needs after the decision.
+pub(crate) struct Responder {
+    pub(crate) rule: Arc<str>,
+    pub(crate) headers: Headers,
+    pub(crate) shadow: bool,
+    pub(crate) rejection: Option<RejectFn>,
+}
+
+impl Responder {
+    pub(crate) fn reject(&self, rejected: &Rejected) -> Response<Bytes> {
+        let mut res = match &self.rejection {
+            Some(f) if !rejected.grpc => f(rejected),
+            _ if rejected.grpc => rejected.to_grpc_response(),
+            _ => rejected.to_problem_response(),
+        };
+        if let Some(d) = &rejected.decision {
+            self.headers.apply(res.headers_mut(), d);
+        }
+        res
+    }
+}
+
+pub(crate) struct Shared<K, C, L> {
+    pub(crate) key: K,
+    pub(crate) cost: C,
+    pub(crate) limiter: L,
+    pub(crate) missing: MissingKey,
+    pub(crate) responder: Arc<Responder>,
+}
+
+/// Rate-limits requests per key; see the [module docs](super).
+///
+/// Cheap to clone; all clones (and so all connections) share one state.
+///
+/// ```
+/// use std::time::Duration;
+/// use axum::{routing::get, Router};
+/// use tollgate::{cost::Fixed, key::Header, Limit, Rate, RateLimitLayer};
+///
+/// let limit = RateLimitLayer::builder("per-key", Limit::gcra(Rate::per_second(10), 20))
+///     .key(Header::named("x-api-key")?)
+///     .cost(Fixed(1))
+///     .build()?;
+/// let app: Router = Router::new().route("/", get(|| async { "hi" })).layer(limit);
+/// # Ok::<(), tollgate::ConfigError>(())
+/// ```
+pub struct RateLimitLayer<K, C, L> {
+    shared: Arc<Shared<K, C, L>>,
+}
+
+impl<K, C, L> Clone for RateLimitLayer<K, C, L> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<K, C, L> fmt::Debug for RateLimitLayer<K, C, L> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitLayer")
+            .field("rule", &self.shared.responder.rule)
+            .field("shadow", &self.shared.responder.shadow)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RateLimitLayer<PeerIp, Fixed, ()> {
+    /// Starts a layer enforcing `limit` under the rule name `name` (used in
+    /// headers, store keys and metrics). Defaults: keyed by peer IP, cost
+    /// 1, in-memory store, standard headers on, keyless requests share one
+    /// budget.
+    pub fn builder(name: &str, limit: Limit) -> RateLimitLayerBuilder<PeerIp, Fixed, MemoryStore> {
+        RateLimitLayerBuilder {
+            name: name.to_owned(),
+            limit,
+            key: PeerIp::new(),
+            cost: Fixed(1),
+            store: MemoryStore::new(),
+            shadow: false,
+            headers: true,
+            legacy_headers: false,
+            missing: MissingKey::default(),
+            rejection: None,
+        }
+    }
+}
+
+impl<K, C, L> RateLimitLayer<K, C, L> {
+    /// The same limiter, but a rejection is returned as an error
+    /// ([`RateLimited`](super::RateLimited), boxed) instead of a response,
+    /// for stacks that handle errors with `HandleErrorLayer`.
+    pub fn into_errors(self) -> RateLimitErrorLayer<K, C, L> {
+        RateLimitErrorLayer {
+            shared: self.shared,
+        }
+    }
+
+    /// The rule's name.
+    pub fn rule_name(&self) -> &str {
+        &self.shared.responder.rule
+    }
+
+    #[cfg(test)]
+    pub(crate) fn responder(&self) -> Arc<Responder> {
+        Arc::clone(&self.shared.responder)
+    }
+}
+
+impl<S, K, C, L> Layer<S> for RateLimitLayer<K, C, L> {
+    type Service = RateLimit<S, K, C, L>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RateLimit::new(inner, Arc::clone(&self.shared))
+    }
+}
+
+/// [`RateLimitLayer`] in error mode; see [`RateLimitLayer::into_errors`].
+pub struct RateLimitErrorLayer<K, C, L> {
+    shared: Arc<Shared<K, C, L>>,
+}
+
+impl<K, C, L> Clone for RateLimitErrorLayer<K, C, L> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<K, C, L> fmt::Debug for RateLimitErrorLayer<K, C, L> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitErrorLayer")
+            .field("rule", &self.shared.responder.rule)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, K, C, L> Layer<S> for RateLimitErrorLayer<K, C, L> {
+    type Service = RateLimitErrors<S, K, C, L>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RateLimitErrors::new(inner, Arc::clone(&self.shared))
+    }
+}
+
+/// Builds a [`RateLimitLayer`]; see [`RateLimitLayer::builder`].
+pub struct RateLimitLayerBuilder<K, C, St> {
+    name: String,
+    limit: Limit,
+    key: K,
+    cost: C,
+    store: St,
+    shadow: bool,
+    headers: bool,
+    legacy_headers: bool,
+    missing: MissingKey,
+    rejection: Option<RejectFn>,
+}
+
+impl<K: fmt::Debug, C: fmt::Debug, St> fmt::Debug for RateLimitLayerBuilder<K, C, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitLayerBuilder")
+            .field("name", &self.name)
+            .field("limit", &self.limit)
+            .field("key", &self.key)
+            .field("cost", &self.cost)
+            .field("shadow", &self.shadow)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<K, C, St> RateLimitLayerBuilder<K, C, St> {
+    /// Who a request counts against (default: [`PeerIp`]).
+    pub fn key<K2>(self, key: K2) -> RateLimitLayerBuilder<K2, C, St> {
+        RateLimitLayerBuilder {
+            name: self.name,
+            limit: self.limit,
+            key,
+            cost: self.cost,
+            store: self.store,
+            shadow: self.shadow,
+            headers: self.headers,
+            legacy_headers: self.legacy_headers,
+            missing: self.missing,
+            rejection: self.rejection,
+        }
+    }
+
+    /// What a request costs (default: [`Fixed(1)`](Fixed)).
+    pub fn cost<C2>(self, cost: C2) -> RateLimitLayerBuilder<K, C2, St> {
+        RateLimitLayerBuilder {
+            name: self.name,
+            limit: self.limit,
+            key: self.key,
+            cost,
+            store: self.store,
+            shadow: self.shadow,
+            headers: self.headers,
+            legacy_headers: self.legacy_headers,
+            missing: self.missing,
+            rejection: self.rejection,
+        }
+    }
+
+    /// Where state lives (default: a new [`MemoryStore`]). Pass one store
+    /// to several layers to share its key bound; pass a Redis store to
+    /// share limits across a fleet.
+    pub fn store<St2: Store>(self, store: St2) -> RateLimitLayerBuilder<K, C, St2> {
+        RateLimitLayerBuilder {
+            name: self.name,
+            limit: self.limit,
+            key: self.key,
+            cost: self.cost,
+            store,
+            shadow: self.shadow,
+            headers: self.headers,
+            legacy_headers: self.legacy_headers,
+            missing: self.missing,
+            rejection: self.rejection,
+        }
+    }
+
+    /// Shadow mode: decide, log and send headers, but never block. For
+    /// trying a limit on live traffic before enforcing it.
+    pub fn shadow(mut self, shadow: bool) -> Self {
+        self.shadow = shadow;
+        self
+    }
+
+    /// Send `RateLimit-Policy` and `RateLimit` on every limited response
+    /// (default: on).
+    pub fn headers(mut self, on: bool) -> Self {
+        self.headers = on;
+        self
+    }
+
+    /// Also send `X-RateLimit-Limit`, `X-RateLimit-Remaining` and
+    /// `X-RateLimit-Reset` (default: off).
+    pub fn legacy_headers(mut self, on: bool) -> Self {
+        self.legacy_headers = on;
+        self
+    }
+
+    /// What to do with requests that have no key (default: share one
+    /// fallback budget).
+    pub fn on_missing_key(mut self, missing: MissingKey) -> Self {
+        self.missing = missing;
+        self
+    }
+
+    /// Replaces the HTTP rejection (gRPC requests keep the gRPC one). The
+    /// layer still adds `Retry-After` and the `RateLimit` headers.
+    pub fn rejection<F>(mut self, f: F) -> Self
+    where
+        F: Fn(&Rejected) -> Response<Bytes> + Send + Sync + 'static,
+    {
+        self.rejection = Some(Arc::new(f));
+        self
+    }
+}
+
+impl<K, C, St: Store> RateLimitLayerBuilder<K, C, St> {
+    /// Validates the rule and binds it to the store.
+    pub fn build(self) -> Result<RateLimitLayer<K, C, St::Limiter>, ConfigError> {
+        let rule = Rule::new(&self.name, self.limit)?;
+        let limiter = self.store.limiter(&rule)?;
+        Ok(RateLimitLayer {
+            shared: Arc::new(Shared {
+                key: self.key,
+                cost: self.cost,
+                limiter,
+                missing: self.missing,
+                responder: Arc::new(Responder {
+                    rule: rule.name().into(),
+                    headers: Headers::new(&rule, self.headers, self.legacy_headers),
+                    shadow: self.shadow,
+                    rejection: self.rejection,
+                }),
+            }),
+        })
+    }
+}

@@ -1,0 +1,48 @@
+//! Rate limiting per client, weighted per request.
+//!
+//! [`RateLimitLayer`] decides every request against a [`Rule`](tollgate_core::Rule)
+//! for the key its [`KeyExtractor`](crate::key::KeyExtractor) finds, at the
+//! cost its [`Cost`](crate::cost::Cost) function assigns, in a shared
+//! [`Store`](tollgate_core::Store) (in-process memory by default).
+//!
+//! # Why decide in `call`
+//!
+//! Tower's own `RateLimit` makes callers wait in `poll_ready` until the
+//! budget refills. That suits a client pacing its own calls; a server must
+//! do the opposite. Its callers are other people's clients: holding them in
+//! `poll_ready` holds one connection's pipeline for everybody, cannot tell
+//! one client from another (readiness comes before the request), and axum
+//! treats services as always ready anyway. So this layer is always ready
+//! when the inner service is, decides each request in `call`, and answers
+//! at once: the inner response, or a `429` with `Retry-After`. The only
+//! waiting it ever does is the leaky-bucket pacer's, bounded by the rule's
+//! `max_delay`.
+//!
+//! # Failure
+//!
+//! A store that errors (a Redis outage past its own failure policy) never
+//! turns into a 5xx: the request is let through and the fault is logged.
+//! A rejection is a response, not an error, so the connection stays up and
+//! the client learns when to come back; stacks that want an error instead
+//! (to handle with `HandleErrorLayer`) use [`RateLimitLayer::into_errors`].
+//!
+//! # Layer order
+//!
+//! Put the limiter outside (before) expensive work such as authentication
+//! or body parsing, and inside anything that supplies its key — e.g. after
+//! a layer that inserts the authenticated user, or with axum's
+//! `into_make_service_with_connect_info` for peer IPs. With axum,
+//! `Router::route_layer` limits only matched routes (404s are not counted)
+//! and gives [`Route`](crate::key::Route) the route template.
+
+mod error;
+mod future;
+mod layer;
+mod service;
+#[cfg(test)]
+mod tests;
+
+pub use error::RateLimited;
+pub use future::{ErrorFuture, ResponseFuture};
+pub use layer::{MissingKey, RateLimitErrorLayer, RateLimitLayer, RateLimitLayerBuilder};
+pub use service::{RateLimit, RateLimitErrors};

@@ -1,0 +1,168 @@
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http::{Request, Response};
+use tollgate_core::Limiter;
+use tower_service::Service;
+
+use super::future::{ErrorFuture, ResponseFuture, State};
+use super::layer::{MissingKey, Shared};
+use crate::body::ResponseBody;
+use crate::cost::Cost;
+use crate::key::{KeyBuf, KeyExtractor};
+use crate::rejection::{is_grpc, Reason, Rejected};
+
+/// The service of [`RateLimitLayer`](super::RateLimitLayer).
+pub struct RateLimit<S, K, C, L> {
+    inner: S,
+    shared: Arc<Shared<K, C, L>>,
+}
+
+impl<S: Clone, K, C, L> Clone for RateLimit<S, K, C, L> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<S: std::fmt::Debug, K, C, L> std::fmt::Debug for RateLimit<S, K, C, L> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RateLimit")
+            .field("inner", &self.inner)
+            .field("rule", &self.shared.responder.rule)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, K, C, L> RateLimit<S, K, C, L> {
+    pub(crate) fn new(inner: S, shared: Arc<Shared<K, C, L>>) -> Self {
+        Self { inner, shared }
+    }
+}
+
+/// Starts the decision for `req`: the first state of the response future.
+fn start<S, K, C, L, ReqB>(
+    inner: &mut S,
+    shared: &Shared<K, C, L>,
+    req: Request<ReqB>,
+) -> State<S, ReqB, L::DecideFuture>
+where
+    S: Service<Request<ReqB>> + Clone,
+    K: KeyExtractor<ReqB>,
+    C: Cost<ReqB>,
+    L: Limiter,
+{
+    let grpc = is_grpc(&req);
+    let mut key = KeyBuf::new();
+    if shared.key.extract(&req, &mut key).is_none() {
+        match &shared.missing {
+            MissingKey::Skip => return State::calling(inner.call(req)),
+            MissingKey::Reject => {
+                return State::Rejected {
+                    rejected: Some(Rejected {
+                        rule: Arc::clone(&shared.responder.rule),
+                        reason: Reason::MissingKey,
+                        decision: None,
+                        grpc,
+                    }),
+                }
+            }
+            MissingKey::Fallback(fallback) => {
+                key = KeyBuf::new();
+                key.push(b"\x02fallback");
+                key.push(fallback);
+            }
+        }
+    }
+    let cost = shared.cost.cost(&req);
+    let fingerprint =
+        tracing::enabled!(target: "tollgate", tracing::Level::DEBUG).then(|| key.fingerprint());
+    let decide = shared.limiter.decide(key.as_bytes(), cost);
+    // The clone-and-swap dance: the service that was polled ready serves
+    // this request; a fresh clone waits for the next poll_ready.
+    let clone = inner.clone();
+    let ready = std::mem::replace(inner, clone);
+    State::Deciding {
+        decide,
+        request: Some(req),
+        inner: Some(ready),
+        grpc,
+        key: fingerprint,
+    }
+}
+
+impl<S, K, C, L, ReqB, ResB> Service<Request<ReqB>> for RateLimit<S, K, C, L>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
+    K: KeyExtractor<ReqB>,
+    C: Cost<ReqB>,
+    L: Limiter,
+{
+    type Response = Response<ResponseBody<ResB>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S, ReqB, L::DecideFuture>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqB>) -> Self::Future {
+        let state = start(&mut self.inner, &self.shared, req);
+        ResponseFuture::new(state, Arc::clone(&self.shared.responder))
+    }
+}
+
+/// The service of [`RateLimitErrorLayer`](super::RateLimitErrorLayer):
+/// rejections are errors ([`RateLimited`](super::RateLimited)).
+pub struct RateLimitErrors<S, K, C, L> {
+    inner: S,
+    shared: Arc<Shared<K, C, L>>,
+}
+
+impl<S: Clone, K, C, L> Clone for RateLimitErrors<S, K, C, L> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<S: std::fmt::Debug, K, C, L> std::fmt::Debug for RateLimitErrors<S, K, C, L> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RateLimitErrors")
+            .field("inner", &self.inner)
+            .field("rule", &self.shared.responder.rule)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, K, C, L> RateLimitErrors<S, K, C, L> {
+    pub(crate) fn new(inner: S, shared: Arc<Shared<K, C, L>>) -> Self {
+        Self { inner, shared }
+    }
+}
+
+impl<S, K, C, L, ReqB, ResB> Service<Request<ReqB>> for RateLimitErrors<S, K, C, L>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
+    S::Error: Into<crate::BoxError>,
+    K: KeyExtractor<ReqB>,
+    C: Cost<ReqB>,
+    L: Limiter,
+{
+    type Response = Response<ResB>;
+    type Error = crate::BoxError;
+    type Future = ErrorFuture<S, ReqB, L::DecideFuture>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: Request<ReqB>) -> Self::Future {
+        let state = start(&mut self.inner, &self.shared, req);
+        ErrorFuture::new(state, Arc::clone(&self.shared.responder))
+    }
+}

@@ -1,0 +1,378 @@
+use std::convert::Infallible;
+use std::future::{ready, Ready};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use tollgate_core::{
+    Decision, Limit, Limiter, ManualClock, Rate, Rule, StoreError, StoreErrorKind,
+};
+use tower::{service_fn, Layer, Service, ServiceExt};
+
+use super::*;
+use crate::cost::{ByRoute, Fixed};
+use crate::key::{Header, KeyExtractorExt, PeerIp};
+use crate::MemoryStore;
+
+type Req = Request<String>;
+
+async fn ok(_req: Req) -> Result<Response<String>, Infallible> {
+    Ok(Response::new("ok".to_owned()))
+}
+
+fn store(clock: &ManualClock) -> MemoryStore<ManualClock> {
+    MemoryStore::builder().clock(clock.clone()).build().unwrap()
+}
+
+fn req(key: &str) -> Req {
+    Request::builder()
+        .uri("/hello")
+        .header("x-api-key", key)
+        .body(String::new())
+        .unwrap()
+}
+
+async fn body(res: Response<crate::ResponseBody<String>>) -> String {
+    let bytes = res.into_body().collect().await.unwrap().to_bytes();
+    String::from_utf8(bytes.to_vec()).unwrap()
+}
+
+fn per_key(
+    clock: &ManualClock,
+    limit: Limit,
+) -> RateLimitLayerBuilder<Header, Fixed, MemoryStore<ManualClock>> {
+    RateLimitLayer::builder("per-key", limit)
+        .key(Header::named("x-api-key").unwrap())
+        .store(store(clock))
+}
+
+#[tokio::test]
+async fn burst_then_429_with_headers_then_recovery() {
+    let clock = ManualClock::starting_at(1);
+    let layer = per_key(&clock, Limit::gcra(Rate::per_second(10), 20))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    for i in 0..20u64 {
+        let res = svc.clone().oneshot(req("a")).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK, "request {i}");
+        assert_eq!(res.headers()["ratelimit-policy"], "\"per-key\";q=20;w=2");
+        assert_eq!(
+            res.headers()["ratelimit"],
+            format!("\"per-key\";r={};t={}", 19 - i, if i < 10 { 1 } else { 2 }).as_str()
+        );
+        assert!(res.headers().get("retry-after").is_none());
+    }
+    let res = svc.clone().oneshot(req("a")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(res.headers()["retry-after"], "1");
+    assert_eq!(res.headers()["ratelimit"], "\"per-key\";r=0;t=1");
+    assert_eq!(res.headers()["content-type"], "application/problem+json");
+    let text = body(res).await;
+    assert!(text.contains("\"rule\":\"per-key\""), "{text}");
+
+    // Another key is untouched.
+    let res = svc.clone().oneshot(req("b")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+
+    clock.advance(Duration::from_millis(100));
+    let res = svc.clone().oneshot(req("a")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn costs_drain_one_budget_and_too_costly_is_never_with_no_retry_after() {
+    let clock = ManualClock::starting_at(1);
+    let layer = per_key(&clock, Limit::gcra(Rate::per_second(10), 20))
+        .cost(
+            ByRoute::new(1)
+                .route(Some(Method::POST), "/orders", 3)
+                .route(Some(Method::POST), "/reports", 10)
+                .route(Some(Method::POST), "/huge", 21),
+        )
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    let post = |path: &str| {
+        Request::post(path)
+            .header("x-api-key", "k")
+            .body(String::new())
+            .unwrap()
+    };
+    let res = svc.clone().oneshot(post("/reports")).await.unwrap();
+    assert_eq!(res.headers()["ratelimit"], "\"per-key\";r=10;t=1");
+    let res = svc.clone().oneshot(post("/orders")).await.unwrap();
+    assert_eq!(res.headers()["ratelimit"], "\"per-key\";r=7;t=2");
+    let res = svc.clone().oneshot(post("/reports")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(res.headers()["retry-after"], "1");
+
+    let res = svc.clone().oneshot(post("/huge")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(res.headers().get("retry-after").is_none());
+    assert!(body(res).await.contains("never succeed"));
+}
+
+#[tokio::test]
+async fn shadow_mode_never_blocks_but_reports() {
+    let clock = ManualClock::starting_at(1);
+    let layer = per_key(&clock, Limit::fixed_window(2, Duration::from_secs(60)))
+        .shadow(true)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    for i in 0..10 {
+        let res = svc.clone().oneshot(req("a")).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK, "request {i}");
+        if i >= 2 {
+            assert_eq!(res.headers()["ratelimit"], "\"per-key\";r=0;t=60");
+        }
+    }
+}
+
+#[tokio::test]
+async fn missing_keys_follow_the_chosen_policy() {
+    let clock = ManualClock::starting_at(1);
+    let no_key = || Request::get("/").body(String::new()).unwrap();
+
+    let skip = per_key(&clock, Limit::fixed_window(1, Duration::from_secs(60)))
+        .on_missing_key(MissingKey::Skip)
+        .build()
+        .unwrap()
+        .layer(service_fn(ok));
+    for _ in 0..3 {
+        let res = skip.clone().oneshot(no_key()).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        assert!(res.headers().get("ratelimit").is_none());
+    }
+
+    let fallback =
+        RateLimitLayer::builder("fallback", Limit::fixed_window(1, Duration::from_secs(60)))
+            .key(Header::named("x-api-key").unwrap())
+            .store(store(&clock))
+            .build()
+            .unwrap()
+            .layer(service_fn(ok));
+    assert_eq!(
+        fallback.clone().oneshot(no_key()).await.unwrap().status(),
+        200
+    );
+    assert_eq!(
+        fallback.clone().oneshot(no_key()).await.unwrap().status(),
+        429
+    );
+    // A client whose key happens to be "unkeyed" does not share the fallback budget.
+    assert_eq!(
+        fallback
+            .clone()
+            .oneshot(req("unkeyed"))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+
+    let reject = per_key(&clock, Limit::fixed_window(1, Duration::from_secs(60)))
+        .on_missing_key(MissingKey::Reject)
+        .build()
+        .unwrap()
+        .layer(service_fn(ok));
+    let res = reject.clone().oneshot(no_key()).await.unwrap();
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    assert!(body(res).await.contains("no client key"));
+}
+
+#[tokio::test]
+async fn grpc_requests_get_resource_exhausted() {
+    let clock = ManualClock::starting_at(1);
+    let svc = per_key(&clock, Limit::fixed_window(1, Duration::from_secs(60)))
+        .build()
+        .unwrap()
+        .layer(service_fn(ok));
+    let grpc = || {
+        Request::post("/pkg.Service/Method")
+            .header("x-api-key", "g")
+            .header("content-type", "application/grpc+proto")
+            .body(String::new())
+            .unwrap()
+    };
+    assert_eq!(svc.clone().oneshot(grpc()).await.unwrap().status(), 200);
+    let res = svc.clone().oneshot(grpc()).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(res.headers()["grpc-status"], "8");
+    assert_eq!(res.headers()["content-type"], "application/grpc");
+    let pushback: u64 = res.headers()["grpc-retry-pushback-ms"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(pushback > 0 && pushback <= 60_000);
+    assert_eq!(body(res).await, "");
+}
+
+#[tokio::test]
+async fn error_mode_returns_rate_limited() {
+    let clock = ManualClock::starting_at(1);
+    let svc = per_key(&clock, Limit::fixed_window(1, Duration::from_secs(60)))
+        .build()
+        .unwrap()
+        .into_errors()
+        .layer(service_fn(ok));
+    let res = svc.clone().oneshot(req("e")).await.unwrap();
+    assert_eq!(res.headers()["ratelimit"], "\"per-key\";r=0;t=60");
+    let err = svc.clone().oneshot(req("e")).await.unwrap_err();
+    let limited = err.downcast_ref::<RateLimited>().unwrap();
+    assert_eq!(limited.0.reason, crate::rejection::Reason::Limited);
+    assert_eq!(err.to_string(), "rate limit \"per-key\" exceeded");
+}
+
+#[tokio::test]
+async fn legacy_headers_and_custom_rejection() {
+    let clock = ManualClock::starting_at(1);
+    let svc = per_key(&clock, Limit::fixed_window(1, Duration::from_secs(30)))
+        .legacy_headers(true)
+        .rejection(|r| {
+            let mut res = Response::new(Bytes::from(format!("slow down ({})", r.rule)));
+            *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            res
+        })
+        .build()
+        .unwrap()
+        .layer(service_fn(ok));
+    let res = svc.clone().oneshot(req("l")).await.unwrap();
+    assert_eq!(res.headers()["x-ratelimit-limit"], "1");
+    assert_eq!(res.headers()["x-ratelimit-remaining"], "0");
+    assert_eq!(res.headers()["x-ratelimit-reset"], "30");
+    let res = svc.clone().oneshot(req("l")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(res.headers()["retry-after"], "30");
+    assert_eq!(body(res).await, "slow down (per-key)");
+}
+
+#[tokio::test(start_paused = true)]
+async fn leaky_bucket_paces_instead_of_rejecting() {
+    // The memory store reads the manual clock, tokio's paused clock drives
+    // the pacing sleep: both are under the test's control.
+    let clock = ManualClock::starting_at(1);
+    let svc = per_key(
+        &clock,
+        Limit::leaky_bucket(Rate::per_second(10), Duration::from_millis(250)),
+    )
+    .build()
+    .unwrap()
+    .layer(service_fn(ok));
+    let start = tokio::time::Instant::now();
+    let mut delays = Vec::new();
+    for _ in 0..3 {
+        let res = svc.clone().oneshot(req("p")).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        delays.push(start.elapsed());
+    }
+    // Each request waited for its turn: 0, 100 ms, 200 ms (the manual clock
+    // did not move, so each one queued behind the previous).
+    assert_eq!(
+        delays,
+        vec![
+            Duration::ZERO,
+            Duration::from_millis(100),
+            Duration::from_millis(300)
+        ]
+    );
+    // The fourth would wait 300 ms > 250 ms: rejected at once.
+    let res = svc.clone().oneshot(req("p")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(start.elapsed(), Duration::from_millis(300));
+}
+
+/// A store that always fails.
+#[derive(Clone)]
+struct Broken(Rule);
+
+impl Limiter for Broken {
+    type DecideFuture = Ready<Result<Decision, StoreError>>;
+    type RefundFuture = Ready<Result<(), StoreError>>;
+    fn rule(&self) -> &Rule {
+        &self.0
+    }
+    fn decide(&self, _key: &[u8], _cost: u32) -> Self::DecideFuture {
+        ready(Err(StoreError::new(StoreErrorKind::Unavailable, "down")))
+    }
+    fn refund(&self, _key: &[u8], _cost: u32) -> Self::RefundFuture {
+        ready(Ok(()))
+    }
+}
+
+#[tokio::test]
+async fn a_failing_store_lets_requests_through() {
+    let rule = Rule::new("broken", Limit::fixed_window(1, Duration::from_secs(1))).unwrap();
+    let layer = RateLimitLayer::builder("broken", Limit::fixed_window(1, Duration::from_secs(1)))
+        .build()
+        .unwrap();
+    // Swap the bound limiter for the broken one, keeping everything else.
+    let shared = std::sync::Arc::new(super::layer::Shared {
+        key: crate::key::Global,
+        cost: Fixed(1),
+        limiter: Broken(rule),
+        missing: MissingKey::default(),
+        responder: layer.responder(),
+    });
+    let mut svc = RateLimit::new(service_fn(ok), shared);
+    for _ in 0..5 {
+        let res = svc.ready().await.unwrap().call(req("x")).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+    }
+}
+
+#[tokio::test]
+async fn peer_ip_with_api_key_fallback() {
+    let clock = ManualClock::starting_at(1);
+    let svc = RateLimitLayer::builder("ip", Limit::fixed_window(1, Duration::from_secs(60)))
+        .key(Header::named("x-api-key").unwrap().or(PeerIp::new()))
+        .store(store(&clock))
+        .build()
+        .unwrap()
+        .layer(service_fn(ok));
+    let from = |ip: &str| {
+        let mut r = Request::get("/").body(String::new()).unwrap();
+        r.extensions_mut().insert(ip.parse::<SocketAddr>().unwrap());
+        r
+    };
+    assert_eq!(
+        svc.clone()
+            .oneshot(from("1.1.1.1:1"))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(
+        svc.clone()
+            .oneshot(from("1.1.1.1:2"))
+            .await
+            .unwrap()
+            .status(),
+        429
+    );
+    assert_eq!(
+        svc.clone()
+            .oneshot(from("2.2.2.2:1"))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+}
+
+#[test]
+fn build_errors_name_the_field() {
+    let err = RateLimitLayer::builder("bad name", Limit::gcra(Rate::per_second(1), 1))
+        .build()
+        .unwrap_err();
+    assert_eq!(err.field(), "name");
+    let err = RateLimitLayer::builder("ok", Limit::gcra(Rate::per_second(1), 0))
+        .build()
+        .unwrap_err();
+    assert_eq!(err.field(), "burst");
+}

@@ -48,6 +48,21 @@ impl FixedWindow {
         now.checked_div(self.window).unwrap_or(0)
     }
 
+    /// The window a request at `now` counts in: `now`'s own, or the stored
+    /// window when the clock went back (within the slack) from a window
+    /// that holds a count. Units taken with the clock back must count
+    /// against that window, or it would start afresh when the clock
+    /// returns to it.
+    fn window_of(&self, state: u64, now: u64) -> u64 {
+        let index = self.index(now);
+        let back = ((state >> 32) as u32).wrapping_sub(index as u32);
+        if state as u32 != 0 && back != 0 && back <= BACKWARD_SLACK {
+            index.saturating_add(u64::from(back))
+        } else {
+            index
+        }
+    }
+
     /// The count that applies at window `index` (truncated to 32 bits).
     fn count(state: u64, index: u32) -> u32 {
         let stored = (state >> 32) as u32;
@@ -72,7 +87,7 @@ impl RateAlgorithm for FixedWindow {
     #[inline]
     fn decide(&self, state: &mut u64, now: u64, cost: u32) -> Decision {
         let limit = u64::from(self.limit);
-        let index = self.index(now);
+        let index = self.window_of(*state, now);
         let count = Self::count(*state, index as u32);
         let remaining = u64::from(self.limit.saturating_sub(count));
         let reset = if count == 0 {
@@ -107,7 +122,7 @@ impl RateAlgorithm for FixedWindow {
     }
 
     fn refund(&self, state: &mut u64, now: u64, cost: u32) {
-        let index = self.index(now) as u32;
+        let index = self.window_of(*state, now) as u32;
         let stored = (*state >> 32) as u32;
         if stored == index {
             let count = (*state as u32).saturating_sub(cost);
@@ -160,6 +175,40 @@ mod tests {
         assert!(!w.decide(&mut s, 50 * S, 1).is_allowed());
         assert!(!w.is_idle(&s, 50 * S));
         assert!(w.is_idle(&s, 101 * S));
+    }
+
+    #[test]
+    fn units_taken_with_the_clock_back_count_when_it_returns() {
+        // Found by the property tests: the unit taken at 99.996 ms, with
+        // the clock back in window 99, used to be stored under window 99,
+        // so window 100 started afresh when the clock returned to it and
+        // admitted two more units: four in window 100 for a limit of 2.
+        let w = FixedWindow::new(2, Duration::from_millis(1)).unwrap();
+        let mut s = 0;
+        let now = 100 * 1_000_000;
+        assert!(w.decide(&mut s, now, 1).is_allowed());
+        let back = w.decide(&mut s, now - 4_000, 1);
+        assert!(back.is_allowed());
+        assert_eq!(back.remaining, 0);
+        // Its window is the stored one: it ends where window 100 ends.
+        assert_eq!(back.reset_after, 1_000_000 + 4_000);
+        let d = w.decide(&mut s, now, 1);
+        assert_eq!(
+            d.outcome,
+            Outcome::Deny {
+                retry_after: 1_000_000
+            }
+        );
+        assert_eq!(d.remaining, 0);
+        // A denial with the clock back waits for the end of window 100.
+        let d = w.decide(&mut s, now - 4_000, 1);
+        assert_eq!(
+            d.outcome,
+            Outcome::Deny {
+                retry_after: 1_004_000
+            }
+        );
+        assert!(w.decide(&mut s, now + 1_000_000, 2).is_allowed());
     }
 
     #[test]

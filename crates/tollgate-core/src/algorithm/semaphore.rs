@@ -162,12 +162,13 @@ impl Semaphore {
     }
 
     /// Extends lease `id` to `now + lease_ttl`. Returns whether it was
-    /// still held.
+    /// still held. A renewal never shortens a lease (as it would if the
+    /// clock had gone back).
     pub fn renew(&self, state: &mut SemaphoreState, now: u64, id: u64) -> bool {
         Self::expire(state, now);
         match state.leases.iter_mut().find(|l| l.id == id) {
             Some(lease) => {
-                lease.expires = now.saturating_add(self.ttl);
+                lease.expires = lease.expires.max(now.saturating_add(self.ttl));
                 true
             }
             None => false,
@@ -214,5 +215,25 @@ mod tests {
             sem.acquire(&mut s, 0, 3, 9).decision.outcome,
             Outcome::Never
         );
+    }
+
+    #[test]
+    fn renewal_with_the_clock_back_never_shortens_the_lease() {
+        // Found by the property tests: a renewal with the clock 0.5 ms back
+        // used to move the expiry back by 0.5 ms, freeing the permit early.
+        let sem = Semaphore::new(1, Duration::from_millis(1)).unwrap();
+        let mut s = SemaphoreState::default();
+        let now = 10_000_000;
+        assert!(sem.acquire(&mut s, now, 1, 7).decision.is_allowed());
+        assert!(sem.renew(&mut s, now - 500_000, 7));
+        assert_eq!(s.held(now + 999_999), 1);
+        assert!(!sem
+            .acquire(&mut s, now + 600_000, 1, 8)
+            .decision
+            .is_allowed());
+        // Forward, a renewal extends as before.
+        assert!(sem.renew(&mut s, now + 900_000, 7));
+        assert_eq!(s.held(now + 1_899_999), 1);
+        assert_eq!(s.held(now + 1_900_000), 0);
     }
 }

@@ -1,0 +1,144 @@
+//! The README's quickstart server, through real HTTP on loopback, on a
+//! manual clock.
+#![allow(missing_docs, clippy::unwrap_used, clippy::arithmetic_side_effects)]
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Request;
+use tollgate::core::ManualClock;
+use tollgate::MemoryStore;
+use tollgate_tests::{send, Reply};
+
+async fn quickstart(trusted: &[&str]) -> (std::net::SocketAddr, ManualClock) {
+    let clock = ManualClock::starting_at(1_000_000_000);
+    let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let trusted: Vec<String> = trusted.iter().map(|s| s.to_string()).collect();
+    let app = tollgate_examples::quickstart_app(store, &trusted).unwrap();
+    (common::spawn(app).await, clock)
+}
+
+fn get(path: &str, key: Option<&str>) -> Request<Bytes> {
+    let mut b = Request::get(path);
+    if let Some(k) = key {
+        b = b.header("x-api-key", k);
+    }
+    b.body(Bytes::new()).unwrap()
+}
+
+fn post(path: &str, key: &str) -> Request<Bytes> {
+    Request::post(path)
+        .header("x-api-key", key)
+        .body(Bytes::new())
+        .unwrap()
+}
+
+async fn hello(addr: std::net::SocketAddr, key: &str) -> Reply {
+    send(addr, get("/api/hello", Some(key))).await.unwrap()
+}
+
+#[tokio::test]
+async fn burst_of_twenty_then_429_with_standard_headers() {
+    let (addr, clock) = quickstart(&[]).await;
+    for i in 0..20 {
+        let r = hello(addr, "alice").await;
+        assert_eq!(r.status, 200, "request {i}: {r:?}");
+        assert_eq!(r.header("ratelimit-policy"), "\"per-key\";q=20;w=2");
+        assert!(r
+            .header("ratelimit")
+            .starts_with(&format!("\"per-key\";r={};", 19 - i)));
+    }
+    let r = hello(addr, "alice").await;
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("retry-after"), "1");
+    assert_eq!(r.header("ratelimit"), "\"per-key\";r=0;t=1");
+    assert_eq!(r.header("content-type"), "application/problem+json");
+    assert!(r.body.contains("\"rule\":\"per-key\""), "{}", r.body);
+
+    // One interval later exactly one more request fits.
+    clock.advance(Duration::from_millis(100));
+    assert_eq!(hello(addr, "alice").await.status, 200);
+    assert_eq!(hello(addr, "alice").await.status, 429);
+}
+
+#[tokio::test]
+async fn keys_are_independent_and_health_is_not_limited() {
+    let (addr, _clock) = quickstart(&[]).await;
+    for _ in 0..21 {
+        hello(addr, "bob").await;
+    }
+    assert_eq!(hello(addr, "bob").await.status, 429);
+    assert_eq!(hello(addr, "carol").await.status, 200);
+    for _ in 0..50 {
+        let r = send(addr, get("/healthz", Some("bob"))).await.unwrap();
+        assert_eq!(r.status, 200);
+        assert!(r.headers.get("ratelimit").is_none());
+    }
+    // Unknown routes are 404s and cost nothing.
+    let r = send(addr, get("/nope", Some("carol"))).await.unwrap();
+    assert_eq!(r.status, 404);
+    assert!(hello(addr, "carol")
+        .await
+        .header("ratelimit")
+        .contains("r=18"));
+}
+
+#[tokio::test]
+async fn orders_cost_three_and_reports_ten_from_one_budget() {
+    let (addr, _clock) = quickstart(&[]).await;
+    let r = send(addr, post("/api/reports", "dana")).await.unwrap();
+    assert_eq!(r.status, 200);
+    assert!(r.header("ratelimit").contains("r=10;"), "{r:?}");
+    let r = send(addr, post("/api/orders", "dana")).await.unwrap();
+    assert!(r.header("ratelimit").contains("r=7;"), "{r:?}");
+    let r = send(addr, post("/api/reports", "dana")).await.unwrap();
+    assert_eq!(r.status, 429, "a report does not fit in 7");
+    assert_eq!(r.header("retry-after"), "1");
+    // Cheaper calls still fit.
+    assert_eq!(
+        send(addr, post("/api/orders", "dana"))
+            .await
+            .unwrap()
+            .status,
+        200
+    );
+    assert_eq!(hello(addr, "dana").await.status, 200);
+}
+
+#[tokio::test]
+async fn spoofed_forwarded_for_from_an_untrusted_peer_changes_nothing() {
+    let (addr, _clock) = quickstart(&[]).await;
+    for i in 0..20 {
+        let req = Request::get("/api/hello")
+            .header("x-forwarded-for", format!("10.0.0.{i}"))
+            .body(Bytes::new())
+            .unwrap();
+        assert_eq!(send(addr, req).await.unwrap().status, 200);
+    }
+    // Every request counted against the peer (127.0.0.1) whatever it claimed.
+    let req = Request::get("/api/hello")
+        .header("x-forwarded-for", "203.0.113.99")
+        .body(Bytes::new())
+        .unwrap();
+    assert_eq!(send(addr, req).await.unwrap().status, 429);
+}
+
+#[tokio::test]
+async fn forwarded_for_from_a_trusted_proxy_is_the_client() {
+    let (addr, _clock) = quickstart(&["127.0.0.1/32"]).await;
+    let from = |client: &str| {
+        Request::get("/api/hello")
+            .header("x-forwarded-for", format!("6.6.6.6, {client}"))
+            .body(Bytes::new())
+            .unwrap()
+    };
+    for _ in 0..20 {
+        assert_eq!(send(addr, from("198.51.100.1")).await.unwrap().status, 200);
+    }
+    assert_eq!(send(addr, from("198.51.100.1")).await.unwrap().status, 429);
+    // Another client behind the same proxy has its own budget; the spoofed
+    // leftmost entry (6.6.6.6) is not the key.
+    assert_eq!(send(addr, from("198.51.100.2")).await.unwrap().status, 200);
+}

@@ -101,6 +101,16 @@ pub trait Limiter: Clone + Send + Sync + 'static {
     /// Gives back `cost` consumed earlier for `key` (a later rule in a
     /// chain denied the request).
     fn refund(&self, key: &[u8], cost: u32) -> Self::RefundFuture;
+
+    /// The decision at once, for stores that need no I/O (the in-memory
+    /// store): `Some` is exactly what [`decide`](Self::decide) would have
+    /// resolved to. Layers use it to skip their asynchronous path (and the
+    /// clone of the inner service it needs). The default, `None`, means
+    /// "call `decide`"; it must not consume anything.
+    fn decide_sync(&self, key: &[u8], cost: u32) -> Option<Result<Decision, StoreError>> {
+        let _ = (key, cost);
+        None
+    }
 }
 
 /// One concurrency rule bound to a store: acquire and release leases.

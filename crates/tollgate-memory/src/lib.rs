@@ -438,6 +438,11 @@ impl<C: Clock> Limiter for MemoryLimiter<C> {
         ready(Ok(self.decide_now(key, cost)))
     }
 
+    #[inline]
+    fn decide_sync(&self, key: &[u8], cost: u32) -> Option<Result<Decision, StoreError>> {
+        Some(Ok(self.decide_now(key, cost)))
+    }
+
     fn refund(&self, key: &[u8], cost: u32) -> Self::RefundFuture {
         self.refund_now(key, cost);
         ready(Ok(()))

@@ -45,21 +45,50 @@ pub(crate) fn t_secs(d: &Decision) -> u64 {
 }
 
 /// A small stack buffer for formatting header values.
-struct Buf {
+pub(crate) struct Buf {
     bytes: [u8; 96],
     len: usize,
 }
 
 impl Buf {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self {
             bytes: [0; 96],
             len: 0,
         }
     }
 
-    fn value(&self) -> Option<HeaderValue> {
-        HeaderValue::from_bytes(self.bytes.get(..self.len)?).ok()
+    pub(crate) fn push(&mut self, s: &[u8]) {
+        let end = self.len.saturating_add(s.len());
+        if let Some(dst) = self.bytes.get_mut(self.len..end) {
+            dst.copy_from_slice(s);
+            self.len = end;
+        }
+    }
+
+    /// Appends `n` in decimal, without the formatting machinery.
+    pub(crate) fn push_u64(&mut self, mut n: u64) {
+        let mut digits = [0u8; 20];
+        let mut i = digits.len();
+        loop {
+            i = i.saturating_sub(1);
+            if let Some(d) = digits.get_mut(i) {
+                *d = b'0'.saturating_add((n % 10) as u8);
+            }
+            n /= 10;
+            if n == 0 {
+                break;
+            }
+        }
+        self.push(digits.get(i..).unwrap_or_default());
+    }
+
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        self.bytes.get(..self.len).unwrap_or_default()
+    }
+
+    pub(crate) fn value(&self) -> Option<HeaderValue> {
+        HeaderValue::from_bytes(self.as_bytes()).ok()
     }
 }
 
@@ -75,16 +104,31 @@ impl fmt::Write for Buf {
     }
 }
 
+/// Header values for the numbers most responses carry (`Retry-After`,
+/// the legacy headers), built once per process: sending one is a copy of a
+/// static reference, not an allocation.
+const SMALL_NUMBERS: u64 = 1_024;
+
 fn number(n: u64) -> Option<HeaderValue> {
+    static TABLE: std::sync::OnceLock<Box<[HeaderValue]>> = std::sync::OnceLock::new();
+    let table = TABLE.get_or_init(|| {
+        (0..SMALL_NUMBERS)
+            .map(|i| HeaderValue::from_static(Box::leak(i.to_string().into_boxed_str())))
+            .collect()
+    });
+    if let Some(v) = usize::try_from(n).ok().and_then(|i| table.get(i)) {
+        return Some(v.clone());
+    }
     let mut b = Buf::new();
-    write!(b, "{n}").ok()?;
+    b.push_u64(n);
     b.value()
 }
 
 /// Which headers to send, precomputed per layer.
 #[derive(Debug, Clone)]
 pub(crate) struct Headers {
-    name: Box<str>,
+    /// `"name";r=`, the start of every `RateLimit` value.
+    prefix: Box<[u8]>,
     policy: Option<HeaderValue>,
     limit: Option<HeaderValue>,
     pub(crate) standard: bool,
@@ -99,7 +143,7 @@ impl Headers {
             .ok()
             .and_then(|()| policy.value());
         Self {
-            name: rule.name().into(),
+            prefix: format!("\"{}\";r=", rule.name()).into_bytes().into(),
             policy,
             limit: number(rule.capacity()),
             standard,
@@ -120,10 +164,12 @@ impl Headers {
                 headers.insert(RATELIMIT_POLICY.clone(), p.clone());
             }
             let mut b = Buf::new();
-            if write!(b, "\"{}\";r={};t={t}", self.name, d.remaining).is_ok() {
-                if let Some(v) = b.value() {
-                    headers.insert(RATELIMIT.clone(), v);
-                }
+            b.push(&self.prefix);
+            b.push_u64(d.remaining);
+            b.push(b";t=");
+            b.push_u64(t);
+            if let Some(v) = b.value() {
+                headers.insert(RATELIMIT.clone(), v);
             }
         }
         if self.legacy {
@@ -184,6 +230,16 @@ mod tests {
         );
         assert_eq!(m["ratelimit"], "\"per-key\";r=17;t=1");
         assert!(m.get("retry-after").is_none());
+    }
+
+    #[test]
+    fn numbers_format_like_display() {
+        for n in [0, 1, 9, 10, 99, 100, 1_023, 1_024, 12_345, u64::MAX] {
+            let mut b = Buf::new();
+            b.push_u64(n);
+            assert_eq!(b.as_bytes(), n.to_string().as_bytes());
+            assert_eq!(number(n).unwrap(), n.to_string().as_str());
+        }
     }
 
     #[test]

@@ -56,14 +56,15 @@ const HASHED: u8 = 0xff;
 pub struct KeyBuf {
     buf: [u8; 1 + 32 + MAX_RAW_KEY],
     len: usize,
-    hasher: Option<Sha256>,
+    // Boxed: only long (rare, often hostile) keys pay for the hash state.
+    hasher: Option<Box<Sha256>>,
 }
 
 /// A point to roll a [`KeyBuf`] back to (see [`KeyBuf::mark`]).
 #[derive(Debug, Clone)]
 pub struct Mark {
     len: usize,
-    hasher: Option<Sha256>,
+    hasher: Option<Box<Sha256>>,
 }
 
 impl Default for KeyBuf {
@@ -103,7 +104,7 @@ impl KeyBuf {
                 self.len = end;
             }
             _ => {
-                let mut h = Sha256::new();
+                let mut h = Box::new(Sha256::new());
                 h.update(self.raw());
                 h.update(prefix);
                 h.update(part);

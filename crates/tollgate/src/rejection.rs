@@ -69,75 +69,178 @@ impl Rejected {
         }
     }
 
-    fn detail(&self) -> String {
-        let mut s = String::new();
-        let _ = match (self.reason, self.retry_after_secs()) {
-            (Reason::Limited, Some(secs)) => write!(
-                s,
-                "Rate limit \"{}\" exceeded; retry after {secs} s.",
-                self.rule
-            ),
-            (Reason::TooCostly, _) | (Reason::Limited, None) => write!(
-                s,
-                "This request costs more than rule \"{}\" allows at once ({}); it can never succeed.",
-                self.rule,
-                self.decision.map_or(0, |d| d.limit)
-            ),
-            (Reason::MissingKey, _) => write!(
-                s,
-                "The request carries no client key, which rule \"{}\" requires.",
-                self.rule
-            ),
-        };
-        s
-    }
-
     /// The default HTTP response: status, `application/problem+json` body.
     /// (The layer adds `Retry-After` and the `RateLimit` headers.)
     pub fn to_problem_response(&self) -> Response<Bytes> {
-        let status = self.status();
-        let mut body = String::with_capacity(200);
-        let _ = write!(
-            body,
-            r#"{{"type":"about:blank","title":"{}","status":{},"detail":"{}","rule":"{}"}}"#,
-            status.canonical_reason().unwrap_or(""),
-            status.as_u16(),
-            json_escape(&self.detail()),
-            json_escape(&self.rule),
+        let secs = self.retry_after_secs().map(|s| s.to_string());
+        let limit = self.decision.map_or(0, |d| d.limit);
+        let body = problem_json(
+            self.status(),
+            &detail(self.reason, &self.rule, secs.as_deref(), limit),
+            &self.rule,
         );
-        let mut res = Response::new(Bytes::from(body));
-        *res.status_mut() = status;
-        res.headers_mut().insert(
-            CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
-        );
-        res
+        problem_response(self.status(), Bytes::from(body))
     }
 
     /// The gRPC response: trailers-only, HTTP 200.
     pub fn to_grpc_response(&self) -> Response<Bytes> {
-        let mut res = Response::new(Bytes::new());
-        let h = res.headers_mut();
-        h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-        let code = match self.reason {
-            Reason::MissingKey => "3",
-            _ => "8",
-        };
-        h.insert("grpc-status", HeaderValue::from_static(code));
-        if let Ok(v) = HeaderValue::from_str(&percent_encode(&self.detail())) {
-            h.insert("grpc-message", v);
-        }
+        let limit = self.decision.map_or(0, |d| d.limit);
+        let message = grpc_message(self.reason, &self.rule, limit);
         let pushback = match (self.reason, self.decision.and_then(|d| d.retry_after())) {
             (Reason::Limited, Some(r)) => {
-                let ms = u64::try_from(r.as_millis()).unwrap_or(u64::MAX).max(1);
-                HeaderValue::from(ms)
+                Some(u64::try_from(r.as_millis()).unwrap_or(u64::MAX).max(1))
             }
-            _ => HeaderValue::from_static("-1"),
+            _ => None,
         };
-        if self.reason != Reason::MissingKey {
-            h.insert("grpc-retry-pushback-ms", pushback);
+        grpc_response(self.reason, message, pushback)
+    }
+}
+
+/// The human-readable explanation. `secs` is the retry delay as text.
+fn detail(reason: Reason, rule: &str, secs: Option<&str>, limit: u64) -> String {
+    match (reason, secs) {
+        (Reason::Limited, Some(secs)) => {
+            format!("Rate limit \"{rule}\" exceeded; retry after {secs} s.")
         }
-        res
+        (Reason::TooCostly, _) | (Reason::Limited, None) => format!(
+            "This request costs more than rule \"{rule}\" allows at once ({limit}); it can never succeed."
+        ),
+        (Reason::MissingKey, _) => {
+            format!("The request carries no client key, which rule \"{rule}\" requires.")
+        }
+    }
+}
+
+fn problem_json(status: StatusCode, detail: &str, rule: &str) -> String {
+    format!(
+        r#"{{"type":"about:blank","title":"{}","status":{},"detail":"{}","rule":"{}"}}"#,
+        status.canonical_reason().unwrap_or(""),
+        status.as_u16(),
+        json_escape(detail),
+        json_escape(rule),
+    )
+}
+
+fn problem_response(status: StatusCode, body: Bytes) -> Response<Bytes> {
+    let mut res = Response::new(body);
+    *res.status_mut() = status;
+    res.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    res
+}
+
+fn grpc_message(reason: Reason, rule: &str, limit: u64) -> HeaderValue {
+    let text = match reason {
+        Reason::Limited => format!("Rate limit \"{rule}\" exceeded."),
+        _ => detail(reason, rule, None, limit),
+    };
+    HeaderValue::from_str(&percent_encode(&text))
+        .unwrap_or_else(|_| HeaderValue::from_static("rate limited"))
+}
+
+fn grpc_response(
+    reason: Reason,
+    message: HeaderValue,
+    pushback_ms: Option<u64>,
+) -> Response<Bytes> {
+    let mut res = Response::new(Bytes::new());
+    let h = res.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    let code = match reason {
+        Reason::MissingKey => "3",
+        _ => "8",
+    };
+    h.insert("grpc-status", HeaderValue::from_static(code));
+    h.insert("grpc-message", message);
+    if reason != Reason::MissingKey {
+        // A negative pushback tells gRPC clients not to retry at all.
+        let pushback = pushback_ms.map_or(HeaderValue::from_static("-1"), HeaderValue::from);
+        h.insert("grpc-retry-pushback-ms", pushback);
+    }
+    res
+}
+
+/// The default rejections of one rule, rendered once when the layer is
+/// built so that a 429 costs a number's formatting and one allocation.
+#[derive(Debug)]
+pub(crate) struct Rendered {
+    limited: (Box<[u8]>, Box<[u8]>),
+    too_costly: Bytes,
+    missing_key: Bytes,
+    grpc: [HeaderValue; 3],
+}
+
+const MARK: &str = "\u{1}";
+
+impl Rendered {
+    pub(crate) fn new(rule: &str, capacity: u64) -> Self {
+        let limited = problem_json(
+            StatusCode::TOO_MANY_REQUESTS,
+            &detail(Reason::Limited, rule, Some(MARK), capacity),
+            rule,
+        );
+        // `MARK` survives JSON escaping as `\u0001`: split around it.
+        let marker = "\\u0001";
+        let (before, after) = limited.split_once(marker).unwrap_or((&limited, ""));
+        let body = |reason, status| {
+            Bytes::from(problem_json(
+                status,
+                &detail(reason, rule, None, capacity),
+                rule,
+            ))
+        };
+        Self {
+            limited: (before.as_bytes().into(), after.as_bytes().into()),
+            too_costly: body(Reason::TooCostly, StatusCode::TOO_MANY_REQUESTS),
+            missing_key: body(Reason::MissingKey, StatusCode::BAD_REQUEST),
+            grpc: [
+                grpc_message(Reason::Limited, rule, capacity),
+                grpc_message(Reason::TooCostly, rule, capacity),
+                grpc_message(Reason::MissingKey, rule, capacity),
+            ],
+        }
+    }
+
+    /// Exactly what [`Rejected::to_problem_response`] or
+    /// [`Rejected::to_grpc_response`] would return.
+    pub(crate) fn render(&self, r: &Rejected) -> Response<Bytes> {
+        if r.grpc {
+            let i = match r.reason {
+                Reason::Limited => 0,
+                Reason::TooCostly => 1,
+                Reason::MissingKey => 2,
+            };
+            let pushback = match (r.reason, r.decision.and_then(|d| d.retry_after())) {
+                (Reason::Limited, Some(d)) => {
+                    Some(u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1))
+                }
+                _ => None,
+            };
+            let message = self
+                .grpc
+                .get(i)
+                .cloned()
+                .unwrap_or_else(|| HeaderValue::from_static(""));
+            return grpc_response(r.reason, message, pushback);
+        }
+        let body = match (r.reason, r.retry_after_secs()) {
+            (Reason::Limited, Some(secs)) => {
+                let mut digits = crate::headers::Buf::new();
+                digits.push_u64(secs);
+                let (before, after) = &self.limited;
+                let mut v =
+                    Vec::with_capacity(before.len().saturating_add(after.len()).saturating_add(20));
+                v.extend_from_slice(before);
+                v.extend_from_slice(digits.as_bytes());
+                v.extend_from_slice(after);
+                Bytes::from(v)
+            }
+            (Reason::MissingKey, _) => self.missing_key.clone(),
+            _ => self.too_costly.clone(),
+        };
+        problem_response(r.status(), body)
     }
 }
 

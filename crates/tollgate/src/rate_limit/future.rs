@@ -23,18 +23,18 @@ pin_project! {
     where
         S: Service<Request<ReqB>>,
     {
+        // The request and service wait in a box on the asynchronous
+        // paths, so the future stays small on the synchronous one.
         Deciding {
             #[pin]
             decide: D,
-            request: Option<Request<ReqB>>,
-            inner: Option<S>,
+            waiting: Option<Box<(Request<ReqB>, S)>>,
             grpc: bool,
             key: Option<Fingerprint>,
         },
         Pacing {
             sleep: Pin<Box<Sleep>>,
-            request: Option<Request<ReqB>>,
-            inner: Option<S>,
+            waiting: Option<Box<(Request<ReqB>, S)>>,
             decision: Decision,
         },
         Calling {
@@ -48,6 +48,108 @@ pin_project! {
     }
 }
 
+/// The service a decided request goes to: the caller's (when deciding
+/// synchronously in `call`) or the swapped-out clone (after an async
+/// decision).
+pub(crate) enum Inner<'a, S> {
+    Borrowed(&'a mut S),
+    Owned(S),
+}
+
+impl<S: Clone> Inner<'_, S> {
+    fn call<ReqB>(self, request: Request<ReqB>) -> S::Future
+    where
+        S: Service<Request<ReqB>>,
+    {
+        match self {
+            Inner::Borrowed(s) => s.call(request),
+            Inner::Owned(mut s) => s.call(request),
+        }
+    }
+
+    /// An owned service to call later: the ready one, with a fresh clone
+    /// left in its place.
+    fn into_owned(self) -> S {
+        match self {
+            Inner::Borrowed(s) => {
+                let clone = s.clone();
+                std::mem::replace(s, clone)
+            }
+            Inner::Owned(s) => s,
+        }
+    }
+}
+
+/// The state that follows a decision (or a store failure).
+pub(crate) fn decided<S, ReqB, D>(
+    result: Result<Decision, StoreError>,
+    request: Request<ReqB>,
+    inner: Inner<'_, S>,
+    responder: &Responder,
+    grpc: bool,
+    key: Option<Fingerprint>,
+) -> State<S, ReqB, D>
+where
+    S: Service<Request<ReqB>> + Clone,
+{
+    let decision = match result {
+        Ok(decision) => decision,
+        Err(error) => {
+            // Never let a store fault fail the request.
+            tracing::warn!(
+                target: "tollgate",
+                rule = %responder.rule,
+                %error,
+                "rate limit store failed; letting the request through"
+            );
+            return State::calling(inner.call(request));
+        }
+    };
+    match decision.outcome {
+        Outcome::Allow { delay: 0 } => State::Calling {
+            future: inner.call(request),
+            decision: Some(decision),
+        },
+        Outcome::Allow { delay } => State::Pacing {
+            sleep: Box::pin(tokio::time::sleep(std::time::Duration::from_nanos(delay))),
+            waiting: Some(Box::new((request, inner.into_owned()))),
+            decision,
+        },
+        Outcome::Deny { .. } | Outcome::Never => {
+            let reason = if decision.outcome == Outcome::Never {
+                Reason::TooCostly
+            } else {
+                Reason::Limited
+            };
+            if let Some(key) = key {
+                tracing::debug!(
+                    target: "tollgate",
+                    rule = %responder.rule,
+                    key = %key,
+                    ?reason,
+                    shadow = responder.shadow,
+                    "request over its limit"
+                );
+            }
+            if responder.shadow {
+                State::Calling {
+                    future: inner.call(request),
+                    decision: Some(decision),
+                }
+            } else {
+                State::Rejected {
+                    rejected: Some(Rejected {
+                        rule: Arc::clone(&responder.rule),
+                        reason,
+                        decision: Some(decision),
+                        grpc,
+                    }),
+                }
+            }
+        }
+    }
+}
+
 pub(crate) enum Finished<R> {
     Response(R, Option<Decision>),
     Rejected(Rejected),
@@ -55,7 +157,7 @@ pub(crate) enum Finished<R> {
 
 impl<S, ReqB, D> State<S, ReqB, D>
 where
-    S: Service<Request<ReqB>>,
+    S: Service<Request<ReqB>> + Clone,
 {
     pub(crate) fn calling(future: S::Future) -> Self {
         Self::Calling {
@@ -76,84 +178,27 @@ where
             let next = match self.as_mut().project() {
                 StateProj::Deciding {
                     decide,
-                    request,
-                    inner,
+                    waiting,
                     grpc,
                     key,
                 } => {
                     let result = ready!(decide.poll(cx));
-                    let (Some(request), Some(mut inner)) = (request.take(), inner.take()) else {
+                    let Some(waiting) = waiting.take() else {
                         return Poll::Pending;
                     };
-                    match result {
-                        Err(error) => {
-                            // Never let a store fault fail the request.
-                            tracing::warn!(
-                                target: "tollgate",
-                                rule = %responder.rule,
-                                %error,
-                                "rate limit store failed; letting the request through"
-                            );
-                            State::calling(inner.call(request))
-                        }
-                        Ok(decision) => match decision.outcome {
-                            Outcome::Allow { delay: 0 } => State::Calling {
-                                future: inner.call(request),
-                                decision: Some(decision),
-                            },
-                            Outcome::Allow { delay } => State::Pacing {
-                                sleep: Box::pin(tokio::time::sleep(
-                                    std::time::Duration::from_nanos(delay),
-                                )),
-                                request: Some(request),
-                                inner: Some(inner),
-                                decision,
-                            },
-                            Outcome::Deny { .. } | Outcome::Never => {
-                                let reason = if decision.outcome == Outcome::Never {
-                                    Reason::TooCostly
-                                } else {
-                                    Reason::Limited
-                                };
-                                if let Some(key) = key {
-                                    tracing::debug!(
-                                        target: "tollgate",
-                                        rule = %responder.rule,
-                                        key = %key,
-                                        ?reason,
-                                        shadow = responder.shadow,
-                                        "request over its limit"
-                                    );
-                                }
-                                if responder.shadow {
-                                    State::Calling {
-                                        future: inner.call(request),
-                                        decision: Some(decision),
-                                    }
-                                } else {
-                                    State::Rejected {
-                                        rejected: Some(Rejected {
-                                            rule: Arc::clone(&responder.rule),
-                                            reason,
-                                            decision: Some(decision),
-                                            grpc: *grpc,
-                                        }),
-                                    }
-                                }
-                            }
-                        },
-                    }
+                    let (request, inner) = *waiting;
+                    decided(result, request, Inner::Owned(inner), responder, *grpc, *key)
                 }
                 StateProj::Pacing {
                     sleep,
-                    request,
-                    inner,
+                    waiting,
                     decision,
                 } => {
                     ready!(sleep.as_mut().poll(cx));
-                    let (Some(request), Some(mut inner)) = (request.take(), inner.take()) else {
+                    let Some(waiting) = waiting.take() else {
                         return Poll::Pending;
                     };
+                    let (request, mut inner) = *waiting;
                     State::Calling {
                         future: inner.call(request),
                         decision: Some(*decision),
@@ -209,7 +254,7 @@ where
 
 impl<S, ReqB, ResB, D> Future for ResponseFuture<S, ReqB, D>
 where
-    S: Service<Request<ReqB>, Response = Response<ResB>>,
+    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
     D: Future<Output = Result<Decision, StoreError>>,
 {
     type Output = Result<Response<ResponseBody<ResB>>, S::Error>;
@@ -264,7 +309,7 @@ where
 
 impl<S, ReqB, ResB, D> Future for ErrorFuture<S, ReqB, D>
 where
-    S: Service<Request<ReqB>, Response = Response<ResB>>,
+    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
     S::Error: Into<crate::BoxError>,
     D: Future<Output = Result<Decision, StoreError>>,
 {

@@ -11,7 +11,7 @@ use super::service::{RateLimit, RateLimitErrors};
 use crate::cost::Fixed;
 use crate::headers::Headers;
 use crate::key::PeerIp;
-use crate::rejection::Rejected;
+use crate::rejection::{Rejected, Rendered};
 
 /// What to do with a request whose key cannot be extracted (no API key
 /// header, no peer address).
@@ -40,14 +40,14 @@ pub(crate) struct Responder {
     pub(crate) headers: Headers,
     pub(crate) shadow: bool,
     pub(crate) rejection: Option<RejectFn>,
+    pub(crate) rendered: Rendered,
 }
 
 impl Responder {
     pub(crate) fn reject(&self, rejected: &Rejected) -> Response<Bytes> {
         let mut res = match &self.rejection {
             Some(f) if !rejected.grpc => f(rejected),
-            _ if rejected.grpc => rejected.to_grpc_response(),
-            _ => rejected.to_problem_response(),
+            _ => self.rendered.render(rejected),
         };
         if let Some(d) = &rejected.decision {
             self.headers.apply(res.headers_mut(), d);
@@ -312,6 +312,7 @@ impl<K, C, St: Store> RateLimitLayerBuilder<K, C, St> {
                     headers: Headers::new(&rule, self.headers, self.legacy_headers),
                     shadow: self.shadow,
                     rejection: self.rejection,
+                    rendered: Rendered::new(rule.name(), rule.capacity()),
                 }),
             }),
         })

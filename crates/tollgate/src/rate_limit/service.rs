@@ -5,7 +5,7 @@ use http::{Request, Response};
 use tollgate_core::Limiter;
 use tower_service::Service;
 
-use super::future::{ErrorFuture, ResponseFuture, State};
+use super::future::{decided, ErrorFuture, Inner, ResponseFuture, State};
 use super::layer::{MissingKey, Shared};
 use crate::body::ResponseBody;
 use crate::cost::Cost;
@@ -79,6 +79,18 @@ where
     let cost = shared.cost.cost(&req);
     let fingerprint =
         tracing::enabled!(target: "tollgate", tracing::Level::DEBUG).then(|| key.fingerprint());
+    // Stores that decide without I/O answer here, and the ready inner
+    // service is called directly: no clone, no second state.
+    if let Some(result) = shared.limiter.decide_sync(key.as_bytes(), cost) {
+        return decided(
+            result,
+            req,
+            Inner::Borrowed(inner),
+            &shared.responder,
+            grpc,
+            fingerprint,
+        );
+    }
     let decide = shared.limiter.decide(key.as_bytes(), cost);
     // The clone-and-swap dance: the service that was polled ready serves
     // this request; a fresh clone waits for the next poll_ready.
@@ -86,8 +98,7 @@ where
     let ready = std::mem::replace(inner, clone);
     State::Deciding {
         decide,
-        request: Some(req),
-        inner: Some(ready),
+        waiting: Some(Box::new((req, ready))),
         grpc,
         key: fingerprint,
     }

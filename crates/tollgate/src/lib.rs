@@ -56,6 +56,7 @@
 //! | feature | default | what it adds |
 //! |---|---|---|
 //! | `axum` | yes | peer IPs from axum's `ConnectInfo`, [`key::Route`] from `MatchedPath` |
+//! | `redis` | no | `RedisStore` (standalone and Cluster), re-exported from `tollgate-redis` |
 
 #![forbid(unsafe_code)]
 #![cfg_attr(
@@ -82,6 +83,8 @@ pub use tollgate_core::{
     self as core, Algorithm, ConfigError, Decision, Limit, Outcome, Rate, Rule, Store,
 };
 pub use tollgate_memory::{self as memory, MemoryStore};
+#[cfg(feature = "redis")]
+pub use tollgate_redis::{self as redis, FailurePolicy, RedisStore};
 
 /// The boxed error of error-mode services.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -1,15 +1,17 @@
 //! The quickstart server: `cargo run -p tollgate-examples --bin quickstart`.
 //!
 //! Listens on `TOLLGATE_ADDR` (default `127.0.0.1:3000`) with the in-memory
-//! store. `TOLLGATE_TRUSTED_PROXIES` (comma-separated CIDRs) names the
-//! proxies whose `X-Forwarded-For` is believed. Try it:
+//! store, or with Redis when `TOLLGATE_REDIS_URL` is set (a `redis://` URL,
+//! or a comma-separated list of cluster nodes): several instances then
+//! share one budget per client. `TOLLGATE_TRUSTED_PROXIES` (comma-separated
+//! CIDRs) names the proxies whose `X-Forwarded-For` is believed. Try it:
 //!
 //! ```text
 //! curl -i -H 'x-api-key: demo' http://127.0.0.1:3000/api/hello
 //! curl -i -X POST -H 'x-api-key: demo' http://127.0.0.1:3000/api/reports
 //! ```
 
-use tollgate::MemoryStore;
+use tollgate::{FailurePolicy, MemoryStore, RedisStore};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -21,10 +23,25 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .filter(|s| !s.is_empty())
         .map(str::to_owned)
         .collect();
-    let app = tollgate_examples::quickstart_app(MemoryStore::new(), &trusted)?;
+    let (app, store) = match std::env::var("TOLLGATE_REDIS_URL") {
+        Ok(url) if !url.trim().is_empty() => {
+            // If Redis goes away, each instance keeps limiting on its own.
+            let store = RedisStore::builder(&url)
+                .failure_policy(FailurePolicy::fallback())
+                .build()?;
+            (
+                tollgate_examples::quickstart_app(store, &trusted)?,
+                format!("redis store at {url}"),
+            )
+        }
+        _ => (
+            tollgate_examples::quickstart_app(MemoryStore::new(), &trusted)?,
+            "in-memory store".to_owned(),
+        ),
+    };
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     println!(
-        "tollgate quickstart listening on http://{} (in-memory store)",
+        "tollgate quickstart listening on http://{} ({store})",
         listener.local_addr()?
     );
     tollgate_examples::serve(listener, app).await?;

@@ -35,6 +35,11 @@ impl LeakyBucket {
         self.interval
     }
 
+    /// The longest a request may wait, in nanoseconds.
+    pub fn max_delay(&self) -> u64 {
+        self.max_delay
+    }
+
     /// Unit requests that could be admitted now with a queue ending at `tat`.
     fn remaining(&self, tat: u64, now: u64) -> u64 {
         let queued = tat.saturating_sub(now);

@@ -51,6 +51,16 @@ impl TokenBucket {
         })
     }
 
+    /// Tokens added at each refill.
+    pub fn refill(&self) -> u32 {
+        self.refill
+    }
+
+    /// Nanoseconds between refills.
+    pub fn interval(&self) -> u64 {
+        self.interval
+    }
+
     fn tick(&self, now: u64) -> u64 {
         now.checked_div(self.interval).unwrap_or(0)
     }

@@ -1,0 +1,154 @@
+//! Redis decisions: a GCRA decision through `RedisStore` against the floor
+//! a scripted limiter can reach (`EVALSHA` of a script that only returns)
+//! and a plain `INCR`, on the Redis named by `TOLLGATE_REDIS_URL` (else one
+//! this bench starts on a free port). Each sequentially and with 64
+//! concurrent tasks on one connection; ids `name/tasks`; time per decision.
+#![allow(missing_docs, clippy::unwrap_used, clippy::arithmetic_side_effects)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use redis::aio::ConnectionManager;
+use tollgate_core::{Limit, Limiter, Rate, Rule, Store};
+use tollgate_redis::testing::Server;
+use tollgate_redis::RedisStore;
+
+/// Runs `op` `iters` times split over `tasks` concurrent tasks; returns the
+/// wall time.
+fn run<F, Fut>(rt: &tokio::runtime::Runtime, iters: u64, tasks: u64, op: F) -> Duration
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let op = Arc::new(op);
+    rt.block_on(async {
+        let start = Instant::now();
+        let per_task = iters.div_ceil(tasks);
+        let handles: Vec<_> = (0..tasks)
+            .map(|_| {
+                let op = Arc::clone(&op);
+                tokio::spawn(async move {
+                    for _ in 0..per_task {
+                        op().await;
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.await.unwrap();
+        }
+        start.elapsed()
+    })
+}
+
+fn redis_decide(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let _runtime = rt.enter();
+    let own;
+    let url = match std::env::var("TOLLGATE_REDIS_URL") {
+        Ok(u) if !u.is_empty() => u,
+        _ => {
+            own = Server::start().expect("redis-server is needed for this bench");
+            own.url()
+        }
+    };
+    let store = RedisStore::builder(&url)
+        .prefix("bench")
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let rule = Rule::new(
+        "bench",
+        Limit::gcra(Rate::per_second(1_000_000_000), 1_000_000_000),
+    )
+    .unwrap();
+    let limiter = store.limiter(&rule).unwrap();
+    let conn: ConnectionManager = rt.block_on(async {
+        ConnectionManager::new(redis::Client::open(url.as_str()).unwrap())
+            .await
+            .unwrap()
+    });
+    let noop = Arc::new(redis::Script::new("return 1"));
+
+    let mut g = c.benchmark_group("redis_decide");
+    for tasks in [1u64, 64] {
+        let l = limiter.clone();
+        g.bench_function(BenchmarkId::new("tollgate_gcra", tasks), |b| {
+            b.iter_custom(|iters| {
+                let l = l.clone();
+                run(&rt, iters, tasks, move || {
+                    let l = l.clone();
+                    async move {
+                        assert!(l.decide(b"bench-key", 1).await.unwrap().is_allowed());
+                    }
+                })
+            })
+        });
+        let (c1, s1) = (conn.clone(), Arc::clone(&noop));
+        g.bench_function(BenchmarkId::new("raw_evalsha_noop", tasks), |b| {
+            b.iter_custom(|iters| {
+                let (c1, s1) = (c1.clone(), Arc::clone(&s1));
+                run(&rt, iters, tasks, move || {
+                    let (mut c, s) = (c1.clone(), Arc::clone(&s1));
+                    async move {
+                        let one: i64 = s.key("bench:{noop}").invoke_async(&mut c).await.unwrap();
+                        assert_eq!(one, 1);
+                    }
+                })
+            })
+        });
+        let (c3, s3) = (
+            conn.clone(),
+            Arc::new(redis::Script::new(
+                &std::fs::read_to_string("/tmp/gcra_full.lua").unwrap(),
+            )),
+        );
+        g.bench_function(BenchmarkId::new("scratch_raw_gcra", tasks), |b| {
+            b.iter_custom(|iters| {
+                let (c3, s3) = (c3.clone(), Arc::clone(&s3));
+                run(&rt, iters, tasks, move || {
+                    let (mut c, s) = (c3.clone(), Arc::clone(&s3));
+                    async move {
+                        let r: Vec<i64> = s
+                            .key("bench:{gcra}")
+                            .arg("d")
+                            .arg("1")
+                            .arg("")
+                            .arg("3000")
+                            .arg("1")
+                            .arg("1000000000")
+                            .invoke_async(&mut c)
+                            .await
+                            .unwrap();
+                        assert_eq!(r[0], 0);
+                    }
+                })
+            })
+        });
+        let c2 = conn.clone();
+        g.bench_function(BenchmarkId::new("raw_incr", tasks), |b| {
+            b.iter_custom(|iters| {
+                let c2 = c2.clone();
+                run(&rt, iters, tasks, move || {
+                    let mut c = c2.clone();
+                    async move {
+                        let _: i64 = redis::cmd("INCR")
+                            .arg("bench:{incr}")
+                            .query_async(&mut c)
+                            .await
+                            .unwrap();
+                    }
+                })
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, redis_decide);
+criterion_main!(benches);

@@ -1,0 +1,118 @@
+//! A circuit breaker: stop calling a Redis that keeps failing, probe it
+//! now and then, and go back to it as soon as it answers.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// Monotonic nanoseconds for the breaker (the store passes them in, so
+/// tests can pass their own).
+pub(crate) fn now_nanos() -> u64 {
+    static ORIGIN: OnceLock<Instant> = OnceLock::new();
+    let origin = *ORIGIN.get_or_init(Instant::now);
+    u64::try_from(origin.elapsed().as_nanos())
+        .unwrap_or(u64::MAX)
+        .saturating_add(1)
+}
+
+#[derive(Debug)]
+pub(crate) struct Breaker {
+    threshold: u32,
+    cooldown: u64,
+    failures: AtomicU32,
+    /// 0: closed. Otherwise the instant until which calls are skipped.
+    open_until: AtomicU64,
+    probing: AtomicBool,
+}
+
+/// What the breaker lets a call do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pass {
+    /// Call Redis.
+    Call,
+    /// Call Redis as the one probe of an open breaker.
+    Probe,
+    /// Do not call Redis.
+    Skip,
+}
+
+impl Breaker {
+    pub(crate) fn new(threshold: u32, cooldown: Duration) -> Self {
+        Self {
+            threshold: threshold.max(1),
+            cooldown: u64::try_from(cooldown.as_nanos()).unwrap_or(u64::MAX),
+            failures: AtomicU32::new(0),
+            open_until: AtomicU64::new(0),
+            probing: AtomicBool::new(false),
+        }
+    }
+
+    pub(crate) fn pass(&self, now: u64) -> Pass {
+        let until = self.open_until.load(Ordering::Acquire);
+        if until == 0 {
+            return Pass::Call;
+        }
+        if now < until {
+            return Pass::Skip;
+        }
+        match self
+            .probing
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => Pass::Probe,
+            Err(_) => Pass::Skip,
+        }
+    }
+
+    pub(crate) fn success(&self, pass: Pass) {
+        self.failures.store(0, Ordering::Release);
+        if pass == Pass::Probe || self.open_until.load(Ordering::Acquire) != 0 {
+            self.open_until.store(0, Ordering::Release);
+            self.probing.store(false, Ordering::Release);
+        }
+    }
+
+    /// Records a failure; returns whether the breaker (re)opened.
+    pub(crate) fn failure(&self, pass: Pass, now: u64) -> bool {
+        let failures = self
+            .failures
+            .fetch_add(1, Ordering::AcqRel)
+            .saturating_add(1);
+        if pass == Pass::Probe || failures >= self.threshold {
+            self.open_until
+                .store(now.saturating_add(self.cooldown), Ordering::Release);
+            self.probing.store(false, Ordering::Release);
+            return true;
+        }
+        false
+    }
+
+    pub(crate) fn is_open(&self) -> bool {
+        self.open_until.load(Ordering::Acquire) != 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    #[test]
+    fn opens_after_threshold_and_probes_once_after_cooldown() {
+        let b = Breaker::new(2, Duration::from_millis(20));
+        assert_eq!(b.pass(0), Pass::Call);
+        assert!(!b.failure(Pass::Call, 0));
+        assert!(b.failure(Pass::Call, MS));
+        assert_eq!(b.pass(20 * MS), Pass::Skip);
+        assert_eq!(b.pass(21 * MS), Pass::Probe);
+        assert_eq!(b.pass(21 * MS), Pass::Skip, "only one probe at a time");
+        b.failure(Pass::Probe, 22 * MS);
+        assert_eq!(b.pass(41 * MS), Pass::Skip);
+        let p = b.pass(42 * MS);
+        assert_eq!(p, Pass::Probe);
+        b.success(p);
+        assert_eq!(b.pass(42 * MS), Pass::Call);
+        assert!(!b.is_open());
+    }
+}

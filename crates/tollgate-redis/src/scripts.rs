@@ -1,0 +1,109 @@
+//! The Lua scripts, one per algorithm, and their replies.
+
+use tollgate_core::{Acquire, Algorithm, Decision, Lease, Outcome, RateAlgorithm};
+
+/// A script: its source, loaded with `EVALSHA` (and `EVAL` on `NOSCRIPT`).
+pub(crate) type Script = redis::Script;
+
+macro_rules! script {
+    ($name:ident, $file:literal) => {
+        pub(crate) static $name: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
+            redis::Script::new(concat!(
+                include_str!("scripts/prelude.lua"),
+                include_str!(concat!("scripts/", $file))
+            ))
+        });
+    };
+}
+
+script!(GCRA, "gcra.lua");
+script!(TOKEN_BUCKET, "token_bucket.lua");
+script!(FIXED_WINDOW, "fixed_window.lua");
+script!(SLIDING_COUNTER, "sliding_window_counter.lua");
+script!(SLIDING_LOG, "sliding_window_log.lua");
+script!(LEAKY_BUCKET, "leaky_bucket.lua");
+script!(SEMAPHORE, "semaphore.lua");
+
+/// The script for `algorithm` and its parameters (`ARGV[5..]`).
+pub(crate) fn for_algorithm(algorithm: &Algorithm) -> (&'static Script, Vec<String>) {
+    match algorithm {
+        Algorithm::Gcra(a) => (
+            &GCRA,
+            vec![a.interval().to_string(), a.capacity().to_string()],
+        ),
+        Algorithm::TokenBucket(a) => (
+            &TOKEN_BUCKET,
+            vec![
+                a.capacity().to_string(),
+                a.refill().to_string(),
+                a.interval().to_string(),
+            ],
+        ),
+        Algorithm::FixedWindow(a) => (
+            &FIXED_WINDOW,
+            vec![a.capacity().to_string(), a.window().to_string()],
+        ),
+        Algorithm::SlidingWindowCounter(a) => (
+            &SLIDING_COUNTER,
+            vec![a.capacity().to_string(), a.window().to_string()],
+        ),
+        Algorithm::SlidingWindowLog(a) => (
+            &SLIDING_LOG,
+            vec![a.capacity().to_string(), a.window().to_string()],
+        ),
+        Algorithm::LeakyBucket(a) => (
+            &LEAKY_BUCKET,
+            vec![a.interval().to_string(), a.max_delay().to_string()],
+        ),
+    }
+}
+
+/// A script's reply: integers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Reply(pub(crate) Vec<i64>);
+
+fn nonneg(x: i64) -> u64 {
+    u64::try_from(x).unwrap_or(0)
+}
+
+impl Reply {
+    /// `{kind, a, limit, remaining, reset}`: kind 0 allow (a = delay),
+    /// 1 deny (a = retry after), 2 never. `None` if malformed.
+    pub(crate) fn decision(&self) -> Option<Decision> {
+        let [kind, a, limit, remaining, reset, ..] = self.0.as_slice() else {
+            return None;
+        };
+        let outcome = match kind {
+            0 => Outcome::Allow { delay: nonneg(*a) },
+            1 => Outcome::Deny {
+                retry_after: nonneg(*a),
+            },
+            2 => Outcome::Never,
+            _ => return None,
+        };
+        Some(Decision {
+            outcome,
+            limit: nonneg(*limit),
+            remaining: nonneg(*remaining),
+            reset_after: nonneg(*reset),
+        })
+    }
+
+    /// A decision and, at index 5, the lease id.
+    pub(crate) fn acquire(&self, permits: u32) -> Option<Acquire> {
+        let decision = self.decision()?;
+        let lease = match (decision.is_allowed() && permits > 0, self.0.get(5)) {
+            (true, Some(id)) => Some(Lease {
+                id: nonneg(*id),
+                permits,
+            }),
+            _ => None,
+        };
+        Some(Acquire { decision, lease })
+    }
+
+    /// `{1}` or `{0}`.
+    pub(crate) fn flag(&self) -> bool {
+        self.0.first() == Some(&1)
+    }
+}

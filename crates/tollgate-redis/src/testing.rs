@@ -1,0 +1,242 @@
+//! Redis servers for tests (feature `testing`): each test starts its own
+//! `redis-server` processes on free loopback ports (standalone, or a
+//! 3-master cluster), so tests never share state with each other or with a
+//! Redis on 6379. `redis-server` and `redis-cli` must be on `PATH`; with
+//! `TOLLGATE_REQUIRE_REDIS=1` a missing `redis-server` fails the test,
+//! otherwise the test is skipped with a message.
+#![allow(
+    clippy::unwrap_used,
+    clippy::panic,
+    clippy::arithmetic_side_effects,
+    clippy::expect_used
+)]
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+/// A `redis-server` child process, killed on drop.
+#[derive(Debug)]
+pub struct Server {
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+    child: Option<Child>,
+    dir: PathBuf,
+    cluster: bool,
+}
+
+fn available() -> bool {
+    let found = Command::new("redis-server")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !found {
+        if std::env::var("TOLLGATE_REQUIRE_REDIS").is_ok_and(|v| v == "1") {
+            panic!("redis-server is not on PATH and TOLLGATE_REQUIRE_REDIS=1");
+        }
+        eprintln!(
+            "skipping: redis-server is not on PATH (set TOLLGATE_REQUIRE_REDIS=1 to fail instead)"
+        );
+    }
+    found
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn scratch_dir() -> PathBuf {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "tollgate-redis-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn ping(port: u16) -> bool {
+    Command::new("redis-cli")
+        .args(["-p", &port.to_string(), "ping"])
+        .output()
+        .is_ok_and(|o| o.stdout.starts_with(b"PONG"))
+}
+
+impl Server {
+    fn spawn(port: u16, dir: PathBuf, cluster: bool) -> Self {
+        let mut cmd = Command::new("redis-server");
+        cmd.args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            dir.to_str().unwrap(),
+        ]);
+        if cluster {
+            cmd.args([
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                &format!("nodes-{port}.conf"),
+                "--cluster-node-timeout",
+                "2000",
+            ]);
+        }
+        let child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let server = Self {
+            port,
+            child: Some(child),
+            dir,
+            cluster,
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !ping(port) {
+            assert!(
+                Instant::now() < deadline,
+                "redis-server on {port} did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        server
+    }
+
+    /// A standalone server, or `None` (skip) if redis-server is missing.
+    pub fn start() -> Option<Self> {
+        available().then(|| Self::spawn(free_port(), scratch_dir(), false))
+    }
+
+    /// Its `redis://` URL.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Runs `redis-cli` against it and returns its output.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Suspends the process (a hung Redis: connections stay open, nothing
+    /// answers) or resumes it.
+    pub fn pause(&self, paused: bool) {
+        if let Some(c) = &self.child {
+            let signal = if paused { "-STOP" } else { "-CONT" };
+            let _ = Command::new("kill")
+                .args([signal, &c.id().to_string()])
+                .status();
+        }
+    }
+
+    /// Kills the server (a crash, as far as clients can tell).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts it again on the same port.
+    pub fn restart(&mut self) {
+        self.kill();
+        let again = Self::spawn(self.port, self.dir.clone(), self.cluster);
+        *self = again;
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A 3-master Redis Cluster on free ports.
+#[derive(Debug)]
+pub struct Cluster {
+    /// Its nodes.
+    pub nodes: Vec<Server>,
+}
+
+impl Cluster {
+    /// Three masters, slots assigned, `cluster_state:ok`; `None` (skip)
+    /// if redis-server is missing.
+    pub fn start() -> Option<Self> {
+        if !available() {
+            return None;
+        }
+        let dir = scratch_dir();
+        let nodes: Vec<Server> = (0..3)
+            .map(|_| Server::spawn(free_port(), dir.clone(), true))
+            .collect();
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let out = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "cluster create: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let ok = nodes.iter().all(|n| {
+                Command::new("redis-cli")
+                    .args(["-p", &n.port.to_string(), "cluster", "info"])
+                    .output()
+                    .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("cluster_state:ok"))
+            });
+            if ok {
+                break;
+            }
+            assert!(Instant::now() < deadline, "cluster did not become ok");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Some(Self { nodes })
+    }
+
+    /// The seed-node list, comma-separated.
+    pub fn url(&self) -> String {
+        self.nodes
+            .iter()
+            .map(|n| format!("redis://127.0.0.1:{}", n.port))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+/// A prefix no other store in this process uses.
+pub fn unique_prefix() -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!("t{}", N.fetch_add(1, Ordering::Relaxed))
+}

@@ -1,0 +1,317 @@
+//! The core's conformance suite against Redis: standalone and a 3-master
+//! cluster, with the time passed from the suite's manual clock.
+#![allow(
+    missing_docs,
+    clippy::unwrap_used,
+    clippy::indexing_slicing,
+    clippy::arithmetic_side_effects
+)]
+
+use tollgate_redis::testing as support;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use tollgate_core::{
+    testing, Algorithm, Clock, ConcurrencyLimiter, ConcurrencyRule, Lease, Limit, Limiter,
+    ManualClock, Rate, RateAlgorithm, Rule, SemaphoreState, SlidingWindowCounterState,
+    SlidingWindowLogState, Store,
+};
+use tollgate_redis::RedisStore;
+
+fn factory(url: String) -> impl Fn(ManualClock) -> RedisStore {
+    move |clock| {
+        RedisStore::builder(&url)
+            .prefix(&support::unique_prefix())
+            .client_time(clock)
+            .timeout(std::time::Duration::from_secs(2))
+            .build()
+            .unwrap()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_redis_passes_the_conformance_suite() {
+    let Some(server) = support::Server::start() else {
+        return;
+    };
+    testing::run(factory(server.url())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_passes_the_conformance_suite() {
+    let Some(cluster) = support::Cluster::start() else {
+        return;
+    };
+    testing::run(factory(cluster.url())).await;
+}
+
+/// The suite's three per-rule scenarios for the rule named `name`, on a
+/// standalone server: the first mismatch names the step, key, cost and time.
+async fn matches_the_reference(name: &str) {
+    let Some(server) = support::Server::start() else {
+        return;
+    };
+    let make = factory(server.url());
+    let rule = testing::rules()
+        .into_iter()
+        .find(|r| r.name() == name)
+        .unwrap();
+    let clock = ManualClock::starting_at(testing::START);
+    testing::matches_reference_on_random_trace(&make(clock.clone()), &clock, &rule, 7).await;
+    let clock = ManualClock::starting_at(testing::START);
+    testing::matches_reference_on_random_trace(&make(clock.clone()), &clock, &rule, 0x5eed).await;
+    let clock = ManualClock::starting_at(testing::START);
+    testing::burst_deny_recover(&make(clock.clone()), &clock, &rule).await;
+    let clock = ManualClock::starting_at(testing::START);
+    testing::peek_refund_and_never(&make(clock.clone()), &clock, &rule).await;
+    clock_going_back_matches_the_reference(&make, &rule).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gcra_matches_the_reference() {
+    matches_the_reference("gcra").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_bucket_matches_the_reference() {
+    matches_the_reference("token-bucket").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fixed_window_matches_the_reference() {
+    matches_the_reference("fixed-window").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sliding_counter_matches_the_reference() {
+    matches_the_reference("sliding-counter").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sliding_log_matches_the_reference() {
+    matches_the_reference("sliding-log").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leaky_bucket_matches_the_reference() {
+    matches_the_reference("leaky-bucket").await;
+}
+
+/// Parameters whose products pass 2^53 (a large limit over a long
+/// window): the scripts must stay exact where the core computes in u128.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_parameters_match_the_reference() {
+    let Some(server) = support::Server::start() else {
+        return;
+    };
+    let make = factory(server.url());
+    let day = Duration::from_secs(86_400);
+    let hour = Duration::from_secs(3_600);
+    for (name, limit) in [
+        ("counter-day", Limit::sliding_window_counter(1_000_000, day)),
+        (
+            "counter-week",
+            Limit::sliding_window_counter(u32::MAX, 7 * day),
+        ),
+        (
+            "counter-odd",
+            Limit::sliding_window_counter(999_983, Duration::from_nanos(86_399_999_999_971)),
+        ),
+        ("fixed-day", Limit::fixed_window(1_000_000, day)),
+        (
+            "bucket-big",
+            Limit::token_bucket(u32::MAX, 100_000_000, hour),
+        ),
+        ("bucket-day", Limit::token_bucket(1_000, 70, day)),
+        ("log-day", Limit::sliding_window_log(10_000, day)),
+        (
+            "leaky-day",
+            Limit::leaky_bucket(Rate::new(1_000, day), hour),
+        ),
+        ("gcra-day", Limit::gcra(Rate::new(1_000, day), 10_000)),
+    ] {
+        let rule = Rule::new(name, limit).unwrap();
+        let window = rule.window();
+        // Start a third of a window before a boundary (if that is not far
+        // off); move by 1/1000 windows, at most 20 s, so that times stay
+        // below 2^53 whatever the trace.
+        let boundary = (START / window + 1) * window - window / 3;
+        let start = if boundary < 2 * START {
+            boundary.max(START)
+        } else {
+            START
+        };
+        let unit = (window / 1_000).clamp(1, 20_000_000_000);
+        trace_matches_the_reference(&make, &rule, start, unit).await;
+    }
+}
+
+/// The suite's lease scenario, then a random trace of acquires, releases
+/// and renewals with the clock also going back, against the pure
+/// semaphore.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn semaphore_matches_the_reference() {
+    let Some(server) = support::Server::start() else {
+        return;
+    };
+    let make = factory(server.url());
+    let clock = ManualClock::starting_at(testing::START);
+    testing::concurrency_leases(&make(clock.clone()), &clock).await;
+
+    let clock = ManualClock::starting_at(testing::START);
+    let store = make(clock.clone());
+    let rule = ConcurrencyRule::new("sem", 4, Duration::from_secs(2)).unwrap();
+    let sem = store.concurrency_limiter(&rule).unwrap();
+    let reference = rule.semaphore();
+    let mut states: HashMap<&[u8], SemaphoreState> = HashMap::new();
+    let mut leases: Vec<(&[u8], Lease)> = Vec::new();
+    let mut rng = Lcg(0xc0ffee);
+    let keys: [&[u8]; 2] = [b"a", b"b"];
+    for step in 0..400 {
+        move_clock(&clock, &mut rng, MS);
+        let now = clock.now();
+        let key = keys[rng.below(2) as usize];
+        match rng.below(4) {
+            0 | 1 => {
+                let state = states.entry(key).or_default();
+                let permits = rng.below(6) as u32;
+                let got = sem.acquire(key, permits).await.unwrap();
+                let id = got.lease.map_or(u64::MAX, |l| l.id);
+                let want = reference.acquire(state, now, permits, id);
+                assert_eq!(
+                    got,
+                    want,
+                    "step {step}: acquire {permits} at START+{}",
+                    now - START
+                );
+                if let Some(lease) = got.lease {
+                    leases.push((key, lease));
+                }
+            }
+            op => {
+                if leases.is_empty() {
+                    continue;
+                }
+                let (k, lease) = leases[rng.below(leases.len() as u64) as usize];
+                let state = states.entry(k).or_default();
+                let (got, want) = if op == 2 {
+                    (
+                        sem.release(k, lease).await.unwrap(),
+                        reference.release(state, now, lease.id),
+                    )
+                } else {
+                    (
+                        sem.renew(k, lease).await.unwrap(),
+                        reference.renew(state, now, lease.id),
+                    )
+                };
+                assert_eq!(
+                    got,
+                    want,
+                    "step {step}: op {op} on {lease:?} at START+{}",
+                    now - START
+                );
+            }
+        }
+    }
+}
+
+const START: u64 = testing::START;
+const MS: u64 = 1_000_000;
+
+/// The suite's generator, for traces of our own.
+struct Lcg(u64);
+
+impl Lcg {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (self.0 >> 33) % n
+    }
+}
+
+/// Moves the clock forward, or back by up to 1,500 `unit`s (never below
+/// START).
+fn move_clock(clock: &ManualClock, rng: &mut Lcg, unit: u64) {
+    match rng.below(6) {
+        0 => {}
+        1 => clock.advance_nanos(rng.below(400) * unit),
+        2 => {
+            let back = rng.below(1_500) * unit + rng.below(1_000);
+            clock.set(clock.now().saturating_sub(back).max(START));
+        }
+        _ => clock.advance_nanos(rng.below(60) * unit + rng.below(1_000)),
+    }
+}
+
+#[derive(Default)]
+struct RefState {
+    word: u64,
+    counter: SlidingWindowCounterState,
+    log: SlidingWindowLogState,
+}
+
+/// A random trace in which the clock also goes back: the store must
+/// answer exactly as the pure algorithm does, refunds included.
+async fn clock_going_back_matches_the_reference(
+    make: &impl Fn(ManualClock) -> RedisStore,
+    rule: &Rule,
+) {
+    trace_matches_the_reference(make, rule, START, MS).await;
+}
+
+/// [`clock_going_back_matches_the_reference`] from `start`, with clock
+/// moves in steps of `unit` ns.
+async fn trace_matches_the_reference(
+    make: &impl Fn(ManualClock) -> RedisStore,
+    rule: &Rule,
+    start: u64,
+    unit: u64,
+) {
+    let clock = ManualClock::starting_at(start);
+    let limiter = make(clock.clone()).limiter(rule).unwrap();
+    let mut states: HashMap<&[u8], RefState> = HashMap::new();
+    let mut rng = Lcg(0xbac4);
+    let keys: [&[u8]; 3] = [b"alice", b"bob", b"carol"];
+    let capacity = rule.capacity();
+    for step in 0..600 {
+        move_clock(&clock, &mut rng, unit);
+        let now = clock.now();
+        let key = keys[rng.below(3) as usize];
+        let s = states.entry(key).or_default();
+        if rng.below(8) == 0 {
+            let cost = rng.below(4) as u32;
+            limiter.refund(key, cost).await.unwrap();
+            match rule.algorithm() {
+                Algorithm::Gcra(a) => a.refund(&mut s.word, now, cost),
+                Algorithm::TokenBucket(a) => a.refund(&mut s.word, now, cost),
+                Algorithm::FixedWindow(a) => a.refund(&mut s.word, now, cost),
+                Algorithm::LeakyBucket(a) => a.refund(&mut s.word, now, cost),
+                Algorithm::SlidingWindowCounter(a) => a.refund(&mut s.counter, now, cost),
+                Algorithm::SlidingWindowLog(a) => a.refund(&mut s.log, now, cost),
+            }
+            continue;
+        }
+        let cost = rng.below(capacity + 2) as u32;
+        let got = limiter.decide(key, cost).await.unwrap();
+        let want = match rule.algorithm() {
+            Algorithm::Gcra(a) => a.decide(&mut s.word, now, cost),
+            Algorithm::TokenBucket(a) => a.decide(&mut s.word, now, cost),
+            Algorithm::FixedWindow(a) => a.decide(&mut s.word, now, cost),
+            Algorithm::LeakyBucket(a) => a.decide(&mut s.word, now, cost),
+            Algorithm::SlidingWindowCounter(a) => a.decide(&mut s.counter, now, cost),
+            Algorithm::SlidingWindowLog(a) => a.decide(&mut s.log, now, cost),
+        };
+        assert_eq!(
+            got,
+            want,
+            "rule {} step {step} (clock going back): key {:?} cost {cost} at START+{} ns",
+            rule.name(),
+            String::from_utf8_lossy(key),
+            now - START
+        );
+    }
+}

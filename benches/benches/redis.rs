@@ -102,34 +102,6 @@ fn redis_decide(c: &mut Criterion) {
                 })
             })
         });
-        let (c3, s3) = (
-            conn.clone(),
-            Arc::new(redis::Script::new(
-                &std::fs::read_to_string("/tmp/gcra_full.lua").unwrap(),
-            )),
-        );
-        g.bench_function(BenchmarkId::new("scratch_raw_gcra", tasks), |b| {
-            b.iter_custom(|iters| {
-                let (c3, s3) = (c3.clone(), Arc::clone(&s3));
-                run(&rt, iters, tasks, move || {
-                    let (mut c, s) = (c3.clone(), Arc::clone(&s3));
-                    async move {
-                        let r: Vec<i64> = s
-                            .key("bench:{gcra}")
-                            .arg("d")
-                            .arg("1")
-                            .arg("")
-                            .arg("3000")
-                            .arg("1")
-                            .arg("1000000000")
-                            .invoke_async(&mut c)
-                            .await
-                            .unwrap();
-                        assert_eq!(r[0], 0);
-                    }
-                })
-            })
-        });
         let c2 = conn.clone();
         g.bench_function(BenchmarkId::new("raw_incr", tasks), |b| {
             b.iter_custom(|iters| {

@@ -5,66 +5,11 @@
 //! `layer_overhead`.
 #![allow(missing_docs, clippy::unwrap_used)]
 
-use std::time::Duration;
-
-use axum::body::Body;
-use axum::http::{HeaderValue, Request, StatusCode};
-use axum::routing::get;
+use axum::http::StatusCode;
 use axum::Router;
 use criterion::{criterion_group, criterion_main, Criterion};
-use tollgate::key::Header;
-use tollgate::{Limit, Rate, RateLimitLayer};
+use tollgate_benches::layer::{self, request, router};
 use tower::ServiceExt;
-use tower_governor::governor::GovernorConfigBuilder;
-use tower_governor::key_extractor::KeyExtractor;
-use tower_governor::{GovernorError, GovernorLayer};
-
-fn router() -> Router {
-    Router::new().route("/", get(|| async { "ok" }))
-}
-
-fn request() -> Request<Body> {
-    Request::get("/")
-        .header("x-api-key", "bench-key-0123456789")
-        .body(Body::empty())
-        .unwrap()
-}
-
-/// tower_governor's key from the `x-api-key` header (`HeaderValue`: a
-/// cheap clone, the fairest owned key it allows).
-#[derive(Clone)]
-struct ApiKey;
-
-impl KeyExtractor for ApiKey {
-    type Key = HeaderValue;
-
-    fn extract<T>(&self, req: &Request<T>) -> Result<Self::Key, GovernorError> {
-        req.headers()
-            .get("x-api-key")
-            .cloned()
-            .ok_or(GovernorError::UnableToExtractKey)
-    }
-}
-
-/// Allowed: one unit per nanosecond, a burst worth a second.
-fn tollgate_router(limit: Limit) -> Router {
-    let layer = RateLimitLayer::builder("bench", limit)
-        .key(Header::named("x-api-key").unwrap())
-        .build()
-        .unwrap();
-    router().layer(layer)
-}
-
-fn governor_router(period: Duration, burst: u32) -> Router {
-    let config = GovernorConfigBuilder::default()
-        .period(period)
-        .burst_size(burst)
-        .key_extractor(ApiKey)
-        .use_headers()
-        .finish()
-        .unwrap();
-    router().layer(GovernorLayer::new(config))
-}
 
 fn layer_overhead(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -89,25 +34,25 @@ fn layer_overhead(c: &mut Criterion) {
     run(
         &mut g,
         "tollgate",
-        tollgate_router(Limit::gcra(Rate::per_second(1_000_000_000), 1_000_000_000)),
+        layer::tollgate_allowing(),
         StatusCode::OK,
     );
     run(
         &mut g,
         "tower_governor",
-        governor_router(Duration::from_nanos(1), 1_000_000_000),
+        layer::governor_allowing(),
         StatusCode::OK,
     );
     run(
         &mut g,
         "tollgate_denied",
-        tollgate_router(Limit::gcra(Rate::per_day(1), 1)),
+        layer::tollgate_denying(),
         StatusCode::TOO_MANY_REQUESTS,
     );
     run(
         &mut g,
         "tower_governor_denied",
-        governor_router(Duration::from_secs(86_400), 1),
+        layer::governor_denying(),
         StatusCode::TOO_MANY_REQUESTS,
     );
     g.finish();

@@ -23,3 +23,94 @@ pub fn keys(n: usize, seed: u64) -> Vec<[u8; 16]> {
         })
         .collect()
 }
+
+/// The stacks of the `layer_overhead` group, shared by the bench and the
+/// `layer_instructions` example: an axum router with one handler, bare or
+/// behind each limiter, keyed on `x-api-key`, headers on.
+pub mod layer {
+    use std::time::Duration;
+
+    use axum::body::Body;
+    use axum::http::{HeaderValue, Request};
+    use axum::routing::get;
+    use axum::Router;
+    use tollgate::key::Header;
+    use tollgate::{Limit, Rate, RateLimitLayer};
+    use tower_governor::governor::GovernorConfigBuilder;
+    use tower_governor::key_extractor::KeyExtractor;
+    use tower_governor::{GovernorError, GovernorLayer};
+
+    /// The router alone.
+    pub fn router() -> Router {
+        Router::new().route("/", get(|| async { "ok" }))
+    }
+
+    /// The request every stack serves.
+    pub fn request() -> Request<Body> {
+        let mut req = Request::new(Body::empty());
+        req.headers_mut().insert(
+            "x-api-key",
+            HeaderValue::from_static("bench-key-0123456789"),
+        );
+        req
+    }
+
+    /// tower_governor's key from the `x-api-key` header (`HeaderValue`: a
+    /// cheap clone, the fairest owned key it allows).
+    #[derive(Clone, Debug)]
+    pub struct ApiKey;
+
+    impl KeyExtractor for ApiKey {
+        type Key = HeaderValue;
+
+        fn extract<T>(&self, req: &Request<T>) -> Result<Self::Key, GovernorError> {
+            req.headers()
+                .get("x-api-key")
+                .cloned()
+                .ok_or(GovernorError::UnableToExtractKey)
+        }
+    }
+
+    /// The router behind tollgate's layer enforcing `limit`.
+    pub fn tollgate(limit: Limit) -> Router {
+        let key = Header::named("x-api-key").unwrap_or_else(|e| unreachable!("{e}"));
+        let layer = RateLimitLayer::builder("bench", limit)
+            .key(key)
+            .build()
+            .unwrap_or_else(|e| unreachable!("{e}"));
+        router().layer(layer)
+    }
+
+    /// A quota no request exhausts: one unit per ns, a burst worth a second.
+    pub fn tollgate_allowing() -> Router {
+        tollgate(Limit::gcra(Rate::per_second(1_000_000_000), 1_000_000_000))
+    }
+
+    /// One unit a day: after the first request, every call is a 429.
+    pub fn tollgate_denying() -> Router {
+        tollgate(Limit::gcra(Rate::per_day(1), 1))
+    }
+
+    /// The router behind tower_governor's layer: one cell per `period`,
+    /// bursts of `burst`.
+    pub fn governor(period: Duration, burst: u32) -> Router {
+        let config = GovernorConfigBuilder::default()
+            .period(period)
+            .burst_size(burst)
+            .key_extractor(ApiKey)
+            .use_headers()
+            .finish()
+            .unwrap_or_else(|| unreachable!("valid governor config"));
+        router().layer(GovernorLayer::new(config))
+    }
+
+    /// tower_governor with a quota no request exhausts.
+    pub fn governor_allowing() -> Router {
+        governor(Duration::from_nanos(1), 1_000_000_000)
+    }
+
+    /// tower_governor with one cell a day.
+    pub fn governor_denying() -> Router {
+        governor(Duration::from_secs(86_400), 1)
+    }
+}

@@ -128,12 +128,14 @@ impl Reference {
     }
 }
 
-/// A small deterministic generator, so traces are the same for every store.
-#[derive(Debug)]
-struct Lcg(u64);
+/// A small deterministic generator, so traces are the same for every store
+/// (and a store's own tests can build traces of their own the same way).
+#[derive(Debug, Clone)]
+pub struct Lcg(pub u64);
 
 impl Lcg {
-    fn below(&mut self, n: u64) -> u64 {
+    /// The next number in `0..n` (`n` > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
         self.0 = self
             .0
             .wrapping_mul(6_364_136_223_846_793_005)

@@ -221,17 +221,7 @@ const START: u64 = testing::START;
 const MS: u64 = 1_000_000;
 
 /// The suite's generator, for traces of our own.
-struct Lcg(u64);
-
-impl Lcg {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        (self.0 >> 33) % n
-    }
-}
+use testing::Lcg;
 
 /// Moves the clock forward, or back by up to 1,500 `unit`s (never below
 /// START).

@@ -19,7 +19,9 @@
 //!   and a circuit breaker stops calling a dead Redis — probing it every
 //!   half second — so an outage adds neither seconds of latency nor 5xx
 //!   to the protected service. Faults are logged at most once a second and
-//!   counted in [`RedisStore::stats`].
+//!   counted, in [`RedisStore::stats`] and as the metric
+//!   `tollgate_store_calls_total{store="redis", result=ok|error|timeout|skipped}`
+//!   (registered when the store is built: install the recorder first).
 //!
 //! ```no_run
 //! use tollgate_core::{Limit, Limiter, Rate, Rule, Store};
@@ -120,13 +122,59 @@ pub struct RedisStats {
     pub skipped: u64,
 }
 
-#[derive(Debug, Default)]
+/// One outcome of a store call: counted for [`RedisStore::stats`] and
+/// exported as `tollgate_store_calls_total{store="redis", result=...}`.
+#[derive(Debug)]
+struct Tally {
+    count: AtomicU64,
+    metric: metrics::Counter,
+}
+
+impl Tally {
+    fn new(result: &'static str) -> Self {
+        Self {
+            count: AtomicU64::new(0),
+            metric: metrics::counter!(
+                "tollgate_store_calls_total",
+                "store" => "redis",
+                "result" => result
+            ),
+        }
+    }
+
+    fn add(&self) {
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.metric.increment(1);
+    }
+
+    fn get(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+}
+
+#[derive(Debug)]
 struct Counters {
-    ok: AtomicU64,
-    errors: AtomicU64,
-    timeouts: AtomicU64,
-    skipped: AtomicU64,
+    ok: Tally,
+    errors: Tally,
+    timeouts: Tally,
+    skipped: Tally,
     last_log: AtomicU64,
+}
+
+impl Counters {
+    fn register() -> Self {
+        metrics::describe_counter!(
+            "tollgate_store_calls_total",
+            "Calls to the Redis store by result: ok, error, timeout, skipped (breaker open)"
+        );
+        Self {
+            ok: Tally::new("ok"),
+            errors: Tally::new("error"),
+            timeouts: Tally::new("timeout"),
+            skipped: Tally::new("skipped"),
+            last_log: AtomicU64::new(0),
+        }
+    }
 }
 
 type SharedClock = Arc<dyn Clock>;
@@ -196,10 +244,10 @@ impl RedisStore {
     pub fn stats(&self) -> RedisStats {
         let c = &self.inner.counters;
         RedisStats {
-            ok: c.ok.load(Ordering::Relaxed),
-            errors: c.errors.load(Ordering::Relaxed),
-            timeouts: c.timeouts.load(Ordering::Relaxed),
-            skipped: c.skipped.load(Ordering::Relaxed),
+            ok: c.ok.get(),
+            errors: c.errors.get(),
+            timeouts: c.timeouts.get(),
+            skipped: c.skipped.get(),
         }
     }
 
@@ -283,7 +331,7 @@ impl RedisStoreBuilder {
                 policy: self.policy,
                 client_time: self.client_time,
                 breaker: Breaker::new(self.breaker_threshold, self.breaker_cooldown),
-                counters: Counters::default(),
+                counters: Counters::register(),
             }),
         })
     }
@@ -316,7 +364,7 @@ impl Inner {
     ) -> Result<Reply, StoreError> {
         let pass = self.breaker.pass(now_nanos());
         if pass == Pass::Skip {
-            self.counters.skipped.fetch_add(1, Ordering::Relaxed);
+            self.counters.skipped.add();
             return Err(StoreError::new(
                 StoreErrorKind::Unavailable,
                 "circuit breaker open",
@@ -326,15 +374,15 @@ impl Inner {
             match tokio::time::timeout(self.timeout, self.conn.invoke(script, keys, args)).await {
                 Ok(Ok(reply)) => Ok(reply),
                 Ok(Err(e)) if e.is_timeout() => {
-                    self.counters.timeouts.fetch_add(1, Ordering::Relaxed);
+                    self.counters.timeouts.add();
                     Err(StoreError::new(StoreErrorKind::Timeout, e.to_string()))
                 }
                 Ok(Err(e)) => {
-                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                    self.counters.errors.add();
                     Err(StoreError::new(StoreErrorKind::Unavailable, e.to_string()))
                 }
                 Err(_) => {
-                    self.counters.timeouts.fetch_add(1, Ordering::Relaxed);
+                    self.counters.timeouts.add();
                     Err(StoreError::new(
                         StoreErrorKind::Timeout,
                         format!("no answer within {:?}", self.timeout),
@@ -343,7 +391,7 @@ impl Inner {
             };
         match &result {
             Ok(_) => {
-                self.counters.ok.fetch_add(1, Ordering::Relaxed);
+                self.counters.ok.add();
                 self.breaker.success(pass);
             }
             Err(e) => {

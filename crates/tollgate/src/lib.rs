@@ -46,7 +46,8 @@
 //! - [`key`]: who a request counts against;
 //! - [`cost`]: what it costs;
 //! - [`rate_limit`]: the layer, and why it decides in `call`;
-//! - [`headers`] and [`rejection`]: what clients see.
+//! - [`headers`] and [`rejection`]: what clients see;
+//! - [`observe`]: the metrics every layer exports.
 //!
 //! The decision engine ([`tollgate_core`]) and the in-memory store
 //! ([`tollgate_memory`]) are re-exported.
@@ -74,6 +75,7 @@ pub mod cost;
 pub mod headers;
 mod ip;
 pub mod key;
+pub mod observe;
 pub mod rate_limit;
 pub mod rejection;
 

@@ -294,7 +294,7 @@ pub(crate) fn sem_op() -> impl Strategy<Value = SemOp> {
 /// id that was never issued.
 pub(crate) fn pick_id(issued: &[u64], seed: u32) -> u64 {
     let n = u32::try_from(issued.len()).unwrap();
-    if n == 0 || seed % 5 == 0 {
+    if n == 0 || seed.is_multiple_of(5) {
         u64::MAX - u64::from(seed % 3)
     } else {
         issued[usize::try_from(seed / 5 % n).unwrap()]

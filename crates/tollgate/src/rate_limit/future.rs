@@ -2,6 +2,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
+use std::time::Duration;
 
 use http::{Request, Response};
 use pin_project_lite::pin_project;
@@ -95,6 +96,7 @@ where
     let decision = match result {
         Ok(decision) => decision,
         Err(error) => {
+            responder.metrics.store_error.increment(1);
             // Never let a store fault fail the request.
             tracing::warn!(
                 target: "tollgate",
@@ -105,13 +107,24 @@ where
             return State::calling(inner.call(request));
         }
     };
+    let m = &responder.metrics;
+    match decision.outcome {
+        Outcome::Allow { .. } => m.allowed.increment(1),
+        Outcome::Deny { .. } | Outcome::Never if responder.shadow => m.shadow_limited.increment(1),
+        Outcome::Deny { retry_after } => {
+            m.limited.increment(1);
+            m.retry_after
+                .record(Duration::from_nanos(retry_after).as_secs_f64());
+        }
+        Outcome::Never => m.too_costly.increment(1),
+    }
     match decision.outcome {
         Outcome::Allow { delay: 0 } => State::Calling {
             future: inner.call(request),
             decision: Some(decision),
         },
         Outcome::Allow { delay } => State::Pacing {
-            sleep: Box::pin(tokio::time::sleep(std::time::Duration::from_nanos(delay))),
+            sleep: Box::pin(tokio::time::sleep(Duration::from_nanos(delay))),
             waiting: Some(Box::new((request, inner.into_owned()))),
             decision,
         },

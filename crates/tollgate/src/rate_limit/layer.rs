@@ -11,6 +11,7 @@ use super::service::{RateLimit, RateLimitErrors};
 use crate::cost::Fixed;
 use crate::headers::Headers;
 use crate::key::PeerIp;
+use crate::observe::Metrics;
 use crate::rejection::{Rejected, Rendered};
 
 /// What to do with a request whose key cannot be extracted (no API key
@@ -41,6 +42,7 @@ pub(crate) struct Responder {
     pub(crate) shadow: bool,
     pub(crate) rejection: Option<RejectFn>,
     pub(crate) rendered: Rendered,
+    pub(crate) metrics: Metrics,
 }
 
 impl Responder {
@@ -297,7 +299,8 @@ impl<K, C, St> RateLimitLayerBuilder<K, C, St> {
 }
 
 impl<K, C, St: Store> RateLimitLayerBuilder<K, C, St> {
-    /// Validates the rule and binds it to the store.
+    /// Validates the rule and binds it to the store. Registers the layer's
+    /// [metrics](crate::observe) with the recorder installed now.
     pub fn build(self) -> Result<RateLimitLayer<K, C, St::Limiter>, ConfigError> {
         let rule = Rule::new(&self.name, self.limit)?;
         let limiter = self.store.limiter(&rule)?;
@@ -313,6 +316,7 @@ impl<K, C, St: Store> RateLimitLayerBuilder<K, C, St> {
                     shadow: self.shadow,
                     rejection: self.rejection,
                     rendered: Rendered::new(rule.name(), rule.capacity()),
+                    metrics: Metrics::register(rule.name()),
                 }),
             }),
         })

@@ -58,8 +58,12 @@ where
     let mut key = KeyBuf::new();
     if shared.key.extract(&req, &mut key).is_none() {
         match &shared.missing {
-            MissingKey::Skip => return State::calling(inner.call(req)),
+            MissingKey::Skip => {
+                shared.responder.metrics.unkeyed.increment(1);
+                return State::calling(inner.call(req));
+            }
             MissingKey::Reject => {
+                shared.responder.metrics.missing_key.increment(1);
                 return State::Rejected {
                     rejected: Some(Rejected {
                         rule: Arc::clone(&shared.responder.rule),
@@ -67,7 +71,7 @@ where
                         decision: None,
                         grpc,
                     }),
-                }
+                };
             }
             MissingKey::Fallback(fallback) => {
                 key = KeyBuf::new();

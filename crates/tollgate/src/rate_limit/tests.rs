@@ -376,3 +376,96 @@ fn build_errors_name_the_field() {
         .unwrap_err();
     assert_eq!(err.field(), "burst");
 }
+
+/// A recorder that keeps counters by `name{label=value,...}`.
+#[derive(Default)]
+struct Recorded(std::sync::Mutex<Vec<(String, std::sync::Arc<std::sync::atomic::AtomicU64>)>>);
+
+impl Recorded {
+    fn get(&self, name: &str) -> u64 {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(n, _)| n == name)
+            .map_or(0, |(_, c)| c.load(std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+impl metrics::Recorder for Recorded {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        let labels: Vec<String> = key
+            .labels()
+            .map(|l| format!("{}={}", l.key(), l.value()))
+            .collect();
+        let name = format!("{}{{{}}}", key.name(), labels.join(","));
+        let counter = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        self.0
+            .lock()
+            .unwrap()
+            .push((name, std::sync::Arc::clone(&counter)));
+        metrics::Counter::from_arc(counter)
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+#[tokio::test]
+async fn decisions_are_counted_by_rule_and_outcome_never_by_key() {
+    let recorder = Recorded::default();
+    let clock = ManualClock::starting_at(1);
+    let layer = metrics::with_local_recorder(&recorder, || {
+        per_key(&clock, Limit::fixed_window(2, Duration::from_secs(60)))
+            .cost(|req: &Req| if req.uri().path() == "/huge" { 3 } else { 1 })
+            .build()
+            .unwrap()
+    });
+    let svc = layer.layer(service_fn(ok));
+    for _ in 0..3 {
+        svc.clone().oneshot(req("secret-api-key")).await.unwrap();
+    }
+    let huge = Request::get("/huge")
+        .header("x-api-key", "other")
+        .body(String::new())
+        .unwrap();
+    svc.clone().oneshot(huge).await.unwrap();
+    let name = |outcome: &str| format!("tollgate_requests_total{{rule=per-key,outcome={outcome}}}");
+    assert_eq!(recorder.get(&name("allowed")), 2);
+    assert_eq!(recorder.get(&name("limited")), 1);
+    assert_eq!(recorder.get(&name("too_costly")), 1);
+    assert!(recorder
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .all(|(n, _)| !n.contains("secret")));
+}

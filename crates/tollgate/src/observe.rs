@@ -1,0 +1,53 @@
+//! Metrics, through the [`metrics`] facade: install a recorder (Prometheus,
+//! StatsD, ...) **before** building layers; each layer registers its
+//! handles once, when it is built, so a decision costs one atomic add.
+//!
+//! | metric | kind | labels |
+//! |---|---|---|
+//! | `tollgate_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `shadow_limited` (denied but let through), `missing_key` (rejected), `unkeyed` (let through unlimited), `store_error` (let through) |
+//! | `tollgate_retry_after_seconds` | histogram | `rule` |
+//!
+//! Labels carry the rule's name, never a client key.
+
+use metrics::{Counter, Histogram};
+
+#[derive(Debug, Clone)]
+pub(crate) struct Metrics {
+    pub(crate) allowed: Counter,
+    pub(crate) limited: Counter,
+    pub(crate) too_costly: Counter,
+    pub(crate) shadow_limited: Counter,
+    pub(crate) missing_key: Counter,
+    pub(crate) unkeyed: Counter,
+    pub(crate) store_error: Counter,
+    pub(crate) retry_after: Histogram,
+}
+
+const REQUESTS: &str = "tollgate_requests_total";
+const RETRY_AFTER: &str = "tollgate_retry_after_seconds";
+
+impl Metrics {
+    /// Registers the handles of `rule` with the current recorder.
+    pub(crate) fn register(rule: &str) -> Self {
+        metrics::describe_counter!(
+            REQUESTS,
+            "Requests decided by a tollgate rate limit, by rule and outcome"
+        );
+        metrics::describe_histogram!(
+            RETRY_AFTER,
+            metrics::Unit::Seconds,
+            "Retry-After of requests denied for now"
+        );
+        let counter = |outcome: &'static str| metrics::counter!(REQUESTS, "rule" => rule.to_owned(), "outcome" => outcome);
+        Self {
+            allowed: counter("allowed"),
+            limited: counter("limited"),
+            too_costly: counter("too_costly"),
+            shadow_limited: counter("shadow_limited"),
+            missing_key: counter("missing_key"),
+            unkeyed: counter("unkeyed"),
+            store_error: counter("store_error"),
+            retry_after: metrics::histogram!(RETRY_AFTER, "rule" => rule.to_owned()),
+        }
+    }
+}

@@ -73,6 +73,18 @@ async fn hostile_keys_and_costs_never_get_a_5xx() {
         assert!(r.headers.get("retry-after").is_none(), "cost {cost}");
         assert!(r.body.contains("never succeed"), "{}", r.body);
     }
+    // A claimed zero is not a free pass: it costs one.
+    let zero = || {
+        Request::post("/batch")
+            .header("x-api-key", "zero")
+            .header("x-batch-size", "0")
+            .body(Bytes::new())
+            .unwrap()
+    };
+    for i in 0..10 {
+        assert_eq!(send(addr, zero()).await.unwrap().status, 200, "request {i}");
+    }
+    assert_eq!(send(addr, zero()).await.unwrap().status, 429);
     // A cost that fits is charged.
     let req = Request::post("/batch")
         .header("x-api-key", "costly")

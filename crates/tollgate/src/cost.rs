@@ -161,7 +161,8 @@ fn check_cap(default: u32, cap: u32) -> Result<(), ConfigError> {
     Ok(())
 }
 
-/// A count from a header (a batch size), `min(n, cap)`. Absent: `default`.
+/// A count from a header (a batch size), clamped to `1..=cap`: a client
+/// cannot make a request free by claiming zero items. Absent: `default`.
 /// Not a number: `cap` (a client that sends nonsense pays the most).
 #[derive(Debug, Clone)]
 pub struct HeaderCost {
@@ -186,13 +187,13 @@ impl<B> Cost<B> for HeaderCost {
     fn cost(&self, req: &Request<B>) -> u32 {
         match req.headers().get(&self.name) {
             None => self.default,
-            Some(v) => parse_count(v.as_bytes()).map_or(self.cap, |n| n.min(self.cap)),
+            Some(v) => parse_count(v.as_bytes()).map_or(self.cap, |n| n.clamp(1, self.cap)),
         }
     }
 }
 
-/// A count from a query parameter (`?count=25`), `min(n, cap)`. Absent:
-/// `default`. Not a number: `cap`.
+/// A count from a query parameter (`?count=25`), clamped to `1..=cap`.
+/// Absent: `default`. Not a number: `cap`.
 #[derive(Debug, Clone)]
 pub struct QueryCost {
     param: Box<str>,
@@ -227,7 +228,7 @@ impl<B> Cost<B> for QueryCost {
                 (k == &*self.param).then_some(v)
             })
             .map_or(self.default, |v| {
-                parse_count(v.as_bytes()).map_or(self.cap, |n| n.min(self.cap))
+                parse_count(v.as_bytes()).map_or(self.cap, |n| n.clamp(1, self.cap))
             })
     }
 }
@@ -243,8 +244,12 @@ pub struct BodyLength {
 }
 
 impl BodyLength {
-    /// One unit per `bytes_per_unit` bytes.
+    /// One unit per `bytes_per_unit` bytes; `min` must be at least 1 (a
+    /// cost of 0 would make empty bodies free).
     pub fn new(bytes_per_unit: u64, min: u32, cap: u32) -> Result<Self, ConfigError> {
+        if min == 0 {
+            return Err(ConfigError::new("min", "must be at least 1"));
+        }
         check_cap(min, cap).map_err(|e| {
             if e.field() == "default" {
                 ConfigError::new("min", "must not exceed `cap`")
@@ -314,6 +319,8 @@ mod tests {
         };
         assert_eq!(h.cost(&req(Method::POST, "/")), 1);
         assert_eq!(with(b"7"), 7);
+        assert_eq!(with(b"0"), 1, "a claimed zero still costs one");
+        assert_eq!(with(b"000"), 1);
         assert_eq!(with(b" 7 "), 7);
         assert_eq!(with(b"99999999999999999999999"), 50);
         assert_eq!(with(b"-1"), 50);
@@ -321,6 +328,7 @@ mod tests {
         let q = QueryCost::named("count", 1, 20).unwrap();
         assert_eq!(q.cost(&req(Method::GET, "/?a=1&count=5")), 5);
         assert_eq!(q.cost(&req(Method::GET, "/?count=lots")), 20);
+        assert_eq!(q.cost(&req(Method::GET, "/?count=0")), 1);
         assert_eq!(q.cost(&req(Method::GET, "/?counter=5")), 1);
         assert_eq!(HeaderCost::named("x-n", 5, 0).unwrap_err().field(), "cap");
         assert_eq!(

@@ -46,14 +46,14 @@ pub(crate) fn t_secs(d: &Decision) -> u64 {
 
 /// A small stack buffer for formatting header values.
 pub(crate) struct Buf {
-    bytes: [u8; 96],
+    bytes: [u8; 160],
     len: usize,
 }
 
 impl Buf {
     pub(crate) fn new() -> Self {
         Self {
-            bytes: [0; 96],
+            bytes: [0; 160],
             len: 0,
         }
     }
@@ -151,10 +151,12 @@ impl Headers {
         }
     }
 
-    /// Adds the headers for `d` (and `Retry-After` if it is a denial).
-    pub(crate) fn apply(&self, headers: &mut HeaderMap, d: &Decision) {
+    /// Adds the headers for `d`, and `Retry-After` when `rejected` and the
+    /// decision is a denial for now (never on a response the inner service
+    /// produced, e.g. in shadow mode).
+    pub(crate) fn apply(&self, headers: &mut HeaderMap, d: &Decision, rejected: bool) {
         let t = t_secs(d);
-        if let Outcome::Deny { retry_after } = d.outcome {
+        if let (true, Outcome::Deny { retry_after }) = (rejected, d.outcome) {
             if let Some(v) = number(retry_after_secs(retry_after)) {
                 headers.insert(RETRY_AFTER, v);
             }
@@ -215,6 +217,7 @@ mod tests {
                 0,
                 2_000_000_000,
             ),
+            true,
         );
         assert_eq!(m["ratelimit-policy"], "\"per-key\";q=20;w=2");
         assert_eq!(m["ratelimit"], "\"per-key\";r=0;t=1");
@@ -227,8 +230,20 @@ mod tests {
         h.apply(
             &mut m,
             &decision(Outcome::Allow { delay: 0 }, 17, 300_000_000),
+            false,
         );
         assert_eq!(m["ratelimit"], "\"per-key\";r=17;t=1");
+        assert!(m.get("retry-after").is_none());
+
+        // A denial let through (shadow mode) reports but does not tell the
+        // client to retry later.
+        let mut m = HeaderMap::new();
+        h.apply(
+            &mut m,
+            &decision(Outcome::Deny { retry_after: 1 }, 0, 1),
+            false,
+        );
+        assert_eq!(m["ratelimit"], "\"per-key\";r=0;t=1");
         assert!(m.get("retry-after").is_none());
     }
 
@@ -256,7 +271,7 @@ mod tests {
         let rule = Rule::new("w", Limit::fixed_window(5, Duration::from_millis(1_500))).unwrap();
         let h = Headers::new(&rule, true, false);
         let mut m = HeaderMap::new();
-        h.apply(&mut m, &decision(Outcome::Allow { delay: 0 }, 4, 0));
+        h.apply(&mut m, &decision(Outcome::Allow { delay: 0 }, 4, 0), false);
         assert_eq!(m["ratelimit-policy"], "\"w\";q=5;w=2");
         assert!(m.get("x-ratelimit-limit").is_none());
     }

@@ -47,6 +47,13 @@ impl FromStr for Cidr {
                 .filter(|l| *l <= width)
                 .ok_or_else(|| format!("{s:?} has an invalid prefix length"))?,
         };
+        // An IPv4-mapped IPv6 range is an IPv4 range: addresses are
+        // compared in their canonical (IPv4) form.
+        if let IpAddr::V6(v6) = ip {
+            if let (Some(v4), Some(len4)) = (v6.to_ipv4_mapped(), len.checked_sub(96)) {
+                return Self::from_str(&format!("{v4}/{len4}"));
+            }
+        }
         let keep = u128::MAX
             .checked_shl(128u32.saturating_sub(len))
             .unwrap_or(0);
@@ -81,6 +88,8 @@ mod tests {
         assert!(all.contains("1.2.3.4".parse().unwrap()));
         let v6: Cidr = "2001:db8::/32".parse().unwrap();
         assert!(v6.contains("2001:db8:ffff::1".parse().unwrap()));
+        let mapped: Cidr = "::ffff:10.0.0.0/104".parse().unwrap();
+        assert!(mapped.contains("10.1.2.3".parse().unwrap()));
         let one: Cidr = "192.168.1.1".parse().unwrap();
         assert!(one.contains("192.168.1.1".parse().unwrap()));
         assert!(!one.contains("192.168.1.2".parse().unwrap()));

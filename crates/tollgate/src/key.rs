@@ -291,13 +291,16 @@ impl<A, O> Or<A, O> {
 
 impl<B, A: KeyExtractor<B>, O: KeyExtractor<B>> KeyExtractor<B> for Or<A, O> {
     fn extract(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()> {
+        // Both branches are tagged, so "API key 1.2.3.4" is not "IP
+        // 1.2.3.4", and in a chain `a.or(b).or(c)` every branch has its own
+        // path of tags.
         let mark = key.mark();
+        key.push(b"\x01or0");
         if self.0.extract(req, key).is_some() {
             return Some(());
         }
         key.reset(mark);
-        // A tag keeps "api key = 1.2.3.4" apart from "IP 1.2.3.4".
-        key.push(b"\x01or");
+        key.push(b"\x01or1");
         self.1.extract(req, key)
     }
 }
@@ -530,11 +533,14 @@ impl ClientIp {
         };
         let mut client = peer;
         // Multiple header lines form one list, in order; walk it backwards.
+        // Entries are decoded one by one: a stray non-UTF-8 byte to the
+        // left (client-controlled) must not hide the entries our proxies
+        // appended to its right.
         for value in req.headers().get_all(name).iter().rev() {
-            let Ok(value) = value.to_str() else {
-                return Some(client);
-            };
-            for entry in value.rsplit(',') {
+            for entry in value.as_bytes().rsplit(|b| *b == b',') {
+                let Ok(entry) = std::str::from_utf8(entry) else {
+                    return Some(client);
+                };
                 let parsed = match self.header {
                     ForwardedHeader::XForwardedFor => parse_ip(entry),
                     ForwardedHeader::Forwarded => forwarded_for(entry).and_then(parse_ip),
@@ -711,6 +717,44 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    #[test]
+    fn non_utf8_bytes_left_of_the_proxies_do_not_hide_the_client() {
+        let c = ClientIp::trusting(["10.0.0.0/8"]).unwrap();
+        let mut r = Request::builder()
+            .header(
+                "x-forwarded-for",
+                http::HeaderValue::from_bytes(b"\xff, 203.0.113.7").unwrap(),
+            )
+            .body(())
+            .unwrap();
+        r.extensions_mut()
+            .insert("10.0.0.1:1".parse::<SocketAddr>().unwrap());
+        assert_eq!(c.client_ip(&r), Some("203.0.113.7".parse().unwrap()));
+    }
+
+    #[test]
+    fn chained_or_branches_never_share_a_key() {
+        let k = Header::named("x-api-key")
+            .unwrap()
+            .or(Header::named("x-user").unwrap())
+            .or(PeerIp::new());
+        let mut by_user = Request::builder()
+            .header("x-user", "abcd")
+            .body(())
+            .unwrap();
+        by_user
+            .extensions_mut()
+            .insert("1.1.1.1:1".parse::<SocketAddr>().unwrap());
+        let mut by_ip = Request::builder().body(()).unwrap();
+        by_ip
+            .extensions_mut()
+            .insert("97.98.99.100:1".parse::<SocketAddr>().unwrap());
+        let (mut a, mut b) = (KeyBuf::new(), KeyBuf::new());
+        k.extract(&by_user, &mut a).unwrap();
+        k.extract(&by_ip, &mut b).unwrap();
+        assert_ne!(bytes(&mut a), bytes(&mut b));
     }
 
     #[test]

@@ -87,13 +87,18 @@ impl Rejected {
         let limit = self.decision.map_or(0, |d| d.limit);
         let message = grpc_message(self.reason, &self.rule, limit);
         let pushback = match (self.reason, self.decision.and_then(|d| d.retry_after())) {
-            (Reason::Limited, Some(r)) => {
-                Some(u64::try_from(r.as_millis()).unwrap_or(u64::MAX).max(1))
-            }
+            (Reason::Limited, Some(r)) => Some(pushback_ms(r)),
             _ => None,
         };
         grpc_response(self.reason, message, pushback)
     }
+}
+
+/// Milliseconds a gRPC client should wait: rounded up, at least 1.
+fn pushback_ms(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_nanos().div_ceil(1_000_000))
+        .unwrap_or(u64::MAX)
+        .max(1)
 }
 
 /// The human-readable explanation. `secs` is the retry delay as text.
@@ -213,9 +218,7 @@ impl Rendered {
                 Reason::MissingKey => 2,
             };
             let pushback = match (r.reason, r.decision.and_then(|d| d.retry_after())) {
-                (Reason::Limited, Some(d)) => {
-                    Some(u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1))
-                }
+                (Reason::Limited, Some(d)) => Some(pushback_ms(d)),
                 _ => None,
             };
             let message = self

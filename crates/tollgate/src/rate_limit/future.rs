@@ -279,7 +279,7 @@ where
             Finished::Response(response, decision) => {
                 let mut response = response.map(ResponseBody::inner);
                 if let Some(d) = decision {
-                    responder.headers.apply(response.headers_mut(), &d);
+                    responder.headers.apply(response.headers_mut(), &d, false);
                 }
                 response
             }
@@ -334,7 +334,7 @@ where
         match ready!(this.state.poll_state(cx, responder)).map_err(Into::into)? {
             Finished::Response(mut response, decision) => {
                 if let Some(d) = decision {
-                    responder.headers.apply(response.headers_mut(), &d);
+                    responder.headers.apply(response.headers_mut(), &d, false);
                 }
                 Poll::Ready(Ok(response))
             }

@@ -52,7 +52,7 @@ impl Responder {
             _ => self.rendered.render(rejected),
         };
         if let Some(d) = &rejected.decision {
-            self.headers.apply(res.headers_mut(), d);
+            self.headers.apply(res.headers_mut(), d, true);
         }
         res
     }

@@ -64,7 +64,7 @@ fn redis_decide(c: &mut Criterion) {
         .unwrap();
     let rule = Rule::new(
         "bench",
-        Limit::gcra(Rate::per_second(1_000_000_000), 1_000_000_000),
+        Limit::gcra(Rate::per_second(1_000_000), 1_000_000_000),
     )
     .unwrap();
     let limiter = store.limiter(&rule).unwrap();

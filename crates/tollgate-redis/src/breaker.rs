@@ -87,8 +87,53 @@ impl Breaker {
         false
     }
 
+    /// Takes a pass that settles itself: dropped before `success` or
+    /// `failure` (the call was cancelled), a probe counts as a failure, so
+    /// the breaker can never be left waiting for a probe that will not
+    /// report.
+    pub(crate) fn enter(&self, now: u64) -> Attempt<'_> {
+        Attempt {
+            breaker: self,
+            pass: self.pass(now),
+            settled: false,
+        }
+    }
+
     pub(crate) fn is_open(&self) -> bool {
         self.open_until.load(Ordering::Acquire) != 0
+    }
+}
+
+/// A pass that settles itself; see [`Breaker::enter`].
+#[derive(Debug)]
+pub(crate) struct Attempt<'a> {
+    breaker: &'a Breaker,
+    pass: Pass,
+    settled: bool,
+}
+
+impl Attempt<'_> {
+    pub(crate) fn pass(&self) -> Pass {
+        self.pass
+    }
+
+    pub(crate) fn success(mut self) {
+        self.settled = true;
+        self.breaker.success(self.pass);
+    }
+
+    /// Records a failure; returns whether the breaker (re)opened.
+    pub(crate) fn failure(mut self, now: u64) -> bool {
+        self.settled = true;
+        self.breaker.failure(self.pass, now)
+    }
+}
+
+impl Drop for Attempt<'_> {
+    fn drop(&mut self) {
+        if !self.settled && self.pass == Pass::Probe {
+            self.breaker.failure(Pass::Probe, now_nanos());
+        }
     }
 }
 
@@ -114,5 +159,19 @@ mod tests {
         b.success(p);
         assert_eq!(b.pass(42 * MS), Pass::Call);
         assert!(!b.is_open());
+    }
+
+    #[test]
+    fn a_cancelled_probe_does_not_leave_the_breaker_stuck() {
+        let b = Breaker::new(1, Duration::ZERO);
+        b.failure(Pass::Call, 1);
+        let attempt = b.enter(1);
+        assert_eq!(attempt.pass(), Pass::Probe);
+        drop(attempt); // the caller's future was dropped mid-call
+                       // The next attempt may probe again rather than skip forever.
+        let again = b.enter(now_nanos().saturating_add(1));
+        assert_eq!(again.pass(), Pass::Probe);
+        again.success();
+        assert_eq!(b.pass(now_nanos()), Pass::Call);
     }
 }

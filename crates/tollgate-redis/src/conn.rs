@@ -5,16 +5,72 @@ use std::time::Duration;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use tokio::sync::OnceCell;
+use std::sync::Arc;
+
+use tokio::sync::{Notify, OnceCell};
 use tollgate_core::ConfigError;
 
 use crate::scripts::{Reply, Script};
 
 pub(crate) enum Conn {
     Standalone(ConnectionManager),
-    /// Connected on first use, so a store can be built while the cluster
-    /// is down; a failed connect is retried on the next call.
-    Cluster(Box<(ClusterClient, OnceCell<ClusterConnection>)>),
+    /// Connected by a background task (retrying with backoff), so a store
+    /// can be built while the cluster is down, and a slow first connect —
+    /// seeds, slot map, every node — is never cut short by a call's
+    /// timeout. Calls wait for it within their own timeout.
+    Cluster(Arc<ClusterSlot>),
+}
+
+pub(crate) struct ClusterSlot {
+    conn: OnceCell<ClusterConnection>,
+    ready: Notify,
+}
+
+impl ClusterSlot {
+    fn spawn_connect(client: ClusterClient) -> Arc<Self> {
+        let slot = Arc::new(Self {
+            conn: OnceCell::new(),
+            ready: Notify::new(),
+        });
+        let weak = Arc::downgrade(&slot);
+        tokio::spawn(async move {
+            let mut backoff = Duration::from_millis(50);
+            loop {
+                let result = client.get_async_connection().await;
+                // Stop once the store is gone.
+                let Some(slot) = weak.upgrade() else { return };
+                match result {
+                    Ok(conn) => {
+                        let _ = slot.conn.set(conn);
+                        slot.ready.notify_waiters();
+                        return;
+                    }
+                    Err(error) => {
+                        tracing::debug!(target: "tollgate::redis", %error, "cluster connect failed; retrying");
+                    }
+                }
+                drop(slot);
+                tokio::time::sleep(backoff).await;
+                backoff = backoff.saturating_mul(2).min(Duration::from_secs(2));
+            }
+        });
+        slot
+    }
+
+    async fn connection(&self) -> ClusterConnection {
+        loop {
+            if let Some(c) = self.conn.get() {
+                return c.clone();
+            }
+            let notified = self.ready.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(c) = self.conn.get() {
+                return c.clone();
+            }
+            notified.await;
+        }
+    }
 }
 
 impl Conn {
@@ -38,7 +94,7 @@ impl Conn {
                 .retries(1)
                 .build()
                 .map_err(bad)?;
-            return Ok(Conn::Cluster(Box::new((client, OnceCell::new()))));
+            return Ok(Conn::Cluster(ClusterSlot::spawn_connect(client)));
         }
         let client = redis::Client::open(url).map_err(bad)?;
         let config = ConnectionManagerConfig::new()
@@ -65,12 +121,9 @@ impl Conn {
         }
         let reply: Vec<i64> = match self {
             Conn::Standalone(manager) => invocation.invoke_async(&mut manager.clone()).await?,
-            Conn::Cluster(cluster) => {
-                let (client, cell) = &**cluster;
-                let conn = cell
-                    .get_or_try_init(|| client.get_async_connection())
-                    .await?;
-                invocation.invoke_async(&mut conn.clone()).await?
+            Conn::Cluster(slot) => {
+                let mut conn = slot.connection().await;
+                invocation.invoke_async(&mut conn).await?
             }
         };
         Ok(Reply(reply))

@@ -1,18 +1,28 @@
-//! Redis keys: `<prefix>:{<rule>:<client key>}`.
+//! Redis keys: `<prefix>:{<kind>|<rule>|<client key>}`.
 
 use sha2::{Digest, Sha256};
 
 /// Longest client key used verbatim.
 const MAX_VERBATIM: usize = 64;
 
-/// The Redis key for `rule` and `key`. Every key a script touches shares
+/// What a key holds: rate state or concurrency leases (so a rate rule and a
+/// concurrency rule of the same name never share keys).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Rate,
+    Concurrency,
+}
+
+/// The Redis key `<prefix>:{<kind>|<rule>|<client key>}` for `rule` and
+/// `key`; `|` appears in neither rule names nor verbatim keys, so the parts
+/// cannot run into each other. Every key a script touches shares
 /// the `{...}` hash tag, so it lands in one Cluster slot. A client key of
 /// at most 64 bytes of safe printable characters is kept readable
 /// (`k:` + key); any other — long, binary, with braces, spaces or control
 /// bytes — is hashed to a fixed length (`h:` + 32 hex digits of SHA-256),
 /// so nothing a client sends can inject a command, break out of the hash
 /// tag or grow Redis's memory.
-pub(crate) fn redis_key(prefix: &str, rule: &str, key: &[u8]) -> String {
+pub(crate) fn redis_key(prefix: &str, kind: Kind, rule: &str, key: &[u8]) -> String {
     let safe = key.len() <= MAX_VERBATIM
         && key.iter().all(|b| {
             b.is_ascii_alphanumeric()
@@ -20,13 +30,16 @@ pub(crate) fn redis_key(prefix: &str, rule: &str, key: &[u8]) -> String {
         });
     let mut out = String::with_capacity(prefix.len().saturating_add(rule.len()).saturating_add(40));
     out.push_str(prefix);
-    out.push_str(":{");
+    out.push_str(match kind {
+        Kind::Rate => ":{r|",
+        Kind::Concurrency => ":{c|",
+    });
     out.push_str(rule);
     if safe {
-        out.push_str(":k:");
+        out.push_str("|k:");
         out.extend(key.iter().map(|&b| char::from(b)));
     } else {
-        out.push_str(":h:");
+        out.push_str("|h:");
         let digest = Sha256::digest(key);
         for b in digest.iter().take(16) {
             for nibble in [b >> 4, b & 0xf] {
@@ -44,7 +57,13 @@ mod tests {
 
     #[test]
     fn safe_keys_stay_readable_and_the_rest_are_hashed() {
-        assert_eq!(redis_key("tg", "per-key", b"alice"), "tg:{per-key:k:alice}");
+        let rate = |rule: &str, key: &[u8]| redis_key("tg", Kind::Rate, rule, key);
+        assert_eq!(rate("per-key", b"alice"), "tg:{r|per-key|k:alice}");
+        assert_ne!(rate("a", b"k:x"), rate("a:k", b"x"));
+        assert_ne!(
+            rate("r", b"x"),
+            redis_key("tg", Kind::Concurrency, "r", b"x")
+        );
         for hostile in [
             &b"{slot}"[..],
             b"a b",
@@ -53,13 +72,13 @@ mod tests {
             &[b'x'; 65][..],
             &[0xff, 0xfe][..],
         ] {
-            let k = redis_key("tg", "r", hostile);
-            assert!(k.starts_with("tg:{r:h:"), "{k}");
-            assert_eq!(k.len(), "tg:{r:h:".len() + 32 + 1);
+            let k = rate("r", hostile);
+            assert!(k.starts_with("tg:{r|r|h:"), "{k}");
+            assert_eq!(k.len(), "tg:{r|r|h:".len() + 32 + 1);
             assert_eq!(k.matches('{').count(), 1);
             assert_eq!(k.matches('}').count(), 1);
         }
-        assert_ne!(redis_key("tg", "r", b"{a}"), redis_key("tg", "r", b"{b}"));
-        assert_eq!(redis_key("tg", "r", b""), "tg:{r:k:}");
+        assert_ne!(rate("r", b"{a}"), rate("r", b"{b}"));
+        assert_eq!(rate("r", b""), "tg:{r|r|k:}");
     }
 }

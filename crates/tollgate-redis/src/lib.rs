@@ -9,7 +9,7 @@
 //!   disagree still decide alike. For hosted Redis variants that forbid
 //!   `TIME` in scripts, [`RedisStoreBuilder::client_time`] passes the time
 //!   as an argument instead.
-//! - **Keys** are `<prefix>:{<rule>:<client key>}`: one hash tag per key so
+//! - **Keys** are `<prefix>:{<kind>|<rule>|<client key>}`: one hash tag per key so
 //!   a script's keys share a Cluster slot; a TTL of the rule's window plus
 //!   a margin on every write so idle keys vanish; long, binary or odd keys
 //!   hashed to a fixed length.
@@ -278,8 +278,11 @@ impl RedisStoreBuilder {
 
     /// Pass this clock's time to the scripts instead of reading Redis's
     /// `TIME`: for hosted variants that forbid `TIME` in scripts, and for
-    /// tests on a manual clock. Every instance must then keep its clock in
-    /// sync (and on the same origin, e.g. nanoseconds since 2023-11-14).
+    /// tests on a manual clock. Every instance must then read the same
+    /// time on the same origin — nanoseconds since 2023-11-14T22:13:20Z
+    /// (Unix 1,700,000,000), as the scripts count — and keep its clock in
+    /// sync. [`SystemClock`](tollgate_core::SystemClock) does not qualify:
+    /// its origin is per process.
     pub fn client_time(mut self, clock: impl Clock) -> Self {
         self.client_time = Some(Arc::new(clock));
         self
@@ -362,8 +365,8 @@ impl Inner {
         keys: &[&str],
         args: &[&str],
     ) -> Result<Reply, StoreError> {
-        let pass = self.breaker.pass(now_nanos());
-        if pass == Pass::Skip {
+        let attempt = self.breaker.enter(now_nanos());
+        if attempt.pass() == Pass::Skip {
             self.counters.skipped.add();
             return Err(StoreError::new(
                 StoreErrorKind::Unavailable,
@@ -392,10 +395,10 @@ impl Inner {
         match &result {
             Ok(_) => {
                 self.counters.ok.add();
-                self.breaker.success(pass);
+                attempt.success();
             }
             Err(e) => {
-                let opened = self.breaker.failure(pass, now_nanos());
+                let opened = attempt.failure(now_nanos());
                 self.log_fault(e, opened);
             }
         }
@@ -473,7 +476,7 @@ impl fmt::Debug for RedisLimiter {
 impl LimiterInner {
     /// Runs this rule's script in `mode` for `key`.
     async fn call(&self, mode: &str, key: &[u8], cost: u32) -> Result<Reply, StoreError> {
-        let rkey = key::redis_key(&self.store.prefix, self.rule.name(), key);
+        let rkey = key::redis_key(&self.store.prefix, key::Kind::Rate, self.rule.name(), key);
         let cost = cost.to_string();
         let now = self.store.now_arg();
         let mut args: Vec<&str> = Vec::with_capacity(self.params.len().saturating_add(4));
@@ -546,7 +549,12 @@ const FALLBACK_LEASE: u64 = 1 << 63;
 
 impl RedisConcurrencyLimiter {
     fn keys(&self, key: &[u8]) -> (String, String) {
-        let k = key::redis_key(&self.store.prefix, self.rule.name(), key);
+        let k = key::redis_key(
+            &self.store.prefix,
+            key::Kind::Concurrency,
+            self.rule.name(),
+            key,
+        );
         let ids = format!("{k}:ids");
         (k, ids)
     }
@@ -660,6 +668,7 @@ impl Store for RedisStore {
     type ConcurrencyLimiter = RedisConcurrencyLimiter;
 
     fn limiter(&self, rule: &Rule) -> Result<RedisLimiter, ConfigError> {
+        scripts::check_precision(rule.algorithm())?;
         let (script, params) = scripts::for_algorithm(rule.algorithm());
         let fallback = match &self.inner.policy {
             FailurePolicy::Open => Fallback::Open,
@@ -672,7 +681,7 @@ impl Store for RedisStore {
                 rule: rule.clone(),
                 script,
                 params,
-                ttl: ttl_ms(rule.window()).to_string(),
+                ttl: ttl_ms(scripts::state_lifetime(rule.algorithm())).to_string(),
                 fallback,
             }),
         })

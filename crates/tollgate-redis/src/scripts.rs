@@ -58,6 +58,45 @@ pub(crate) fn for_algorithm(algorithm: &Algorithm) -> (&'static Script, Vec<Stri
     }
 }
 
+/// How long after its last write a key's state can still matter: its TTL
+/// (plus a margin). A sliding window counter's current count still weighs
+/// in the next window; a leaky bucket's queue can reach `max_delay` plus
+/// one interval ahead.
+pub(crate) fn state_lifetime(algorithm: &Algorithm) -> u64 {
+    match algorithm {
+        Algorithm::SlidingWindowCounter(a) => a.window().saturating_mul(2),
+        Algorithm::LeakyBucket(a) => a.max_delay().saturating_add(a.interval()),
+        other => other.window(),
+    }
+}
+
+/// Scripts compute in doubles, and times on Redis's clock are about 10¹⁷
+/// ns, where a double resolves about 16 ns: intervals and windows must be
+/// far coarser than that to stay exact. Returns the error naming the field.
+pub(crate) fn check_precision(algorithm: &Algorithm) -> Result<(), tollgate_core::ConfigError> {
+    const MIN_INTERVAL: u64 = 1_000;
+    const MIN_WINDOW: u64 = 1_000_000;
+    let (field, value, min) = match algorithm {
+        Algorithm::Gcra(a) => ("rate", a.interval(), MIN_INTERVAL),
+        Algorithm::LeakyBucket(a) => ("rate", a.interval(), MIN_INTERVAL),
+        Algorithm::TokenBucket(a) => ("interval", a.interval(), MIN_INTERVAL),
+        Algorithm::FixedWindow(a) => ("window", a.window(), MIN_WINDOW),
+        Algorithm::SlidingWindowCounter(a) => ("window", a.window(), MIN_WINDOW),
+        Algorithm::SlidingWindowLog(a) => ("window", a.window(), MIN_WINDOW),
+    };
+    if value < min {
+        return Err(tollgate_core::ConfigError::new(
+            field,
+            if min == MIN_INTERVAL {
+                "the Redis store supports at most one unit per microsecond per key"
+            } else {
+                "the Redis store supports windows of at least 1 ms"
+            },
+        ));
+    }
+    Ok(())
+}
+
 /// A script's reply: integers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Reply(pub(crate) Vec<i64>);

@@ -155,3 +155,52 @@ async fn hostile_keys_become_short_expiring_redis_keys() {
     }
     assert!(server.cli(&["dbsize"]).trim().parse::<u64>().unwrap() == keys.len() as u64);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_live_as_long_as_their_state_matters() {
+    let Some(server) = Server::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&server.url())
+        .prefix("ttl")
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    // (rule, longest the state can matter, in ms)
+    let cases = [
+        // The current window's count still weighs in the next window.
+        (
+            Limit::sliding_window_counter(100, Duration::from_secs(4)),
+            8_000,
+        ),
+        // The queue can reach max_delay plus one interval ahead.
+        (
+            Limit::leaky_bucket(Rate::new(1, Duration::from_secs(4)), Duration::from_secs(3)),
+            7_000,
+        ),
+        (Limit::gcra(Rate::per_second(1), 5), 5_000),
+    ];
+    for (i, (limit, lifetime)) in cases.into_iter().enumerate() {
+        let rule = Rule::new(format!("ttl-{i}"), limit).unwrap();
+        let l = store.limiter(&rule).unwrap();
+        l.decide(b"k", 1).await.unwrap();
+        let name = server.cli(&["--scan", "--pattern", &format!("ttl:{{r|ttl-{i}|*")]);
+        let ttl: i64 = server.cli(&["pttl", name.trim()]).trim().parse().unwrap();
+        assert!(
+            ttl >= lifetime && ttl <= lifetime + 1_000,
+            "{limit:?}: TTL {ttl} ms for a state that matters {lifetime} ms"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rates_finer_than_redis_can_count_are_refused_at_build() {
+    let Some(server) = Server::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&server.url()).build().unwrap();
+    let too_fine = Rule::new("fine", Limit::gcra(Rate::per_second(1_000_000_000), 10)).unwrap();
+    assert_eq!(store.limiter(&too_fine).unwrap_err().field(), "rate");
+    let ok = Rule::new("ok", Limit::gcra(Rate::per_second(1_000_000), 10)).unwrap();
+    assert!(store.limiter(&ok).is_ok());
+}

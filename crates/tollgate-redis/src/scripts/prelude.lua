@@ -1,11 +1,12 @@
 -- Shared by every tollgate script. Arguments: KEYS[1] the state key;
 -- ARGV[1] the mode, ARGV[2] the cost (or lease), ARGV[3] the time in ns
 -- ('' = Redis's own TIME), ARGV[4] the key's TTL in ms, ARGV[5..] the
--- rule's parameters. Numbers are doubles, exact below 2^53. Times are ns
--- since 2023-11-14; from Redis's TIME that is past 2^53 (about 9.6e16 in
--- late 2026), so decisions on Redis's clock work at a resolution of tens of
--- ns (TIME itself has 1000 ns). Times passed by the client, as in the
--- conformance suite, stay exact.
+-- rule's parameters. Numbers are doubles, exact below 2^53 (about 104 days
+-- of ns). Times are ns since 2023-11-14 (Unix 1,700,000,000); on Redis's
+-- TIME they passed 2^53 in February 2024 and are about 1e17 now, where a
+-- double resolves 16 ns (TIME itself resolves 1000 ns), which is why the
+-- store refuses intervals under 1 us and windows under 1 ms. Times passed
+-- by the client, as in the conformance suite, stay exact.
 local function clock()
   if ARGV[3] ~= '' then return tonumber(ARGV[3]) end
   local t = redis.call('TIME')

@@ -22,14 +22,17 @@
 //!   user to call ([`MemoryStore::purge_idle`] exists for tests and quiet
 //!   processes).
 //! - **Bounded.** [`MemoryStoreBuilder::max_keys`] caps the keys held across
-//!   all rules of the store (default 1,000,000). When the store is full and
-//!   a sweep frees nothing, a new key is decided against an **overflow
-//!   state shared by all new keys of its shard**: memory stays bounded, and
-//!   the flood is limited as a group — never more than one key's limit per
-//!   shard, so no key gets more than its own limit — while keys already
-//!   held keep their own state. [`MemoryStore::overflowed`] counts those
-//!   decisions. As keys go idle and are swept, new keys get their own slots
-//!   again.
+//!   all rules of the store (default 1,000,000). A store at the bound first
+//!   drops the idle keys of its shard and then, at most every 100 ms, of
+//!   every rule. If nothing is idle, a new key is decided against an
+//!   **overflow state shared by all new keys of its shard**. Memory stays
+//!   bounded and the flood is limited as a group: never more than one
+//!   key's limit per shard, so no key gets more than its own limit. Keys
+//!   already held keep their own state. [`MemoryStore::overflowed`] counts
+//!   those decisions. As keys go idle and are swept, new keys get their own
+//!   slots again, starting from the overflow state rather than a whole
+//!   budget while it still holds spending, so moving never hands a key a
+//!   second budget.
 //!
 //! ```
 //! use tollgate_core::{Limit, Limiter, Rate, Rule, Store};
@@ -68,7 +71,7 @@ mod table;
 use std::collections::HashMap;
 use std::fmt;
 use std::future::{ready, Ready};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tollgate_core::{
@@ -77,7 +80,6 @@ use tollgate_core::{
     SlidingWindowCounter, SlidingWindowLog, Store, StoreError, SystemClock, TokenBucket,
 };
 
-use crate::key::KeyHasher;
 use crate::table::{Shared, Table};
 
 /// The default [`MemoryStoreBuilder::max_keys`].
@@ -154,13 +156,7 @@ impl<C: Clock> MemoryStore<C> {
     fn from_parts(clock: C, max_keys: usize, shards: usize) -> Self {
         Self {
             inner: Arc::new(Inner {
-                shared: Arc::new(Shared {
-                    clock,
-                    hasher: KeyHasher::random(),
-                    keys: AtomicUsize::new(0),
-                    max_keys,
-                    overflowed: AtomicU64::new(0),
-                }),
+                shared: Arc::new(Shared::new(clock, max_keys)),
                 shards,
                 rules: Mutex::new(HashMap::new()),
             }),
@@ -296,22 +292,16 @@ impl<C> Clone for AnyTable<C> {
 impl<C: Clock> AnyTable<C> {
     fn new(algorithm: &Algorithm, shards: usize, shared: Arc<Shared<C>>) -> Self {
         match algorithm {
-            Algorithm::Gcra(a) => Self::Gcra(Arc::new(Table::new(*a, shards, shared))),
-            Algorithm::TokenBucket(a) => {
-                Self::TokenBucket(Arc::new(Table::new(*a, shards, shared)))
-            }
-            Algorithm::FixedWindow(a) => {
-                Self::FixedWindow(Arc::new(Table::new(*a, shards, shared)))
-            }
+            Algorithm::Gcra(a) => Self::Gcra(Table::registered(*a, shards, shared)),
+            Algorithm::TokenBucket(a) => Self::TokenBucket(Table::registered(*a, shards, shared)),
+            Algorithm::FixedWindow(a) => Self::FixedWindow(Table::registered(*a, shards, shared)),
             Algorithm::SlidingWindowCounter(a) => {
-                Self::SlidingWindowCounter(Arc::new(Table::new(*a, shards, shared)))
+                Self::SlidingWindowCounter(Table::registered(*a, shards, shared))
             }
             Algorithm::SlidingWindowLog(a) => {
-                Self::SlidingWindowLog(Arc::new(Table::new(*a, shards, shared)))
+                Self::SlidingWindowLog(Table::registered(*a, shards, shared))
             }
-            Algorithm::LeakyBucket(a) => {
-                Self::LeakyBucket(Arc::new(Table::new(*a, shards, shared)))
-            }
+            Algorithm::LeakyBucket(a) => Self::LeakyBucket(Table::registered(*a, shards, shared)),
         }
     }
 }
@@ -367,7 +357,7 @@ impl<C: Clock> Store for MemoryStore<C> {
             self.table(|shards, shared| {
                 Bound::Concurrency(
                     *rule.semaphore(),
-                    Arc::new(Table::new(*rule.semaphore(), shards, shared)),
+                    Table::registered(*rule.semaphore(), shards, shared),
                 )
             })
         });

@@ -3,7 +3,7 @@
 use std::cell::Cell as StdCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 
 use tollgate_core::{Clock, RateAlgorithm, Semaphore, SemaphoreState};
 
@@ -12,7 +12,7 @@ use crate::key::{BuildIdentity, KeyHasher};
 
 /// What a table stores: the state type, its cell, and when it is idle.
 pub(crate) trait Kind: Send + Sync + 'static {
-    type State: Default + PartialEq + Send + 'static;
+    type State: Default + Clone + PartialEq + Send + 'static;
     type Cell: Cell<Self::State>;
     fn is_idle(&self, state: &Self::State, now: u64) -> bool;
     /// How often (ns) a shard may be swept by the background-free sweeper.
@@ -48,15 +48,80 @@ impl Kind for Semaphore {
     }
 }
 
-/// What every table of one store shares: the clock, the key hasher and the
-/// key budget.
-#[derive(Debug)]
+/// What every table of one store shares: the clock, the key hasher, the
+/// key budget, and the tables themselves (so a full store can reclaim idle
+/// keys of any rule, not only of the one being called).
 pub(crate) struct Shared<C> {
     pub(crate) clock: C,
     pub(crate) hasher: KeyHasher,
     pub(crate) keys: AtomicUsize,
     pub(crate) max_keys: usize,
     pub(crate) overflowed: AtomicU64,
+    pub(crate) tables: Mutex<Vec<Weak<dyn Purge>>>,
+    /// When (clock time) a full store last swept every table.
+    pub(crate) last_full_sweep: AtomicU64,
+}
+
+impl<C> Shared<C> {
+    pub(crate) fn new(clock: C, max_keys: usize) -> Self {
+        Self {
+            clock,
+            hasher: KeyHasher::random(),
+            keys: AtomicUsize::new(0),
+            max_keys,
+            overflowed: AtomicU64::new(0),
+            tables: Mutex::new(Vec::new()),
+            last_full_sweep: AtomicU64::new(0),
+        }
+    }
+
+    /// Registers a table for store-wide sweeps.
+    pub(crate) fn register(&self, table: Weak<dyn Purge>) {
+        let mut tables = self.tables.lock().unwrap_or_else(PoisonError::into_inner);
+        tables.retain(|t| t.strong_count() > 0);
+        tables.push(table);
+    }
+
+    /// The store is full: drops idle keys of every table, at most once per
+    /// `FULL_SWEEP_EVERY` of clock time. Busy shards (including the caller's,
+    /// whose lock it holds) are skipped. Returns how many keys it dropped.
+    fn sweep_all(&self, now: u64) -> usize {
+        let last = self.last_full_sweep.load(Ordering::Relaxed);
+        if now.saturating_sub(last) < FULL_SWEEP_EVERY
+            || self
+                .last_full_sweep
+                .compare_exchange(last, now, Ordering::AcqRel, Ordering::Relaxed)
+                .is_err()
+        {
+            return 0;
+        }
+        let tables: Vec<_> = self
+            .tables
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        tables.iter().map(|t| t.purge_idle(now)).sum()
+    }
+}
+
+impl<C> std::fmt::Debug for Shared<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("keys", &self.keys)
+            .field("max_keys", &self.max_keys)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How often, at most, a full store sweeps all its tables.
+const FULL_SWEEP_EVERY: u64 = 100_000_000;
+
+/// A table that can drop its idle keys without blocking.
+pub(crate) trait Purge: Send + Sync {
+    /// Drops idle keys from every shard not locked right now.
+    fn purge_idle(&self, now: u64) -> usize;
 }
 
 /// A shard never sweeps on growth below this many keys.
@@ -128,6 +193,18 @@ impl<K: Kind, C: Clock> Table<K, C> {
         }
     }
 
+    /// A new table, registered with its store for store-wide sweeps.
+    pub(crate) fn registered(
+        kind: K,
+        shards: usize,
+        shared: std::sync::Arc<Shared<C>>,
+    ) -> std::sync::Arc<Self> {
+        let table = std::sync::Arc::new(Self::new(kind, shards, shared));
+        let weak: Weak<dyn Purge> = std::sync::Arc::downgrade(&table) as Weak<dyn Purge>;
+        table.shared.register(weak);
+        table
+    }
+
     #[inline]
     pub(crate) fn now(&self) -> u64 {
         self.shared.clock.now()
@@ -154,9 +231,16 @@ impl<K: Kind, C: Clock> Table<K, C> {
         if let Some(cell) = read(&shard.map).get(&hash.slot) {
             return cell.update(&mut f);
         }
-        let mut fresh = K::State::default();
+        // A key that was decided in the shard's shared overflow state while
+        // the store was full starts from that state, not from a whole
+        // budget, so moving to its own slot never hands it a second one.
+        let overflow = shard
+            .overflow
+            .with(|s| (!self.kind.is_idle(s, now)).then(|| s.clone()));
+        let seeded = overflow.is_some();
+        let mut fresh = overflow.unwrap_or_default();
         let result = f(&mut fresh);
-        if fresh == K::State::default() {
+        if !seeded && fresh == K::State::default() {
             return result;
         }
         let mut map = write(&shard.map);
@@ -192,15 +276,22 @@ impl<K: Kind, C: Clock> Table<K, C> {
             self.sweep(shard, map, now);
             swept = true;
         }
+        let mut swept_all = false;
         loop {
             if self.shared.keys.fetch_add(1, Ordering::AcqRel) < self.shared.max_keys {
                 return true;
             }
             self.shared.keys.fetch_sub(1, Ordering::AcqRel);
-            if swept || self.sweep(shard, map, now) == 0 {
-                return false;
+            if !swept && self.sweep(shard, map, now) > 0 {
+                swept = true;
+                continue;
             }
             swept = true;
+            // Idle keys of other rules (or other shards) hold the budget too.
+            if swept_all || self.shared.sweep_all(now) == 0 {
+                return false;
+            }
+            swept_all = true;
         }
     }
 
@@ -255,11 +346,23 @@ impl<K: Kind, C: Clock> Table<K, C> {
         }
     }
 
-    /// Sweeps every shard now.
+    /// Sweeps every shard now, waiting for busy ones.
     pub(crate) fn purge(&self, now: u64) -> usize {
         self.shards
             .iter()
             .map(|shard| self.sweep(shard, &mut write(&shard.map), now))
+            .sum()
+    }
+}
+
+impl<K: Kind, C: Clock> Purge for Table<K, C> {
+    fn purge_idle(&self, now: u64) -> usize {
+        self.shards
+            .iter()
+            .filter_map(|shard| {
+                let mut map = shard.map.try_write().ok()?;
+                Some(self.sweep(shard, &mut map, now))
+            })
             .sum()
     }
 }

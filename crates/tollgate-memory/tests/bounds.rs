@@ -161,3 +161,42 @@ fn leases_granted_while_full_can_be_released() {
     assert!(sem.acquire_now(b"c", 1).lease.is_some());
     assert!(sem.release_now(b"a", held));
 }
+
+#[test]
+fn idle_keys_of_a_quiet_rule_do_not_hold_the_budget_of_a_busy_one() {
+    let clock = ManualClock::starting_at(1);
+    let s = store(&clock, 1_000, 4);
+    let quiet = s
+        .limiter(&Rule::new("quiet", Limit::gcra(Rate::per_second(1), 3)).unwrap())
+        .unwrap();
+    let busy = s.limiter(&gcra()).unwrap();
+    for i in 0..1_000u32 {
+        quiet.decide_now(&i.to_be_bytes(), 1);
+    }
+    assert_eq!(s.key_count(), 1_000);
+    // An hour later the quiet rule's keys are all idle; a crowd of new
+    // clients of the busy rule each get their own budget.
+    clock.advance(Duration::from_secs(3_600));
+    for i in 0..1_000u32 {
+        let key = (1_000_000 + i).to_be_bytes();
+        assert!(busy.decide_now(&key, 1).is_allowed(), "client {i}");
+    }
+    assert_eq!(s.overflowed(), 0, "every new client got its own slot");
+    assert_eq!(s.key_count(), 1_000);
+}
+
+#[test]
+fn a_key_leaving_the_overflow_state_keeps_what_it_spent_there() {
+    let clock = ManualClock::starting_at(1);
+    let s = store(&clock, 1, 1);
+    let l = s.limiter(&gcra()).unwrap(); // 1 per second, bursts of 3
+    assert!(l.decide_now(b"a", 1).is_allowed()); // "a" holds the only slot
+    assert!(l.decide_now(b"b", 3).is_allowed()); // "b" spends its burst in overflow
+    assert_eq!(s.overflowed(), 1);
+    // 1.5 s later "a" is idle and frees the slot; "b" moves into it but
+    // carries its spending: 1.5 units have come back, not a whole burst.
+    clock.advance(Duration::from_millis(1_500));
+    assert!(!l.decide_now(b"b", 2).is_allowed());
+    assert!(l.decide_now(b"b", 1).is_allowed());
+    assert_eq!(s.key_count(), 1);
+}

@@ -109,8 +109,13 @@ impl RateAlgorithm for SlidingWindowLog {
         }
         let cost = u64::from(cost);
         if s.total.saturating_add(cost) <= limit {
+            // A request made while the clock reads earlier than the newest
+            // entry (it went back, or a thread read it before another
+            // wrote) joins that entry: entries stay in time order, so the
+            // newest decides when the key is idle, and the units expire
+            // later rather than sooner.
             match s.entries.back_mut() {
-                Some(last) if last.at == now => last.cost = last.cost.saturating_add(cost),
+                Some(last) if last.at >= now => last.cost = last.cost.saturating_add(cost),
                 _ => s.entries.push_back(Entry { at: now, cost }),
             }
             s.total = s.total.saturating_add(cost);
@@ -197,6 +202,20 @@ mod tests {
         assert_eq!(d.outcome, Outcome::Deny { retry_after: S });
         assert_eq!(l.decide(&mut s, 11 * S, 4).outcome, Outcome::Never);
         assert!(s.len() <= 3);
+    }
+
+    #[test]
+    fn entries_stay_in_time_order_when_the_clock_goes_back() {
+        let l = SlidingWindowLog::new(2, Duration::from_secs(100)).unwrap();
+        let mut s = SlidingWindowLogState::default();
+        assert!(l.decide(&mut s, 100 * S, 1).is_allowed());
+        assert!(l.decide(&mut s, 50 * S, 1).is_allowed());
+        assert_eq!(s.entries().collect::<Vec<_>>(), vec![(100 * S, 2)]);
+        // At 155 s both units are still in the window, and the key is not
+        // idle (so no sweep can drop them).
+        assert!(!l.decide(&mut s, 155 * S, 1).is_allowed());
+        assert!(!l.is_idle(&s, 155 * S));
+        assert!(l.is_idle(&s, 200 * S));
     }
 
     #[test]

@@ -1,7 +1,8 @@
 -- Sliding window log: the state is a list, [total, at1, cost1, at2,
 -- cost2, ...]: the units held, then the admitted entries in the order
--- the core keeps them (oldest first; entries at the same instant merged,
--- so at most `limit` entries). Absent = empty.
+-- the core keeps them (oldest first, in time order: a request at or
+-- before the newest entry joins it, so at most `limit` entries). Absent =
+-- empty.
 local limit = tonumber(ARGV[5])
 local window = tonumber(ARGV[6])
 local key = KEYS[1]
@@ -86,7 +87,9 @@ if total + cost <= limit then
   local merged = false
   if count > 0 then
     local at, c = last()
-    if at == now then
+    -- As the core: a request made while the clock reads earlier than the
+    -- newest entry joins it, so entries stay in time order.
+    if at >= now then
       redis.call('LSET', key, -1, int(c + cost))
       merged = true
     end

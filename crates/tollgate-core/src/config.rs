@@ -152,7 +152,10 @@ pub enum Limit {
         window: Duration,
     },
     /// Leaky bucket as a pacer: requests leave at `rate`; one that would
-    /// wait longer than `max_delay` for its turn is denied.
+    /// wait longer than `max_delay` for its turn is denied. (The tollgate
+    /// layer waits with tokio's timer: the runtime must have time enabled,
+    /// as axum's and tonic's servers do. A request cancelled while it waits
+    /// keeps its place in the queue.)
     LeakyBucket {
         /// The drain rate.
         rate: Rate,

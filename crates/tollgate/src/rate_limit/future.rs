@@ -68,15 +68,13 @@ impl<S: Clone> Inner<'_, S> {
         }
     }
 
-    /// An owned service to call later: the ready one, with a fresh clone
-    /// left in its place.
-    fn into_owned(self) -> S {
+    /// A clone to call after a wait, polled ready only then: whatever the
+    /// ready service reserved (a permit, a buffer slot) is not held while
+    /// the request waits its turn.
+    fn clone_for_later(self) -> S {
         match self {
-            Inner::Borrowed(s) => {
-                let clone = s.clone();
-                std::mem::replace(s, clone)
-            }
-            Inner::Owned(s) => s,
+            Inner::Borrowed(s) => s.clone(),
+            Inner::Owned(s) => s.clone(),
         }
     }
 }
@@ -119,13 +117,20 @@ where
         Outcome::Never => m.too_costly.increment(1),
     }
     match decision.outcome {
+        // Shadow mode decides but never holds a request back.
+        Outcome::Allow { .. } if responder.shadow => State::Calling {
+            future: inner.call(request),
+            decision: Some(decision),
+        },
         Outcome::Allow { delay: 0 } => State::Calling {
             future: inner.call(request),
             decision: Some(decision),
         },
+        // Needs tokio's timer (a runtime with time enabled, as axum's and
+        // tonic's servers have).
         Outcome::Allow { delay } => State::Pacing {
             sleep: Box::pin(tokio::time::sleep(Duration::from_nanos(delay))),
-            waiting: Some(Box::new((request, inner.into_owned()))),
+            waiting: Some(Box::new((request, inner.clone_for_later()))),
             decision,
         },
         Outcome::Deny { .. } | Outcome::Never => {
@@ -207,7 +212,12 @@ where
                     waiting,
                     decision,
                 } => {
+                    // A finished sleep stays ready when polled again.
                     ready!(sleep.as_mut().poll(cx));
+                    let Some(w) = waiting.as_mut() else {
+                        return Poll::Pending;
+                    };
+                    ready!(w.1.poll_ready(cx))?;
                     let Some(waiting) = waiting.take() else {
                         return Poll::Pending;
                     };

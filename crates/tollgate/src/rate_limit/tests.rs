@@ -286,6 +286,26 @@ async fn leaky_bucket_paces_instead_of_rejecting() {
     assert_eq!(start.elapsed(), Duration::from_millis(300));
 }
 
+#[tokio::test(start_paused = true)]
+async fn shadow_mode_never_holds_a_paced_request_back() {
+    let clock = ManualClock::starting_at(1);
+    let svc = per_key(
+        &clock,
+        Limit::leaky_bucket(Rate::per_second(10), Duration::from_millis(250)),
+    )
+    .shadow(true)
+    .build()
+    .unwrap()
+    .layer(service_fn(ok));
+    let start = tokio::time::Instant::now();
+    for _ in 0..10 {
+        let res = svc.clone().oneshot(req("s")).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        assert!(res.headers().get("retry-after").is_none());
+    }
+    assert_eq!(start.elapsed(), Duration::ZERO);
+}
+
 /// A store that always fails.
 #[derive(Clone)]
 struct Broken(Rule);

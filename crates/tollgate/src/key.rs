@@ -12,6 +12,10 @@
 //! Closures are extractors: `|req: &Request<B>, key: &mut KeyBuf| -> Option<()>`,
 //! returning `None` when the request has no key.
 //!
+//! A key the client chooses freely (an API key nobody has checked yet) can
+//! be rotated for a fresh budget: key on it after authentication, or stack
+//! a per-IP rule beside the per-key one.
+//!
 //! ```
 //! use http::Request;
 //! use tollgate::key::{Header, KeyBuf, KeyExtractor, KeyExtractorExt, PeerIp};

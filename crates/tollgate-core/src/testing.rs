@@ -81,9 +81,9 @@ pub async fn run<S: Store>(make: impl Fn(ManualClock) -> S) {
 }
 
 /// The pure algorithm, applied to per-key states kept here: the expected
-/// answers.
+/// answers, for a store's own traces too.
 #[derive(Debug)]
-struct Reference {
+pub struct Reference {
     algorithm: Algorithm,
     states: HashMap<Vec<u8>, RefState>,
 }
@@ -96,14 +96,16 @@ struct RefState {
 }
 
 impl Reference {
-    fn new(rule: &Rule) -> Self {
+    /// A reference for `rule`, every key fresh.
+    pub fn new(rule: &Rule) -> Self {
         Self {
             algorithm: rule.algorithm().clone(),
             states: HashMap::new(),
         }
     }
 
-    fn decide(&mut self, key: &[u8], now: u64, cost: u32) -> crate::Decision {
+    /// What the pure algorithm decides for `key` at `now`.
+    pub fn decide(&mut self, key: &[u8], now: u64, cost: u32) -> crate::Decision {
         let s = self.states.entry(key.to_vec()).or_default();
         match &self.algorithm {
             Algorithm::Gcra(a) => a.decide(&mut s.word, now, cost),
@@ -115,7 +117,8 @@ impl Reference {
         }
     }
 
-    fn refund(&mut self, key: &[u8], now: u64, cost: u32) {
+    /// What the pure algorithm's refund does to `key` at `now`.
+    pub fn refund(&mut self, key: &[u8], now: u64, cost: u32) {
         let s = self.states.entry(key.to_vec()).or_default();
         match &self.algorithm {
             Algorithm::Gcra(a) => a.refund(&mut s.word, now, cost),

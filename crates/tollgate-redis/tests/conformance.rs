@@ -13,9 +13,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use tollgate_core::{
-    testing, Algorithm, Clock, ConcurrencyLimiter, ConcurrencyRule, Lease, Limit, Limiter,
-    ManualClock, Rate, RateAlgorithm, Rule, SemaphoreState, SlidingWindowCounterState,
-    SlidingWindowLogState, Store,
+    testing, Clock, ConcurrencyLimiter, ConcurrencyRule, Lease, Limit, Limiter, ManualClock, Rate,
+    Rule, SemaphoreState, Store,
 };
 use tollgate_redis::RedisStore;
 
@@ -237,13 +236,6 @@ fn move_clock(clock: &ManualClock, rng: &mut Lcg, unit: u64) {
     }
 }
 
-#[derive(Default)]
-struct RefState {
-    word: u64,
-    counter: SlidingWindowCounterState,
-    log: SlidingWindowLogState,
-}
-
 /// A random trace in which the clock also goes back: the store must
 /// answer exactly as the pure algorithm does, refunds included.
 async fn clock_going_back_matches_the_reference(
@@ -263,7 +255,7 @@ async fn trace_matches_the_reference(
 ) {
     let clock = ManualClock::starting_at(start);
     let limiter = make(clock.clone()).limiter(rule).unwrap();
-    let mut states: HashMap<&[u8], RefState> = HashMap::new();
+    let mut reference = testing::Reference::new(rule);
     let mut rng = Lcg(0xbac4);
     let keys: [&[u8]; 3] = [b"alice", b"bob", b"carol"];
     let capacity = rule.capacity();
@@ -271,30 +263,15 @@ async fn trace_matches_the_reference(
         move_clock(&clock, &mut rng, unit);
         let now = clock.now();
         let key = keys[rng.below(3) as usize];
-        let s = states.entry(key).or_default();
         if rng.below(8) == 0 {
             let cost = rng.below(4) as u32;
             limiter.refund(key, cost).await.unwrap();
-            match rule.algorithm() {
-                Algorithm::Gcra(a) => a.refund(&mut s.word, now, cost),
-                Algorithm::TokenBucket(a) => a.refund(&mut s.word, now, cost),
-                Algorithm::FixedWindow(a) => a.refund(&mut s.word, now, cost),
-                Algorithm::LeakyBucket(a) => a.refund(&mut s.word, now, cost),
-                Algorithm::SlidingWindowCounter(a) => a.refund(&mut s.counter, now, cost),
-                Algorithm::SlidingWindowLog(a) => a.refund(&mut s.log, now, cost),
-            }
+            reference.refund(key, now, cost);
             continue;
         }
         let cost = rng.below(capacity + 2) as u32;
         let got = limiter.decide(key, cost).await.unwrap();
-        let want = match rule.algorithm() {
-            Algorithm::Gcra(a) => a.decide(&mut s.word, now, cost),
-            Algorithm::TokenBucket(a) => a.decide(&mut s.word, now, cost),
-            Algorithm::FixedWindow(a) => a.decide(&mut s.word, now, cost),
-            Algorithm::LeakyBucket(a) => a.decide(&mut s.word, now, cost),
-            Algorithm::SlidingWindowCounter(a) => a.decide(&mut s.counter, now, cost),
-            Algorithm::SlidingWindowLog(a) => a.decide(&mut s.log, now, cost),
-        };
+        let want = reference.decide(key, now, cost);
         assert_eq!(
             got,
             want,

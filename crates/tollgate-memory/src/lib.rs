@@ -402,7 +402,7 @@ impl<C: Clock> MemoryLimiter<C> {
     pub fn decide_now(&self, key: &[u8], cost: u32) -> Decision {
         dispatch!(&self.table, t => {
             let now = t.now();
-            t.update(key, now, |s| t.kind.decide(s, now, cost))
+            t.update(key, now, cost > 0, |s| t.kind.decide(s, now, cost))
         })
     }
 
@@ -410,7 +410,7 @@ impl<C: Clock> MemoryLimiter<C> {
     pub fn refund_now(&self, key: &[u8], cost: u32) {
         dispatch!(&self.table, t => {
             let now = t.now();
-            t.update(key, now, |s| t.kind.refund(s, now, cost))
+            t.update(key, now, false, |s| t.kind.refund(s, now, cost))
         })
     }
 }
@@ -468,7 +468,7 @@ impl<C: Clock> MemoryConcurrencyLimiter<C> {
         let t = &self.table;
         let now = t.now();
         let id = t.next_id.fetch_add(1, Ordering::Relaxed);
-        t.update(key, now, |s| t.kind.acquire(s, now, permits, id))
+        t.update(key, now, false, |s| t.kind.acquire(s, now, permits, id))
     }
 
     /// [`ConcurrencyLimiter::release`] without the future.
@@ -476,7 +476,7 @@ impl<C: Clock> MemoryConcurrencyLimiter<C> {
         let t = &self.table;
         let now = t.now();
         // A lease granted while the store was full lives in the overflow state.
-        t.update(key, now, |s| t.kind.release(s, now, lease.id))
+        t.update(key, now, false, |s| t.kind.release(s, now, lease.id))
             || t.update_overflow(key, |s| t.kind.release(s, now, lease.id))
     }
 
@@ -484,7 +484,7 @@ impl<C: Clock> MemoryConcurrencyLimiter<C> {
     pub fn renew_now(&self, key: &[u8], lease: Lease) -> bool {
         let t = &self.table;
         let now = t.now();
-        t.update(key, now, |s| t.kind.renew(s, now, lease.id))
+        t.update(key, now, false, |s| t.kind.renew(s, now, lease.id))
             || t.update_overflow(key, |s| t.kind.renew(s, now, lease.id))
     }
 }

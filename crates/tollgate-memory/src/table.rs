@@ -124,6 +124,44 @@ pub(crate) trait Purge: Send + Sync {
     fn purge_idle(&self, now: u64) -> usize;
 }
 
+/// How many keys per shard the overflow state remembers as its members.
+const MEMBERS: usize = 256;
+
+/// The slots of the last `MEMBERS` distinct keys decided in a shard's
+/// overflow state (0 is an empty place). A key that falls out of it before
+/// it gets its own slot starts from a whole budget: a bounded leak, only
+/// under a flood of more than `MEMBERS` keys per shard.
+#[derive(Debug)]
+struct Members(Mutex<(Box<[u64; MEMBERS]>, usize)>);
+
+impl Default for Members {
+    fn default() -> Self {
+        Self(Mutex::new((Box::new([0; MEMBERS]), 0)))
+    }
+}
+
+impl Members {
+    fn lock(&self) -> std::sync::MutexGuard<'_, (Box<[u64; MEMBERS]>, usize)> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn contains(&self, slot: u64) -> bool {
+        slot != 0 && self.lock().0.contains(&slot)
+    }
+
+    fn insert(&self, slot: u64) {
+        let mut g = self.lock();
+        let (ring, next) = &mut *g;
+        if slot == 0 || ring.contains(&slot) {
+            return;
+        }
+        if let Some(place) = ring.get_mut(*next) {
+            *place = slot;
+        }
+        *next = next.saturating_add(1) % MEMBERS;
+    }
+}
+
 /// A shard never sweeps on growth below this many keys.
 const MIN_SWEEP_LEN: usize = 64;
 
@@ -136,6 +174,8 @@ struct Shard<Ce> {
     map: RwLock<HashMap<u64, Ce, BuildIdentity>>,
     /// Shared by every key that found the table full (see the crate docs).
     overflow: Ce,
+    /// The keys most recently decided in `overflow`.
+    overflow_members: Members,
     /// Sweep before growing past this length.
     next_sweep: AtomicUsize,
     last_sweep: AtomicU64,
@@ -179,6 +219,7 @@ impl<K: Kind, C: Clock> Table<K, C> {
             .map(|_| Shard {
                 map: RwLock::new(HashMap::default()),
                 overflow: K::Cell::new(K::State::default()),
+                overflow_members: Members::default(),
                 next_sweep: AtomicUsize::new(MIN_SWEEP_LEN),
                 last_sweep: AtomicU64::new(0),
             })
@@ -218,11 +259,19 @@ impl<K: Kind, C: Clock> Table<K, C> {
 
     /// Runs `f` on `key`'s state. A key that is not stored and whose state
     /// `f` leaves fresh (a denial, a peek) is not stored either.
+    ///
+    /// `seed`: whether a key that was recently decided in the shard's shared
+    /// overflow state (the store was full) starts from that state rather
+    /// than from a whole budget when it gets its own slot, so the move never
+    /// hands it a second budget. Only decisions that consume ask for it;
+    /// releases, renewals, refunds and peeks of a key not stored never
+    /// store it.
     #[inline]
     pub(crate) fn update<R>(
         &self,
         key: &[u8],
         now: u64,
+        seed: bool,
         mut f: impl FnMut(&mut K::State) -> R,
     ) -> R {
         self.tick(now);
@@ -231,14 +280,15 @@ impl<K: Kind, C: Clock> Table<K, C> {
         if let Some(cell) = read(&shard.map).get(&hash.slot) {
             return cell.update(&mut f);
         }
-        // A key that was decided in the shard's shared overflow state while
-        // the store was full starts from that state, not from a whole
-        // budget, so moving to its own slot never hands it a second one.
-        let overflow = shard
-            .overflow
-            .with(|s| (!self.kind.is_idle(s, now)).then(|| s.clone()));
-        let seeded = overflow.is_some();
-        let mut fresh = overflow.unwrap_or_default();
+        let start = if seed && shard.overflow_members.contains(hash.slot) {
+            shard
+                .overflow
+                .with(|s| (!self.kind.is_idle(s, now)).then(|| s.clone()))
+        } else {
+            None
+        };
+        let seeded = start.is_some();
+        let mut fresh = start.unwrap_or_default();
         let result = f(&mut fresh);
         if !seeded && fresh == K::State::default() {
             return result;
@@ -250,6 +300,7 @@ impl<K: Kind, C: Clock> Table<K, C> {
         }
         if !self.reserve(shard, &mut map, now) {
             self.shared.overflowed.fetch_add(1, Ordering::Relaxed);
+            shard.overflow_members.insert(hash.slot);
             return shard.overflow.update(&mut f);
         }
         map.insert(hash.slot, K::Cell::new(fresh));

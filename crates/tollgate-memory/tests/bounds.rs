@@ -200,3 +200,35 @@ fn a_key_leaving_the_overflow_state_keeps_what_it_spent_there() {
     assert!(l.decide_now(b"b", 1).is_allowed());
     assert_eq!(s.key_count(), 1);
 }
+
+#[test]
+fn only_keys_decided_in_the_overflow_state_carry_its_spending() {
+    let clock = ManualClock::starting_at(1);
+    let s = store(&clock, 1, 1);
+    let l = s.limiter(&gcra()).unwrap(); // 1 per second, bursts of 3
+    assert!(l.decide_now(b"a", 1).is_allowed());
+    assert!(l.decide_now(b"b", 3).is_allowed()); // overflow, spent
+    clock.advance(Duration::from_millis(1_500)); // "a" idle, slot free
+                                                 // A key never seen before gets its whole burst, whatever "b" spent;
+                                                 // peeking at unknown keys stores nothing.
+    assert_eq!(l.decide_now(b"newcomer", 0).remaining, 3);
+    assert_eq!(l.decide_now(b"someone", 0).remaining, 3);
+    assert!(l.decide_now(b"newcomer", 3).is_allowed());
+    assert_eq!(s.key_count(), 1);
+}
+
+#[test]
+fn leases_from_the_overflow_state_are_released_there_after_a_slot_frees() {
+    let clock = ManualClock::starting_at(1);
+    let s = store(&clock, 1, 1);
+    let sem = s
+        .concurrency_limiter(&ConcurrencyRule::new("conc", 1, Duration::from_secs(30)).unwrap())
+        .unwrap();
+    let a = sem.acquire_now(b"a", 1).lease.unwrap();
+    let b = sem.acquire_now(b"b", 1).lease.unwrap(); // overflow
+    assert!(sem.release_now(b"a", a)); // "a" idle, its slot can go
+    assert!(sem.release_now(b"b", b), "released where it was granted");
+    assert_eq!(s.key_count(), 1, "releasing stored nothing new");
+    // Nothing is held any more: a new key gets its permit.
+    assert!(sem.acquire_now(b"c", 1).lease.is_some());
+}

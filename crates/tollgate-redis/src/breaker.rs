@@ -88,7 +88,7 @@ impl Breaker {
     }
 
     /// Takes a pass that settles itself: dropped before `success` or
-    /// `failure` (the call was cancelled), a probe counts as a failure, so
+    /// `failure` (the call was cancelled), a probe gives its place back, so
     /// the breaker can never be left waiting for a probe that will not
     /// report.
     pub(crate) fn enter(&self, now: u64) -> Attempt<'_> {
@@ -131,8 +131,10 @@ impl Attempt<'_> {
 
 impl Drop for Attempt<'_> {
     fn drop(&mut self) {
+        // A probe whose caller went away says nothing about Redis: free the
+        // probe's place so the next call probes, and leave the rest as is.
         if !self.settled && self.pass == Pass::Probe {
-            self.breaker.failure(Pass::Probe, now_nanos());
+            self.breaker.probing.store(false, Ordering::Release);
         }
     }
 }
@@ -172,6 +174,6 @@ mod tests {
         let again = b.enter(now_nanos().saturating_add(1));
         assert_eq!(again.pass(), Pass::Probe);
         again.success();
-        assert_eq!(b.pass(now_nanos()), Pass::Call);
+        assert_eq!(b.pass(1), Pass::Call);
     }
 }

@@ -46,7 +46,13 @@ impl ClusterSlot {
                         return;
                     }
                     Err(error) => {
-                        tracing::debug!(target: "tollgate::redis", %error, "cluster connect failed; retrying");
+                        // Said once at warn (a wrong host or password shows),
+                        // then quietly while it keeps retrying.
+                        if backoff == Duration::from_millis(50) {
+                            tracing::warn!(target: "tollgate::redis", %error, "cluster connect failed; retrying in the background");
+                        } else {
+                            tracing::debug!(target: "tollgate::redis", %error, "cluster connect failed; retrying");
+                        }
                     }
                 }
                 drop(slot);

@@ -155,6 +155,10 @@ fn check_cap(default: u32, cap: u32) -> Result<(), ConfigError> {
     if cap == 0 {
         return Err(ConfigError::new("cap", "must be at least 1"));
     }
+    if default == 0 {
+        // Leaving the header out must not make a request free.
+        return Err(ConfigError::new("default", "must be at least 1"));
+    }
     if default > cap {
         return Err(ConfigError::new("default", "must not exceed `cap`"));
     }

@@ -68,12 +68,17 @@ impl<S: Clone> Inner<'_, S> {
         }
     }
 
-    /// A clone to call after a wait, polled ready only then: whatever the
-    /// ready service reserved (a permit, a buffer slot) is not held while
-    /// the request waits its turn.
+    /// A clone to call after a wait, polled ready only then. The ready
+    /// service is dropped, so whatever it reserved (a permit, a buffer
+    /// slot) is free while the request waits its turn; the caller keeps an
+    /// unready clone, to poll ready before its next call as Tower requires.
     fn clone_for_later(self) -> S {
         match self {
-            Inner::Borrowed(s) => s.clone(),
+            Inner::Borrowed(s) => {
+                let later = s.clone();
+                drop(std::mem::replace(s, later.clone()));
+                later
+            }
             Inner::Owned(s) => s.clone(),
         }
     }

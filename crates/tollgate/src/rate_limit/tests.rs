@@ -306,6 +306,31 @@ async fn shadow_mode_never_holds_a_paced_request_back() {
     assert_eq!(start.elapsed(), Duration::ZERO);
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_paced_request_does_not_hold_the_inner_services_permit_while_it_waits() {
+    let clock = ManualClock::starting_at(1);
+    let layer = per_key(
+        &clock,
+        Limit::leaky_bucket(Rate::per_second(10), Duration::from_secs(1)),
+    )
+    .build()
+    .unwrap();
+    // The inner service admits one request at a time.
+    let mut svc = layer.layer(tower::limit::ConcurrencyLimit::new(service_fn(ok), 1));
+    let first = svc.ready().await.unwrap().call(req("p")).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    // The second waits 100 ms for its turn...
+    let second = svc.ready().await.unwrap().call(req("p"));
+    // ...and meanwhile the permit is free for other work.
+    let ready = tokio::time::timeout(Duration::from_millis(1), svc.ready()).await;
+    assert!(ready.is_ok(), "the waiting request holds the inner permit");
+    // Done with it: the caller's ready service gives its permit back.
+    drop(svc);
+    let start = tokio::time::Instant::now();
+    assert_eq!(second.await.unwrap().status(), StatusCode::OK);
+    assert!(start.elapsed() >= Duration::from_millis(99));
+}
+
 /// A store that always fails.
 #[derive(Clone)]
 struct Broken(Rule);

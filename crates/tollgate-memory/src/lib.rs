@@ -30,9 +30,10 @@
 //!   key's limit per shard, so no key gets more than its own limit. Keys
 //!   already held keep their own state. [`MemoryStore::overflowed`] counts
 //!   those decisions. As keys go idle and are swept, new keys get their own
-//!   slots again, starting from the overflow state rather than a whole
-//!   budget while it still holds spending, so moving never hands a key a
-//!   second budget.
+//!   slots again. A key the shard recently decided in its overflow state
+//!   (one of its last 256 there) starts from that state while it still holds
+//!   spending, so moving never hands it a second budget; other newcomers
+//!   start with a whole one.
 //!
 //! ```
 //! use tollgate_core::{Limit, Limiter, Rate, Rule, Store};

@@ -64,6 +64,8 @@ pub(crate) struct Shared<K, C, L> {
     pub(crate) limiter: L,
     pub(crate) missing: MissingKey,
     pub(crate) responder: Arc<Responder>,
+    /// Whether the first keyless request was reported yet.
+    pub(crate) warned_missing: std::sync::atomic::AtomicBool,
 }
 
 /// Rate-limits requests per key; see the [module docs](super).
@@ -310,6 +312,7 @@ impl<K, C, St: Store> RateLimitLayerBuilder<K, C, St> {
                 cost: self.cost,
                 limiter,
                 missing: self.missing,
+                warned_missing: std::sync::atomic::AtomicBool::new(false),
                 responder: Arc::new(Responder {
                     rule: rule.name().into(),
                     headers: Headers::new(&rule, self.headers, self.legacy_headers),

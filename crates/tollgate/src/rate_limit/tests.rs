@@ -361,6 +361,7 @@ async fn a_failing_store_lets_requests_through() {
         cost: Fixed(1),
         limiter: Broken(rule),
         missing: MissingKey::default(),
+        warned_missing: std::sync::atomic::AtomicBool::new(false),
         responder: layer.responder(),
     });
     let mut svc = RateLimit::new(service_fn(ok), shared);

@@ -147,30 +147,53 @@ impl Lcg {
     }
 }
 
-/// 300 random steps over three keys — advances of 0 to 400 ms, costs 0 to
+/// The shape of a random trace: how many steps, the clock's step unit in
+/// ns, and whether the clock also goes back.
+#[derive(Debug, Clone, Copy)]
+pub struct Trace {
+    /// Seed of the trace's [`Lcg`].
+    pub seed: u64,
+    /// Decisions and refunds to make.
+    pub steps: u32,
+    /// The clock moves by multiples of this many ns (plus up to 999 ns).
+    pub unit: u64,
+    /// Whether the clock also moves back, by up to 1,500 units (never
+    /// before where the trace started).
+    pub backwards: bool,
+}
+
+/// Moves `clock` one random step: forward by multiples of `unit` ns (plus
+/// up to 999 ns), or, when `back_to` is given, sometimes back by up to
+/// 1,500 units, never before `back_to`.
+pub fn move_clock(clock: &ManualClock, rng: &mut Lcg, unit: u64, back_to: Option<u64>) {
+    match (rng.below(6), back_to) {
+        (0, _) => {}
+        (1, _) => clock.advance_nanos(rng.below(400) * unit),
+        (2, Some(floor)) => {
+            let back = rng.below(1_500) * unit + rng.below(1_000);
+            clock.set(crate::Clock::now(clock).saturating_sub(back).max(floor));
+        }
+        _ => clock.advance_nanos(rng.below(60) * unit + rng.below(1_000)),
+    }
+}
+
+/// Random steps over three keys — clock moves per `trace`, costs 0 to
 /// capacity + 1, occasional refunds — answered exactly as the pure
 /// algorithm answers them.
-pub async fn matches_reference_on_random_trace<S: Store>(
-    store: &S,
-    clock: &ManualClock,
-    rule: &Rule,
-    seed: u64,
-) {
+pub async fn random_trace<S: Store>(store: &S, clock: &ManualClock, rule: &Rule, trace: Trace) {
     let limiter = store.limiter(rule).unwrap();
     let mut reference = Reference::new(rule);
-    let mut rng = Lcg(seed);
+    let mut rng = Lcg(trace.seed);
     let keys: [&[u8]; 3] = [b"alice", b"bob", b"carol"];
     let capacity = rule.capacity();
-    for step in 0..300 {
-        match rng.below(4) {
-            0 => {}
-            1 => clock.advance_nanos(rng.below(400) * MS),
-            _ => clock.advance_nanos(rng.below(60) * MS + rng.below(1_000)),
-        }
+    let origin = crate::Clock::now(clock);
+    let unit = trace.unit;
+    for step in 0..trace.steps {
+        move_clock(clock, &mut rng, unit, trace.backwards.then_some(origin));
         let key = keys[rng.below(3) as usize];
         let now = crate::Clock::now(clock);
-        if rng.below(10) == 0 {
-            let cost = rng.below(3) as u32;
+        if rng.below(8) == 0 {
+            let cost = rng.below(4) as u32;
             limiter.refund(key, cost).await.unwrap();
             reference.refund(key, now, cost);
             continue;
@@ -181,12 +204,29 @@ pub async fn matches_reference_on_random_trace<S: Store>(
         assert_eq!(
             got,
             want,
-            "rule {} step {step}: key {:?} cost {cost} at START+{} ns",
+            "rule {} step {step} ({trace:?}): key {:?} cost {cost} at +{} ns",
             rule.name(),
             String::from_utf8_lossy(key),
-            now - START
+            now - origin
         );
     }
+}
+
+/// 300 random steps in ms units, the clock going back now and then: see
+/// [`random_trace`].
+pub async fn matches_reference_on_random_trace<S: Store>(
+    store: &S,
+    clock: &ManualClock,
+    rule: &Rule,
+    seed: u64,
+) {
+    let trace = Trace {
+        seed,
+        steps: 300,
+        unit: MS,
+        backwards: true,
+    };
+    random_trace(store, clock, rule, trace).await;
 }
 
 /// A whole budget is spent at once, the next request is denied with a

@@ -13,8 +13,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use tollgate_core::{
-    testing, Clock, ConcurrencyLimiter, ConcurrencyRule, Lease, Limit, Limiter, ManualClock, Rate,
-    Rule, SemaphoreState, Store,
+    testing, Clock, ConcurrencyLimiter, ConcurrencyRule, Lease, Limit, ManualClock, Rate, Rule,
+    SemaphoreState, Store,
 };
 use tollgate_redis::RedisStore;
 
@@ -64,7 +64,7 @@ async fn matches_the_reference(name: &str) {
     testing::burst_deny_recover(&make(clock.clone()), &clock, &rule).await;
     let clock = ManualClock::starting_at(testing::START);
     testing::peek_refund_and_never(&make(clock.clone()), &clock, &rule).await;
-    clock_going_back_matches_the_reference(&make, &rule).await;
+    trace_matches_the_reference(&make, &rule, START, MS).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -168,7 +168,7 @@ async fn semaphore_matches_the_reference() {
     let mut rng = Lcg(0xc0ffee);
     let keys: [&[u8]; 2] = [b"a", b"b"];
     for step in 0..400 {
-        move_clock(&clock, &mut rng, MS);
+        testing::move_clock(&clock, &mut rng, MS, Some(START));
         let now = clock.now();
         let key = keys[rng.below(2) as usize];
         match rng.below(4) {
@@ -222,31 +222,8 @@ const MS: u64 = 1_000_000;
 /// The suite's generator, for traces of our own.
 use testing::Lcg;
 
-/// Moves the clock forward, or back by up to 1,500 `unit`s (never below
-/// START).
-fn move_clock(clock: &ManualClock, rng: &mut Lcg, unit: u64) {
-    match rng.below(6) {
-        0 => {}
-        1 => clock.advance_nanos(rng.below(400) * unit),
-        2 => {
-            let back = rng.below(1_500) * unit + rng.below(1_000);
-            clock.set(clock.now().saturating_sub(back).max(START));
-        }
-        _ => clock.advance_nanos(rng.below(60) * unit + rng.below(1_000)),
-    }
-}
-
-/// A random trace in which the clock also goes back: the store must
-/// answer exactly as the pure algorithm does, refunds included.
-async fn clock_going_back_matches_the_reference(
-    make: &impl Fn(ManualClock) -> RedisStore,
-    rule: &Rule,
-) {
-    trace_matches_the_reference(make, rule, START, MS).await;
-}
-
-/// [`clock_going_back_matches_the_reference`] from `start`, with clock
-/// moves in steps of `unit` ns.
+/// 600 steps from `start` in steps of `unit` ns, the clock also going back:
+/// the store must answer exactly as the pure algorithm does.
 async fn trace_matches_the_reference(
     make: &impl Fn(ManualClock) -> RedisStore,
     rule: &Rule,
@@ -254,31 +231,11 @@ async fn trace_matches_the_reference(
     unit: u64,
 ) {
     let clock = ManualClock::starting_at(start);
-    let limiter = make(clock.clone()).limiter(rule).unwrap();
-    let mut reference = testing::Reference::new(rule);
-    let mut rng = Lcg(0xbac4);
-    let keys: [&[u8]; 3] = [b"alice", b"bob", b"carol"];
-    let capacity = rule.capacity();
-    for step in 0..600 {
-        move_clock(&clock, &mut rng, unit);
-        let now = clock.now();
-        let key = keys[rng.below(3) as usize];
-        if rng.below(8) == 0 {
-            let cost = rng.below(4) as u32;
-            limiter.refund(key, cost).await.unwrap();
-            reference.refund(key, now, cost);
-            continue;
-        }
-        let cost = rng.below(capacity + 2) as u32;
-        let got = limiter.decide(key, cost).await.unwrap();
-        let want = reference.decide(key, now, cost);
-        assert_eq!(
-            got,
-            want,
-            "rule {} step {step} (clock going back): key {:?} cost {cost} at START+{} ns",
-            rule.name(),
-            String::from_utf8_lossy(key),
-            now - START
-        );
-    }
+    let trace = testing::Trace {
+        seed: 0xbac4,
+        steps: 600,
+        unit,
+        backwards: true,
+    };
+    testing::random_trace(&make(clock.clone()), &clock, rule, trace).await;
 }

@@ -193,10 +193,6 @@ impl<C: Clock> MemoryStore<C> {
             })
             .sum()
     }
-
-    fn table(&self, kind: impl FnOnce(usize, Arc<Shared<C>>) -> Bound<C>) -> Bound<C> {
-        kind(self.inner.shards, Arc::clone(&self.inner.shared))
-    }
 }
 
 /// Builds a [`MemoryStore`].
@@ -327,12 +323,11 @@ impl<C: Clock> Store for MemoryStore<C> {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         let bound = rules.entry(rule.name().to_owned()).or_insert_with(|| {
-            self.table(|shards, shared| {
-                Bound::Rate(
-                    rule.algorithm().clone(),
-                    AnyTable::new(rule.algorithm(), shards, shared),
-                )
-            })
+            let shared = Arc::clone(&self.inner.shared);
+            Bound::Rate(
+                rule.algorithm().clone(),
+                AnyTable::new(rule.algorithm(), self.inner.shards, shared),
+            )
         });
         match bound {
             Bound::Rate(algorithm, table) if algorithm == rule.algorithm() => Ok(MemoryLimiter {
@@ -355,12 +350,11 @@ impl<C: Clock> Store for MemoryStore<C> {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         let bound = rules.entry(rule.name().to_owned()).or_insert_with(|| {
-            self.table(|shards, shared| {
-                Bound::Concurrency(
-                    *rule.semaphore(),
-                    Table::registered(*rule.semaphore(), shards, shared),
-                )
-            })
+            let shared = Arc::clone(&self.inner.shared);
+            Bound::Concurrency(
+                *rule.semaphore(),
+                Table::registered(*rule.semaphore(), self.inner.shards, shared),
+            )
         });
         match bound {
             Bound::Concurrency(semaphore, table) if semaphore == rule.semaphore() => {

@@ -427,24 +427,33 @@ enum Fallback {
     Memory(MemoryLimiter),
 }
 
+/// What fail-open answers: admitted, the whole budget reported left.
+fn open_decision(limit: u64) -> Decision {
+    Decision {
+        outcome: Outcome::Allow { delay: 0 },
+        limit,
+        remaining: limit,
+        reset_after: 0,
+    }
+}
+
+/// What fail-closed answers: denied, retry in a second.
+fn closed_decision(limit: u64) -> Decision {
+    Decision {
+        outcome: Outcome::Deny {
+            retry_after: 1_000_000_000,
+        },
+        limit,
+        remaining: 0,
+        reset_after: 1_000_000_000,
+    }
+}
+
 impl Fallback {
     fn decide(&self, rule: &Rule, key: &[u8], cost: u32) -> Decision {
-        let limit = rule.capacity();
         match self {
-            Fallback::Open => Decision {
-                outcome: Outcome::Allow { delay: 0 },
-                limit,
-                remaining: limit,
-                reset_after: 0,
-            },
-            Fallback::Closed => Decision {
-                outcome: Outcome::Deny {
-                    retry_after: 1_000_000_000,
-                },
-                limit,
-                remaining: 0,
-                reset_after: 1_000_000_000,
-            },
+            Fallback::Open => open_decision(rule.capacity()),
+            Fallback::Closed => closed_decision(rule.capacity()),
             Fallback::Memory(m) => m.decide_now(key, cost),
         }
     }
@@ -581,24 +590,12 @@ impl RedisConcurrencyLimiter {
                 a
             }
             (None, FailurePolicy::Closed) => Acquire {
-                decision: Decision {
-                    outcome: Outcome::Deny {
-                        retry_after: 1_000_000_000,
-                    },
-                    limit,
-                    remaining: 0,
-                    reset_after: 1_000_000_000,
-                },
+                decision: closed_decision(limit),
                 lease: None,
             },
             // Fail open: admit under a lease nobody needs to release.
             (None, _) => Acquire {
-                decision: Decision {
-                    outcome: Outcome::Allow { delay: 0 },
-                    limit,
-                    remaining: limit,
-                    reset_after: 0,
-                },
+                decision: open_decision(limit),
                 lease: Some(Lease {
                     id: FALLBACK_LEASE,
                     permits,

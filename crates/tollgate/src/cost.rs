@@ -180,9 +180,7 @@ impl HeaderCost {
     /// `default`).
     pub fn named(name: &str, default: u32, cap: u32) -> Result<Self, ConfigError> {
         check_cap(default, cap)?;
-        let name = HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
-            ConfigError::new("header", format!("{name:?} is not a valid header name"))
-        })?;
+        let name = crate::key::header_name(name)?;
         Ok(Self { name, default, cap })
     }
 }

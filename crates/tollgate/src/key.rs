@@ -329,14 +329,7 @@ impl Header {
     /// The header `name` (case-insensitive); an invalid name is an error
     /// naming the field `header`.
     pub fn named(name: &str) -> Result<Self, tollgate_core::ConfigError> {
-        HeaderName::from_bytes(name.as_bytes())
-            .map(Self)
-            .map_err(|_| {
-                tollgate_core::ConfigError::new(
-                    "header",
-                    format!("{name:?} is not a valid header name"),
-                )
-            })
+        header_name(name).map(Self)
     }
 
     /// The header `name`.
@@ -354,6 +347,13 @@ impl<B> KeyExtractor<B> for Header {
         key.push(value);
         Some(())
     }
+}
+
+/// Parses a configured header name; the error names the field `header`.
+pub(crate) fn header_name(name: &str) -> Result<HeaderName, tollgate_core::ConfigError> {
+    HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
+        tollgate_core::ConfigError::new("header", format!("{name:?} is not a valid header name"))
+    })
 }
 
 /// The request path (`/users/42`). Every distinct URL is a key; to limit

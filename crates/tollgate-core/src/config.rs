@@ -366,6 +366,16 @@ impl ConcurrencyRule {
         })
     }
 
+    /// The same rule whose denials tell clients to retry after
+    /// `retry_after` (default one second; from 1 ms to a day). When a
+    /// permit frees depends on other requests, so this is a hint.
+    pub fn with_retry_after(self, retry_after: Duration) -> Result<Self, ConfigError> {
+        Ok(Self {
+            semaphore: self.semaphore.with_retry_after(retry_after)?,
+            ..self
+        })
+    }
+
     /// The rule's name.
     pub fn name(&self) -> &str {
         &self.name

@@ -14,7 +14,8 @@
 //! | [`SlidingWindowCounter`] | three integers | sliding windows at any limit |
 //! | [`SlidingWindowLog`] | ≤ `limit` entries | exact sliding windows, small limits |
 //! | [`LeakyBucket`] | one `u64` | pacing: delay instead of reject |
-//! | [`Semaphore`] | ≤ `max` leases | concurrency, with lease expiry |
+//! | [`Semaphore`] | ≤ `max` leases | concurrency across a fleet, with lease expiry |
+//! | [`InFlight`] | one `u64` | concurrency in one process |
 //!
 //! ```
 //! use tollgate_core::{Limit, Outcome, Rate, RateAlgorithm, Rule, Algorithm};
@@ -63,7 +64,7 @@ mod store;
 pub mod testing;
 
 pub use algorithm::{
-    FixedWindow, Gcra, LeakyBucket, RateAlgorithm, Semaphore, SemaphoreState, SlidingWindowCounter,
+    FixedWindow, Gcra, InFlight, LeakyBucket, RateAlgorithm, Semaphore, SemaphoreState, SlidingWindowCounter,
     SlidingWindowCounterState, SlidingWindowLog, SlidingWindowLogState, TokenBucket,
 };
 pub use clock::{duration_to_nanos, Clock, ManualClock, SystemClock};

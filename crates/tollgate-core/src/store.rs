@@ -114,22 +114,53 @@ pub trait Limiter: Clone + Send + Sync + 'static {
 }
 
 /// One concurrency rule bound to a store: acquire and release leases.
+///
+/// A lease is released exactly once, by whoever holds it (the layers move
+/// it into a guard that releases on drop). A release is under way as soon
+/// as [`release`](Self::release) returns, so a synchronous `Drop` can
+/// release by calling it and dropping the future: an in-process store
+/// releases at once; a networked store hands the release to a background
+/// task, and a lease it could not release lapses after the rule's lease
+/// TTL. Awaiting the future waits until the release is done. A networked store also
+/// renews the leases it granted and that are not released yet, in batches
+/// from one background task, so long work keeps its permits while a dead
+/// holder's lapse.
 pub trait ConcurrencyLimiter: Clone + Send + Sync + 'static {
     /// Future of [`acquire`](Self::acquire).
     type AcquireFuture: Future<Output = Result<Acquire, StoreError>> + Send + 'static;
-    /// Future of [`release`](Self::release) and [`renew`](Self::renew):
-    /// whether the lease was still held.
-    type ReleaseFuture: Future<Output = Result<bool, StoreError>> + Send + 'static;
+    /// Future of [`release`](Self::release): resolves when the release is
+    /// done. Dropping it does not cancel the release.
+    type ReleaseFuture: Future<Output = Result<(), StoreError>> + Send + 'static;
+    /// Future of [`held`](Self::held).
+    type HeldFuture: Future<Output = Result<u64, StoreError>> + Send + 'static;
 
     /// The rule this limiter enforces.
     fn rule(&self) -> &ConcurrencyRule;
 
-    /// Takes `permits` for `key` under a new lease, if free.
-    fn acquire(&self, key: &[u8], permits: u32) -> Self::AcquireFuture;
+    /// Takes `permits` for `key` under a new lease if, with them, the key
+    /// holds at most `ceiling` permits: the rule's `max` (pass `u32::MAX`),
+    /// or less for traffic held to a share of it. Permits above the
+    /// ceiling can never be granted ([`Outcome::Never`](crate::Outcome::Never));
+    /// 0 peeks. A denial's `retry_after` is the rule's retry hint.
+    fn acquire(&self, key: &[u8], permits: u32, ceiling: u32) -> Self::AcquireFuture;
 
-    /// Releases `lease` for `key`.
+    /// The acquire at once, for stores that need no I/O; `None` (the
+    /// default) means "call [`acquire`](Self::acquire)" and must not take
+    /// anything.
+    fn acquire_sync(
+        &self,
+        key: &[u8],
+        permits: u32,
+        ceiling: u32,
+    ) -> Option<Result<Acquire, StoreError>> {
+        let _ = (key, permits, ceiling);
+        None
+    }
+
+    /// Gives `lease` back for `key`; see the trait docs. Releasing a lease
+    /// twice is a bug in the caller; stores do not promise to notice.
     fn release(&self, key: &[u8], lease: Lease) -> Self::ReleaseFuture;
 
-    /// Extends `lease` by the rule's lease TTL from now.
-    fn renew(&self, key: &[u8], lease: Lease) -> Self::ReleaseFuture;
+    /// The permits `key` holds now.
+    fn held(&self, key: &[u8]) -> Self::HeldFuture;
 }

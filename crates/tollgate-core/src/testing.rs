@@ -77,7 +77,7 @@ pub async fn run<S: Store>(make: impl Fn(ManualClock) -> S) {
     let clock = ManualClock::starting_at(START);
     hostile_keys_are_ordinary_keys(&make(clock.clone()), &clock).await;
     let clock = ManualClock::starting_at(START);
-    concurrency_leases(&make(clock.clone()), &clock).await;
+    concurrency_permits(&make(clock.clone()), &clock).await;
 }
 
 /// The pure algorithm, applied to per-key states kept here: the expected
@@ -357,47 +357,103 @@ pub async fn hostile_keys_are_ordinary_keys<S: Store>(store: &S, _clock: &Manual
     }
 }
 
-/// Leases: up to `max` permits, then denied with an upper-bound
-/// `retry_after`; release frees; a lease lapses after its TTL; renew
-/// extends it; permits above `max` are `Never`.
-pub async fn concurrency_leases<S: Store>(store: &S, clock: &ManualClock) {
-    let rule = ConcurrencyRule::new("conc", 3, Duration::from_secs(10)).unwrap();
+/// Permits: up to `max` per key, then denied with the rule's retry hint;
+/// a ceiling holds a class of traffic to a share (critical reserve);
+/// permits above the ceiling are `Never`; release frees; `held` counts;
+/// keys are independent; hostile keys are ordinary keys. What every store
+/// does, whether its permits lapse or not (see [`lease_expiry`]).
+pub async fn concurrency_permits<S: Store>(store: &S, clock: &ManualClock) {
+    let rule = ConcurrencyRule::new("conc", 3, Duration::from_secs(10))
+        .unwrap()
+        .with_retry_after(Duration::from_millis(1_500))
+        .unwrap();
     let sem = store.concurrency_limiter(&rule).unwrap();
     let key = b"tenant";
-    let a = sem.acquire(key, 2).await.unwrap();
+    let all = u32::MAX;
+    let a = sem.acquire(key, 2, all).await.unwrap();
     let lease_a = a.lease.expect("first acquire");
-    assert_eq!(a.decision.remaining, 1);
+    assert_eq!((a.decision.limit, a.decision.remaining), (3, 1));
+    assert_eq!(lease_a.permits, 2);
     clock.advance(Duration::from_secs(4));
-    let b = sem.acquire(key, 1).await.unwrap();
+    // Held to 2 of 3: a second class of traffic gets no more.
+    let shared = sem.acquire(key, 1, 2).await.unwrap();
+    assert!(shared.lease.is_none(), "{shared:?}");
+    assert_eq!(
+        shared.decision.outcome,
+        Outcome::Deny {
+            retry_after: 1_500 * MS
+        }
+    );
+    assert_eq!(
+        sem.acquire(key, 3, 2).await.unwrap().decision.outcome,
+        Outcome::Never
+    );
+    let b = sem.acquire(key, 1, all).await.unwrap();
     let lease_b = b.lease.expect("second acquire");
-    assert_ne!(lease_a.id, lease_b.id);
-    let c = sem.acquire(key, 1).await.unwrap();
+    assert_eq!(lease_b.permits, 1);
+    assert_eq!(b.decision.remaining, 0);
+    let c = sem.acquire(key, 1, all).await.unwrap();
     assert!(c.lease.is_none());
     assert_eq!(
         c.decision.outcome,
         Outcome::Deny {
-            retry_after: 6_000 * MS
+            retry_after: 1_500 * MS
         }
     );
     assert_eq!(
-        sem.acquire(key, 4).await.unwrap().decision.outcome,
+        sem.acquire(key, 4, all).await.unwrap().decision.outcome,
         Outcome::Never
     );
-    // Another key is untouched.
-    assert!(sem.acquire(b"other", 3).await.unwrap().lease.is_some());
-    assert!(sem.release(key, lease_b).await.unwrap());
-    assert!(!sem.release(key, lease_b).await.unwrap(), "double release");
-    let d = sem.acquire(key, 1).await.unwrap();
+    let peek = sem.acquire(key, 0, all).await.unwrap();
+    assert!(peek.decision.is_allowed() && peek.lease.is_none());
+    assert_eq!(sem.held(key).await.unwrap(), 3);
+    // Another key, hostile ones included, is untouched.
+    for other in [&b"other"[..], b"", b"{slot}\r\n", &[0xff; 300][..]] {
+        let o = sem.acquire(other, 3, all).await.unwrap();
+        let lease = o.lease.expect("independent key");
+        assert_eq!(sem.held(other).await.unwrap(), 3);
+        sem.release(other, lease).await.unwrap();
+        assert_eq!(sem.held(other).await.unwrap(), 0);
+    }
+    sem.release(key, lease_b).await.unwrap();
+    assert_eq!(sem.held(key).await.unwrap(), 2);
+    let d = sem.acquire(key, 1, all).await.unwrap();
     let lease_d = d.lease.expect("after release");
-    // Lease A lapses at 10 s; lease D is renewed at 9 s and lives on.
-    clock.advance(Duration::from_secs(5));
-    assert!(sem.renew(key, lease_d).await.unwrap());
-    clock.advance(Duration::from_secs(1));
-    let e = sem.acquire(key, 2).await.unwrap();
-    assert!(e.lease.is_some(), "lease A should have lapsed: {e:?}");
-    assert!(
-        !sem.release(key, lease_a).await.unwrap(),
-        "lapsed lease released"
-    );
-    assert!(sem.release(key, lease_d).await.unwrap());
+    sem.release(key, lease_a).await.unwrap();
+    sem.release(key, lease_d).await.unwrap();
+    assert_eq!(sem.held(key).await.unwrap(), 0);
+    assert_eq!(sem.held(b"never-seen").await.unwrap(), 0);
+    // A release whose future is dropped unpolled still happens (this is
+    // how a guard releases from `Drop`).
+    let e = sem.acquire(key, 3, all).await.unwrap().lease.expect("whole");
+    drop(sem.release(key, e));
+    let mut freed = false;
+    for _ in 0..2_000 {
+        if sem.held(key).await.unwrap() == 0 {
+            freed = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(freed, "a dropped release future cancelled the release");
+}
+
+/// For stores whose permits are leases that lapse (networked stores): a
+/// lease that is never released lapses after the rule's lease TTL, and
+/// frees its permits; the store renews the leases it holds for live
+/// holders, so this scenario reads the clock past the TTL without giving
+/// the store's renewal a chance (`settle` must not renew).
+pub async fn lease_expiry<S: Store>(store: &S, clock: &ManualClock) {
+    let rule = ConcurrencyRule::new("lapse", 2, Duration::from_secs(10)).unwrap();
+    let sem = store.concurrency_limiter(&rule).unwrap();
+    let key = b"crashed";
+    let lease = sem.acquire(key, 2, u32::MAX).await.unwrap().lease;
+    assert!(lease.is_some());
+    clock.advance(Duration::from_millis(9_999));
+    assert_eq!(sem.held(key).await.unwrap(), 2);
+    assert!(sem.acquire(key, 1, u32::MAX).await.unwrap().lease.is_none());
+    clock.advance(Duration::from_millis(1));
+    assert_eq!(sem.held(key).await.unwrap(), 0, "the lease should lapse");
+    let again = sem.acquire(key, 2, u32::MAX).await.unwrap();
+    assert!(again.lease.is_some(), "{again:?}");
 }

@@ -441,6 +441,7 @@ impl Model for LeakyBucketModel {
 struct SemaphoreModel {
     max: u64,
     ttl: u64,
+    retry_after: u64,
     leases: BTreeMap<u64, (u64, u64)>,
 }
 
@@ -464,14 +465,16 @@ struct SemExpect {
     kind: Kind,
     remaining: u64,
     lease: bool,
-    /// For a denial: when enough leases lapse if none is released.
+    /// For a denial: the rule's retry hint.
     retry_after: Option<u64>,
 }
 
 impl SemaphoreModel {
-    fn acquire(&mut self, now: u64, permits: u32, id: u64) -> SemExpect {
+    fn acquire(&mut self, now: u64, permits: u32, ceiling: u32, id: u64) -> SemExpect {
         let held = self.held(now);
         let permits = u64::from(permits);
+        let cap = u64::from(ceiling).min(self.max);
+        let free = cap.saturating_sub(held);
         let answer = |kind, remaining, lease, retry_after| SemExpect {
             kind,
             remaining,
@@ -479,22 +482,14 @@ impl SemaphoreModel {
             retry_after,
         };
         if permits == 0 {
-            answer(Kind::Allow, self.max - held, false, None)
-        } else if permits > self.max {
-            answer(Kind::Never, self.max - held, false, None)
-        } else if held + permits > self.max {
-            // The first lease expiry at which the permits are free.
-            let at = self
-                .leases
-                .values()
-                .map(|(e, _)| *e)
-                .filter(|e| *e > now && self.held(*e) + permits <= self.max)
-                .min()
-                .unwrap();
-            answer(Kind::Deny, self.max - held, false, Some(at - now))
+            answer(Kind::Allow, free, false, None)
+        } else if permits > cap {
+            answer(Kind::Never, free, false, None)
+        } else if held + permits > cap {
+            answer(Kind::Deny, free, false, Some(self.retry_after))
         } else {
             self.leases.insert(id, (now + self.ttl, permits));
-            answer(Kind::Allow, self.max - held - permits, true, None)
+            answer(Kind::Allow, free - permits, true, None)
         }
     }
 
@@ -613,6 +608,7 @@ proptest! {
         let mut model = SemaphoreModel {
             max: sem.max().into(),
             ttl,
+            retry_after: sem.retry_after(),
             leases: BTreeMap::new(),
         };
         let mut state = SemaphoreState::default();
@@ -623,12 +619,13 @@ proptest! {
         for (i, &(jump, op)) in steps.iter().enumerate() {
             now = jump.apply(now, ttl, hint);
             match op {
-                SemOp::Acquire(c) => {
+                SemOp::Acquire(c, share) => {
                     let permits = c.resolve(sem.max().into());
+                    let ceiling = support::ceiling(sem.max().into(), share);
                     let id = next_id;
                     next_id += 1;
-                    let got = sem.acquire(&mut state, now, permits, id);
-                    let want = model.acquire(now, permits, id);
+                    let got = sem.acquire(&mut state, now, permits, ceiling, id);
+                    let want = model.acquire(now, permits, ceiling, id);
                     let got_e = SemExpect {
                         kind: kind(&got.decision),
                         remaining: got.decision.remaining,

@@ -5,7 +5,9 @@
 //! - **Fast.** Keys live in a sharded hash table. GCRA, token bucket, fixed
 //!   window and leaky bucket states are one `AtomicU64`, updated with one
 //!   compare-and-swap under the shard's read lock (governor's design); the
-//!   sliding windows sit behind a per-key mutex. A decision neither
+//!   sliding windows sit behind a per-key mutex. A concurrency limit is a
+//!   count of held permits per key, also one word: acquire and release are
+//!   one compare-and-swap each, however many requests are in flight. A decision neither
 //!   allocates nor boxes: the store's futures are [`std::future::Ready`].
 //! - **Keys of any length, never kept.** A client key is stored as a
 //!   SipHash-1-3 under a per-store random secret: 8 bytes however long the
@@ -77,11 +79,11 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use tollgate_core::{
     Acquire, Algorithm, Clock, ConcurrencyLimiter, ConcurrencyRule, ConfigError, Decision,
-    FixedWindow, Gcra, LeakyBucket, Lease, Limiter, RateAlgorithm, Rule, Semaphore,
+    FixedWindow, Gcra, InFlight, LeakyBucket, Lease, Limiter, RateAlgorithm, Rule, Semaphore,
     SlidingWindowCounter, SlidingWindowLog, Store, StoreError, SystemClock, TokenBucket,
 };
 
-use crate::table::{Shared, Table};
+use crate::table::{Shared, Slot, Table};
 
 /// The default [`MemoryStoreBuilder::max_keys`].
 pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
@@ -105,7 +107,7 @@ struct Inner<C> {
 
 enum Bound<C> {
     Rate(Algorithm, AnyTable<C>),
-    Concurrency(Semaphore, Arc<Table<Semaphore, C>>),
+    Concurrency(Semaphore, Arc<Table<InFlight, C>>),
 }
 
 impl<C> Clone for MemoryStore<C> {
@@ -353,7 +355,7 @@ impl<C: Clock> Store for MemoryStore<C> {
             let shared = Arc::clone(&self.inner.shared);
             Bound::Concurrency(
                 *rule.semaphore(),
-                Table::registered(*rule.semaphore(), self.inner.shards, shared),
+                Table::registered(rule.semaphore().in_flight(), self.inner.shards, shared),
             )
         });
         match bound {
@@ -434,11 +436,18 @@ impl<C: Clock> Limiter for MemoryLimiter<C> {
     }
 }
 
-/// A concurrency rule bound to a [`MemoryStore`].
+/// A concurrency rule bound to a [`MemoryStore`]: a count of held permits
+/// per key ([`InFlight`]), one atomic word, acquired and released with one
+/// compare-and-swap each. Permits do not lapse: in one process a permit's
+/// guard releases it when dropped. The rule's lease TTL is not used.
 pub struct MemoryConcurrencyLimiter<C = SystemClock> {
     rule: ConcurrencyRule,
-    table: Arc<Table<Semaphore, C>>,
+    table: Arc<Table<InFlight, C>>,
 }
+
+/// The lease id of permits counted in a shard's overflow state (the store
+/// was full when they were granted), so their release goes back there.
+const OVERFLOW_LEASE: u64 = 1;
 
 impl<C> Clone for MemoryConcurrencyLimiter<C> {
     fn clone(&self) -> Self {
@@ -459,48 +468,75 @@ impl<C> fmt::Debug for MemoryConcurrencyLimiter<C> {
 
 impl<C: Clock> MemoryConcurrencyLimiter<C> {
     /// [`ConcurrencyLimiter::acquire`] without the future.
-    pub fn acquire_now(&self, key: &[u8], permits: u32) -> Acquire {
+    #[inline]
+    pub fn acquire_now(&self, key: &[u8], permits: u32, ceiling: u32) -> Acquire {
         let t = &self.table;
         let now = t.now();
-        let id = t.next_id.fetch_add(1, Ordering::Relaxed);
-        t.update(key, now, false, |s| t.kind.acquire(s, now, permits, id))
+        let (decision, slot) =
+            t.update_in(key, now, false, |held| t.kind.acquire(held, permits, ceiling));
+        let granted = decision.is_allowed() && permits > 0;
+        Acquire {
+            decision,
+            lease: granted.then_some(Lease {
+                id: match slot {
+                    Slot::Own => 0,
+                    Slot::Overflow => OVERFLOW_LEASE,
+                },
+                permits,
+            }),
+        }
     }
 
     /// [`ConcurrencyLimiter::release`] without the future.
-    pub fn release_now(&self, key: &[u8], lease: Lease) -> bool {
+    #[inline]
+    pub fn release_now(&self, key: &[u8], lease: Lease) {
         let t = &self.table;
-        let now = t.now();
-        // A lease granted while the store was full lives in the overflow state.
-        t.update(key, now, false, |s| t.kind.release(s, now, lease.id))
-            || t.update_overflow(key, |s| t.kind.release(s, now, lease.id))
+        let release = |held: &mut u64| t.kind.release(held, lease.permits);
+        if lease.id == OVERFLOW_LEASE {
+            t.update_overflow(key, release);
+        } else {
+            t.update(key, t.now(), false, release);
+        }
     }
 
-    /// [`ConcurrencyLimiter::renew`] without the future.
-    pub fn renew_now(&self, key: &[u8], lease: Lease) -> bool {
+    /// [`ConcurrencyLimiter::held`] without the future: the permits `key`
+    /// holds in its own slot. (Permits granted while the store was full
+    /// are counted in the shard's shared overflow state, not here.)
+    pub fn held_now(&self, key: &[u8]) -> u64 {
         let t = &self.table;
-        let now = t.now();
-        t.update(key, now, false, |s| t.kind.renew(s, now, lease.id))
-            || t.update_overflow(key, |s| t.kind.renew(s, now, lease.id))
+        t.update(key, t.now(), false, |held| *held)
     }
 }
 
 impl<C: Clock> ConcurrencyLimiter for MemoryConcurrencyLimiter<C> {
     type AcquireFuture = Ready<Result<Acquire, StoreError>>;
-    type ReleaseFuture = Ready<Result<bool, StoreError>>;
+    type ReleaseFuture = Ready<Result<(), StoreError>>;
+    type HeldFuture = Ready<Result<u64, StoreError>>;
 
     fn rule(&self) -> &ConcurrencyRule {
         &self.rule
     }
 
-    fn acquire(&self, key: &[u8], permits: u32) -> Self::AcquireFuture {
-        ready(Ok(self.acquire_now(key, permits)))
+    fn acquire(&self, key: &[u8], permits: u32, ceiling: u32) -> Self::AcquireFuture {
+        ready(Ok(self.acquire_now(key, permits, ceiling)))
+    }
+
+    #[inline]
+    fn acquire_sync(
+        &self,
+        key: &[u8],
+        permits: u32,
+        ceiling: u32,
+    ) -> Option<Result<Acquire, StoreError>> {
+        Some(Ok(self.acquire_now(key, permits, ceiling)))
     }
 
     fn release(&self, key: &[u8], lease: Lease) -> Self::ReleaseFuture {
-        ready(Ok(self.release_now(key, lease)))
+        self.release_now(key, lease);
+        ready(Ok(()))
     }
 
-    fn renew(&self, key: &[u8], lease: Lease) -> Self::ReleaseFuture {
-        ready(Ok(self.renew_now(key, lease)))
+    fn held(&self, key: &[u8]) -> Self::HeldFuture {
+        ready(Ok(self.held_now(key)))
     }
 }

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 
-use tollgate_core::{Clock, RateAlgorithm, Semaphore, SemaphoreState};
+use tollgate_core::{Clock, InFlight, RateAlgorithm};
 
 use crate::cell::{Cell, Stored};
 use crate::key::{BuildIdentity, KeyHasher};
@@ -35,17 +35,26 @@ impl<A: Stored> Kind for A {
     }
 }
 
-impl Kind for Semaphore {
-    type State = SemaphoreState;
-    type Cell = Mutex<SemaphoreState>;
+impl Kind for InFlight {
+    type State = u64;
+    type Cell = std::sync::atomic::AtomicU64;
 
-    fn is_idle(&self, state: &SemaphoreState, now: u64) -> bool {
-        Semaphore::is_idle(self, state, now)
+    #[inline]
+    fn is_idle(&self, held: &u64, _now: u64) -> bool {
+        InFlight::is_idle(self, *held)
     }
 
     fn sweep_every(&self) -> u64 {
-        self.lease_ttl().clamp(SECOND, 60 * SECOND)
+        SECOND
     }
+}
+
+/// Where an update ran: the key's own slot, or its shard's shared overflow
+/// state (the store was full).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Slot {
+    Own,
+    Overflow,
 }
 
 /// What every table of one store shares: the clock, the key hasher, the
@@ -187,8 +196,6 @@ pub(crate) struct Table<K: Kind, C> {
     mask: usize,
     pub(crate) shared: std::sync::Arc<Shared<C>>,
     cursor: AtomicUsize,
-    /// Lease ids for semaphores.
-    pub(crate) next_id: AtomicU64,
 }
 
 impl<K: Kind + std::fmt::Debug, C> std::fmt::Debug for Table<K, C> {
@@ -230,7 +237,6 @@ impl<K: Kind, C: Clock> Table<K, C> {
             shards,
             shared,
             cursor: AtomicUsize::new(0),
-            next_id: AtomicU64::new(1),
         }
     }
 
@@ -272,13 +278,25 @@ impl<K: Kind, C: Clock> Table<K, C> {
         key: &[u8],
         now: u64,
         seed: bool,
-        mut f: impl FnMut(&mut K::State) -> R,
+        f: impl FnMut(&mut K::State) -> R,
     ) -> R {
+        self.update_in(key, now, seed, f).0
+    }
+
+    /// [`update`](Self::update), also telling where it ran.
+    #[inline]
+    pub(crate) fn update_in<R>(
+        &self,
+        key: &[u8],
+        now: u64,
+        seed: bool,
+        mut f: impl FnMut(&mut K::State) -> R,
+    ) -> (R, Slot) {
         self.tick(now);
         let hash = self.shared.hasher.hash(key);
         let shard = self.shard(hash.shard as usize);
         if let Some(cell) = read(&shard.map).get(&hash.slot) {
-            return cell.update(&mut f);
+            return (cell.update(&mut f), Slot::Own);
         }
         let start = if seed && shard.overflow_members.contains(hash.slot) {
             shard
@@ -291,20 +309,20 @@ impl<K: Kind, C: Clock> Table<K, C> {
         let mut fresh = start.unwrap_or_default();
         let result = f(&mut fresh);
         if !seeded && fresh == K::State::default() {
-            return result;
+            return (result, Slot::Own);
         }
         let mut map = write(&shard.map);
         if let Some(cell) = map.get(&hash.slot) {
             // Inserted by another thread meanwhile: decide on its state.
-            return cell.update(&mut f);
+            return (cell.update(&mut f), Slot::Own);
         }
         if !self.reserve(shard, &mut map, now) {
             self.shared.overflowed.fetch_add(1, Ordering::Relaxed);
             shard.overflow_members.insert(hash.slot);
-            return shard.overflow.update(&mut f);
+            return (shard.overflow.update(&mut f), Slot::Overflow);
         }
         map.insert(hash.slot, K::Cell::new(fresh));
-        result
+        (result, Slot::Own)
     }
 
     /// Runs `f` on the overflow state that `key` would share if the table

@@ -152,14 +152,14 @@ fn leases_granted_while_full_can_be_released() {
     let sem = s
         .concurrency_limiter(&ConcurrencyRule::new("conc", 2, Duration::from_secs(30)).unwrap())
         .unwrap();
-    let held = sem.acquire_now(b"a", 1).lease.unwrap();
-    let over = sem.acquire_now(b"b", 2).lease.unwrap();
+    let held = sem.acquire_now(b"a", 1, u32::MAX).lease.unwrap();
+    let over = sem.acquire_now(b"b", 2, u32::MAX).lease.unwrap();
     assert_eq!(s.key_count(), 1);
     // "c" shares the overflow state with "b": nothing left.
-    assert!(sem.acquire_now(b"c", 1).lease.is_none());
-    assert!(sem.release_now(b"b", over));
-    assert!(sem.acquire_now(b"c", 1).lease.is_some());
-    assert!(sem.release_now(b"a", held));
+    assert!(sem.acquire_now(b"c", 1, u32::MAX).lease.is_none());
+    sem.release_now(b"b", over);
+    assert!(sem.acquire_now(b"c", 1, u32::MAX).lease.is_some());
+    sem.release_now(b"a", held);
 }
 
 #[test]
@@ -224,11 +224,11 @@ fn leases_from_the_overflow_state_are_released_there_after_a_slot_frees() {
     let sem = s
         .concurrency_limiter(&ConcurrencyRule::new("conc", 1, Duration::from_secs(30)).unwrap())
         .unwrap();
-    let a = sem.acquire_now(b"a", 1).lease.unwrap();
-    let b = sem.acquire_now(b"b", 1).lease.unwrap(); // overflow
-    assert!(sem.release_now(b"a", a)); // "a" idle, its slot can go
-    assert!(sem.release_now(b"b", b), "released where it was granted");
+    let a = sem.acquire_now(b"a", 1, u32::MAX).lease.unwrap();
+    let b = sem.acquire_now(b"b", 1, u32::MAX).lease.unwrap(); // overflow
+    sem.release_now(b"a", a); // "a" idle, its slot can go
+    sem.release_now(b"b", b); // released where it was granted
     assert_eq!(s.key_count(), 1, "releasing stored nothing new");
     // Nothing is held any more: a new key gets its permit.
-    assert!(sem.acquire_now(b"c", 1).lease.is_some());
+    assert!(sem.acquire_now(b"c", 1, u32::MAX).lease.is_some());
 }

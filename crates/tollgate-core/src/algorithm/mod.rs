@@ -18,6 +18,7 @@
 
 mod fixed_window;
 mod gcra;
+mod in_flight;
 mod leaky_bucket;
 mod semaphore;
 mod sliding_window_counter;
@@ -26,6 +27,7 @@ mod token_bucket;
 
 pub use fixed_window::FixedWindow;
 pub use gcra::Gcra;
+pub use in_flight::InFlight;
 pub use leaky_bucket::LeakyBucket;
 pub use semaphore::{Semaphore, SemaphoreState};
 pub use sliding_window_counter::{SlidingWindowCounter, SlidingWindowCounterState};

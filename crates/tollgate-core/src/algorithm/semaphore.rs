@@ -8,10 +8,22 @@ use crate::{Acquire, ConfigError, Decision, Lease, Outcome};
 /// `lease_ttl` lapses, so a holder that crashed (or a process that died
 /// holding a Redis lease) cannot keep its permits forever. Holders of
 /// long-running work [`renew`](Self::renew) their lease.
+///
+/// This is the model of a distributed store's leases (the Redis store runs
+/// it in Lua). An in-process store needs no expiry — a holder that dies
+/// takes the process with it — and counts with [`InFlight`](crate::InFlight).
+///
+/// An acquire names a *ceiling*: the most permits the key may hold once
+/// this acquire is granted — the rule's `max`, or less for traffic held to
+/// a share of it (a critical reserve). Permits above the ceiling are
+/// [`Outcome::Never`] for that acquire. A denial's `retry_after` is the
+/// rule's retry hint: when a permit frees depends on other requests, which
+/// no store can know.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Semaphore {
     max: u32,
     ttl: u64,
+    retry_after: u64,
 }
 
 /// Per-key state of [`Semaphore`]: the live leases. Holds at most `max`
@@ -53,8 +65,11 @@ impl Semaphore {
     /// The largest `max` accepted.
     pub const MAX_PERMITS: u32 = 1_000_000;
 
+    /// The retry hint of a denial unless told otherwise: one second.
+    pub const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
+
     /// Validates `max` (1 to [`Self::MAX_PERMITS`]) and `lease_ttl`
-    /// (at least 1 ms).
+    /// (at least 1 ms). Denials carry [`Self::DEFAULT_RETRY_AFTER`].
     pub fn new(max: u32, lease_ttl: Duration) -> Result<Self, ConfigError> {
         if max == 0 || max > Self::MAX_PERMITS {
             return Err(ConfigError::new(
@@ -66,7 +81,42 @@ impl Semaphore {
         if ttl < 1_000_000 {
             return Err(ConfigError::new("lease_ttl", "must be at least 1 ms"));
         }
-        Ok(Self { max, ttl })
+        Ok(Self {
+            max,
+            ttl,
+            retry_after: duration_to_nanos(Self::DEFAULT_RETRY_AFTER),
+        })
+    }
+
+    /// The same semaphore whose denials tell clients to retry after
+    /// `retry_after` (at least 1 ms, at most a day).
+    pub fn with_retry_after(self, retry_after: Duration) -> Result<Self, ConfigError> {
+        let retry_after = duration_to_nanos(retry_after);
+        if !(1_000_000..=86_400_000_000_000).contains(&retry_after) {
+            return Err(ConfigError::new(
+                "retry_after",
+                "must be from 1 ms to 1 day",
+            ));
+        }
+        Ok(Self {
+            retry_after,
+            ..self
+        })
+    }
+
+    /// The retry hint of a denial, in nanoseconds.
+    pub fn retry_after(&self) -> u64 {
+        self.retry_after
+    }
+
+    /// `ceiling` clamped to `max`.
+    pub fn ceiling(&self, ceiling: u32) -> u32 {
+        ceiling.min(self.max)
+    }
+
+    /// The in-process counter with the same `max` and retry hint.
+    pub fn in_flight(&self) -> crate::InFlight {
+        crate::InFlight::from_semaphore(self)
     }
 
     /// Most permits held at once.
@@ -93,12 +143,22 @@ impl Semaphore {
     }
 
     /// Takes `permits` under a new lease `id` (unique within the key; the
-    /// store chooses it) if they are free at `now`.
-    pub fn acquire(&self, state: &mut SemaphoreState, now: u64, permits: u32, id: u64) -> Acquire {
+    /// store chooses it) if, with them, the key holds at most `ceiling`
+    /// permits at `now` (see the type's docs). `remaining` is counted
+    /// against the ceiling.
+    pub fn acquire(
+        &self,
+        state: &mut SemaphoreState,
+        now: u64,
+        permits: u32,
+        ceiling: u32,
+        id: u64,
+    ) -> Acquire {
         Self::expire(state, now);
         let limit = u64::from(self.max);
+        let ceiling = u64::from(self.ceiling(ceiling));
         let held = state.held(now);
-        let remaining = limit.saturating_sub(held);
+        let remaining = ceiling.saturating_sub(held);
         let reset = Self::reset_after(state, now);
         let denied = |outcome| Acquire {
             decision: Decision::with(outcome, limit, remaining, reset),
@@ -107,31 +167,12 @@ impl Semaphore {
         if permits == 0 {
             return denied(Outcome::Allow { delay: 0 });
         }
-        if permits > self.max {
+        if u64::from(permits) > ceiling {
             return denied(Outcome::Never);
         }
-        if held.saturating_add(u64::from(permits)) > limit {
-            // Upper bound: when enough leases would lapse if none is released.
-            let mut order: Vec<_> = state
-                .leases
-                .iter()
-                .map(|l| (l.expires, l.permits))
-                .collect();
-            order.sort_unstable();
-            let excess = held
-                .saturating_add(u64::from(permits))
-                .saturating_sub(limit);
-            let mut freed = 0u64;
-            let mut retry_after = self.ttl;
-            for (expires, p) in order {
-                freed = freed.saturating_add(u64::from(p));
-                if freed >= excess {
-                    retry_after = expires.saturating_sub(now);
-                    break;
-                }
-            }
+        if held.saturating_add(u64::from(permits)) > ceiling {
             return denied(Outcome::Deny {
-                retry_after: retry_after.max(1),
+                retry_after: self.retry_after,
             });
         }
         let expires = now.saturating_add(self.ttl);
@@ -191,29 +232,59 @@ mod tests {
     fn leases_bound_concurrency_and_lapse() {
         let sem = Semaphore::new(2, Duration::from_secs(30)).unwrap();
         let mut s = SemaphoreState::default();
-        let a = sem.acquire(&mut s, 0, 1, 1);
-        let b = sem.acquire(&mut s, S, 1, 2);
+        let a = sem.acquire(&mut s, 0, 1, 2, 1);
+        let b = sem.acquire(&mut s, S, 1, 2, 2);
         assert!(a.decision.is_allowed() && b.decision.is_allowed());
         assert_eq!(b.decision.remaining, 0);
-        let c = sem.acquire(&mut s, 2 * S, 1, 3);
+        let c = sem.acquire(&mut s, 2 * S, 1, 2, 3);
         assert_eq!(c.lease, None);
-        assert_eq!(
-            c.decision.outcome,
-            Outcome::Deny {
-                retry_after: 28 * S
-            }
-        );
+        assert_eq!(c.decision.outcome, Outcome::Deny { retry_after: S });
         assert!(sem.release(&mut s, 2 * S, 1));
         assert!(!sem.release(&mut s, 2 * S, 1), "released twice");
-        assert!(sem.acquire(&mut s, 2 * S, 1, 3).decision.is_allowed());
+        assert!(sem.acquire(&mut s, 2 * S, 1, 2, 3).decision.is_allowed());
         // Lease 2 lapses at 31 s; renewing lease 3 keeps it.
         assert!(sem.renew(&mut s, 20 * S, 3));
         assert_eq!(s.held(31 * S), 1);
         assert!(!sem.renew(&mut s, 31 * S, 2));
         assert!(sem.is_idle(&s, 51 * S));
         assert_eq!(
-            sem.acquire(&mut s, 0, 3, 9).decision.outcome,
+            sem.acquire(&mut s, 0, 3, 2, 9).decision.outcome,
             Outcome::Never
+        );
+    }
+
+    #[test]
+    fn a_ceiling_holds_back_a_share() {
+        let sem = Semaphore::new(10, Duration::from_secs(30))
+            .unwrap()
+            .with_retry_after(Duration::from_millis(250))
+            .unwrap();
+        let mut s = SemaphoreState::default();
+        // Held to 8 of 10: the ninth permit is refused, for now.
+        let a = sem.acquire(&mut s, 0, 8, 8, 1);
+        assert!(a.decision.is_allowed());
+        assert_eq!(a.decision.remaining, 0);
+        assert_eq!(
+            sem.acquire(&mut s, 0, 1, 8, 2).decision.outcome,
+            Outcome::Deny {
+                retry_after: 250_000_000
+            }
+        );
+        // Beyond the share altogether: never, for this class.
+        assert_eq!(
+            sem.acquire(&mut s, 0, 9, 8, 3).decision.outcome,
+            Outcome::Never
+        );
+        // The full ceiling still admits the reserve; above max clamps.
+        assert!(sem.acquire(&mut s, 0, 2, u32::MAX, 4).decision.is_allowed());
+        assert!(!sem.acquire(&mut s, 0, 1, u32::MAX, 5).decision.is_allowed());
+        assert_eq!(
+            Semaphore::new(1, Duration::from_secs(1))
+                .unwrap()
+                .with_retry_after(Duration::ZERO)
+                .unwrap_err()
+                .field(),
+            "retry_after"
         );
     }
 
@@ -224,11 +295,11 @@ mod tests {
         let sem = Semaphore::new(1, Duration::from_millis(1)).unwrap();
         let mut s = SemaphoreState::default();
         let now = 10_000_000;
-        assert!(sem.acquire(&mut s, now, 1, 7).decision.is_allowed());
+        assert!(sem.acquire(&mut s, now, 1, 1, 7).decision.is_allowed());
         assert!(sem.renew(&mut s, now - 500_000, 7));
         assert_eq!(s.held(now + 999_999), 1);
         assert!(!sem
-            .acquire(&mut s, now + 600_000, 1, 8)
+            .acquire(&mut s, now + 600_000, 1, 1, 8)
             .decision
             .is_allowed());
         // Forward, a renewal extends as before.

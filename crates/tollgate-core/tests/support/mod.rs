@@ -272,8 +272,9 @@ pub(crate) fn semaphore() -> impl Strategy<Value = (Semaphore, u64)> {
 /// A step of a semaphore trace.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum SemOp {
-    /// Acquire permits under a fresh lease id.
-    Acquire(Cost),
+    /// Acquire permits under a fresh lease id, held to a ceiling (see
+    /// [`ceiling`]).
+    Acquire(Cost, u8),
     /// Release the lease picked by the seed among those handed out (or
     /// one never handed out).
     Release(u32),
@@ -284,10 +285,20 @@ pub(crate) enum SemOp {
 /// Semaphore steps: mostly acquires, some releases and renewals.
 pub(crate) fn sem_op() -> impl Strategy<Value = SemOp> {
     prop_oneof![
-        5 => cost().prop_map(SemOp::Acquire),
+        5 => (cost(), any::<u8>()).prop_map(|(c, share)| SemOp::Acquire(c, share)),
         2 => any::<u32>().prop_map(SemOp::Release),
         2 => any::<u32>().prop_map(SemOp::Renew),
     ]
+}
+
+/// The ceiling of an acquire: the whole `max` (as `u32::MAX`) half the
+/// time, else a share of it (`share`/128, possibly 0).
+pub(crate) fn ceiling(max: u64, share: u8) -> u32 {
+    if share >= 128 {
+        u32::MAX
+    } else {
+        u32::try_from(max * u64::from(share) / 128).unwrap()
+    }
 }
 
 /// Picks a lease id from the `issued` ones by `seed`; one time in a few an

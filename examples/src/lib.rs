@@ -4,17 +4,34 @@
 //! Run the quickstart with `cargo run -p tollgate-examples --bin quickstart`.
 
 use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
+use axum::body::{Body, Bytes};
 use axum::http::Method;
 use axum::routing::{get, post};
 use axum::Router;
+use tollgate::concurrency::{AdaptiveLimit, ConcurrencyLayer, Gradient};
 use tollgate::cost::ByRoute;
 use tollgate::key::{ClientIp, Header, KeyExtractorExt};
 use tollgate::{ConfigError, Limit, Rate, RateLimitLayer, Store};
 
-/// The quickstart's API: one budget per client of 10 requests per second
-/// with bursts of 20, where an order costs 3 and a report 10;
-/// `/healthz` is not limited.
+/// The size of `GET /api/download`'s body.
+pub const DOWNLOAD_BYTES: usize = 1 << 20;
+/// The size of its chunks.
+pub const DOWNLOAD_CHUNK: usize = 16 << 10;
+
+/// The quickstart's API:
+///
+/// - one budget per client of 10 requests per second with bursts of 20,
+///   where an order costs 3 and a report 10;
+/// - `GET /api/download` streams 1 MiB in 16 KiB chunks, at most 2 at once
+///   per client: a third is refused at once while two bodies are still
+///   being read;
+/// - every `/api/*` route sits behind at most 64 requests in flight per
+///   client and an adaptive whole-service limit (a gradient of latencies,
+///   between 8 and 512) that follows the service's latency and errors;
+/// - `/healthz` is not limited.
 ///
 /// The client is its `x-api-key`, else its IP: the peer's, or — when the
 /// peer is one of `trusted_proxies` (CIDRs) — the address those proxies
@@ -23,8 +40,21 @@ pub fn quickstart_app<S: Store>(
     store: S,
     trusted_proxies: &[String],
 ) -> Result<Router, ConfigError> {
+    let client = Header::named("x-api-key")?.or(ClientIp::trusting(trusted_proxies)?);
+    let downloads = ConcurrencyLayer::builder("downloads", 2)
+        .key(client.clone())
+        .store(store.clone())
+        .build()?;
+    let in_flight = ConcurrencyLayer::builder("per-client", 64)
+        .key(client.clone())
+        .store(store.clone())
+        .adaptive_service_limit(
+            "service",
+            AdaptiveLimit::Gradient(Gradient::new(8, 64, 512)?),
+        )
+        .build()?;
     let limit = RateLimitLayer::builder("per-key", Limit::gcra(Rate::per_second(10), 20))
-        .key(Header::named("x-api-key")?.or(ClientIp::trusting(trusted_proxies)?))
+        .key(client)
         .cost(
             ByRoute::new(1)
                 .route(Some(Method::POST), "/api/orders", 3)
@@ -39,11 +69,46 @@ pub fn quickstart_app<S: Store>(
         )
         .route("/api/orders", post(|| async { "Order placed.\n" }))
         .route("/api/reports", post(|| async { "Report generated.\n" }))
+        .route(
+            "/api/download",
+            get(|| async { Body::new(Chunks(DOWNLOAD_BYTES)) }).route_layer(downloads),
+        )
         // route_layer: only matched routes are limited; a 404 costs nothing.
-        .route_layer(limit);
+        .route_layer(limit)
+        .route_layer(in_flight);
     Ok(Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .merge(api))
+}
+
+/// A body of `n` bytes in 16 KiB chunks, produced as the client reads.
+struct Chunks(usize);
+
+impl http_body::Body for Chunks {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        if self.0 == 0 {
+            return Poll::Ready(None);
+        }
+        let n = self.0.min(DOWNLOAD_CHUNK);
+        self.0 = self.0.saturating_sub(n);
+        static CHUNK: [u8; DOWNLOAD_CHUNK] = [b'x'; DOWNLOAD_CHUNK];
+        let chunk = Bytes::from_static(CHUNK.get(..n).unwrap_or_default());
+        Poll::Ready(Some(Ok(http_body::Frame::data(chunk))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0 == 0
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(self.0 as u64)
+    }
 }
 
 /// Serves `app` on `listener` with peer addresses available to the key

@@ -16,6 +16,7 @@
 //! | [`LeakyBucket`] | one `u64` | pacing: delay instead of reject |
 //! | [`Semaphore`] | ≤ `max` leases | concurrency across a fleet, with lease expiry |
 //! | [`InFlight`] | one `u64` | concurrency in one process |
+//! | [`adaptive::Controller`] | a few numbers | a concurrency limit that follows the backend |
 //!
 //! ```
 //! use tollgate_core::{Limit, Outcome, Rate, RateAlgorithm, Rule, Algorithm};
@@ -55,6 +56,7 @@
     )
 )]
 
+pub mod adaptive;
 pub mod algorithm;
 mod clock;
 mod config;
@@ -64,8 +66,9 @@ mod store;
 pub mod testing;
 
 pub use algorithm::{
-    FixedWindow, Gcra, InFlight, LeakyBucket, RateAlgorithm, Semaphore, SemaphoreState, SlidingWindowCounter,
-    SlidingWindowCounterState, SlidingWindowLog, SlidingWindowLogState, TokenBucket,
+    FixedWindow, Gcra, InFlight, LeakyBucket, RateAlgorithm, Semaphore, SemaphoreState,
+    SlidingWindowCounter, SlidingWindowCounterState, SlidingWindowLog, SlidingWindowLogState,
+    TokenBucket,
 };
 pub use clock::{duration_to_nanos, Clock, ManualClock, SystemClock};
 pub use config::{Algorithm, ConcurrencyRule, ConfigError, Limit, Rate, Rule, MAX_RULE_NAME_LEN};

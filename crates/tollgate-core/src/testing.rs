@@ -425,7 +425,12 @@ pub async fn concurrency_permits<S: Store>(store: &S, clock: &ManualClock) {
     assert_eq!(sem.held(b"never-seen").await.unwrap(), 0);
     // A release whose future is dropped unpolled still happens (this is
     // how a guard releases from `Drop`).
-    let e = sem.acquire(key, 3, all).await.unwrap().lease.expect("whole");
+    let e = sem
+        .acquire(key, 3, all)
+        .await
+        .unwrap()
+        .lease
+        .expect("whole");
     drop(sem.release(key, e));
     let mut freed = false;
     for _ in 0..2_000 {

@@ -46,14 +46,14 @@ pub(crate) fn t_secs(d: &Decision) -> u64 {
 
 /// A small stack buffer for formatting header values.
 pub(crate) struct Buf {
-    bytes: [u8; 160],
+    bytes: [u8; 320],
     len: usize,
 }
 
 impl Buf {
     pub(crate) fn new() -> Self {
         Self {
-            bytes: [0; 160],
+            bytes: [0; 320],
             len: 0,
         }
     }
@@ -101,6 +101,27 @@ impl fmt::Write for Buf {
             .copy_from_slice(s.as_bytes());
         self.len = end;
         Ok(())
+    }
+}
+
+/// Sets a structured-field list header to `value`, or appends `value`'s
+/// items to what another limiter (an inner layer) put there, so stacked
+/// layers each name their limits in one field.
+pub(crate) fn add_items(headers: &mut HeaderMap, name: &HeaderName, value: HeaderValue) {
+    match headers.entry(name) {
+        http::header::Entry::Vacant(v) => {
+            v.insert(value);
+        }
+        http::header::Entry::Occupied(mut o) => {
+            let mut joined =
+                Vec::with_capacity(o.get().len().saturating_add(value.len()).saturating_add(2));
+            joined.extend_from_slice(value.as_bytes());
+            joined.extend_from_slice(b", ");
+            joined.extend_from_slice(o.get().as_bytes());
+            if let Ok(v) = HeaderValue::from_bytes(&joined) {
+                o.insert(v);
+            }
+        }
     }
 }
 
@@ -163,7 +184,7 @@ impl Headers {
         }
         if self.standard {
             if let Some(p) = &self.policy {
-                headers.insert(RATELIMIT_POLICY.clone(), p.clone());
+                add_items(headers, &RATELIMIT_POLICY, p.clone());
             }
             let mut b = Buf::new();
             b.push(&self.prefix);
@@ -171,7 +192,7 @@ impl Headers {
             b.push(b";t=");
             b.push_u64(t);
             if let Some(v) = b.value() {
-                headers.insert(RATELIMIT.clone(), v);
+                add_items(headers, &RATELIMIT, v);
             }
         }
         if self.legacy {
@@ -183,6 +204,102 @@ impl Headers {
             }
             if let Some(v) = number(t) {
                 headers.insert(X_RATELIMIT_RESET.clone(), v);
+            }
+        }
+    }
+}
+
+/// The headers of a concurrency layer: every limit it enforces is one
+/// item, e.g. `RateLimit-Policy: "per-key";q=2;qu="concurrent-requests",
+/// "service";q=100;qu="concurrent-requests"` and `RateLimit: "per-key";r=1,
+/// "service";r=57`. A denial's item carries `t` (seconds until a retry),
+/// and the response `Retry-After` with the same value.
+#[derive(Debug, Clone)]
+pub(crate) struct ConcurrencyHeaders {
+    /// Each limit's `"name"`.
+    names: Box<[Box<[u8]>]>,
+    /// The whole policy value, when every limit's `q` is fixed.
+    policy: Option<HeaderValue>,
+    pub(crate) standard: bool,
+}
+
+/// One limit's numbers for the headers: its `q` (the current limit) and
+/// the decision, if the limit was decided for this request.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Item {
+    pub(crate) q: u64,
+    pub(crate) decision: Option<Decision>,
+}
+
+impl ConcurrencyHeaders {
+    /// `limits`: each limit's name and, when fixed, its maximum.
+    pub(crate) fn new(limits: &[(&str, Option<u64>)], standard: bool) -> Self {
+        let names = limits
+            .iter()
+            .map(|(name, _)| format!("\"{name}\"").into_bytes().into_boxed_slice())
+            .collect();
+        let policy = limits
+            .iter()
+            .map(|(name, q)| q.map(|q| format!("\"{name}\";q={q};qu=\"concurrent-requests\"")))
+            .collect::<Option<Vec<_>>>()
+            .and_then(|items| HeaderValue::from_str(&items.join(", ")).ok());
+        Self {
+            names,
+            policy,
+            standard,
+        }
+    }
+
+    /// Adds the headers for `items` (one per limit, in order), and
+    /// `Retry-After` when `rejected` by a denial for now.
+    pub(crate) fn apply(&self, headers: &mut HeaderMap, items: &[Item], rejected: bool) {
+        let mut retry = None;
+        for item in items {
+            if let Some(Outcome::Deny { retry_after }) = item.decision.map(|d| d.outcome) {
+                retry = Some(retry_after_secs(retry_after));
+            }
+        }
+        if let (true, Some(secs)) = (rejected, retry) {
+            if let Some(v) = number(secs) {
+                headers.insert(RETRY_AFTER, v);
+            }
+        }
+        if !self.standard {
+            return;
+        }
+        let policy = self.policy.clone().or_else(|| {
+            let mut b = Buf::new();
+            for (i, (name, item)) in self.names.iter().zip(items).enumerate() {
+                if i > 0 {
+                    b.push(b", ");
+                }
+                b.push(name);
+                b.push(b";q=");
+                b.push_u64(item.q);
+                b.push(b";qu=\"concurrent-requests\"");
+            }
+            b.value()
+        });
+        if let Some(p) = policy {
+            add_items(headers, &RATELIMIT_POLICY, p);
+        }
+        let mut b = Buf::new();
+        for (name, item) in self.names.iter().zip(items) {
+            let Some(d) = item.decision else { continue };
+            if !b.as_bytes().is_empty() {
+                b.push(b", ");
+            }
+            b.push(name);
+            b.push(b";r=");
+            b.push_u64(d.remaining);
+            if let Outcome::Deny { retry_after } = d.outcome {
+                b.push(b";t=");
+                b.push_u64(retry_after_secs(retry_after));
+            }
+        }
+        if !b.as_bytes().is_empty() {
+            if let Some(v) = b.value() {
+                add_items(headers, &RATELIMIT, v);
             }
         }
     }
@@ -264,6 +381,75 @@ mod tests {
         assert_eq!(retry_after_secs(1_000_000_000), 1);
         assert_eq!(retry_after_secs(1_000_000_001), 2);
         assert_eq!(retry_after_secs(u64::MAX), 18_446_744_074);
+    }
+
+    #[test]
+    fn concurrency_items_name_every_limit() {
+        let h = ConcurrencyHeaders::new(&[("per-key", Some(2)), ("service", Some(100))], true);
+        let mut m = HeaderMap::new();
+        let allow = decision(Outcome::Allow { delay: 0 }, 1, 0);
+        let busy = decision(
+            Outcome::Deny {
+                retry_after: 1_000_000_000,
+            },
+            0,
+            0,
+        );
+        h.apply(
+            &mut m,
+            &[
+                Item {
+                    q: 2,
+                    decision: Some(allow),
+                },
+                Item {
+                    q: 100,
+                    decision: Some(busy),
+                },
+            ],
+            true,
+        );
+        assert_eq!(
+            m["ratelimit-policy"],
+            "\"per-key\";q=2;qu=\"concurrent-requests\", \"service\";q=100;qu=\"concurrent-requests\""
+        );
+        assert_eq!(m["ratelimit"], "\"per-key\";r=1, \"service\";r=0;t=1");
+        assert_eq!(m["retry-after"], "1");
+        // An adaptive limit's q is rendered per response; an undecided
+        // limit has no RateLimit item.
+        let h = ConcurrencyHeaders::new(&[("per-key", Some(2)), ("adaptive", None)], true);
+        let mut m = HeaderMap::new();
+        h.apply(
+            &mut m,
+            &[
+                Item {
+                    q: 2,
+                    decision: Some(busy),
+                },
+                Item {
+                    q: 37,
+                    decision: None,
+                },
+            ],
+            false,
+        );
+        assert_eq!(
+            m["ratelimit-policy"],
+            "\"per-key\";q=2;qu=\"concurrent-requests\", \"adaptive\";q=37;qu=\"concurrent-requests\""
+        );
+        assert_eq!(m["ratelimit"], "\"per-key\";r=0;t=1");
+        assert!(m.get("retry-after").is_none());
+    }
+
+    #[test]
+    fn stacked_layers_share_one_field() {
+        let rule = Rule::new("per-key", Limit::gcra(Rate::per_second(10), 20)).unwrap();
+        let h = Headers::new(&rule, true, false);
+        let mut m = HeaderMap::new();
+        m.insert(RATELIMIT.clone(), HeaderValue::from_static("\"inner\";r=1"));
+        h.apply(&mut m, &decision(Outcome::Allow { delay: 0 }, 17, 0), false);
+        assert_eq!(m["ratelimit"], "\"per-key\";r=17;t=0, \"inner\";r=1");
+        assert_eq!(m.get_all("ratelimit").iter().count(), 1);
     }
 
     #[test]

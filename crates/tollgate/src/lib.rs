@@ -71,6 +71,7 @@
 )]
 
 mod body;
+pub mod concurrency;
 pub mod cost;
 pub mod headers;
 mod ip;
@@ -80,6 +81,7 @@ pub mod rate_limit;
 pub mod rejection;
 
 pub use body::ResponseBody;
+pub use concurrency::ConcurrencyLayer;
 pub use rate_limit::{MissingKey, RateLimit, RateLimitLayer, RateLimitLayerBuilder, RateLimited};
 pub use tollgate_core::{
     self as core, Algorithm, ConfigError, Decision, Limit, Outcome, Rate, Rule, Store,

@@ -6,6 +6,9 @@
 //! |---|---|---|
 //! | `tollgate_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `shadow_limited` (denied but let through), `missing_key` (rejected), `unkeyed` (let through unlimited), `store_error` (let through) |
 //! | `tollgate_retry_after_seconds` | histogram | `rule` |
+//! | `tollgate_concurrency_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `queued` (waited, then allowed), `queue_full`, `queue_timeout`, `shadow_limited`, `missing_key`, `unkeyed`, `store_error`, `read_only` (a write refused while degraded) |
+//! | `tollgate_concurrency_in_flight` | gauge | `rule`: permits held through this layer |
+//! | `tollgate_concurrency_limit` | gauge | `rule`: an adaptive limit's current value |
 //!
 //! Labels carry the rule's name, never a client key.
 
@@ -49,5 +52,64 @@ impl Metrics {
             store_error: counter("store_error"),
             retry_after: metrics::histogram!(RETRY_AFTER, "rule" => rule.to_owned()),
         }
+    }
+}
+
+const CONCURRENCY: &str = "tollgate_concurrency_requests_total";
+const IN_FLIGHT: &str = "tollgate_concurrency_in_flight";
+const LIMIT: &str = "tollgate_concurrency_limit";
+
+/// The handles of one concurrency layer.
+#[derive(Debug, Clone)]
+pub(crate) struct ConcurrencyMetrics {
+    pub(crate) allowed: Counter,
+    pub(crate) limited: Counter,
+    pub(crate) too_costly: Counter,
+    pub(crate) queued: Counter,
+    pub(crate) queue_full: Counter,
+    pub(crate) queue_timeout: Counter,
+    pub(crate) shadow_limited: Counter,
+    pub(crate) missing_key: Counter,
+    pub(crate) unkeyed: Counter,
+    pub(crate) store_error: Counter,
+    pub(crate) read_only: Counter,
+    pub(crate) in_flight: metrics::Gauge,
+}
+
+impl ConcurrencyMetrics {
+    /// Registers the handles of the layer named `rule`.
+    pub(crate) fn register(rule: &str) -> Self {
+        metrics::describe_counter!(
+            CONCURRENCY,
+            "Requests decided by a tollgate concurrency limit, by rule and outcome"
+        );
+        metrics::describe_gauge!(
+            IN_FLIGHT,
+            "Permits held through a tollgate concurrency layer"
+        );
+        metrics::describe_gauge!(
+            LIMIT,
+            "The current value of a tollgate adaptive concurrency limit"
+        );
+        let counter = |outcome: &'static str| metrics::counter!(CONCURRENCY, "rule" => rule.to_owned(), "outcome" => outcome);
+        Self {
+            allowed: counter("allowed"),
+            limited: counter("limited"),
+            too_costly: counter("too_costly"),
+            queued: counter("queued"),
+            queue_full: counter("queue_full"),
+            queue_timeout: counter("queue_timeout"),
+            shadow_limited: counter("shadow_limited"),
+            missing_key: counter("missing_key"),
+            unkeyed: counter("unkeyed"),
+            store_error: counter("store_error"),
+            read_only: counter("read_only"),
+            in_flight: metrics::gauge!(IN_FLIGHT, "rule" => rule.to_owned()),
+        }
+    }
+
+    /// The gauge of an adaptive limit's current value.
+    pub(crate) fn limit(rule: &str) -> metrics::Gauge {
+        metrics::gauge!(LIMIT, "rule" => rule.to_owned())
     }
 }

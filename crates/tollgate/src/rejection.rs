@@ -3,13 +3,15 @@
 //! HTTP: `429 Too Many Requests` with `Retry-After`, the `RateLimit`
 //! headers and an `application/problem+json` body (RFC 9457) naming the
 //! rule; a cost that can never fit is a 429 without `Retry-After`; a
-//! request with no key (when the layer is told to reject those) is a 400.
+//! request with no key (when the layer is told to reject those) is a 400;
+//! a write turned away while the service is read-only (the concurrency
+//! layer's degraded mode) is a 503 with `Retry-After`.
 //!
 //! gRPC (`content-type: application/grpc*`): a trailers-only response,
 //! status `RESOURCE_EXHAUSTED` (8) with `grpc-message` and
 //! `grpc-retry-pushback-ms` (negative when retrying cannot help, which
-//! tells gRPC clients not to retry), or `INVALID_ARGUMENT` (3) for a
-//! missing key.
+//! tells gRPC clients not to retry), `INVALID_ARGUMENT` (3) for a missing
+//! key, or `UNAVAILABLE` (14) when read-only.
 //!
 //! Replace the HTTP response with [`RateLimitLayerBuilder::rejection`](crate::RateLimitLayerBuilder::rejection).
 
@@ -34,6 +36,20 @@ pub enum Reason {
     TooCostly,
     /// The request carried no key and the layer rejects keyless requests.
     MissingKey,
+    /// The service is degraded (its error rate is high) and only safe
+    /// methods (GET, HEAD, OPTIONS) go through; retry after the decision's
+    /// `retry_after`.
+    ReadOnly,
+}
+
+/// What kind of limit turned a request away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LimitKind {
+    /// A rate limit: units per window.
+    Rate,
+    /// A concurrency limit: requests in flight.
+    Concurrency,
 }
 
 /// A rejected request, as the rejection builder sees it.
@@ -41,6 +57,8 @@ pub enum Reason {
 pub struct Rejected {
     /// The rule's name.
     pub rule: std::sync::Arc<str>,
+    /// What kind of limit the rule is.
+    pub kind: LimitKind,
     /// Why.
     pub reason: Reason,
     /// The limiter's decision (absent for [`Reason::MissingKey`]).
@@ -54,6 +72,7 @@ impl Rejected {
     pub fn status(&self) -> StatusCode {
         match self.reason {
             Reason::MissingKey => StatusCode::BAD_REQUEST,
+            Reason::ReadOnly => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::TOO_MANY_REQUESTS,
         }
     }
@@ -62,7 +81,7 @@ impl Rejected {
     /// helps.
     pub fn retry_after_secs(&self) -> Option<u64> {
         match (self.reason, self.decision) {
-            (Reason::Limited, Some(d)) => d
+            (Reason::Limited | Reason::ReadOnly, Some(d)) => d
                 .retry_after()
                 .map(|r| retry_after_secs(u64::try_from(r.as_nanos()).unwrap_or(u64::MAX))),
             _ => None,
@@ -76,7 +95,7 @@ impl Rejected {
         let limit = self.decision.map_or(0, |d| d.limit);
         let body = problem_json(
             self.status(),
-            &detail(self.reason, &self.rule, secs.as_deref(), limit),
+            &detail(self.kind, self.reason, &self.rule, secs.as_deref(), limit),
             &self.rule,
         );
         problem_response(self.status(), Bytes::from(body))
@@ -85,9 +104,9 @@ impl Rejected {
     /// The gRPC response: trailers-only, HTTP 200.
     pub fn to_grpc_response(&self) -> Response<Bytes> {
         let limit = self.decision.map_or(0, |d| d.limit);
-        let message = grpc_message(self.reason, &self.rule, limit);
+        let message = grpc_message(self.kind, self.reason, &self.rule, limit);
         let pushback = match (self.reason, self.decision.and_then(|d| d.retry_after())) {
-            (Reason::Limited, Some(r)) => Some(pushback_ms(r)),
+            (Reason::Limited | Reason::ReadOnly, Some(r)) => Some(pushback_ms(r)),
             _ => None,
         };
         grpc_response(self.reason, message, pushback)
@@ -102,11 +121,18 @@ fn pushback_ms(d: std::time::Duration) -> u64 {
 }
 
 /// The human-readable explanation. `secs` is the retry delay as text.
-fn detail(reason: Reason, rule: &str, secs: Option<&str>, limit: u64) -> String {
+fn detail(kind: LimitKind, reason: Reason, rule: &str, secs: Option<&str>, limit: u64) -> String {
     match (reason, secs) {
-        (Reason::Limited, Some(secs)) => {
-            format!("Rate limit \"{rule}\" exceeded; retry after {secs} s.")
-        }
+        (Reason::Limited, Some(secs)) => match kind {
+            LimitKind::Concurrency => format!(
+                "Concurrency limit \"{rule}\" reached: too many requests in flight; retry after {secs} s."
+            ),
+            LimitKind::Rate => format!("Rate limit \"{rule}\" exceeded; retry after {secs} s."),
+        },
+        (Reason::ReadOnly, secs) => format!(
+            "The service is degraded and accepts only GET, HEAD and OPTIONS for now (rule \"{rule}\"); retry after {} s.",
+            secs.unwrap_or("1")
+        ),
         (Reason::TooCostly, _) | (Reason::Limited, None) => format!(
             "This request costs more than rule \"{rule}\" allows at once ({limit}); it can never succeed."
         ),
@@ -136,10 +162,14 @@ fn problem_response(status: StatusCode, body: Bytes) -> Response<Bytes> {
     res
 }
 
-fn grpc_message(reason: Reason, rule: &str, limit: u64) -> HeaderValue {
-    let text = match reason {
-        Reason::Limited => format!("Rate limit \"{rule}\" exceeded."),
-        _ => detail(reason, rule, None, limit),
+fn grpc_message(kind: LimitKind, reason: Reason, rule: &str, limit: u64) -> HeaderValue {
+    let text = match (kind, reason) {
+        (LimitKind::Rate, Reason::Limited) => format!("Rate limit \"{rule}\" exceeded."),
+        (LimitKind::Concurrency, Reason::Limited) => {
+            format!("Concurrency limit \"{rule}\" reached.")
+        }
+        (_, Reason::ReadOnly) => format!("Service degraded (rule \"{rule}\"): read-only."),
+        _ => detail(kind, reason, rule, None, limit),
     };
     HeaderValue::from_str(&percent_encode(&text))
         .unwrap_or_else(|_| HeaderValue::from_static("rate limited"))
@@ -155,6 +185,7 @@ fn grpc_response(
     h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
     let code = match reason {
         Reason::MissingKey => "3",
+        Reason::ReadOnly => "14",
         _ => "8",
     };
     h.insert("grpc-status", HeaderValue::from_static(code));
@@ -171,6 +202,7 @@ fn grpc_response(
 /// built so that a 429 costs a number's formatting and one allocation.
 #[derive(Debug)]
 pub(crate) struct Rendered {
+    kind: LimitKind,
     limited: (Box<[u8]>, Box<[u8]>),
     too_costly: Bytes,
     missing_key: Bytes,
@@ -180,10 +212,10 @@ pub(crate) struct Rendered {
 const MARK: &str = "\u{1}";
 
 impl Rendered {
-    pub(crate) fn new(rule: &str, capacity: u64) -> Self {
+    pub(crate) fn new(kind: LimitKind, rule: &str, capacity: u64) -> Self {
         let limited = problem_json(
             StatusCode::TOO_MANY_REQUESTS,
-            &detail(Reason::Limited, rule, Some(MARK), capacity),
+            &detail(kind, Reason::Limited, rule, Some(MARK), capacity),
             rule,
         );
         // `MARK` survives JSON escaping as `\u0001`: split around it.
@@ -192,18 +224,19 @@ impl Rendered {
         let body = |reason, status| {
             Bytes::from(problem_json(
                 status,
-                &detail(reason, rule, None, capacity),
+                &detail(kind, reason, rule, None, capacity),
                 rule,
             ))
         };
         Self {
+            kind,
             limited: (before.as_bytes().into(), after.as_bytes().into()),
             too_costly: body(Reason::TooCostly, StatusCode::TOO_MANY_REQUESTS),
             missing_key: body(Reason::MissingKey, StatusCode::BAD_REQUEST),
             grpc: [
-                grpc_message(Reason::Limited, rule, capacity),
-                grpc_message(Reason::TooCostly, rule, capacity),
-                grpc_message(Reason::MissingKey, rule, capacity),
+                grpc_message(kind, Reason::Limited, rule, capacity),
+                grpc_message(kind, Reason::TooCostly, rule, capacity),
+                grpc_message(kind, Reason::MissingKey, rule, capacity),
             ],
         }
     }
@@ -211,9 +244,18 @@ impl Rendered {
     /// Exactly what [`Rejected::to_problem_response`] or
     /// [`Rejected::to_grpc_response`] would return.
     pub(crate) fn render(&self, r: &Rejected) -> Response<Bytes> {
+        // Rare (a degraded service, or another layer's rejection): built
+        // on the spot.
+        if r.reason == Reason::ReadOnly || r.kind != self.kind {
+            return if r.grpc {
+                r.to_grpc_response()
+            } else {
+                r.to_problem_response()
+            };
+        }
         if r.grpc {
             let i = match r.reason {
-                Reason::Limited => 0,
+                Reason::Limited | Reason::ReadOnly => 0,
                 Reason::TooCostly => 1,
                 Reason::MissingKey => 2,
             };
@@ -295,6 +337,7 @@ mod tests {
     fn rejected(reason: Reason, outcome: Outcome) -> Rejected {
         Rejected {
             rule: "per-key".into(),
+            kind: LimitKind::Rate,
             reason,
             decision: Some(Decision {
                 outcome,

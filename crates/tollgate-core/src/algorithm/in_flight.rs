@@ -92,7 +92,10 @@ mod tests {
         let c = sem.in_flight();
         let mut held = 0;
         let d = c.acquire(&mut held, 3, 3);
-        assert_eq!((d.is_allowed(), d.remaining, d.limit, held), (true, 0, 4, 3));
+        assert_eq!(
+            (d.is_allowed(), d.remaining, d.limit, held),
+            (true, 0, 4, 3)
+        );
         let d = c.acquire(&mut held, 1, 3);
         assert_eq!(
             d.outcome,

@@ -14,7 +14,7 @@ use super::error::RateLimited;
 use super::layer::Responder;
 use crate::body::ResponseBody;
 use crate::key::Fingerprint;
-use crate::rejection::{Reason, Rejected};
+use crate::rejection::{LimitKind, Reason, Rejected};
 
 pin_project! {
     /// The state machine shared by both modes:
@@ -163,6 +163,7 @@ where
                 State::Rejected {
                     rejected: Some(Rejected {
                         rule: Arc::clone(&responder.rule),
+                        kind: LimitKind::Rate,
                         reason,
                         decision: Some(decision),
                         grpc,

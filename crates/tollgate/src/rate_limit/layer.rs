@@ -12,7 +12,7 @@ use crate::cost::Fixed;
 use crate::headers::Headers;
 use crate::key::PeerIp;
 use crate::observe::Metrics;
-use crate::rejection::{Rejected, Rendered};
+use crate::rejection::{LimitKind, Rejected, Rendered};
 
 /// What to do with a request whose key cannot be extracted (no API key
 /// header, no peer address).
@@ -318,7 +318,7 @@ impl<K, C, St: Store> RateLimitLayerBuilder<K, C, St> {
                     headers: Headers::new(&rule, self.headers, self.legacy_headers),
                     shadow: self.shadow,
                     rejection: self.rejection,
-                    rendered: Rendered::new(rule.name(), rule.capacity()),
+                    rendered: Rendered::new(LimitKind::Rate, rule.name(), rule.capacity()),
                     metrics: Metrics::register(rule.name()),
                 }),
             }),

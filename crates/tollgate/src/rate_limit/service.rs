@@ -10,7 +10,7 @@ use super::layer::{MissingKey, Shared};
 use crate::body::ResponseBody;
 use crate::cost::Cost;
 use crate::key::{KeyBuf, KeyExtractor};
-use crate::rejection::{is_grpc, Reason, Rejected};
+use crate::rejection::{is_grpc, LimitKind, Reason, Rejected};
 
 /// The service of [`RateLimitLayer`](super::RateLimitLayer).
 pub struct RateLimit<S, K, C, L> {
@@ -67,6 +67,7 @@ where
                 return State::Rejected {
                     rejected: Some(Rejected {
                         rule: Arc::clone(&shared.responder.rule),
+                        kind: LimitKind::Rate,
                         reason: Reason::MissingKey,
                         decision: None,
                         grpc,

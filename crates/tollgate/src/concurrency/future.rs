@@ -1,0 +1,171 @@
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+
+use http::{Request, Response};
+use pin_project_lite::pin_project;
+use tower_service::Service;
+
+use super::adaptive::Completion;
+use super::permit::{Holding, PermitBody};
+use super::shared::{Admission, Admitted, BoxFuture, Items, Responder};
+use crate::body::ResponseBody;
+use crate::rejection::Rejected;
+
+pin_project! {
+    /// `Admitting -> Calling`, or `Rejected`. On the in-memory fast path a
+    /// request starts in `Calling`: no box, no clone of the inner service.
+    #[project = StateProj]
+    pub(crate) enum State<S, ReqB>
+    where
+        S: Service<Request<ReqB>>,
+    {
+        // Waiting for the store, or for a turn in the queue. The inner
+        // service waits unready (its reservation released), to be polled
+        // ready once admitted.
+        Admitting {
+            admit: BoxFuture<Admission>,
+            waiting: Option<Box<(Request<ReqB>, S)>>,
+        },
+        // Admitted: now the inner service may reserve.
+        Readying {
+            admitted: Option<Admitted>,
+            waiting: Option<Box<(Request<ReqB>, S)>>,
+        },
+        Calling {
+            #[pin]
+            future: S::Future,
+            admitted: Option<Admitted>,
+        },
+        Rejected {
+            rejected: Option<(Rejected, Items)>,
+        },
+    }
+}
+
+pin_project! {
+    /// Response future of [`ConcurrencyLimit`](super::ConcurrencyLimit).
+    /// Dropping it (the client went away, a timeout above gave up) releases
+    /// the request's permit at once.
+    pub struct ResponseFuture<S, ReqB>
+    where
+        S: Service<Request<ReqB>>,
+    {
+        #[pin]
+        state: State<S, ReqB>,
+        responder: Arc<Responder>,
+    }
+}
+
+impl<S, ReqB> ResponseFuture<S, ReqB>
+where
+    S: Service<Request<ReqB>>,
+{
+    pub(crate) fn new(state: State<S, ReqB>, responder: Arc<Responder>) -> Self {
+        Self { state, responder }
+    }
+}
+
+impl<S, ReqB> std::fmt::Debug for ResponseFuture<S, ReqB>
+where
+    S: Service<Request<ReqB>>,
+{
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseFuture")
+            .field("rule", &self.responder.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, ReqB, ResB> Future for ResponseFuture<S, ReqB>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>>,
+{
+    type Output = Result<Response<PermitBody<ResB>>, S::Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        let responder: &Responder = this.responder;
+        loop {
+            let next = match this.state.as_mut().project() {
+                StateProj::Admitting { admit, waiting } => {
+                    let admission = ready!(admit.as_mut().poll(cx));
+                    match admission {
+                        Admission::Go(admitted) => State::Readying {
+                            admitted: Some(admitted),
+                            waiting: waiting.take(),
+                        },
+                        Admission::Reject(rejected, items) => State::Rejected {
+                            rejected: Some((rejected, items)),
+                        },
+                        // `admit` never defers again; let it through.
+                        Admission::Defer(_) => State::Readying {
+                            admitted: None,
+                            waiting: waiting.take(),
+                        },
+                    }
+                }
+                StateProj::Readying { admitted, waiting } => {
+                    let Some(w) = waiting.as_mut() else {
+                        return Poll::Pending;
+                    };
+                    // An error drops the admission, and so its permit.
+                    ready!(w.1.poll_ready(cx))?;
+                    let Some(w) = waiting.take() else {
+                        return Poll::Pending;
+                    };
+                    let (mut request, mut inner) = *w;
+                    let mut admitted = admitted.take();
+                    if let Some(a) = &mut admitted {
+                        a.holding = Holding::attach(a.permit.take(), &mut request);
+                    }
+                    State::Calling {
+                        future: inner.call(request),
+                        admitted,
+                    }
+                }
+                StateProj::Calling { future, admitted } => {
+                    let result = ready!(future.poll(cx));
+                    let admitted = admitted.take();
+                    if let (Some(adaptive), Some(started)) = (
+                        &responder.adaptive,
+                        admitted.as_ref().and_then(|a| a.started),
+                    ) {
+                        let completion = match &result {
+                            Ok(res) => Completion::Response(res.status()),
+                            Err(_) => Completion::Error,
+                        };
+                        adaptive.complete(started, completion);
+                    }
+                    let response = result?;
+                    let Some(admitted) = admitted else {
+                        return Poll::Ready(Ok(
+                            response.map(|b| PermitBody::new(ResponseBody::inner(b), None))
+                        ));
+                    };
+                    let mut response = response;
+                    responder.headers.apply(
+                        response.headers_mut(),
+                        admitted.items.as_slice(),
+                        false,
+                    );
+                    let holding = admitted.holding;
+                    return Poll::Ready(Ok(
+                        response.map(|b| PermitBody::new(ResponseBody::inner(b), holding))
+                    ));
+                }
+                StateProj::Rejected { rejected } => {
+                    let Some((rejected, items)) = rejected.take() else {
+                        return Poll::Pending;
+                    };
+                    let response = responder.reject(&rejected, &items);
+                    return Poll::Ready(Ok(
+                        response.map(|b| PermitBody::new(ResponseBody::full(b), None))
+                    ));
+                }
+            };
+            this.state.set(next);
+        }
+    }
+}

@@ -1,0 +1,449 @@
+use std::fmt;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Response;
+use tollgate_core::adaptive::AdaptiveLimit;
+use tollgate_core::{ConcurrencyLimiter, ConcurrencyRule, ConfigError, Store};
+use tollgate_memory::MemoryStore;
+use tower_layer::Layer;
+
+use super::adaptive::{non_critical_ceiling, Adaptive, Completion, DropFn, ReadOnly};
+use super::queue::Queue;
+use super::service::ConcurrencyLimit;
+use super::shared::{AllCritical, RejectFn, Responder, ServiceLimit, Shared, Slot};
+use crate::cost::Fixed;
+use crate::headers::ConcurrencyHeaders;
+use crate::key::PeerIp;
+use crate::observe::ConcurrencyMetrics;
+use crate::rate_limit::MissingKey;
+use crate::rejection::{LimitKind, Rejected, Rendered};
+
+/// Limits requests in flight per key (and, optionally, for the whole
+/// service); see the [module docs](super).
+///
+/// Cheap to clone; all clones (and so all connections) share one state.
+///
+/// ```
+/// use axum::{routing::get, Router};
+/// use tollgate::{concurrency::ConcurrencyLayer, key::Header};
+///
+/// // At most 2 downloads in flight per API key, 100 for the service.
+/// let downloads = ConcurrencyLayer::builder("downloads", 2)
+///     .key(Header::named("x-api-key")?)
+///     .service_limit("service", 100)
+///     .build()?;
+/// let app: Router = Router::new().route("/download", get(|| async { "..." })).layer(downloads);
+/// # Ok::<(), tollgate::ConfigError>(())
+/// ```
+pub struct ConcurrencyLayer<K, C, P, L> {
+    shared: Arc<Shared<K, C, P, L>>,
+}
+
+impl<K, C, P, L> Clone for ConcurrencyLayer<K, C, P, L> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<K, C, P, L> fmt::Debug for ConcurrencyLayer<K, C, P, L> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConcurrencyLayer")
+            .field("rule", &self.shared.per_key.name)
+            .field("shadow", &self.shared.shadow)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, K, C, P, L> Layer<S> for ConcurrencyLayer<K, C, P, L> {
+    type Service = ConcurrencyLimit<S, K, C, P, L>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        ConcurrencyLimit::new(inner, Arc::clone(&self.shared))
+    }
+}
+
+impl<K, C, P, L: ConcurrencyLimiter> ConcurrencyLayer<K, C, P, L> {
+    /// The per-key rule's name.
+    pub fn rule_name(&self) -> &str {
+        &self.shared.per_key.name
+    }
+
+    /// The current value of the adaptive service limit, if there is one.
+    pub fn adaptive_limit(&self) -> Option<u32> {
+        match &self.shared.service {
+            Some(ServiceLimit::Adaptive(a)) => Some(a.limit()),
+            _ => None,
+        }
+    }
+
+    /// The per-key limiter, e.g. to read what a key holds
+    /// ([`ConcurrencyLimiter::held`]).
+    pub fn limiter(&self) -> &L {
+        &self.shared.per_key.limiter
+    }
+}
+
+impl ConcurrencyLayer<PeerIp, Fixed, AllCritical, ()> {
+    /// Starts a layer allowing `max_in_flight` permits per key under the
+    /// rule name `name` (used in headers, store keys and metrics).
+    /// Defaults: keyed by peer IP, one permit per request, in-memory
+    /// store, every request critical, no queue, standard headers on,
+    /// keyless requests share one budget.
+    pub fn builder(
+        name: &str,
+        max_in_flight: u32,
+    ) -> ConcurrencyLayerBuilder<PeerIp, Fixed, AllCritical, MemoryStore> {
+        ConcurrencyLayerBuilder {
+            key: PeerIp::new(),
+            cost: Fixed(1),
+            critical: AllCritical,
+            store: MemoryStore::new(),
+            cfg: Config {
+                name: name.to_owned(),
+                max: max_in_flight,
+                lease_ttl: Duration::from_secs(30),
+                retry_after: Duration::from_secs(1),
+                shadow: false,
+                headers: true,
+                missing: MissingKey::default(),
+                rejection: None,
+                share: None,
+                queue: None,
+                service: None,
+                read_only: None,
+                is_drop: None,
+            },
+        }
+    }
+}
+
+enum ServiceConfig {
+    Fixed(String, u32),
+    Adaptive(String, AdaptiveLimit),
+}
+
+struct Config {
+    name: String,
+    max: u32,
+    lease_ttl: Duration,
+    retry_after: Duration,
+    shadow: bool,
+    headers: bool,
+    missing: MissingKey,
+    rejection: Option<RejectFn>,
+    share: Option<f64>,
+    queue: Option<(usize, Duration)>,
+    service: Option<ServiceConfig>,
+    read_only: Option<ReadOnly>,
+    is_drop: Option<DropFn>,
+}
+
+/// Builds a [`ConcurrencyLayer`]; see [`ConcurrencyLayer::builder`].
+pub struct ConcurrencyLayerBuilder<K, C, P, St> {
+    key: K,
+    cost: C,
+    critical: P,
+    store: St,
+    cfg: Config,
+}
+
+impl<K: fmt::Debug, C: fmt::Debug, P, St> fmt::Debug for ConcurrencyLayerBuilder<K, C, P, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConcurrencyLayerBuilder")
+            .field("name", &self.cfg.name)
+            .field("max", &self.cfg.max)
+            .field("key", &self.key)
+            .field("cost", &self.cost)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<K, C, P, St> ConcurrencyLayerBuilder<K, C, P, St> {
+    /// Who a request counts against (default: [`PeerIp`]).
+    pub fn key<K2>(self, key: K2) -> ConcurrencyLayerBuilder<K2, C, P, St> {
+        ConcurrencyLayerBuilder {
+            key,
+            cost: self.cost,
+            critical: self.critical,
+            store: self.store,
+            cfg: self.cfg,
+        }
+    }
+
+    /// How many permits a request takes (default: [`Fixed(1)`](Fixed)): a
+    /// report may hold 4 of a key's 8. A request needing more than the
+    /// limit is refused without `Retry-After` (it can never fit); 0 takes
+    /// no permit.
+    pub fn cost<C2>(self, cost: C2) -> ConcurrencyLayerBuilder<K, C2, P, St> {
+        ConcurrencyLayerBuilder {
+            key: self.key,
+            cost,
+            critical: self.critical,
+            store: self.store,
+            cfg: self.cfg,
+        }
+    }
+
+    /// Where the counts live (default: a new [`MemoryStore`]); a Redis
+    /// store shares the limit across a fleet, with leases that lapse if an
+    /// instance dies.
+    pub fn store<St2: Store>(self, store: St2) -> ConcurrencyLayerBuilder<K, C, P, St2> {
+        ConcurrencyLayerBuilder {
+            key: self.key,
+            cost: self.cost,
+            critical: self.critical,
+            store,
+            cfg: self.cfg,
+        }
+    }
+
+    /// A critical reserve: requests `classifier` deems critical may use
+    /// every permit; the rest at most `non_critical_share` (0 to 1) of each
+    /// limit (at least one permit), so critical requests still get through
+    /// when a key or the whole service is saturated.
+    pub fn critical<P2>(
+        self,
+        classifier: P2,
+        non_critical_share: f64,
+    ) -> ConcurrencyLayerBuilder<K, C, P2, St> {
+        let mut cfg = self.cfg;
+        cfg.share = Some(non_critical_share);
+        ConcurrencyLayerBuilder {
+            key: self.key,
+            cost: self.cost,
+            critical: classifier,
+            store: self.store,
+            cfg,
+        }
+    }
+
+    /// Lets a request that finds its key's limit full wait for a permit
+    /// in a FIFO queue of at most `max_len` requests per key, for at most
+    /// `max_wait`; a full queue or an expired wait answers 429 as if there
+    /// were no queue. The wait happens in the response future, never in
+    /// `poll_ready`.
+    pub fn queue(mut self, max_len: usize, max_wait: Duration) -> Self {
+        self.cfg.queue = Some((max_len, max_wait));
+        self
+    }
+
+    /// Also limits the whole service to `max` permits in flight (load
+    /// shedding), in the same store, named `name` in the headers.
+    pub fn service_limit(mut self, name: &str, max: u32) -> Self {
+        self.cfg.service = Some(ServiceConfig::Fixed(name.to_owned(), max));
+        self
+    }
+
+    /// Also limits the whole service, in this process, to a limit that
+    /// follows its latency and errors (see [`tollgate_core::adaptive`]).
+    pub fn adaptive_service_limit(mut self, name: &str, limit: AdaptiveLimit) -> Self {
+        self.cfg.service = Some(ServiceConfig::Adaptive(name.to_owned(), limit));
+        self
+    }
+
+    /// What counts as a drop for the adaptive limit (default:
+    /// [`Completion::is_drop_by_default`]: errors, timeouts and 5xx).
+    pub fn drop_classifier<F>(mut self, f: F) -> Self
+    where
+        F: Fn(Completion) -> bool + Send + Sync + 'static,
+    {
+        self.cfg.is_drop = Some(Arc::new(f));
+        self
+    }
+
+    /// Read-only mode, with an adaptive service limit: while more than
+    /// `error_rate` (0 to 1) of the requests over the last `window` were
+    /// drops (and at least 20 were seen), only GET, HEAD and OPTIONS go
+    /// through; other methods get 503 with `Retry-After` at once.
+    pub fn read_only_above(mut self, error_rate: f64, window: Duration) -> Self {
+        self.cfg.read_only = Some(ReadOnly {
+            threshold: error_rate,
+            window,
+            min_requests: 20,
+        });
+        self
+    }
+
+    /// How long a Redis lease lives unless renewed (default 30 s; the
+    /// store renews leases of live requests). A crashed instance's
+    /// permits come back after at most this long.
+    pub fn lease_ttl(mut self, ttl: Duration) -> Self {
+        self.cfg.lease_ttl = ttl;
+        self
+    }
+
+    /// The `Retry-After` of a refusal (default 1 s): when a permit frees
+    /// depends on other requests, so this is a hint.
+    pub fn retry_after(mut self, retry_after: Duration) -> Self {
+        self.cfg.retry_after = retry_after;
+        self
+    }
+
+    /// Shadow mode: decide, count and send headers, but never refuse.
+    pub fn shadow(mut self, shadow: bool) -> Self {
+        self.cfg.shadow = shadow;
+        self
+    }
+
+    /// Send `RateLimit-Policy` and `RateLimit` (default: on).
+    pub fn headers(mut self, on: bool) -> Self {
+        self.cfg.headers = on;
+        self
+    }
+
+    /// What to do with requests that have no key (default: share one
+    /// fallback budget).
+    pub fn on_missing_key(mut self, missing: MissingKey) -> Self {
+        self.cfg.missing = missing;
+        self
+    }
+
+    /// Replaces the HTTP rejection (gRPC requests keep the gRPC one). The
+    /// layer still adds `Retry-After` and the `RateLimit` headers.
+    pub fn rejection<F>(mut self, f: F) -> Self
+    where
+        F: Fn(&Rejected) -> Response<Bytes> + Send + Sync + 'static,
+    {
+        self.cfg.rejection = Some(Arc::new(f));
+        self
+    }
+}
+
+impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
+    /// Validates everything and binds the rules to the store; every error
+    /// names its field. Registers the layer's [metrics](crate::observe).
+    pub fn build(self) -> Result<ConcurrencyLayer<K, C, P, St::ConcurrencyLimiter>, ConfigError> {
+        let cfg = self.cfg;
+        let rule = |name: &str, max| {
+            ConcurrencyRule::new(name, max, cfg.lease_ttl)?.with_retry_after(cfg.retry_after)
+        };
+        let per_key_rule = rule(&cfg.name, cfg.max)?;
+        if let Some(share) = cfg.share {
+            if !(share > 0.0 && share <= 1.0) {
+                return Err(ConfigError::new(
+                    "non_critical_share",
+                    "must be more than 0 and at most 1",
+                ));
+            }
+        }
+        let share_of = |max: u32| cfg.share.map_or(u32::MAX, |s| non_critical_ceiling(max, s));
+        let queue = match cfg.queue {
+            None => None,
+            Some((len, _)) if len == 0 || len > 10_000 => {
+                return Err(ConfigError::new("queue", "max_len must be 1 to 10,000"))
+            }
+            Some((_, wait))
+                if wait < Duration::from_millis(1) || wait > Duration::from_secs(60) =>
+            {
+                return Err(ConfigError::new(
+                    "queue",
+                    "max_wait must be from 1 ms to 60 s",
+                ))
+            }
+            Some((len, wait)) => Some(Arc::new(Queue::new(len, wait))),
+        };
+        let name: Arc<str> = per_key_rule.name().into();
+        let per_key = Slot {
+            limiter: self.store.concurrency_limiter(&per_key_rule)?,
+            name: Arc::clone(&name),
+            share: share_of(cfg.max),
+        };
+        if cfg.read_only.is_some() && !matches!(cfg.service, Some(ServiceConfig::Adaptive(..))) {
+            return Err(ConfigError::new(
+                "read_only",
+                "needs an adaptive service limit, whose samples it reads",
+            ));
+        }
+        if let Some(r) = &cfg.read_only {
+            if !(r.threshold > 0.0 && r.threshold < 1.0) {
+                return Err(ConfigError::new(
+                    "read_only",
+                    "error_rate must be between 0 and 1",
+                ));
+            }
+        }
+        let service = match cfg.service {
+            None => None,
+            Some(ServiceConfig::Fixed(n, _) | ServiceConfig::Adaptive(n, _)) if n == cfg.name => {
+                return Err(ConfigError::new(
+                    "service_limit",
+                    "needs a name of its own, not the per-key rule's",
+                ))
+            }
+            Some(ServiceConfig::Fixed(n, max)) => {
+                let r = rule(&n, max)?;
+                Some(ServiceLimit::Fixed(Slot {
+                    limiter: self.store.concurrency_limiter(&r)?,
+                    name: r.name().into(),
+                    share: share_of(max),
+                }))
+            }
+            Some(ServiceConfig::Adaptive(n, limit)) => {
+                // Checks the name as every rule's is checked.
+                let r = rule(&n, limit.max())?;
+                let is_drop = cfg
+                    .is_drop
+                    .unwrap_or_else(|| Arc::new(|c: Completion| c.is_drop_by_default()));
+                Some(ServiceLimit::Adaptive(Arc::new(Adaptive::new(
+                    r.name().into(),
+                    limit,
+                    cfg.read_only,
+                    is_drop,
+                    cfg.retry_after,
+                )?)))
+            }
+        };
+        let adaptive = match &service {
+            Some(ServiceLimit::Adaptive(a)) => Some(Arc::clone(a)),
+            _ => None,
+        };
+        let (service_name, service_q, service_max) = match &service {
+            Some(ServiceLimit::Fixed(s)) => {
+                let max = s.limiter.rule().semaphore().max();
+                (Some(Arc::clone(&s.name)), Some(u64::from(max)), max)
+            }
+            Some(ServiceLimit::Adaptive(a)) => (Some(Arc::clone(&a.name)), None, a.max()),
+            None => (None, None, 0),
+        };
+        let mut limits = vec![(&*name, Some(u64::from(cfg.max)))];
+        if let Some(n) = &service_name {
+            limits.push((n, service_q));
+        }
+        let headers = ConcurrencyHeaders::new(&limits, cfg.headers);
+        let service_rendered = Rendered::new(
+            LimitKind::Concurrency,
+            service_name.as_deref().unwrap_or(&name),
+            u64::from(service_max),
+        );
+        Ok(ConcurrencyLayer {
+            shared: Arc::new(Shared {
+                key: self.key,
+                cost: self.cost,
+                critical: self.critical,
+                per_key,
+                service,
+                queue,
+                missing: cfg.missing,
+                warned_missing: AtomicBool::new(false),
+                shadow: cfg.shadow,
+                metrics: ConcurrencyMetrics::register(&name),
+                share: cfg.share,
+                responder: Arc::new(Responder {
+                    headers,
+                    rejection: cfg.rejection,
+                    rendered: [
+                        Rendered::new(LimitKind::Concurrency, &name, u64::from(cfg.max)),
+                        service_rendered,
+                    ],
+                    adaptive,
+                    name,
+                }),
+            }),
+        })
+    }
+}

@@ -1,0 +1,201 @@
+//! The permit a request holds while it is in flight, and the response body
+//! that carries it to the end.
+
+use std::fmt;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use pin_project_lite::pin_project;
+use tollgate_core::Lease;
+
+use crate::body::ResponseBody;
+use crate::key::KeyBuf;
+
+/// Gives a permit's leases back to the limits that granted them.
+pub(crate) trait Release: Send + Sync + 'static {
+    fn release(&self, permit: &mut Held);
+}
+
+/// What a request holds: a lease per limit that granted one.
+#[derive(Debug, Default)]
+pub(crate) struct Held {
+    /// The request's key (as the store saw it).
+    pub(crate) key: KeyBuf,
+    pub(crate) per_key: Option<Lease>,
+    pub(crate) service: Option<Lease>,
+    /// Permits taken from an adaptive (in-process) service limit.
+    pub(crate) adaptive: u32,
+    /// The request's weight, for the in-flight gauge.
+    pub(crate) permits: u32,
+}
+
+impl Held {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.per_key.is_none() && self.service.is_none() && self.adaptive == 0
+    }
+}
+
+/// An owned guard: the leases of one request, released exactly once, when
+/// it is dropped — whether the response body finished, failed or was
+/// dropped, or the request was cancelled before it had a response.
+pub struct Permit {
+    owner: Arc<dyn Release>,
+    held: Held,
+}
+
+impl Permit {
+    pub(crate) fn new(owner: Arc<dyn Release>, held: Held) -> Self {
+        Self { owner, held }
+    }
+
+    /// Releases now (the same as dropping it).
+    pub fn release(self) {}
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if !self.held.is_empty() {
+            self.owner.release(&mut self.held);
+        }
+    }
+}
+
+impl fmt::Debug for Permit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Permit")
+            .field("per_key", &self.held.per_key)
+            .field("service", &self.held.service)
+            .field("adaptive", &self.held.adaptive)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The permit of an upgrade request (WebSocket, HTTP/2 extended CONNECT),
+/// offered to the handler in the request's extensions: take it and move it
+/// into the upgraded connection's task to count the connection until it
+/// closes. Not taken, it is released with the (empty) `101` response body.
+///
+/// ```
+/// use axum::Extension;
+/// use tollgate::concurrency::UpgradePermit;
+///
+/// async fn ws_handler(Extension(slot): Extension<UpgradePermit>) -> &'static str {
+///     let permit = slot.take();
+///     tokio::spawn(async move {
+///         // ... serve the upgraded connection ...
+///         drop(permit); // released when the connection closes
+///     });
+///     "upgrading"
+/// }
+/// ```
+#[derive(Debug, Clone)]
+pub struct UpgradePermit(Arc<std::sync::Mutex<Option<Permit>>>);
+
+impl UpgradePermit {
+    pub(crate) fn new(permit: Permit) -> Self {
+        Self(Arc::new(std::sync::Mutex::new(Some(permit))))
+    }
+
+    /// Takes the permit (`None` if it was taken, or released already).
+    pub fn take(&self) -> Option<Permit> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+    }
+}
+
+/// Whether `req` asks for a protocol upgrade.
+pub(crate) fn is_upgrade<B>(req: &http::Request<B>) -> bool {
+    req.headers().contains_key(http::header::UPGRADE) || req.method() == http::Method::CONNECT
+}
+
+/// What a response body holds: the permit itself, or the slot an upgrade
+/// handler may have taken it from.
+#[derive(Debug)]
+pub(crate) enum Holding {
+    // Never read: held for its `Drop`.
+    #[allow(dead_code)]
+    Permit(Permit),
+    Upgrade(UpgradePermit),
+}
+
+impl Holding {
+    /// For `req`: an upgrade's permit goes into its extensions.
+    pub(crate) fn attach<B>(permit: Option<Permit>, req: &mut http::Request<B>) -> Option<Self> {
+        let permit = permit?;
+        if is_upgrade(req) {
+            let slot = UpgradePermit::new(permit);
+            req.extensions_mut().insert(slot.clone());
+            Some(Holding::Upgrade(slot))
+        } else {
+            Some(Holding::Permit(permit))
+        }
+    }
+
+    fn release(self) {
+        if let Holding::Upgrade(slot) = self {
+            drop(slot.take());
+        }
+    }
+}
+
+pin_project! {
+    /// The body of a concurrency-limited response: the inner service's body
+    /// (or the limiter's rejection), holding the request's [`Permit`] until
+    /// its last frame has been read, it fails, or it is dropped. A client
+    /// that reads slowly keeps its permit, as it should: the response is
+    /// still in flight.
+    #[derive(Debug)]
+    pub struct PermitBody<B> {
+        #[pin]
+        body: ResponseBody<B>,
+        permit: Option<Holding>,
+    }
+}
+
+impl<B> PermitBody<B> {
+    pub(crate) fn new(body: ResponseBody<B>, permit: Option<Holding>) -> Self {
+        Self { body, permit }
+    }
+}
+
+impl<B> Body for PermitBody<B>
+where
+    B: Body<Data = Bytes>,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let mut this = self.project();
+        let polled = this.body.as_mut().poll_frame(cx);
+        let done = match &polled {
+            Poll::Ready(None | Some(Err(_))) => true,
+            Poll::Ready(Some(Ok(_))) => this.body.is_end_stream(),
+            Poll::Pending => false,
+        };
+        if done {
+            // The response is over: free the permit now, not when the
+            // server gets round to dropping the body.
+            if let Some(holding) = this.permit.take() {
+                holding.release();
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}

@@ -1,0 +1,142 @@
+//! A bounded FIFO queue per key, for requests that may wait a little for a
+//! permit instead of being turned away at once.
+//!
+//! Only the request at the head of a key's queue tries to acquire; a
+//! release of that key wakes the head, and so does the head leaving (got
+//! its permit, timed out, cancelled), so a wake-up is never lost with the
+//! waiter that received it. Newcomers join behind the waiters instead of
+//! overtaking them. Releases this process does not see (another instance
+//! on a shared store, another layer on the same rule) are caught by the
+//! head re-checking every `recheck`.
+
+use std::collections::hash_map::RandomState;
+use std::collections::{HashMap, VecDeque};
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+/// Most requests waiting at once across all keys of one layer, so a flood
+/// of distinct keys cannot grow the queue without bound.
+const MAX_WAITING: usize = 100_000;
+
+#[derive(Debug)]
+pub(crate) struct Queue {
+    pub(crate) max_len: usize,
+    pub(crate) max_wait: Duration,
+    pub(crate) recheck: Duration,
+    keys: Mutex<HashMap<u64, VecDeque<Arc<Notify>>>>,
+    waiting: AtomicUsize,
+    hasher: RandomState,
+}
+
+impl Queue {
+    pub(crate) fn new(max_len: usize, max_wait: Duration) -> Self {
+        Self {
+            max_len,
+            max_wait,
+            // Often enough to notice a release elsewhere well within the
+            // wait, rarely enough to cost nothing.
+            recheck: (max_wait.checked_div(10).unwrap_or_default())
+                .clamp(Duration::from_millis(5), Duration::from_millis(100)),
+            keys: Mutex::new(HashMap::new()),
+            waiting: AtomicUsize::new(0),
+            hasher: RandomState::new(),
+        }
+    }
+
+    pub(crate) fn hash(&self, key: &[u8]) -> u64 {
+        self.hasher.hash_one(key)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<u64, VecDeque<Arc<Notify>>>> {
+        self.keys.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether anyone waits for `key` (cheap when nobody waits at all).
+    #[inline]
+    pub(crate) fn has_waiters(&self, key: u64) -> bool {
+        self.waiting.load(Ordering::Acquire) > 0 && self.lock().contains_key(&key)
+    }
+
+    /// Joins the back of `key`'s queue; `None` when it is full.
+    pub(crate) fn join(self: &Arc<Self>, key: u64) -> Option<Place> {
+        let mut keys = self.lock();
+        if self.waiting.load(Ordering::Acquire) >= MAX_WAITING {
+            return None;
+        }
+        let line = keys.entry(key).or_default();
+        if line.len() >= self.max_len {
+            if line.is_empty() {
+                keys.remove(&key);
+            }
+            return None;
+        }
+        let notify = Arc::new(Notify::new());
+        line.push_back(Arc::clone(&notify));
+        self.waiting.fetch_add(1, Ordering::AcqRel);
+        Some(Place {
+            queue: Arc::clone(self),
+            key,
+            notify,
+        })
+    }
+
+    /// Wakes the head of `key`'s queue (a permit of that key was freed).
+    pub(crate) fn wake(&self, key: u64) {
+        if self.waiting.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        if let Some(head) = self.lock().get(&key).and_then(VecDeque::front) {
+            head.notify_one();
+        }
+    }
+}
+
+/// A place in a key's queue. Dropping it leaves the queue (and wakes the
+/// next waiter if this one was at the head).
+#[derive(Debug)]
+pub(crate) struct Place {
+    queue: Arc<Queue>,
+    key: u64,
+    notify: Arc<Notify>,
+}
+
+impl Place {
+    pub(crate) fn is_head(&self) -> bool {
+        self.queue
+            .lock()
+            .get(&self.key)
+            .and_then(VecDeque::front)
+            .is_some_and(|head| Arc::ptr_eq(head, &self.notify))
+    }
+
+    /// Waits until woken, or until `until`; whichever comes first.
+    pub(crate) async fn wait(&self, until: tokio::time::Instant) {
+        let _ = tokio::time::timeout_at(until, self.notify.notified()).await;
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        let mut keys = self.queue.lock();
+        let Some(line) = keys.get_mut(&self.key) else {
+            return;
+        };
+        let was_head = line
+            .front()
+            .is_some_and(|head| Arc::ptr_eq(head, &self.notify));
+        line.retain(|w| !Arc::ptr_eq(w, &self.notify));
+        self.queue.waiting.fetch_sub(1, Ordering::AcqRel);
+        match line.front() {
+            // The next in line may find a permit free now.
+            Some(next) if was_head => next.notify_one(),
+            Some(_) => {}
+            None => {
+                keys.remove(&self.key);
+            }
+        }
+    }
+}

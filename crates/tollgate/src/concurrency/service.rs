@@ -1,0 +1,88 @@
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http::{Request, Response};
+use tollgate_core::ConcurrencyLimiter;
+use tower_service::Service;
+
+use super::future::{ResponseFuture, State};
+use super::permit::{Holding, PermitBody};
+use super::shared::{Admission, Critical, Shared};
+use crate::cost::Cost;
+use crate::key::KeyExtractor;
+use crate::rejection::is_grpc;
+
+/// The service of [`ConcurrencyLayer`](super::ConcurrencyLayer).
+pub struct ConcurrencyLimit<S, K, C, P, L> {
+    inner: S,
+    shared: Arc<Shared<K, C, P, L>>,
+}
+
+impl<S: Clone, K, C, P, L> Clone for ConcurrencyLimit<S, K, C, P, L> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<S: std::fmt::Debug, K, C, P, L> std::fmt::Debug for ConcurrencyLimit<S, K, C, P, L> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConcurrencyLimit")
+            .field("inner", &self.inner)
+            .field("rule", &self.shared.per_key.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, K, C, P, L> ConcurrencyLimit<S, K, C, P, L> {
+    pub(crate) fn new(inner: S, shared: Arc<Shared<K, C, P, L>>) -> Self {
+        Self { inner, shared }
+    }
+}
+
+impl<S, K, C, P, L, ReqB, ResB> Service<Request<ReqB>> for ConcurrencyLimit<S, K, C, P, L>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
+    K: KeyExtractor<ReqB>,
+    C: Cost<ReqB>,
+    P: Critical<ReqB>,
+    L: ConcurrencyLimiter,
+{
+    type Response = Response<PermitBody<ResB>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S, ReqB>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: Request<ReqB>) -> Self::Future {
+        let state = match self.shared.start(&req, is_grpc(&req)) {
+            Admission::Go(mut admitted) => {
+                admitted.holding = Holding::attach(admitted.permit.take(), &mut req);
+                State::Calling {
+                    future: self.inner.call(req),
+                    admitted: Some(admitted),
+                }
+            }
+            Admission::Reject(rejected, items) => State::Rejected {
+                rejected: Some((rejected, items)),
+            },
+            Admission::Defer(deferred) => {
+                // The ready service is dropped, so whatever it reserved (a
+                // permit, a buffer slot) is free while this request waits
+                // for the store or its turn; a clone is polled ready once
+                // the request is admitted.
+                let waiting = self.inner.clone();
+                drop(std::mem::replace(&mut self.inner, waiting.clone()));
+                State::Admitting {
+                    admit: Box::pin(Arc::clone(&self.shared).admit(deferred)),
+                    waiting: Some(Box::new((req, waiting))),
+                }
+            }
+        };
+        ResponseFuture::new(state, Arc::clone(&self.shared.responder))
+    }
+}

@@ -1,0 +1,610 @@
+//! What every clone of a concurrency layer shares, and the admission of a
+//! request: key, weight, class, then each limit in turn.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{Method, Request, Response};
+use tokio::time::Instant;
+use tollgate_core::{Acquire, ConcurrencyLimiter, Decision, Outcome, StoreError};
+
+use super::adaptive::Adaptive;
+use super::permit::{Held, Permit, Release};
+use super::queue::Queue;
+use crate::cost::Cost;
+use crate::headers::{ConcurrencyHeaders, Item};
+use crate::key::{KeyBuf, KeyExtractor};
+use crate::observe::ConcurrencyMetrics;
+use crate::rate_limit::MissingKey;
+use crate::rejection::{LimitKind, Reason, Rejected, Rendered};
+
+/// Decides whether a request is critical: critical requests may use every
+/// permit; the others at most the configured share, so the rest stays in
+/// reserve for the critical ones (Stripe's critical reserve).
+///
+/// Closures are classifiers: `|req: &Request<B>| -> bool`.
+pub trait Critical<B>: Clone + Send + Sync + 'static {
+    /// Whether `req` is critical.
+    fn is_critical(&self, req: &Request<B>) -> bool;
+}
+
+impl<B, F> Critical<B> for F
+where
+    F: Fn(&Request<B>) -> bool + Clone + Send + Sync + 'static,
+{
+    fn is_critical(&self, req: &Request<B>) -> bool {
+        self(req)
+    }
+}
+
+/// Every request is critical: no reserve (the default).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AllCritical;
+
+impl<B> Critical<B> for AllCritical {
+    fn is_critical(&self, _req: &Request<B>) -> bool {
+        true
+    }
+}
+
+pub(crate) type RejectFn = Arc<dyn Fn(&Rejected) -> Response<Bytes> + Send + Sync>;
+pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// The key every request shares under the service-wide limit.
+pub(crate) const SERVICE_KEY: &[u8] = b"\x00service";
+
+/// A limit kept in the store.
+pub(crate) struct Slot<L> {
+    pub(crate) limiter: L,
+    pub(crate) name: Arc<str>,
+    /// The ceiling of non-critical requests.
+    pub(crate) share: u32,
+}
+
+pub(crate) enum ServiceLimit<L> {
+    Fixed(Slot<L>),
+    Adaptive(Arc<Adaptive>),
+}
+
+/// Everything a response future needs after admission.
+pub(crate) struct Responder {
+    pub(crate) headers: ConcurrencyHeaders,
+    pub(crate) rejection: Option<RejectFn>,
+    /// The default rejections of the per-key and the service limit.
+    pub(crate) rendered: [Rendered; 2],
+    pub(crate) adaptive: Option<Arc<Adaptive>>,
+    pub(crate) name: Arc<str>,
+}
+
+impl Responder {
+    pub(crate) fn reject(&self, rejected: &Rejected, items: &Items) -> Response<Bytes> {
+        let mut res = match &self.rejection {
+            Some(f) if !rejected.grpc => f(rejected),
+            _ => {
+                let which = usize::from(*rejected.rule != *self.name);
+                match self.rendered.get(which) {
+                    Some(r) => r.render(rejected),
+                    None => rejected.to_problem_response(),
+                }
+            }
+        };
+        // The refusing limit's hint (a read-only refusal has no item).
+        if let Some(secs) = rejected.retry_after_secs() {
+            res.headers_mut()
+                .insert(http::header::RETRY_AFTER, http::HeaderValue::from(secs));
+        }
+        self.headers
+            .apply(res.headers_mut(), items.as_slice(), false);
+        res
+    }
+}
+
+/// The header items of one request: the per-key limit, then the service's.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Items {
+    items: [Item; 2],
+    len: usize,
+}
+
+impl Items {
+    fn new(len: usize) -> Self {
+        let empty = Item {
+            q: 0,
+            decision: None,
+        };
+        Self {
+            items: [empty; 2],
+            len,
+        }
+    }
+
+    fn set(&mut self, i: usize, q: u64, decision: Option<Decision>) {
+        if let Some(item) = self.items.get_mut(i) {
+            *item = Item { q, decision };
+        }
+    }
+
+    pub(crate) fn as_slice(&self) -> &[Item] {
+        self.items.get(..self.len).unwrap_or_default()
+    }
+}
+
+/// A request let in: its permit (if any limit granted one), the header
+/// items, and when it started (for an adaptive limit's samples).
+#[derive(Debug)]
+pub(crate) struct Admitted {
+    pub(crate) permit: Option<Permit>,
+    /// Where the permit went once the request was seen (the body's).
+    pub(crate) holding: Option<super::permit::Holding>,
+    pub(crate) items: Items,
+    pub(crate) started: Option<Instant>,
+}
+
+// Returned by value once per request; boxing the large variant would cost
+// the fast path an allocation.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Admission {
+    Go(Admitted),
+    Reject(Rejected, Items),
+    /// Needs I/O or a wait in the queue; nothing is held.
+    Defer(Deferred),
+}
+
+/// What the asynchronous admission starts from.
+pub(crate) struct Deferred {
+    key: KeyBuf,
+    permits: u32,
+    critical: bool,
+    grpc: bool,
+    /// Join the key's queue first (others wait, or the limit is full).
+    queued: bool,
+}
+
+/// The outcome of one limit's acquire.
+enum Step {
+    Granted(Option<tollgate_core::Lease>, Decision),
+    /// Let through without a permit (shadow denial, store fault).
+    Pass(Option<Decision>),
+    Reject(Reason, Decision),
+    /// Denied for now, and the queue may hold the request.
+    Wait(Decision),
+}
+
+impl Step {
+    fn decision(&self) -> Option<Decision> {
+        match self {
+            Step::Granted(_, d) | Step::Reject(_, d) | Step::Wait(d) => Some(*d),
+            Step::Pass(d) => *d,
+        }
+    }
+}
+
+pub(crate) struct Shared<K, C, P, L> {
+    pub(crate) key: K,
+    pub(crate) cost: C,
+    pub(crate) critical: P,
+    pub(crate) per_key: Slot<L>,
+    pub(crate) service: Option<ServiceLimit<L>>,
+    pub(crate) queue: Option<Arc<Queue>>,
+    pub(crate) missing: MissingKey,
+    pub(crate) warned_missing: AtomicBool,
+    pub(crate) shadow: bool,
+    pub(crate) responder: Arc<Responder>,
+    pub(crate) metrics: ConcurrencyMetrics,
+    /// The share of non-critical traffic, for the adaptive limit.
+    pub(crate) share: Option<f64>,
+}
+
+fn is_safe(method: &Method) -> bool {
+    matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS)
+}
+
+impl<K, C, P, L> Shared<K, C, P, L>
+where
+    L: ConcurrencyLimiter,
+{
+    fn items(&self) -> Items {
+        Items::new(if self.service.is_some() { 2 } else { 1 })
+    }
+
+    fn max(&self) -> u64 {
+        u64::from(self.per_key.limiter.rule().semaphore().max())
+    }
+
+    fn rejected(
+        &self,
+        rule: &Arc<str>,
+        reason: Reason,
+        grpc: bool,
+        d: Option<Decision>,
+    ) -> Rejected {
+        Rejected {
+            rule: Arc::clone(rule),
+            kind: LimitKind::Concurrency,
+            reason,
+            decision: d,
+            grpc,
+        }
+    }
+
+    /// Reads one store acquire: granted, let through, refused, or (when
+    /// `queue` and the queue exists) waiting.
+    fn step(&self, result: Result<Acquire, StoreError>, queue: bool) -> Step {
+        let acquire = match result {
+            Ok(a) => a,
+            Err(error) => {
+                self.metrics.store_error.increment(1);
+                tracing::warn!(
+                    target: "tollgate",
+                    rule = %self.per_key.name,
+                    %error,
+                    "concurrency store failed; letting the request through"
+                );
+                return Step::Pass(None);
+            }
+        };
+        let d = acquire.decision;
+        match d.outcome {
+            Outcome::Allow { .. } => Step::Granted(acquire.lease, d),
+            Outcome::Deny { .. } if queue && self.queue.is_some() && !self.shadow => Step::Wait(d),
+            _ if self.shadow => {
+                self.metrics.shadow_limited.increment(1);
+                Step::Pass(Some(d))
+            }
+            Outcome::Deny { .. } => Step::Reject(Reason::Limited, d),
+            Outcome::Never => Step::Reject(Reason::TooCostly, d),
+        }
+    }
+
+    fn ceiling(&self, slot: &Slot<L>, critical: bool) -> u32 {
+        if critical {
+            u32::MAX
+        } else {
+            slot.share
+        }
+    }
+
+    fn count(&self, reason: Reason) {
+        match reason {
+            Reason::TooCostly => self.metrics.too_costly.increment(1),
+            _ => self.metrics.limited.increment(1),
+        }
+    }
+}
+
+impl<K, C, P, L> Shared<K, C, P, L>
+where
+    L: ConcurrencyLimiter,
+    Self: Release,
+{
+    /// Admits `req` without waiting when the store needs no I/O and the
+    /// request need not queue; otherwise defers.
+    pub(crate) fn start<B>(self: &Arc<Self>, req: &Request<B>, grpc: bool) -> Admission
+    where
+        K: KeyExtractor<B>,
+        C: Cost<B>,
+        P: Critical<B>,
+    {
+        let mut key = KeyBuf::new();
+        if self.key.extract(req, &mut key).is_none() {
+            match &self.missing {
+                MissingKey::Skip => {
+                    self.metrics.unkeyed.increment(1);
+                    return Admission::Go(Admitted {
+                        permit: None,
+                        holding: None,
+                        items: Items::new(0),
+                        started: None,
+                    });
+                }
+                MissingKey::Reject => {
+                    self.metrics.missing_key.increment(1);
+                    let r = self.rejected(&self.per_key.name, Reason::MissingKey, grpc, None);
+                    return Admission::Reject(r, Items::new(0));
+                }
+                MissingKey::Fallback(fallback) => {
+                    if !self.warned_missing.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(
+                            target: "tollgate",
+                            rule = %self.per_key.name,
+                            "a request had no key; keyless requests share one fallback budget \
+                             (for PeerIp, serve with into_make_service_with_connect_info)"
+                        );
+                    }
+                    key = KeyBuf::new();
+                    key.push(b"\x02fallback");
+                    key.push(fallback);
+                }
+            }
+        }
+        if let Some(ServiceLimit::Adaptive(a)) = &self.service {
+            if !is_safe(req.method()) && a.degraded() && !self.shadow {
+                self.metrics.read_only.increment(1);
+                let d = Decision {
+                    outcome: Outcome::Deny {
+                        retry_after: a.retry_after(),
+                    },
+                    limit: u64::from(a.limit()),
+                    remaining: 0,
+                    reset_after: 0,
+                };
+                let r = self.rejected(&a.name, Reason::ReadOnly, grpc, Some(d));
+                return Admission::Reject(r, Items::new(0));
+            }
+        }
+        let permits = self.cost.cost(req);
+        let critical = self.critical.is_critical(req);
+        key.as_bytes();
+        let deferred = |key, queued| {
+            Admission::Defer(Deferred {
+                key,
+                permits,
+                critical,
+                grpc,
+                queued,
+            })
+        };
+        if let Some(q) = &self.queue {
+            if q.has_waiters(q.hash(key.as_bytes())) {
+                return deferred(key, true);
+            }
+        }
+        let ceiling = self.ceiling(&self.per_key, critical);
+        let Some(result) = self
+            .per_key
+            .limiter
+            .acquire_sync(key.as_bytes(), permits, ceiling)
+        else {
+            return deferred(key, false);
+        };
+        let step = self.step(result, true);
+        if matches!(step, Step::Wait(_)) {
+            return deferred(key, true);
+        }
+        let service = match &self.service {
+            Some(ServiceLimit::Fixed(slot)) => {
+                let ceiling = self.ceiling(slot, critical);
+                match slot.limiter.acquire_sync(SERVICE_KEY, permits, ceiling) {
+                    Some(result) => Some(result),
+                    None => {
+                        // A store that answers one limit at once answers
+                        // both; should it not, start over asynchronously.
+                        if let Step::Granted(Some(lease), _) = step {
+                            let mut held = Held {
+                                per_key: Some(lease),
+                                ..Held::default()
+                            };
+                            held.key = key.clone();
+                            self.release(&mut held);
+                        }
+                        return deferred(key, false);
+                    }
+                }
+            }
+            _ => None,
+        };
+        self.finish(key, step, service, permits, critical, grpc)
+    }
+
+    /// Completes the admission once the per-key limit has answered
+    /// (`step`) and the fixed service limit has (`service`): takes the
+    /// adaptive limit's permits, gives the per-key lease back if a later
+    /// limit refuses, and wraps what is held in a [`Permit`].
+    fn finish(
+        self: &Arc<Self>,
+        key: KeyBuf,
+        step: Step,
+        service: Option<Result<Acquire, StoreError>>,
+        permits: u32,
+        critical: bool,
+        grpc: bool,
+    ) -> Admission {
+        let mut items = self.items();
+        let mut held = Held {
+            key,
+            ..Held::default()
+        };
+        items.set(0, self.max(), step.decision());
+        match step {
+            Step::Granted(lease, _) => held.per_key = lease,
+            Step::Pass(_) => {}
+            Step::Reject(reason, d) => {
+                self.count(reason);
+                let r = self.rejected(&self.per_key.name, reason, grpc, Some(d));
+                return Admission::Reject(r, items);
+            }
+            Step::Wait(d) => {
+                self.count(Reason::Limited);
+                let r = self.rejected(&self.per_key.name, Reason::Limited, grpc, Some(d));
+                return Admission::Reject(r, items);
+            }
+        }
+        let (name, step) = match (&self.service, service) {
+            (Some(ServiceLimit::Fixed(slot)), Some(result)) => {
+                let step = self.step(result, false);
+                let q = u64::from(slot.limiter.rule().semaphore().max());
+                items.set(1, q, step.decision());
+                (Some(&slot.name), step)
+            }
+            (Some(ServiceLimit::Adaptive(a)), _) => {
+                let share = if critical { None } else { self.share };
+                let d = a.try_acquire(permits, share);
+                items.set(1, u64::from(a.limit()), Some(d));
+                let step = match d.outcome {
+                    Outcome::Allow { .. } => {
+                        held.adaptive = permits;
+                        Step::Granted(None, d)
+                    }
+                    _ if self.shadow => {
+                        self.metrics.shadow_limited.increment(1);
+                        Step::Pass(Some(d))
+                    }
+                    Outcome::Deny { .. } => Step::Reject(Reason::Limited, d),
+                    Outcome::Never => Step::Reject(Reason::TooCostly, d),
+                };
+                (Some(&a.name), step)
+            }
+            _ => (None, Step::Pass(None)),
+        };
+        match step {
+            Step::Granted(lease, _) => held.service = lease,
+            Step::Reject(reason, d) => {
+                self.count(reason);
+                self.release(&mut held);
+                let name = name.unwrap_or(&self.per_key.name);
+                let r = self.rejected(name, reason, grpc, Some(d));
+                return Admission::Reject(r, items);
+            }
+            Step::Pass(_) | Step::Wait(_) => {}
+        }
+        self.metrics.allowed.increment(1);
+        held.permits = permits;
+        let permit = if held.is_empty() {
+            None
+        } else {
+            self.metrics.in_flight.increment(f64::from(permits));
+            let owner: Arc<dyn Release> = Arc::clone(self) as Arc<dyn Release>;
+            Some(Permit::new(owner, held))
+        };
+        Admission::Go(Admitted {
+            permit,
+            holding: None,
+            items,
+            started: self.started(),
+        })
+    }
+
+    fn started(&self) -> Option<Instant> {
+        self.responder.adaptive.as_ref().map(|_| Instant::now())
+    }
+
+    /// Admits a deferred request: acquires through the store's futures and
+    /// waits in the queue if it must.
+    pub(crate) async fn admit(self: Arc<Self>, d: Deferred) -> Admission {
+        let Deferred {
+            mut key,
+            permits,
+            critical,
+            grpc,
+            queued,
+        } = d;
+        let ceiling = self.ceiling(&self.per_key, critical);
+        let step = if queued {
+            self.wait_turn(&mut key, permits, ceiling).await
+        } else {
+            let first = self
+                .per_key
+                .limiter
+                .acquire(key.as_bytes(), permits, ceiling)
+                .await;
+            match self.step(first, true) {
+                Step::Wait(_) => self.wait_turn(&mut key, permits, ceiling).await,
+                step => step,
+            }
+        };
+        let service = match &self.service {
+            Some(ServiceLimit::Fixed(slot)) => Some(
+                slot.limiter
+                    .acquire(SERVICE_KEY, permits, self.ceiling(slot, critical))
+                    .await,
+            ),
+            _ => None,
+        };
+        self.finish(key, step, service, permits, critical, grpc)
+    }
+
+    /// Waits in `key`'s queue until the head of it gets a permit, the wait
+    /// runs out, or the queue is full.
+    async fn wait_turn(&self, key: &mut KeyBuf, permits: u32, ceiling: u32) -> Step {
+        let Some(queue) = &self.queue else {
+            return Step::Pass(None);
+        };
+        let hash = queue.hash(key.as_bytes());
+        let start = Instant::now();
+        let deadline = start.checked_add(queue.max_wait).unwrap_or(start);
+        let limiter = &self.per_key.limiter;
+        let Some(place) = queue.join(hash) else {
+            self.metrics.queue_full.increment(1);
+            let d = limiter.acquire(key.as_bytes(), 0, ceiling).await.ok();
+            let d = d.map(|a| a.decision).unwrap_or(Decision {
+                outcome: Outcome::Deny { retry_after: 0 },
+                limit: self.max(),
+                remaining: 0,
+                reset_after: 0,
+            });
+            return Step::Reject(Reason::Limited, with_hint(d, limiter));
+        };
+        let mut last = None;
+        loop {
+            if place.is_head() {
+                match self.step(
+                    limiter.acquire(key.as_bytes(), permits, ceiling).await,
+                    true,
+                ) {
+                    Step::Wait(d) => last = Some(d),
+                    Step::Granted(lease, d) => {
+                        self.metrics.queued.increment(1);
+                        return Step::Granted(lease, d);
+                    }
+                    other => return other,
+                }
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                self.metrics.queue_timeout.increment(1);
+                let d = last.unwrap_or(Decision {
+                    outcome: Outcome::Deny { retry_after: 0 },
+                    limit: self.max(),
+                    remaining: 0,
+                    reset_after: 0,
+                });
+                return Step::Reject(Reason::Limited, with_hint(d, limiter));
+            }
+            let recheck = now.checked_add(queue.recheck).unwrap_or(deadline);
+            place.wait(deadline.min(recheck)).await;
+        }
+    }
+}
+
+/// The decision with the rule's retry hint as its `retry_after`.
+fn with_hint<L: ConcurrencyLimiter>(mut d: Decision, limiter: &L) -> Decision {
+    d.outcome = Outcome::Deny {
+        retry_after: limiter.rule().semaphore().retry_after(),
+    };
+    d
+}
+
+impl<K, C, P, L> Release for Shared<K, C, P, L>
+where
+    K: Send + Sync + 'static,
+    C: Send + Sync + 'static,
+    P: Send + Sync + 'static,
+    L: ConcurrencyLimiter,
+{
+    fn release(&self, held: &mut Held) {
+        if let Some(lease) = held.per_key.take() {
+            let key = held.key.as_bytes();
+            // The release is under way once called; nothing to wait for.
+            drop(self.per_key.limiter.release(key, lease));
+            if let Some(q) = &self.queue {
+                q.wake(q.hash(key));
+            }
+        }
+        match (&self.service, held.service.take()) {
+            (Some(ServiceLimit::Fixed(slot)), Some(lease)) => {
+                drop(slot.limiter.release(SERVICE_KEY, lease));
+            }
+            (Some(ServiceLimit::Adaptive(a)), _) if held.adaptive > 0 => {
+                a.release(held.adaptive);
+                held.adaptive = 0;
+            }
+            _ => {}
+        }
+        self.metrics
+            .in_flight
+            .decrement(f64::from(std::mem::take(&mut held.permits)));
+    }
+}

@@ -1,0 +1,457 @@
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use tokio::sync::mpsc;
+use tollgate_core::adaptive::{AdaptiveLimit, Aimd};
+use tollgate_core::ConcurrencyLimiter;
+use tower::{service_fn, Layer, Service, ServiceExt};
+
+use super::*;
+use crate::cost::ByMethod;
+use crate::key::Header;
+use crate::rate_limit::MissingKey;
+use crate::MemoryStore;
+
+type Req = Request<String>;
+
+/// A streaming body fed by the test: frames, an error, or the end.
+struct Chan(mpsc::UnboundedReceiver<Result<Bytes, std::io::Error>>);
+
+impl Body for Chan {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        self.0.poll_recv(cx).map(|f| f.map(|r| r.map(Frame::data)))
+    }
+}
+
+type Feed = mpsc::UnboundedSender<Result<Bytes, std::io::Error>>;
+
+/// A service whose responses stream from channels the test holds.
+fn streaming() -> (
+    impl Service<Req, Response = Response<Chan>, Error = Infallible, Future = impl Send> + Clone,
+    mpsc::UnboundedReceiver<Feed>,
+) {
+    let (feeds, rx) = mpsc::unbounded_channel();
+    let svc = service_fn(move |_req: Req| {
+        let (tx, body) = mpsc::unbounded_channel();
+        let _ = feeds.send(tx);
+        async move { Ok::<_, Infallible>(Response::new(Chan(body))) }
+    });
+    (svc, rx)
+}
+
+async fn ok(_req: Req) -> Result<Response<String>, Infallible> {
+    Ok(Response::new("ok".to_owned()))
+}
+
+fn req(key: &str) -> Req {
+    Request::builder()
+        .uri("/download")
+        .header("x-api-key", key)
+        .body(String::new())
+        .unwrap()
+}
+
+fn builder(
+    max: u32,
+) -> ConcurrencyLayerBuilder<Header, crate::cost::Fixed, AllCritical, MemoryStore> {
+    ConcurrencyLayer::builder("per-key", max).key(Header::named("x-api-key").unwrap())
+}
+
+async fn held<K, C, P, L: ConcurrencyLimiter>(
+    layer: &ConcurrencyLayer<K, C, P, L>,
+    key: &str,
+) -> u64 {
+    let mut k = crate::key::KeyBuf::new();
+    k.push(key.as_bytes());
+    layer.limiter().held(k.as_bytes()).await.unwrap()
+}
+
+#[tokio::test]
+async fn the_permit_lives_until_the_last_frame() {
+    let layer = builder(2).build().unwrap();
+    let (inner, mut feeds) = streaming();
+    let svc = layer.layer(inner);
+    let a = svc.clone().oneshot(req("k")).await.unwrap();
+    let b = svc.clone().oneshot(req("k")).await.unwrap();
+    assert_eq!((a.status(), b.status()), (StatusCode::OK, StatusCode::OK));
+    assert_eq!(a.headers()["ratelimit"], "\"per-key\";r=1");
+    assert_eq!(b.headers()["ratelimit"], "\"per-key\";r=0");
+    let (fa, fb) = (feeds.recv().await.unwrap(), feeds.recv().await.unwrap());
+    // Both bodies are still streaming: a third is refused at once.
+    let c = svc.clone().oneshot(req("k")).await.unwrap();
+    assert_eq!(c.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(c.headers()["retry-after"], "1");
+    assert_eq!(c.headers()["ratelimit"], "\"per-key\";r=0;t=1");
+    assert_eq!(
+        c.headers()["ratelimit-policy"],
+        "\"per-key\";q=2;qu=\"concurrent-requests\""
+    );
+    // Another key is independent.
+    let other = svc.clone().oneshot(req("other")).await.unwrap();
+    assert_eq!(other.status(), 200);
+    assert_eq!(held(&layer, "other").await, 1, "its body is not read yet");
+
+    // A frame read is not the end...
+    let mut body_a = a.into_body();
+    fa.send(Ok(Bytes::from_static(b"chunk"))).unwrap();
+    let frame = body_a.frame().await.unwrap().unwrap();
+    assert_eq!(frame.into_data().unwrap(), "chunk");
+    assert_eq!(held(&layer, "k").await, 2);
+    // ...the end of the stream is.
+    drop(fa);
+    assert!(body_a.frame().await.is_none());
+    assert_eq!(held(&layer, "k").await, 1);
+    // A body that fails releases too.
+    let mut body_b = b.into_body();
+    fb.send(Err(std::io::Error::other("reset"))).unwrap();
+    assert!(body_b.frame().await.unwrap().is_err());
+    assert_eq!(held(&layer, "k").await, 0);
+    drop(body_b);
+    assert_eq!(held(&layer, "k").await, 0, "released exactly once");
+}
+
+#[tokio::test]
+async fn dropped_bodies_and_cancelled_requests_release() {
+    let layer = builder(1).build().unwrap();
+    let (inner, _feeds) = streaming();
+    let svc = layer.layer(inner);
+    let res = svc.clone().oneshot(req("k")).await.unwrap();
+    assert_eq!(held(&layer, "k").await, 1);
+    drop(res);
+    assert_eq!(held(&layer, "k").await, 0);
+
+    // A request cancelled before its response (the handler never answers).
+    let never =
+        service_fn(|_req: Req| std::future::pending::<Result<Response<String>, Infallible>>());
+    let mut svc = layer.layer(never);
+    let fut = svc.ready().await.unwrap().call(req("k"));
+    assert_eq!(held(&layer, "k").await, 1);
+    drop(fut);
+    assert_eq!(held(&layer, "k").await, 0);
+    // A timeout above gives up: the same.
+    let res = tokio::time::timeout(Duration::from_millis(5), svc.clone().oneshot(req("k"))).await;
+    assert!(res.is_err());
+    assert_eq!(held(&layer, "k").await, 0);
+}
+
+#[tokio::test]
+async fn weighted_permits_and_never() {
+    let layer = builder(4)
+        .cost(
+            ByMethod::new(1)
+                .method(Method::POST, 3)
+                .method(Method::PUT, 5),
+        )
+        .build()
+        .unwrap();
+    let (inner, _feeds) = streaming();
+    let svc = layer.layer(inner);
+    let post = || {
+        Request::post("/r")
+            .header("x-api-key", "k")
+            .body(String::new())
+            .unwrap()
+    };
+    let a = svc.clone().oneshot(post()).await.unwrap();
+    assert_eq!(a.status(), 200);
+    assert_eq!(held(&layer, "k").await, 3);
+    assert_eq!(svc.clone().oneshot(post()).await.unwrap().status(), 429);
+    assert_eq!(svc.clone().oneshot(req("k")).await.unwrap().status(), 200);
+    // Five permits of four can never be had: no Retry-After.
+    let put = Request::put("/r")
+        .header("x-api-key", "k")
+        .body(String::new())
+        .unwrap();
+    let never = svc.clone().oneshot(put).await.unwrap();
+    assert_eq!(never.status(), 429);
+    assert!(never.headers().get("retry-after").is_none());
+    let body = never.into_body().collect().await.unwrap().to_bytes();
+    assert!(std::str::from_utf8(&body)
+        .unwrap()
+        .contains("never succeed"));
+}
+
+#[tokio::test]
+async fn a_service_limit_sheds_load_and_gives_back_the_per_key_permit() {
+    let layer = builder(2).service_limit("service", 3).build().unwrap();
+    let (inner, _feeds) = streaming();
+    let svc = layer.layer(inner);
+    let mut bodies = Vec::new();
+    for key in ["a", "a", "b"] {
+        let res = svc.clone().oneshot(req(key)).await.unwrap();
+        assert_eq!(res.status(), 200);
+        bodies.push(res);
+    }
+    assert_eq!(
+        bodies[2].headers()["ratelimit"],
+        "\"per-key\";r=1, \"service\";r=0"
+    );
+    let shed = svc.clone().oneshot(req("c")).await.unwrap();
+    assert_eq!(shed.status(), 429);
+    assert_eq!(
+        shed.headers()["ratelimit"],
+        "\"per-key\";r=1, \"service\";r=0;t=1"
+    );
+    assert_eq!(
+        shed.headers()["ratelimit-policy"],
+        "\"per-key\";q=2;qu=\"concurrent-requests\", \"service\";q=3;qu=\"concurrent-requests\""
+    );
+    let body = shed.into_body().collect().await.unwrap().to_bytes();
+    assert!(std::str::from_utf8(&body)
+        .unwrap()
+        .contains(r#""rule":"service""#));
+    assert_eq!(
+        held(&layer, "c").await,
+        0,
+        "the per-key permit was given back"
+    );
+    bodies.clear();
+    assert_eq!(svc.clone().oneshot(req("c")).await.unwrap().status(), 200);
+}
+
+#[tokio::test]
+async fn non_critical_requests_leave_a_reserve() {
+    let critical = |r: &Req| r.headers().contains_key("x-critical");
+    let layer = builder(10).critical(critical, 0.8).build().unwrap();
+    let (inner, _feeds) = streaming();
+    let svc = layer.layer(inner);
+    let mut held_bodies = Vec::new();
+    for _ in 0..8 {
+        let res = svc.clone().oneshot(req("k")).await.unwrap();
+        assert_eq!(res.status(), 200);
+        held_bodies.push(res);
+    }
+    assert_eq!(svc.clone().oneshot(req("k")).await.unwrap().status(), 429);
+    let crit = || {
+        let mut r = req("k");
+        r.headers_mut().insert("x-critical", "1".parse().unwrap());
+        r
+    };
+    for _ in 0..2 {
+        let res = svc.clone().oneshot(crit()).await.unwrap();
+        assert_eq!(res.status(), 200);
+        held_bodies.push(res);
+    }
+    assert_eq!(svc.clone().oneshot(crit()).await.unwrap().status(), 429);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_queue_is_fifo_and_bounded_in_length_and_time() {
+    let layer = builder(1).queue(2, Duration::from_secs(5)).build().unwrap();
+    let (inner, mut feeds) = streaming();
+    let svc = layer.layer(inner);
+    let first = svc.clone().oneshot(req("k")).await.unwrap();
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut waiters = Vec::new();
+    for i in 0..2 {
+        let (svc, order) = (svc.clone(), Arc::clone(&order));
+        waiters.push(tokio::spawn(async move {
+            let res = svc.oneshot(req("k")).await.unwrap();
+            order.lock().unwrap().push(i);
+            res
+        }));
+        // Let it join the queue before the next one comes.
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    // The queue holds two: a third is refused at once.
+    let full = svc.clone().oneshot(req("k")).await.unwrap();
+    assert_eq!(full.status(), 429);
+    assert_eq!(full.headers()["retry-after"], "1");
+    let _f0 = feeds.recv().await.unwrap();
+    drop(first);
+    let second = waiters.remove(0).await.unwrap();
+    assert_eq!(second.status(), 200);
+    drop(second);
+    let third = waiters.remove(0).await.unwrap();
+    assert_eq!(third.status(), 200);
+    assert_eq!(*order.lock().unwrap(), vec![0, 1]);
+    // A wait longer than max_wait ends in a 429, at max_wait.
+    let start = tokio::time::Instant::now();
+    let late = svc.clone().oneshot(req("k")).await.unwrap();
+    assert_eq!(late.status(), 429);
+    assert_eq!(start.elapsed(), Duration::from_secs(5));
+    drop(third);
+    assert_eq!(svc.clone().oneshot(req("k")).await.unwrap().status(), 200);
+}
+
+#[tokio::test]
+async fn shadow_mode_never_refuses() {
+    let layer = builder(1).shadow(true).build().unwrap();
+    let (inner, _feeds) = streaming();
+    let svc = layer.layer(inner);
+    let a = svc.clone().oneshot(req("k")).await.unwrap();
+    let b = svc.clone().oneshot(req("k")).await.unwrap();
+    assert_eq!((a.status(), b.status()), (StatusCode::OK, StatusCode::OK));
+    assert_eq!(b.headers()["ratelimit"], "\"per-key\";r=0;t=1");
+    assert!(b.headers().get("retry-after").is_none());
+    drop((a, b));
+    assert_eq!(held(&layer, "k").await, 0);
+}
+
+#[tokio::test]
+async fn missing_keys_and_grpc() {
+    let layer = builder(1)
+        .on_missing_key(MissingKey::Reject)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    let res = svc
+        .clone()
+        .oneshot(Request::new(String::new()))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+
+    let layer = builder(1).build().unwrap();
+    let (inner, _feeds) = streaming();
+    let svc = layer.layer(inner);
+    let grpc = || {
+        Request::post("/svc/Method")
+            .header("x-api-key", "g")
+            .header("content-type", "application/grpc")
+            .body(String::new())
+            .unwrap()
+    };
+    let _held = svc.clone().oneshot(grpc()).await.unwrap();
+    let res = svc.clone().oneshot(grpc()).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(res.headers()["grpc-status"], "8");
+    assert_eq!(res.headers()["grpc-retry-pushback-ms"], "1000");
+}
+
+#[tokio::test]
+async fn an_upgrade_handler_can_keep_the_permit() {
+    let layer = builder(1).build().unwrap();
+    let kept = Arc::new(std::sync::Mutex::new(None));
+    let k2 = Arc::clone(&kept);
+    let svc = layer.layer(service_fn(move |req: Req| {
+        let slot = req.extensions().get::<UpgradePermit>().cloned();
+        *k2.lock().unwrap() = slot.and_then(|s| s.take());
+        async { Ok::<_, Infallible>(Response::new(String::new())) }
+    }));
+    let upgrade = Request::get("/ws")
+        .header("x-api-key", "k")
+        .header("upgrade", "websocket")
+        .body(String::new())
+        .unwrap();
+    let res = svc.clone().oneshot(upgrade).await.unwrap();
+    res.into_body().collect().await.unwrap();
+    assert_eq!(held(&layer, "k").await, 1, "the connection still counts");
+    kept.lock().unwrap().take();
+    assert_eq!(held(&layer, "k").await, 0);
+}
+
+#[tokio::test]
+async fn config_errors_name_the_field() {
+    let cases: Vec<(Result<_, _>, &str)> = vec![
+        (builder(0).build().map(drop), "max"),
+        (builder(2_000_000).build().map(drop), "max"),
+        (
+            builder(1).critical(AllCritical, 0.0).build().map(drop),
+            "non_critical_share",
+        ),
+        (
+            builder(1).critical(AllCritical, f64::NAN).build().map(drop),
+            "non_critical_share",
+        ),
+        (
+            builder(1)
+                .queue(0, Duration::from_secs(1))
+                .build()
+                .map(drop),
+            "queue",
+        ),
+        (
+            builder(1).queue(1, Duration::ZERO).build().map(drop),
+            "queue",
+        ),
+        (
+            builder(1).service_limit("per-key", 5).build().map(drop),
+            "service_limit",
+        ),
+        (
+            builder(1).service_limit("service", 0).build().map(drop),
+            "max",
+        ),
+        (
+            builder(1).retry_after(Duration::ZERO).build().map(drop),
+            "retry_after",
+        ),
+        (
+            builder(1).lease_ttl(Duration::ZERO).build().map(drop),
+            "lease_ttl",
+        ),
+        (
+            builder(1)
+                .read_only_above(0.5, Duration::from_secs(10))
+                .build()
+                .map(drop),
+            "read_only",
+        ),
+        (
+            ConcurrencyLayer::builder("bad name", 1).build().map(drop),
+            "name",
+        ),
+    ];
+    for (result, field) in cases {
+        assert_eq!(result.unwrap_err().field(), field);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_degraded_service_turns_read_only() {
+    let limit = AdaptiveLimit::Aimd(Aimd::new(1, 10, 100).unwrap());
+    let layer = builder(100)
+        .adaptive_service_limit("adaptive", limit)
+        .read_only_above(0.5, Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let failing = Arc::new(AtomicU32::new(1));
+    let f2 = Arc::clone(&failing);
+    let svc = layer.layer(service_fn(move |_req: Req| {
+        let status = if f2.load(Ordering::Relaxed) == 1 {
+            503
+        } else {
+            200
+        };
+        async move {
+            let mut res = Response::new(String::new());
+            *res.status_mut() = StatusCode::from_u16(status).unwrap();
+            Ok::<_, Infallible>(res)
+        }
+    }));
+    for _ in 0..30 {
+        let res = svc.clone().oneshot(req("k")).await.unwrap();
+        assert_eq!(res.status(), 503);
+    }
+    // Every sample was a drop: the limit backed off to its minimum.
+    assert_eq!(layer.adaptive_limit(), Some(1));
+    let post = || {
+        Request::post("/w")
+            .header("x-api-key", "k")
+            .body(String::new())
+            .unwrap()
+    };
+    let refused = svc.clone().oneshot(post()).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(refused.headers()["retry-after"], "1");
+    // Reads still go through; once the errors age out, writes do too.
+    failing.store(0, Ordering::Relaxed);
+    assert_eq!(svc.clone().oneshot(req("k")).await.unwrap().status(), 200);
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    assert_eq!(svc.clone().oneshot(post()).await.unwrap().status(), 200);
+}

@@ -92,8 +92,9 @@ impl Decision {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Acquire {
     /// Admitted or not; `limit` is the maximum concurrency, `remaining`
-    /// the permits still free. A denial's `retry_after` is when the
-    /// earliest lease would lapse if never released: an upper bound.
+    /// the permits still free under the acquire's ceiling. A denial's
+    /// `retry_after` is the rule's retry hint (when a permit frees depends
+    /// on other requests).
     pub decision: Decision,
     /// The lease to release when the work ends; `None` when denied.
     pub lease: Option<Lease>,

@@ -445,9 +445,9 @@ pub async fn concurrency_permits<S: Store>(store: &S, clock: &ManualClock) {
 
 /// For stores whose permits are leases that lapse (networked stores): a
 /// lease that is never released lapses after the rule's lease TTL, and
-/// frees its permits; the store renews the leases it holds for live
-/// holders, so this scenario reads the clock past the TTL without giving
-/// the store's renewal a chance (`settle` must not renew).
+/// frees its permits. A store that renews the leases of live holders must
+/// have its renewal off for this scenario, which moves the clock past the
+/// TTL while the lease is still held.
 pub async fn lease_expiry<S: Store>(store: &S, clock: &ManualClock) {
     let rule = ConcurrencyRule::new("lapse", 2, Duration::from_secs(10)).unwrap();
     let sem = store.concurrency_limiter(&rule).unwrap();

@@ -6,7 +6,10 @@ use sha2::{Digest, Sha256};
 const MAX_VERBATIM: usize = 64;
 
 /// What a key holds: rate state or concurrency leases (so a rate rule and a
-/// concurrency rule of the same name never share keys).
+/// concurrency rule of the same name never share keys). Concurrency keys
+/// are `c2`: the second layout of leases (a sorted set and, at
+/// `<key>:meta`, a hash of the permits held and the last lease id), so
+/// instances of the first layout never read it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
     Rate,
@@ -32,7 +35,7 @@ pub(crate) fn redis_key(prefix: &str, kind: Kind, rule: &str, key: &[u8]) -> Str
     out.push_str(prefix);
     out.push_str(match kind {
         Kind::Rate => ":{r|",
-        Kind::Concurrency => ":{c|",
+        Kind::Concurrency => ":{c2|",
     });
     out.push_str(rule);
     if safe {

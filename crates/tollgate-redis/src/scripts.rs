@@ -24,6 +24,48 @@ script!(SLIDING_LOG, "sliding_window_log.lua");
 script!(LEAKY_BUCKET, "leaky_bucket.lua");
 script!(SEMAPHORE, "semaphore.lua");
 
+/// What a rate script does (`ARGV[1]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RateMode {
+    /// Decide on a request of `cost` and consume it if admitted.
+    Decide,
+    /// Give back `cost` consumed earlier.
+    Refund,
+}
+
+impl RateMode {
+    pub(crate) fn arg(self) -> &'static str {
+        match self {
+            Self::Decide => "decide",
+            Self::Refund => "refund",
+        }
+    }
+}
+
+/// What the semaphore script does (`ARGV[1]`); see `semaphore.lua`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SemaphoreMode {
+    /// Take permits under a new lease, up to a ceiling.
+    Acquire,
+    /// Drop leases (a batch of one key's).
+    Release,
+    /// Extend leases that are still live (a batch of one key's).
+    Renew,
+    /// Count the permits held.
+    Held,
+}
+
+impl SemaphoreMode {
+    pub(crate) fn arg(self) -> &'static str {
+        match self {
+            Self::Acquire => "acquire",
+            Self::Release => "release",
+            Self::Renew => "renew",
+            Self::Held => "held",
+        }
+    }
+}
+
 /// The script for `algorithm` and its parameters (`ARGV[5..]`).
 pub(crate) fn for_algorithm(algorithm: &Algorithm) -> (&'static Script, Vec<String>) {
     match algorithm {
@@ -68,6 +110,17 @@ pub(crate) fn state_lifetime(algorithm: &Algorithm) -> u64 {
         Algorithm::LeakyBucket(a) => a.max_delay().saturating_add(a.interval()),
         other => other.window(),
     }
+}
+
+/// TTL margin on every key beyond its rule's window.
+const TTL_MARGIN_MS: u64 = 1_000;
+
+/// The TTL in ms of a key whose state matters `window_nanos`: every
+/// write sets it, so idle keys vanish.
+pub(crate) fn ttl_ms(window_nanos: u64) -> u64 {
+    window_nanos
+        .div_ceil(1_000_000)
+        .saturating_add(TTL_MARGIN_MS)
 }
 
 /// Scripts compute in doubles, and times on Redis's clock are about 10¹⁷
@@ -141,8 +194,13 @@ impl Reply {
         Some(Acquire { decision, lease })
     }
 
-    /// `{1}` or `{0}`.
-    pub(crate) fn flag(&self) -> bool {
-        self.0.first() == Some(&1)
+    /// `{n}`: a count. `None` if malformed.
+    pub(crate) fn count(&self) -> Option<u64> {
+        self.0.first().map(|n| nonneg(*n))
+    }
+
+    /// `{f1, f2, ...}`: one flag per lease of a batch, 1 if it was live.
+    pub(crate) fn flags(&self) -> impl Iterator<Item = bool> + '_ {
+        self.0.iter().map(|f| *f == 1)
     }
 }

@@ -19,11 +19,18 @@ use tollgate_core::{
 use tollgate_redis::RedisStore;
 
 fn factory(url: String) -> impl Fn(ManualClock) -> RedisStore {
+    renewing_factory(url, true)
+}
+
+/// Stores on the manual clock; `renew` says whether their lease task
+/// renews on real time (off where a scenario watches leases lapse).
+fn renewing_factory(url: String, renew: bool) -> impl Fn(ManualClock) -> RedisStore {
     move |clock| {
         RedisStore::builder(&url)
             .prefix(&support::unique_prefix())
             .client_time(clock)
             .timeout(std::time::Duration::from_secs(2))
+            .lease_renewal(renew)
             .build()
             .unwrap()
     }
@@ -43,6 +50,20 @@ async fn redis_cluster_passes_the_conformance_suite() {
         return;
     };
     testing::run(factory(cluster.url())).await;
+    // Leases lapse on the manual clock; real-time renewal stays out of it.
+    let make = renewing_factory(cluster.url(), false);
+    let clock = ManualClock::starting_at(testing::START);
+    testing::lease_expiry(&make(clock.clone()), &clock).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_leases_lapse_after_their_ttl() {
+    let Some(server) = support::Server::start() else {
+        return;
+    };
+    let make = renewing_factory(server.url(), false);
+    let clock = ManualClock::starting_at(testing::START);
+    testing::lease_expiry(&make(clock.clone()), &clock).await;
 }
 
 /// The suite's three per-rule scenarios for the rule named `name`, on a
@@ -146,71 +167,71 @@ async fn large_parameters_match_the_reference() {
     }
 }
 
-/// The suite's lease scenario, then a random trace of acquires, releases
-/// and renewals with the clock also going back, against the pure
-/// semaphore.
+/// A random trace of acquires (ceilings included), releases, renewals of
+/// every held lease and counts, with the clock also going back, against
+/// the pure semaphore.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn semaphore_matches_the_reference() {
     let Some(server) = support::Server::start() else {
         return;
     };
-    let make = factory(server.url());
-    let clock = ManualClock::starting_at(testing::START);
-    testing::concurrency_leases(&make(clock.clone()), &clock).await;
-
-    let clock = ManualClock::starting_at(testing::START);
-    let store = make(clock.clone());
-    let rule = ConcurrencyRule::new("sem", 4, Duration::from_secs(2)).unwrap();
-    let sem = store.concurrency_limiter(&rule).unwrap();
-    let reference = rule.semaphore();
-    let mut states: HashMap<&[u8], SemaphoreState> = HashMap::new();
-    let mut leases: Vec<(&[u8], Lease)> = Vec::new();
-    let mut rng = Lcg(0xc0ffee);
-    let keys: [&[u8]; 2] = [b"a", b"b"];
-    for step in 0..400 {
-        testing::move_clock(&clock, &mut rng, MS, Some(START));
-        let now = clock.now();
-        let key = keys[rng.below(2) as usize];
-        match rng.below(4) {
-            0 | 1 => {
-                let state = states.entry(key).or_default();
-                let permits = rng.below(6) as u32;
-                let got = sem.acquire(key, permits).await.unwrap();
-                let id = got.lease.map_or(u64::MAX, |l| l.id);
-                let want = reference.acquire(state, now, permits, id);
-                assert_eq!(
-                    got,
-                    want,
-                    "step {step}: acquire {permits} at START+{}",
-                    now - START
-                );
-                if let Some(lease) = got.lease {
-                    leases.push((key, lease));
+    // Renewals only when the trace says so.
+    let make = renewing_factory(server.url(), false);
+    for (seed, ttl_ms) in [(0xc0ffee, 2_000), (0x5eed, 300)] {
+        let clock = ManualClock::starting_at(START);
+        let store = make(clock.clone());
+        let rule = ConcurrencyRule::new("sem", 4, Duration::from_millis(ttl_ms))
+            .unwrap()
+            .with_retry_after(Duration::from_millis(700))
+            .unwrap();
+        let sem = store.concurrency_limiter(&rule).unwrap();
+        let reference = rule.semaphore();
+        let mut states: HashMap<&[u8], SemaphoreState> = HashMap::new();
+        // Granted and not released yet.
+        let mut held: Vec<(&[u8], Lease)> = Vec::new();
+        let mut rng = Lcg(seed);
+        let keys: [&[u8]; 2] = [b"a", b"b"];
+        for step in 0..600 {
+            testing::move_clock(&clock, &mut rng, MS, Some(START));
+            let now = clock.now();
+            let key = keys[rng.below(2) as usize];
+            let at = format!("seed {seed:#x} step {step} at START+{}", now - START);
+            match rng.below(8) {
+                0..=3 => {
+                    let state = states.entry(key).or_default();
+                    let permits = rng.below(6) as u32;
+                    let ceiling = match rng.below(3) {
+                        0 => rng.below(6) as u32,
+                        _ => u32::MAX,
+                    };
+                    let got = sem.acquire(key, permits, ceiling).await.unwrap();
+                    let id = got.lease.map_or(u64::MAX, |l| l.id);
+                    let want = reference.acquire(state, now, permits, ceiling, id);
+                    assert_eq!(got, want, "{at}: acquire {permits} under {ceiling}");
+                    if let Some(lease) = got.lease {
+                        held.push((key, lease));
+                    }
                 }
-            }
-            op => {
-                if leases.is_empty() {
-                    continue;
+                4 | 5 if !held.is_empty() => {
+                    let (k, lease) = held.swap_remove(rng.below(held.len() as u64) as usize);
+                    sem.release(k, lease).await.unwrap();
+                    reference.release(states.entry(k).or_default(), now, lease.id);
                 }
-                let (k, lease) = leases[rng.below(leases.len() as u64) as usize];
-                let state = states.entry(k).or_default();
-                let (got, want) = if op == 2 {
-                    (
-                        sem.release(k, lease).await.unwrap(),
-                        reference.release(state, now, lease.id),
-                    )
-                } else {
-                    (
-                        sem.renew(k, lease).await.unwrap(),
-                        reference.renew(state, now, lease.id),
-                    )
-                };
-                assert_eq!(
-                    got,
-                    want,
-                    "step {step}: op {op} on {lease:?} at START+{}",
-                    now - START
-                );
+                6 => {
+                    store.renew_leases().await;
+                    for (k, lease) in &held {
+                        reference.renew(states.entry(k).or_default(), now, lease.id);
+                    }
+                }
+                _ => {
+                    // A count drops lapsed leases, as every call does, so
+                    // that they stay lapsed should the clock go back; in
+                    // the reference, that is releasing no lease.
+                    let state = states.entry(key).or_default();
+                    reference.release(state, now, u64::MAX);
+                    let want = state.held(now);
+                    assert_eq!(sem.held(key).await.unwrap(), want, "{at}: held");
+                }
             }
         }
     }

@@ -5,7 +5,10 @@
 
 use std::time::{Duration, Instant};
 
-use tollgate_core::{Limit, Limiter, Rate, Rule, Store};
+use tollgate_core::{
+    ConcurrencyLimiter, ConcurrencyRule, Limit, Limiter, Outcome, Rate, Rule, Store,
+};
+use tollgate_memory::MemoryStore;
 use tollgate_redis::testing::{unique_prefix, Server};
 use tollgate_redis::{FailurePolicy, RedisStore};
 
@@ -145,4 +148,137 @@ async fn a_store_built_while_redis_is_down_follows_its_policy() {
     server.restart();
     recovery(&closed, &l).await;
     assert_eq!(burst(&l, b"d", 5).await.0, 3);
+}
+
+fn concurrency_rule() -> ConcurrencyRule {
+    ConcurrencyRule::new("faults-c", 2, Duration::from_secs(30))
+        .unwrap()
+        .with_retry_after(Duration::from_millis(250))
+        .unwrap()
+}
+
+/// Runs `call` and checks it answered within the timeout (plus slack).
+async fn timed<T>(what: &str, call: impl std::future::Future<Output = T>) -> T {
+    let start = Instant::now();
+    let out = call.await;
+    let took = start.elapsed();
+    assert!(took < TIMEOUT + SLACK, "{what} took {took:?}");
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrency_follows_the_failure_policy_when_redis_dies() {
+    let Some(mut server) = Server::start() else {
+        return;
+    };
+    let all = u32::MAX;
+    let memory = MemoryStore::new();
+    let open = store(&server, FailurePolicy::Open);
+    let closed = store(&server, FailurePolicy::Closed);
+    let fallback = store(&server, FailurePolicy::Fallback(memory.clone()));
+    let rule = concurrency_rule();
+    let (co, cc, cf) = (
+        open.concurrency_limiter(&rule).unwrap(),
+        closed.concurrency_limiter(&rule).unwrap(),
+        fallback.concurrency_limiter(&rule).unwrap(),
+    );
+    // With Redis up, all three hold the shared limit of 2.
+    let mut redis_leases = Vec::new();
+    for l in [&co, &cc, &cf] {
+        redis_leases.push(l.acquire(b"k", 2, all).await.unwrap().lease.unwrap());
+        assert!(l.acquire(b"k", 1, all).await.unwrap().lease.is_none());
+    }
+
+    server.kill();
+    // Open: as if the key held nothing, under a lease nobody needs.
+    let got = timed("open acquire", co.acquire(b"k", 2, all))
+        .await
+        .unwrap();
+    let lease = got.lease.expect("fail open admits");
+    assert_eq!(got.decision.remaining, 0);
+    timed("open release", co.release(b"k", lease))
+        .await
+        .unwrap();
+    let never = timed("open acquire", co.acquire(b"k", 3, all))
+        .await
+        .unwrap();
+    assert_eq!(
+        (never.decision.outcome, never.lease),
+        (Outcome::Never, None)
+    );
+    assert!(timed("open held", co.held(b"k")).await.is_err());
+    // Closed: as if the key were full, with the rule's retry hint.
+    let got = timed("closed acquire", cc.acquire(b"k", 1, all))
+        .await
+        .unwrap();
+    assert_eq!(
+        (got.decision.outcome, got.lease),
+        (
+            Outcome::Deny {
+                retry_after: 250_000_000
+            },
+            None
+        )
+    );
+    assert!(timed("closed peek", cc.acquire(b"k", 0, all))
+        .await
+        .unwrap()
+        .decision
+        .is_allowed());
+    assert!(timed("closed held", cc.held(b"k")).await.is_err());
+    // Fallback: the limit, in this process's memory.
+    let a = timed("fallback acquire", cf.acquire(b"k", 1, all))
+        .await
+        .unwrap();
+    let b = timed("fallback acquire", cf.acquire(b"k", 1, all))
+        .await
+        .unwrap();
+    let (a, b) = (a.lease.expect("in memory"), b.lease.expect("in memory"));
+    let c = timed("fallback acquire", cf.acquire(b"k", 1, all))
+        .await
+        .unwrap();
+    assert_eq!(
+        c.decision.outcome,
+        Outcome::Deny {
+            retry_after: 250_000_000
+        }
+    );
+    assert_eq!(timed("fallback held", cf.held(b"k")).await.unwrap(), 2);
+    timed("fallback release", cf.release(b"k", a))
+        .await
+        .unwrap();
+    assert_eq!(timed("fallback held", cf.held(b"k")).await.unwrap(), 1);
+    // A Redis lease cannot be released now: it fails, fast, and will lapse.
+    let redis_lease = redis_leases.pop().unwrap();
+    assert!(
+        timed("release on a dead Redis", cf.release(b"k", redis_lease))
+            .await
+            .is_err()
+    );
+    timed("flush", fallback.flush()).await;
+
+    server.restart();
+    let start = Instant::now();
+    let ok_before = fallback.stats().ok;
+    while fallback.stats().ok == ok_before {
+        assert!(start.elapsed() < Duration::from_secs(10), "never recovered");
+        cf.acquire(b"probe", 0, all).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Back on Redis (fresh: the restarted server kept nothing); the lease
+    // granted in memory is released in memory.
+    assert_eq!(cf.held(b"k").await.unwrap(), 0);
+    let local = memory.concurrency_limiter(&rule).unwrap();
+    assert_eq!(local.held_now(b"k"), 1);
+    cf.release(b"k", b).await.unwrap();
+    assert_eq!(local.held_now(b"k"), 0);
+    let again = cf
+        .acquire(b"k", 2, all)
+        .await
+        .unwrap()
+        .lease
+        .expect("on Redis");
+    assert_eq!(cf.held(b"k").await.unwrap(), 2);
+    cf.release(b"k", again).await.unwrap();
+    assert_eq!(cf.held(b"k").await.unwrap(), 0);
 }

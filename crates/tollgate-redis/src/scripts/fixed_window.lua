@@ -18,7 +18,7 @@ local index = idiv(now, window)
 local back = (stored - index % WRAP) % WRAP
 if count ~= 0 and back ~= 0 and back <= SLACK then index = index + back end
 local index32 = index % WRAP
-if mode == 'r' then
+if mode == 'refund' then
   if raw and stored == index32 then
     redis.call('SET', KEYS[1], stored .. ':' .. math.max(0, count - cost), 'PX', ttl)
   end

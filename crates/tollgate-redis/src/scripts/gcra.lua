@@ -9,7 +9,7 @@ local function remaining(t)
   if used >= tau then return 0 end
   return idiv(tau - used, interval)
 end
-if mode == 'r' then
+if mode == 'refund' then
   if tat > now then
     redis.call('SET', KEYS[1], int(math.max(now, tat - interval * cost)), 'PX', ttl)
   end

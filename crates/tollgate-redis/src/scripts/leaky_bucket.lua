@@ -11,7 +11,7 @@ local function remaining(t)
   if queued > max_delay then return 0 end
   return idiv(max_delay - queued, interval) + 1
 end
-if mode == 'r' then
+if mode == 'refund' then
   if tat > now then
     redis.call('SET', KEYS[1], int(math.max(now, tat - interval * cost)), 'PX', ttl)
   end

@@ -1,7 +1,8 @@
 -- Shared by every tollgate script. Arguments: KEYS[1] the state key;
--- ARGV[1] the mode, ARGV[2] the cost (or lease), ARGV[3] the time in ns
--- ('' = Redis's own TIME), ARGV[4] the key's TTL in ms, ARGV[5..] the
--- rule's parameters. Numbers are doubles, exact below 2^53 (about 104 days
+-- ARGV[1] the mode ('decide' or 'refund' for rate rules; the semaphore's
+-- are in semaphore.lua), ARGV[2] the cost (or permits), ARGV[3] the time
+-- in ns ('' = Redis's own TIME), ARGV[4] the key's TTL in ms, ARGV[5..]
+-- the rule's parameters. Numbers are doubles, exact below 2^53 (about 104 days
 -- of ns). Times are ns since 2023-11-14 (Unix 1,700,000,000); on Redis's
 -- TIME they passed 2^53 in February 2024 and are about 1e17 now, where a
 -- double resolves 16 ns (TIME itself resolves 1000 ns), which is why the

@@ -33,7 +33,7 @@ local sindex = tonumber(h[1] or '0')
 local current = tonumber(h[2] or '0')
 local previous = tonumber(h[3] or '0')
 local index = idiv(now, window)
-if mode == 'r' then
+if mode == 'refund' then
   if index == sindex and current > 0 and cost > 0 then
     redis.call('HSET', KEYS[1], 'current', int(math.max(0, current - cost)))
     redis.call('PEXPIRE', KEYS[1], ttl)

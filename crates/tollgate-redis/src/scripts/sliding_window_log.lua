@@ -37,7 +37,7 @@ local function store(count)
     redis.call('PEXPIRE', key, ttl)
   end
 end
-if mode == 'r' then
+if mode == 'refund' then
   -- Give back the newest units first: they were the refunded request's.
   local left, count = cost, n
   if count == 0 or left == 0 then return {3, 0, 0, 0, 0} end

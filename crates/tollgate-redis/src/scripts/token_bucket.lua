@@ -16,7 +16,7 @@ local function wait_for(d, want)
   return math.max(0, ceildiv(need, refill) * interval - now)
 end
 local have = tokens(debt)
-if mode == 'r' then
+if mode == 'refund' then
   local nxt = math.max(0, ceiling - math.min(capacity, have + cost))
   -- A refund never adds debt (the clock may have gone backwards).
   if nxt < debt then

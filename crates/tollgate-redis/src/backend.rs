@@ -1,0 +1,208 @@
+//! The store's side of Redis: the connection with its timeout, circuit
+//! breaker and fault counters. Every script call goes through
+//! [`Backend::run`], so every call is bounded, counted and, when Redis is
+//! dead, skipped.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tollgate_core::{Clock, StoreError, StoreErrorKind};
+
+use crate::breaker::{now_nanos, Breaker, Pass};
+use crate::conn::Conn;
+use crate::policy::FailurePolicy;
+use crate::scripts::{Reply, Script};
+
+/// Counters of store faults, for dashboards and tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RedisStats {
+    /// Calls that reached Redis and got an answer.
+    pub ok: u64,
+    /// Calls that failed: error or unreadable reply.
+    pub errors: u64,
+    /// Calls that took longer than the timeout.
+    pub timeouts: u64,
+    /// Calls not made because the breaker was open.
+    pub skipped: u64,
+}
+
+/// One outcome of a store call: counted for [`RedisStats`] and exported
+/// as `tollgate_store_calls_total{store="redis", result=...}`.
+#[derive(Debug)]
+struct Tally {
+    count: AtomicU64,
+    metric: metrics::Counter,
+}
+
+impl Tally {
+    fn new(result: &'static str) -> Self {
+        Self {
+            count: AtomicU64::new(0),
+            metric: metrics::counter!(
+                "tollgate_store_calls_total",
+                "store" => "redis",
+                "result" => result
+            ),
+        }
+    }
+
+    fn add(&self) {
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.metric.increment(1);
+    }
+
+    fn get(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+}
+
+#[derive(Debug)]
+struct Counters {
+    ok: Tally,
+    errors: Tally,
+    timeouts: Tally,
+    skipped: Tally,
+    last_log: AtomicU64,
+}
+
+impl Counters {
+    fn register() -> Self {
+        metrics::describe_counter!(
+            "tollgate_store_calls_total",
+            "Calls to the Redis store by result: ok, error, timeout, skipped (breaker open)"
+        );
+        Self {
+            ok: Tally::new("ok"),
+            errors: Tally::new("error"),
+            timeouts: Tally::new("timeout"),
+            skipped: Tally::new("skipped"),
+            last_log: AtomicU64::new(0),
+        }
+    }
+}
+
+pub(crate) type SharedClock = Arc<dyn Clock>;
+
+/// The connection and what guards it; shared by a store, its limiters and
+/// its lease task.
+pub(crate) struct Backend {
+    conn: Conn,
+    pub(crate) prefix: Arc<str>,
+    pub(crate) timeout: Duration,
+    pub(crate) policy: FailurePolicy,
+    client_time: Option<SharedClock>,
+    breaker: Breaker,
+    counters: Counters,
+}
+
+/// The settings a [`Backend`] is made of.
+pub(crate) struct BackendConfig {
+    pub(crate) conn: Conn,
+    pub(crate) prefix: Arc<str>,
+    pub(crate) timeout: Duration,
+    pub(crate) policy: FailurePolicy,
+    pub(crate) client_time: Option<SharedClock>,
+    pub(crate) breaker: Breaker,
+}
+
+impl Backend {
+    pub(crate) fn new(config: BackendConfig) -> Self {
+        Self {
+            conn: config.conn,
+            prefix: config.prefix,
+            timeout: config.timeout,
+            policy: config.policy,
+            client_time: config.client_time,
+            breaker: config.breaker,
+            counters: Counters::register(),
+        }
+    }
+
+    pub(crate) fn stats(&self) -> RedisStats {
+        let c = &self.counters;
+        RedisStats {
+            ok: c.ok.get(),
+            errors: c.errors.get(),
+            timeouts: c.timeouts.get(),
+            skipped: c.skipped.get(),
+        }
+    }
+
+    pub(crate) fn breaker_open(&self) -> bool {
+        self.breaker.is_open()
+    }
+
+    /// The time argument of a script: the client clock's, or `''` (the
+    /// script reads Redis's `TIME`).
+    pub(crate) fn now_arg(&self) -> String {
+        self.client_time
+            .as_ref()
+            .map(|c| c.now().to_string())
+            .unwrap_or_default()
+    }
+
+    /// Runs `script` with the breaker and the timeout; `Err` if Redis did
+    /// not answer (the caller applies the failure policy).
+    pub(crate) async fn run(
+        &self,
+        script: &Script,
+        keys: &[&str],
+        args: &[&str],
+    ) -> Result<Reply, StoreError> {
+        let attempt = self.breaker.enter(now_nanos());
+        if attempt.pass() == Pass::Skip {
+            self.counters.skipped.add();
+            return Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "circuit breaker open",
+            ));
+        }
+        let result =
+            match tokio::time::timeout(self.timeout, self.conn.invoke(script, keys, args)).await {
+                Ok(Ok(reply)) => Ok(reply),
+                Ok(Err(e)) if e.is_timeout() => {
+                    self.counters.timeouts.add();
+                    Err(StoreError::new(StoreErrorKind::Timeout, e.to_string()))
+                }
+                Ok(Err(e)) => {
+                    self.counters.errors.add();
+                    Err(StoreError::new(StoreErrorKind::Unavailable, e.to_string()))
+                }
+                Err(_) => {
+                    self.counters.timeouts.add();
+                    Err(StoreError::new(
+                        StoreErrorKind::Timeout,
+                        format!("no answer within {:?}", self.timeout),
+                    ))
+                }
+            };
+        match &result {
+            Ok(_) => {
+                self.counters.ok.add();
+                attempt.success();
+            }
+            Err(e) => {
+                let opened = attempt.failure(now_nanos());
+                self.log_fault(e, opened);
+            }
+        }
+        result
+    }
+
+    /// Logs a fault at most once a second (an outage fails every call).
+    fn log_fault(&self, error: &StoreError, opened: bool) {
+        let second = now_nanos() / 1_000_000_000;
+        let last = self.counters.last_log.swap(second, Ordering::Relaxed);
+        if last != second || opened {
+            tracing::warn!(
+                target: "tollgate::redis",
+                %error,
+                breaker_open = self.breaker.is_open(),
+                policy = ?self.policy,
+                "redis store call failed; applying the failure policy \
+                 (a lease that could not be released or renewed lapses after its TTL)"
+            );
+        }
+    }
+}

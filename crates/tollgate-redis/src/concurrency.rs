@@ -1,0 +1,207 @@
+//! Concurrency on Redis: permits are leases with an expiry (the core's
+//! [`Semaphore`](tollgate_core::Semaphore), run by `semaphore.lua`), so a
+//! holder that dies cannot keep its permits; the store's lease task
+//! releases them for guards and renews them for live holders (see
+//! [`keeper`](crate::keeper)).
+
+use std::fmt;
+use std::future::ready;
+use std::sync::Arc;
+
+use tollgate_core::{
+    Acquire, ConcurrencyLimiter, ConcurrencyRule, ConfigError, Lease, StoreError, StoreErrorKind,
+};
+
+use crate::backend::Backend;
+use crate::keeper::LeaseKeeper;
+use crate::key;
+use crate::leases::LiveLeases;
+use crate::policy::{ConcurrencyOnFailure, LOCAL_LEASE};
+use crate::scripts::SemaphoreMode;
+use crate::BoxFuture;
+
+/// A concurrency rule bound to a [`RedisStore`](crate::RedisStore): leases
+/// in a sorted set per key, held permits counted beside it, so every
+/// operation is O(log n) in the leases of the key. Cheap to clone.
+///
+/// [`release`](ConcurrencyLimiter::release) hands the lease to the
+/// store's lease task at once (dropping its future cancels nothing); the
+/// same task renews the leases this store holds. Leases granted by the
+/// failure policy while Redis was unreachable are released where they were
+/// granted. An acquire runs as a task of its own: if its future is dropped
+/// before Redis answers (the request was cancelled), a lease Redis granted
+/// anyway is released at once.
+#[derive(Clone)]
+pub struct RedisConcurrencyLimiter {
+    bound: Arc<BoundConcurrency>,
+}
+
+struct BoundConcurrency {
+    backend: Arc<Backend>,
+    keeper: LeaseKeeper,
+    leases: Arc<LiveLeases>,
+    rule: ConcurrencyRule,
+    on_failure: ConcurrencyOnFailure,
+}
+
+impl fmt::Debug for RedisConcurrencyLimiter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisConcurrencyLimiter")
+            .field("rule", &self.bound.rule)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisConcurrencyLimiter {
+    pub(crate) fn new(
+        backend: Arc<Backend>,
+        keeper: LeaseKeeper,
+        rule: &ConcurrencyRule,
+    ) -> Result<Self, ConfigError> {
+        let on_failure = ConcurrencyOnFailure::new(&backend.policy, rule)?;
+        let leases = LiveLeases::new(rule.semaphore());
+        keeper.watch(&leases);
+        Ok(Self {
+            bound: Arc::new(BoundConcurrency {
+                backend,
+                keeper,
+                leases,
+                rule: rule.clone(),
+                on_failure,
+            }),
+        })
+    }
+}
+
+/// An acquire's answer on its way to the caller: a lease nobody took out
+/// of it is released when it is dropped.
+struct Granted {
+    got: Option<Acquire>,
+    bound: Arc<BoundConcurrency>,
+    key: Vec<u8>,
+}
+
+impl Drop for Granted {
+    fn drop(&mut self) {
+        if let Some(lease) = self.got.take().and_then(|g| g.lease) {
+            drop(self.bound.release(&self.key, lease));
+        }
+    }
+}
+
+impl BoundConcurrency {
+    /// Acquires, and keeps a granted lease alive; gives back what the
+    /// caller needs to hand the lease back should it be gone.
+    async fn acquire(
+        self: Arc<Self>,
+        key: Vec<u8>,
+        permits: u32,
+        ceiling: u32,
+    ) -> (Acquire, Arc<Self>, Vec<u8>) {
+        let rkey = self.redis_key(&key);
+        let ceiling = self.rule.semaphore().ceiling(ceiling);
+        let reply = self
+            .leases
+            .args
+            .run(
+                &self.backend,
+                SemaphoreMode::Acquire,
+                &rkey,
+                permits,
+                &[ceiling.to_string()],
+            )
+            .await;
+        // A fault or an unreadable reply: the failure policy answers.
+        let got = match reply.ok().and_then(|r| r.acquire(permits)) {
+            Some(got) => {
+                if let Some(lease) = got.lease {
+                    self.leases.hold(rkey, lease);
+                }
+                got
+            }
+            None => self.on_failure.acquire(&self.rule, &key, permits, ceiling),
+        };
+        (got, self, key)
+    }
+
+    fn release(&self, key: &[u8], lease: Lease) -> BoxFuture<Result<(), StoreError>> {
+        if lease.id & LOCAL_LEASE != 0 {
+            self.on_failure.release(key, lease);
+            return Box::pin(ready(Ok(())));
+        }
+        self.keeper
+            .release(&self.leases, self.redis_key(key), lease)
+    }
+
+    fn redis_key(&self, key: &[u8]) -> String {
+        key::redis_key(
+            &self.backend.prefix,
+            key::Kind::Concurrency,
+            self.rule.name(),
+            key,
+        )
+    }
+}
+
+impl ConcurrencyLimiter for RedisConcurrencyLimiter {
+    type AcquireFuture = BoxFuture<Result<Acquire, StoreError>>;
+    type ReleaseFuture = BoxFuture<Result<(), StoreError>>;
+    type HeldFuture = BoxFuture<Result<u64, StoreError>>;
+
+    fn rule(&self) -> &ConcurrencyRule {
+        &self.bound.rule
+    }
+
+    fn acquire(&self, key: &[u8], permits: u32, ceiling: u32) -> Self::AcquireFuture {
+        let bound = Arc::clone(&self.bound);
+        let key = key.to_vec();
+        let acquire = async move { bound.acquire(key, permits, ceiling).await };
+        // The call runs as a task of its own, so that a caller that gives
+        // up (a cancelled request) cannot strand a lease Redis granted
+        // anyway: the task hands it straight back. Outside a runtime (no
+        // task to spawn), it runs in the caller's future.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return Box::pin(async move { Ok(acquire.await.0) });
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        runtime.spawn(async move {
+            let (got, bound, key) = acquire.await;
+            // Whether the send fails (the caller is gone) or the answer
+            // is dropped unread (it went before reading it), the lease
+            // goes back.
+            let _ = tx.send(Granted {
+                got: Some(got),
+                bound,
+                key,
+            });
+        });
+        Box::pin(async move {
+            rx.await.ok().and_then(|mut g| g.got.take()).ok_or_else(|| {
+                StoreError::new(StoreErrorKind::Unavailable, "the acquire task was dropped")
+            })
+        })
+    }
+
+    fn release(&self, key: &[u8], lease: Lease) -> Self::ReleaseFuture {
+        self.bound.release(key, lease)
+    }
+
+    fn held(&self, key: &[u8]) -> Self::HeldFuture {
+        let bound = Arc::clone(&self.bound);
+        let rkey = bound.redis_key(key);
+        let key = key.to_vec();
+        Box::pin(async move {
+            let counted = bound
+                .leases
+                .args
+                .run(&bound.backend, SemaphoreMode::Held, &rkey, 0, &[])
+                .await
+                .and_then(|reply| {
+                    reply.count().ok_or_else(|| {
+                        StoreError::new(StoreErrorKind::Protocol, "unreadable reply to held")
+                    })
+                });
+            counted.or_else(|e| bound.on_failure.held(&key, e))
+        })
+    }
+}

@@ -1,0 +1,327 @@
+//! One task per store releases and renews the leases it granted.
+//!
+//! Why a task: a permit's guard releases from `Drop`, which cannot await,
+//! so [`LeaseKeeper::release`] hands the release over at once and the task
+//! performs it — however the caller's future fares. And long work must keep
+//! its permits while a dead holder's lapse: the task renews, every third of
+//! the rule's lease TTL, every lease its store granted and has not
+//! released ([`LiveLeases`]), in batches — one script call per Redis key
+//! (so per Cluster slot) carrying all of that key's leases, calls for
+//! different keys in flight together on the multiplexed connection. No
+//! timer per request.
+//!
+//! When the store and all its limiters are dropped, the channel closes and
+//! the task ends; what it held lapses within a lease TTL. A release or
+//! renewal that fails (Redis down, breaker open) is counted and logged by
+//! the backend at most once a second, and the lease lapses on its own.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tollgate_core::{Lease, StoreError, StoreErrorKind};
+
+use crate::backend::Backend;
+use crate::leases::{member, LiveLeases};
+use crate::scripts::SemaphoreMode;
+use crate::BoxFuture;
+
+/// Most leases in one script call (a longer batch is split).
+const MAX_BATCH: usize = 256;
+/// Most script calls of one release batch or renewal round in flight.
+const MAX_CALLS: usize = 64;
+/// Most jobs taken off the queue at once.
+const MAX_DRAIN: usize = 1_024;
+/// How long the task sleeps when it has nothing to renew.
+const IDLE: Duration = Duration::from_secs(3_600);
+
+type Done = oneshot::Sender<Result<(), StoreError>>;
+
+enum Job {
+    Release {
+        leases: Arc<LiveLeases>,
+        key: String,
+        lease: Lease,
+        done: Done,
+    },
+    /// Renew this limiter's leases from now on.
+    Watch(Weak<LiveLeases>),
+    /// Answer once the releases queued before are done.
+    Flush(oneshot::Sender<()>),
+    /// Renew every lease now; answer when done.
+    Renew(oneshot::Sender<()>),
+}
+
+/// The handle of a store's lease task; the task ends when every handle is
+/// dropped.
+#[derive(Debug, Clone)]
+pub(crate) struct LeaseKeeper {
+    jobs: mpsc::UnboundedSender<Job>,
+}
+
+fn task_gone() -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Unavailable,
+        "the Redis store's lease task has stopped (its runtime shut down)",
+    )
+}
+
+impl LeaseKeeper {
+    /// Starts the task on the current Tokio runtime; `renew` says whether
+    /// it renews on its own (every third of each rule's lease TTL).
+    pub(crate) fn spawn(backend: Arc<Backend>, renew: bool) -> Self {
+        let (jobs, queue) = mpsc::unbounded_channel();
+        tokio::spawn(keep(queue, backend, renew));
+        Self { jobs }
+    }
+
+    /// Starts renewing `leases`.
+    pub(crate) fn watch(&self, leases: &Arc<LiveLeases>) {
+        let _ = self.jobs.send(Job::Watch(Arc::downgrade(leases)));
+    }
+
+    /// Hands the release of `lease` at `key` to the task at once; the
+    /// future says when it is done, and dropping it cancels nothing.
+    pub(crate) fn release(
+        &self,
+        leases: &Arc<LiveLeases>,
+        key: String,
+        lease: Lease,
+    ) -> BoxFuture<Result<(), StoreError>> {
+        leases.forget(&key, lease.id);
+        let (done, answer) = oneshot::channel();
+        let sent = self.jobs.send(Job::Release {
+            leases: Arc::clone(leases),
+            key,
+            lease,
+            done,
+        });
+        Box::pin(async move {
+            sent.map_err(|_| task_gone())?;
+            answer.await.unwrap_or_else(|_| Err(task_gone()))
+        })
+    }
+
+    /// Waits until the releases handed over before this call are done.
+    pub(crate) async fn flush(&self) {
+        let (done, answer) = oneshot::channel();
+        if self.jobs.send(Job::Flush(done)).is_ok() {
+            let _ = answer.await;
+        }
+    }
+
+    /// Renews every lease held now; returns when done.
+    pub(crate) async fn renew_now(&self) {
+        let (done, answer) = oneshot::channel();
+        if self.jobs.send(Job::Renew(done)).is_ok() {
+            let _ = answer.await;
+        }
+    }
+}
+
+struct Watched {
+    leases: Weak<LiveLeases>,
+    due: Instant,
+}
+
+/// `after` from now.
+fn later(after: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(after).unwrap_or(now)
+}
+
+/// The task: jobs as they come, renewals when due.
+async fn keep(mut queue: mpsc::UnboundedReceiver<Job>, backend: Arc<Backend>, renew: bool) {
+    let mut watched: Vec<Watched> = Vec::new();
+    let timer = tokio::time::sleep(IDLE);
+    tokio::pin!(timer);
+    loop {
+        tokio::select! {
+            job = queue.recv() => {
+                // Every handle is gone: so is the store.
+                let Some(job) = job else { return };
+                let mut jobs = vec![job];
+                while jobs.len() < MAX_DRAIN {
+                    match queue.try_recv() {
+                        Ok(job) => jobs.push(job),
+                        Err(_) => break,
+                    }
+                }
+                handle(&backend, jobs, &mut watched).await;
+            }
+            () = &mut timer => {
+                if renew {
+                    renew_due(&backend, &mut watched);
+                }
+            }
+        }
+        match watched.iter().map(|w| w.due).min().filter(|_| renew) {
+            Some(next) if timer.deadline() != next => timer.as_mut().reset(next),
+            None if timer.is_elapsed() => timer.as_mut().reset(later(IDLE)),
+            _ => {}
+        }
+    }
+}
+
+struct KeyReleases {
+    leases: Arc<LiveLeases>,
+    batch: Vec<(Lease, Done)>,
+}
+
+async fn handle(backend: &Arc<Backend>, jobs: Vec<Job>, watched: &mut Vec<Watched>) {
+    // By Redis key: one script call per key (and batch).
+    let mut releases: HashMap<String, KeyReleases> = HashMap::new();
+    let mut flushed = Vec::new();
+    for job in jobs {
+        match job {
+            Job::Release {
+                leases,
+                key,
+                lease,
+                done,
+            } => releases
+                .entry(key)
+                .or_insert_with(|| KeyReleases {
+                    leases,
+                    batch: Vec::new(),
+                })
+                .batch
+                .push((lease, done)),
+            Job::Watch(leases) => {
+                watched.retain(|w| w.leases.strong_count() > 0);
+                if let Some(l) = leases.upgrade() {
+                    watched.push(Watched {
+                        due: later(l.every),
+                        leases,
+                    });
+                }
+            }
+            Job::Flush(done) => flushed.push(done),
+            Job::Renew(done) => {
+                let all: Vec<_> = watched.iter().filter_map(|w| w.leases.upgrade()).collect();
+                let backend = Arc::clone(backend);
+                tokio::spawn(async move {
+                    for leases in all {
+                        renew_round(&backend, leases).await;
+                    }
+                    let _ = done.send(());
+                });
+            }
+        }
+    }
+    let mut calls = JoinSet::new();
+    for (key, KeyReleases { leases, batch }) in releases {
+        let mut batch = batch.into_iter().peekable();
+        while batch.peek().is_some() {
+            let chunk: Vec<(Lease, Done)> = batch.by_ref().take(MAX_BATCH).collect();
+            if calls.len() >= MAX_CALLS {
+                calls.join_next().await;
+            }
+            calls.spawn(release_batch(
+                Arc::clone(backend),
+                Arc::clone(&leases),
+                key.clone(),
+                chunk,
+            ));
+        }
+    }
+    while calls.join_next().await.is_some() {}
+    for done in flushed {
+        let _ = done.send(());
+    }
+}
+
+async fn release_batch(
+    backend: Arc<Backend>,
+    leases: Arc<LiveLeases>,
+    key: String,
+    batch: Vec<(Lease, Done)>,
+) {
+    let members: Vec<String> = batch.iter().map(|(lease, _)| member(lease)).collect();
+    let result = leases
+        .args
+        .run(&backend, SemaphoreMode::Release, &key, 0, &members)
+        .await
+        .map(drop);
+    for (_, done) in batch {
+        let _ = done.send(result.clone());
+    }
+}
+
+/// Starts a renewal round for every watched limiter that is due (unless
+/// its last round is still running) and drops the limiters that are gone.
+fn renew_due(backend: &Arc<Backend>, watched: &mut Vec<Watched>) {
+    let now = Instant::now();
+    watched.retain_mut(|w| {
+        let Some(leases) = w.leases.upgrade() else {
+            return false;
+        };
+        if w.due <= now {
+            w.due = later(leases.every);
+            if !leases.renewing.swap(true, Ordering::AcqRel) {
+                let backend = Arc::clone(backend);
+                tokio::spawn(async move {
+                    let _round = Renewing(Arc::clone(&leases));
+                    renew_round(&backend, leases).await;
+                });
+            }
+        }
+        true
+    });
+}
+
+/// Marks a limiter's round over, even if the round was cancelled.
+struct Renewing(Arc<LiveLeases>);
+
+impl Drop for Renewing {
+    fn drop(&mut self) {
+        self.0.renewing.store(false, Ordering::Release);
+    }
+}
+
+/// Renews every lease `leases` holds: one call per key and batch.
+async fn renew_round(backend: &Arc<Backend>, leases: Arc<LiveLeases>) {
+    let mut calls = JoinSet::new();
+    for (key, held) in leases.snapshot() {
+        for chunk in held.chunks(MAX_BATCH) {
+            if calls.len() >= MAX_CALLS {
+                calls.join_next().await;
+            }
+            calls.spawn(renew_batch(
+                Arc::clone(backend),
+                Arc::clone(&leases),
+                key.clone(),
+                chunk.to_vec(),
+            ));
+        }
+    }
+    while calls.join_next().await.is_some() {}
+}
+
+async fn renew_batch(
+    backend: Arc<Backend>,
+    leases: Arc<LiveLeases>,
+    key: String,
+    batch: Vec<Lease>,
+) {
+    let members: Vec<String> = batch.iter().map(member).collect();
+    let Ok(reply) = leases
+        .args
+        .run(&backend, SemaphoreMode::Renew, &key, 0, &members)
+        .await
+    else {
+        // Logged by the backend; the next round tries again.
+        return;
+    };
+    // A lease gone from Redis (lapsed, or Redis lost it) is not renewed
+    // again: a renewal never brings a lease back.
+    for (lease, live) in batch.iter().zip(reply.flags()) {
+        if !live {
+            leases.forget(&key, lease.id);
+        }
+    }
+}

@@ -1,0 +1,160 @@
+//! What a limiter answers when Redis does not: the failure policy, bound
+//! to a rate rule ([`RateOnFailure`]) or to a concurrency rule
+//! ([`ConcurrencyOnFailure`]).
+
+use tollgate_core::{
+    Acquire, ConcurrencyRule, ConfigError, Decision, Lease, Outcome, Rule, Store as _, StoreError,
+};
+use tollgate_memory::{MemoryConcurrencyLimiter, MemoryLimiter, MemoryStore};
+
+/// What a limiter answers when Redis does not.
+#[derive(Debug, Clone)]
+pub enum FailurePolicy {
+    /// Admit every request (availability first). The default.
+    Open,
+    /// Deny every request, retry after a second (protection first).
+    Closed,
+    /// Decide in this process's memory: each instance enforces the limit
+    /// on its own until Redis is back.
+    Fallback(MemoryStore),
+}
+
+impl FailurePolicy {
+    /// [`FailurePolicy::Fallback`] with a fresh default [`MemoryStore`].
+    pub fn fallback() -> Self {
+        Self::Fallback(MemoryStore::new())
+    }
+}
+
+/// The failure policy of one rate rule.
+pub(crate) enum RateOnFailure {
+    Open,
+    Closed,
+    Memory(MemoryLimiter),
+}
+
+/// What fail-open answers: admitted, the whole budget reported left.
+fn open_decision(limit: u64) -> Decision {
+    Decision {
+        outcome: Outcome::Allow { delay: 0 },
+        limit,
+        remaining: limit,
+        reset_after: 0,
+    }
+}
+
+/// What fail-closed answers: denied, retry in a second.
+fn closed_decision(limit: u64) -> Decision {
+    Decision {
+        outcome: Outcome::Deny {
+            retry_after: 1_000_000_000,
+        },
+        limit,
+        remaining: 0,
+        reset_after: 1_000_000_000,
+    }
+}
+
+impl RateOnFailure {
+    pub(crate) fn new(policy: &FailurePolicy, rule: &Rule) -> Result<Self, ConfigError> {
+        Ok(match policy {
+            FailurePolicy::Open => Self::Open,
+            FailurePolicy::Closed => Self::Closed,
+            FailurePolicy::Fallback(m) => Self::Memory(m.limiter(rule)?),
+        })
+    }
+
+    pub(crate) fn decide(&self, rule: &Rule, key: &[u8], cost: u32) -> Decision {
+        match self {
+            Self::Open => open_decision(rule.capacity()),
+            Self::Closed => closed_decision(rule.capacity()),
+            Self::Memory(m) => m.decide_now(key, cost),
+        }
+    }
+
+    /// Refunds in memory; `false` if there is no memory to refund to.
+    pub(crate) fn refund(&self, key: &[u8], cost: u32) -> bool {
+        match self {
+            Self::Memory(m) => {
+                m.refund_now(key, cost);
+                true
+            }
+            Self::Open | Self::Closed => false,
+        }
+    }
+}
+
+/// Leases not granted by Redis carry this bit — the in-memory fallback's,
+/// and fail-open's lease that holds nothing — so their release goes to
+/// whoever granted them, even after Redis is back. Redis lease ids count
+/// up from 1 per key and never reach it.
+pub(crate) const LOCAL_LEASE: u64 = 1 << 63;
+
+/// The failure policy of one concurrency rule. Open answers as if the key
+/// held nothing, Closed as if it were full (in both, permits above the
+/// ceiling are `Never` and 0 peeks), Memory acquires in process memory.
+pub(crate) enum ConcurrencyOnFailure {
+    Open,
+    Closed,
+    Memory(MemoryConcurrencyLimiter),
+}
+
+impl ConcurrencyOnFailure {
+    pub(crate) fn new(policy: &FailurePolicy, rule: &ConcurrencyRule) -> Result<Self, ConfigError> {
+        Ok(match policy {
+            FailurePolicy::Open => Self::Open,
+            FailurePolicy::Closed => Self::Closed,
+            FailurePolicy::Fallback(m) => Self::Memory(m.concurrency_limiter(rule)?),
+        })
+    }
+
+    pub(crate) fn acquire(
+        &self,
+        rule: &ConcurrencyRule,
+        key: &[u8],
+        permits: u32,
+        ceiling: u32,
+    ) -> Acquire {
+        let counter = rule.semaphore().in_flight();
+        let (mut held, local_id) = match self {
+            Self::Memory(m) => {
+                let mut got = m.acquire_now(key, permits, ceiling);
+                if let Some(lease) = &mut got.lease {
+                    lease.id |= LOCAL_LEASE;
+                }
+                return got;
+            }
+            Self::Open => (0, Some(LOCAL_LEASE)),
+            Self::Closed => (u64::from(counter.max()), None),
+        };
+        let decision = counter.acquire(&mut held, permits, ceiling);
+        Acquire {
+            decision,
+            lease: local_id
+                .filter(|_| decision.is_allowed() && permits > 0)
+                .map(|id| Lease { id, permits }),
+        }
+    }
+
+    /// Releases a lease carrying [`LOCAL_LEASE`].
+    pub(crate) fn release(&self, key: &[u8], lease: Lease) {
+        if let Self::Memory(m) = self {
+            m.release_now(
+                key,
+                Lease {
+                    id: lease.id & !LOCAL_LEASE,
+                    permits: lease.permits,
+                },
+            );
+        }
+    }
+
+    /// What `held` answers when Redis does not: the fallback's count, or
+    /// the error.
+    pub(crate) fn held(&self, key: &[u8], error: StoreError) -> Result<u64, StoreError> {
+        match self {
+            Self::Memory(m) => Ok(m.held_now(key)),
+            Self::Open | Self::Closed => Err(error),
+        }
+    }
+}

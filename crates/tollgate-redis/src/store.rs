@@ -1,0 +1,209 @@
+//! The store and its builder.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tollgate_core::{Clock, ConcurrencyRule, ConfigError, Rule, Store};
+
+use crate::backend::{Backend, BackendConfig, RedisStats, SharedClock};
+use crate::breaker::Breaker;
+use crate::concurrency::RedisConcurrencyLimiter;
+use crate::conn::Conn;
+use crate::keeper::LeaseKeeper;
+use crate::policy::FailurePolicy;
+use crate::rate::RedisLimiter;
+
+/// The Redis store. Cheap to clone; clones share connections and the
+/// lease task.
+#[derive(Clone)]
+pub struct RedisStore {
+    backend: Arc<Backend>,
+    keeper: LeaseKeeper,
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.backend.prefix)
+            .field("timeout", &self.backend.timeout)
+            .field("policy", &self.backend.policy)
+            .field("breaker_open", &self.backend.breaker_open())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds a [`RedisStore`]; see [`RedisStore::builder`].
+pub struct RedisStoreBuilder {
+    url: String,
+    prefix: String,
+    timeout: Duration,
+    policy: FailurePolicy,
+    client_time: Option<SharedClock>,
+    breaker_threshold: u32,
+    breaker_cooldown: Duration,
+    lease_renewal: bool,
+}
+
+impl fmt::Debug for RedisStoreBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStoreBuilder")
+            .field("prefix", &self.prefix)
+            .field("timeout", &self.timeout)
+            .field("lease_renewal", &self.lease_renewal)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStore {
+    /// A builder for the Redis (or Redis Cluster) at `url`.
+    pub fn builder(url: &str) -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            url: url.to_owned(),
+            prefix: "tollgate".to_owned(),
+            timeout: Duration::from_millis(50),
+            policy: FailurePolicy::Open,
+            client_time: None,
+            breaker_threshold: 3,
+            breaker_cooldown: Duration::from_millis(500),
+            lease_renewal: true,
+        }
+    }
+
+    /// Fault counters since the store was built.
+    pub fn stats(&self) -> RedisStats {
+        self.backend.stats()
+    }
+
+    /// Whether the breaker is open (Redis is being skipped).
+    pub fn breaker_open(&self) -> bool {
+        self.backend.breaker_open()
+    }
+
+    /// Waits until every concurrency release handed to this store before
+    /// the call is done (or has failed: its lease then lapses after its
+    /// TTL). Releases run in the background — a guard releases from
+    /// `Drop` — so this is the way to know they ran: before a graceful
+    /// shutdown, or in tests.
+    pub async fn flush(&self) {
+        self.keeper.flush().await;
+    }
+
+    /// Renews now every lease this store granted and has not released, as
+    /// its lease task does on its own every third of a rule's lease TTL
+    /// (unless [turned off](RedisStoreBuilder::lease_renewal)); returns
+    /// when done. A renewal never brings back a lease that lapsed.
+    pub async fn renew_leases(&self) {
+        self.keeper.renew_now().await;
+    }
+}
+
+impl RedisStoreBuilder {
+    /// Key prefix (default `tollgate`); ASCII letters, digits, `-_.:`.
+    pub fn prefix(mut self, prefix: &str) -> Self {
+        self.prefix = prefix.to_owned();
+        self
+    }
+
+    /// Timeout of every store call (default 50 ms).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// What to answer when Redis does not (default [`FailurePolicy::Open`]).
+    pub fn failure_policy(mut self, policy: FailurePolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Pass this clock's time to the scripts instead of reading Redis's
+    /// `TIME`: for hosted variants that forbid `TIME` in scripts, and for
+    /// tests on a manual clock. Every instance must then read the same
+    /// time on the same origin — nanoseconds since 2023-11-14T22:13:20Z
+    /// (Unix 1,700,000,000), as the scripts count — and keep its clock in
+    /// sync. [`SystemClock`](tollgate_core::SystemClock) does not qualify:
+    /// its origin is per process.
+    pub fn client_time(mut self, clock: impl Clock) -> Self {
+        self.client_time = Some(Arc::new(clock));
+        self
+    }
+
+    /// Consecutive failures that open the breaker (default 3), and how long
+    /// it stays open before one probe (default 500 ms).
+    pub fn breaker(mut self, threshold: u32, cooldown: Duration) -> Self {
+        self.breaker_threshold = threshold;
+        self.breaker_cooldown = cooldown;
+        self
+    }
+
+    /// Whether the store renews, on its own, the concurrency leases it
+    /// granted and has not released: every third of the rule's lease TTL,
+    /// on the Tokio clock (default `true`). Off, a lease lapses after its
+    /// TTL unless released first — work that may run longer than the TTL
+    /// then loses its permits — and [`RedisStore::renew_leases`] renews on
+    /// demand. Tests on a manual clock turn it off, so that real time does
+    /// not renew leases whose expiry they are watching.
+    pub fn lease_renewal(mut self, on: bool) -> Self {
+        self.lease_renewal = on;
+        self
+    }
+
+    /// Validates the settings and prepares the connection. Does not wait
+    /// for Redis: a store built while Redis is down follows its failure
+    /// policy until Redis answers. Must be called inside a Tokio runtime
+    /// (the connection and the lease task run as tasks); outside one it
+    /// returns an error.
+    pub fn build(self) -> Result<RedisStore, ConfigError> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(ConfigError::new(
+                "runtime",
+                "build the Redis store inside a Tokio runtime",
+            ));
+        }
+        if self.prefix.is_empty()
+            || self.prefix.len() > 64
+            || !self
+                .prefix
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
+        {
+            return Err(ConfigError::new(
+                "prefix",
+                "must be 1 to 64 ASCII letters, digits, '-', '_', '.' or ':'",
+            ));
+        }
+        if self.timeout.is_zero() {
+            return Err(ConfigError::new("timeout", "must be longer than zero"));
+        }
+        if self.breaker_threshold == 0 {
+            return Err(ConfigError::new("breaker_threshold", "must be at least 1"));
+        }
+        let backend = Arc::new(Backend::new(BackendConfig {
+            conn: Conn::new(&self.url, self.timeout)?,
+            prefix: self.prefix.into(),
+            timeout: self.timeout,
+            policy: self.policy,
+            client_time: self.client_time,
+            breaker: Breaker::new(self.breaker_threshold, self.breaker_cooldown),
+        }));
+        let keeper = LeaseKeeper::spawn(Arc::clone(&backend), self.lease_renewal);
+        Ok(RedisStore { backend, keeper })
+    }
+}
+
+impl Store for RedisStore {
+    type Limiter = RedisLimiter;
+    type ConcurrencyLimiter = RedisConcurrencyLimiter;
+
+    fn limiter(&self, rule: &Rule) -> Result<RedisLimiter, ConfigError> {
+        RedisLimiter::new(Arc::clone(&self.backend), rule)
+    }
+
+    fn concurrency_limiter(
+        &self,
+        rule: &ConcurrencyRule,
+    ) -> Result<RedisConcurrencyLimiter, ConfigError> {
+        RedisConcurrencyLimiter::new(Arc::clone(&self.backend), self.keeper.clone(), rule)
+    }
+}

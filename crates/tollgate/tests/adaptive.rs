@@ -6,7 +6,8 @@
     missing_docs,
     clippy::unwrap_used,
     clippy::arithmetic_side_effects,
-    clippy::cast_precision_loss
+    clippy::cast_precision_loss,
+    clippy::indexing_slicing
 )]
 
 use std::convert::Infallible;
@@ -72,7 +73,11 @@ async fn run(limit: AdaptiveLimit, phase: Duration) -> [f64; 3] {
         let (svc, stop, refused) = (svc.clone(), Arc::clone(&stop), Arc::clone(&refused));
         clients.push(tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
-                let res = svc.clone().oneshot(Request::new(String::new())).await.unwrap();
+                let res = svc
+                    .clone()
+                    .oneshot(Request::new(String::new()))
+                    .await
+                    .unwrap();
                 if res.status() == StatusCode::TOO_MANY_REQUESTS {
                     refused.fetch_add(1, Ordering::Relaxed);
                     sleep(Duration::from_millis(1)).await;
@@ -110,7 +115,8 @@ async fn gradient_settles_near_the_knee_backs_off_and_recovers() {
         .unwrap()
         .min_rtt_interval(Duration::from_secs(2))
         .unwrap();
-    let [healthy, slow, recovered] = run(AdaptiveLimit::Gradient(limit), Duration::from_secs(3)).await;
+    let [healthy, slow, recovered] =
+        run(AdaptiveLimit::Gradient(limit), Duration::from_secs(3)).await;
     // Measured: 28.8, 16.6, 28.8 — 1.44×, 1.66× and 1.44× the knee: the
     // gradient keeps √limit of headroom above what the RTTs call for.
     assert_near_the_knee([healthy, slow, recovered]);

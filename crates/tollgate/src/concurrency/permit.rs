@@ -51,6 +51,10 @@ impl Permit {
         Self { owner, held }
     }
 
+    pub(crate) fn held_mut(&mut self) -> &mut Held {
+        &mut self.held
+    }
+
     /// Releases now (the same as dropping it).
     pub fn release(self) {}
 }

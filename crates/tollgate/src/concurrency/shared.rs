@@ -174,6 +174,11 @@ enum Step {
 }
 
 impl Step {
+    /// Whether the request goes on to the next limit.
+    fn admits(&self) -> bool {
+        matches!(self, Step::Granted(..) | Step::Pass(_))
+    }
+
     fn decision(&self) -> Option<Decision> {
         match self {
             Step::Granted(_, d) | Step::Reject(_, d) | Step::Wait(d) => Some(*d),
@@ -365,28 +370,43 @@ where
             return deferred(key, true);
         }
         let service = match &self.service {
-            Some(ServiceLimit::Fixed(slot)) => {
+            // Only once the per-key limit let the request in: a refused
+            // request must take nothing it would not give back.
+            Some(ServiceLimit::Fixed(slot)) if step.admits() => {
                 let ceiling = self.ceiling(slot, critical);
                 match slot.limiter.acquire_sync(SERVICE_KEY, permits, ceiling) {
                     Some(result) => Some(result),
                     None => {
                         // A store that answers one limit at once answers
                         // both; should it not, start over asynchronously.
-                        if let Step::Granted(Some(lease), _) = step {
-                            let mut held = Held {
-                                per_key: Some(lease),
-                                ..Held::default()
-                            };
-                            held.key = key.clone();
-                            self.release(&mut held);
-                        }
+                        drop(self.guard(key.clone(), &step));
                         return deferred(key, false);
                     }
                 }
             }
             _ => None,
         };
-        self.finish(key, step, service, permits, critical, grpc)
+        let guard = self.guard(key, &step);
+        self.finish(guard, step, service, permits, critical, grpc)
+    }
+
+    /// The per-key lease `step` granted, in a guard that gives it back if
+    /// the admission goes no further (a later limit refuses, or the
+    /// request is cancelled while the next limit is asked).
+    fn guard(self: &Arc<Self>, key: KeyBuf, step: &Step) -> Permit {
+        let per_key = match step {
+            Step::Granted(lease, _) => *lease,
+            _ => None,
+        };
+        let owner: Arc<dyn Release> = Arc::clone(self) as Arc<dyn Release>;
+        Permit::new(
+            owner,
+            Held {
+                key,
+                per_key,
+                ..Held::default()
+            },
+        )
     }
 
     /// Completes the admission once the per-key limit has answered
@@ -395,7 +415,7 @@ where
     /// limit refuses, and wraps what is held in a [`Permit`].
     fn finish(
         self: &Arc<Self>,
-        key: KeyBuf,
+        mut guard: Permit,
         step: Step,
         service: Option<Result<Acquire, StoreError>>,
         permits: u32,
@@ -403,14 +423,9 @@ where
         grpc: bool,
     ) -> Admission {
         let mut items = self.items();
-        let mut held = Held {
-            key,
-            ..Held::default()
-        };
         items.set(0, self.max(), step.decision());
         match step {
-            Step::Granted(lease, _) => held.per_key = lease,
-            Step::Pass(_) => {}
+            Step::Granted(..) | Step::Pass(_) => {}
             Step::Reject(reason, d) => {
                 self.count(reason);
                 let r = self.rejected(&self.per_key.name, reason, grpc, Some(d));
@@ -435,7 +450,7 @@ where
                 items.set(1, u64::from(a.limit()), Some(d));
                 let step = match d.outcome {
                     Outcome::Allow { .. } => {
-                        held.adaptive = permits;
+                        guard.held_mut().adaptive = permits;
                         Step::Granted(None, d)
                     }
                     _ if self.shadow => {
@@ -450,10 +465,10 @@ where
             _ => (None, Step::Pass(None)),
         };
         match step {
-            Step::Granted(lease, _) => held.service = lease,
+            Step::Granted(lease, _) => guard.held_mut().service = lease,
             Step::Reject(reason, d) => {
                 self.count(reason);
-                self.release(&mut held);
+                drop(guard);
                 let name = name.unwrap_or(&self.per_key.name);
                 let r = self.rejected(name, reason, grpc, Some(d));
                 return Admission::Reject(r, items);
@@ -461,13 +476,12 @@ where
             Step::Pass(_) | Step::Wait(_) => {}
         }
         self.metrics.allowed.increment(1);
-        held.permits = permits;
-        let permit = if held.is_empty() {
+        let permit = if guard.held_mut().is_empty() {
             None
         } else {
             self.metrics.in_flight.increment(f64::from(permits));
-            let owner: Arc<dyn Release> = Arc::clone(self) as Arc<dyn Release>;
-            Some(Permit::new(owner, held))
+            guard.held_mut().permits = permits;
+            Some(guard)
         };
         Admission::Go(Admitted {
             permit,
@@ -505,15 +519,16 @@ where
                 step => step,
             }
         };
+        let guard = self.guard(key, &step);
         let service = match &self.service {
-            Some(ServiceLimit::Fixed(slot)) => Some(
+            Some(ServiceLimit::Fixed(slot)) if step.admits() => Some(
                 slot.limiter
                     .acquire(SERVICE_KEY, permits, self.ceiling(slot, critical))
                     .await,
             ),
             _ => None,
         };
-        self.finish(key, step, service, permits, critical, grpc)
+        self.finish(guard, step, service, permits, critical, grpc)
     }
 
     /// Waits in `key`'s queue until the head of it gets a permit, the wait

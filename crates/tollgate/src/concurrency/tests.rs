@@ -11,7 +11,7 @@ use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use tokio::sync::mpsc;
 use tollgate_core::adaptive::{AdaptiveLimit, Aimd};
-use tollgate_core::ConcurrencyLimiter;
+use tollgate_core::{ConcurrencyLimiter, Store};
 use tower::{service_fn, Layer, Service, ServiceExt};
 
 use super::*;
@@ -221,6 +221,30 @@ async fn a_service_limit_sheds_load_and_gives_back_the_per_key_permit() {
     );
     bodies.clear();
     assert_eq!(svc.clone().oneshot(req("c")).await.unwrap().status(), 200);
+}
+
+#[tokio::test]
+async fn a_request_refused_per_key_takes_nothing_from_the_service() {
+    let store = MemoryStore::new();
+    let layer = builder(1)
+        .service_limit("service", 10)
+        .store(store.clone())
+        .build()
+        .unwrap();
+    let service = store
+        .concurrency_limiter(
+            &tollgate_core::ConcurrencyRule::new("service", 10, Duration::from_secs(30)).unwrap(),
+        )
+        .unwrap();
+    let (inner, _feeds) = streaming();
+    let svc = layer.layer(inner);
+    let first = svc.clone().oneshot(req("k")).await.unwrap();
+    for _ in 0..5 {
+        assert_eq!(svc.clone().oneshot(req("k")).await.unwrap().status(), 429);
+    }
+    assert_eq!(service.held_now(super::shared::SERVICE_KEY), 1);
+    drop(first);
+    assert_eq!(service.held_now(super::shared::SERVICE_KEY), 0);
 }
 
 #[tokio::test]

@@ -1,0 +1,367 @@
+//! The concurrency layer through real HTTP on loopback: permits live as
+//! long as the response body, and none leaks — whatever the client or the
+//! handler does — on the in-memory store and on Redis.
+#![allow(
+    missing_docs,
+    clippy::unwrap_used,
+    clippy::arithmetic_side_effects,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::routing::get;
+use axum::Router;
+use bytes::Bytes;
+use http::Request;
+use http_body::Frame;
+use http_body_util::{BodyExt, Empty};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tokio::time::Sleep;
+use tollgate::concurrency::ConcurrencyLayer;
+use tollgate::core::{ConcurrencyLimiter, ConcurrencyRule, Store};
+use tollgate::key::Header;
+use tollgate::{MemoryStore, RedisStore};
+use tollgate_redis::testing::{unique_prefix, Server};
+use tower_http::catch_panic::CatchPanicLayer;
+
+const KEYS: usize = 8;
+
+/// `frames` frames of 1 KiB, one every `every`, then the end — or an
+/// error in place of the last frame.
+struct Slow {
+    frames: u32,
+    every: Duration,
+    sleep: Pin<Box<Sleep>>,
+    fail: bool,
+}
+
+impl Slow {
+    fn new(frames: u32, every: Duration, fail: bool) -> Self {
+        Self {
+            frames,
+            every,
+            sleep: Box::pin(tokio::time::sleep(every)),
+            fail,
+        }
+    }
+}
+
+impl http_body::Body for Slow {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        if self.frames == 0 {
+            return Poll::Ready(None);
+        }
+        std::task::ready!(self.sleep.as_mut().poll(cx));
+        let next = tokio::time::Instant::now() + self.every;
+        self.sleep.as_mut().reset(next);
+        self.frames -= 1;
+        if self.frames == 0 && self.fail {
+            return Poll::Ready(Some(Err(std::io::Error::other("the body failed"))));
+        }
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from(vec![b'x'; 1024])))))
+    }
+}
+
+use std::future::Future as _;
+
+/// `n` frames of 64 KiB, as fast as the client takes them.
+struct Big(u32);
+
+impl http_body::Body for Big {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        static CHUNK: [u8; 64 << 10] = [b'x'; 64 << 10];
+        if self.0 == 0 {
+            return Poll::Ready(None);
+        }
+        self.0 -= 1;
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(&CHUNK)))))
+    }
+}
+
+/// Per-key 4 permits and 32 for the whole service, in `store`, over
+/// routes that stream, stall, fail and panic (behind `CatchPanicLayer`,
+/// outside the limiter, so a panic unwinds through its future).
+fn app<S: Store>(store: S) -> Router {
+    let layer = ConcurrencyLayer::builder("per-key", 4)
+        .key(Header::named("x-api-key").unwrap())
+        .service_limit("service", 32)
+        .store(store)
+        .build()
+        .unwrap();
+    Router::new()
+        .route(
+            "/stream",
+            get(|| async { Body::new(Slow::new(8, Duration::from_millis(1), false)) }),
+        )
+        .route("/big", get(|| async { Body::new(Big(512)) }))
+        .route(
+            "/slow",
+            get(|| async {
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                "late"
+            }),
+        )
+        .route(
+            "/fail",
+            get(|| async { Body::new(Slow::new(3, Duration::from_millis(1), true)) }),
+        )
+        .route(
+            "/panic",
+            get(|| async {
+                if true {
+                    panic!("the handler panicked");
+                }
+                ""
+            }),
+        )
+        .layer(layer)
+        .layer(CatchPanicLayer::new())
+}
+
+type Sender = hyper::client::conn::http1::SendRequest<Empty<Bytes>>;
+
+async fn connect(addr: SocketAddr) -> (Sender, tokio::task::JoinHandle<()>) {
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    (
+        sender,
+        tokio::spawn(async move {
+            let _ = conn.await;
+        }),
+    )
+}
+
+fn get_req(path: &str, key: usize) -> Request<Empty<Bytes>> {
+    Request::get(path)
+        .header("x-api-key", format!("k{key}"))
+        .header("host", "localhost")
+        .body(Empty::new())
+        .unwrap()
+}
+
+/// One request of a random kind; returns what happened, for the tally.
+async fn one(addr: SocketAddr, kind: u64, key: usize) -> &'static str {
+    let (mut sender, conn) = connect(addr).await;
+    let outcome = match kind {
+        // Read a streamed body to its end.
+        0 => {
+            let res = sender.send_request(get_req("/stream", key)).await.unwrap();
+            let status = res.status();
+            res.into_body().collect().await.unwrap();
+            if status == 200 {
+                "streamed"
+            } else {
+                "refused"
+            }
+        }
+        // Give up before the response (a client timeout).
+        1 => {
+            let res = tokio::time::timeout(
+                Duration::from_millis(5),
+                sender.send_request(get_req("/slow", key)),
+            )
+            .await;
+            match res {
+                Err(_) => "cancelled before the response",
+                Ok(r) if r.as_ref().unwrap().status() == 429 => "refused",
+                Ok(_) => "answered",
+            }
+        }
+        // Read one frame, then hang up mid-body.
+        2 => {
+            let res = sender.send_request(get_req("/stream", key)).await.unwrap();
+            if res.status() != 200 {
+                "refused"
+            } else {
+                let mut body = res.into_body();
+                let _ = body.frame().await;
+                "cancelled mid-body"
+            }
+        }
+        // A body that fails after two frames.
+        3 => {
+            let res = sender.send_request(get_req("/fail", key)).await.unwrap();
+            if res.status() != 200 {
+                "refused"
+            } else if res.into_body().collect().await.is_err() {
+                "body failed"
+            } else {
+                panic!("a failing body ended cleanly")
+            }
+        }
+        // A handler that panics.
+        _ => {
+            let res = sender.send_request(get_req("/panic", key)).await.unwrap();
+            match res.status().as_u16() {
+                500 => "panicked",
+                429 => "refused",
+                s => panic!("a panic answered {s}"),
+            }
+        }
+    };
+    drop(sender);
+    conn.abort();
+    outcome
+}
+
+/// Sends `total` requests of random kinds from 40 concurrent clients.
+async fn storm(addr: SocketAddr, total: usize) -> HashMap<&'static str, usize> {
+    // The handler's panics are expected: keep them out of the output.
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let expected = info
+            .payload()
+            .downcast_ref::<&str>()
+            .is_some_and(|m| *m == "the handler panicked");
+        if !expected {
+            default(info);
+        }
+    }));
+    let tally = Arc::new(Mutex::new(HashMap::new()));
+    let mut clients = Vec::new();
+    let per_client = total / 40;
+    for c in 0..40u64 {
+        let tally = Arc::clone(&tally);
+        clients.push(tokio::spawn(async move {
+            let mut rng = c.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+            for _ in 0..per_client {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let outcome = one(addr, rng % 5, (rng >> 8) as usize % KEYS).await;
+                *tally.lock().unwrap().entry(outcome).or_insert(0) += 1;
+            }
+        }));
+    }
+    for c in clients {
+        c.await.unwrap();
+    }
+    Arc::try_unwrap(tally).unwrap().into_inner().unwrap()
+}
+
+/// Every key's permits, and the service's, come back to zero (the server
+/// notices hung-up clients on its own time: wait for it, boundedly).
+async fn assert_all_released<S: Store>(store: &S) {
+    let per_key = store
+        .concurrency_limiter(&ConcurrencyRule::new("per-key", 4, Duration::from_secs(30)).unwrap())
+        .unwrap();
+    let service = store
+        .concurrency_limiter(&ConcurrencyRule::new("service", 32, Duration::from_secs(30)).unwrap())
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut held = Vec::new();
+        for k in 0..KEYS {
+            // The layer's key: one length-prefixed part.
+            let raw = format!("k{k}");
+            let mut key = vec![raw.len() as u8];
+            key.extend_from_slice(raw.as_bytes());
+            held.push(per_key.held(&key).await.unwrap());
+        }
+        held.push(service.held(b"\x00service").await.unwrap());
+        if held.iter().all(|&h| h == 0) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "permits leaked: {held:?} (per key, then the service)"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn assert_every_path_ran(tally: &HashMap<&'static str, usize>) {
+    for outcome in [
+        "streamed",
+        "refused",
+        "cancelled before the response",
+        "cancelled mid-body",
+        "body failed",
+        "panicked",
+    ] {
+        assert!(
+            tally.get(outcome).copied().unwrap_or(0) > 0,
+            "{outcome} never happened: {tally:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_requests_leak_no_permit_in_memory() {
+    let store = MemoryStore::new();
+    let addr = common::spawn(app(store.clone())).await;
+    let tally = storm(addr, 10_000).await;
+    assert_every_path_ran(&tally);
+    assert_all_released(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_requests_leak_no_permit_in_redis() {
+    let Some(redis) = Server::start() else { return };
+    let store = RedisStore::builder(&redis.url())
+        .prefix(&unique_prefix())
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let addr = common::spawn(app(store.clone())).await;
+    let tally = storm(addr, 10_000).await;
+    store.flush().await;
+    assert_every_path_ran(&tally);
+    assert_all_released(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_reader_keeps_its_permit_until_the_last_frame() {
+    let store = MemoryStore::new();
+    let addr = common::spawn(app(store.clone())).await;
+    let per_key = store
+        .concurrency_limiter(&ConcurrencyRule::new("per-key", 4, Duration::from_secs(30)).unwrap())
+        .unwrap();
+    let key = b"\x02k0";
+    let (mut sender, _conn) = connect(addr).await;
+    let res = sender.send_request(get_req("/big", 0)).await.unwrap();
+    assert_eq!(res.status(), 200);
+    let mut body = res.into_body();
+    // 32 MiB is more than loopback's socket buffers hold: while the client
+    // reads slowly, the server's body is still being sent.
+    for frame in 0..10 {
+        body.frame().await.unwrap().unwrap();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(per_key.held(key).await.unwrap(), 1, "frame {frame}");
+    }
+    let rest = body.collect().await.unwrap().to_bytes();
+    assert!(rest.len() > 16 << 20);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while per_key.held(key).await.unwrap() != 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not released after the last frame"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

@@ -114,3 +114,38 @@ pub mod layer {
         governor(Duration::from_secs(86_400), 1)
     }
 }
+
+/// The stacks of the `concurrency_overhead` group: the same router as
+/// [`layer`], bare, behind tollgate's per-key concurrency limit (in-memory
+/// store, keyed on `x-api-key`, headers on), and behind tower's global
+/// `ConcurrencyLimitLayer` with `LoadShedLayer` (so it answers at once
+/// rather than waiting, as tollgate does).
+pub mod concurrency {
+    use axum::Router;
+    use tollgate::concurrency::ConcurrencyLayer;
+    use tollgate::key::Header;
+
+    use crate::layer::router;
+
+    /// The router behind tollgate's per-key limit of `max` in flight.
+    pub fn tollgate(max: u32) -> Router {
+        let key = Header::named("x-api-key").unwrap_or_else(|e| unreachable!("{e}"));
+        let layer = ConcurrencyLayer::builder("bench", max)
+            .key(key)
+            .build()
+            .unwrap_or_else(|e| unreachable!("{e}"));
+        router().layer(layer)
+    }
+
+    /// The router behind tower's global limit of `max`, shedding load.
+    pub fn tower(max: usize) -> Router {
+        router().layer(
+            tower::ServiceBuilder::new()
+                .layer(axum::error_handling::HandleErrorLayer::new(
+                    |_: tower::BoxError| async { axum::http::StatusCode::SERVICE_UNAVAILABLE },
+                ))
+                .layer(tower::load_shed::LoadShedLayer::new())
+                .layer(tower::limit::ConcurrencyLimitLayer::new(max)),
+        )
+    }
+}

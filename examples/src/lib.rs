@@ -3,6 +3,7 @@
 //!
 //! Run the quickstart with `cargo run -p tollgate-examples --bin quickstart`.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -20,14 +21,17 @@ use tollgate::{ConfigError, Limit, Rate, RateLimitLayer, Store};
 pub const DOWNLOAD_BYTES: usize = 1 << 20;
 /// The size of its chunks.
 pub const DOWNLOAD_CHUNK: usize = 16 << 10;
+/// How often a chunk is sent: 256 KiB/s, so a download takes 4 s and two
+/// of them are easy to catch in flight.
+pub const DOWNLOAD_EVERY: std::time::Duration = std::time::Duration::from_micros(62_500);
 
 /// The quickstart's API:
 ///
 /// - one budget per client of 10 requests per second with bursts of 20,
 ///   where an order costs 3 and a report 10;
-/// - `GET /api/download` streams 1 MiB in 16 KiB chunks, at most 2 at once
-///   per client: a third is refused at once while two bodies are still
-///   being read;
+/// - `GET /api/download` streams 1 MiB in 16 KiB chunks at 256 KiB/s, at
+///   most 2 at once per client: a third is refused at once while two
+///   bodies are still being sent;
 /// - every `/api/*` route sits behind at most 64 requests in flight per
 ///   client and an adaptive whole-service limit (a gradient of latencies,
 ///   between 8 and 512) that follows the service's latency and errors;
@@ -71,7 +75,7 @@ pub fn quickstart_app<S: Store>(
         .route("/api/reports", post(|| async { "Report generated.\n" }))
         .route(
             "/api/download",
-            get(|| async { Body::new(Chunks(DOWNLOAD_BYTES)) }).route_layer(downloads),
+            get(|| async { Body::new(Chunks::new(DOWNLOAD_BYTES)) }).route_layer(downloads),
         )
         // route_layer: only matched routes are limited; a 404 costs nothing.
         .route_layer(limit)
@@ -81,8 +85,20 @@ pub fn quickstart_app<S: Store>(
         .merge(api))
 }
 
-/// A body of `n` bytes in 16 KiB chunks, produced as the client reads.
-struct Chunks(usize);
+/// A body of `n` bytes in 16 KiB chunks, one every [`DOWNLOAD_EVERY`].
+struct Chunks {
+    left: usize,
+    next: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl Chunks {
+    fn new(n: usize) -> Self {
+        Self {
+            left: n,
+            next: Box::pin(tokio::time::sleep(std::time::Duration::ZERO)),
+        }
+    }
+}
 
 impl http_body::Body for Chunks {
     type Data = Bytes;
@@ -90,24 +106,29 @@ impl http_body::Body for Chunks {
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
+        cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
-        if self.0 == 0 {
+        if self.left == 0 {
             return Poll::Ready(None);
         }
-        let n = self.0.min(DOWNLOAD_CHUNK);
-        self.0 = self.0.saturating_sub(n);
+        std::task::ready!(self.next.as_mut().poll(cx));
+        let at = self.next.deadline();
+        self.next
+            .as_mut()
+            .reset(at.checked_add(DOWNLOAD_EVERY).unwrap_or(at));
+        let n = self.left.min(DOWNLOAD_CHUNK);
+        self.left = self.left.saturating_sub(n);
         static CHUNK: [u8; DOWNLOAD_CHUNK] = [b'x'; DOWNLOAD_CHUNK];
         let chunk = Bytes::from_static(CHUNK.get(..n).unwrap_or_default());
         Poll::Ready(Some(Ok(http_body::Frame::data(chunk))))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.0 == 0
+        self.left == 0
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
-        http_body::SizeHint::with_exact(self.0 as u64)
+        http_body::SizeHint::with_exact(self.left as u64)
     }
 }
 

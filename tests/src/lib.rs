@@ -22,6 +22,17 @@ pub struct Reply {
 }
 
 impl Reply {
+    /// The item of a structured-field list header (`RateLimit`,
+    /// `RateLimit-Policy`) that names `rule`, e.g. `"per-key";r=3;t=1`, or
+    /// `""`.
+    pub fn item(&self, name: &str, rule: &str) -> &str {
+        let quoted = format!("\"{rule}\";");
+        self.header(name)
+            .split(", ")
+            .find(|item| item.starts_with(&quoted))
+            .unwrap_or("")
+    }
+
     /// A header's value as text, or `""`.
     pub fn header(&self, name: &str) -> &str {
         self.headers

@@ -45,15 +45,25 @@ async fn burst_of_twenty_then_429_with_standard_headers() {
     for i in 0..20 {
         let r = hello(addr, "alice").await;
         assert_eq!(r.status, 200, "request {i}: {r:?}");
-        assert_eq!(r.header("ratelimit-policy"), "\"per-key\";q=20;w=2");
+        assert_eq!(
+            r.item("ratelimit-policy", "per-key"),
+            "\"per-key\";q=20;w=2"
+        );
         assert!(r
-            .header("ratelimit")
+            .item("ratelimit", "per-key")
             .starts_with(&format!("\"per-key\";r={};", 19 - i)));
+        // The in-flight limits are listed beside it.
+        assert_eq!(
+            r.item("ratelimit-policy", "per-client"),
+            "\"per-client\";q=64;qu=\"concurrent-requests\""
+        );
+        assert_eq!(r.item("ratelimit", "per-client"), "\"per-client\";r=63");
+        assert!(r.item("ratelimit", "service").starts_with("\"service\";r="));
     }
     let r = hello(addr, "alice").await;
     assert_eq!(r.status, 429);
     assert_eq!(r.header("retry-after"), "1");
-    assert_eq!(r.header("ratelimit"), "\"per-key\";r=0;t=1");
+    assert_eq!(r.item("ratelimit", "per-key"), "\"per-key\";r=0;t=1");
     assert_eq!(r.header("content-type"), "application/problem+json");
     assert!(r.body.contains("\"rule\":\"per-key\""), "{}", r.body);
 
@@ -81,7 +91,7 @@ async fn keys_are_independent_and_health_is_not_limited() {
     assert_eq!(r.status, 404);
     assert!(hello(addr, "carol")
         .await
-        .header("ratelimit")
+        .item("ratelimit", "per-key")
         .contains("r=18"));
 }
 
@@ -90,9 +100,9 @@ async fn orders_cost_three_and_reports_ten_from_one_budget() {
     let (addr, _clock) = quickstart(&[]).await;
     let r = send(addr, post("/api/reports", "dana")).await.unwrap();
     assert_eq!(r.status, 200);
-    assert!(r.header("ratelimit").contains("r=10;"), "{r:?}");
+    assert!(r.item("ratelimit", "per-key").contains("r=10;"), "{r:?}");
     let r = send(addr, post("/api/orders", "dana")).await.unwrap();
-    assert!(r.header("ratelimit").contains("r=7;"), "{r:?}");
+    assert!(r.item("ratelimit", "per-key").contains("r=7;"), "{r:?}");
     let r = send(addr, post("/api/reports", "dana")).await.unwrap();
     assert_eq!(r.status, 429, "a report does not fit in 7");
     assert_eq!(r.header("retry-after"), "1");
@@ -141,4 +151,68 @@ async fn forwarded_for_from_a_trusted_proxy_is_the_client() {
     // Another client behind the same proxy has its own budget; the spoofed
     // leftmost entry (6.6.6.6) is not the key.
     assert_eq!(send(addr, from("198.51.100.2")).await.unwrap().status, 200);
+}
+
+/// Opens a download and reads its headers and first chunk; the rest stays
+/// unread, on the returned connection.
+async fn start_download(
+    addr: std::net::SocketAddr,
+    key: &str,
+) -> (
+    http::Response<hyper::body::Incoming>,
+    hyper::client::conn::http1::SendRequest<http_body_util::Empty<Bytes>>,
+) {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let req = Request::get("/api/download")
+        .header("x-api-key", key)
+        .header("host", "localhost")
+        .body(http_body_util::Empty::new())
+        .unwrap();
+    let mut res = sender.send_request(req).await.unwrap();
+    assert_eq!(res.status(), 200);
+    use http_body_util::BodyExt;
+    let first = res.body_mut().frame().await.unwrap().unwrap();
+    assert!(!first.into_data().unwrap().is_empty());
+    (res, sender)
+}
+
+#[tokio::test]
+async fn a_third_download_is_refused_while_two_are_in_flight() {
+    let (addr, _clock) = quickstart(&[]).await;
+    let one = start_download(addr, "erin").await;
+    let two = start_download(addr, "erin").await;
+    let items = one.0.headers()["ratelimit"].to_str().unwrap().to_owned();
+    assert!(items.contains("\"downloads\";r=1"), "{items}");
+    let r = send(addr, get("/api/download", Some("erin")))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 429, "{r:?}");
+    assert_eq!(
+        r.item("ratelimit-policy", "downloads"),
+        "\"downloads\";q=2;qu=\"concurrent-requests\""
+    );
+    assert_eq!(r.item("ratelimit", "downloads"), "\"downloads\";r=0;t=1");
+    assert_eq!(r.header("retry-after"), "1");
+    assert!(r.body.contains("\"rule\":\"downloads\""), "{}", r.body);
+    // Another client downloads meanwhile.
+    let other = start_download(addr, "frank").await;
+    // The first client hangs up on one download: its permit comes back.
+    drop(one);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let r = send(addr, get("/api/download", Some("erin")));
+        let r = tokio::time::timeout(Duration::from_millis(200), r).await;
+        match r {
+            // Admitted: the download streams (4 s); the status is enough.
+            Err(_) => break,
+            Ok(r) => assert_eq!(r.unwrap().status, 429),
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never released");
+    }
+    drop((two, other));
 }

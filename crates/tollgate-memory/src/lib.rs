@@ -472,8 +472,9 @@ impl<C: Clock> MemoryConcurrencyLimiter<C> {
     pub fn acquire_now(&self, key: &[u8], permits: u32, ceiling: u32) -> Acquire {
         let t = &self.table;
         let now = t.now();
-        let (decision, slot) =
-            t.update_in(key, now, false, |held| t.kind.acquire(held, permits, ceiling));
+        let (decision, slot) = t.update_in(key, now, false, |held| {
+            t.kind.acquire(held, permits, ceiling)
+        });
         let granted = decision.is_allowed() && permits > 0;
         Acquire {
             decision,

@@ -1,0 +1,40 @@
+//! What a concurrency limit adds to a request, body read included: an axum
+//! `Router` with one handler, driven by `oneshot` and its response body
+//! collected, bare, behind tollgate's per-key limit (memory store) and
+//! behind tower's global `ConcurrencyLimitLayer` + `LoadShedLayer`. One
+//! run, group `concurrency_overhead`.
+#![allow(missing_docs, clippy::unwrap_used)]
+
+use axum::http::StatusCode;
+use axum::Router;
+use criterion::{criterion_group, criterion_main, Criterion};
+use http_body_util::BodyExt;
+use tollgate_benches::concurrency;
+use tollgate_benches::layer::{request, router};
+use tower::ServiceExt;
+
+fn concurrency_overhead(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let mut g = c.benchmark_group("concurrency_overhead");
+    let mut run = |name: &str, app: Router| {
+        g.bench_function(name, |b| {
+            b.to_async(&rt).iter(|| {
+                let app = app.clone();
+                async move {
+                    let res = app.oneshot(request()).await.unwrap();
+                    assert_eq!(res.status(), StatusCode::OK);
+                    res.into_body().collect().await.unwrap();
+                }
+            })
+        });
+    };
+    run("bare", router());
+    run("tollgate", concurrency::tollgate(64));
+    run("tower_concurrency", concurrency::tower(64));
+    g.finish();
+}
+
+criterion_group!(benches, concurrency_overhead);
+criterion_main!(benches);

@@ -34,7 +34,7 @@ pub const DOWNLOAD_EVERY: std::time::Duration = std::time::Duration::from_micros
 ///   bodies are still being sent;
 /// - every `/api/*` route sits behind at most 64 requests in flight per
 ///   client and an adaptive whole-service limit (a gradient of latencies,
-///   between 8 and 512) that follows the service's latency and errors;
+///   between 16 and 512) that follows the service's latency and errors;
 /// - `/healthz` is not limited.
 ///
 /// The client is its `x-api-key`, else its IP: the peer's, or — when the
@@ -54,7 +54,7 @@ pub fn quickstart_app<S: Store>(
         .store(store.clone())
         .adaptive_service_limit(
             "service",
-            AdaptiveLimit::Gradient(Gradient::new(8, 64, 512)?),
+            AdaptiveLimit::Gradient(Gradient::new(16, 64, 512)?),
         )
         .build()?;
     let limit = RateLimitLayer::builder("per-key", Limit::gcra(Rate::per_second(10), 20))

@@ -5,9 +5,11 @@
 //! behind trusted proxies, route, or any mix), weighted per request (a
 //! report costs more than a read), with every classic algorithm
 //! (GCRA, token bucket, fixed and sliding windows, leaky-bucket pacing),
-//! in process or across a fleet. It works with any `http::Request` service:
-//! axum routers (`.layer`, `.route_layer`), tonic servers, and plain Tower
-//! stacks.
+//! in process or across a fleet. [`ConcurrencyLayer`] limits requests in
+//! flight per key and for the whole service (fixed or adaptive), holding
+//! each permit until the response body is done. Both work with any
+//! `http::Request` service: axum routers (`.layer`, `.route_layer`), tonic
+//! servers, and plain Tower stacks.
 //!
 //! ```
 //! use axum::{routing::{get, post}, Router};
@@ -45,7 +47,9 @@
 //!
 //! - [`key`]: who a request counts against;
 //! - [`cost`]: what it costs;
-//! - [`rate_limit`]: the layer, and why it decides in `call`;
+//! - [`rate_limit`]: the rate layer, and why it decides in `call`;
+//! - [`concurrency`]: the concurrency layer, and why its permits live as
+//!   long as the response body;
 //! - [`headers`] and [`rejection`]: what clients see;
 //! - [`observe`]: the metrics every layer exports.
 //!

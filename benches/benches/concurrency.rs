@@ -31,7 +31,9 @@ fn concurrency_overhead(c: &mut Criterion) {
         });
     };
     run("bare", router());
-    run("tollgate", concurrency::tollgate(64));
+    run("tollgate", concurrency::tollgate(64, true));
+    // The same without the two standard headers (tower sends none).
+    run("tollgate_no_headers", concurrency::tollgate(64, false));
     run("tower_concurrency", concurrency::tower(64));
     g.finish();
 }

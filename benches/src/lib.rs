@@ -127,11 +127,13 @@ pub mod concurrency {
 
     use crate::layer::router;
 
-    /// The router behind tollgate's per-key limit of `max` in flight.
-    pub fn tollgate(max: u32) -> Router {
+    /// The router behind tollgate's per-key limit of `max` in flight,
+    /// with the standard headers on (the default) or off.
+    pub fn tollgate(max: u32, headers: bool) -> Router {
         let key = Header::named("x-api-key").unwrap_or_else(|e| unreachable!("{e}"));
         let layer = ConcurrencyLayer::builder("bench", max)
             .key(key)
+            .headers(headers)
             .build()
             .unwrap_or_else(|e| unreachable!("{e}"));
         router().layer(layer)

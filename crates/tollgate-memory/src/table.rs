@@ -17,6 +17,9 @@ pub(crate) trait Kind: Send + Sync + 'static {
     fn is_idle(&self, state: &Self::State, now: u64) -> bool;
     /// How often (ns) a shard may be swept by the background-free sweeper.
     fn sweep_every(&self) -> u64;
+    /// Whether decisions read the time. A kind that does not (a count of
+    /// permits) skips the clock on its hot path.
+    const TIMED: bool = true;
 }
 
 const SECOND: u64 = 1_000_000_000;
@@ -38,6 +41,7 @@ impl<A: Stored> Kind for A {
 impl Kind for InFlight {
     type State = u64;
     type Cell = std::sync::atomic::AtomicU64;
+    const TIMED: bool = false;
 
     #[inline]
     fn is_idle(&self, held: &u64, _now: u64) -> bool {
@@ -254,6 +258,10 @@ impl<K: Kind, C: Clock> Table<K, C> {
 
     #[inline]
     pub(crate) fn now(&self) -> u64 {
+        if !K::TIMED {
+            // Only the sweeper's pacing uses it: it reads the clock itself.
+            return 0;
+        }
         self.shared.clock.now()
     }
 
@@ -340,6 +348,13 @@ impl<K: Kind, C: Clock> Table<K, C> {
         map: &mut HashMap<u64, K::Cell, BuildIdentity>,
         now: u64,
     ) -> bool {
+        // Inserting is the rare path: an untimed kind reads the clock here,
+        // for the sweeps' pacing.
+        let now = if K::TIMED {
+            now
+        } else {
+            self.shared.clock.now()
+        };
         let mut swept = false;
         if map.len() >= shard.next_sweep.load(Ordering::Relaxed) {
             self.sweep(shard, map, now);
@@ -398,6 +413,12 @@ impl<K: Kind, C: Clock> Table<K, C> {
             v % SWEEP_TICK == 0
         });
         if due {
+            // The caller's `now` is 0 for untimed kinds: read the clock.
+            let now = if K::TIMED {
+                now
+            } else {
+                self.shared.clock.now()
+            };
             self.sweep_one(now);
         }
     }

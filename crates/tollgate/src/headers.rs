@@ -104,24 +104,22 @@ impl fmt::Write for Buf {
     }
 }
 
-/// Sets a structured-field list header to `value`, or appends `value`'s
-/// items to what another limiter (an inner layer) put there, so stacked
-/// layers each name their limits in one field.
+/// Sets a structured-field list header to `value`, or, when another
+/// limiter (an inner layer) put items there already, lists ours first and
+/// theirs after, in one field line. The common case is one insert.
 pub(crate) fn add_items(headers: &mut HeaderMap, name: &HeaderName, value: HeaderValue) {
-    match headers.entry(name) {
-        http::header::Entry::Vacant(v) => {
-            v.insert(value);
-        }
-        http::header::Entry::Occupied(mut o) => {
-            let mut joined =
-                Vec::with_capacity(o.get().len().saturating_add(value.len()).saturating_add(2));
-            joined.extend_from_slice(value.as_bytes());
-            joined.extend_from_slice(b", ");
-            joined.extend_from_slice(o.get().as_bytes());
-            if let Ok(v) = HeaderValue::from_bytes(&joined) {
-                o.insert(v);
-            }
-        }
+    let Some(inner) = headers.insert(name.clone(), value) else {
+        return;
+    };
+    let Some(ours) = headers.get(name) else {
+        return;
+    };
+    let mut joined = Vec::with_capacity(ours.len().saturating_add(inner.len()).saturating_add(2));
+    joined.extend_from_slice(ours.as_bytes());
+    joined.extend_from_slice(b", ");
+    joined.extend_from_slice(inner.as_bytes());
+    if let Ok(v) = HeaderValue::from_bytes(&joined) {
+        headers.insert(name.clone(), v);
     }
 }
 
@@ -212,29 +210,79 @@ impl Headers {
 /// The headers of a concurrency layer: every limit it enforces is one
 /// item, e.g. `RateLimit-Policy: "per-key";q=2;qu="concurrent-requests",
 /// "service";q=100;qu="concurrent-requests"` and `RateLimit: "per-key";r=1,
-/// "service";r=57`. A denial's item carries `t` (seconds until a retry),
-/// and the response `Retry-After` with the same value.
+/// "service";r=57`. A denial's item carries `t` (seconds until a retry;
+/// the rejection sets `Retry-After` to the same).
 #[derive(Debug, Clone)]
 pub(crate) struct ConcurrencyHeaders {
     /// Each limit's `"name"`.
     names: Box<[Box<[u8]>]>,
     /// The whole policy value, when every limit's `q` is fixed.
     policy: Option<HeaderValue>,
+    /// For a layer of one limit, the `RateLimit` value of every `r` from 0
+    /// to `q` (up to [`CACHED`]): an allowed response sends a shared copy
+    /// instead of formatting and allocating one.
+    cached: Box<[HeaderValue]>,
     pub(crate) standard: bool,
 }
 
-/// One limit's numbers for the headers: its `q` (the current limit) and
-/// the decision, if the limit was decided for this request.
+/// The most `RateLimit` values a layer renders ahead.
+const CACHED: u64 = 1_024;
+
+/// One limit's numbers for the headers, compact: it travels in every
+/// response future.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Item {
-    pub(crate) q: u64,
-    pub(crate) decision: Option<Decision>,
+    /// The limit (an adaptive limit's current value).
+    q: u32,
+    /// Permits left; [`Item::NONE`] when the limit was not decided.
+    r: u32,
+    /// Seconds until a retry, on a denial for now; else [`Item::NONE`].
+    t: u32,
+}
+
+impl Default for Item {
+    fn default() -> Self {
+        Self {
+            q: 0,
+            r: Self::NONE,
+            t: Self::NONE,
+        }
+    }
+}
+
+fn small(n: u64) -> u32 {
+    u32::try_from(n)
+        .unwrap_or(Item::NONE - 1)
+        .min(Item::NONE - 1)
+}
+
+impl Item {
+    const NONE: u32 = u32::MAX;
+
+    pub(crate) fn new(q: u64, decision: Option<Decision>) -> Self {
+        Self {
+            q: small(q),
+            r: decision.map_or(Self::NONE, |d| small(d.remaining)),
+            t: match decision.map(|d| d.outcome) {
+                Some(Outcome::Deny { retry_after }) => small(retry_after_secs(retry_after)),
+                _ => Self::NONE,
+            },
+        }
+    }
+
+    fn r(&self) -> Option<u64> {
+        (self.r != Self::NONE).then_some(u64::from(self.r))
+    }
+
+    fn t(&self) -> Option<u64> {
+        (self.t != Self::NONE).then_some(u64::from(self.t))
+    }
 }
 
 impl ConcurrencyHeaders {
     /// `limits`: each limit's name and, when fixed, its maximum.
     pub(crate) fn new(limits: &[(&str, Option<u64>)], standard: bool) -> Self {
-        let names = limits
+        let names: Box<[Box<[u8]>]> = limits
             .iter()
             .map(|(name, _)| format!("\"{name}\"").into_bytes().into_boxed_slice())
             .collect();
@@ -243,27 +291,25 @@ impl ConcurrencyHeaders {
             .map(|(name, q)| q.map(|q| format!("\"{name}\";q={q};qu=\"concurrent-requests\"")))
             .collect::<Option<Vec<_>>>()
             .and_then(|items| HeaderValue::from_str(&items.join(", ")).ok());
+        let cached: Box<[HeaderValue]> = match (limits, standard) {
+            ([(name, Some(q))], true) if *q <= CACHED => (0..=*q)
+                .filter_map(|r| {
+                    HeaderValue::from_maybe_shared(bytes::Bytes::from(format!("\"{name}\";r={r}")))
+                        .ok()
+                })
+                .collect(),
+            _ => Box::new([]),
+        };
         Self {
             names,
             policy,
+            cached,
             standard,
         }
     }
 
-    /// Adds the headers for `items` (one per limit, in order), and
-    /// `Retry-After` when `rejected` by a denial for now.
-    pub(crate) fn apply(&self, headers: &mut HeaderMap, items: &[Item], rejected: bool) {
-        let mut retry = None;
-        for item in items {
-            if let Some(Outcome::Deny { retry_after }) = item.decision.map(|d| d.outcome) {
-                retry = Some(retry_after_secs(retry_after));
-            }
-        }
-        if let (true, Some(secs)) = (rejected, retry) {
-            if let Some(v) = number(secs) {
-                headers.insert(RETRY_AFTER, v);
-            }
-        }
+    /// Adds the headers for `items` (one per limit, in order).
+    pub(crate) fn apply(&self, headers: &mut HeaderMap, items: &[Item]) {
         if !self.standard {
             return;
         }
@@ -275,7 +321,7 @@ impl ConcurrencyHeaders {
                 }
                 b.push(name);
                 b.push(b";q=");
-                b.push_u64(item.q);
+                b.push_u64(u64::from(item.q));
                 b.push(b";qu=\"concurrent-requests\"");
             }
             b.value()
@@ -283,18 +329,26 @@ impl ConcurrencyHeaders {
         if let Some(p) = policy {
             add_items(headers, &RATELIMIT_POLICY, p);
         }
+        if let [item] = items {
+            if let (Some(r), None) = (item.r(), item.t()) {
+                if let Some(v) = usize::try_from(r).ok().and_then(|r| self.cached.get(r)) {
+                    add_items(headers, &RATELIMIT, v.clone());
+                    return;
+                }
+            }
+        }
         let mut b = Buf::new();
         for (name, item) in self.names.iter().zip(items) {
-            let Some(d) = item.decision else { continue };
+            let Some(r) = item.r() else { continue };
             if !b.as_bytes().is_empty() {
                 b.push(b", ");
             }
             b.push(name);
             b.push(b";r=");
-            b.push_u64(d.remaining);
-            if let Outcome::Deny { retry_after } = d.outcome {
+            b.push_u64(r);
+            if let Some(t) = item.t() {
                 b.push(b";t=");
-                b.push_u64(retry_after_secs(retry_after));
+                b.push_u64(t);
             }
         }
         if !b.as_bytes().is_empty() {
@@ -397,48 +451,40 @@ mod tests {
         );
         h.apply(
             &mut m,
-            &[
-                Item {
-                    q: 2,
-                    decision: Some(allow),
-                },
-                Item {
-                    q: 100,
-                    decision: Some(busy),
-                },
-            ],
-            true,
+            &[Item::new(2, Some(allow)), Item::new(100, Some(busy))],
         );
         assert_eq!(
             m["ratelimit-policy"],
             "\"per-key\";q=2;qu=\"concurrent-requests\", \"service\";q=100;qu=\"concurrent-requests\""
         );
         assert_eq!(m["ratelimit"], "\"per-key\";r=1, \"service\";r=0;t=1");
-        assert_eq!(m["retry-after"], "1");
         // An adaptive limit's q is rendered per response; an undecided
         // limit has no RateLimit item.
         let h = ConcurrencyHeaders::new(&[("per-key", Some(2)), ("adaptive", None)], true);
         let mut m = HeaderMap::new();
-        h.apply(
-            &mut m,
-            &[
-                Item {
-                    q: 2,
-                    decision: Some(busy),
-                },
-                Item {
-                    q: 37,
-                    decision: None,
-                },
-            ],
-            false,
-        );
+        h.apply(&mut m, &[Item::new(2, Some(busy)), Item::new(37, None)]);
         assert_eq!(
             m["ratelimit-policy"],
             "\"per-key\";q=2;qu=\"concurrent-requests\", \"adaptive\";q=37;qu=\"concurrent-requests\""
         );
         assert_eq!(m["ratelimit"], "\"per-key\";r=0;t=1");
-        assert!(m.get("retry-after").is_none());
+        // One limit: the values are rendered ahead, the same as formatted.
+        let h = ConcurrencyHeaders::new(&[("one", Some(3))], true);
+        for r in 0..=3 {
+            let mut m = HeaderMap::new();
+            h.apply(
+                &mut m,
+                &[Item::new(
+                    3,
+                    Some(decision(Outcome::Allow { delay: 0 }, r, 0)),
+                )],
+            );
+            assert_eq!(m["ratelimit"], format!("\"one\";r={r}").as_str());
+            assert_eq!(
+                m["ratelimit-policy"],
+                "\"one\";q=3;qu=\"concurrent-requests\""
+            );
+        }
     }
 
     #[test]

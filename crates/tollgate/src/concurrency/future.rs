@@ -117,8 +117,8 @@ where
                     };
                     let (mut request, mut inner) = *w;
                     let mut admitted = admitted.take();
-                    if let Some(a) = &mut admitted {
-                        a.holding = Holding::attach(a.permit.take(), &mut request);
+                    if let (Some(a), true) = (&mut admitted, responder.upgrades) {
+                        Holding::attach(&mut a.permit, &mut request);
                     }
                     State::Calling {
                         future: inner.call(request),
@@ -145,12 +145,10 @@ where
                         ));
                     };
                     let mut response = response;
-                    responder.headers.apply(
-                        response.headers_mut(),
-                        admitted.items.as_slice(),
-                        false,
-                    );
-                    let holding = admitted.holding;
+                    responder
+                        .headers
+                        .apply(response.headers_mut(), admitted.items.as_slice());
+                    let holding = admitted.permit;
                     return Poll::Ready(Ok(
                         response.map(|b| PermitBody::new(ResponseBody::inner(b), holding))
                     ));

@@ -117,6 +117,7 @@ impl ConcurrencyLayer<PeerIp, Fixed, AllCritical, ()> {
                 service: None,
                 read_only: None,
                 is_drop: None,
+                upgrades: false,
             },
         }
     }
@@ -141,6 +142,7 @@ struct Config {
     service: Option<ServiceConfig>,
     read_only: Option<ReadOnly>,
     is_drop: Option<DropFn>,
+    upgrades: bool,
 }
 
 /// Builds a [`ConcurrencyLayer`]; see [`ConcurrencyLayer::builder`].
@@ -266,6 +268,15 @@ impl<K, C, P, St> ConcurrencyLayerBuilder<K, C, P, St> {
             window,
             min_requests: 20,
         });
+        self
+    }
+
+    /// Offers the permit of an upgrade request (a WebSocket) to its
+    /// handler as an [`UpgradePermit`](super::UpgradePermit) extension, so
+    /// the upgraded connection can count until it closes (default: off;
+    /// the permit ends with the `101` response).
+    pub fn upgrades(mut self, on: bool) -> Self {
+        self.cfg.upgrades = on;
         self
     }
 
@@ -442,6 +453,7 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
                     ],
                     adaptive,
                     name,
+                    upgrades: cfg.upgrades,
                 }),
             }),
         })

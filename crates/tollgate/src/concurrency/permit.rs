@@ -19,11 +19,51 @@ pub(crate) trait Release: Send + Sync + 'static {
     fn release(&self, permit: &mut Held);
 }
 
+/// A request's key as the store saw it, kept for the release. Compact:
+/// it travels in every response future and body. A finished [`KeyBuf`] is
+/// at most [`MAX_RAW_KEY`](crate::key::MAX_RAW_KEY) bytes (longer keys are
+/// hashed), so the long form is never used in practice.
+#[derive(Debug, Clone)]
+pub(crate) enum PermitKey {
+    Short { len: u8, bytes: [u8; 64] },
+    Long(Box<[u8]>),
+}
+
+impl Default for PermitKey {
+    fn default() -> Self {
+        PermitKey::Short {
+            len: 0,
+            bytes: [0; 64],
+        }
+    }
+}
+
+impl PermitKey {
+    pub(crate) fn new(key: &mut KeyBuf) -> Self {
+        let key = key.as_bytes();
+        let mut bytes = [0; 64];
+        match (bytes.get_mut(..key.len()), u8::try_from(key.len())) {
+            (Some(dst), Ok(len)) => {
+                dst.copy_from_slice(key);
+                PermitKey::Short { len, bytes }
+            }
+            _ => PermitKey::Long(key.into()),
+        }
+    }
+
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        match self {
+            PermitKey::Short { len, bytes } => bytes.get(..usize::from(*len)).unwrap_or_default(),
+            PermitKey::Long(key) => key,
+        }
+    }
+}
+
 /// What a request holds: a lease per limit that granted one.
 #[derive(Debug, Default)]
 pub(crate) struct Held {
     /// The request's key (as the store saw it).
-    pub(crate) key: KeyBuf,
+    pub(crate) key: PermitKey,
     pub(crate) per_key: Option<Lease>,
     pub(crate) service: Option<Lease>,
     /// Permits taken from an adaptive (in-process) service limit.
@@ -43,12 +83,17 @@ impl Held {
 /// dropped, or the request was cancelled before it had a response.
 pub struct Permit {
     owner: Arc<dyn Release>,
-    held: Held,
+    // Boxed: the permit travels in every response future and body, which
+    // axum and tower move several times; one allocation costs less.
+    held: Box<Held>,
 }
 
 impl Permit {
     pub(crate) fn new(owner: Arc<dyn Release>, held: Held) -> Self {
-        Self { owner, held }
+        Self {
+            owner,
+            held: Box::new(held),
+        }
     }
 
     pub(crate) fn held_mut(&mut self) -> &mut Held {
@@ -78,9 +123,11 @@ impl fmt::Debug for Permit {
 }
 
 /// The permit of an upgrade request (WebSocket, HTTP/2 extended CONNECT),
-/// offered to the handler in the request's extensions: take it and move it
-/// into the upgraded connection's task to count the connection until it
-/// closes. Not taken, it is released with the (empty) `101` response body.
+/// offered to the handler in the request's extensions when the layer is
+/// built with [`upgrades(true)`](super::ConcurrencyLayerBuilder::upgrades):
+/// take it and move it into the upgraded connection's task to count the
+/// connection until it closes. Not taken, it is released with the (empty)
+/// `101` response body.
 ///
 /// ```
 /// use axum::Extension;
@@ -128,15 +175,17 @@ pub(crate) enum Holding {
 }
 
 impl Holding {
-    /// For `req`: an upgrade's permit goes into its extensions.
-    pub(crate) fn attach<B>(permit: Option<Permit>, req: &mut http::Request<B>) -> Option<Self> {
-        let permit = permit?;
-        if is_upgrade(req) {
-            let slot = UpgradePermit::new(permit);
-            req.extensions_mut().insert(slot.clone());
-            Some(Holding::Upgrade(slot))
-        } else {
-            Some(Holding::Permit(permit))
+    /// For an upgrade request, when the layer offers upgrades: the permit
+    /// moves to a slot in the request's extensions, for the handler.
+    pub(crate) fn attach<B>(holding: &mut Option<Self>, req: &mut http::Request<B>) {
+        if let Some(Holding::Permit(_)) = holding {
+            if is_upgrade(req) {
+                if let Some(Holding::Permit(permit)) = holding.take() {
+                    let slot = UpgradePermit::new(permit);
+                    req.extensions_mut().insert(slot.clone());
+                    *holding = Some(Holding::Upgrade(slot));
+                }
+            }
         }
     }
 

@@ -10,7 +10,6 @@ use super::permit::{Holding, PermitBody};
 use super::shared::{Admission, Critical, Shared};
 use crate::cost::Cost;
 use crate::key::KeyExtractor;
-use crate::rejection::is_grpc;
 
 /// The service of [`ConcurrencyLayer`](super::ConcurrencyLayer).
 pub struct ConcurrencyLimit<S, K, C, P, L> {
@@ -59,9 +58,11 @@ where
     }
 
     fn call(&mut self, mut req: Request<ReqB>) -> Self::Future {
-        let state = match self.shared.start(&req, is_grpc(&req)) {
+        let state = match self.shared.start(&req) {
             Admission::Go(mut admitted) => {
-                admitted.holding = Holding::attach(admitted.permit.take(), &mut req);
+                if self.shared.responder.upgrades {
+                    Holding::attach(&mut admitted.permit, &mut req);
+                }
                 State::Calling {
                     future: self.inner.call(req),
                     admitted: Some(admitted),

@@ -12,14 +12,14 @@ use tokio::time::Instant;
 use tollgate_core::{Acquire, ConcurrencyLimiter, Decision, Outcome, StoreError};
 
 use super::adaptive::Adaptive;
-use super::permit::{Held, Permit, Release};
+use super::permit::{Held, Holding, Permit, PermitKey, Release};
 use super::queue::Queue;
 use crate::cost::Cost;
 use crate::headers::{ConcurrencyHeaders, Item};
 use crate::key::{KeyBuf, KeyExtractor};
 use crate::observe::ConcurrencyMetrics;
 use crate::rate_limit::MissingKey;
-use crate::rejection::{LimitKind, Reason, Rejected, Rendered};
+use crate::rejection::{is_grpc, LimitKind, Reason, Rejected, Rendered};
 
 /// Decides whether a request is critical: critical requests may use every
 /// permit; the others at most the configured share, so the rest stays in
@@ -77,6 +77,8 @@ pub(crate) struct Responder {
     pub(crate) rendered: [Rendered; 2],
     pub(crate) adaptive: Option<Arc<Adaptive>>,
     pub(crate) name: Arc<str>,
+    /// Offer upgrade requests' permits to their handlers.
+    pub(crate) upgrades: bool,
 }
 
 impl Responder {
@@ -96,8 +98,7 @@ impl Responder {
             res.headers_mut()
                 .insert(http::header::RETRY_AFTER, http::HeaderValue::from(secs));
         }
-        self.headers
-            .apply(res.headers_mut(), items.as_slice(), false);
+        self.headers.apply(res.headers_mut(), items.as_slice());
         res
     }
 }
@@ -111,19 +112,15 @@ pub(crate) struct Items {
 
 impl Items {
     fn new(len: usize) -> Self {
-        let empty = Item {
-            q: 0,
-            decision: None,
-        };
         Self {
-            items: [empty; 2],
+            items: [Item::default(); 2],
             len,
         }
     }
 
     fn set(&mut self, i: usize, q: u64, decision: Option<Decision>) {
         if let Some(item) = self.items.get_mut(i) {
-            *item = Item { q, decision };
+            *item = Item::new(q, decision);
         }
     }
 
@@ -136,9 +133,8 @@ impl Items {
 /// items, and when it started (for an adaptive limit's samples).
 #[derive(Debug)]
 pub(crate) struct Admitted {
-    pub(crate) permit: Option<Permit>,
-    /// Where the permit went once the request was seen (the body's).
-    pub(crate) holding: Option<super::permit::Holding>,
+    /// The permit, or (for an upgrade) the slot offered to the handler.
+    pub(crate) permit: Option<Holding>,
     pub(crate) items: Items,
     pub(crate) started: Option<Instant>,
 }
@@ -287,7 +283,7 @@ where
 {
     /// Admits `req` without waiting when the store needs no I/O and the
     /// request need not queue; otherwise defers.
-    pub(crate) fn start<B>(self: &Arc<Self>, req: &Request<B>, grpc: bool) -> Admission
+    pub(crate) fn start<B>(self: &Arc<Self>, req: &Request<B>) -> Admission
     where
         K: KeyExtractor<B>,
         C: Cost<B>,
@@ -300,14 +296,14 @@ where
                     self.metrics.unkeyed.increment(1);
                     return Admission::Go(Admitted {
                         permit: None,
-                        holding: None,
                         items: Items::new(0),
                         started: None,
                     });
                 }
                 MissingKey::Reject => {
                     self.metrics.missing_key.increment(1);
-                    let r = self.rejected(&self.per_key.name, Reason::MissingKey, grpc, None);
+                    let r =
+                        self.rejected(&self.per_key.name, Reason::MissingKey, is_grpc(req), None);
                     return Admission::Reject(r, Items::new(0));
                 }
                 MissingKey::Fallback(fallback) => {
@@ -336,7 +332,7 @@ where
                     remaining: 0,
                     reset_after: 0,
                 };
-                let r = self.rejected(&a.name, Reason::ReadOnly, grpc, Some(d));
+                let r = self.rejected(&a.name, Reason::ReadOnly, is_grpc(req), Some(d));
                 return Admission::Reject(r, Items::new(0));
             }
         }
@@ -348,7 +344,7 @@ where
                 key,
                 permits,
                 critical,
-                grpc,
+                grpc: is_grpc(req),
                 queued,
             })
         };
@@ -387,13 +383,20 @@ where
             _ => None,
         };
         let guard = self.guard(key, &step);
-        self.finish(guard, step, service, permits, critical, grpc)
+        // Whether the request is gRPC matters only to a rejection.
+        match self.finish(guard, step, service, permits, critical, false) {
+            Admission::Reject(mut r, items) => {
+                r.grpc = is_grpc(req);
+                Admission::Reject(r, items)
+            }
+            other => other,
+        }
     }
 
     /// The per-key lease `step` granted, in a guard that gives it back if
     /// the admission goes no further (a later limit refuses, or the
     /// request is cancelled while the next limit is asked).
-    fn guard(self: &Arc<Self>, key: KeyBuf, step: &Step) -> Permit {
+    fn guard(self: &Arc<Self>, mut key: KeyBuf, step: &Step) -> Permit {
         let per_key = match step {
             Step::Granted(lease, _) => *lease,
             _ => None,
@@ -402,7 +405,7 @@ where
         Permit::new(
             owner,
             Held {
-                key,
+                key: PermitKey::new(&mut key),
                 per_key,
                 ..Held::default()
             },
@@ -484,8 +487,7 @@ where
             Some(guard)
         };
         Admission::Go(Admitted {
-            permit,
-            holding: None,
+            permit: permit.map(Holding::Permit),
             items,
             started: self.started(),
         })

@@ -359,7 +359,7 @@ async fn missing_keys_and_grpc() {
 
 #[tokio::test]
 async fn an_upgrade_handler_can_keep_the_permit() {
-    let layer = builder(1).build().unwrap();
+    let layer = builder(1).upgrades(true).build().unwrap();
     let kept = Arc::new(std::sync::Mutex::new(None));
     let k2 = Arc::clone(&kept);
     let svc = layer.layer(service_fn(move |req: Req| {

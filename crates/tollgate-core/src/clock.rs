@@ -17,20 +17,30 @@ pub fn duration_to_nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
-/// A source of monotonic time in nanoseconds.
+/// A source of time in nanoseconds: monotonic time for rates and
+/// concurrency, and the wall-clock (Unix) time that calendar quotas need.
 ///
-/// The origin is the clock's own (process start for [`SystemClock`], zero
-/// for [`ManualClock`]); only differences matter. A clock may move backwards
-/// (a test may do so on purpose); every algorithm handles that without
-/// panicking and without admitting more than its limit.
+/// The origin of [`now`](Self::now) is the clock's own (process start for
+/// [`SystemClock`]); only differences matter. [`unix_now`](Self::unix_now)
+/// is nanoseconds since 1970-01-01T00:00:00Z, which tells the date. A
+/// clock may move backwards (a test may do so on purpose); every algorithm
+/// handles that without panicking and without admitting more than its
+/// limit.
 pub trait Clock: Send + Sync + 'static {
     /// The current time in nanoseconds since the clock's origin.
     fn now(&self) -> u64;
+
+    /// The current wall-clock time: nanoseconds since the Unix epoch.
+    fn unix_now(&self) -> u64;
 }
 
 impl<C: Clock + ?Sized> Clock for Arc<C> {
     fn now(&self) -> u64 {
         (**self).now()
+    }
+
+    fn unix_now(&self) -> u64 {
+        (**self).unix_now()
     }
 }
 
@@ -80,10 +90,19 @@ impl Clock for SystemClock {
             .delta_as_nanos(s.origin, s.clock.raw())
             .saturating_add(1)
     }
+
+    /// The operating system's wall clock (a clock set before 1970 reads 0).
+    fn unix_now(&self) -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, duration_to_nanos)
+    }
 }
 
 /// A clock for tests: starts at zero, moves only when told to, and every
-/// clone shares the same time.
+/// clone shares the same time. Its one reading serves as both the
+/// monotonic and the Unix time, so a clock set to a date
+/// ([`ManualClock::at_unix`]) tells calendar quotas that date.
 ///
 /// ```
 /// use std::time::Duration;
@@ -103,6 +122,12 @@ impl ManualClock {
     /// A clock reading zero.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A clock reading `unix_nanos` since the Unix epoch (the same as
+    /// [`starting_at`](Self::starting_at), named for what it means).
+    pub fn at_unix(unix_nanos: u64) -> Self {
+        Self::starting_at(unix_nanos)
     }
 
     /// A clock reading `nanos`.
@@ -137,6 +162,11 @@ impl Clock for ManualClock {
     fn now(&self) -> u64 {
         self.nanos.load(Ordering::Acquire)
     }
+
+    #[inline]
+    fn unix_now(&self) -> u64 {
+        self.now()
+    }
 }
 
 impl fmt::Debug for ManualClock {
@@ -156,6 +186,14 @@ mod tests {
         let b = c.now();
         assert!(a >= 1);
         assert!(b >= a);
+    }
+
+    #[test]
+    fn the_system_clock_tells_the_date() {
+        // 2026-01-01T00:00:00Z: this code was written after it.
+        assert!(SystemClock.unix_now() > 1_767_225_600_000_000_000);
+        let c = ManualClock::at_unix(1_767_225_600_000_000_000);
+        assert_eq!(c.unix_now(), c.now());
     }
 
     #[test]

@@ -387,6 +387,49 @@ impl ConcurrencyRule {
     }
 }
 
+/// A named, validated calendar quota: budgets per period per key (see
+/// [`Quota`](crate::Quota)).
+///
+/// ```
+/// use tollgate_core::calendar::{Offset, Period};
+/// use tollgate_core::QuotaRule;
+///
+/// let rule = QuotaRule::new("plan", &[(Period::Day, 1_000), (Period::Month, 20_000)], Offset::UTC)?;
+/// assert_eq!(rule.quota().periods().count(), 2);
+/// # Ok::<(), tollgate_core::ConfigError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuotaRule {
+    name: Arc<str>,
+    quota: crate::Quota,
+}
+
+impl QuotaRule {
+    /// Validates the name and the periods.
+    pub fn new(
+        name: impl AsRef<str>,
+        periods: &[(crate::calendar::Period, u64)],
+        offset: crate::calendar::Offset,
+    ) -> Result<Self, ConfigError> {
+        let name = name.as_ref();
+        validate_name(name)?;
+        Ok(Self {
+            name: name.into(),
+            quota: crate::Quota::new(periods, offset)?,
+        })
+    }
+
+    /// The rule's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The validated quota.
+    pub fn quota(&self) -> &crate::Quota {
+        &self.quota
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

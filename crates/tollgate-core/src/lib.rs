@@ -58,6 +58,7 @@
 
 pub mod adaptive;
 pub mod algorithm;
+pub mod calendar;
 mod clock;
 mod config;
 mod decision;
@@ -66,11 +67,15 @@ mod store;
 pub mod testing;
 
 pub use algorithm::{
-    FixedWindow, Gcra, InFlight, LeakyBucket, RateAlgorithm, Semaphore, SemaphoreState,
-    SlidingWindowCounter, SlidingWindowCounterState, SlidingWindowLog, SlidingWindowLogState,
-    TokenBucket,
+    FixedWindow, Gcra, InFlight, LeakyBucket, PeriodStatus, Quota, QuotaDecision, QuotaState,
+    RateAlgorithm, Semaphore, SemaphoreState, SlidingWindowCounter, SlidingWindowCounterState,
+    SlidingWindowLog, SlidingWindowLogState, TokenBucket,
 };
 pub use clock::{duration_to_nanos, Clock, ManualClock, SystemClock};
-pub use config::{Algorithm, ConcurrencyRule, ConfigError, Limit, Rate, Rule, MAX_RULE_NAME_LEN};
+pub use config::{
+    Algorithm, ConcurrencyRule, ConfigError, Limit, QuotaRule, Rate, Rule, MAX_RULE_NAME_LEN,
+};
 pub use decision::{Acquire, Decision, Lease, Outcome};
-pub use store::{ConcurrencyLimiter, Limiter, Store, StoreError, StoreErrorKind};
+pub use store::{
+    ConcurrencyLimiter, Limiter, QuotaLimiter, QuotaStore, Store, StoreError, StoreErrorKind,
+};

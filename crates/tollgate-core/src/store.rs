@@ -18,7 +18,9 @@
 use std::fmt;
 use std::future::Future;
 
-use crate::{Acquire, ConcurrencyRule, ConfigError, Decision, Lease, Rule};
+use crate::{
+    Acquire, ConcurrencyRule, ConfigError, Decision, Lease, QuotaDecision, QuotaRule, Rule,
+};
 
 /// A store failed to answer (network, timeout, script error). The limiter's
 /// failure policy decides what the request gets.
@@ -163,4 +165,48 @@ pub trait ConcurrencyLimiter: Clone + Send + Sync + 'static {
 
     /// The permits `key` holds now.
     fn held(&self, key: &[u8]) -> Self::HeldFuture;
+}
+
+/// A store that keeps calendar quotas. A separate trait from [`Store`] so
+/// that a store can add quotas without every other store following at
+/// once; the in-memory store keeps them per process (a restart forgets
+/// them), the Redis store keeps them across restarts.
+pub trait QuotaStore: Store {
+    /// The handle for one quota rule.
+    type QuotaLimiter: QuotaLimiter;
+
+    /// Binds a quota `rule`. Called once per limiter, at build time.
+    fn quota_limiter(&self, rule: &QuotaRule) -> Result<Self::QuotaLimiter, ConfigError>;
+}
+
+/// One quota rule bound to a store: consume, and the administration that
+/// support staff need (read a key's usage, reset it, grant extra units).
+/// Time is the store's wall clock (Unix time; Redis's `TIME`).
+pub trait QuotaLimiter: Clone + Send + Sync + 'static {
+    /// Future of every call.
+    type Future: Future<Output = Result<QuotaDecision, StoreError>> + Send + 'static;
+
+    /// The rule this limiter enforces.
+    fn rule(&self) -> &QuotaRule;
+
+    /// Charges `cost` to every period of `key`'s quota if it fits them all.
+    /// Cost 0 reads the usage.
+    fn consume(&self, key: &[u8], cost: u32) -> Self::Future;
+
+    /// [`consume`](Self::consume) at once, for stores that need no I/O;
+    /// `None` (the default) means "call `consume`".
+    fn consume_sync(&self, key: &[u8], cost: u32) -> Option<Result<QuotaDecision, StoreError>> {
+        let _ = (key, cost);
+        None
+    }
+
+    /// Gives `cost` back to the periods that are still current.
+    fn refund(&self, key: &[u8], cost: u32) -> Self::Future;
+
+    /// Forgets everything `key` used (and was granted); returns the usage
+    /// after: whole budgets.
+    fn reset(&self, key: &[u8]) -> Self::Future;
+
+    /// Adds `units` to every current period's budget for `key`.
+    fn grant(&self, key: &[u8], units: u64) -> Self::Future;
 }

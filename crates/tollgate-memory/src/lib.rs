@@ -79,8 +79,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use tollgate_core::{
     Acquire, Algorithm, Clock, ConcurrencyLimiter, ConcurrencyRule, ConfigError, Decision,
-    FixedWindow, Gcra, InFlight, LeakyBucket, Lease, Limiter, RateAlgorithm, Rule, Semaphore,
-    SlidingWindowCounter, SlidingWindowLog, Store, StoreError, SystemClock, TokenBucket,
+    FixedWindow, Gcra, InFlight, LeakyBucket, Lease, Limiter, Quota, QuotaDecision, QuotaLimiter,
+    QuotaRule, QuotaState, QuotaStore, RateAlgorithm, Rule, Semaphore, SlidingWindowCounter,
+    SlidingWindowLog, Store, StoreError, SystemClock, TokenBucket,
 };
 
 use crate::table::{Shared, Slot, Table};
@@ -108,6 +109,7 @@ struct Inner<C> {
 enum Bound<C> {
     Rate(Algorithm, AnyTable<C>),
     Concurrency(Semaphore, Arc<Table<InFlight, C>>),
+    Quota(Quota, Arc<Table<Quota, C>>),
 }
 
 impl<C> Clone for MemoryStore<C> {
@@ -192,6 +194,7 @@ impl<C: Clock> MemoryStore<C> {
             .map(|bound| match bound {
                 Bound::Rate(_, table) => dispatch!(table, t => t.purge(now)),
                 Bound::Concurrency(_, t) => t.purge(now),
+                Bound::Quota(_, t) => t.purge(t.now()),
             })
             .sum()
     }
@@ -539,5 +542,124 @@ impl<C: Clock> ConcurrencyLimiter for MemoryConcurrencyLimiter<C> {
 
     fn held(&self, key: &[u8]) -> Self::HeldFuture {
         ready(Ok(self.held_now(key)))
+    }
+}
+
+impl<C: Clock> QuotaStore for MemoryStore<C> {
+    type QuotaLimiter = MemoryQuotaLimiter<C>;
+
+    /// Binds a quota `rule`; the same sharing rules as
+    /// [`limiter`](Store::limiter). Quotas live in this process: a restart
+    /// forgets them (use the Redis store to keep them).
+    fn quota_limiter(&self, rule: &QuotaRule) -> Result<MemoryQuotaLimiter<C>, ConfigError> {
+        let mut rules = self
+            .inner
+            .rules
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let bound = rules.entry(rule.name().to_owned()).or_insert_with(|| {
+            let shared = Arc::clone(&self.inner.shared);
+            Bound::Quota(
+                rule.quota().clone(),
+                Table::registered(rule.quota().clone(), self.inner.shards, shared),
+            )
+        });
+        match bound {
+            Bound::Quota(quota, table) if quota == rule.quota() => Ok(MemoryQuotaLimiter {
+                rule: rule.clone(),
+                table: Arc::clone(table),
+            }),
+            _ => Err(conflict()),
+        }
+    }
+}
+
+/// A quota rule bound to a [`MemoryStore`], on the store clock's wall time
+/// ([`Clock::unix_now`]).
+pub struct MemoryQuotaLimiter<C = SystemClock> {
+    rule: QuotaRule,
+    table: Arc<Table<Quota, C>>,
+}
+
+impl<C> Clone for MemoryQuotaLimiter<C> {
+    fn clone(&self) -> Self {
+        Self {
+            rule: self.rule.clone(),
+            table: Arc::clone(&self.table),
+        }
+    }
+}
+
+impl<C> fmt::Debug for MemoryQuotaLimiter<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryQuotaLimiter")
+            .field("rule", &self.rule)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C: Clock> MemoryQuotaLimiter<C> {
+    /// [`QuotaLimiter::consume`] without the future.
+    #[inline]
+    pub fn consume_now(&self, key: &[u8], cost: u32) -> QuotaDecision {
+        let t = &self.table;
+        let now = t.now();
+        t.update(key, now, cost > 0, |s| t.kind.decide(s, now, cost))
+    }
+
+    /// [`QuotaLimiter::refund`] without the future.
+    pub fn refund_now(&self, key: &[u8], cost: u32) -> QuotaDecision {
+        let t = &self.table;
+        let now = t.now();
+        t.update(key, now, false, |s| {
+            t.kind.refund(s, now, cost);
+            t.kind.decide(s, now, 0)
+        })
+    }
+
+    /// [`QuotaLimiter::reset`] without the future.
+    pub fn reset_now(&self, key: &[u8]) -> QuotaDecision {
+        let t = &self.table;
+        let now = t.now();
+        t.update(key, now, false, |s| {
+            *s = QuotaState::default();
+            t.kind.decide(s, now, 0)
+        })
+    }
+
+    /// [`QuotaLimiter::grant`] without the future.
+    pub fn grant_now(&self, key: &[u8], units: u64) -> QuotaDecision {
+        let t = &self.table;
+        let now = t.now();
+        t.update(key, now, false, |s| t.kind.grant(s, now, units))
+    }
+}
+
+impl<C: Clock> QuotaLimiter for MemoryQuotaLimiter<C> {
+    type Future = Ready<Result<QuotaDecision, StoreError>>;
+
+    fn rule(&self) -> &QuotaRule {
+        &self.rule
+    }
+
+    fn consume(&self, key: &[u8], cost: u32) -> Self::Future {
+        ready(Ok(self.consume_now(key, cost)))
+    }
+
+    #[inline]
+    fn consume_sync(&self, key: &[u8], cost: u32) -> Option<Result<QuotaDecision, StoreError>> {
+        Some(Ok(self.consume_now(key, cost)))
+    }
+
+    fn refund(&self, key: &[u8], cost: u32) -> Self::Future {
+        ready(Ok(self.refund_now(key, cost)))
+    }
+
+    fn reset(&self, key: &[u8]) -> Self::Future {
+        ready(Ok(self.reset_now(key)))
+    }
+
+    fn grant(&self, key: &[u8], units: u64) -> Self::Future {
+        ready(Ok(self.grant_now(key, units)))
     }
 }

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 
-use tollgate_core::{Clock, InFlight, RateAlgorithm};
+use tollgate_core::{Clock, InFlight, Quota, QuotaState, RateAlgorithm};
 
 use crate::cell::{Cell, Stored};
 use crate::key::{BuildIdentity, KeyHasher};
@@ -20,6 +20,10 @@ pub(crate) trait Kind: Send + Sync + 'static {
     /// Whether decisions read the time. A kind that does not (a count of
     /// permits) skips the clock on its hot path.
     const TIMED: bool = true;
+    /// Whether its time is the wall clock (Unix time: calendar quotas)
+    /// rather than the monotonic one. A table uses one or the other
+    /// throughout, its sweeps included.
+    const WALL: bool = false;
 }
 
 const SECOND: u64 = 1_000_000_000;
@@ -50,6 +54,20 @@ impl Kind for InFlight {
 
     fn sweep_every(&self) -> u64 {
         SECOND
+    }
+}
+
+impl Kind for Quota {
+    type State = QuotaState;
+    type Cell = Mutex<QuotaState>;
+    const WALL: bool = true;
+
+    fn is_idle(&self, state: &QuotaState, now: u64) -> bool {
+        Quota::is_idle(self, state, now)
+    }
+
+    fn sweep_every(&self) -> u64 {
+        60 * SECOND
     }
 }
 
@@ -96,9 +114,15 @@ impl<C> Shared<C> {
     }
 
     /// The store is full: drops idle keys of every table, at most once per
-    /// `FULL_SWEEP_EVERY` of clock time. Busy shards (including the caller's,
-    /// whose lock it holds) are skipped. Returns how many keys it dropped.
-    fn sweep_all(&self, now: u64) -> usize {
+    /// `FULL_SWEEP_EVERY` of (monotonic) clock time. Busy shards (including
+    /// the caller's, whose lock it holds) are skipped. Each table judges
+    /// idleness on its own time (a quota's is the wall clock). Returns how
+    /// many keys it dropped.
+    fn sweep_all(&self) -> usize
+    where
+        C: Clock,
+    {
+        let now = self.clock.now();
         let last = self.last_full_sweep.load(Ordering::Relaxed);
         if now.saturating_sub(last) < FULL_SWEEP_EVERY
             || self
@@ -115,7 +139,7 @@ impl<C> Shared<C> {
             .iter()
             .filter_map(Weak::upgrade)
             .collect();
-        tables.iter().map(|t| t.purge_idle(now)).sum()
+        tables.iter().map(|t| t.purge_idle()).sum()
     }
 }
 
@@ -133,8 +157,9 @@ const FULL_SWEEP_EVERY: u64 = 100_000_000;
 
 /// A table that can drop its idle keys without blocking.
 pub(crate) trait Purge: Send + Sync {
-    /// Drops idle keys from every shard not locked right now.
-    fn purge_idle(&self, now: u64) -> usize;
+    /// Drops idle keys from every shard not locked right now, judged at
+    /// the table's own time.
+    fn purge_idle(&self) -> usize;
 }
 
 /// How many keys per shard the overflow state remembers as its members.
@@ -262,6 +287,9 @@ impl<K: Kind, C: Clock> Table<K, C> {
             // Only the sweeper's pacing uses it: it reads the clock itself.
             return 0;
         }
+        if K::WALL {
+            return self.shared.clock.unix_now();
+        }
         self.shared.clock.now()
     }
 
@@ -372,7 +400,7 @@ impl<K: Kind, C: Clock> Table<K, C> {
             }
             swept = true;
             // Idle keys of other rules (or other shards) hold the budget too.
-            if swept_all || self.shared.sweep_all(now) == 0 {
+            if swept_all || self.shared.sweep_all() == 0 {
                 return false;
             }
             swept_all = true;
@@ -446,7 +474,12 @@ impl<K: Kind, C: Clock> Table<K, C> {
 }
 
 impl<K: Kind, C: Clock> Purge for Table<K, C> {
-    fn purge_idle(&self, now: u64) -> usize {
+    fn purge_idle(&self) -> usize {
+        let now = if K::TIMED || K::WALL {
+            self.now()
+        } else {
+            self.shared.clock.now()
+        };
         self.shards
             .iter()
             .filter_map(|shard| {

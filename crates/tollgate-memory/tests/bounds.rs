@@ -232,3 +232,51 @@ fn leases_from_the_overflow_state_are_released_there_after_a_slot_frees() {
     // Nothing is held any more: a new key gets its permit.
     assert!(sem.acquire_now(b"c", 1, u32::MAX).lease.is_some());
 }
+
+/// A clock whose wall time is far from its monotonic time, as
+/// `SystemClock`'s is (process uptime vs Unix time).
+#[derive(Clone)]
+struct TwoClocks(ManualClock);
+
+impl tollgate_core::Clock for TwoClocks {
+    fn now(&self) -> u64 {
+        self.0.now()
+    }
+    fn unix_now(&self) -> u64 {
+        self.0.now() + 1_796_000_000_000_000_000
+    }
+}
+
+#[test]
+fn a_full_store_sweeping_for_a_quota_keeps_every_rate_key() {
+    use tollgate_core::calendar::{Offset, Period};
+    use tollgate_core::{QuotaRule, QuotaStore};
+    let clock = ManualClock::starting_at(1_000_000_000);
+    let s = MemoryStore::builder()
+        .clock(TwoClocks(clock.clone()))
+        .max_keys(2)
+        .shards(1)
+        .build()
+        .unwrap();
+    let rate = s.limiter(&gcra()).unwrap();
+    let quota = s
+        .quota_limiter(&QuotaRule::new("daily", &[(Period::Day, 5)], Offset::UTC).unwrap())
+        .unwrap();
+    // Two rate keys fill the store, each with budget spent.
+    for key in [&b"a"[..], b"b"] {
+        for _ in 0..3 {
+            assert!(rate.decide_now(key, 1).is_allowed());
+        }
+    }
+    // A quota key finds it full: the store-wide sweep runs, each table on
+    // its own time. Seen on the wall clock (a 2026 date), the rate keys'
+    // monotonic states would look decades old and be dropped as idle.
+    clock.advance(Duration::from_millis(200));
+    assert!(quota.consume_now(b"q", 1).is_allowed());
+    for key in [&b"a"[..], b"b"] {
+        assert!(
+            !rate.decide_now(key, 1).is_allowed(),
+            "key {key:?} lost its state"
+        );
+    }
+}

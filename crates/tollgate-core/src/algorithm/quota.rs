@@ -1,0 +1,397 @@
+use crate::calendar::{Offset, Period};
+use crate::{ConfigError, Decision, Outcome};
+
+/// The most periods one quota counts at once (one of each kind).
+pub const MAX_PERIODS: usize = 6;
+
+/// A calendar quota: budgets per period — e.g. 1,000 a day and 20,000 a
+/// month — that reset at calendar boundaries (UTC or a fixed offset), not
+/// on a rolling window. A request is charged to every period at once, or,
+/// when one of them has no room, to none.
+///
+/// Time is Unix time (nanoseconds): a store passes
+/// [`Clock::unix_now`](crate::Clock::unix_now), or Redis's `TIME`.
+///
+/// - A cost above a period's whole budget is [`Outcome::Never`].
+/// - A denial's `retry_after` is when every period that has no room has
+///   rolled over (possibly days away).
+/// - Support staff can [`grant`](Self::grant) extra units for the current
+///   periods and [`reset`](QuotaState::default) a key.
+/// - A clock set back into an earlier period keeps counting in the later
+///   one it already saw, so going back never hands out a fresh budget.
+///
+/// ```
+/// use tollgate_core::calendar::{unix_nanos, Offset, Period};
+/// use tollgate_core::{Outcome, Quota, QuotaState};
+///
+/// let quota = Quota::new(&[(Period::Day, 1_000), (Period::Month, 20_000)], Offset::UTC)?;
+/// let mut state = QuotaState::default();
+/// let noon = unix_nanos(2026, 12, 2, 12, 0, 0);
+/// let d = quota.decide(&mut state, noon, 990);
+/// assert!(d.is_allowed());
+/// assert_eq!(d.periods()[0].remaining, 10);
+/// assert_eq!(d.periods()[1].remaining, 19_010);
+/// // Twenty more do not fit today: retry at midnight, twelve hours away.
+/// let d = quota.decide(&mut state, noon, 20);
+/// assert_eq!(d.outcome, Outcome::Deny { retry_after: 12 * 3_600 * 1_000_000_000 });
+/// // Tomorrow the day is whole again; the month remembers.
+/// let d = quota.decide(&mut state, unix_nanos(2026, 12, 3, 0, 0, 0), 20);
+/// assert_eq!((d.periods()[0].remaining, d.periods()[1].remaining), (980, 18_990));
+/// # Ok::<(), tollgate_core::ConfigError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Quota {
+    periods: [Option<(Period, u64)>; MAX_PERIODS],
+    len: usize,
+    offset: Offset,
+}
+
+/// One period's count in a [`QuotaState`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Window {
+    /// Where the counted period starts (Unix ns); 0 when never used.
+    pub start: u64,
+    /// Units consumed in it.
+    pub used: u64,
+    /// Units granted on top of the budget for it.
+    pub bonus: u64,
+}
+
+/// Per-key state of a [`Quota`]: one window per period, in the quota's
+/// order.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct QuotaState {
+    /// The windows, one per period of the quota.
+    pub windows: [Window; MAX_PERIODS],
+}
+
+/// Where one period of a quota stands after a decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PeriodStatus {
+    /// The period.
+    pub period: Period,
+    /// Its budget: the configured limit plus any grant.
+    pub limit: u64,
+    /// Units left in it.
+    pub remaining: u64,
+    /// Nanoseconds until it ends (and the next period starts whole).
+    pub reset_after: u64,
+    /// Its length in nanoseconds (a month's depends on the month).
+    pub length: u64,
+}
+
+/// A quota's answer: the outcome, and where each period stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct QuotaDecision {
+    /// Allowed, denied until `retry_after`, or never.
+    pub outcome: Outcome,
+    periods: [PeriodStatus; MAX_PERIODS],
+    len: usize,
+}
+
+impl QuotaDecision {
+    /// Whether the request was admitted.
+    pub fn is_allowed(&self) -> bool {
+        matches!(self.outcome, Outcome::Allow { .. })
+    }
+
+    /// Each period's status, in the quota's order.
+    pub fn periods(&self) -> &[PeriodStatus] {
+        self.periods.get(..self.len).unwrap_or_default()
+    }
+
+    /// The decision of the tightest period — the one with the fewest units
+    /// left — as a plain [`Decision`], for code that reads one limit.
+    pub fn binding(&self) -> Decision {
+        let tightest = self
+            .periods()
+            .iter()
+            .min_by_key(|p| (p.remaining, std::cmp::Reverse(p.reset_after)));
+        match tightest {
+            Some(p) => Decision::with(self.outcome, p.limit, p.remaining, p.reset_after),
+            None => Decision::with(self.outcome, 0, 0, 0),
+        }
+    }
+}
+
+const EMPTY: PeriodStatus = PeriodStatus {
+    period: Period::Minute,
+    limit: 0,
+    remaining: 0,
+    reset_after: 0,
+    length: 0,
+};
+
+impl Quota {
+    /// The largest budget of one period (so that counts stay exact in the
+    /// Redis store's Lua doubles).
+    pub const MAX_LIMIT: u64 = 1 << 52;
+
+    /// Validates: 1 to [`MAX_PERIODS`] periods, each kind at most once,
+    /// every budget from 1 to [`Self::MAX_LIMIT`]. Periods are kept in the
+    /// order given.
+    pub fn new(periods: &[(Period, u64)], offset: Offset) -> Result<Self, ConfigError> {
+        if periods.is_empty() || periods.len() > MAX_PERIODS {
+            return Err(ConfigError::new(
+                "periods",
+                "a quota needs 1 to 6 periods (at most one of each kind)",
+            ));
+        }
+        let mut quota = Self {
+            periods: [None; MAX_PERIODS],
+            len: periods.len(),
+            offset,
+        };
+        for (i, &(period, limit)) in periods.iter().enumerate() {
+            if limit == 0 || limit > Self::MAX_LIMIT {
+                return Err(ConfigError::new(
+                    "limit",
+                    "every period's budget must be from 1 to 2^52",
+                ));
+            }
+            if periods.iter().take(i).any(|&(p, _)| p == period) {
+                return Err(ConfigError::new(
+                    "periods",
+                    "each period may appear once (one budget per day, per month, ...)",
+                ));
+            }
+            if let Some(slot) = quota.periods.get_mut(i) {
+                *slot = Some((period, limit));
+            }
+        }
+        Ok(quota)
+    }
+
+    /// The periods and their budgets, in order.
+    pub fn periods(&self) -> impl Iterator<Item = (Period, u64)> + '_ {
+        self.periods.iter().take(self.len).flatten().copied()
+    }
+
+    /// The offset from UTC that periods align to.
+    pub fn offset(&self) -> Offset {
+        self.offset
+    }
+
+    /// The window `w` counts in at `now`: its own if it is the current one
+    /// (or a later one the clock has seen), else a fresh one.
+    fn current(&self, period: Period, w: Window, now: u64) -> (Window, u64, u64) {
+        let (start, end) = period.bounds(now, self.offset);
+        if w.start >= start && w.start != 0 {
+            let (s, e) = if w.start == start {
+                (start, end)
+            } else {
+                period.bounds(w.start, self.offset)
+            };
+            (Window { start: s, ..w }, s, e)
+        } else {
+            (
+                Window {
+                    start,
+                    used: 0,
+                    bonus: 0,
+                },
+                start,
+                end,
+            )
+        }
+    }
+
+    /// Decides a request of `cost` at `now` (Unix ns); charges every
+    /// period if it fits them all. Cost 0 peeks: the usage, changing
+    /// nothing.
+    pub fn decide(&self, state: &mut QuotaState, now: u64, cost: u32) -> QuotaDecision {
+        self.apply(state, now, 0, cost)
+    }
+
+    /// Gives `cost` back to every period that is still current (a later
+    /// limit refused the request).
+    pub fn refund(&self, state: &mut QuotaState, now: u64, cost: u32) {
+        for (i, (period, _)) in self.periods().enumerate() {
+            if let Some(w) = state.windows.get_mut(i) {
+                let (cur, start, _) = self.current(period, *w, now);
+                if cur.start == w.start && start != 0 {
+                    w.used = w.used.saturating_sub(u64::from(cost));
+                }
+            }
+        }
+    }
+
+    /// Grants `units` on top of every current period's budget (for
+    /// support staff: "give this customer 500 more today"). Returns the
+    /// usage after.
+    pub fn grant(&self, state: &mut QuotaState, now: u64, units: u64) -> QuotaDecision {
+        self.apply(state, now, units, 0)
+    }
+
+    /// Moves every window to the current period, adds `grant` to its
+    /// bonus, then decides `cost`. The state changes only if something was
+    /// consumed or granted: a peek or a denial leaves it as it was (its
+    /// windows would roll over the same way on the next read).
+    fn apply(&self, state: &mut QuotaState, now: u64, grant: u64, cost: u32) -> QuotaDecision {
+        let cost = u64::from(cost);
+        let mut next = *state;
+        let mut periods = [EMPTY; MAX_PERIODS];
+        let (mut never, mut wait) = (false, None::<u64>);
+        for (i, (period, limit)) in self.periods().enumerate() {
+            let (Some(w), Some(status)) = (next.windows.get_mut(i), periods.get_mut(i)) else {
+                continue;
+            };
+            let (mut cur, start, end) = self.current(period, *w, now);
+            cur.bonus = cur.bonus.saturating_add(grant).min(Self::MAX_LIMIT);
+            let budget = limit.saturating_add(cur.bonus);
+            let remaining = budget.saturating_sub(cur.used);
+            if cost > budget {
+                never = true;
+            } else if cost > remaining {
+                let until = end.saturating_sub(now).max(1);
+                wait = Some(wait.map_or(until, |w| w.max(until)));
+            }
+            *w = cur;
+            *status = PeriodStatus {
+                period,
+                limit: budget,
+                remaining,
+                reset_after: end.saturating_sub(now),
+                length: end.saturating_sub(start),
+            };
+        }
+        let outcome = if never {
+            Outcome::Never
+        } else if let Some(retry_after) = wait {
+            Outcome::Deny { retry_after }
+        } else {
+            Outcome::Allow { delay: 0 }
+        };
+        let admitted = matches!(outcome, Outcome::Allow { .. });
+        for (w, status) in next
+            .windows
+            .iter_mut()
+            .zip(periods.iter_mut())
+            .take(self.len)
+        {
+            if admitted {
+                w.used = w.used.saturating_add(cost);
+                status.remaining = status.remaining.saturating_sub(cost);
+            }
+        }
+        if (admitted && cost > 0) || grant > 0 {
+            *state = next;
+        }
+        QuotaDecision {
+            outcome,
+            periods,
+            len: self.len,
+        }
+    }
+
+    /// Whether `state` counts nothing at `now`: every window is of a past
+    /// period or holds neither usage nor a grant.
+    pub fn is_idle(&self, state: &QuotaState, now: u64) -> bool {
+        self.periods().enumerate().all(|(i, (period, _))| {
+            state.windows.get(i).is_none_or(|w| {
+                let (cur, _, _) = self.current(period, *w, now);
+                cur.used == 0 && cur.bonus == 0
+            })
+        })
+    }
+
+    /// How long, in nanoseconds, a state written at `now` can still matter:
+    /// until the end of its longest period.
+    pub fn lifetime(&self, now: u64) -> u64 {
+        self.periods()
+            .map(|(p, _)| p.bounds(now, self.offset).1.saturating_sub(now))
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::calendar::unix_nanos;
+
+    const S: u64 = 1_000_000_000;
+
+    #[test]
+    fn every_period_is_charged_or_none() {
+        let q = Quota::new(&[(Period::Minute, 5), (Period::Hour, 8)], Offset::UTC).unwrap();
+        let mut s = QuotaState::default();
+        let t = unix_nanos(2026, 12, 2, 10, 0, 30);
+        assert!(q.decide(&mut s, t, 4).is_allowed());
+        // The minute has 1 left: 2 do not fit, and the hour is not charged.
+        let d = q.decide(&mut s, t, 2);
+        assert_eq!(
+            d.outcome,
+            Outcome::Deny {
+                retry_after: 30 * S
+            }
+        );
+        assert_eq!(d.periods()[1].remaining, 4);
+        // Next minute: the hour has 4, so 5 do not fit until 11:00.
+        let d = q.decide(&mut s, t + 30 * S, 5);
+        assert_eq!(
+            d.outcome,
+            Outcome::Deny {
+                retry_after: 59 * 60 * S
+            }
+        );
+        assert!(q.decide(&mut s, t + 30 * S, 4).is_allowed());
+        assert_eq!(q.decide(&mut s, t + 30 * S, 6).outcome, Outcome::Never);
+        // A grant raises both budgets for their current periods.
+        let g = q.grant(&mut s, t + 40 * S, 10);
+        assert_eq!(
+            (g.periods()[0].remaining, g.periods()[1].remaining),
+            (11, 10)
+        );
+        assert!(q.decide(&mut s, t + 40 * S, 10).is_allowed());
+        // ...and lapses with them.
+        let d = q.decide(&mut s, unix_nanos(2026, 12, 2, 11, 0, 0), 0);
+        assert_eq!((d.periods()[0].limit, d.periods()[1].remaining), (5, 8));
+    }
+
+    #[test]
+    fn peeks_and_denials_change_nothing_and_refunds_give_back() {
+        let q = Quota::new(&[(Period::Day, 10)], Offset::UTC).unwrap();
+        let t = unix_nanos(2026, 12, 2, 10, 0, 0);
+        let mut s = QuotaState::default();
+        q.decide(&mut s, t, 0);
+        assert_eq!(s, QuotaState::default());
+        q.decide(&mut s, t, 11);
+        assert_eq!(s, QuotaState::default());
+        q.decide(&mut s, t, 7);
+        let before = s;
+        q.decide(&mut s, t, 4);
+        assert_eq!(s, before);
+        q.refund(&mut s, t, 5);
+        assert_eq!(q.decide(&mut s, t, 0).periods()[0].remaining, 8);
+        assert!(!q.is_idle(&s, t));
+        assert!(q.is_idle(&s, unix_nanos(2026, 12, 3, 0, 0, 0)));
+    }
+
+    #[test]
+    fn the_clock_going_back_never_hands_out_a_fresh_budget() {
+        let q = Quota::new(&[(Period::Day, 10)], Offset::UTC).unwrap();
+        let mut s = QuotaState::default();
+        let tomorrow = unix_nanos(2026, 12, 3, 0, 0, 1);
+        assert!(q.decide(&mut s, tomorrow, 10).is_allowed());
+        // Back across midnight: the 3rd's count still holds.
+        let d = q.decide(&mut s, tomorrow - 2 * S, 1);
+        assert!(!d.is_allowed());
+        assert_eq!(d.periods()[0].remaining, 0);
+    }
+
+    #[test]
+    fn configuration_errors_name_the_field() {
+        let e = |p: &[(Period, u64)]| Quota::new(p, Offset::UTC).unwrap_err().field();
+        assert_eq!(e(&[]), "periods");
+        assert_eq!(e(&[(Period::Day, 0)]), "limit");
+        assert_eq!(e(&[(Period::Day, u64::MAX)]), "limit");
+        assert_eq!(e(&[(Period::Day, 1), (Period::Day, 2)]), "periods");
+        let q = Quota::new(&[(Period::Year, 1)], Offset::UTC).unwrap();
+        let mut s = QuotaState::default();
+        for t in [0, 1, u64::MAX] {
+            let _ = q.decide(&mut s, t, u32::MAX);
+            let _ = q.grant(&mut s, t, u64::MAX);
+        }
+    }
+}

@@ -1,0 +1,352 @@
+//! Calendar periods: where a minute, hour, day, ISO week, month or year
+//! begins and ends, in UTC or at a fixed UTC offset, exactly.
+//!
+//! A month is a calendar month — 28, 29, 30 or 31 days — not 30 days (Kong
+//! counts a month as 30 days, and its users trip over it: Kong#2817,
+//! #4076). Leap years follow the Gregorian rules. Weeks start on Monday
+//! (ISO 8601). Arithmetic is on whole days and seconds (Howard Hinnant's
+//! `days_from_civil`), so it is exact for every date a `u64` of Unix
+//! nanoseconds can hold; the Redis store runs the same arithmetic in Lua.
+//!
+//! ```
+//! use tollgate_core::calendar::{Offset, Period};
+//!
+//! // 2024-02-29T13:00:00Z, a leap day.
+//! let t = 1_709_211_600 * 1_000_000_000;
+//! let utc = Offset::UTC;
+//! let (start, end) = Period::Month.bounds(t, utc);
+//! assert_eq!(start / 1_000_000_000, 1_706_745_600); // 2024-02-01
+//! assert_eq!((end - start) / 86_400_000_000_000, 29); // a 29-day February
+//! // In Tokyo (+09:00) it is already 22:00 on the 29th: the same day.
+//! let tokyo = Offset::from_hours_minutes(9, 0)?;
+//! let (day, _) = Period::Day.bounds(t, tokyo);
+//! assert_eq!(day / 1_000_000_000, 1_709_132_400); // 2024-02-29T00:00+09:00
+//! # Ok::<(), tollgate_core::ConfigError>(())
+//! ```
+
+use std::fmt;
+
+use crate::ConfigError;
+
+const NANOS: u64 = 1_000_000_000;
+const DAY: i64 = 86_400;
+
+/// A calendar period a quota counts over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Period {
+    /// A clock minute (`:00` to `:59`).
+    Minute,
+    /// A clock hour.
+    Hour,
+    /// A day, midnight to midnight.
+    Day,
+    /// An ISO week, Monday 00:00 to the next Monday.
+    Week,
+    /// A calendar month, the 1st to the 1st.
+    Month,
+    /// A calendar year, January 1st to January 1st.
+    Year,
+}
+
+impl Period {
+    /// Every period, shortest first.
+    pub const ALL: [Period; 6] = [
+        Period::Minute,
+        Period::Hour,
+        Period::Day,
+        Period::Week,
+        Period::Month,
+        Period::Year,
+    ];
+
+    /// Its name: `minute`, `hour`, `day`, `week`, `month`, `year`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Period::Minute => "minute",
+            Period::Hour => "hour",
+            Period::Day => "day",
+            Period::Week => "week",
+            Period::Month => "month",
+            Period::Year => "year",
+        }
+    }
+
+    /// The period containing `unix_nanos` at `offset`: its start
+    /// (inclusive) and end (exclusive), in Unix nanoseconds. Saturates at
+    /// the ends of `u64` time rather than wrapping.
+    pub fn bounds(self, unix_nanos: u64, offset: Offset) -> (u64, u64) {
+        let secs = i64::try_from(unix_nanos / NANOS).unwrap_or(i64::MAX);
+        let local = secs.saturating_add(i64::from(offset.0));
+        let (start, end) = self.local_bounds(local);
+        let back = |s: i64| -> u64 {
+            let unix = s.saturating_sub(i64::from(offset.0)).max(0);
+            u64::try_from(unix).unwrap_or(0).saturating_mul(NANOS)
+        };
+        (back(start), back(end))
+    }
+
+    /// Bounds in local seconds (offset applied).
+    fn local_bounds(self, local: i64) -> (i64, i64) {
+        let floor_to = |unit: i64| {
+            let start = local.div_euclid(unit).saturating_mul(unit);
+            (start, start.saturating_add(unit))
+        };
+        let days = local.div_euclid(DAY);
+        let at_day = |d: i64| d.saturating_mul(DAY);
+        match self {
+            Period::Minute => floor_to(60),
+            Period::Hour => floor_to(3_600),
+            Period::Day => floor_to(DAY),
+            Period::Week => {
+                // 1970-01-01 was a Thursday: Monday is 3 days before.
+                let monday = days.saturating_sub(days.saturating_add(3).rem_euclid(7));
+                (at_day(monday), at_day(monday.saturating_add(7)))
+            }
+            Period::Month => {
+                let (y, m, _) = civil_from_days(days);
+                let (ny, nm) = if m == 12 {
+                    (y.saturating_add(1), 1)
+                } else {
+                    (y, m.saturating_add(1))
+                };
+                (
+                    at_day(days_from_civil(y, m, 1)),
+                    at_day(days_from_civil(ny, nm, 1)),
+                )
+            }
+            Period::Year => {
+                let (y, _, _) = civil_from_days(days);
+                (
+                    at_day(days_from_civil(y, 1, 1)),
+                    at_day(days_from_civil(y.saturating_add(1), 1, 1)),
+                )
+            }
+        }
+    }
+}
+
+impl fmt::Display for Period {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A fixed offset from UTC, in seconds east (e.g. +09:00 for Tokyo,
+/// −05:00 for New York in winter). Fixed: it does not follow daylight
+/// saving time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Offset(i32);
+
+impl Offset {
+    /// UTC.
+    pub const UTC: Offset = Offset(0);
+
+    /// `seconds` east of UTC, from −18:00 to +18:00 (ISO 8601's range).
+    pub fn from_seconds(seconds: i32) -> Result<Self, ConfigError> {
+        if !(-64_800..=64_800).contains(&seconds) {
+            return Err(ConfigError::new("offset", "must be from -18:00 to +18:00"));
+        }
+        Ok(Self(seconds))
+    }
+
+    /// `hours` and `minutes` east of UTC; a negative `hours` is west
+    /// (−5, 0 is −05:00; for −00:30 use [`from_seconds`](Self::from_seconds)).
+    pub fn from_hours_minutes(hours: i32, minutes: u32) -> Result<Self, ConfigError> {
+        if minutes >= 60 {
+            return Err(ConfigError::new("offset", "minutes must be below 60"));
+        }
+        let minutes = i32::try_from(minutes).unwrap_or(0).saturating_mul(60);
+        let seconds = hours.saturating_mul(3_600);
+        Self::from_seconds(if hours < 0 {
+            seconds.saturating_sub(minutes)
+        } else {
+            seconds.saturating_add(minutes)
+        })
+    }
+
+    /// Seconds east of UTC.
+    pub fn seconds(self) -> i32 {
+        self.0
+    }
+}
+
+/// Days since 1970-01-01 of the proleptic Gregorian date `y-m-d`
+/// (Hinnant's `days_from_civil`; `m` 1 to 12, `d` 1 to 31).
+// The unchecked operations work on values bounded as the comments say
+// (or, for any `u32` month and day, far below `i64`'s range); the year's
+// are saturating.
+#[allow(clippy::arithmetic_side_effects)]
+pub fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
+    let y = if m <= 2 { y.saturating_sub(1) } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y.saturating_sub(era.saturating_mul(400)); // [0, 399]
+    let m = i64::from(m);
+    let mp = if m > 2 { m - 3 } else { m + 9 }; // [0, 11]
+    let doy = (153 * mp + 2) / 5 + i64::from(d) - 1; // [0, 365]
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy; // [0, 146096]
+    era.saturating_mul(146_097)
+        .saturating_add(doe)
+        .saturating_sub(719_468)
+}
+
+/// The proleptic Gregorian date (year, month 1–12, day 1–31) of `days`
+/// since 1970-01-01 (Hinnant's `civil_from_days`).
+// Bounded as the comments say; the era's arithmetic saturates.
+#[allow(clippy::arithmetic_side_effects)]
+pub fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days.saturating_add(719_468);
+    let era = z.div_euclid(146_097);
+    let doe = z.saturating_sub(era.saturating_mul(146_097)); // [0, 146096]
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365; // [0, 399]
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100); // [0, 365]
+    let mp = (5 * doy + 2) / 153; // [0, 11]
+    let d = doy - (153 * mp + 2) / 5 + 1; // [1, 31]
+    let m = if mp < 10 { mp + 3 } else { mp - 9 }; // [1, 12]
+    let y = yoe
+        .saturating_add(era.saturating_mul(400))
+        .saturating_add(i64::from(m <= 2));
+    (
+        y,
+        u32::try_from(m).unwrap_or(1),
+        u32::try_from(d).unwrap_or(1),
+    )
+}
+
+/// Unix nanoseconds of `y-m-d h:mi:s` UTC (for tests and examples;
+/// saturates outside `u64` time).
+pub fn unix_nanos(y: i64, m: u32, d: u32, h: u32, mi: u32, s: u32) -> u64 {
+    let secs = days_from_civil(y, m, d)
+        .saturating_mul(DAY)
+        .saturating_add(i64::from(h).saturating_mul(3_600))
+        .saturating_add(i64::from(mi).saturating_mul(60))
+        .saturating_add(i64::from(s));
+    u64::try_from(secs.max(0))
+        .unwrap_or(0)
+        .saturating_mul(NANOS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn secs(y: i64, m: u32, d: u32) -> u64 {
+        unix_nanos(y, m, d, 0, 0, 0) / NANOS
+    }
+
+    fn bounds(p: Period, t: u64, o: Offset) -> (u64, u64) {
+        let (a, b) = p.bounds(t, o);
+        (a / NANOS, b / NANOS)
+    }
+
+    #[test]
+    fn civil_round_trips_over_four_centuries() {
+        let mut expect = (1970, 1, 1);
+        for days in 0..146_097 * 2 {
+            let got = civil_from_days(days);
+            assert_eq!(got, expect, "day {days}");
+            assert_eq!(days_from_civil(got.0, got.1, got.2), days);
+            let (y, m, d) = expect;
+            let leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+            let len = match m {
+                2 if leap => 29,
+                2 => 28,
+                4 | 6 | 9 | 11 => 30,
+                _ => 31,
+            };
+            expect = if d < len {
+                (y, m, d + 1)
+            } else if m < 12 {
+                (y, m + 1, 1)
+            } else {
+                (y + 1, 1, 1)
+            };
+        }
+        assert_eq!(civil_from_days(-1), (1969, 12, 31));
+    }
+
+    #[test]
+    fn months_are_calendar_months() {
+        let at = |y, m, d| unix_nanos(y, m, d, 12, 0, 0);
+        for (y, m, len) in [
+            (2023, 2, 28),
+            (2024, 2, 29),
+            (2100, 2, 28),
+            (2000, 2, 29),
+            (2026, 4, 30),
+            (2026, 12, 31),
+        ] {
+            let (a, b) = bounds(Period::Month, at(y, m, 15), Offset::UTC);
+            assert_eq!(a, secs(y, m, 1));
+            assert_eq!((b - a) / 86_400, len, "{y}-{m}");
+        }
+        // The year's last second is in December; the next, in January.
+        let eoy = unix_nanos(2026, 12, 31, 23, 59, 59);
+        assert_eq!(bounds(Period::Month, eoy, Offset::UTC).1, secs(2027, 1, 1));
+        assert_eq!(
+            bounds(Period::Year, eoy + NANOS, Offset::UTC),
+            (secs(2027, 1, 1), secs(2028, 1, 1))
+        );
+        assert_eq!(
+            bounds(Period::Year, at(2024, 7, 1), Offset::UTC),
+            (secs(2024, 1, 1), secs(2025, 1, 1))
+        );
+    }
+
+    #[test]
+    fn weeks_start_on_monday_and_offsets_move_midnight() {
+        // 2026-12-02 is a Wednesday.
+        let wed = unix_nanos(2026, 12, 2, 10, 0, 0);
+        assert_eq!(
+            bounds(Period::Week, wed, Offset::UTC),
+            (secs(2026, 11, 30), secs(2026, 12, 7))
+        );
+        // Sunday 23:30 UTC is still last week in UTC, Monday in Tokyo.
+        let sun = unix_nanos(2026, 12, 6, 23, 30, 0);
+        let tokyo = Offset::from_hours_minutes(9, 0).unwrap();
+        assert_eq!(bounds(Period::Week, sun, Offset::UTC).0, secs(2026, 11, 30));
+        assert_eq!(
+            bounds(Period::Week, sun, tokyo).0,
+            secs(2026, 12, 7) - 9 * 3_600
+        );
+        // New York in winter: the day starts at 05:00 UTC.
+        let ny = Offset::from_hours_minutes(-5, 0).unwrap();
+        let early = unix_nanos(2026, 12, 2, 4, 0, 0);
+        assert_eq!(
+            bounds(Period::Day, early, ny),
+            (secs(2026, 12, 1) + 5 * 3_600, secs(2026, 12, 2) + 5 * 3_600)
+        );
+        assert_eq!(
+            bounds(Period::Hour, early + 59 * 60 * NANOS, Offset::UTC),
+            (early / NANOS, early / NANOS + 3_600)
+        );
+        assert_eq!(
+            bounds(Period::Minute, early + 61 * NANOS, Offset::UTC),
+            (early / NANOS + 60, early / NANOS + 120)
+        );
+        assert_eq!(
+            Offset::from_hours_minutes(-5, 30).unwrap().seconds(),
+            -19_800
+        );
+        assert_eq!(Offset::from_seconds(70_000).unwrap_err().field(), "offset");
+        assert_eq!(
+            Offset::from_hours_minutes(1, 60).unwrap_err().field(),
+            "offset"
+        );
+    }
+
+    #[test]
+    fn the_ends_of_time_do_not_panic() {
+        for p in Period::ALL {
+            for t in [0, 1, u64::MAX, u64::MAX / 2] {
+                for o in [
+                    Offset::UTC,
+                    Offset::from_seconds(64_800).unwrap(),
+                    Offset::from_seconds(-64_800).unwrap(),
+                ] {
+                    let (a, b) = p.bounds(t, o);
+                    assert!(a <= b);
+                }
+            }
+        }
+    }
+}

@@ -22,6 +22,9 @@ pub(crate) static X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-rat
 pub(crate) static X_RATELIMIT_REMAINING: HeaderName =
     HeaderName::from_static("x-ratelimit-remaining");
 pub(crate) static X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
+/// Past a quota's soft limit: `Quota-Warning: "daily";used=85`, one item
+/// (the percentage used) per period past it.
+pub(crate) static QUOTA_WARNING: HeaderName = HeaderName::from_static("quota-warning");
 
 const NANOS_PER_SEC: u64 = 1_000_000_000;
 
@@ -44,16 +47,24 @@ pub(crate) fn t_secs(d: &Decision) -> u64 {
     }
 }
 
-/// A small stack buffer for formatting header values.
-pub(crate) struct Buf {
-    bytes: [u8; 320],
+/// A small stack buffer for formatting header values. What does not fit
+/// is dropped whole, part by part; `N` is chosen so that nothing a valid
+/// configuration renders is.
+pub(crate) struct Buf<const N: usize = 320> {
+    bytes: [u8; N],
     len: usize,
 }
 
 impl Buf {
     pub(crate) fn new() -> Self {
+        Self::empty()
+    }
+}
+
+impl<const N: usize> Buf<N> {
+    pub(crate) fn empty() -> Self {
         Self {
-            bytes: [0; 320],
+            bytes: [0; N],
             len: 0,
         }
     }
@@ -92,7 +103,7 @@ impl Buf {
     }
 }
 
-impl fmt::Write for Buf {
+impl<const N: usize> fmt::Write for Buf<N> {
     fn write_str(&mut self, s: &str) -> fmt::Result {
         let end = self.len.checked_add(s.len()).ok_or(fmt::Error)?;
         self.bytes
@@ -355,6 +366,61 @@ impl ConcurrencyHeaders {
             if let Some(v) = b.value() {
                 add_items(headers, &RATELIMIT, v);
             }
+        }
+    }
+}
+
+/// The headers of a quota layer: every period is one item, e.g.
+/// `RateLimit-Policy: "daily";q=1000;w=86400` and
+/// `RateLimit: "daily";r=950;t=3600` (`t`: seconds until the period ends).
+/// A month's `w` is the current month's length.
+#[derive(Debug, Clone)]
+pub(crate) struct QuotaHeaders {
+    /// Each period's `"name"`.
+    names: Box<[Box<[u8]>]>,
+    pub(crate) standard: bool,
+}
+
+impl QuotaHeaders {
+    /// One item per period, named `names` in order.
+    pub(crate) fn new(names: &[String], standard: bool) -> Self {
+        Self {
+            names: names
+                .iter()
+                .map(|n| format!("\"{n}\"").into_bytes().into_boxed_slice())
+                .collect(),
+            standard,
+        }
+    }
+
+    /// Adds the headers for `d`.
+    pub(crate) fn apply(&self, headers: &mut HeaderMap, d: &tollgate_core::QuotaDecision) {
+        if !self.standard {
+            return;
+        }
+        // Six periods with 64-byte names fit in 1 KiB.
+        let (mut policy, mut left) = (Buf::<1024>::empty(), Buf::<1024>::empty());
+        for (i, (name, p)) in self.names.iter().zip(d.periods()).enumerate() {
+            if i > 0 {
+                policy.push(b", ");
+                left.push(b", ");
+            }
+            policy.push(name);
+            policy.push(b";q=");
+            policy.push_u64(p.limit);
+            policy.push(b";w=");
+            policy.push_u64(ceil_secs(p.length));
+            left.push(name);
+            left.push(b";r=");
+            left.push_u64(p.remaining);
+            left.push(b";t=");
+            left.push_u64(ceil_secs(p.reset_after));
+        }
+        if let Some(v) = policy.value() {
+            add_items(headers, &RATELIMIT_POLICY, v);
+        }
+        if let Some(v) = left.value() {
+            add_items(headers, &RATELIMIT, v);
         }
     }
 }

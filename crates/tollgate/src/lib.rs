@@ -81,14 +81,16 @@ pub mod headers;
 mod ip;
 pub mod key;
 pub mod observe;
+pub mod quota;
 pub mod rate_limit;
 pub mod rejection;
 
 pub use body::ResponseBody;
 pub use concurrency::ConcurrencyLayer;
+pub use quota::QuotaLayer;
 pub use rate_limit::{MissingKey, RateLimit, RateLimitLayer, RateLimitLayerBuilder, RateLimited};
 pub use tollgate_core::{
-    self as core, Algorithm, ConfigError, Decision, Limit, Outcome, Rate, Rule, Store,
+    self as core, calendar, Algorithm, ConfigError, Decision, Limit, Outcome, Rate, Rule, Store,
 };
 pub use tollgate_memory::{self as memory, MemoryStore};
 #[cfg(feature = "redis")]

@@ -6,6 +6,8 @@
 //! |---|---|---|
 //! | `tollgate_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `shadow_limited` (denied but let through), `missing_key` (rejected), `unkeyed` (let through unlimited), `store_error` (let through) |
 //! | `tollgate_retry_after_seconds` | histogram | `rule` |
+//! | `tollgate_quota_requests_total` | counter | `rule`, `outcome`: as `tollgate_requests_total` |
+//! | `tollgate_quota_warnings_total` | counter | `rule`: responses past the quota's soft limit |
 //! | `tollgate_concurrency_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `queued` (waited, then allowed), `queue_full`, `queue_timeout`, `shadow_limited`, `missing_key`, `unkeyed`, `store_error`, `read_only` (a write refused while degraded) |
 //! | `tollgate_concurrency_in_flight` | gauge | `rule`: permits held through this layer |
 //! | `tollgate_concurrency_limit` | gauge | `rule`: an adaptive limit's current value |
@@ -28,20 +30,38 @@ pub(crate) struct Metrics {
 
 const REQUESTS: &str = "tollgate_requests_total";
 const RETRY_AFTER: &str = "tollgate_retry_after_seconds";
+const QUOTA_REQUESTS: &str = "tollgate_quota_requests_total";
+const QUOTA_WARNINGS: &str = "tollgate_quota_warnings_total";
 
 impl Metrics {
     /// Registers the handles of `rule` with the current recorder.
     pub(crate) fn register(rule: &str) -> Self {
+        Self::register_as(REQUESTS, rule)
+    }
+
+    /// The handles of a quota layer's `rule`.
+    pub(crate) fn register_quota(rule: &str) -> (Self, Counter) {
         metrics::describe_counter!(
-            REQUESTS,
-            "Requests decided by a tollgate rate limit, by rule and outcome"
+            QUOTA_WARNINGS,
+            "Responses of a tollgate quota past its soft limit, by rule"
+        );
+        (
+            Self::register_as(QUOTA_REQUESTS, rule),
+            metrics::counter!(QUOTA_WARNINGS, "rule" => rule.to_owned()),
+        )
+    }
+
+    fn register_as(name: &'static str, rule: &str) -> Self {
+        metrics::describe_counter!(
+            name,
+            "Requests decided by a tollgate limit, by rule and outcome"
         );
         metrics::describe_histogram!(
             RETRY_AFTER,
             metrics::Unit::Seconds,
             "Retry-After of requests denied for now"
         );
-        let counter = |outcome: &'static str| metrics::counter!(REQUESTS, "rule" => rule.to_owned(), "outcome" => outcome);
+        let counter = |outcome: &'static str| metrics::counter!(name, "rule" => rule.to_owned(), "outcome" => outcome);
         Self {
             allowed: counter("allowed"),
             limited: counter("limited"),

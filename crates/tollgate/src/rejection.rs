@@ -50,6 +50,8 @@ pub enum LimitKind {
     Rate,
     /// A concurrency limit: requests in flight.
     Concurrency,
+    /// A calendar quota: units per day, month, ...
+    Quota,
 }
 
 /// A rejected request, as the rejection builder sees it.
@@ -128,6 +130,9 @@ fn detail(kind: LimitKind, reason: Reason, rule: &str, secs: Option<&str>, limit
                 "Concurrency limit \"{rule}\" reached: too many requests in flight; retry after {secs} s."
             ),
             LimitKind::Rate => format!("Rate limit \"{rule}\" exceeded; retry after {secs} s."),
+            LimitKind::Quota => format!(
+                "Quota \"{rule}\" is used up for this period; it renews in {secs} s."
+            ),
         },
         (Reason::ReadOnly, secs) => format!(
             "The service is degraded and accepts only GET, HEAD and OPTIONS for now (rule \"{rule}\"); retry after {} s.",
@@ -165,6 +170,7 @@ fn problem_response(status: StatusCode, body: Bytes) -> Response<Bytes> {
 fn grpc_message(kind: LimitKind, reason: Reason, rule: &str, limit: u64) -> HeaderValue {
     let text = match (kind, reason) {
         (LimitKind::Rate, Reason::Limited) => format!("Rate limit \"{rule}\" exceeded."),
+        (LimitKind::Quota, Reason::Limited) => format!("Quota \"{rule}\" used up."),
         (LimitKind::Concurrency, Reason::Limited) => {
             format!("Concurrency limit \"{rule}\" reached.")
         }

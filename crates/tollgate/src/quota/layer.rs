@@ -1,0 +1,254 @@
+use std::fmt;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::Response;
+use tollgate_core::calendar::{Offset, Period};
+use tollgate_core::{ConfigError, QuotaLimiter, QuotaRule, QuotaStore};
+use tollgate_memory::MemoryStore;
+use tower_layer::Layer;
+
+use super::service::{QuotaLimit, Responder, Shared};
+use crate::cost::Fixed;
+use crate::headers::QuotaHeaders;
+use crate::key::PeerIp;
+use crate::observe::Metrics;
+use crate::rate_limit::MissingKey;
+use crate::rejection::{LimitKind, Rejected, Rendered};
+
+type RejectFn = Arc<dyn Fn(&Rejected) -> Response<Bytes> + Send + Sync>;
+
+/// Charges requests to calendar quotas per key; see the
+/// [module docs](super).
+///
+/// Cheap to clone; all clones (and so all connections) share one state.
+pub struct QuotaLayer<K, C, L> {
+    shared: Arc<Shared<K, C, L>>,
+}
+
+impl<K, C, L> Clone for QuotaLayer<K, C, L> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<K, C, L> fmt::Debug for QuotaLayer<K, C, L> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QuotaLayer")
+            .field("rule", &self.shared.responder.rule)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, K, C, L> Layer<S> for QuotaLayer<K, C, L> {
+    type Service = QuotaLimit<S, K, C, L>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        QuotaLimit::new(inner, Arc::clone(&self.shared))
+    }
+}
+
+impl<K, C, L: QuotaLimiter> QuotaLayer<K, C, L> {
+    /// The quota's name.
+    pub fn rule_name(&self) -> &str {
+        &self.shared.responder.rule
+    }
+
+    /// The store's handle of this quota, for administration: read a key's
+    /// usage (`consume(key, 0)`), `reset` it, `grant` extra units. Keys
+    /// are as the layer's key extractor builds them
+    /// ([`KeyBuf`](crate::key::KeyBuf)).
+    pub fn limiter(&self) -> &L {
+        &self.shared.limiter
+    }
+}
+
+impl QuotaLayer<PeerIp, Fixed, ()> {
+    /// Starts a quota named `name` (used in headers, store keys and
+    /// metrics). Add at least one [`period`](QuotaLayerBuilder::period).
+    /// Defaults: keyed by peer IP, cost 1, in-memory store, UTC, standard
+    /// headers on, no soft limit, keyless requests share one budget.
+    pub fn builder(name: &str) -> QuotaLayerBuilder<PeerIp, Fixed, MemoryStore> {
+        QuotaLayerBuilder {
+            key: PeerIp::new(),
+            cost: Fixed(1),
+            store: MemoryStore::new(),
+            cfg: Config {
+                name: name.to_owned(),
+                periods: Vec::new(),
+                offset: Offset::UTC,
+                soft: None,
+                shadow: false,
+                headers: true,
+                missing: MissingKey::default(),
+                rejection: None,
+            },
+        }
+    }
+}
+
+struct Config {
+    name: String,
+    periods: Vec<(Period, u64)>,
+    offset: Offset,
+    soft: Option<f64>,
+    shadow: bool,
+    headers: bool,
+    missing: MissingKey,
+    rejection: Option<RejectFn>,
+}
+
+/// Builds a [`QuotaLayer`]; see [`QuotaLayer::builder`].
+pub struct QuotaLayerBuilder<K, C, St> {
+    key: K,
+    cost: C,
+    store: St,
+    cfg: Config,
+}
+
+impl<K: fmt::Debug, C: fmt::Debug, St> fmt::Debug for QuotaLayerBuilder<K, C, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QuotaLayerBuilder")
+            .field("name", &self.cfg.name)
+            .field("periods", &self.cfg.periods)
+            .field("key", &self.key)
+            .field("cost", &self.cost)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<K, C, St> QuotaLayerBuilder<K, C, St> {
+    /// Who a request counts against (default: [`PeerIp`]).
+    pub fn key<K2>(self, key: K2) -> QuotaLayerBuilder<K2, C, St> {
+        QuotaLayerBuilder {
+            key,
+            cost: self.cost,
+            store: self.store,
+            cfg: self.cfg,
+        }
+    }
+
+    /// What a request costs (default: [`Fixed(1)`](Fixed)).
+    pub fn cost<C2>(self, cost: C2) -> QuotaLayerBuilder<K, C2, St> {
+        QuotaLayerBuilder {
+            key: self.key,
+            cost,
+            store: self.store,
+            cfg: self.cfg,
+        }
+    }
+
+    /// Where usage lives (default: a new [`MemoryStore`], per process); a
+    /// Redis store keeps it across restarts and shares it across a fleet.
+    pub fn store<St2: QuotaStore>(self, store: St2) -> QuotaLayerBuilder<K, C, St2> {
+        QuotaLayerBuilder {
+            key: self.key,
+            cost: self.cost,
+            store,
+            cfg: self.cfg,
+        }
+    }
+
+    /// Adds a budget of `limit` units per `period` (at most one per kind
+    /// of period).
+    pub fn period(mut self, period: Period, limit: u64) -> Self {
+        self.cfg.periods.push((period, limit));
+        self
+    }
+
+    /// Aligns periods to `offset` from UTC (default UTC): with +09:00 a
+    /// day starts at midnight in Tokyo.
+    pub fn offset(mut self, offset: Offset) -> Self {
+        self.cfg.offset = offset;
+        self
+    }
+
+    /// Past this share of any period's budget (0 to 1, e.g. 0.8),
+    /// responses carry `Quota-Warning` and `tollgate_quota_warnings_total`
+    /// counts them.
+    pub fn soft_limit(mut self, share: f64) -> Self {
+        self.cfg.soft = Some(share);
+        self
+    }
+
+    /// Shadow mode: count, warn and send headers, but never refuse.
+    pub fn shadow(mut self, shadow: bool) -> Self {
+        self.cfg.shadow = shadow;
+        self
+    }
+
+    /// Send `RateLimit-Policy` and `RateLimit` (default: on).
+    pub fn headers(mut self, on: bool) -> Self {
+        self.cfg.headers = on;
+        self
+    }
+
+    /// What to do with requests that have no key (default: share one
+    /// fallback budget).
+    pub fn on_missing_key(mut self, missing: MissingKey) -> Self {
+        self.cfg.missing = missing;
+        self
+    }
+
+    /// Replaces the HTTP rejection (gRPC requests keep the gRPC one). The
+    /// layer still adds `Retry-After` and the `RateLimit` headers.
+    pub fn rejection<F>(mut self, f: F) -> Self
+    where
+        F: Fn(&Rejected) -> Response<Bytes> + Send + Sync + 'static,
+    {
+        self.cfg.rejection = Some(Arc::new(f));
+        self
+    }
+}
+
+impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
+    /// Validates the quota and binds it to the store; every error names
+    /// its field.
+    pub fn build(self) -> Result<QuotaLayer<K, C, St::QuotaLimiter>, ConfigError> {
+        let cfg = self.cfg;
+        let rule = QuotaRule::new(&cfg.name, &cfg.periods, cfg.offset)?;
+        if let Some(soft) = cfg.soft {
+            if !(soft > 0.0 && soft <= 1.0) {
+                return Err(ConfigError::new(
+                    "soft_limit",
+                    "must be more than 0 and at most 1",
+                ));
+            }
+        }
+        let limiter = self.store.quota_limiter(&rule)?;
+        // One period: its item is the quota's name; several: name-period.
+        let names: Vec<String> = if cfg.periods.len() == 1 {
+            vec![cfg.name.clone()]
+        } else {
+            rule.quota()
+                .periods()
+                .map(|(p, _)| format!("{}-{}", cfg.name, p.name()))
+                .collect()
+        };
+        let largest = rule.quota().periods().map(|(_, l)| l).max().unwrap_or(0);
+        let (metrics, warnings) = Metrics::register_quota(&cfg.name);
+        Ok(QuotaLayer {
+            shared: Arc::new(Shared {
+                key: self.key,
+                cost: self.cost,
+                limiter,
+                missing: cfg.missing,
+                warned_missing: AtomicBool::new(false),
+                responder: Arc::new(Responder {
+                    rule: cfg.name.as_str().into(),
+                    headers: QuotaHeaders::new(&names, cfg.headers),
+                    items: names.into_iter().map(Into::into).collect(),
+                    shadow: cfg.shadow,
+                    rejection: cfg.rejection,
+                    rendered: Rendered::new(LimitKind::Quota, &cfg.name, largest),
+                    soft: cfg.soft,
+                    metrics,
+                    warnings,
+                }),
+            }),
+        })
+    }
+}

@@ -1,0 +1,361 @@
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use metrics::Counter;
+use pin_project_lite::pin_project;
+use tollgate_core::{Outcome, QuotaDecision, QuotaLimiter, StoreError};
+use tower_service::Service;
+
+use crate::body::ResponseBody;
+use crate::cost::Cost;
+use crate::headers::{Buf, QuotaHeaders, QUOTA_WARNING};
+use crate::key::{KeyBuf, KeyExtractor};
+use crate::observe::Metrics;
+use crate::rate_limit::MissingKey;
+use crate::rejection::{is_grpc, LimitKind, Reason, Rejected, Rendered};
+
+type RejectFn = Arc<dyn Fn(&Rejected) -> Response<Bytes> + Send + Sync>;
+
+/// Everything a response future needs after the decision.
+pub(crate) struct Responder {
+    pub(crate) rule: Arc<str>,
+    pub(crate) headers: QuotaHeaders,
+    /// Each period's item name.
+    pub(crate) items: Vec<Arc<str>>,
+    pub(crate) shadow: bool,
+    pub(crate) rejection: Option<RejectFn>,
+    pub(crate) rendered: Rendered,
+    pub(crate) soft: Option<f64>,
+    pub(crate) metrics: Metrics,
+    pub(crate) warnings: Counter,
+}
+
+impl Responder {
+    fn reject(&self, rejected: &Rejected, d: Option<&QuotaDecision>) -> Response<Bytes> {
+        let mut res = match &self.rejection {
+            Some(f) if !rejected.grpc => f(rejected),
+            _ => self.rendered.render(rejected),
+        };
+        if let Some(secs) = rejected.retry_after_secs() {
+            res.headers_mut()
+                .insert(http::header::RETRY_AFTER, http::HeaderValue::from(secs));
+        }
+        if let Some(d) = d {
+            self.headers.apply(res.headers_mut(), d);
+        }
+        res
+    }
+
+    /// Headers of an admitted response, and the soft limit's warning.
+    fn admitted(&self, headers: &mut http::HeaderMap, d: &QuotaDecision) {
+        self.headers.apply(headers, d);
+        let Some(soft) = self.soft else { return };
+        let mut warn = Buf::<1024>::empty();
+        for (name, p) in self.items.iter().zip(d.periods()) {
+            let used = p.limit.saturating_sub(p.remaining);
+            // `used / limit >= soft`, in integers where they are exact.
+            #[allow(clippy::cast_precision_loss)]
+            let past = p.limit > 0 && used as f64 >= soft * p.limit as f64;
+            if past {
+                if !warn.as_bytes().is_empty() {
+                    warn.push(b", ");
+                }
+                warn.push(b"\"");
+                warn.push(name.as_bytes());
+                warn.push(b"\";used=");
+                let percent = u128::from(used)
+                    .saturating_mul(100)
+                    .checked_div(u128::from(p.limit))
+                    .unwrap_or(100);
+                warn.push_u64(u64::try_from(percent).unwrap_or(100));
+            }
+        }
+        if !warn.as_bytes().is_empty() {
+            self.warnings.increment(1);
+            if let Some(v) = warn.value() {
+                headers.insert(QUOTA_WARNING.clone(), v);
+            }
+        }
+    }
+}
+
+pub(crate) struct Shared<K, C, L> {
+    pub(crate) key: K,
+    pub(crate) cost: C,
+    pub(crate) limiter: L,
+    pub(crate) missing: MissingKey,
+    pub(crate) warned_missing: AtomicBool,
+    pub(crate) responder: Arc<Responder>,
+}
+
+/// The service of [`QuotaLayer`](super::QuotaLayer).
+pub struct QuotaLimit<S, K, C, L> {
+    inner: S,
+    shared: Arc<Shared<K, C, L>>,
+}
+
+impl<S: Clone, K, C, L> Clone for QuotaLimit<S, K, C, L> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<S: std::fmt::Debug, K, C, L> std::fmt::Debug for QuotaLimit<S, K, C, L> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QuotaLimit")
+            .field("inner", &self.inner)
+            .field("rule", &self.shared.responder.rule)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, K, C, L> QuotaLimit<S, K, C, L> {
+    pub(crate) fn new(inner: S, shared: Arc<Shared<K, C, L>>) -> Self {
+        Self { inner, shared }
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<S, ReqB, D>
+    where
+        S: Service<Request<ReqB>>,
+    {
+        Deciding {
+            #[pin]
+            decide: D,
+            waiting: Option<Box<(Request<ReqB>, S)>>,
+        },
+        Calling {
+            #[pin]
+            future: S::Future,
+            decision: Option<QuotaDecision>,
+        },
+        Rejected {
+            rejected: Option<(Rejected, Option<QuotaDecision>)>,
+        },
+    }
+}
+
+pin_project! {
+    /// Response future of [`QuotaLimit`].
+    pub struct ResponseFuture<S, ReqB, D>
+    where
+        S: Service<Request<ReqB>>,
+    {
+        #[pin]
+        state: State<S, ReqB, D>,
+        responder: Arc<Responder>,
+    }
+}
+
+impl<S, ReqB, D> std::fmt::Debug for ResponseFuture<S, ReqB, D>
+where
+    S: Service<Request<ReqB>>,
+{
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseFuture")
+            .field("rule", &self.responder.rule)
+            .finish_non_exhaustive()
+    }
+}
+
+/// When the last store fault was logged (seconds since the Unix epoch):
+/// a fault is logged at most once a second, not once a request.
+static LAST_FAULT_LOG: AtomicU64 = AtomicU64::new(0);
+
+/// What follows a decision (or a store fault): call the inner service, or
+/// refuse.
+fn decided<S, ReqB, D>(
+    result: Result<QuotaDecision, StoreError>,
+    request: Request<ReqB>,
+    inner: &mut S,
+    responder: &Responder,
+) -> State<S, ReqB, D>
+where
+    S: Service<Request<ReqB>>,
+{
+    let m = &responder.metrics;
+    let d = match result {
+        Ok(d) => d,
+        Err(error) => {
+            m.store_error.increment(1);
+            let second = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            if LAST_FAULT_LOG.swap(second, Ordering::Relaxed) != second {
+                tracing::warn!(
+                    target: "tollgate",
+                    rule = %responder.rule,
+                    %error,
+                    "quota store failed; letting requests through"
+                );
+            }
+            return State::Calling {
+                future: inner.call(request),
+                decision: None,
+            };
+        }
+    };
+    let reason = match d.outcome {
+        Outcome::Allow { .. } => {
+            m.allowed.increment(1);
+            None
+        }
+        Outcome::Deny { .. } | Outcome::Never if responder.shadow => {
+            m.shadow_limited.increment(1);
+            None
+        }
+        Outcome::Deny { retry_after } => {
+            m.limited.increment(1);
+            m.retry_after
+                .record(std::time::Duration::from_nanos(retry_after).as_secs_f64());
+            Some(Reason::Limited)
+        }
+        Outcome::Never => {
+            m.too_costly.increment(1);
+            Some(Reason::TooCostly)
+        }
+    };
+    match reason {
+        None => State::Calling {
+            future: inner.call(request),
+            decision: Some(d),
+        },
+        Some(reason) => State::Rejected {
+            rejected: Some((
+                Rejected {
+                    rule: Arc::clone(&responder.rule),
+                    kind: LimitKind::Quota,
+                    reason,
+                    decision: Some(d.binding()),
+                    grpc: is_grpc(&request),
+                },
+                Some(d),
+            )),
+        },
+    }
+}
+
+impl<S, K, C, L, ReqB, ResB> Service<Request<ReqB>> for QuotaLimit<S, K, C, L>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
+    K: KeyExtractor<ReqB>,
+    C: Cost<ReqB>,
+    L: QuotaLimiter,
+{
+    type Response = Response<ResponseBody<ResB>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S, ReqB, L::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqB>) -> Self::Future {
+        let shared = &self.shared;
+        let responder = Arc::clone(&shared.responder);
+        let mut key = KeyBuf::new();
+        if shared.key.extract(&req, &mut key).is_none() {
+            match &shared.missing {
+                MissingKey::Skip => {
+                    responder.metrics.unkeyed.increment(1);
+                    let state = State::Calling {
+                        future: self.inner.call(req),
+                        decision: None,
+                    };
+                    return ResponseFuture { state, responder };
+                }
+                MissingKey::Reject => {
+                    responder.metrics.missing_key.increment(1);
+                    let rejected = Rejected {
+                        rule: Arc::clone(&responder.rule),
+                        kind: LimitKind::Quota,
+                        reason: Reason::MissingKey,
+                        decision: None,
+                        grpc: is_grpc(&req),
+                    };
+                    let state = State::Rejected {
+                        rejected: Some((rejected, None)),
+                    };
+                    return ResponseFuture { state, responder };
+                }
+                MissingKey::Fallback(fallback) => {
+                    if !shared.warned_missing.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(
+                            target: "tollgate",
+                            rule = %responder.rule,
+                            "a request had no key; keyless requests share one fallback quota"
+                        );
+                    }
+                    key = KeyBuf::new();
+                    key.push(b"\x02fallback");
+                    key.push(fallback);
+                }
+            }
+        }
+        let cost = shared.cost.cost(&req);
+        let state = match shared.limiter.consume_sync(key.as_bytes(), cost) {
+            Some(result) => decided(result, req, &mut self.inner, &responder),
+            None => {
+                // The clone-and-swap dance: the service polled ready serves
+                // this request once the store has answered.
+                let clone = self.inner.clone();
+                let ready = std::mem::replace(&mut self.inner, clone);
+                State::Deciding {
+                    decide: shared.limiter.consume(key.as_bytes(), cost),
+                    waiting: Some(Box::new((req, ready))),
+                }
+            }
+        };
+        ResponseFuture { state, responder }
+    }
+}
+
+impl<S, ReqB, ResB, D> Future for ResponseFuture<S, ReqB, D>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>>,
+    D: Future<Output = Result<QuotaDecision, StoreError>>,
+{
+    type Output = Result<Response<ResponseBody<ResB>>, S::Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        let responder: &Responder = this.responder;
+        loop {
+            let next = match this.state.as_mut().project() {
+                StateProj::Deciding { decide, waiting } => {
+                    let result = ready!(decide.poll(cx));
+                    let Some(w) = waiting.take() else {
+                        return Poll::Pending;
+                    };
+                    let (request, mut inner) = *w;
+                    decided(result, request, &mut inner, responder)
+                }
+                StateProj::Calling { future, decision } => {
+                    let mut response = ready!(future.poll(cx))?;
+                    if let Some(d) = decision.take() {
+                        responder.admitted(response.headers_mut(), &d);
+                    }
+                    return Poll::Ready(Ok(response.map(ResponseBody::inner)));
+                }
+                StateProj::Rejected { rejected } => {
+                    let Some((rejected, d)) = rejected.take() else {
+                        return Poll::Pending;
+                    };
+                    let response = responder.reject(&rejected, d.as_ref());
+                    return Poll::Ready(Ok(response.map(ResponseBody::full)));
+                }
+            };
+            this.state.set(next);
+        }
+    }
+}

@@ -1,0 +1,214 @@
+use std::convert::Infallible;
+
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use tollgate_core::calendar::{unix_nanos, Offset, Period};
+use tollgate_core::{ManualClock, QuotaLimiter};
+use tower::{service_fn, Layer, ServiceExt};
+
+use super::*;
+use crate::cost::HeaderCost;
+use crate::key::{Header, KeyBuf};
+use crate::MemoryStore;
+
+type Req = Request<String>;
+
+async fn ok(_req: Req) -> Result<Response<String>, Infallible> {
+    Ok(Response::new("ok".to_owned()))
+}
+
+fn req(key: &str, cost: u32) -> Req {
+    Request::builder()
+        .uri("/report")
+        .header("x-api-key", key)
+        .header("x-cost", cost.to_string())
+        .body(String::new())
+        .unwrap()
+}
+
+fn store(clock: &ManualClock) -> MemoryStore<ManualClock> {
+    MemoryStore::builder().clock(clock.clone()).build().unwrap()
+}
+
+fn key(k: &str) -> Vec<u8> {
+    let mut b = KeyBuf::new();
+    b.push(k.as_bytes());
+    b.as_bytes().to_vec()
+}
+
+#[tokio::test]
+async fn a_day_and_a_month_are_charged_together_and_renew_at_their_boundaries() {
+    // 2026-12-31 22:00 UTC: two hours to the end of the day, the month and
+    // the year.
+    let clock = ManualClock::at_unix(unix_nanos(2026, 12, 31, 22, 0, 0));
+    let layer = QuotaLayer::builder("plan")
+        .period(Period::Day, 10)
+        .period(Period::Month, 15)
+        .key(Header::named("x-api-key").unwrap())
+        .cost(HeaderCost::named("x-cost", 1, 100).unwrap())
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    let res = svc.clone().oneshot(req("a", 8)).await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(
+        res.headers()["ratelimit-policy"],
+        "\"plan-day\";q=10;w=86400, \"plan-month\";q=15;w=2678400"
+    );
+    assert_eq!(
+        res.headers()["ratelimit"],
+        "\"plan-day\";r=2;t=7200, \"plan-month\";r=7;t=7200"
+    );
+    // Three do not fit today: retry at midnight, and nothing was charged.
+    let res = svc.clone().oneshot(req("a", 3)).await.unwrap();
+    assert_eq!(res.status(), 429);
+    assert_eq!(res.headers()["retry-after"], "7200");
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    assert!(std::str::from_utf8(&body)
+        .unwrap()
+        .contains("renews in 7200 s"));
+    // January: both whole again.
+    clock.set(unix_nanos(2027, 1, 1, 0, 0, 0));
+    let res = svc.clone().oneshot(req("a", 10)).await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(
+        res.headers()["ratelimit"],
+        "\"plan-day\";r=0;t=86400, \"plan-month\";r=5;t=2678400"
+    );
+    // Tomorrow the day is whole but the month has 5: 6 wait for February.
+    clock.set(unix_nanos(2027, 1, 2, 12, 0, 0));
+    let res = svc.clone().oneshot(req("a", 6)).await.unwrap();
+    assert_eq!(res.status(), 429);
+    let feb = (unix_nanos(2027, 2, 1, 0, 0, 0) - unix_nanos(2027, 1, 2, 12, 0, 0)) / 1_000_000_000;
+    assert_eq!(res.headers()["retry-after"], feb.to_string().as_str());
+    // Above a period's whole budget: never, no Retry-After.
+    let res = svc.clone().oneshot(req("a", 11)).await.unwrap();
+    assert_eq!(res.status(), 429);
+    assert!(res.headers().get("retry-after").is_none());
+}
+
+#[tokio::test]
+async fn offsets_move_midnight() {
+    // 23:30 UTC on the 2nd is 08:30 on the 3rd in Tokyo.
+    let clock = ManualClock::at_unix(unix_nanos(2026, 12, 2, 23, 30, 0));
+    let tokyo = Offset::from_hours_minutes(9, 0).unwrap();
+    let layer = QuotaLayer::builder("daily")
+        .period(Period::Day, 1)
+        .offset(tokyo)
+        .key(Header::named("x-api-key").unwrap())
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    let res = svc.clone().oneshot(req("a", 1)).await.unwrap();
+    // Tokyo's day ends at 15:00 UTC on the 3rd: 15.5 hours away.
+    assert_eq!(res.headers()["ratelimit"], "\"daily\";r=0;t=55800");
+    // Past UTC midnight, still the same Tokyo day.
+    clock.set(unix_nanos(2026, 12, 3, 0, 30, 0));
+    assert_eq!(
+        svc.clone().oneshot(req("a", 1)).await.unwrap().status(),
+        429
+    );
+    clock.set(unix_nanos(2026, 12, 3, 15, 0, 0));
+    assert_eq!(
+        svc.clone().oneshot(req("a", 1)).await.unwrap().status(),
+        200
+    );
+}
+
+#[tokio::test]
+async fn soft_limit_warns_before_the_hard_stop_and_support_can_grant_and_reset() {
+    let clock = ManualClock::at_unix(unix_nanos(2026, 12, 2, 12, 0, 0));
+    let layer = QuotaLayer::builder("daily")
+        .period(Period::Day, 10)
+        .soft_limit(0.8)
+        .key(Header::named("x-api-key").unwrap())
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    for i in 1..=10u64 {
+        let res = svc.clone().oneshot(req("a", 1)).await.unwrap();
+        assert_eq!(res.status(), 200);
+        let warning = res.headers().get("quota-warning");
+        if i >= 8 {
+            assert_eq!(
+                warning.unwrap(),
+                format!("\"daily\";used={}", i * 10).as_str()
+            );
+        } else {
+            assert!(warning.is_none(), "request {i}");
+        }
+    }
+    assert_eq!(
+        svc.clone().oneshot(req("a", 1)).await.unwrap().status(),
+        429
+    );
+    // Support staff give five more today.
+    let k = key("a");
+    let usage = layer.limiter().grant(&k, 5).await.unwrap();
+    assert_eq!(usage.periods()[0].remaining, 5);
+    for _ in 0..5 {
+        assert_eq!(
+            svc.clone().oneshot(req("a", 1)).await.unwrap().status(),
+            200
+        );
+    }
+    assert_eq!(
+        svc.clone().oneshot(req("a", 1)).await.unwrap().status(),
+        429
+    );
+    assert_eq!(
+        layer.limiter().consume(&k, 0).await.unwrap().periods()[0].remaining,
+        0
+    );
+    let usage = layer.limiter().reset(&k).await.unwrap();
+    assert_eq!(usage.periods()[0].remaining, 10);
+    assert_eq!(
+        svc.clone().oneshot(req("a", 1)).await.unwrap().status(),
+        200
+    );
+}
+
+#[tokio::test]
+async fn shadow_mode_counts_but_never_refuses() {
+    let clock = ManualClock::at_unix(unix_nanos(2026, 12, 2, 12, 0, 0));
+    let layer = QuotaLayer::builder("daily")
+        .period(Period::Day, 1)
+        .shadow(true)
+        .key(Header::named("x-api-key").unwrap())
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    for _ in 0..3 {
+        let res = svc.clone().oneshot(req("a", 1)).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+    }
+    let res = svc.clone().oneshot(req("a", 1)).await.unwrap();
+    assert_eq!(res.headers()["ratelimit"], "\"daily\";r=0;t=43200");
+}
+
+#[test]
+fn configuration_errors_name_the_field() {
+    let e = |b: QuotaLayerBuilder<_, _, MemoryStore>| b.build().map(drop).unwrap_err().field();
+    assert_eq!(e(QuotaLayer::builder("q")), "periods");
+    assert_eq!(e(QuotaLayer::builder("q").period(Period::Day, 0)), "limit");
+    assert_eq!(
+        e(QuotaLayer::builder("q")
+            .period(Period::Day, 1)
+            .period(Period::Day, 2)),
+        "periods"
+    );
+    assert_eq!(
+        e(QuotaLayer::builder("q")
+            .period(Period::Day, 1)
+            .soft_limit(1.5)),
+        "soft_limit"
+    );
+    assert_eq!(
+        e(QuotaLayer::builder("bad name").period(Period::Day, 1)),
+        "name"
+    );
+}

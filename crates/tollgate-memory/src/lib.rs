@@ -443,6 +443,14 @@ impl<C: Clock> Limiter for MemoryLimiter<C> {
 /// per key ([`InFlight`]), one atomic word, acquired and released with one
 /// compare-and-swap each. Permits do not lapse: in one process a permit's
 /// guard releases it when dropped. The rule's lease TTL is not used.
+///
+/// When the store is full, a new key's permits are counted in its shard's
+/// shared overflow state (see the crate docs), and released there. A key
+/// that gets its own slot while permits it took in the overflow state are
+/// still held is counted in its slot from zero: until those earlier
+/// requests end, it can hold up to twice its limit. This needs the store
+/// to be full (a flood of more than `max_keys` live keys) and lasts as long
+/// as the requests that took the overflow permits.
 pub struct MemoryConcurrencyLimiter<C = SystemClock> {
     rule: ConcurrencyRule,
     table: Arc<Table<InFlight, C>>,

@@ -119,12 +119,19 @@ impl<const N: usize> fmt::Write for Buf<N> {
 /// limiter (an inner layer) put items there already, lists ours first and
 /// theirs after, in one field line. The common case is one insert.
 pub(crate) fn add_items(headers: &mut HeaderMap, name: &HeaderName, value: HeaderValue) {
+    // An empty list must not be sent (RFC 8941), nor joined into ", x".
+    if value.is_empty() {
+        return;
+    }
     let Some(inner) = headers.insert(name.clone(), value) else {
         return;
     };
     let Some(ours) = headers.get(name) else {
         return;
     };
+    if inner.is_empty() {
+        return;
+    }
     let mut joined = Vec::with_capacity(ours.len().saturating_add(inner.len()).saturating_add(2));
     joined.extend_from_slice(ours.as_bytes());
     joined.extend_from_slice(b", ");

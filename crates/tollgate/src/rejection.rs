@@ -56,6 +56,7 @@ pub enum LimitKind {
 
 /// A rejected request, as the rejection builder sees it.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct Rejected {
     /// The rule's name.
     pub rule: std::sync::Arc<str>,

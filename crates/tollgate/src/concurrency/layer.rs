@@ -123,6 +123,12 @@ impl ConcurrencyLayer<PeerIp, Fixed, AllCritical, ()> {
     }
 }
 
+/// An error in the service limit's own settings, reported under its field
+/// (the per-key rule's errors name `max`, `name`, ...).
+fn service_error(e: ConfigError) -> ConfigError {
+    ConfigError::new("service_limit", format!("{}: {}", e.field(), e.message()))
+}
+
 enum ServiceConfig {
     Fixed(String, u32),
     Adaptive(String, AdaptiveLimit),
@@ -387,7 +393,7 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
                 ))
             }
             Some(ServiceConfig::Fixed(n, max)) => {
-                let r = rule(&n, max)?;
+                let r = rule(&n, max).map_err(service_error)?;
                 Some(ServiceLimit::Fixed(Slot {
                     limiter: self.store.concurrency_limiter(&r)?,
                     name: r.name().into(),
@@ -396,7 +402,7 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
             }
             Some(ServiceConfig::Adaptive(n, limit)) => {
                 // Checks the name as every rule's is checked.
-                let r = rule(&n, limit.max())?;
+                let r = rule(&n, limit.max()).map_err(service_error)?;
                 let is_drop = cfg
                     .is_drop
                     .unwrap_or_else(|| Arc::new(|c: Completion| c.is_drop_by_default()));

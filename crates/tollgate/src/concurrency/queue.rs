@@ -69,9 +69,7 @@ impl Queue {
         }
         let line = keys.entry(key).or_default();
         if line.len() >= self.max_len {
-            if line.is_empty() {
-                keys.remove(&key);
-            }
+            // Full (`max_len` is at least 1, so the line is not empty).
             return None;
         }
         let notify = Arc::new(Notify::new());
@@ -82,6 +80,12 @@ impl Queue {
             key,
             notify,
         })
+    }
+
+    /// Whether anyone waits at all.
+    #[inline]
+    pub(crate) fn anyone_waiting(&self) -> bool {
+        self.waiting.load(Ordering::Acquire) > 0
     }
 
     /// Wakes the head of `key`'s queue (a permit of that key was freed).

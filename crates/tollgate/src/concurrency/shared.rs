@@ -157,6 +157,8 @@ pub(crate) struct Deferred {
     grpc: bool,
     /// Join the key's queue first (others wait, or the limit is full).
     queued: bool,
+    /// Whether the per-key limit applies (a keyless request skips it).
+    keyed: bool,
 }
 
 /// The outcome of one limit's acquire.
@@ -208,7 +210,13 @@ where
     L: ConcurrencyLimiter,
 {
     fn items(&self) -> Items {
-        Items::new(if self.service.is_some() { 2 } else { 1 })
+        let mut items = Items::new(if self.service.is_some() { 2 } else { 1 });
+        items.set(0, self.max(), None);
+        if let Some(ServiceLimit::Adaptive(a)) = &self.service {
+            // Its `q` is in the policy even when it is not decided.
+            items.set(1, u64::from(a.limit()), None);
+        }
+        items
     }
 
     fn max(&self) -> u64 {
@@ -290,15 +298,14 @@ where
         P: Critical<B>,
     {
         let mut key = KeyBuf::new();
+        // A keyless request let through skips the per-key limit only: the
+        // service limit and read-only mode still apply.
+        let mut keyed = true;
         if self.key.extract(req, &mut key).is_none() {
             match &self.missing {
                 MissingKey::Skip => {
                     self.metrics.unkeyed.increment(1);
-                    return Admission::Go(Admitted {
-                        permit: None,
-                        items: Items::new(0),
-                        started: None,
-                    });
+                    keyed = false;
                 }
                 MissingKey::Reject => {
                     self.metrics.missing_key.increment(1);
@@ -338,6 +345,7 @@ where
         }
         let permits = self.cost.cost(req);
         let critical = self.critical.is_critical(req);
+        // Finish the key (hash it if it is long) once, here.
         key.as_bytes();
         let deferred = |key, queued| {
             Admission::Defer(Deferred {
@@ -346,25 +354,33 @@ where
                 critical,
                 grpc: is_grpc(req),
                 queued,
+                keyed,
             })
         };
-        if let Some(q) = &self.queue {
-            if q.has_waiters(q.hash(key.as_bytes())) {
+        let step = if keyed {
+            if let Some(q) = &self.queue {
+                // Others wait for this key: join them (a critical request
+                // tries first, at its full ceiling).
+                if !critical && q.has_waiters(q.hash(key.as_bytes())) {
+                    return deferred(key, true);
+                }
+            }
+            let ceiling = self.ceiling(&self.per_key, critical);
+            let Some(result) = self
+                .per_key
+                .limiter
+                .acquire_sync(key.as_bytes(), permits, ceiling)
+            else {
+                return deferred(key, false);
+            };
+            let step = self.step(result, true);
+            if matches!(step, Step::Wait(_)) {
                 return deferred(key, true);
             }
-        }
-        let ceiling = self.ceiling(&self.per_key, critical);
-        let Some(result) = self
-            .per_key
-            .limiter
-            .acquire_sync(key.as_bytes(), permits, ceiling)
-        else {
-            return deferred(key, false);
+            step
+        } else {
+            Step::Pass(None)
         };
-        let step = self.step(result, true);
-        if matches!(step, Step::Wait(_)) {
-            return deferred(key, true);
-        }
         let service = match &self.service {
             // Only once the per-key limit let the request in: a refused
             // request must take nothing it would not give back.
@@ -506,10 +522,13 @@ where
             critical,
             grpc,
             queued,
+            keyed,
         } = d;
         let ceiling = self.ceiling(&self.per_key, critical);
-        let step = if queued {
-            self.wait_turn(&mut key, permits, ceiling).await
+        let step = if !keyed {
+            Step::Pass(None)
+        } else if queued {
+            self.wait_turn(&mut key, permits, ceiling, critical).await
         } else {
             let first = self
                 .per_key
@@ -517,7 +536,7 @@ where
                 .acquire(key.as_bytes(), permits, ceiling)
                 .await;
             match self.step(first, true) {
-                Step::Wait(_) => self.wait_turn(&mut key, permits, ceiling).await,
+                Step::Wait(_) => self.wait_turn(&mut key, permits, ceiling, critical).await,
                 step => step,
             }
         };
@@ -534,29 +553,42 @@ where
     }
 
     /// Waits in `key`'s queue until the head of it gets a permit, the wait
-    /// runs out, or the queue is full.
-    async fn wait_turn(&self, key: &mut KeyBuf, permits: u32, ceiling: u32) -> Step {
+    /// runs out, or the queue is full. A critical request tries whenever
+    /// it wakes, wherever it stands: the reserve is for it, and a
+    /// non-critical head held to its share must not keep it waiting.
+    async fn wait_turn(
+        &self,
+        key: &mut KeyBuf,
+        permits: u32,
+        ceiling: u32,
+        critical: bool,
+    ) -> Step {
         let Some(queue) = &self.queue else {
             return Step::Pass(None);
         };
-        let hash = queue.hash(key.as_bytes());
-        let start = Instant::now();
-        let deadline = start.checked_add(queue.max_wait).unwrap_or(start);
         let limiter = &self.per_key.limiter;
-        let Some(place) = queue.join(hash) else {
-            self.metrics.queue_full.increment(1);
-            let d = limiter.acquire(key.as_bytes(), 0, ceiling).await.ok();
-            let d = d.map(|a| a.decision).unwrap_or(Decision {
+        // What a refusal reports when no acquire said more.
+        let refused = |last: Option<Decision>| {
+            let d = last.unwrap_or(Decision {
                 outcome: Outcome::Deny { retry_after: 0 },
                 limit: self.max(),
                 remaining: 0,
                 reset_after: 0,
             });
-            return Step::Reject(Reason::Limited, with_hint(d, limiter));
+            Step::Reject(Reason::Limited, with_hint(d, limiter))
+        };
+        let hash = queue.hash(key.as_bytes());
+        let start = Instant::now();
+        let deadline = start.checked_add(queue.max_wait).unwrap_or(start);
+        let Some(place) = queue.join(hash) else {
+            self.metrics.queue_full.increment(1);
+            let peek = limiter.acquire(key.as_bytes(), 0, ceiling).await.ok();
+            return refused(peek.map(|a| a.decision));
         };
         let mut last = None;
         loop {
-            if place.is_head() {
+            let head = place.is_head();
+            if head || critical {
                 match self.step(
                     limiter.acquire(key.as_bytes(), permits, ceiling).await,
                     true,
@@ -572,16 +604,16 @@ where
             let now = Instant::now();
             if now >= deadline {
                 self.metrics.queue_timeout.increment(1);
-                let d = last.unwrap_or(Decision {
-                    outcome: Outcome::Deny { retry_after: 0 },
-                    limit: self.max(),
-                    remaining: 0,
-                    reset_after: 0,
-                });
-                return Step::Reject(Reason::Limited, with_hint(d, limiter));
+                return refused(last);
             }
-            let recheck = now.checked_add(queue.recheck).unwrap_or(deadline);
-            place.wait(deadline.min(recheck)).await;
+            // Only those that try look again on a timer (for releases this
+            // process does not see); the rest wait to be woken.
+            let until = if head || critical {
+                deadline.min(now.checked_add(queue.recheck).unwrap_or(deadline))
+            } else {
+                deadline
+            };
+            place.wait(until).await;
         }
     }
 }
@@ -604,10 +636,10 @@ where
     fn release(&self, held: &mut Held) {
         if let Some(lease) = held.per_key.take() {
             let key = held.key.as_bytes();
-            // The release is under way once called; nothing to wait for.
-            drop(self.per_key.limiter.release(key, lease));
+            // The release is under way once called.
+            let done = self.per_key.limiter.release(key, lease);
             if let Some(q) = &self.queue {
-                q.wake(q.hash(key));
+                wake_when_released(q, q.hash(key), done);
             }
         }
         match (&self.service, held.service.take()) {
@@ -623,5 +655,35 @@ where
         self.metrics
             .in_flight
             .decrement(f64::from(std::mem::take(&mut held.permits)));
+    }
+}
+
+/// Wakes the head of a key's queue once a release of that key is done: at
+/// once for a store that released already (in memory), from a task when
+/// the release is still on its way to Redis — so the waiter does not wake
+/// to find the permit still held. Without waiters, nothing to wait for.
+fn wake_when_released<F>(queue: &Arc<Queue>, key: u64, done: F)
+where
+    F: Future<Output = Result<(), StoreError>> + Send + 'static,
+{
+    if !queue.anyone_waiting() {
+        return;
+    }
+    let mut done = Box::pin(done);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    if done.as_mut().poll(&mut cx).is_ready() {
+        queue.wake(key);
+        return;
+    }
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            let queue = Arc::clone(queue);
+            runtime.spawn(async move {
+                let _ = done.await;
+                queue.wake(key);
+            });
+        }
+        // No runtime to wait in: wake now; the waiter looks again later.
+        Err(_) => queue.wake(key),
     }
 }

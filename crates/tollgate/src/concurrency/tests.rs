@@ -409,7 +409,11 @@ async fn config_errors_name_the_field() {
         ),
         (
             builder(1).service_limit("service", 0).build().map(drop),
-            "max",
+            "service_limit",
+        ),
+        (
+            builder(1).service_limit("bad name", 1).build().map(drop),
+            "service_limit",
         ),
         (
             builder(1).retry_after(Duration::ZERO).build().map(drop),
@@ -478,4 +482,79 @@ async fn a_degraded_service_turns_read_only() {
     assert_eq!(svc.clone().oneshot(req("k")).await.unwrap().status(), 200);
     tokio::time::sleep(Duration::from_secs(11)).await;
     assert_eq!(svc.clone().oneshot(post()).await.unwrap().status(), 200);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_critical_request_does_not_wait_behind_queued_non_critical_ones() {
+    let critical = |r: &Req| r.headers().contains_key("x-critical");
+    let layer = builder(10)
+        .critical(critical, 0.8)
+        .queue(100, Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let (inner, _feeds) = streaming();
+    let svc = layer.layer(inner);
+    let mut held_bodies = Vec::new();
+    for _ in 0..8 {
+        held_bodies.push(svc.clone().oneshot(req("k")).await.unwrap());
+    }
+    // A ninth non-critical request waits at the head of the queue...
+    let waiting = tokio::spawn(svc.clone().oneshot(req("k")));
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    // ...and a critical one takes a reserve permit at once.
+    let start = tokio::time::Instant::now();
+    let mut crit = req("k");
+    crit.headers_mut()
+        .insert("x-critical", "1".parse().unwrap());
+    let res = svc.clone().oneshot(crit).await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    // The non-critical one times out at its share.
+    assert_eq!(waiting.await.unwrap().unwrap().status(), 429);
+}
+
+#[tokio::test]
+async fn keyless_requests_skip_only_the_per_key_limit() {
+    let layer = builder(1)
+        .on_missing_key(MissingKey::Skip)
+        .service_limit("service", 2)
+        .build()
+        .unwrap();
+    let (inner, _feeds) = streaming();
+    let svc = layer.layer(inner);
+    let keyless = || Request::new(String::new());
+    let a = svc.clone().oneshot(keyless()).await.unwrap();
+    let b = svc.clone().oneshot(keyless()).await.unwrap();
+    assert_eq!((a.status(), b.status()), (StatusCode::OK, StatusCode::OK));
+    assert_eq!(b.headers()["ratelimit"], "\"service\";r=0");
+    let c = svc.clone().oneshot(keyless()).await.unwrap();
+    assert_eq!(
+        c.status(),
+        429,
+        "the service limit applies to keyless requests"
+    );
+    assert!(
+        std::str::from_utf8(&c.into_body().collect().await.unwrap().to_bytes())
+            .unwrap()
+            .contains(r#""rule":"service""#)
+    );
+}
+
+#[tokio::test]
+async fn an_adaptive_limit_is_in_the_policy_even_when_a_key_is_refused_first() {
+    let limit = AdaptiveLimit::Aimd(Aimd::new(5, 10, 100).unwrap());
+    let layer = builder(1)
+        .adaptive_service_limit("adaptive", limit)
+        .build()
+        .unwrap();
+    let (inner, _feeds) = streaming();
+    let svc = layer.layer(inner);
+    let _first = svc.clone().oneshot(req("k")).await.unwrap();
+    let refused = svc.clone().oneshot(req("k")).await.unwrap();
+    assert_eq!(refused.status(), 429);
+    assert_eq!(
+        refused.headers()["ratelimit-policy"],
+        "\"per-key\";q=1;qu=\"concurrent-requests\", \"adaptive\";q=10;qu=\"concurrent-requests\""
+    );
+    assert_eq!(refused.headers()["ratelimit"], "\"per-key\";r=0;t=1");
 }

@@ -6,15 +6,17 @@
 //! trace, keeps keys and rules apart, treats hostile keys (empty, binary,
 //! 1 MiB) as ordinary distinct keys, and keeps its concurrency leases.
 //!
-//! Times and parameters are chosen so that every intermediate value stays
-//! below 2⁵³, so a store that computes in Lua (whose numbers are doubles)
-//! can pass unchanged.
+//! The scenarios assume nothing of the clock's reading: [`run`] starts
+//! them at [`START`], [`run_at`] at any time — such as [`UNIX_2026`], a
+//! Unix time of today in ns, far above 2⁵³, where a store that computes
+//! in doubles (Lua's numbers) rounds to 256 ns unless it takes care.
 //!
 //! ```
 //! # #[derive(Clone)] struct MyStore;
 //! # async fn check<S: tollgate_core::Store>(make: impl Fn(tollgate_core::ManualClock) -> S) {
 //! // In a store's tests: `make` builds a store that reads the given clock.
-//! tollgate_core::testing::run(make).await;
+//! tollgate_core::testing::run(&make).await;
+//! tollgate_core::testing::run_at(&make, tollgate_core::testing::UNIX_2026).await;
 //! # }
 //! ```
 #![allow(
@@ -35,6 +37,13 @@ use crate::{
 /// Where the suite's clock starts: 10⁶ s, far from zero so that windows and
 /// TATs are not at the origin, and far below 2⁵³ ns.
 pub const START: u64 = 1_000_000_000_000_000;
+
+/// A Unix time of today in ns, 2026-09-01T12:34:56.123456789Z: about
+/// 2⁶⁰·⁶, where a double's step is 256 ns, and on no whole second, so
+/// that windows and ticks since the epoch do not line up with it. For
+/// [`run_at`] and a store's own traces, with a clock whose reading is the
+/// Unix time (as [`ManualClock`]'s is).
+pub const UNIX_2026: u64 = 1_788_266_096_123_456_789;
 
 const MS: u64 = 1_000_000;
 
@@ -62,21 +71,28 @@ pub fn rules() -> Vec<Rule> {
 }
 
 /// Runs every scenario, each on a fresh store built by `make` around a
-/// fresh manual clock set to [`START`].
+/// fresh manual clock set to [`START`]: [`run_at`] at [`START`].
 pub async fn run<S: Store>(make: impl Fn(ManualClock) -> S) {
+    run_at(make, START).await;
+}
+
+/// Runs every scenario, each on a fresh store built by `make` around a
+/// fresh manual clock set to `start` (which the scenarios move forward by
+/// at most a few hours, and back by less than they moved it forward).
+pub async fn run_at<S: Store>(make: impl Fn(ManualClock) -> S, start: u64) {
     for rule in rules() {
-        let clock = ManualClock::starting_at(START);
+        let clock = ManualClock::starting_at(start);
         matches_reference_on_random_trace(&make(clock.clone()), &clock, &rule, 0x5eed).await;
-        let clock = ManualClock::starting_at(START);
+        let clock = ManualClock::starting_at(start);
         burst_deny_recover(&make(clock.clone()), &clock, &rule).await;
-        let clock = ManualClock::starting_at(START);
+        let clock = ManualClock::starting_at(start);
         peek_refund_and_never(&make(clock.clone()), &clock, &rule).await;
     }
-    let clock = ManualClock::starting_at(START);
+    let clock = ManualClock::starting_at(start);
     keys_and_rules_are_independent(&make(clock.clone()), &clock).await;
-    let clock = ManualClock::starting_at(START);
+    let clock = ManualClock::starting_at(start);
     hostile_keys_are_ordinary_keys(&make(clock.clone()), &clock).await;
-    let clock = ManualClock::starting_at(START);
+    let clock = ManualClock::starting_at(start);
     concurrency_permits(&make(clock.clone()), &clock).await;
 }
 

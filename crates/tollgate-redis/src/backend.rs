@@ -133,12 +133,12 @@ impl Backend {
         self.breaker.is_open()
     }
 
-    /// The time argument of a script: the client clock's, or `''` (the
-    /// script reads Redis's `TIME`).
+    /// The time argument of a script: the client clock's Unix time in
+    /// ns, or `''` (the script reads Redis's `TIME`).
     pub(crate) fn now_arg(&self) -> String {
         self.client_time
             .as_ref()
-            .map(|c| c.now().to_string())
+            .map(|c| c.unix_now().to_string())
             .unwrap_or_default()
     }
 

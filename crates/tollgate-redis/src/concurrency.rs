@@ -58,6 +58,7 @@ impl RedisConcurrencyLimiter {
         keeper: LeaseKeeper,
         rule: &ConcurrencyRule,
     ) -> Result<Self, ConfigError> {
+        crate::scripts::check_span("lease_ttl", rule.semaphore().lease_ttl())?;
         let on_failure = ConcurrencyOnFailure::new(&backend.policy, rule)?;
         let leases = LiveLeases::new(rule.semaphore());
         keeper.watch(&leases);
@@ -136,7 +137,7 @@ impl BoundConcurrency {
     fn redis_key(&self, key: &[u8]) -> String {
         key::redis_key(
             &self.backend.prefix,
-            key::Kind::Concurrency,
+            key::Format::Semaphore,
             self.rule.name(),
             key,
         )

@@ -80,7 +80,13 @@ impl ClusterSlot {
 }
 
 impl Conn {
-    pub(crate) fn new(url: &str, timeout: Duration) -> Result<Self, ConfigError> {
+    /// `connect_timeout` bounds each attempt to connect, `timeout` each
+    /// command's response.
+    pub(crate) fn new(
+        url: &str,
+        connect_timeout: Duration,
+        timeout: Duration,
+    ) -> Result<Self, ConfigError> {
         let bad = |e: redis::RedisError| ConfigError::new("url", e.to_string());
         let urls: Vec<&str> = url
             .split(',')
@@ -95,7 +101,7 @@ impl Conn {
         if urls.len() > 1 || urls.iter().any(|u| cluster_scheme(u)) {
             let nodes: Vec<String> = urls.iter().map(|u| u.replacen("+cluster", "", 1)).collect();
             let client = ClusterClient::builder(nodes)
-                .connection_timeout(timeout)
+                .connection_timeout(connect_timeout)
                 .response_timeout(timeout)
                 .retries(1)
                 .build()
@@ -104,7 +110,7 @@ impl Conn {
         }
         let client = redis::Client::open(url).map_err(bad)?;
         let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(timeout))
+            .set_connection_timeout(Some(connect_timeout))
             .set_response_timeout(Some(timeout))
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_millis(500));

@@ -5,13 +5,29 @@
 //!   [`tollgate_core`] runs as one Lua script (`EVALSHA`, reloaded on
 //!   `NOSCRIPT`), a port of the same math; the core's conformance suite
 //!   runs against this store unchanged.
-//! - **Redis's clock.** Scripts read `TIME`, so instances whose clocks
-//!   disagree still decide alike. For hosted Redis variants that forbid
-//!   `TIME` in scripts, [`RedisStoreBuilder::client_time`] passes the time
-//!   as an argument instead.
-//! - **Keys** are `<prefix>:{<kind>|<rule>|<client key>}`: one hash tag per key so
-//!   a script's keys share a Cluster slot; a TTL of the rule's window plus
-//!   a margin on every write so idle keys vanish; long, binary or odd keys
+//! - **Redis's clock, exactly.** Scripts read `TIME`, so instances whose
+//!   clocks disagree still decide alike. For hosted Redis variants that
+//!   forbid `TIME` in scripts, [`RedisStoreBuilder::client_time`] passes
+//!   the time as an argument instead. Either way the time is Unix time,
+//!   and the scripts' arithmetic is exact to the nanosecond: Lua's
+//!   numbers are doubles, which resolve only 256 ns at today's Unix times
+//!   in ns, so the scripts never form one — they hold now as seconds and
+//!   nanoseconds and compute with times relative to it, and store times
+//!   as decimal nanoseconds. Hence the one limit on rules: every span of
+//!   time a rule names (an interval, a window, a burst × interval, a
+//!   lease TTL) is at most 2⁵¹ ns, about 26 days (budgets over months
+//!   are calendar quotas).
+//! - **Keys** are `<prefix>:{<format>|<rule>|<client key>}`: the prefix
+//!   names the service ([`RedisStoreBuilder::prefix`] is required, so
+//!   that two services never share budgets); the format is the
+//!   algorithm and the version of its state's layout (`gcra1`, `tb1`,
+//!   `fw1`, `swc1`, `swl1`, `lb1`, `sem1`), so that a rule whose algorithm
+//!   changes, or instances of two versions, start afresh instead of
+//!   misreading each other's state — and a script that meets state it
+//!   does not recognise (another type, another layout) treats it as
+//!   absent rather than failing. One hash tag per key, so a script's keys
+//!   share a Cluster slot; a TTL of the rule's window plus a margin on
+//!   every write, so idle keys vanish; long, binary or odd client keys
 //!   hashed to a fixed length.
 //! - **Concurrency permits are leases** with an expiry (the core's
 //!   [`Semaphore`](tollgate_core::Semaphore)): per client key, a sorted set
@@ -29,12 +45,13 @@
 //! - **Failure policy**, per store: [`FailurePolicy::Open`] admits,
 //!   [`FailurePolicy::Closed`] denies, [`FailurePolicy::Fallback`] limits
 //!   in process memory (and releases there the leases it granted, even
-//!   after Redis is back). Every call has a short timeout (default 50 ms),
-//!   and a circuit breaker stops calling a dead Redis — probing it every
-//!   half second — so an outage adds neither seconds of latency nor 5xx
-//!   to the protected service; a lease that cannot be released or renewed
-//!   lapses after its TTL. Faults are logged at most once a second and
-//!   counted, in [`RedisStore::stats`] and as the metric
+//!   after Redis is back). Every call has a short timeout (default 50 ms;
+//!   connecting has its own, default 2 s), and a circuit breaker stops
+//!   calling a dead Redis — probing it every half second — so an outage
+//!   adds neither seconds of latency nor 5xx to the protected service; a
+//!   lease that cannot be released or renewed lapses after its TTL.
+//!   Faults are logged at most once a second and counted, in
+//!   [`RedisStore::stats`] and as the metric
 //!   `tollgate_store_calls_total{store="redis", result=ok|error|timeout|skipped}`
 //!   (registered when the store is built: install the recorder first).
 //!
@@ -61,7 +78,8 @@
 //!
 //! Redis 5.0 or later (or a compatible server): the scripts write after
 //! reading `TIME`, which needs script effects replication, the default
-//! since 5.0. Tested with Redis 7.0.
+//! since 5.0, and use no command newer than 4.0 (no `RPOP` with a count
+//! nor `ZADD GT`, which need 6.2). Tested with Redis 7.0.
 //!
 //! # Features
 //!

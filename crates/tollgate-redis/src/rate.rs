@@ -21,6 +21,7 @@ pub struct RedisLimiter {
 struct BoundRate {
     backend: Arc<Backend>,
     rule: Rule,
+    format: key::Format,
     script: &'static Script,
     params: Vec<String>,
     ttl: String,
@@ -40,7 +41,7 @@ impl RedisLimiter {
         backend: Arc<Backend>,
         rule: &Rule,
     ) -> Result<Self, tollgate_core::ConfigError> {
-        crate::scripts::check_precision(rule.algorithm())?;
+        crate::scripts::check_spans(rule.algorithm())?;
         let (script, params) = crate::scripts::for_algorithm(rule.algorithm());
         let on_failure = RateOnFailure::new(&backend.policy, rule)?;
         Ok(Self {
@@ -49,6 +50,7 @@ impl RedisLimiter {
                     .to_string(),
                 backend,
                 rule: rule.clone(),
+                format: key::Format::of(rule.algorithm()),
                 script,
                 params,
                 on_failure,
@@ -60,7 +62,7 @@ impl RedisLimiter {
 impl BoundRate {
     /// Runs this rule's script in `mode` for `key`.
     async fn call(&self, mode: RateMode, key: &[u8], cost: u32) -> Result<Reply, StoreError> {
-        let rkey = key::redis_key(&self.backend.prefix, key::Kind::Rate, self.rule.name(), key);
+        let rkey = key::redis_key(&self.backend.prefix, self.format, self.rule.name(), key);
         let cost = cost.to_string();
         let now = self.backend.now_arg();
         let mut args: Vec<&str> = Vec::with_capacity(self.params.len().saturating_add(4));

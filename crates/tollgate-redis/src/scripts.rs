@@ -1,6 +1,6 @@
 //! The Lua scripts, one per algorithm, and their replies.
 
-use tollgate_core::{Acquire, Algorithm, Decision, Lease, Outcome, RateAlgorithm};
+use tollgate_core::{Acquire, Algorithm, ConfigError, Decision, Lease, Outcome, RateAlgorithm};
 
 /// A script: its source, loaded with `EVALSHA` (and `EVAL` on `NOSCRIPT`).
 pub(crate) type Script = redis::Script;
@@ -123,31 +123,45 @@ pub(crate) fn ttl_ms(window_nanos: u64) -> u64 {
         .saturating_add(TTL_MARGIN_MS)
 }
 
-/// Scripts compute in doubles, and times on Redis's clock are about 10¹⁷
-/// ns, where a double resolves about 16 ns: intervals and windows must be
-/// far coarser than that to stay exact. Returns the error naming the field.
-pub(crate) fn check_precision(algorithm: &Algorithm) -> Result<(), tollgate_core::ConfigError> {
-    const MIN_INTERVAL: u64 = 1_000;
-    const MIN_WINDOW: u64 = 1_000_000;
-    let (field, value, min) = match algorithm {
-        Algorithm::Gcra(a) => ("rate", a.interval(), MIN_INTERVAL),
-        Algorithm::LeakyBucket(a) => ("rate", a.interval(), MIN_INTERVAL),
-        Algorithm::TokenBucket(a) => ("interval", a.interval(), MIN_INTERVAL),
-        Algorithm::FixedWindow(a) => ("window", a.window(), MIN_WINDOW),
-        Algorithm::SlidingWindowCounter(a) => ("window", a.window(), MIN_WINDOW),
-        Algorithm::SlidingWindowLog(a) => ("window", a.window(), MIN_WINDOW),
-    };
-    if value < min {
-        return Err(tollgate_core::ConfigError::new(
+/// The longest span of time, in ns, the scripts take: 2⁵¹ ns, about 26
+/// days. They compute in doubles, exact for integers up to 2⁵³, with
+/// times relative to now, clamped to ±2⁵² (see `prelude.lua`): a state
+/// a whole span ahead stays exact while the clock steps back by up to
+/// another 2⁵¹ ns, and sums of a relative time and a span or two stay
+/// exact. (Intervals and windows have no lower bound: the arithmetic is
+/// exact down to 1 ns.)
+pub(crate) const MAX_SPAN: u64 = 1 << 51;
+
+/// `Ok` if `value` ns fits [`MAX_SPAN`]; the error names `field`.
+pub(crate) fn check_span(field: &'static str, value: u64) -> Result<(), ConfigError> {
+    if value > MAX_SPAN {
+        return Err(ConfigError::new(
             field,
-            if min == MIN_INTERVAL {
-                "the Redis store supports at most one unit per microsecond per key"
-            } else {
-                "the Redis store supports windows of at least 1 ms"
-            },
+            "the Redis store computes exactly with spans of time up to 2^51 ns (about 26 days); \
+             this rule's is longer (for budgets over months, use a calendar quota)",
         ));
     }
     Ok(())
+}
+
+/// Refuses a rate rule whose spans the scripts cannot count exactly:
+/// GCRA's burst × interval, a token bucket's refills to fill it × the
+/// interval, a window, a leaky bucket's interval and longest delay.
+pub(crate) fn check_spans(algorithm: &Algorithm) -> Result<(), ConfigError> {
+    match algorithm {
+        Algorithm::Gcra(a) => {
+            check_span("rate", a.interval())?;
+            check_span("burst", a.window())
+        }
+        Algorithm::TokenBucket(a) => check_span("interval", a.window()),
+        Algorithm::FixedWindow(a) => check_span("window", a.window()),
+        Algorithm::SlidingWindowCounter(a) => check_span("window", a.window()),
+        Algorithm::SlidingWindowLog(a) => check_span("window", a.window()),
+        Algorithm::LeakyBucket(a) => {
+            check_span("rate", a.interval())?;
+            check_span("max_delay", a.max_delay())
+        }
+    }
 }
 
 /// A script's reply: integers.

@@ -36,8 +36,9 @@ impl fmt::Debug for RedisStore {
 /// Builds a [`RedisStore`]; see [`RedisStore::builder`].
 pub struct RedisStoreBuilder {
     url: String,
-    prefix: String,
+    prefix: Option<String>,
     timeout: Duration,
+    connect_timeout: Duration,
     policy: FailurePolicy,
     client_time: Option<SharedClock>,
     breaker_threshold: u32,
@@ -50,18 +51,22 @@ impl fmt::Debug for RedisStoreBuilder {
         f.debug_struct("RedisStoreBuilder")
             .field("prefix", &self.prefix)
             .field("timeout", &self.timeout)
+            .field("connect_timeout", &self.connect_timeout)
             .field("lease_renewal", &self.lease_renewal)
             .finish_non_exhaustive()
     }
 }
 
 impl RedisStore {
-    /// A builder for the Redis (or Redis Cluster) at `url`.
+    /// A builder for the Redis (or Redis Cluster) at `url`. Name your
+    /// service with [`prefix`](RedisStoreBuilder::prefix): there is no
+    /// default, so that two services never share keys — and budgets.
     pub fn builder(url: &str) -> RedisStoreBuilder {
         RedisStoreBuilder {
             url: url.to_owned(),
-            prefix: "tollgate".to_owned(),
+            prefix: None,
             timeout: Duration::from_millis(50),
+            connect_timeout: Duration::from_secs(2),
             policy: FailurePolicy::Open,
             client_time: None,
             breaker_threshold: 3,
@@ -99,15 +104,28 @@ impl RedisStore {
 }
 
 impl RedisStoreBuilder {
-    /// Key prefix (default `tollgate`); ASCII letters, digits, `-_.:`.
+    /// The prefix of every key this store writes: name your service (and
+    /// environment) here, e.g. `billing-prod`. Required: services that
+    /// share a prefix share every budget of the rules they both name.
+    /// 1 to 64 ASCII letters, digits, `-_.:`.
     pub fn prefix(mut self, prefix: &str) -> Self {
-        self.prefix = prefix.to_owned();
+        self.prefix = Some(prefix.to_owned());
         self
     }
 
-    /// Timeout of every store call (default 50 ms).
+    /// Timeout of every store call (default 50 ms): how long a decision
+    /// may wait for Redis before the failure policy answers.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// Timeout of each attempt to establish a connection (default 2 s).
+    /// Connecting may take longer than a call may wait (TLS, a cluster's
+    /// slot map); calls made meanwhile follow the failure policy after
+    /// their own [`timeout`](Self::timeout), and the attempt goes on.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
         self
     }
 
@@ -117,13 +135,17 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Pass this clock's time to the scripts instead of reading Redis's
+    /// Pass this clock's Unix time ([`Clock::unix_now`], ns since
+    /// 1970-01-01T00:00:00Z) to the scripts instead of reading Redis's
     /// `TIME`: for hosted variants that forbid `TIME` in scripts, and for
-    /// tests on a manual clock. Every instance must then read the same
-    /// time on the same origin — nanoseconds since 2023-11-14T22:13:20Z
-    /// (Unix 1,700,000,000), as the scripts count — and keep its clock in
-    /// sync. [`SystemClock`](tollgate_core::SystemClock) does not qualify:
-    /// its origin is per process.
+    /// tests on a manual clock. The clock must read Unix time, and every
+    /// instance's must agree: decisions then follow each instance's clock,
+    /// so skew between instances (or a clock stepped back) changes them.
+    /// [`SystemClock`](tollgate_core::SystemClock) qualifies — its
+    /// `unix_now` is the operating system's wall clock — on hosts kept in
+    /// sync (NTP); a [`ManualClock`](tollgate_core::ManualClock) set to a
+    /// date ([`at_unix`](tollgate_core::ManualClock::at_unix)) does for
+    /// tests.
     pub fn client_time(mut self, clock: impl Clock) -> Self {
         self.client_time = Some(Arc::new(clock));
         self
@@ -153,7 +175,7 @@ impl RedisStoreBuilder {
     /// for Redis: a store built while Redis is down follows its failure
     /// policy until Redis answers. Must be called inside a Tokio runtime
     /// (the connection and the lease task run as tasks); outside one it
-    /// returns an error.
+    /// returns an error, as it does without a [`prefix`](Self::prefix).
     pub fn build(self) -> Result<RedisStore, ConfigError> {
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(ConfigError::new(
@@ -161,10 +183,16 @@ impl RedisStoreBuilder {
                 "build the Redis store inside a Tokio runtime",
             ));
         }
-        if self.prefix.is_empty()
-            || self.prefix.len() > 64
-            || !self
-                .prefix
+        let Some(prefix) = self.prefix else {
+            return Err(ConfigError::new(
+                "prefix",
+                "name your service: call .prefix(\"my-service\") so that its keys, \
+                 and budgets, are not shared with other services on this Redis",
+            ));
+        };
+        if prefix.is_empty()
+            || prefix.len() > 64
+            || !prefix
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
         {
@@ -176,12 +204,18 @@ impl RedisStoreBuilder {
         if self.timeout.is_zero() {
             return Err(ConfigError::new("timeout", "must be longer than zero"));
         }
+        if self.connect_timeout.is_zero() {
+            return Err(ConfigError::new(
+                "connect_timeout",
+                "must be longer than zero",
+            ));
+        }
         if self.breaker_threshold == 0 {
             return Err(ConfigError::new("breaker_threshold", "must be at least 1"));
         }
         let backend = Arc::new(Backend::new(BackendConfig {
-            conn: Conn::new(&self.url, self.timeout)?,
-            prefix: self.prefix.into(),
+            conn: Conn::new(&self.url, self.connect_timeout, self.timeout)?,
+            prefix: prefix.into(),
             timeout: self.timeout,
             policy: self.policy,
             client_time: self.client_time,

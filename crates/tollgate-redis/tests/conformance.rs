@@ -1,5 +1,7 @@
 //! The core's conformance suite against Redis: standalone and a 3-master
-//! cluster, with the time passed from the suite's manual clock.
+//! cluster, with the time passed from the suite's manual clock — at the
+//! suite's small start and at today's Unix time in ns (far above 2^53,
+//! where the scripts must not round).
 #![allow(
     missing_docs,
     clippy::unwrap_used,
@@ -45,15 +47,25 @@ async fn standalone_redis_passes_the_conformance_suite() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_redis_passes_the_conformance_suite_at_todays_unix_time() {
+    let Some(server) = support::Server::start() else {
+        return;
+    };
+    testing::run_at(factory(server.url()), UNIX_2026).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster_passes_the_conformance_suite() {
     let Some(cluster) = support::Cluster::start() else {
         return;
     };
-    testing::run(factory(cluster.url())).await;
     // Leases lapse on the manual clock; real-time renewal stays out of it.
     let make = renewing_factory(cluster.url(), false);
-    let clock = ManualClock::starting_at(testing::START);
-    testing::lease_expiry(&make(clock.clone()), &clock).await;
+    for start in [START, UNIX_2026] {
+        testing::run_at(factory(cluster.url()), start).await;
+        let clock = ManualClock::starting_at(start);
+        testing::lease_expiry(&make(clock.clone()), &clock).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -62,12 +74,17 @@ async fn standalone_leases_lapse_after_their_ttl() {
         return;
     };
     let make = renewing_factory(server.url(), false);
-    let clock = ManualClock::starting_at(testing::START);
-    testing::lease_expiry(&make(clock.clone()), &clock).await;
+    for start in [START, UNIX_2026] {
+        let clock = ManualClock::starting_at(start);
+        testing::lease_expiry(&make(clock.clone()), &clock).await;
+    }
 }
 
 /// The suite's three per-rule scenarios for the rule named `name`, on a
-/// standalone server: the first mismatch names the step, key, cost and time.
+/// standalone server, at the suite's start and at today's Unix time; then
+/// traces of our own at today's Unix time, in steps of a millisecond and
+/// of a microsecond (plus up to 999 ns): the first mismatch names the
+/// step, key, cost and time.
 async fn matches_the_reference(name: &str) {
     let Some(server) = support::Server::start() else {
         return;
@@ -77,15 +94,20 @@ async fn matches_the_reference(name: &str) {
         .into_iter()
         .find(|r| r.name() == name)
         .unwrap();
-    let clock = ManualClock::starting_at(testing::START);
-    testing::matches_reference_on_random_trace(&make(clock.clone()), &clock, &rule, 7).await;
-    let clock = ManualClock::starting_at(testing::START);
-    testing::matches_reference_on_random_trace(&make(clock.clone()), &clock, &rule, 0x5eed).await;
-    let clock = ManualClock::starting_at(testing::START);
-    testing::burst_deny_recover(&make(clock.clone()), &clock, &rule).await;
-    let clock = ManualClock::starting_at(testing::START);
-    testing::peek_refund_and_never(&make(clock.clone()), &clock, &rule).await;
+    for start in [START, UNIX_2026] {
+        let clock = ManualClock::starting_at(start);
+        testing::matches_reference_on_random_trace(&make(clock.clone()), &clock, &rule, 7).await;
+        let clock = ManualClock::starting_at(start);
+        testing::matches_reference_on_random_trace(&make(clock.clone()), &clock, &rule, 0x5eed)
+            .await;
+        let clock = ManualClock::starting_at(start);
+        testing::burst_deny_recover(&make(clock.clone()), &clock, &rule).await;
+        let clock = ManualClock::starting_at(start);
+        testing::peek_refund_and_never(&make(clock.clone()), &clock, &rule).await;
+    }
     trace_matches_the_reference(&make, &rule, START, MS).await;
+    trace_matches_the_reference(&make, &rule, UNIX_2026, MS).await;
+    trace_matches_the_reference(&make, &rule, UNIX_2026, 1_000).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -119,7 +141,9 @@ async fn leaky_bucket_matches_the_reference() {
 }
 
 /// Parameters whose products pass 2^53 (a large limit over a long
-/// window): the scripts must stay exact where the core computes in u128.
+/// window), and the shortest and longest spans the store takes, at the
+/// suite's start and at today's Unix time: the scripts must stay exact
+/// where the core computes in u128.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_parameters_match_the_reference() {
     let Some(server) = support::Server::start() else {
@@ -150,20 +174,54 @@ async fn large_parameters_match_the_reference() {
             Limit::leaky_bucket(Rate::new(1_000, day), hour),
         ),
         ("gcra-day", Limit::gcra(Rate::new(1_000, day), 10_000)),
+        // 2^51 ns, the longest span the store takes.
+        (
+            "gcra-longest",
+            Limit::gcra(Rate::new(1, Duration::from_nanos(1 << 41)), 1 << 10),
+        ),
+        (
+            "log-longest",
+            Limit::sliding_window_log(100, Duration::from_nanos(1 << 51)),
+        ),
+        (
+            "counter-longest",
+            Limit::sliding_window_counter(u32::MAX, Duration::from_nanos(1 << 51)),
+        ),
+        // One unit per nanosecond, and windows of a few.
+        (
+            "gcra-ns",
+            Limit::gcra(Rate::new(1, Duration::from_nanos(1)), 1_000),
+        ),
+        (
+            "bucket-ns",
+            Limit::token_bucket(7, 3, Duration::from_nanos(3)),
+        ),
+        (
+            "counter-ns",
+            Limit::sliding_window_counter(5, Duration::from_nanos(7)),
+        ),
+        (
+            "leaky-ns",
+            Limit::leaky_bucket(
+                Rate::new(1, Duration::from_nanos(3)),
+                Duration::from_nanos(10),
+            ),
+        ),
     ] {
         let rule = Rule::new(name, limit).unwrap();
         let window = rule.window();
-        // Start a third of a window before a boundary (if that is not far
-        // off); move by 1/1000 windows, at most 20 s, so that times stay
-        // below 2^53 whatever the trace.
-        let boundary = (START / window + 1) * window - window / 3;
-        let start = if boundary < 2 * START {
-            boundary.max(START)
-        } else {
-            START
-        };
-        let unit = (window / 1_000).clamp(1, 20_000_000_000);
-        trace_matches_the_reference(&make, &rule, start, unit).await;
+        for origin in [START, UNIX_2026] {
+            // Start a third of a window before a boundary (if that is not
+            // far off); move by 1/1000 windows, at most 20 s.
+            let boundary = (origin / window + 1) * window - window / 3;
+            let start = if boundary < origin + START {
+                boundary.max(origin)
+            } else {
+                origin
+            };
+            let unit = (window / 1_000).clamp(1, 20_000_000_000);
+            trace_matches_the_reference(&make, &rule, start, unit).await;
+        }
     }
 }
 
@@ -177,8 +235,13 @@ async fn semaphore_matches_the_reference() {
     };
     // Renewals only when the trace says so.
     let make = renewing_factory(server.url(), false);
-    for (seed, ttl_ms) in [(0xc0ffee, 2_000), (0x5eed, 300)] {
-        let clock = ManualClock::starting_at(START);
+    for (seed, ttl_ms, start) in [
+        (0xc0ffee, 2_000, START),
+        (0x5eed, 300, START),
+        (0xc0ffee, 2_000, UNIX_2026),
+        (0x5eed, 300, UNIX_2026),
+    ] {
+        let clock = ManualClock::starting_at(start);
         let store = make(clock.clone());
         let rule = ConcurrencyRule::new("sem", 4, Duration::from_millis(ttl_ms))
             .unwrap()
@@ -192,10 +255,10 @@ async fn semaphore_matches_the_reference() {
         let mut rng = Lcg(seed);
         let keys: [&[u8]; 2] = [b"a", b"b"];
         for step in 0..600 {
-            testing::move_clock(&clock, &mut rng, MS, Some(START));
+            testing::move_clock(&clock, &mut rng, MS, Some(start));
             let now = clock.now();
             let key = keys[rng.below(2) as usize];
-            let at = format!("seed {seed:#x} step {step} at START+{}", now - START);
+            let at = format!("seed {seed:#x} step {step} at {start}+{}", now - start);
             match rng.below(8) {
                 0..=3 => {
                     let state = states.entry(key).or_default();
@@ -237,7 +300,65 @@ async fn semaphore_matches_the_reference() {
     }
 }
 
+/// Leases renewed for months, the clock once stepping back a month: the
+/// lease set's scores count from a base second that moves with the clock
+/// (once more than 26 days off), and every answer stays exactly the pure
+/// semaphore's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_renewed_for_months_match_the_reference() {
+    let Some(server) = support::Server::start() else {
+        return;
+    };
+    let make = renewing_factory(server.url(), false);
+    let clock = ManualClock::starting_at(UNIX_2026);
+    let store = make(clock.clone());
+    const DAY: u64 = 86_400_000_000_000;
+    let rule = ConcurrencyRule::new("months", 3, Duration::from_nanos(20 * DAY + 7)).unwrap();
+    let sem = store.concurrency_limiter(&rule).unwrap();
+    let reference = rule.semaphore();
+    let mut state = SemaphoreState::default();
+    let mut held = Vec::new();
+    let acquire = async |state: &mut SemaphoreState, permits: u32, at: &str| {
+        let got = sem.acquire(b"k", permits, u32::MAX).await.unwrap();
+        let id = got.lease.map_or(u64::MAX, |l| l.id);
+        let want = reference.acquire(state, clock.now(), permits, u32::MAX, id);
+        assert_eq!(got, want, "{at}: acquire {permits}");
+        got.lease
+    };
+    held.extend(acquire(&mut state, 1, "start").await);
+    for i in 0..14 {
+        if i == 9 {
+            clock.set(clock.now() - 30 * DAY);
+        } else {
+            clock.advance_nanos(9 * DAY + 1_234);
+        }
+        let at = format!("step {i} at +{} ns", clock.now() - UNIX_2026);
+        store.renew_leases().await;
+        for lease in &held {
+            reference.renew(&mut state, clock.now(), lease.id);
+        }
+        assert_eq!(
+            sem.held(b"k").await.unwrap(),
+            state.held(clock.now()),
+            "{at}"
+        );
+        acquire(&mut state, 0, &at).await;
+        if i == 6 {
+            held.extend(acquire(&mut state, 2, &at).await);
+        }
+    }
+    // No more renewals: the leases lapse 20 days and 7 ns after the last.
+    clock.advance_nanos(20 * DAY + 6);
+    assert_eq!(sem.held(b"k").await.unwrap(), 3);
+    acquire(&mut state, 0, "before the lapse").await;
+    clock.advance_nanos(1);
+    assert_eq!(sem.held(b"k").await.unwrap(), 0);
+    acquire(&mut state, 0, "after the lapse").await;
+    assert_eq!(store.stats().errors, 0, "{:?}", store.stats());
+}
+
 const START: u64 = testing::START;
+const UNIX_2026: u64 = testing::UNIX_2026;
 const MS: u64 = 1_000_000;
 
 /// The suite's generator, for traces of our own.

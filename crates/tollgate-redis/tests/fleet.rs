@@ -184,7 +184,7 @@ async fn keys_live_as_long_as_their_state_matters() {
         let rule = Rule::new(format!("ttl-{i}"), limit).unwrap();
         let l = store.limiter(&rule).unwrap();
         l.decide(b"k", 1).await.unwrap();
-        let name = server.cli(&["--scan", "--pattern", &format!("ttl:{{r|ttl-{i}|*")]);
+        let name = server.cli(&["--scan", "--pattern", &format!("ttl:{{*|ttl-{i}|*")]);
         let ttl: i64 = server.cli(&["pttl", name.trim()]).trim().parse().unwrap();
         assert!(
             ttl >= lifetime && ttl <= lifetime + 1_000,
@@ -193,14 +193,57 @@ async fn keys_live_as_long_as_their_state_matters() {
     }
 }
 
+/// The scripts count exactly up to 2^51 ns (about 26 days): a rule with a
+/// longer span is refused when it is bound, naming the field; any rate
+/// the core takes, down to one unit per nanosecond, is fine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rates_finer_than_redis_can_count_are_refused_at_build() {
+async fn spans_longer_than_the_scripts_count_exactly_are_refused_at_build() {
     let Some(server) = Server::start() else {
         return;
     };
-    let store = RedisStore::builder(&server.url()).build().unwrap();
-    let too_fine = Rule::new("fine", Limit::gcra(Rate::per_second(1_000_000_000), 10)).unwrap();
-    assert_eq!(store.limiter(&too_fine).unwrap_err().field(), "rate");
-    let ok = Rule::new("ok", Limit::gcra(Rate::per_second(1_000_000), 10)).unwrap();
-    assert!(store.limiter(&ok).is_ok());
+    let store = RedisStore::builder(&server.url())
+        .prefix(&unique_prefix())
+        .build()
+        .unwrap();
+    let day = Duration::from_secs(86_400);
+    let longest = Duration::from_nanos(1 << 51);
+    let longer = Duration::from_nanos((1 << 51) + 1);
+    for (limit, field) in [
+        (Limit::gcra(Rate::per_day(1), 27), "burst"),
+        (Limit::gcra(Rate::new(1, 30 * day), 1), "rate"),
+        (Limit::token_bucket(27, 1, day), "interval"),
+        (Limit::fixed_window(1, longer), "window"),
+        (Limit::sliding_window_counter(1, longer), "window"),
+        (Limit::sliding_window_log(1, longer), "window"),
+        (
+            Limit::leaky_bucket(Rate::new(1, longer), Duration::ZERO),
+            "rate",
+        ),
+        (
+            Limit::leaky_bucket(Rate::per_second(1), longer),
+            "max_delay",
+        ),
+    ] {
+        let rule = Rule::new("long", limit).unwrap();
+        let err = store.limiter(&rule).unwrap_err();
+        assert_eq!(err.field(), field, "{limit:?}: {err}");
+    }
+    let conc = tollgate_core::ConcurrencyRule::new("long", 1, longer).unwrap();
+    assert_eq!(
+        store.concurrency_limiter(&conc).unwrap_err().field(),
+        "lease_ttl"
+    );
+    for limit in [
+        Limit::gcra(Rate::per_day(1), 26),
+        Limit::fixed_window(1, longest),
+        Limit::leaky_bucket(Rate::per_second(1), longest),
+        Limit::gcra(Rate::new(1, Duration::from_nanos(1)), 10),
+        Limit::token_bucket(10, 1, Duration::from_nanos(1)),
+        Limit::sliding_window_counter(10, Duration::from_nanos(1)),
+    ] {
+        let rule = Rule::new("ok", limit).unwrap();
+        assert!(store.limiter(&rule).is_ok(), "{limit:?}");
+    }
+    let conc = tollgate_core::ConcurrencyRule::new("ok", 1, longest).unwrap();
+    assert!(store.concurrency_limiter(&conc).is_ok());
 }

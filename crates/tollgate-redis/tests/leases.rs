@@ -152,8 +152,8 @@ async fn lease_keys_expire_with_their_leases() {
     assert_eq!(
         names,
         [
-            format!("{prefix}:{{c2|leases|k:k}}"),
-            format!("{prefix}:{{c2|leases|k:k}}:meta")
+            format!("{prefix}:{{sem1|leases|k:k}}"),
+            format!("{prefix}:{{sem1|leases|k:k}}:meta")
         ]
     );
     for name in names {
@@ -177,7 +177,7 @@ async fn a_lost_count_is_recounted_from_the_leases() {
         .unwrap();
     let a = l.acquire(b"k", 1, ALL).await.unwrap().lease.unwrap();
     let b = l.acquire(b"k", 2, ALL).await.unwrap().lease.unwrap();
-    let leases = format!("{prefix}:{{c2|mend|k:k}}");
+    let leases = format!("{prefix}:{{sem1|mend|k:k}}");
     server.cli(&["del", &format!("{leases}:meta")]);
     assert_eq!(l.held(b"k").await.unwrap(), 3);
     assert!(l.acquire(b"k", 2, ALL).await.unwrap().lease.is_none());

@@ -27,6 +27,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok(url) if !url.trim().is_empty() => {
             // If Redis goes away, each instance keeps limiting on its own.
             let store = RedisStore::builder(&url)
+                .prefix("quickstart")
                 .failure_policy(FailurePolicy::fallback())
                 .build()?;
             (

@@ -1,25 +1,32 @@
--- GCRA: the state is the theoretical arrival time (absent = fresh).
+-- GCRA: the state is the theoretical arrival time (TAT), decimal Unix ns
+-- (absent = fresh); computed as ns after now.
 local interval = tonumber(ARGV[5])
 local burst = tonumber(ARGV[6])
 local tau = interval * burst
-local tat = tonumber(redis.call('GET', KEYS[1]) or '0')
-local start = math.max(tat, now)
+local key = KEYS[1]
+local raw = get(key)
+local tat = since(raw)
+if not tat then
+  if raw then redis.call('DEL', key) end
+  tat = -FAR
+end
+local start = math.max(tat, 0)
 local function remaining(t)
-  local used = t - now
-  if used >= tau then return 0 end
-  return idiv(tau - used, interval)
+  if t >= tau then return 0 end
+  return idiv(tau - t, interval)
 end
 if mode == 'refund' then
-  if tat > now then
-    redis.call('SET', KEYS[1], int(math.max(now, tat - interval * cost)), 'PX', ttl)
+  if tat > 0 then
+    redis.call('SET', key, stamp(math.max(0, tat - interval * cost)), 'PX', ttl)
   end
   return {3, 0, 0, 0, 0}
 end
-if cost == 0 then return {0, 0, burst, remaining(start), start - now} end
-if cost > burst then return {2, 0, burst, remaining(start), start - now} end
+if cost == 0 then return {0, 0, burst, remaining(start), start} end
+if cost > burst then return {2, 0, burst, remaining(start), start} end
+-- cost <= burst: at most tau, and start is at most FAR.
 local nxt = start + interval * cost
-if nxt - now > tau then
-  return {1, nxt - now - tau, burst, remaining(start), start - now}
+if nxt > tau then
+  return {1, nxt - tau, burst, remaining(start), start}
 end
-redis.call('SET', KEYS[1], int(nxt), 'PX', ttl)
-return {0, 0, burst, remaining(nxt), nxt - now}
+redis.call('SET', key, stamp(nxt), 'PX', ttl)
+return {0, 0, burst, remaining(nxt), nxt}

@@ -1,19 +1,25 @@
--- Leaky bucket as a pacer: the state is the tail of the queue (absent = 0).
+-- Leaky bucket as a pacer: the state is the tail of the queue, decimal
+-- Unix ns (absent = fresh); computed as ns after now.
 local interval = tonumber(ARGV[5])
 local max_delay = tonumber(ARGV[6])
 local limit = idiv(max_delay, interval) + 1
-local tat = tonumber(redis.call('GET', KEYS[1]) or '0')
-local start = math.max(tat, now)
-local reset = start - now
+local key = KEYS[1]
+local raw = get(key)
+local tat = since(raw)
+if not tat then
+  if raw then redis.call('DEL', key) end
+  tat = -FAR
+end
+local start = math.max(tat, 0)
+local reset = start
 -- Unit requests that could be admitted now with a queue ending at t >= now.
 local function remaining(t)
-  local queued = t - now
-  if queued > max_delay then return 0 end
-  return idiv(max_delay - queued, interval) + 1
+  if t > max_delay then return 0 end
+  return idiv(max_delay - t, interval) + 1
 end
 if mode == 'refund' then
-  if tat > now then
-    redis.call('SET', KEYS[1], int(math.max(now, tat - interval * cost)), 'PX', ttl)
+  if tat > 0 then
+    redis.call('SET', key, stamp(math.max(0, tat - interval * cost)), 'PX', ttl)
   end
   return {3, 0, 0, 0, 0}
 end
@@ -25,6 +31,7 @@ local delay = reset + own
 if delay > max_delay then
   return {1, delay - max_delay, limit, remaining(start), reset}
 end
-local nxt = start + interval * cost
-redis.call('SET', KEYS[1], int(nxt), 'PX', ttl)
-return {0, delay, limit, remaining(nxt), nxt - now}
+-- delay <= max_delay, so this is at most max_delay + interval.
+local nxt = delay + interval
+redis.call('SET', key, stamp(nxt), 'PX', ttl)
+return {0, delay, limit, remaining(nxt), nxt}

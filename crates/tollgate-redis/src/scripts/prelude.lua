@@ -1,19 +1,27 @@
 -- Shared by every tollgate script. Arguments: KEYS[1] the state key;
 -- ARGV[1] the mode ('decide' or 'refund' for rate rules; the semaphore's
--- are in semaphore.lua), ARGV[2] the cost (or permits), ARGV[3] the time
--- in ns ('' = Redis's own TIME), ARGV[4] the key's TTL in ms, ARGV[5..]
--- the rule's parameters. Numbers are doubles, exact below 2^53 (about 104 days
--- of ns). Times are ns since 2023-11-14 (Unix 1,700,000,000); on Redis's
--- TIME they passed 2^53 in February 2024 and are about 1e17 now, where a
--- double resolves 16 ns (TIME itself resolves 1000 ns), which is why the
--- store refuses intervals under 1 us and windows under 1 ms. Times passed
--- by the client, as in the conformance suite, stay exact.
-local function clock()
-  if ARGV[3] ~= '' then return tonumber(ARGV[3]) end
-  local t = redis.call('TIME')
-  return (tonumber(t[1]) - 1700000000) * 1000000000 + tonumber(t[2]) * 1000
-end
--- floor(a / b), exact for integers below 2^53.
+-- are in semaphore.lua), ARGV[2] the cost (or permits), ARGV[3] the time:
+-- ns since the Unix epoch, in decimal ('' = Redis's own TIME), ARGV[4] the
+-- key's TTL in ms, ARGV[5..] the rule's parameters.
+--
+-- Exact arithmetic. Lua's numbers are doubles, exact for integers up to
+-- 2^53; a Unix time in ns is about 1.8e18, where a double resolves 256 ns.
+-- So no absolute time is ever held in one number: now is (now_s, now_n),
+-- its seconds and nanoseconds, and the scripts compute with times relative
+-- to now (ns after now, negative before). Rule spans (intervals, windows,
+-- delays, lease TTLs) are at most 2^51 ns, about 26 days (the store
+-- refuses longer ones), and relative times are clamped to +-2^52 (FAR),
+-- so that a relative time plus a span or two is exact, and so is a state
+-- a span ahead when the clock steps back by up to 26 days. Times are stored as
+-- decimal Unix ns, as the core's u64: split into seconds and nanoseconds
+-- when read, formed from now and a relative time when written.
+--
+-- State these scripts do not recognise — a key of another Redis type, a
+-- value they did not write — is deleted when met and reads as absent: a
+-- script never answers an error because of what it found at its keys.
+local NS = 1000000000
+local FAR = 4503599627370496
+-- floor(a / b), exact for integers |a| <= 2^53 and 1 <= b <= 2^53.
 local function idiv(a, b)
   local q = math.floor(a / b)
   if q * b > a then q = q - 1 elseif (q + 1) * b <= a then q = q + 1 end
@@ -24,11 +32,79 @@ local function ceildiv(a, b)
   if q * b < a then q = q + 1 end
   return q
 end
--- Integers as Redis stores them. Redis formats a number passed to
--- redis.call with 17 significant digits, which round-trips every double
--- exactly (string.format would cost ~0.9 us of Redis CPU per call).
-local function int(x) return x end
+-- A count as these scripts store it (decimal, below 2^53), or nil.
+local function count_of(v)
+  if type(v) ~= 'string' or #v > 15 or not string.find(v, '^%d+$') then return nil end
+  return tonumber(v)
+end
+-- The seconds and nanoseconds of a decimal count of ns (a u64), or nil.
+local function split(t)
+  if type(t) ~= 'string' or #t > 20 or not string.find(t, '^%d+$') then return nil end
+  if #t <= 9 then return 0, tonumber(t) end
+  return tonumber(string.sub(t, 1, -10)), tonumber(string.sub(t, -9))
+end
+local now_s, now_n
+if ARGV[3] == '' then
+  local t = redis.call('TIME')
+  now_s, now_n = tonumber(t[1]), tonumber(t[2]) * 1000
+else
+  now_s, now_n = split(ARGV[3])
+end
+-- The stored time t (decimal Unix ns) as ns after now, clamped to
+-- +-FAR; nil if t is not a time.
+local function since(t)
+  local s, n = split(t)
+  if not s then return nil end
+  local ds = s - now_s
+  if ds > 4503599 then return FAR elseif ds < -4503599 then return -FAR end
+  return math.max(-FAR, math.min(FAR, ds * NS + (n - now_n)))
+end
+-- The stored form of the time d ns after now (|d| <= 2^53): decimal Unix
+-- ns, never before the epoch.
+local function stamp(d)
+  local q = idiv(d, NS)
+  local s, n = now_s + q, now_n + (d - q * NS)
+  if n >= NS then s, n = s + 1, n - NS end
+  if s < 0 then return '0' end
+  if s == 0 then return tostring(n) end
+  -- NS + n prints as '1' and n's nine digits.
+  return s .. string.sub(NS + n, 2)
+end
+-- floor(now / w) and now mod w for 1 <= w <= 2^52: the remainder exact,
+-- the quotient exact while below 2^53 (any w of 1 ms or more). Now is
+-- now_s * 5^9 * 2^9 + now_n, and now_s * 5^9 < 2^53 until 2116.
+local function divnow(w)
+  local a = now_s * 1953125
+  local q = idiv(a, w)
+  local r = a - q * w
+  for _ = 1, 9 do
+    q, r = q + q, r + r
+    if r >= w then q, r = q + 1, r - w end
+  end
+  local k = idiv(r + now_n, w)
+  return q + k, r + now_n - k * w
+end
+-- The string at key, or nil; a key of another type is deleted.
+local function get(key)
+  local v = redis.pcall('GET', key)
+  if type(v) == 'table' then
+    redis.call('DEL', key)
+    return nil
+  end
+  return v or nil
+end
+-- For state read piece by piece: corrupt() says it holds something these
+-- scripts did not write; guarded(main) then deletes the script's keys and
+-- runs main again, on absent state. Any other error passes through.
+local CORRUPT = {}
+local function corrupt() error(CORRUPT) end
+local function guarded(main)
+  local ok, reply = pcall(main)
+  if ok then return reply end
+  if reply ~= CORRUPT then error(reply, 0) end
+  for _, k in ipairs(KEYS) do redis.call('DEL', k) end
+  return main()
+end
 local mode = ARGV[1]
 local cost = tonumber(ARGV[2])
 local ttl = ARGV[4]
-local now = clock()

@@ -1,5 +1,7 @@
--- Sliding window counter: the state is a hash {index, current, previous}
--- (absent = all 0).
+-- Sliding window counter: the state is a hash {start, current, previous},
+-- the start of the current window (decimal Unix ns) and the counts of it
+-- and of the window before (absent = all 0). The core keeps the window's
+-- number since the epoch instead; the two decide alike.
 local limit = tonumber(ARGV[5])
 local window = tonumber(ARGV[6])
 local TWO53 = 9007199254740992
@@ -28,28 +30,40 @@ local function muldiv(x, y, d)
   end
   return x * yq + q, r
 end
-local h = redis.call('HMGET', KEYS[1], 'index', 'current', 'previous')
-local sindex = tonumber(h[1] or '0')
-local current = tonumber(h[2] or '0')
-local previous = tonumber(h[3] or '0')
-local index = idiv(now, window)
+local key = KEYS[1]
+local _, phase = divnow(window)
+-- The state's window, as windows before now's (`shift`; nil = absent).
+local shift, current, previous, start = nil, 0, 0, nil
+local h = redis.pcall('HMGET', key, 'start', 'current', 'previous')
+if h.err then
+  redis.call('DEL', key)
+else
+  local at, c, p = since(h[1]), count_of(h[2]), count_of(h[3])
+  if at and c and p then
+    -- Both are window starts: an exact multiple of the window apart.
+    shift, current, previous, start = idiv(-phase - at, window), c, p, h[1]
+  elseif h[1] or h[2] or h[3] then
+    redis.call('DEL', key)
+  end
+end
 if mode == 'refund' then
-  if index == sindex and current > 0 and cost > 0 then
-    redis.call('HSET', KEYS[1], 'current', int(math.max(0, current - cost)))
-    redis.call('PEXPIRE', KEYS[1], ttl)
+  if shift == 0 and current > 0 and cost > 0 then
+    redis.call('HSET', key, 'current', math.max(0, current - cost))
+    redis.call('PEXPIRE', key, ttl)
   end
   return {3, 0, 0, 0, 0}
 end
 -- Roll forward to now; a clock that went back reads as the start of the
 -- stored window (the previous window then weighs fully).
-if index > sindex or (current == 0 and previous == 0) then
-  if index == sindex + 1 then previous = current else previous = 0 end
+if shift == nil or shift > 0 or (current == 0 and previous == 0) then
+  if shift == 1 then previous = current else previous = 0 end
   current = 0
-  sindex = index
+  shift = 0
+  start = stamp(-phase)
 end
 local elapsed = 0
-if index >= sindex then elapsed = now - index * window end
-local left = math.max(0, window - elapsed)
+if shift == 0 then elapsed = phase end
+local left = window - elapsed
 local function weighted(count)
   if count == 0 or left == 0 then return 0 end
   local q, r = muldiv(count, left, window)
@@ -75,8 +89,8 @@ if cost == 0 then return {0, 0, limit, remaining, reset} end
 if cost > limit then return {2, 0, limit, remaining, reset} end
 if used + cost <= limit then
   current = current + cost
-  redis.call('HSET', KEYS[1], 'index', int(sindex), 'current', int(current), 'previous', int(previous))
-  redis.call('PEXPIRE', KEYS[1], ttl)
+  redis.call('HSET', key, 'start', start, 'current', current, 'previous', previous)
+  redis.call('PEXPIRE', key, ttl)
   return {0, 0, limit, math.max(0, remaining - cost), reset_after(current, previous)}
 end
 local retry

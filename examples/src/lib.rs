@@ -3,7 +3,6 @@
 //!
 //! Run the quickstart with `cargo run -p tollgate-examples --bin quickstart`.
 
-use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -12,6 +11,7 @@ use axum::body::{Body, Bytes};
 use axum::http::Method;
 use axum::routing::{get, post};
 use axum::Router;
+use tollgate::bandwidth::BandwidthLayer;
 use tollgate::concurrency::{AdaptiveLimit, ConcurrencyLayer, Gradient};
 use tollgate::cost::ByRoute;
 use tollgate::key::{ClientIp, Header, KeyExtractorExt};
@@ -21,17 +21,20 @@ use tollgate::{ConfigError, Limit, Rate, RateLimitLayer, Store};
 pub const DOWNLOAD_BYTES: usize = 1 << 20;
 /// The size of its chunks.
 pub const DOWNLOAD_CHUNK: usize = 16 << 10;
-/// How often a chunk is sent: 256 KiB/s, so a download takes 4 s and two
-/// of them are easy to catch in flight.
-pub const DOWNLOAD_EVERY: std::time::Duration = std::time::Duration::from_micros(62_500);
+/// The download rate per client: 256 KiB/s, so a download takes about
+/// 4 s and two of them are easy to catch in flight.
+pub const DOWNLOAD_RATE: u32 = 256 << 10;
+/// The download burst per client: 64 KiB.
+pub const DOWNLOAD_BURST: u32 = 64 << 10;
 
 /// The quickstart's API:
 ///
 /// - one budget per client of 10 requests per second with bursts of 20,
 ///   where an order costs 3 and a report 10;
-/// - `GET /api/download` streams 1 MiB in 16 KiB chunks at 256 KiB/s, at
-///   most 2 at once per client: a third is refused at once while two
-///   bodies are still being sent;
+/// - `GET /api/download` streams 1 MiB in 16 KiB chunks, paced to
+///   256 KiB/s per client (bursts of at most 64 KiB), at most 2 at once
+///   per client: a third is refused at once while two bodies are still
+///   being sent;
 /// - every `/api/*` route sits behind at most 64 requests in flight per
 ///   client and an adaptive whole-service limit (a gradient of latencies,
 ///   between 16 and 512) that follows the service's latency and errors;
@@ -46,6 +49,10 @@ pub fn quickstart_app<S: Store>(
 ) -> Result<Router, ConfigError> {
     let client = Header::named("x-api-key")?.or(ClientIp::trusting(trusted_proxies)?);
     let downloads = ConcurrencyLayer::builder("downloads", 2)
+        .key(client.clone())
+        .store(store.clone())
+        .build()?;
+    let download_rate = BandwidthLayer::builder("download-rate", DOWNLOAD_RATE, DOWNLOAD_BURST)
         .key(client.clone())
         .store(store.clone())
         .build()?;
@@ -75,7 +82,10 @@ pub fn quickstart_app<S: Store>(
         .route("/api/reports", post(|| async { "Report generated.\n" }))
         .route(
             "/api/download",
-            get(|| async { Body::new(Chunks::new(DOWNLOAD_BYTES)) }).route_layer(downloads),
+            get(|| async { Body::new(Chunks(DOWNLOAD_BYTES)) })
+                // The permit (outer) lasts until the paced body (inner) ends.
+                .route_layer(download_rate)
+                .route_layer(downloads),
         )
         // route_layer: only matched routes are limited; a 404 costs nothing.
         .route_layer(limit)
@@ -85,20 +95,9 @@ pub fn quickstart_app<S: Store>(
         .merge(api))
 }
 
-/// A body of `n` bytes in 16 KiB chunks, one every [`DOWNLOAD_EVERY`].
-struct Chunks {
-    left: usize,
-    next: Pin<Box<tokio::time::Sleep>>,
-}
-
-impl Chunks {
-    fn new(n: usize) -> Self {
-        Self {
-            left: n,
-            next: Box::pin(tokio::time::sleep(std::time::Duration::ZERO)),
-        }
-    }
-}
+/// A body of `n` bytes in 16 KiB chunks, as fast as it is read (the
+/// bandwidth layer paces it).
+struct Chunks(usize);
 
 impl http_body::Body for Chunks {
     type Data = Bytes;
@@ -106,29 +105,24 @@ impl http_body::Body for Chunks {
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
+        _cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
-        if self.left == 0 {
+        if self.0 == 0 {
             return Poll::Ready(None);
         }
-        std::task::ready!(self.next.as_mut().poll(cx));
-        let at = self.next.deadline();
-        self.next
-            .as_mut()
-            .reset(at.checked_add(DOWNLOAD_EVERY).unwrap_or(at));
-        let n = self.left.min(DOWNLOAD_CHUNK);
-        self.left = self.left.saturating_sub(n);
+        let n = self.0.min(DOWNLOAD_CHUNK);
+        self.0 = self.0.saturating_sub(n);
         static CHUNK: [u8; DOWNLOAD_CHUNK] = [b'x'; DOWNLOAD_CHUNK];
         let chunk = Bytes::from_static(CHUNK.get(..n).unwrap_or_default());
         Poll::Ready(Some(Ok(http_body::Frame::data(chunk))))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.left == 0
+        self.0 == 0
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
-        http_body::SizeHint::with_exact(self.left as u64)
+        http_body::SizeHint::with_exact(self.0 as u64)
     }
 }
 

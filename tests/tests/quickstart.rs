@@ -183,8 +183,11 @@ async fn start_download(
 
 #[tokio::test]
 async fn a_third_download_is_refused_while_two_are_in_flight() {
-    let (addr, _clock) = quickstart(&[]).await;
+    let (addr, clock) = quickstart(&[]).await;
     let one = start_download(addr, "erin").await;
+    // Downloads are paced on the store's (manual) clock: the first one
+    // spent erin's 64 KiB burst; a second refills it.
+    clock.advance(Duration::from_secs(1));
     let two = start_download(addr, "erin").await;
     let items = one.0.headers()["ratelimit"].to_str().unwrap().to_owned();
     assert!(items.contains("\"downloads\";r=1"), "{items}");

@@ -64,6 +64,47 @@ pub struct KeyBuf {
     hasher: Option<Box<Sha256>>,
 }
 
+/// A finished key, owned and compact: kept by whatever must reach the
+/// store again after the request has moved on (a permit's release, a
+/// paced body's next chunk). A finished [`KeyBuf`] is at most
+/// [`MAX_RAW_KEY`] bytes (longer keys are hashed), so the long form is
+/// never used in practice.
+#[derive(Debug, Clone)]
+pub(crate) enum KeyBytes {
+    Short { len: u8, bytes: [u8; 64] },
+    Long(Box<[u8]>),
+}
+
+impl Default for KeyBytes {
+    fn default() -> Self {
+        KeyBytes::Short {
+            len: 0,
+            bytes: [0; 64],
+        }
+    }
+}
+
+impl KeyBytes {
+    pub(crate) fn new(key: &mut KeyBuf) -> Self {
+        let key = key.as_bytes();
+        let mut bytes = [0; 64];
+        match (bytes.get_mut(..key.len()), u8::try_from(key.len())) {
+            (Some(dst), Ok(len)) => {
+                dst.copy_from_slice(key);
+                KeyBytes::Short { len, bytes }
+            }
+            _ => KeyBytes::Long(key.into()),
+        }
+    }
+
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        match self {
+            KeyBytes::Short { len, bytes } => bytes.get(..usize::from(*len)).unwrap_or_default(),
+            KeyBytes::Long(key) => key,
+        }
+    }
+}
+
 /// A point to roll a [`KeyBuf`] back to (see [`KeyBuf::mark`]).
 #[derive(Debug, Clone)]
 pub struct Mark {

@@ -74,7 +74,9 @@
     )
 )]
 
+pub mod bandwidth;
 mod body;
+mod clock;
 pub mod concurrency;
 pub mod cost;
 pub mod headers;
@@ -84,8 +86,10 @@ pub mod observe;
 pub mod quota;
 pub mod rate_limit;
 pub mod rejection;
+mod task;
 
 pub use body::ResponseBody;
+pub use clock::TokioClock;
 pub use concurrency::ConcurrencyLayer;
 pub use quota::QuotaLayer;
 pub use rate_limit::{MissingKey, RateLimit, RateLimitLayer, RateLimitLayerBuilder, RateLimited};

@@ -12,58 +12,18 @@ use pin_project_lite::pin_project;
 use tollgate_core::Lease;
 
 use crate::body::ResponseBody;
-use crate::key::KeyBuf;
+use crate::key::KeyBytes;
 
 /// Gives a permit's leases back to the limits that granted them.
 pub(crate) trait Release: Send + Sync + 'static {
     fn release(&self, permit: &mut Held);
 }
 
-/// A request's key as the store saw it, kept for the release. Compact:
-/// it travels in every response future and body. A finished [`KeyBuf`] is
-/// at most [`MAX_RAW_KEY`](crate::key::MAX_RAW_KEY) bytes (longer keys are
-/// hashed), so the long form is never used in practice.
-#[derive(Debug, Clone)]
-pub(crate) enum PermitKey {
-    Short { len: u8, bytes: [u8; 64] },
-    Long(Box<[u8]>),
-}
-
-impl Default for PermitKey {
-    fn default() -> Self {
-        PermitKey::Short {
-            len: 0,
-            bytes: [0; 64],
-        }
-    }
-}
-
-impl PermitKey {
-    pub(crate) fn new(key: &mut KeyBuf) -> Self {
-        let key = key.as_bytes();
-        let mut bytes = [0; 64];
-        match (bytes.get_mut(..key.len()), u8::try_from(key.len())) {
-            (Some(dst), Ok(len)) => {
-                dst.copy_from_slice(key);
-                PermitKey::Short { len, bytes }
-            }
-            _ => PermitKey::Long(key.into()),
-        }
-    }
-
-    pub(crate) fn as_bytes(&self) -> &[u8] {
-        match self {
-            PermitKey::Short { len, bytes } => bytes.get(..usize::from(*len)).unwrap_or_default(),
-            PermitKey::Long(key) => key,
-        }
-    }
-}
-
 /// What a request holds: a lease per limit that granted one.
 #[derive(Debug, Default)]
 pub(crate) struct Held {
     /// The request's key (as the store saw it).
-    pub(crate) key: PermitKey,
+    pub(crate) key: KeyBytes,
     pub(crate) per_key: Option<Lease>,
     pub(crate) service: Option<Lease>,
     /// Permits taken from an adaptive (in-process) service limit.

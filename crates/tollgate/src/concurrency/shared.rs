@@ -12,11 +12,11 @@ use tokio::time::Instant;
 use tollgate_core::{Acquire, ConcurrencyLimiter, Decision, Outcome, StoreError};
 
 use super::adaptive::Adaptive;
-use super::permit::{Held, Holding, Permit, PermitKey, Release};
+use super::permit::{Held, Holding, Permit, Release};
 use super::queue::Queue;
 use crate::cost::Cost;
 use crate::headers::{ConcurrencyHeaders, Item};
-use crate::key::{KeyBuf, KeyExtractor};
+use crate::key::{KeyBuf, KeyBytes, KeyExtractor};
 use crate::observe::ConcurrencyMetrics;
 use crate::rate_limit::MissingKey;
 use crate::rejection::{is_grpc, LimitKind, Reason, Rejected, Rendered};
@@ -421,7 +421,7 @@ where
         Permit::new(
             owner,
             Held {
-                key: PermitKey::new(&mut key),
+                key: KeyBytes::new(&mut key),
                 per_key,
                 ..Held::default()
             },
@@ -669,21 +669,9 @@ where
     if !queue.anyone_waiting() {
         return;
     }
-    let mut done = Box::pin(done);
-    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-    if done.as_mut().poll(&mut cx).is_ready() {
-        queue.wake(key);
-        return;
-    }
-    match tokio::runtime::Handle::try_current() {
-        Ok(runtime) => {
-            let queue = Arc::clone(queue);
-            runtime.spawn(async move {
-                let _ = done.await;
-                queue.wake(key);
-            });
-        }
-        // No runtime to wait in: wake now; the waiter looks again later.
-        Err(_) => queue.wake(key),
-    }
+    let later = Arc::clone(queue);
+    crate::task::finish(async move {
+        let _ = done.await;
+        later.wake(key);
+    });
 }

@@ -1,0 +1,322 @@
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use http::{Request, Response};
+use pin_project_lite::pin_project;
+use tollgate_core::{ConfigError, Limit, Limiter, Rule, Store};
+use tollgate_memory::MemoryStore;
+use tower_layer::Layer;
+use tower_service::Service;
+
+use super::body::{PacedBody, Pacer};
+use crate::key::{KeyBuf, KeyBytes, KeyExtractor, PeerIp};
+use crate::rate_limit::MissingKey;
+
+/// Which bodies a [`BandwidthLayer`] paces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Direction {
+    /// Response bodies: downloads (the default).
+    #[default]
+    Responses,
+    /// Request bodies: uploads.
+    Requests,
+    /// Both, against one budget per key.
+    Both,
+}
+
+struct Shared<K, L> {
+    key: K,
+    limiter: L,
+    chunk: u32,
+    direction: Direction,
+    missing: MissingKey,
+}
+
+/// Paces request and/or response bodies to a byte rate per key; see the
+/// [module docs](super).
+pub struct BandwidthLayer<K, L> {
+    shared: Arc<Shared<K, L>>,
+}
+
+impl<K, L> Clone for BandwidthLayer<K, L> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<K, L: Limiter> fmt::Debug for BandwidthLayer<K, L> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BandwidthLayer")
+            .field("rule", &self.shared.limiter.rule().name())
+            .field("direction", &self.shared.direction)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, K, L> Layer<S> for BandwidthLayer<K, L> {
+    type Service = Bandwidth<S, K, L>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Bandwidth {
+            inner,
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl BandwidthLayer<PeerIp, ()> {
+    /// Starts a layer pacing each key to `bytes_per_second`, with bursts
+    /// of up to `burst` bytes, under the rule name `name`. Defaults: keyed
+    /// by peer IP, responses paced, in-memory store, chunks of a quarter of
+    /// the burst (at most 64 KiB), keyless requests share one budget.
+    pub fn builder(
+        name: &str,
+        bytes_per_second: u32,
+        burst: u32,
+    ) -> BandwidthLayerBuilder<PeerIp, MemoryStore> {
+        BandwidthLayerBuilder {
+            name: name.to_owned(),
+            rate: bytes_per_second,
+            burst,
+            chunk: None,
+            key: PeerIp::new(),
+            store: MemoryStore::new(),
+            direction: Direction::default(),
+            missing: MissingKey::default(),
+        }
+    }
+}
+
+/// Builds a [`BandwidthLayer`]; see [`BandwidthLayer::builder`].
+pub struct BandwidthLayerBuilder<K, St> {
+    name: String,
+    rate: u32,
+    burst: u32,
+    chunk: Option<u32>,
+    key: K,
+    store: St,
+    direction: Direction,
+    missing: MissingKey,
+}
+
+impl<K: fmt::Debug, St> fmt::Debug for BandwidthLayerBuilder<K, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BandwidthLayerBuilder")
+            .field("name", &self.name)
+            .field("rate", &self.rate)
+            .field("burst", &self.burst)
+            .field("key", &self.key)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `a` and `b`'s greatest common divisor.
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while let Some(r) = a.checked_rem(b) {
+        a = b;
+        b = r;
+    }
+    a
+}
+
+impl<K, St> BandwidthLayerBuilder<K, St> {
+    /// Whose budget a body draws on (default: [`PeerIp`]).
+    pub fn key<K2>(self, key: K2) -> BandwidthLayerBuilder<K2, St> {
+        BandwidthLayerBuilder {
+            name: self.name,
+            rate: self.rate,
+            burst: self.burst,
+            chunk: self.chunk,
+            key,
+            store: self.store,
+            direction: self.direction,
+            missing: self.missing,
+        }
+    }
+
+    /// Where the byte budgets live (default: a new [`MemoryStore`]); a
+    /// Redis store shares them across a fleet.
+    pub fn store<St2: Store>(self, store: St2) -> BandwidthLayerBuilder<K, St2> {
+        BandwidthLayerBuilder {
+            name: self.name,
+            rate: self.rate,
+            burst: self.burst,
+            chunk: self.chunk,
+            key: self.key,
+            store,
+            direction: self.direction,
+            missing: self.missing,
+        }
+    }
+
+    /// Which bodies to pace (default: [`Direction::Responses`]).
+    pub fn direction(mut self, direction: Direction) -> Self {
+        self.direction = direction;
+        self
+    }
+
+    /// How many bytes a body takes from the store at once (default: a
+    /// quarter of the burst, at most 64 KiB; from 1 to the burst). Larger
+    /// chunks mean fewer store calls; smaller ones, a finer share of a
+    /// budget that many bodies draw on at once.
+    pub fn chunk(mut self, bytes: u32) -> Self {
+        self.chunk = Some(bytes);
+        self
+    }
+
+    /// What to do with requests that have no key (default: share one
+    /// fallback budget; `Reject` is treated as `Skip`: a body cannot be
+    /// refused once the request is let through).
+    pub fn on_missing_key(mut self, missing: MissingKey) -> Self {
+        self.missing = missing;
+        self
+    }
+}
+
+impl<K, St: Store> BandwidthLayerBuilder<K, St> {
+    /// Validates and binds the byte budget to the store; every error names
+    /// its field.
+    pub fn build(self) -> Result<BandwidthLayer<K, St::Limiter>, ConfigError> {
+        if self.rate == 0 || self.rate > 1_000_000_000 {
+            return Err(ConfigError::new(
+                "bytes_per_second",
+                "must be from 1 to 1,000,000,000 (a byte per nanosecond)",
+            ));
+        }
+        if self.burst == 0 {
+            return Err(ConfigError::new("burst", "must be at least 1"));
+        }
+        // An exact token bucket: `rate / g` bytes every `1 s / g`, for g
+        // the greatest common divisor of the rate and 10⁹, so that no
+        // rounding lets a body run ahead of its rate.
+        let g = gcd(u64::from(self.rate), 1_000_000_000);
+        // g >= 1 divides both (the rate is at least 1).
+        let refill = u32::try_from(u64::from(self.rate).checked_div(g).unwrap_or(1)).unwrap_or(1);
+        let interval = Duration::from_nanos(1_000_000_000u64.checked_div(g).unwrap_or(1));
+        let rule = Rule::new(
+            &self.name,
+            Limit::token_bucket(self.burst, refill, interval),
+        )?;
+        let chunk = self
+            .chunk
+            .unwrap_or_else(|| (self.burst / 4).clamp(1, 64 << 10));
+        if chunk == 0 || chunk > self.burst {
+            return Err(ConfigError::new("chunk", "must be from 1 to the burst"));
+        }
+        Ok(BandwidthLayer {
+            shared: Arc::new(Shared {
+                key: self.key,
+                limiter: self.store.limiter(&rule)?,
+                chunk,
+                direction: self.direction,
+                missing: self.missing,
+            }),
+        })
+    }
+}
+
+/// The service of [`BandwidthLayer`].
+pub struct Bandwidth<S, K, L> {
+    inner: S,
+    shared: Arc<Shared<K, L>>,
+}
+
+impl<S: Clone, K, L> Clone for Bandwidth<S, K, L> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<S: fmt::Debug, K, L> fmt::Debug for Bandwidth<S, K, L> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Bandwidth")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<K, L: Limiter> Shared<K, L> {
+    fn pacer(&self, key: &Option<KeyBytes>, on: bool) -> Option<Pacer<L>> {
+        match (key, on) {
+            (Some(key), true) => Some(Pacer::new(self.limiter.clone(), key.clone(), self.chunk)),
+            _ => None,
+        }
+    }
+}
+
+impl<S, K, L, ReqB, ResB> Service<Request<ReqB>> for Bandwidth<S, K, L>
+where
+    S: Service<Request<PacedBody<ReqB, L>>, Response = Response<ResB>>,
+    K: KeyExtractor<ReqB>,
+    L: Limiter,
+{
+    type Response = Response<PacedBody<ResB, L>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, L>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqB>) -> Self::Future {
+        let shared = &self.shared;
+        let mut buf = KeyBuf::new();
+        let key = match (shared.key.extract(&req, &mut buf), &shared.missing) {
+            (Some(()), _) => Some(KeyBytes::new(&mut buf)),
+            (None, MissingKey::Fallback(fallback)) => {
+                let mut buf = KeyBuf::new();
+                buf.push(b"\x02fallback");
+                buf.push(fallback);
+                Some(KeyBytes::new(&mut buf))
+            }
+            (None, _) => None,
+        };
+        let d = shared.direction;
+        let upload = shared.pacer(&key, matches!(d, Direction::Requests | Direction::Both));
+        let req = req.map(|body| PacedBody::new(body, upload));
+        let download = shared.pacer(&key, matches!(d, Direction::Responses | Direction::Both));
+        ResponseFuture {
+            future: self.inner.call(req),
+            pacer: download,
+        }
+    }
+}
+
+pin_project! {
+    /// Response future of [`Bandwidth`]: wraps the response body.
+    pub struct ResponseFuture<F, L: Limiter> {
+        #[pin]
+        future: F,
+        pacer: Option<Pacer<L>>,
+    }
+}
+
+impl<F, L: Limiter> fmt::Debug for ResponseFuture<F, L> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+impl<F, L, ResB, E> Future for ResponseFuture<F, L>
+where
+    F: Future<Output = Result<Response<ResB>, E>>,
+    L: Limiter,
+{
+    type Output = Result<Response<PacedBody<ResB, L>>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let response = ready!(this.future.poll(cx))?;
+        let pacer = this.pacer.take();
+        Poll::Ready(Ok(response.map(|body| PacedBody::new(body, pacer))))
+    }
+}

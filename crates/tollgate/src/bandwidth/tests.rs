@@ -1,0 +1,207 @@
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use tokio::time::Instant;
+use tower::{service_fn, Layer, ServiceExt};
+
+use super::*;
+use crate::key::Header;
+use crate::{MemoryStore, TokioClock};
+
+/// A store on Tokio's clock, which these paused-time tests move.
+fn store() -> MemoryStore<TokioClock> {
+    MemoryStore::builder()
+        .clock(TokioClock::new())
+        .build()
+        .unwrap()
+}
+
+/// `n` bytes in frames of `frame` bytes, as fast as they are read.
+struct Chunks {
+    left: usize,
+    frame: usize,
+}
+
+impl Body for Chunks {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if self.left == 0 {
+            return Poll::Ready(None);
+        }
+        let n = self.left.min(self.frame);
+        self.left -= n;
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from(vec![b'x'; n])))))
+    }
+}
+
+const KIB: usize = 1 << 10;
+
+fn req(body: Chunks) -> Request<Chunks> {
+    Request::builder()
+        .header("x-api-key", "k")
+        .body(body)
+        .unwrap()
+}
+
+/// Reads `body` to its end, checking at every frame that what was let out
+/// so far fits `burst + rate × elapsed`; returns the bytes and the time.
+async fn drain<B>(body: B, rate: u64, burst: u64) -> (usize, Duration)
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Debug,
+{
+    let start = Instant::now();
+    let mut body = body;
+    let mut total = 0u64;
+    while let Some(frame) = body.frame().await {
+        let data = frame.unwrap().into_data().unwrap();
+        assert!(data.len() as u64 <= burst, "a frame above the burst");
+        total += data.len() as u64;
+        let elapsed = start.elapsed().as_nanos() as u64;
+        let allowed = burst + rate * elapsed / 1_000_000_000;
+        assert!(
+            total <= allowed,
+            "{total} bytes out after {elapsed} ns; budget {allowed}"
+        );
+    }
+    (total as usize, start.elapsed())
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_download_is_paced_to_the_rate_and_never_runs_ahead() {
+    // 1 MiB at 100 KiB/s with a 24 KiB burst: 1,000 KiB at the rate, 10 s.
+    let layer = BandwidthLayer::builder("down", 100 << 10, 24 << 10)
+        .key(Header::named("x-api-key").unwrap())
+        .store(store())
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(|_req: Request<PacedBody<String, _>>| async {
+        // Frames of 64 KiB: larger than the burst, so they are split.
+        Ok::<_, Infallible>(Response::new(Chunks {
+            left: 1 << 20,
+            frame: 64 * KIB,
+        }))
+    }));
+    let res = svc
+        .oneshot(
+            Request::builder()
+                .header("x-api-key", "k")
+                .body(String::new())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let (bytes, took) = drain(res.into_body(), 100 << 10, 24 << 10).await;
+    assert_eq!(bytes, 1 << 20);
+    assert!(took >= Duration::from_secs(10), "{took:?}");
+    // The last tick may wait for a partly used chunk: within a tick.
+    assert!(took <= Duration::from_millis(10_100), "{took:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_upload_is_paced_the_same_way_and_keys_share_nothing() {
+    let layer = BandwidthLayer::builder("up", 100 << 10, 24 << 10)
+        .key(Header::named("x-api-key").unwrap())
+        .direction(Direction::Requests)
+        .store(store())
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(
+        |req: Request<PacedBody<Chunks, _>>| async move {
+            let (bytes, took) = drain(req.into_body(), 100 << 10, 24 << 10).await;
+            Ok::<_, Infallible>(Response::new(format!("{bytes} {}", took.as_millis())))
+        },
+    ));
+    let res = svc
+        .clone()
+        .oneshot(req(Chunks {
+            left: 224 * KIB,
+            frame: 16 * KIB,
+        }))
+        .await
+        .unwrap();
+    // 200 KiB past the burst at 100 KiB/s: two seconds, plus at most the
+    // wait for the last chunk's unspent part (6 KiB: 60 ms).
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    let body = String::from_utf8(body.to_vec()).unwrap();
+    let (bytes, ms) = body.split_once(' ').unwrap();
+    assert_eq!(bytes.parse::<usize>().unwrap(), 224 * KIB);
+    let ms: u64 = ms.parse().unwrap();
+    assert!((2_000..=2_060).contains(&ms), "{ms} ms");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_body_gives_its_unspent_tokens_back() {
+    // 1 KiB/s, a 32 KiB burst taken 16 KiB at a time.
+    let layer = BandwidthLayer::builder("down", 1 << 10, 32 * KIB as u32)
+        .key(Header::named("x-api-key").unwrap())
+        .chunk(16 * KIB as u32)
+        .store(store())
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(|_req: Request<PacedBody<String, _>>| async {
+        Ok::<_, Infallible>(Response::new(Chunks {
+            left: 1 << 20,
+            frame: KIB,
+        }))
+    }));
+    let get = || {
+        Request::builder()
+            .header("x-api-key", "k")
+            .body(String::new())
+            .unwrap()
+    };
+    let res = svc.clone().oneshot(get()).await.unwrap();
+    let mut body = res.into_body();
+    // One 1 KiB frame read on a 16 KiB chunk, then the client goes away.
+    body.frame().await.unwrap().unwrap();
+    drop(body);
+    // 15 KiB came back, so 31 KiB are left: a second body reads 32 KiB
+    // after one second (1 KiB at the rate). Without the refund it would
+    // wait 16 seconds.
+    let res = svc.clone().oneshot(get()).await.unwrap();
+    let start = Instant::now();
+    let mut body = res.into_body();
+    let mut got = 0;
+    while got < 32 * KIB {
+        got += body
+            .frame()
+            .await
+            .unwrap()
+            .unwrap()
+            .into_data()
+            .unwrap()
+            .len();
+    }
+    assert_eq!(start.elapsed(), Duration::from_secs(1));
+}
+
+#[test]
+fn configuration_errors_name_the_field() {
+    let e = |b: BandwidthLayerBuilder<_, MemoryStore>| b.build().map(drop).unwrap_err().field();
+    assert_eq!(e(BandwidthLayer::builder("b", 0, 1)), "bytes_per_second");
+    assert_eq!(e(BandwidthLayer::builder("b", 1, 0)), "burst");
+    assert_eq!(e(BandwidthLayer::builder("b", 1, 10).chunk(11)), "chunk");
+    assert_eq!(e(BandwidthLayer::builder("b", 1, 10).chunk(0)), "chunk");
+    assert_eq!(e(BandwidthLayer::builder("b c", 1, 10)), "name");
+    // Rates that do not divide a second evenly are exact too.
+    assert!(BandwidthLayer::builder("b", 3, 10).build().is_ok());
+    assert!(BandwidthLayer::builder("b", 1_000_000_000, u32::MAX)
+        .build()
+        .is_ok());
+    assert_eq!(
+        e(BandwidthLayer::builder("b", u32::MAX, 1)),
+        "bytes_per_second"
+    );
+}

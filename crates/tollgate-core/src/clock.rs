@@ -61,6 +61,19 @@ pub struct SystemClock;
 struct Source {
     clock: quanta::Clock,
     origin: u64,
+    /// Unix time minus monotonic time, as last measured.
+    unix_offset: AtomicU64,
+    /// Monotonic time of that measurement.
+    synced_at: AtomicU64,
+}
+
+/// How often the wall clock is read again to follow its steps.
+const RESYNC: u64 = 1_000_000_000;
+
+fn wall() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, duration_to_nanos)
 }
 
 fn source() -> &'static Source {
@@ -68,7 +81,12 @@ fn source() -> &'static Source {
     SOURCE.get_or_init(|| {
         let clock = quanta::Clock::new();
         let origin = clock.raw();
-        Source { clock, origin }
+        Source {
+            clock,
+            origin,
+            unix_offset: AtomicU64::new(wall()),
+            synced_at: AtomicU64::new(0),
+        }
     })
 }
 
@@ -91,11 +109,20 @@ impl Clock for SystemClock {
             .saturating_add(1)
     }
 
-    /// The operating system's wall clock (a clock set before 1970 reads 0).
+    /// The operating system's wall clock (a clock set before 1970 reads
+    /// 0), read through the fast monotonic clock: the offset between the
+    /// two is measured again every second, so a stepped wall clock is
+    /// followed within a second, at a monotonic reading's cost.
     fn unix_now(&self) -> u64 {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, duration_to_nanos)
+        let s = source();
+        let now = self.now();
+        let synced = s.synced_at.load(Ordering::Relaxed);
+        if now.saturating_sub(synced) >= RESYNC || synced == 0 {
+            s.unix_offset
+                .store(wall().saturating_sub(now), Ordering::Relaxed);
+            s.synced_at.store(now, Ordering::Relaxed);
+        }
+        now.saturating_add(s.unix_offset.load(Ordering::Relaxed))
     }
 }
 
@@ -192,6 +219,9 @@ mod tests {
     fn the_system_clock_tells_the_date() {
         // 2026-01-01T00:00:00Z: this code was written after it.
         assert!(SystemClock.unix_now() > 1_767_225_600_000_000_000);
+        // Within a millisecond of the OS wall clock (both read here).
+        let (a, b) = (SystemClock.unix_now(), wall());
+        assert!(a.abs_diff(b) < 1_000_000, "{a} vs {b}");
         let c = ManualClock::at_unix(1_767_225_600_000_000_000);
         assert_eq!(c.unix_now(), c.now());
     }

@@ -51,6 +51,9 @@ pub struct Quota {
 pub struct Window {
     /// Where the counted period starts (Unix ns); 0 when never used.
     pub start: u64,
+    /// Where it ends (kept so that a decision inside the period needs no
+    /// calendar arithmetic).
+    pub end: u64,
     /// Units consumed in it.
     pub used: u64,
     /// Units granted on top of the budget for it.
@@ -90,6 +93,22 @@ pub struct QuotaDecision {
 }
 
 impl QuotaDecision {
+    /// A decision from its parts, for stores that compute it elsewhere
+    /// (the Redis store's script): `periods` in the quota's order; past
+    /// [`MAX_PERIODS`], the rest are ignored. Equal to the decision
+    /// [`Quota::decide`] makes with the same outcome and periods.
+    pub fn new(outcome: Outcome, periods: &[PeriodStatus]) -> Self {
+        let mut all = [EMPTY; MAX_PERIODS];
+        for (slot, status) in all.iter_mut().zip(periods) {
+            *slot = *status;
+        }
+        Self {
+            outcome,
+            periods: all,
+            len: periods.len().min(MAX_PERIODS),
+        }
+    }
+
     /// Whether the request was admitted.
     pub fn is_allowed(&self) -> bool {
         matches!(self.outcome, Outcome::Allow { .. })
@@ -174,25 +193,22 @@ impl Quota {
 
     /// The window `w` counts in at `now`: its own if it is the current one
     /// (or a later one the clock has seen), else a fresh one.
-    fn current(&self, period: Period, w: Window, now: u64) -> (Window, u64, u64) {
+    fn current(&self, period: Period, w: Window, now: u64) -> Window {
+        if w.start != 0 && w.start <= now && now < w.end {
+            return w;
+        }
         let (start, end) = period.bounds(now, self.offset);
-        if w.start >= start && w.start != 0 {
-            let (s, e) = if w.start == start {
-                (start, end)
-            } else {
-                period.bounds(w.start, self.offset)
-            };
-            (Window { start: s, ..w }, s, e)
+        if w.start != 0 && w.start >= start {
+            // A later period than now's (the clock went back): keep it.
+            let (start, end) = period.bounds(w.start, self.offset);
+            Window { start, end, ..w }
         } else {
-            (
-                Window {
-                    start,
-                    used: 0,
-                    bonus: 0,
-                },
+            Window {
                 start,
                 end,
-            )
+                used: 0,
+                bonus: 0,
+            }
         }
     }
 
@@ -208,8 +224,8 @@ impl Quota {
     pub fn refund(&self, state: &mut QuotaState, now: u64, cost: u32) {
         for (i, (period, _)) in self.periods().enumerate() {
             if let Some(w) = state.windows.get_mut(i) {
-                let (cur, start, _) = self.current(period, *w, now);
-                if cur.start == w.start && start != 0 {
+                // Only a window that is still current gets it back.
+                if w.start != 0 && self.current(period, *w, now).start == w.start {
                     w.used = w.used.saturating_sub(u64::from(cost));
                 }
             }
@@ -229,30 +245,34 @@ impl Quota {
     /// windows would roll over the same way on the next read).
     fn apply(&self, state: &mut QuotaState, now: u64, grant: u64, cost: u32) -> QuotaDecision {
         let cost = u64::from(cost);
-        let mut next = *state;
+        let mut windows = [Window::default(); MAX_PERIODS];
         let mut periods = [EMPTY; MAX_PERIODS];
         let (mut never, mut wait) = (false, None::<u64>);
         for (i, (period, limit)) in self.periods().enumerate() {
-            let (Some(w), Some(status)) = (next.windows.get_mut(i), periods.get_mut(i)) else {
+            let (Some(w), Some(cur), Some(status)) = (
+                state.windows.get(i),
+                windows.get_mut(i),
+                periods.get_mut(i),
+            ) else {
                 continue;
             };
-            let (mut cur, start, end) = self.current(period, *w, now);
+            *cur = self.current(period, *w, now);
             cur.bonus = cur.bonus.saturating_add(grant).min(Self::MAX_LIMIT);
             let budget = limit.saturating_add(cur.bonus);
             let remaining = budget.saturating_sub(cur.used);
+            let reset_after = cur.end.saturating_sub(now);
             if cost > budget {
                 never = true;
             } else if cost > remaining {
-                let until = end.saturating_sub(now).max(1);
+                let until = reset_after.max(1);
                 wait = Some(wait.map_or(until, |w| w.max(until)));
             }
-            *w = cur;
             *status = PeriodStatus {
                 period,
                 limit: budget,
                 remaining,
-                reset_after: end.saturating_sub(now),
-                length: end.saturating_sub(start),
+                reset_after,
+                length: cur.end.saturating_sub(cur.start),
             };
         }
         let outcome = if never {
@@ -263,19 +283,23 @@ impl Quota {
             Outcome::Allow { delay: 0 }
         };
         let admitted = matches!(outcome, Outcome::Allow { .. });
-        for (w, status) in next
-            .windows
-            .iter_mut()
-            .zip(periods.iter_mut())
-            .take(self.len)
-        {
-            if admitted {
-                w.used = w.used.saturating_add(cost);
-                status.remaining = status.remaining.saturating_sub(cost);
-            }
-        }
+        // A peek or a denial changes nothing (its windows would roll over
+        // the same way on the next read); a charge or a grant writes.
         if (admitted && cost > 0) || grant > 0 {
-            *state = next;
+            let charge = if admitted { cost } else { 0 };
+            for ((w, cur), status) in state
+                .windows
+                .iter_mut()
+                .zip(windows)
+                .zip(periods.iter_mut())
+                .take(self.len)
+            {
+                *w = Window {
+                    used: cur.used.saturating_add(charge),
+                    ..cur
+                };
+                status.remaining = status.remaining.saturating_sub(charge);
+            }
         }
         QuotaDecision {
             outcome,
@@ -289,7 +313,7 @@ impl Quota {
     pub fn is_idle(&self, state: &QuotaState, now: u64) -> bool {
         self.periods().enumerate().all(|(i, (period, _))| {
             state.windows.get(i).is_none_or(|w| {
-                let (cur, _, _) = self.current(period, *w, now);
+                let cur = self.current(period, *w, now);
                 cur.used == 0 && cur.bonus == 0
             })
         })

@@ -322,25 +322,24 @@ impl<C: Clock> Store for MemoryStore<C> {
     /// Binds `rule`. Binding a rule of the same name and parameters again
     /// shares its state; the same name with other parameters is an error.
     fn limiter(&self, rule: &Rule) -> Result<MemoryLimiter<C>, ConfigError> {
-        let mut rules = self
-            .inner
-            .rules
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let bound = rules.entry(rule.name().to_owned()).or_insert_with(|| {
-            let shared = Arc::clone(&self.inner.shared);
-            Bound::Rate(
-                rule.algorithm().clone(),
-                AnyTable::new(rule.algorithm(), self.inner.shards, shared),
-            )
-        });
-        match bound {
-            Bound::Rate(algorithm, table) if algorithm == rule.algorithm() => Ok(MemoryLimiter {
-                rule: rule.clone(),
-                table: table.clone(),
-            }),
-            _ => Err(conflict()),
-        }
+        self.bind(
+            rule.name(),
+            |shards, shared| {
+                Bound::Rate(
+                    rule.algorithm().clone(),
+                    AnyTable::new(rule.algorithm(), shards, shared),
+                )
+            },
+            |bound| match bound {
+                Bound::Rate(algorithm, table) if algorithm == rule.algorithm() => {
+                    Some(MemoryLimiter {
+                        rule: rule.clone(),
+                        table: table.clone(),
+                    })
+                }
+                _ => None,
+            },
+        )
     }
 
     /// Binds a concurrency `rule`; the same sharing rules as
@@ -349,27 +348,45 @@ impl<C: Clock> Store for MemoryStore<C> {
         &self,
         rule: &ConcurrencyRule,
     ) -> Result<MemoryConcurrencyLimiter<C>, ConfigError> {
+        let sem = rule.semaphore();
+        self.bind(
+            rule.name(),
+            |shards, shared| {
+                Bound::Concurrency(*sem, Table::registered(sem.in_flight(), shards, shared))
+            },
+            |bound| match bound {
+                Bound::Concurrency(semaphore, table) if semaphore == sem => {
+                    Some(MemoryConcurrencyLimiter {
+                        rule: rule.clone(),
+                        table: Arc::clone(table),
+                    })
+                }
+                _ => None,
+            },
+        )
+    }
+}
+
+impl<C: Clock> MemoryStore<C> {
+    /// Binds a rule by name: the first binding creates its table (with
+    /// `make`), later ones share it if `get` accepts what is bound —
+    /// the same kind of rule with the same parameters — and fail naming
+    /// `name` otherwise.
+    fn bind<T>(
+        &self,
+        name: &str,
+        make: impl FnOnce(usize, Arc<Shared<C>>) -> Bound<C>,
+        get: impl FnOnce(&Bound<C>) -> Option<T>,
+    ) -> Result<T, ConfigError> {
         let mut rules = self
             .inner
             .rules
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let bound = rules.entry(rule.name().to_owned()).or_insert_with(|| {
-            let shared = Arc::clone(&self.inner.shared);
-            Bound::Concurrency(
-                *rule.semaphore(),
-                Table::registered(rule.semaphore().in_flight(), self.inner.shards, shared),
-            )
-        });
-        match bound {
-            Bound::Concurrency(semaphore, table) if semaphore == rule.semaphore() => {
-                Ok(MemoryConcurrencyLimiter {
-                    rule: rule.clone(),
-                    table: Arc::clone(table),
-                })
-            }
-            _ => Err(conflict()),
-        }
+        let bound = rules
+            .entry(name.to_owned())
+            .or_insert_with(|| make(self.inner.shards, Arc::clone(&self.inner.shared)));
+        get(bound).ok_or_else(conflict)
     }
 }
 
@@ -560,25 +577,23 @@ impl<C: Clock> QuotaStore for MemoryStore<C> {
     /// [`limiter`](Store::limiter). Quotas live in this process: a restart
     /// forgets them (use the Redis store to keep them).
     fn quota_limiter(&self, rule: &QuotaRule) -> Result<MemoryQuotaLimiter<C>, ConfigError> {
-        let mut rules = self
-            .inner
-            .rules
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let bound = rules.entry(rule.name().to_owned()).or_insert_with(|| {
-            let shared = Arc::clone(&self.inner.shared);
-            Bound::Quota(
-                rule.quota().clone(),
-                Table::registered(rule.quota().clone(), self.inner.shards, shared),
-            )
-        });
-        match bound {
-            Bound::Quota(quota, table) if quota == rule.quota() => Ok(MemoryQuotaLimiter {
-                rule: rule.clone(),
-                table: Arc::clone(table),
-            }),
-            _ => Err(conflict()),
-        }
+        let quota = rule.quota();
+        self.bind(
+            rule.name(),
+            |shards, shared| {
+                Bound::Quota(
+                    quota.clone(),
+                    Table::registered(quota.clone(), shards, shared),
+                )
+            },
+            |bound| match bound {
+                Bound::Quota(q, table) if q == quota => Some(MemoryQuotaLimiter {
+                    rule: rule.clone(),
+                    table: Arc::clone(table),
+                }),
+                _ => None,
+            },
+        )
     }
 }
 

@@ -34,6 +34,7 @@ struct Shared<K, L> {
     chunk: u32,
     direction: Direction,
     missing: MissingKey,
+    warned_missing: std::sync::atomic::AtomicBool,
 }
 
 /// Paces request and/or response bodies to a byte rate per key; see the
@@ -216,6 +217,7 @@ impl<K, St: Store> BandwidthLayerBuilder<K, St> {
                 chunk,
                 direction: self.direction,
                 missing: self.missing,
+                warned_missing: std::sync::atomic::AtomicBool::new(false),
             }),
         })
     }
@@ -273,9 +275,8 @@ where
         let key = match (shared.key.extract(&req, &mut buf), &shared.missing) {
             (Some(()), _) => Some(KeyBytes::new(&mut buf)),
             (None, MissingKey::Fallback(fallback)) => {
-                let mut buf = KeyBuf::new();
-                buf.push(b"\x02fallback");
-                buf.push(fallback);
+                let rule = shared.limiter.rule().name();
+                let mut buf = MissingKey::fallback_key(fallback, &shared.warned_missing, rule);
                 Some(KeyBytes::new(&mut buf))
             }
             (None, _) => None,

@@ -3,7 +3,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -314,17 +314,11 @@ where
                     return Admission::Reject(r, Items::new(0));
                 }
                 MissingKey::Fallback(fallback) => {
-                    if !self.warned_missing.swap(true, Ordering::Relaxed) {
-                        tracing::warn!(
-                            target: "tollgate",
-                            rule = %self.per_key.name,
-                            "a request had no key; keyless requests share one fallback budget \
-                             (for PeerIp, serve with into_make_service_with_connect_info)"
-                        );
-                    }
-                    key = KeyBuf::new();
-                    key.push(b"\x02fallback");
-                    key.push(fallback);
+                    key = MissingKey::fallback_key(
+                        fallback,
+                        &self.warned_missing,
+                        &self.per_key.name,
+                    );
                 }
             }
         }

@@ -289,16 +289,8 @@ where
                     return ResponseFuture { state, responder };
                 }
                 MissingKey::Fallback(fallback) => {
-                    if !shared.warned_missing.swap(true, Ordering::Relaxed) {
-                        tracing::warn!(
-                            target: "tollgate",
-                            rule = %responder.rule,
-                            "a request had no key; keyless requests share one fallback quota"
-                        );
-                    }
-                    key = KeyBuf::new();
-                    key.push(b"\x02fallback");
-                    key.push(fallback);
+                    key =
+                        MissingKey::fallback_key(fallback, &shared.warned_missing, &responder.rule);
                 }
             }
         }

@@ -10,9 +10,10 @@ use tower_layer::Layer;
 use super::service::{RateLimit, RateLimitErrors};
 use crate::cost::Fixed;
 use crate::headers::Headers;
-use crate::key::PeerIp;
+use crate::key::{KeyBuf, PeerIp};
 use crate::observe::Metrics;
 use crate::rejection::{LimitKind, Rejected, Rendered};
+use std::sync::atomic::AtomicBool;
 
 /// What to do with a request whose key cannot be extracted (no API key
 /// header, no peer address).
@@ -25,6 +26,27 @@ pub enum MissingKey {
     Fallback(Bytes),
     /// Reject it: HTTP 400 (gRPC `INVALID_ARGUMENT`), with a problem body.
     Reject,
+}
+
+impl MissingKey {
+    /// The key every keyless request of `Fallback(fallback)` shares
+    /// (tagged, so no client key can be the same), and — once per layer,
+    /// loudly, since it is usually a setup mistake (no `ConnectInfo` for
+    /// `PeerIp`, a header a proxy strips) — a warning.
+    pub(crate) fn fallback_key(fallback: &[u8], warned: &AtomicBool, rule: &str) -> KeyBuf {
+        if !warned.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            tracing::warn!(
+                target: "tollgate",
+                rule = %rule,
+                "a request had no key; keyless requests share one fallback budget \
+                 (for PeerIp, serve with into_make_service_with_connect_info)"
+            );
+        }
+        let mut key = KeyBuf::new();
+        key.push(b"\x02fallback");
+        key.push(fallback);
+        key
+    }
 }
 
 impl Default for MissingKey {

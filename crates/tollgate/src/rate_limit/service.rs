@@ -75,22 +75,11 @@ where
                 };
             }
             MissingKey::Fallback(fallback) => {
-                // Usually a setup mistake (no ConnectInfo for PeerIp, a
-                // header that a proxy strips): say so once, loudly.
-                if !shared
-                    .warned_missing
-                    .swap(true, std::sync::atomic::Ordering::Relaxed)
-                {
-                    tracing::warn!(
-                        target: "tollgate",
-                        rule = %shared.responder.rule,
-                        "a request had no key; keyless requests share one fallback budget \
-                         (for PeerIp, serve with into_make_service_with_connect_info)"
-                    );
-                }
-                key = KeyBuf::new();
-                key.push(b"\x02fallback");
-                key.push(fallback);
+                key = MissingKey::fallback_key(
+                    fallback,
+                    &shared.warned_missing,
+                    &shared.responder.rule,
+                );
             }
         }
     }

@@ -133,3 +133,25 @@ impl ConcurrencyMetrics {
         metrics::gauge!(LIMIT, "rule" => rule.to_owned())
     }
 }
+
+/// When a store fault was last logged (seconds since the Unix epoch).
+static LAST_FAULT_LOG: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Logs that a layer's store failed and the request was let through — at
+/// most once a second across the process, not once a request: an outage
+/// fails every call, and a log line per request would drown the logs (the
+/// metric counts every one).
+pub(crate) fn store_fault(layer: &'static str, rule: &str, error: &tollgate_core::StoreError) {
+    let second = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    if LAST_FAULT_LOG.swap(second, std::sync::atomic::Ordering::Relaxed) != second {
+        tracing::warn!(
+            target: "tollgate",
+            layer,
+            rule = %rule,
+            %error,
+            "limiter store failed; letting requests through (logged at most once a second)"
+        );
+    }
+}

@@ -201,8 +201,13 @@ where
             let frame = ready!(this.body.as_mut().poll_frame(cx));
             match frame {
                 Some(Ok(frame)) => match frame.into_data() {
-                    Ok(data) if !data.is_empty() => pacer.pending = Some(data),
-                    Ok(data) => return Poll::Ready(Some(Ok(Frame::data(data)))),
+                    // Covered by the credit in hand (an empty frame always
+                    // is): out as it came.
+                    Ok(data) if data.len() as u64 <= pacer.credit => {
+                        pacer.credit = pacer.credit.saturating_sub(data.len() as u64);
+                        return Poll::Ready(Some(Ok(Frame::data(data))));
+                    }
+                    Ok(data) => pacer.pending = Some(data),
                     // Trailers and other frames cost nothing.
                     Err(frame) => return Poll::Ready(Some(Ok(frame))),
                 },

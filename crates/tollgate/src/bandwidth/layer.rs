@@ -75,7 +75,7 @@ impl BandwidthLayer<PeerIp, ()> {
     /// Starts a layer pacing each key to `bytes_per_second`, with bursts
     /// of up to `burst` bytes, under the rule name `name`. Defaults: keyed
     /// by peer IP, responses paced, in-memory store, chunks of a quarter of
-    /// the burst (at most 64 KiB), keyless requests share one budget.
+    /// the burst (at most 1 MiB), keyless requests share one budget.
     pub fn builder(
         name: &str,
         bytes_per_second: u32,
@@ -163,7 +163,7 @@ impl<K, St> BandwidthLayerBuilder<K, St> {
     }
 
     /// How many bytes a body takes from the store at once (default: a
-    /// quarter of the burst, at most 64 KiB; from 1 to the burst). Larger
+    /// quarter of the burst, at most 1 MiB; from 1 to the burst). Larger
     /// chunks mean fewer store calls; smaller ones, a finer share of a
     /// budget that many bodies draw on at once.
     pub fn chunk(mut self, bytes: u32) -> Self {
@@ -206,7 +206,7 @@ impl<K, St: Store> BandwidthLayerBuilder<K, St> {
         )?;
         let chunk = self
             .chunk
-            .unwrap_or_else(|| (self.burst / 4).clamp(1, 64 << 10));
+            .unwrap_or_else(|| (self.burst / 4).clamp(1, 1 << 20));
         if chunk == 0 || chunk > self.burst {
             return Err(ConfigError::new("chunk", "must be from 1 to the burst"));
         }

@@ -246,12 +246,7 @@ where
             Ok(a) => a,
             Err(error) => {
                 self.metrics.store_error.increment(1);
-                tracing::warn!(
-                    target: "tollgate",
-                    rule = %self.per_key.name,
-                    %error,
-                    "concurrency store failed; letting the request through"
-                );
+                crate::observe::store_fault("concurrency", &self.per_key.name, &error);
                 return Step::Pass(None);
             }
         };

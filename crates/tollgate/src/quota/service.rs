@@ -1,6 +1,6 @@
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
@@ -168,10 +168,6 @@ where
     }
 }
 
-/// When the last store fault was logged (seconds since the Unix epoch):
-/// a fault is logged at most once a second, not once a request.
-static LAST_FAULT_LOG: AtomicU64 = AtomicU64::new(0);
-
 /// What follows a decision (or a store fault): call the inner service, or
 /// refuse.
 fn decided<S, ReqB, D>(
@@ -188,17 +184,7 @@ where
         Ok(d) => d,
         Err(error) => {
             m.store_error.increment(1);
-            let second = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs());
-            if LAST_FAULT_LOG.swap(second, Ordering::Relaxed) != second {
-                tracing::warn!(
-                    target: "tollgate",
-                    rule = %responder.rule,
-                    %error,
-                    "quota store failed; letting requests through"
-                );
-            }
+            crate::observe::store_fault("quota", &responder.rule, &error);
             return State::Calling {
                 future: inner.call(request),
                 decision: None,

@@ -101,12 +101,7 @@ where
         Err(error) => {
             responder.metrics.store_error.increment(1);
             // Never let a store fault fail the request.
-            tracing::warn!(
-                target: "tollgate",
-                rule = %responder.rule,
-                %error,
-                "rate limit store failed; letting the request through"
-            );
+            crate::observe::store_fault("rate", &responder.rule, &error);
             return State::calling(inner.call(request));
         }
     };

@@ -195,7 +195,10 @@ impl<B> Cost<B> for HeaderCost {
 }
 
 /// A count from a query parameter (`?count=25`), clamped to `1..=cap`.
-/// Absent: `default`. Not a number: `cap`.
+/// Absent: `default`. Not a number: `cap`. Names and values are decoded
+/// as `application/x-www-form-urlencoded` (`%63ount=9` is `count=9`, as
+/// axum's `Query` reads it), and a parameter given twice counts at its
+/// largest: a client cannot hide the count the handler will use.
 #[derive(Debug, Clone)]
 pub struct QueryCost {
     param: Box<str>,
@@ -225,14 +228,63 @@ impl<B> Cost<B> for QueryCost {
         };
         query
             .split('&')
-            .find_map(|pair| {
+            .filter_map(|pair| {
                 let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-                (k == &*self.param).then_some(v)
+                form_eq(k.as_bytes(), self.param.as_bytes()).then_some(v)
             })
-            .map_or(self.default, |v| {
-                parse_count(v.as_bytes()).map_or(self.cap, |n| n.clamp(1, self.cap))
+            .map(|v| {
+                let mut buf = [0u8; 24];
+                form_decode(v.as_bytes(), &mut buf)
+                    .and_then(parse_count)
+                    .map_or(self.cap, |n| n.clamp(1, self.cap))
             })
+            .max()
+            .unwrap_or(self.default)
     }
+}
+
+/// Decodes one form-encoded byte at the start of `raw`: `+` is a space,
+/// `%XY` the byte XY, anything else itself (a `%` without two hex digits
+/// too, as the WHATWG URL standard has it). Returns it and the bytes used.
+fn form_byte(raw: &[u8]) -> Option<(u8, usize)> {
+    let hex = |b: u8| {
+        char::from(b)
+            .to_digit(16)
+            .and_then(|d| u8::try_from(d).ok())
+    };
+    match raw {
+        [b'+', ..] => Some((b' ', 1)),
+        [b'%', h, l, ..] => match (hex(*h), hex(*l)) {
+            (Some(h), Some(l)) => Some((h.saturating_mul(16).saturating_add(l), 3)),
+            _ => Some((b'%', 1)),
+        },
+        [b, ..] => Some((*b, 1)),
+        [] => None,
+    }
+}
+
+/// Whether form-encoded `raw` decodes to exactly `want`.
+fn form_eq(mut raw: &[u8], want: &[u8]) -> bool {
+    let mut want = want.iter();
+    while let Some((b, used)) = form_byte(raw) {
+        if want.next() != Some(&b) {
+            return false;
+        }
+        raw = raw.get(used..).unwrap_or_default();
+    }
+    want.next().is_none()
+}
+
+/// Decodes form-encoded `raw` into `buf`; `None` if it does not fit (no
+/// count is that long).
+fn form_decode<'a>(mut raw: &[u8], buf: &'a mut [u8; 24]) -> Option<&'a [u8]> {
+    let mut len = 0;
+    while let Some((b, used)) = form_byte(raw) {
+        *buf.get_mut(len)? = b;
+        len = len.saturating_add(1);
+        raw = raw.get(used..).unwrap_or_default();
+    }
+    buf.get(..len)
 }
 
 /// The request body's declared size (`Content-Length`), one unit per
@@ -341,6 +393,28 @@ mod tests {
             HeaderCost::named("bad name", 1, 4).unwrap_err().field(),
             "header"
         );
+    }
+
+    #[test]
+    fn query_costs_are_read_as_the_handler_reads_them() {
+        let q = QueryCost::named("count", 1, 10_000).unwrap();
+        let cost = |uri: &str| q.cost(&req(Method::GET, uri));
+        // Percent-encoded names and values are the same parameter.
+        assert_eq!(cost("/x?%63ount=10000"), 10_000);
+        assert_eq!(cost("/x?count=%31%30"), 10);
+        assert_eq!(cost("/x?co%75nt=5&other=1"), 5);
+        // Given twice, the larger counts, whatever the order.
+        assert_eq!(cost("/x?count=1&count=500"), 500);
+        assert_eq!(cost("/x?count=500&count=1"), 500);
+        assert_eq!(cost("/x?count=1&%63ount=9000"), 9_000);
+        // Malformed encodings and values pay the cap; `+` is a space.
+        assert_eq!(cost("/x?count=%zz"), 10_000);
+        assert_eq!(cost("/x?count=1%"), 10_000);
+        assert_eq!(cost("/x?count=+7"), 7);
+        assert_eq!(cost(&format!("/x?count={}", "9".repeat(40))), 10_000);
+        // Other names, even close ones, are not the parameter.
+        assert_eq!(cost("/x?counts=9&coun=9&%2563ount=9"), 1);
+        assert_eq!(cost("/x?"), 1);
     }
 
     #[test]

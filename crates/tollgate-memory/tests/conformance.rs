@@ -21,3 +21,9 @@ async fn conformance_holds_with_one_shard_and_many() {
         .await;
     }
 }
+
+#[tokio::test]
+async fn memory_store_passes_the_quota_suite() {
+    tollgate_core::testing::run_quota(|clock| MemoryStore::builder().clock(clock).build().unwrap())
+        .await;
+}

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate_core::{Clock, StoreError, StoreErrorKind};
+use tollgate_core::{Clock, StoreError, StoreErrorKind, SystemClock};
 
 use crate::breaker::{now_nanos, Breaker, Pass};
 use crate::conn::Conn;
@@ -84,6 +84,14 @@ impl Counters {
 
 pub(crate) type SharedClock = Arc<dyn Clock>;
 
+/// A call that got no answer, and whether it may have reached Redis
+/// (only a call the breaker skipped surely did not).
+#[derive(Debug)]
+pub(crate) struct Fault {
+    pub(crate) error: StoreError,
+    pub(crate) maybe_sent: bool,
+}
+
 /// The connection and what guards it; shared by a store, its limiters and
 /// its lease task.
 pub(crate) struct Backend {
@@ -142,6 +150,15 @@ impl Backend {
             .unwrap_or_default()
     }
 
+    /// The Unix time in ns the scripts would read, as best this process
+    /// knows it: the client clock's, or the system's (for answers of the
+    /// failure policy that name calendar periods).
+    pub(crate) fn unix_now(&self) -> u64 {
+        self.client_time
+            .as_ref()
+            .map_or_else(|| SystemClock.unix_now(), |c| c.unix_now())
+    }
+
     /// Runs `script` with the breaker and the timeout; `Err` if Redis did
     /// not answer (the caller applies the failure policy).
     pub(crate) async fn run(
@@ -150,13 +167,24 @@ impl Backend {
         keys: &[&str],
         args: &[&str],
     ) -> Result<Reply, StoreError> {
+        self.call(script, keys, args).await.map_err(|f| f.error)
+    }
+
+    /// [`run`](Self::run), saying on failure whether the call may have
+    /// reached Redis (and the script run, its reply lost or late).
+    pub(crate) async fn call(
+        &self,
+        script: &Script,
+        keys: &[&str],
+        args: &[&str],
+    ) -> Result<Reply, Fault> {
         let attempt = self.breaker.enter(now_nanos());
         if attempt.pass() == Pass::Skip {
             self.counters.skipped.add();
-            return Err(StoreError::new(
-                StoreErrorKind::Unavailable,
-                "circuit breaker open",
-            ));
+            return Err(Fault {
+                error: StoreError::new(StoreErrorKind::Unavailable, "circuit breaker open"),
+                maybe_sent: false,
+            });
         }
         let result =
             match tokio::time::timeout(self.timeout, self.conn.invoke(script, keys, args)).await {
@@ -187,7 +215,10 @@ impl Backend {
                 self.log_fault(e, opened);
             }
         }
-        result
+        result.map_err(|error| Fault {
+            error,
+            maybe_sent: true,
+        })
     }
 
     /// Logs a fault at most once a second (an outage fails every call).

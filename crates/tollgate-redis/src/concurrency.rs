@@ -7,6 +7,7 @@
 use std::fmt;
 use std::future::ready;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tollgate_core::{
     Acquire, ConcurrencyLimiter, ConcurrencyRule, ConfigError, Lease, StoreError, StoreErrorKind,
@@ -15,10 +16,19 @@ use tollgate_core::{
 use crate::backend::Backend;
 use crate::keeper::LeaseKeeper;
 use crate::key;
-use crate::leases::LiveLeases;
+use crate::leases::{LeaseIds, LiveLeases};
 use crate::policy::{ConcurrencyOnFailure, LOCAL_LEASE};
-use crate::scripts::SemaphoreMode;
+use crate::scripts::{Acquired, SemaphoreMode};
 use crate::BoxFuture;
+
+/// The shortest lease TTL the store takes: its lease task renews every
+/// third of the TTL, over the network, and a lease must not lapse while a
+/// renewal is on its way.
+const MIN_LEASE_TTL: Duration = Duration::from_secs(1);
+
+/// How many ids an acquire tries before it gives up (each refusal means
+/// a live lease of the key has the id: about 2⁻⁶² likely).
+const ID_ATTEMPTS: u32 = 3;
 
 /// A concurrency rule bound to a [`RedisStore`](crate::RedisStore): leases
 /// in a sorted set per key, held permits counted beside it, so every
@@ -28,9 +38,19 @@ use crate::BoxFuture;
 /// store's lease task at once (dropping its future cancels nothing); the
 /// same task renews the leases this store holds. Leases granted by the
 /// failure policy while Redis was unreachable are released where they were
-/// granted. An acquire runs as a task of its own: if its future is dropped
-/// before Redis answers (the request was cancelled), a lease Redis granted
-/// anyway is released at once.
+/// granted.
+///
+/// The store chooses each lease's id (random, see `leases.rs`) before
+/// it asks Redis, so a lease is never lost track of: an acquire runs as a
+/// task of its own, and if its future is dropped before Redis answers
+/// (the request was cancelled), a lease Redis granted is released when
+/// the answer comes; if the answer misses the timeout or cannot be read,
+/// the failure policy answers and the lease Redis may have granted under
+/// that id is released, best effort, by the lease task. Should that
+/// release fail too, the lease lapses after its TTL.
+///
+/// Binding a rule whose lease TTL is under a second fails
+/// (`lease_ttl`): leases are renewed every third of it, over the network.
 #[derive(Clone)]
 pub struct RedisConcurrencyLimiter {
     bound: Arc<BoundConcurrency>,
@@ -39,6 +59,7 @@ pub struct RedisConcurrencyLimiter {
 struct BoundConcurrency {
     backend: Arc<Backend>,
     keeper: LeaseKeeper,
+    ids: Arc<LeaseIds>,
     leases: Arc<LiveLeases>,
     rule: ConcurrencyRule,
     on_failure: ConcurrencyOnFailure,
@@ -56,8 +77,17 @@ impl RedisConcurrencyLimiter {
     pub(crate) fn new(
         backend: Arc<Backend>,
         keeper: LeaseKeeper,
+        ids: Arc<LeaseIds>,
         rule: &ConcurrencyRule,
     ) -> Result<Self, ConfigError> {
+        if Duration::from_nanos(rule.semaphore().lease_ttl()) < MIN_LEASE_TTL {
+            return Err(ConfigError::new(
+                "lease_ttl",
+                "the Redis store needs a lease TTL of at least 1 s: it renews leases every \
+                 third of their TTL over the network, and a shorter TTL lets leases lapse \
+                 mid-request whenever a round trip is slow",
+            ));
+        }
         crate::scripts::check_span("lease_ttl", rule.semaphore().lease_ttl())?;
         let on_failure = ConcurrencyOnFailure::new(&backend.policy, rule)?;
         let leases = LiveLeases::new(rule.semaphore());
@@ -66,6 +96,7 @@ impl RedisConcurrencyLimiter {
             bound: Arc::new(BoundConcurrency {
                 backend,
                 keeper,
+                ids,
                 leases,
                 rule: rule.clone(),
                 on_failure,
@@ -101,19 +132,9 @@ impl BoundConcurrency {
     ) -> (Acquire, Arc<Self>, Vec<u8>) {
         let rkey = self.redis_key(&key);
         let ceiling = self.rule.semaphore().ceiling(ceiling);
-        let reply = self
-            .leases
-            .args
-            .run(
-                &self.backend,
-                SemaphoreMode::Acquire,
-                &rkey,
-                permits,
-                &[ceiling.to_string()],
-            )
-            .await;
+        let got = self.acquire_in_redis(&rkey, permits, ceiling).await;
         // A fault or an unreadable reply: the failure policy answers.
-        let got = match reply.ok().and_then(|r| r.acquire(permits)) {
+        let got = match got {
             Some(got) => {
                 if let Some(lease) = got.lease {
                     self.leases.hold(rkey, lease);
@@ -123,6 +144,45 @@ impl BoundConcurrency {
             None => self.on_failure.acquire(&self.rule, &key, permits, ceiling),
         };
         (got, self, key)
+    }
+
+    /// Asks Redis for `permits` at `rkey` under an id of the store's,
+    /// another if a live lease has it; `None` if there is no answer.
+    async fn acquire_in_redis(&self, rkey: &str, permits: u32, ceiling: u32) -> Option<Acquire> {
+        let ceiling = ceiling.to_string();
+        for _ in 0..ID_ATTEMPTS {
+            let id = self.ids.next();
+            let tail = [ceiling.clone(), id.to_string()];
+            let reply = self
+                .leases
+                .args
+                .call(&self.backend, SemaphoreMode::Acquire, rkey, permits, &tail)
+                .await;
+            let (maybe_granted, answer) = match reply {
+                Ok(reply) => (true, reply.acquire(permits, id)),
+                Err(fault) => (fault.maybe_sent, None),
+            };
+            match answer {
+                Some(Acquired::Answer(got)) => return Some(got),
+                Some(Acquired::IdTaken) => continue,
+                None => {
+                    // The script may have run and granted a lease whose
+                    // answer is lost: hand its release to the lease task
+                    // (a release of a lease that is not there does
+                    // nothing), so that it does not hold permits for a
+                    // whole TTL.
+                    if maybe_granted && permits > 0 {
+                        drop(self.keeper.release(
+                            &self.leases,
+                            rkey.to_owned(),
+                            Lease { id, permits },
+                        ));
+                    }
+                    return None;
+                }
+            }
+        }
+        None
     }
 
     fn release(&self, key: &[u8], lease: Lease) -> BoxFuture<Result<(), StoreError>> {

@@ -27,9 +27,12 @@ pub(crate) enum Format {
     SlidingWindowLog,
     /// `leaky_bucket.lua`: the queue's tail.
     LeakyBucket,
-    /// `semaphore.lua`: a sorted set of leases and, at `<key>:meta`, a
-    /// hash of the permits held and the last lease id.
+    /// `semaphore.lua`: a sorted set of leases under ids the client
+    /// chose and, at `<key>:meta`, a hash of the permits held. (Version 1
+    /// counted ids in the hash.)
     Semaphore,
+    /// `quota.lua`: a hash of one window per period.
+    Quota,
 }
 
 impl Format {
@@ -54,7 +57,8 @@ impl Format {
             Self::SlidingWindowCounter => "swc1",
             Self::SlidingWindowLog => "swl1",
             Self::LeakyBucket => "lb1",
-            Self::Semaphore => "sem1",
+            Self::Semaphore => "sem2",
+            Self::Quota => "q1",
         }
     }
 }
@@ -133,6 +137,7 @@ mod tests {
             Format::SlidingWindowLog,
             Format::LeakyBucket,
             Format::Semaphore,
+            Format::Quota,
         ];
         let keys: std::collections::HashSet<String> = formats
             .iter()
@@ -147,7 +152,7 @@ mod tests {
         }
         assert_eq!(
             redis_key("tg", Format::Semaphore, "conc", b"tenant"),
-            "tg:{sem1|conc|k:tenant}"
+            "tg:{sem2|conc|k:tenant}"
         );
     }
 }

@@ -1,20 +1,72 @@
 //! The leases one concurrency limiter granted and has not released (so
-//! the store's [`keeper`](crate::keeper) renews them), and the semaphore
-//! script's arguments.
+//! the store's [`keeper`](crate::keeper) renews them), the ids of new
+//! leases, and the semaphore script's arguments.
 //!
 //! A lease is here from its grant until its release is handed to the
-//! keeper, so a released lease is never renewed after its release ran (a
-//! renewal only extends leases still in Redis, and never brings one back).
+//! keeper. A renewal extends a lease only while Redis still holds it under
+//! the same member (its id and permits): it never re-creates one that
+//! lapsed or was released. Ids are the client's ([`LeaseIds`]), drawn at
+//! random per store and never repeated by it, and the script refuses one a
+//! live lease of the key already has; so, unlike ids counted in Redis
+//! (which start over when Redis loses its count), one holder's renewals
+//! and releases never reach another holder's lease.
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicBool;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use tollgate_core::{Lease, Semaphore, StoreError};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Fault};
 use crate::scripts::{self, Reply, SemaphoreMode};
+
+/// Ids below 2⁶², so that they never carry
+/// [`LOCAL_LEASE`](crate::policy::LOCAL_LEASE).
+const ID_BITS: u64 = (1 << 62) - 1;
+
+/// The lease ids of one store: a random seed (std's [`RandomState`], keyed
+/// from the operating system's randomness) plus a counter, scrambled by a
+/// bijection of the 62-bit numbers. A store never gives an id twice (until
+/// 2⁶² acquires); two stores give the same one with a chance of about one
+/// in 2⁶² per pair of leases — and the script refuses it then.
+#[derive(Debug)]
+pub(crate) struct LeaseIds {
+    seed: u64,
+    next: AtomicU64,
+}
+
+impl LeaseIds {
+    pub(crate) fn new() -> Self {
+        let seed = RandomState::new().hash_one(("tollgate-redis lease ids", std::process::id()));
+        Self {
+            seed,
+            next: AtomicU64::new(0),
+        }
+    }
+
+    /// A new id: from 1 to 2⁶² − 1.
+    pub(crate) fn next(&self) -> u64 {
+        loop {
+            let n = self.next.fetch_add(1, Ordering::Relaxed);
+            let id = scramble(self.seed.wrapping_add(n) & ID_BITS);
+            if id != 0 {
+                return id;
+            }
+        }
+    }
+}
+
+/// A bijection of `0..2⁶²` (xor-shifts and odd multipliers, modulo 2⁶²),
+/// so that distinct counters give distinct ids that look random.
+fn scramble(mut x: u64) -> u64 {
+    x ^= x >> 31;
+    x = x.wrapping_mul(0x7fb5_d329_728e_a185) & ID_BITS;
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x81da_def4_bc2d_d44d) & ID_BITS;
+    x ^ (x >> 33)
+}
 
 /// The semaphore script's arguments for one rule.
 #[derive(Debug)]
@@ -45,6 +97,21 @@ impl SemaphoreArgs {
         permits: u32,
         tail: &[String],
     ) -> Result<Reply, StoreError> {
+        self.call(backend, mode, key, permits, tail)
+            .await
+            .map_err(|f| f.error)
+    }
+
+    /// [`run`](Self::run), saying on failure whether the call may have
+    /// reached Redis.
+    pub(crate) async fn call(
+        &self,
+        backend: &Backend,
+        mode: SemaphoreMode,
+        key: &str,
+        permits: u32,
+        tail: &[String],
+    ) -> Result<Reply, Fault> {
         let meta = format!("{key}:meta");
         let now = backend.now_arg();
         let permits = permits.to_string();
@@ -59,10 +126,13 @@ impl SemaphoreArgs {
             self.retry_after.as_str(),
         ]);
         args.extend(tail.iter().map(String::as_str));
-        backend.run(&scripts::SEMAPHORE, &[key, &meta], &args).await
+        backend
+            .call(&scripts::SEMAPHORE, &[key, &meta], &args)
+            .await
     }
 }
 
+/// A lease as the script's sorted set names it: `id:permits`.
 pub(crate) fn member(lease: &Lease) -> String {
     format!("{}:{}", lease.id, lease.permits)
 }
@@ -123,5 +193,29 @@ impl LiveLeases {
                 (key.clone(), leases)
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_distinct_nonzero_and_below_2_62() {
+        let ids = LeaseIds::new();
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..100_000 {
+            let id = ids.next();
+            assert!(id != 0 && id <= ID_BITS, "{id}");
+            assert!(seen.insert(id), "{id} given twice");
+        }
+        // Two stores start from different seeds.
+        assert_ne!(LeaseIds::new().next(), LeaseIds::new().next());
+        // The scramble is a bijection: distinct inputs, distinct outputs,
+        // also next to the seed's wrap-around.
+        let wrap: std::collections::HashSet<u64> = (0..1_000u64)
+            .map(|n| scramble(ID_BITS.wrapping_sub(500).wrapping_add(n) & ID_BITS))
+            .collect();
+        assert_eq!(wrap.len(), 1_000);
     }
 }

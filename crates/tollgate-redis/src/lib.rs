@@ -21,7 +21,7 @@
 //!   names the service ([`RedisStoreBuilder::prefix`] is required, so
 //!   that two services never share budgets); the format is the
 //!   algorithm and the version of its state's layout (`gcra1`, `tb1`,
-//!   `fw1`, `swc1`, `swl1`, `lb1`, `sem1`), so that a rule whose algorithm
+//!   `fw1`, `swc1`, `swl1`, `lb1`, `sem2`, `q1`), so that a rule whose algorithm
 //!   changes, or instances of two versions, start afresh instead of
 //!   misreading each other's state — and a script that meets state it
 //!   does not recognise (another type, another layout) treats it as
@@ -33,7 +33,12 @@
 //!   [`Semaphore`](tollgate_core::Semaphore)): per client key, a sorted set
 //!   of leases by expiry and a hash counting the permits they hold, so
 //!   acquire, release and `held` cost O(log n) in the key's leases, and a
-//!   lapsed lease is dropped once. One background task per store performs
+//!   lapsed lease is dropped once. The store chooses lease ids (random,
+//!   never repeated by one store, refused by the script if a live lease
+//!   has one), so a lease is renewed and released only by its holder, even
+//!   after Redis lost its state, and a lease whose grant arrived after the
+//!   timeout is released rather than left to lapse. Lease TTLs are at
+//!   least a second. One background task per store performs
 //!   releases — [`release`](tollgate_core::ConcurrencyLimiter::release)
 //!   hands the lease over at once, so a guard can release from `Drop` —
 //!   and renews, every third of the rule's lease TTL, every lease the store
@@ -42,6 +47,13 @@
 //!   a lease TTL. [`RedisStore::flush`] waits for queued releases;
 //!   [`RedisStoreBuilder::lease_renewal`] turns renewal off (tests on a
 //!   manual clock).
+//! - **Calendar quotas** ([`QuotaStore`](tollgate_core::QuotaStore)): one
+//!   hash per rule and key, a window per period; the script finds the
+//!   periods' bounds on Redis's `TIME` exactly as
+//!   [`calendar`](tollgate_core::calendar) does (calendar months and
+//!   years, ISO weeks, fixed offsets), and the key lives until the end of
+//!   its longest period plus a minute, so instances that restart lose
+//!   nothing and idle keys vanish.
 //! - **Failure policy**, per store: [`FailurePolicy::Open`] admits,
 //!   [`FailurePolicy::Closed`] denies, [`FailurePolicy::Fallback`] limits
 //!   in process memory (and releases there the leases it granted, even
@@ -108,6 +120,7 @@ mod keeper;
 mod key;
 mod leases;
 mod policy;
+mod quota;
 mod rate;
 mod scripts;
 mod store;
@@ -120,6 +133,7 @@ use std::pin::Pin;
 pub use backend::RedisStats;
 pub use concurrency::RedisConcurrencyLimiter;
 pub use policy::FailurePolicy;
+pub use quota::RedisQuotaLimiter;
 pub use rate::RedisLimiter;
 pub use store::{RedisStore, RedisStoreBuilder};
 

@@ -1,11 +1,12 @@
 //! What a limiter answers when Redis does not: the failure policy, bound
-//! to a rate rule ([`RateOnFailure`]) or to a concurrency rule
-//! ([`ConcurrencyOnFailure`]).
+//! to a rate rule ([`RateOnFailure`]), a concurrency rule
+//! ([`ConcurrencyOnFailure`]) or a quota rule ([`QuotaOnFailure`]).
 
 use tollgate_core::{
-    Acquire, ConcurrencyRule, ConfigError, Decision, Lease, Outcome, Rule, Store as _, StoreError,
+    Acquire, ConcurrencyRule, ConfigError, Decision, Lease, Outcome, PeriodStatus, QuotaDecision,
+    QuotaRule, QuotaStore as _, Rule, Store as _, StoreError,
 };
-use tollgate_memory::{MemoryConcurrencyLimiter, MemoryLimiter, MemoryStore};
+use tollgate_memory::{MemoryConcurrencyLimiter, MemoryLimiter, MemoryQuotaLimiter, MemoryStore};
 
 /// What a limiter answers when Redis does not.
 #[derive(Debug, Clone)]
@@ -86,8 +87,9 @@ impl RateOnFailure {
 
 /// Leases not granted by Redis carry this bit — the in-memory fallback's,
 /// and fail-open's lease that holds nothing — so their release goes to
-/// whoever granted them, even after Redis is back. Redis lease ids count
-/// up from 1 per key and never reach it.
+/// whoever granted them, even after Redis is back. The ids of Redis
+/// leases are below 2⁶² ([`LeaseIds`](crate::leases::LeaseIds)) and never
+/// carry it.
 pub(crate) const LOCAL_LEASE: u64 = 1 << 63;
 
 /// The failure policy of one concurrency rule. Open answers as if the key
@@ -155,6 +157,70 @@ impl ConcurrencyOnFailure {
         match self {
             Self::Memory(m) => Ok(m.held_now(key)),
             Self::Open | Self::Closed => Err(error),
+        }
+    }
+}
+
+/// The failure policy of one quota rule: Open admits and reports whole
+/// budgets, Closed denies (retry in a second) and reports none left —
+/// both with the periods' bounds at this process's Unix time — and Memory
+/// counts in process memory. Only the answer to a consume (or a read)
+/// comes from the policy; a refund, a reset or a grant that did not reach
+/// Redis is an error (with Memory, a refund is made there too), so that
+/// whoever administers quotas knows it did not happen.
+pub(crate) enum QuotaOnFailure {
+    Open,
+    Closed,
+    Memory(MemoryQuotaLimiter),
+}
+
+impl QuotaOnFailure {
+    pub(crate) fn new(policy: &FailurePolicy, rule: &QuotaRule) -> Result<Self, ConfigError> {
+        Ok(match policy {
+            FailurePolicy::Open => Self::Open,
+            FailurePolicy::Closed => Self::Closed,
+            FailurePolicy::Fallback(m) => Self::Memory(m.quota_limiter(rule)?),
+        })
+    }
+
+    /// What a consume of `cost` for `key` gets at `now` (Unix ns).
+    pub(crate) fn consume(
+        &self,
+        rule: &QuotaRule,
+        key: &[u8],
+        cost: u32,
+        now: u64,
+    ) -> QuotaDecision {
+        let open = matches!(self, Self::Open);
+        let outcome = match self {
+            Self::Memory(m) => return m.consume_now(key, cost),
+            Self::Open => Outcome::Allow { delay: 0 },
+            Self::Closed => Outcome::Deny {
+                retry_after: 1_000_000_000,
+            },
+        };
+        let quota = rule.quota();
+        let periods: Vec<PeriodStatus> = quota
+            .periods()
+            .map(|(period, limit)| {
+                let (start, end) = period.bounds(now, quota.offset());
+                PeriodStatus {
+                    period,
+                    limit,
+                    remaining: if open { limit } else { 0 },
+                    reset_after: end.saturating_sub(now),
+                    length: end.saturating_sub(start),
+                }
+            })
+            .collect();
+        QuotaDecision::new(outcome, &periods)
+    }
+
+    /// Refunds in memory; `None` if there is no memory to refund to.
+    pub(crate) fn refund(&self, key: &[u8], cost: u32) -> Option<QuotaDecision> {
+        match self {
+            Self::Memory(m) => Some(m.refund_now(key, cost)),
+            Self::Open | Self::Closed => None,
         }
     }
 }

@@ -1,6 +1,10 @@
 //! The Lua scripts, one per algorithm, and their replies.
 
-use tollgate_core::{Acquire, Algorithm, ConfigError, Decision, Lease, Outcome, RateAlgorithm};
+use tollgate_core::calendar::Period;
+use tollgate_core::{
+    Acquire, Algorithm, ConfigError, Decision, Lease, Outcome, PeriodStatus, QuotaDecision,
+    RateAlgorithm,
+};
 
 /// A script: its source, loaded with `EVALSHA` (and `EVAL` on `NOSCRIPT`).
 pub(crate) type Script = redis::Script;
@@ -23,6 +27,7 @@ script!(SLIDING_COUNTER, "sliding_window_counter.lua");
 script!(SLIDING_LOG, "sliding_window_log.lua");
 script!(LEAKY_BUCKET, "leaky_bucket.lua");
 script!(SEMAPHORE, "semaphore.lua");
+script!(QUOTA, "quota.lua");
 
 /// What a rate script does (`ARGV[1]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,6 +67,30 @@ impl SemaphoreMode {
             Self::Release => "release",
             Self::Renew => "renew",
             Self::Held => "held",
+        }
+    }
+}
+
+/// What the quota script does (`ARGV[1]`); see `quota.lua`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum QuotaMode {
+    /// Charge a cost to every period, or to none (0 reads).
+    Consume,
+    /// Give units back to the periods that are still current.
+    Refund,
+    /// Forget the key's usage and grants.
+    Reset,
+    /// Add units to every current period's budget.
+    Grant,
+}
+
+impl QuotaMode {
+    pub(crate) fn arg(self) -> &'static str {
+        match self {
+            Self::Consume => "consume",
+            Self::Refund => "refund",
+            Self::Reset => "reset",
+            Self::Grant => "grant",
         }
     }
 }
@@ -164,6 +193,18 @@ pub(crate) fn check_spans(algorithm: &Algorithm) -> Result<(), ConfigError> {
     }
 }
 
+const NANOS: u64 = 1_000_000_000;
+
+/// What the semaphore script answers an acquire.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Acquired {
+    /// The decision, with the lease if granted.
+    Answer(Acquire),
+    /// A lease of the key already has this id (and permits): none was
+    /// taken; ask again under another id.
+    IdTaken,
+}
+
 /// A script's reply: integers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Reply(pub(crate) Vec<i64>);
@@ -195,17 +236,62 @@ impl Reply {
         })
     }
 
-    /// A decision and, at index 5, the lease id.
-    pub(crate) fn acquire(&self, permits: u32) -> Option<Acquire> {
+    /// The answer to an acquire of `permits` under the lease id `id`: a
+    /// decision (a lease if admitted), or kind 3, the id is taken.
+    pub(crate) fn acquire(&self, permits: u32, id: u64) -> Option<Acquired> {
+        if self.0.first() == Some(&3) {
+            return Some(Acquired::IdTaken);
+        }
         let decision = self.decision()?;
-        let lease = match (decision.is_allowed() && permits > 0, self.0.get(5)) {
-            (true, Some(id)) => Some(Lease {
-                id: nonneg(*id),
-                permits,
-            }),
-            _ => None,
+        let lease = (decision.is_allowed() && permits > 0).then_some(Lease { id, permits });
+        Some(Acquired::Answer(Acquire { decision, lease }))
+    }
+
+    /// `{kind, now_n, wait_s, then per period: budget, remaining, end_s,
+    /// length_s}` (see `quota.lua`), for `periods` in order. `None` if
+    /// malformed.
+    pub(crate) fn quota(&self, periods: &[Period]) -> Option<QuotaDecision> {
+        let [kind, now_n, wait_s, rest @ ..] = self.0.as_slice() else {
+            return None;
         };
-        Some(Acquire { decision, lease })
+        if rest.len() != periods.len().checked_mul(4)? {
+            return None;
+        }
+        // Whole seconds from now's second, less now's nanoseconds.
+        let after = |s: i64| {
+            nonneg(s)
+                .saturating_mul(NANOS)
+                .saturating_sub(nonneg(*now_n))
+        };
+        let outcome = match kind {
+            0 => Outcome::Allow { delay: 0 },
+            1 => Outcome::Deny {
+                retry_after: after(*wait_s).max(1),
+            },
+            2 => Outcome::Never,
+            _ => return None,
+        };
+        let statuses: Vec<PeriodStatus> = periods
+            .iter()
+            .zip(rest.chunks_exact(4))
+            .map(|(&period, row)| match row {
+                [budget, remaining, end, length] => PeriodStatus {
+                    period,
+                    limit: nonneg(*budget),
+                    remaining: nonneg(*remaining),
+                    reset_after: after(*end),
+                    length: nonneg(*length).saturating_mul(NANOS),
+                },
+                _ => PeriodStatus {
+                    period,
+                    limit: 0,
+                    remaining: 0,
+                    reset_after: 0,
+                    length: 0,
+                },
+            })
+            .collect();
+        Some(QuotaDecision::new(outcome, &statuses))
     }
 
     /// `{n}`: a count. `None` if malformed.

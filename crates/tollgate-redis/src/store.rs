@@ -4,14 +4,16 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate_core::{Clock, ConcurrencyRule, ConfigError, Rule, Store};
+use tollgate_core::{Clock, ConcurrencyRule, ConfigError, QuotaRule, QuotaStore, Rule, Store};
 
 use crate::backend::{Backend, BackendConfig, RedisStats, SharedClock};
 use crate::breaker::Breaker;
 use crate::concurrency::RedisConcurrencyLimiter;
 use crate::conn::Conn;
 use crate::keeper::LeaseKeeper;
+use crate::leases::LeaseIds;
 use crate::policy::FailurePolicy;
+use crate::quota::RedisQuotaLimiter;
 use crate::rate::RedisLimiter;
 
 /// The Redis store. Cheap to clone; clones share connections and the
@@ -20,6 +22,7 @@ use crate::rate::RedisLimiter;
 pub struct RedisStore {
     backend: Arc<Backend>,
     keeper: LeaseKeeper,
+    ids: Arc<LeaseIds>,
 }
 
 impl fmt::Debug for RedisStore {
@@ -222,7 +225,11 @@ impl RedisStoreBuilder {
             breaker: Breaker::new(self.breaker_threshold, self.breaker_cooldown),
         }));
         let keeper = LeaseKeeper::spawn(Arc::clone(&backend), self.lease_renewal);
-        Ok(RedisStore { backend, keeper })
+        Ok(RedisStore {
+            backend,
+            keeper,
+            ids: Arc::new(LeaseIds::new()),
+        })
     }
 }
 
@@ -238,6 +245,22 @@ impl Store for RedisStore {
         &self,
         rule: &ConcurrencyRule,
     ) -> Result<RedisConcurrencyLimiter, ConfigError> {
-        RedisConcurrencyLimiter::new(Arc::clone(&self.backend), self.keeper.clone(), rule)
+        RedisConcurrencyLimiter::new(
+            Arc::clone(&self.backend),
+            self.keeper.clone(),
+            Arc::clone(&self.ids),
+            rule,
+        )
+    }
+}
+
+impl QuotaStore for RedisStore {
+    type QuotaLimiter = RedisQuotaLimiter;
+
+    /// Binds a quota `rule`. Its state is shared by every instance on this
+    /// Redis with the same prefix, and outlives their restarts: each key
+    /// lives until the end of its longest period (plus a margin).
+    fn quota_limiter(&self, rule: &QuotaRule) -> Result<RedisQuotaLimiter, ConfigError> {
+        RedisQuotaLimiter::new(Arc::clone(&self.backend), rule)
     }
 }

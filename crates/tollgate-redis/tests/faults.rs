@@ -1,12 +1,19 @@
 //! Redis dies mid-run: each failure policy answers as it promises, no call
 //! waits past the timeout, and decisions return to Redis soon after it
 //! comes back.
-#![allow(missing_docs, clippy::unwrap_used, clippy::arithmetic_side_effects)]
+#![allow(
+    missing_docs,
+    clippy::unwrap_used,
+    clippy::indexing_slicing,
+    clippy::arithmetic_side_effects
+)]
 
 use std::time::{Duration, Instant};
 
+use tollgate_core::calendar::{Offset, Period};
 use tollgate_core::{
-    ConcurrencyLimiter, ConcurrencyRule, Limit, Limiter, Outcome, Rate, Rule, Store,
+    ConcurrencyLimiter, ConcurrencyRule, Limit, Limiter, Outcome, QuotaLimiter, QuotaRule,
+    QuotaStore, Rate, Rule, Store,
 };
 use tollgate_memory::MemoryStore;
 use tollgate_redis::testing::{unique_prefix, Server};
@@ -281,4 +288,84 @@ async fn concurrency_follows_the_failure_policy_when_redis_dies() {
     assert_eq!(cf.held(b"k").await.unwrap(), 2);
     cf.release(b"k", again).await.unwrap();
     assert_eq!(cf.held(b"k").await.unwrap(), 0);
+}
+
+/// Quotas when Redis dies: a consume (or a read) gets the policy's answer
+/// within the timeout — Open admits and reports whole budgets, Closed
+/// denies for a second, Fallback counts in memory — with the periods'
+/// real lengths; a reset or a grant that did not happen is an error, and
+/// a refund too unless there is memory to refund to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quotas_follow_the_failure_policy_when_redis_dies() {
+    let Some(mut server) = Server::start() else {
+        return;
+    };
+    let memory = MemoryStore::new();
+    let open = store(&server, FailurePolicy::Open);
+    let closed = store(&server, FailurePolicy::Closed);
+    let fallback = store(&server, FailurePolicy::Fallback(memory.clone()));
+    let rule = QuotaRule::new(
+        "faults-q",
+        &[(Period::Hour, 3), (Period::Week, 10)],
+        Offset::UTC,
+    )
+    .unwrap();
+    let (qo, qc, qf) = (
+        open.quota_limiter(&rule).unwrap(),
+        closed.quota_limiter(&rule).unwrap(),
+        fallback.quota_limiter(&rule).unwrap(),
+    );
+    for q in [&qo, &qc, &qf] {
+        assert!(q.consume(b"k", 1).await.unwrap().is_allowed());
+    }
+    assert_eq!(qo.consume(b"k", 0).await.unwrap().periods()[0].remaining, 2);
+
+    server.kill();
+    let week = 7 * 86_400 * 1_000_000_000;
+    let d = timed("open consume", qo.consume(b"k", 2)).await.unwrap();
+    assert!(d.is_allowed());
+    for (p, limit) in d.periods().iter().zip([3, 10]) {
+        assert_eq!((p.limit, p.remaining), (limit, limit), "{}", p.period);
+    }
+    assert_eq!(d.periods()[1].length, week);
+    assert!(d.periods()[1].reset_after <= week && d.periods()[1].reset_after > 0);
+    let d = timed("closed consume", qc.consume(b"k", 1)).await.unwrap();
+    assert_eq!(
+        d.outcome,
+        Outcome::Deny {
+            retry_after: 1_000_000_000
+        }
+    );
+    assert_eq!(d.periods()[0].remaining, 0);
+    assert_eq!(d.periods()[1].length, week);
+    // Fallback: the quota, in this process's memory.
+    let mut admitted = 0;
+    for _ in 0..5 {
+        let d = timed("fallback consume", qf.consume(b"k", 1))
+            .await
+            .unwrap();
+        admitted += usize::from(d.is_allowed());
+    }
+    assert_eq!(admitted, 3);
+    let d = timed("fallback refund", qf.refund(b"k", 1)).await.unwrap();
+    assert_eq!(d.periods()[0].remaining, 1);
+    // What did not reach Redis says so.
+    assert!(timed("open refund", qo.refund(b"k", 1)).await.is_err());
+    assert!(timed("open reset", qo.reset(b"k")).await.is_err());
+    assert!(timed("closed grant", qc.grant(b"k", 5)).await.is_err());
+    assert!(timed("fallback grant", qf.grant(b"k", 5)).await.is_err());
+
+    server.restart();
+    let start = Instant::now();
+    let ok_before = open.stats().ok;
+    while open.stats().ok == ok_before {
+        assert!(start.elapsed() < Duration::from_secs(10), "never recovered");
+        qo.consume(b"probe", 0).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Back on Redis (fresh: the restarted server kept nothing).
+    let d = qo.consume(b"k", 3).await.unwrap();
+    assert!(d.is_allowed());
+    assert!(!qo.consume(b"k", 1).await.unwrap().is_allowed());
+    assert_eq!(qo.reset(b"k").await.unwrap().periods()[0].remaining, 3);
 }

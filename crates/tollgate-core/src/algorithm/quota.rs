@@ -49,10 +49,11 @@ pub struct Quota {
 /// One period's count in a [`QuotaState`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct Window {
-    /// Where the counted period starts (Unix ns); 0 when never used.
+    /// Where the counted period starts (Unix ns).
     pub start: u64,
     /// Where it ends (kept so that a decision inside the period needs no
-    /// calendar arithmetic).
+    /// calendar arithmetic); 0 when the window was never used (a period
+    /// may start at 0, in January 1970; none ends there).
     pub end: u64,
     /// Units consumed in it.
     pub used: u64,
@@ -194,11 +195,11 @@ impl Quota {
     /// The window `w` counts in at `now`: its own if it is the current one
     /// (or a later one the clock has seen), else a fresh one.
     fn current(&self, period: Period, w: Window, now: u64) -> Window {
-        if w.start != 0 && w.start <= now && now < w.end {
+        if w.end != 0 && w.start <= now && now < w.end {
             return w;
         }
         let (start, end) = period.bounds(now, self.offset);
-        if w.start != 0 && w.start >= start {
+        if w.end != 0 && w.start >= start {
             // A later period than now's (the clock went back): keep it.
             let (start, end) = period.bounds(w.start, self.offset);
             Window { start, end, ..w }
@@ -225,7 +226,7 @@ impl Quota {
         for (i, (period, _)) in self.periods().enumerate() {
             if let Some(w) = state.windows.get_mut(i) {
                 // Only a window that is still current gets it back.
-                if w.start != 0 && self.current(period, *w, now).start == w.start {
+                if w.end != 0 && self.current(period, *w, now).start == w.start {
                     w.used = w.used.saturating_sub(u64::from(cost));
                 }
             }
@@ -249,11 +250,9 @@ impl Quota {
         let mut periods = [EMPTY; MAX_PERIODS];
         let (mut never, mut wait) = (false, None::<u64>);
         for (i, (period, limit)) in self.periods().enumerate() {
-            let (Some(w), Some(cur), Some(status)) = (
-                state.windows.get(i),
-                windows.get_mut(i),
-                periods.get_mut(i),
-            ) else {
+            let (Some(w), Some(cur), Some(status)) =
+                (state.windows.get(i), windows.get_mut(i), periods.get_mut(i))
+            else {
                 continue;
             };
             *cur = self.current(period, *w, now);
@@ -402,6 +401,16 @@ mod tests {
         let d = q.decide(&mut s, tomorrow - 2 * S, 1);
         assert!(!d.is_allowed());
         assert_eq!(d.periods()[0].remaining, 0);
+    }
+
+    #[test]
+    fn january_1970_counts_like_any_month() {
+        let q = Quota::new(&[(Period::Month, 2)], Offset::UTC).unwrap();
+        let mut s = QuotaState::default();
+        for t in [S, 2 * S] {
+            assert!(q.decide(&mut s, t, 1).is_allowed());
+        }
+        assert!(!q.decide(&mut s, 3 * S, 1).is_allowed());
     }
 
     #[test]

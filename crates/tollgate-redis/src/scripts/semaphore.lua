@@ -3,19 +3,24 @@
 -- expiry in ns after a base second — a double holds ns exactly for 104
 -- days after it, not since 1970 — and the member "base:<Unix seconds>",
 -- scored -inf, that holds the base; KEYS[2] a hash: 'held', the permits of
--- the leases in KEYS[1], and 'next', the last lease id given. Both share
--- KEYS[1]'s hash tag (one Cluster slot) and its TTL. The base is set by
--- the first lease and moved to now, every score with it, once it is more
--- than 2^51 ns (26 days) off, so that scores stay exact.
+-- the leases in KEYS[1]. Both share KEYS[1]'s hash tag (one Cluster slot)
+-- and its TTL. The base is set by the first lease and moved to now, every
+-- score with it, once it is more than 2^51 ns (26 days) off, so that
+-- scores stay exact.
 -- ARGV[1] the mode: 'acquire' (ARGV[2] permits, ARGV[8] the ceiling,
--- already clamped to max), 'release' or 'renew' (ARGV[8..] leases of this
--- key, "id:permits"), 'held'. ARGV[5] max, ARGV[6] the lease TTL in ns,
+-- already clamped to max, ARGV[9] the new lease's id, chosen by the
+-- client), 'release' or 'renew' (ARGV[8..] leases of this key,
+-- "id:permits"), 'held'. ARGV[5] max, ARGV[6] the lease TTL in ns,
 -- ARGV[7] a denial's retry hint in ns.
+-- Ids are the client's (random, up to 19 digits) and handled as strings
+-- only: a double would round them. An acquire whose member is already in
+-- the set takes nothing and answers kind 3, so that a lease is only ever
+-- renewed and released by the holder that took it.
 -- Cost in the number n of leases: acquire, held, release and renew of one
 -- lease are O(log n), plus O(log n) for each lapsed lease they drop; a
--- lease is dropped once, so that is amortised O(log n) too. Ids and
--- permits are far below 10^14, so Lua's concatenation (14 significant
--- digits) writes members exactly.
+-- lease is dropped once, so that is amortised O(log n) too. Permits are
+-- far below 10^14, so Lua's concatenation (14 significant digits) writes
+-- them exactly.
 local max = tonumber(ARGV[5])
 local lease_ttl = tonumber(ARGV[6])
 local retry_after = tonumber(ARGV[7])
@@ -69,13 +74,13 @@ local function main()
   -- The permits held as the hash counts them, or nil if it does not (a
   -- hash that is not ours is deleted).
   local function counted()
-    local h = redis.pcall('HMGET', meta, 'held', 'next')
-    if h.err then
+    local h = redis.pcall('HGET', meta, 'held')
+    if type(h) == 'table' then
       redis.call('DEL', meta)
       return nil
     end
-    local held = count_of(h[1])
-    if (h[1] and not held) or (h[2] and not count_of(h[2])) then
+    local held = count_of(h)
+    if h and not held then
       redis.call('DEL', meta)
       return nil
     end
@@ -97,14 +102,12 @@ local function main()
       return 0
     end
     if not held then
-      -- The hash is gone (evicted) while leases live: count them once, and
-      -- never give a live lease's id again.
-      local sum, top = 0, count_of(redis.call('HGET', meta, 'next')) or 0
+      -- The hash is gone (evicted) while leases live: count them once.
+      local sum = 0
       for _, m in ipairs(redis.call('ZRANGE', key, 1, -1)) do
         sum = sum + permits_of(m)
-        top = math.max(top, tonumber(string.match(m, '^(%d+):')))
       end
-      redis.call('HSET', meta, 'held', sum, 'next', top)
+      redis.call('HSET', meta, 'held', sum)
       touch()
       return sum
     end
@@ -155,25 +158,32 @@ local function main()
   -- acquire
   local permits = cost
   local ceiling = tonumber(ARGV[8])
+  local id = ARGV[9]
+  if type(id) ~= 'string' or #id > 19 or not string.find(id, '^%d+$') then
+    return redis.error_reply('tollgate: a lease id must be a decimal number')
+  end
   local held = live_held()
   local remaining = math.max(0, ceiling - held)
   -- Until the budget is whole: until the latest lease lapses.
   local reset = 0
   local latest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
   if latest[2] and latest[2] ~= '-inf' then reset = math.max(0, tonumber(latest[2]) - now) end
-  if permits == 0 then return {0, 0, max, remaining, reset, 0} end
-  if permits > ceiling then return {2, 0, max, remaining, reset, 0} end
+  if permits == 0 then return {0, 0, max, remaining, reset} end
+  if permits > ceiling then return {2, 0, max, remaining, reset} end
   if held + permits > ceiling then
-    return {1, retry_after, max, remaining, reset, 0}
+    return {1, retry_after, max, remaining, reset}
+  end
+  local member = id .. ':' .. ARGV[2]
+  if redis.call('ZSCORE', key, member) then
+    return {3, 0, max, remaining, reset}
   end
   if not base then
     set_base(now_s)
     now = now_n
   end
-  local id = redis.call('HINCRBY', meta, 'next', 1)
-  redis.call('ZADD', key, now + lease_ttl, id .. ':' .. permits)
+  redis.call('ZADD', key, now + lease_ttl, member)
   redis.call('HINCRBY', meta, 'held', permits)
   touch()
-  return {0, 0, max, remaining - permits, math.max(reset, lease_ttl), id}
+  return {0, 0, max, remaining - permits, math.max(reset, lease_ttl)}
 end
 return guarded(main)

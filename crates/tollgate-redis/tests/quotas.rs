@@ -1,0 +1,176 @@
+//! Calendar quotas on Redis: shared by a fleet, kept across instance
+//! restarts until their longest period ends, on Redis's own `TIME`.
+#![allow(
+    missing_docs,
+    clippy::unwrap_used,
+    clippy::indexing_slicing,
+    clippy::arithmetic_side_effects
+)]
+
+use std::time::Duration;
+
+use tollgate_core::calendar::{unix_nanos, Offset, Period};
+use tollgate_core::{ManualClock, Outcome, QuotaLimiter, QuotaRule, QuotaStore};
+use tollgate_redis::testing::{unique_prefix, Server};
+use tollgate_redis::RedisStore;
+
+const SECOND: u64 = 1_000_000_000;
+
+fn instance(server: &Server, prefix: &str, clock: &ManualClock) -> RedisStore {
+    RedisStore::builder(&server.url())
+        .prefix(prefix)
+        .client_time(clock.clone())
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap()
+}
+
+fn plan() -> QuotaRule {
+    QuotaRule::new(
+        "plan",
+        &[(Period::Day, 100), (Period::Month, 1_000)],
+        Offset::UTC,
+    )
+    .unwrap()
+}
+
+fn remaining(d: &tollgate_core::QuotaDecision) -> (u64, u64) {
+    (d.periods()[0].remaining, d.periods()[1].remaining)
+}
+
+/// Two instances share a quota on one Redis; one restarts at noon (its
+/// store dropped, a new one built — what a deploy does) and finds the
+/// day's and the month's spending as they were; so does a third instance
+/// started after both are gone. (The test server keeps nothing on disk, so
+/// a restart of Redis itself would lose everything: persistence is
+/// Redis's to configure.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarting_an_instance_mid_day_keeps_the_quota_already_spent() {
+    let Some(server) = Server::start() else {
+        return;
+    };
+    let prefix = unique_prefix();
+    let clock = ManualClock::at_unix(unix_nanos(2026, 12, 2, 11, 0, 0));
+    let a = instance(&server, &prefix, &clock);
+    let b = instance(&server, &prefix, &clock);
+    let (qa, qb) = (
+        a.quota_limiter(&plan()).unwrap(),
+        b.quota_limiter(&plan()).unwrap(),
+    );
+    assert!(qa.consume(b"acme", 30).await.unwrap().is_allowed());
+    assert!(qb.consume(b"acme", 20).await.unwrap().is_allowed());
+    assert_eq!(remaining(&qa.consume(b"acme", 0).await.unwrap()), (50, 950));
+    // A restarts at noon.
+    drop((qa, a));
+    clock.set(unix_nanos(2026, 12, 2, 12, 0, 0));
+    let a = instance(&server, &prefix, &clock);
+    let qa = a.quota_limiter(&plan()).unwrap();
+    assert_eq!(remaining(&qa.consume(b"acme", 0).await.unwrap()), (50, 950));
+    assert!(qa.consume(b"acme", 45).await.unwrap().is_allowed());
+    let d = qb.consume(b"acme", 10).await.unwrap();
+    assert_eq!(
+        d.outcome,
+        Outcome::Deny {
+            retry_after: 12 * 3_600 * SECOND
+        }
+    );
+    // Every instance gone; a new one the next day: a whole day, the
+    // month's spending kept.
+    drop((qa, qb, a, b));
+    clock.set(unix_nanos(2026, 12, 3, 8, 0, 0));
+    let c = instance(&server, &prefix, &clock);
+    let qc = c.quota_limiter(&plan()).unwrap();
+    assert_eq!(
+        remaining(&qc.consume(b"acme", 0).await.unwrap()),
+        (100, 905)
+    );
+    assert_eq!(c.stats().errors + c.stats().timeouts, 0, "{:?}", c.stats());
+}
+
+/// One hash per rule and key, `<prefix>:{q1|rule|k:key}`, a field per
+/// period holding "start used bonus" (start in Unix seconds); it lives
+/// until its longest period ends plus a minute. Reads and denials write
+/// nothing; a reset deletes the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quota_keys_live_until_their_longest_period_ends() {
+    let Some(server) = Server::start() else {
+        return;
+    };
+    let prefix = unique_prefix();
+    let now = unix_nanos(2026, 12, 2, 12, 0, 0) + 250_000_000;
+    let clock = ManualClock::at_unix(now);
+    let store = instance(&server, &prefix, &clock);
+    let quota = store.quota_limiter(&plan()).unwrap();
+    let key = format!("{prefix}:{{q1|plan|k:acme}}");
+    let exists = || server.cli(&["exists", &key]).trim().to_owned();
+    quota.consume(b"acme", 0).await.unwrap();
+    quota.consume(b"acme", 101).await.unwrap();
+    assert_eq!(exists(), "0", "a read or a denial wrote");
+    quota.consume(b"acme", 7).await.unwrap();
+    quota.grant(b"acme", 3).await.unwrap();
+    let day_start = (unix_nanos(2026, 12, 2, 0, 0, 0) / SECOND).to_string();
+    let month_start = (unix_nanos(2026, 12, 1, 0, 0, 0) / SECOND).to_string();
+    assert_eq!(
+        server.cli(&["hget", &key, "day"]).trim(),
+        format!("{day_start} 7 3")
+    );
+    assert_eq!(
+        server.cli(&["hget", &key, "month"]).trim(),
+        format!("{month_start} 7 3")
+    );
+    // Until 2027-01-01T00:00Z plus a minute.
+    let want = (unix_nanos(2027, 1, 1, 0, 0, 0) - now) / 1_000_000 + 60_000;
+    let ttl: u64 = server.cli(&["pttl", &key]).trim().parse().unwrap();
+    assert!(
+        ttl <= want && ttl + 5_000 > want,
+        "TTL {ttl} ms, want about {want}"
+    );
+    quota.reset(b"acme").await.unwrap();
+    assert_eq!(exists(), "0", "a reset left the key");
+    // A refund of a key that has nothing writes nothing either.
+    quota.refund(b"acme", 3).await.unwrap();
+    assert_eq!(exists(), "0", "a refund of nothing wrote");
+}
+
+/// On Redis's own `TIME` (no client time): periods are where the core's
+/// calendar puts them at Redis's time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quotas_follow_redis_time() {
+    let Some(server) = Server::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&server.url())
+        .prefix(&unique_prefix())
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let rule = QuotaRule::new(
+        "clock",
+        &[
+            (Period::Minute, 5),
+            (Period::Month, 50),
+            (Period::Year, 500),
+        ],
+        Offset::from_hours_minutes(9, 0).unwrap(),
+    )
+    .unwrap();
+    let quota = store.quota_limiter(&rule).unwrap();
+    let time: Vec<u64> = server
+        .cli(&["time"])
+        .lines()
+        .map(|l| l.trim().parse().unwrap())
+        .collect();
+    let before = time[0] * SECOND + time[1] * 1_000;
+    let d = quota.consume(b"k", 2).await.unwrap();
+    assert!(d.is_allowed());
+    for p in d.periods() {
+        let (start, end) = p.period.bounds(before, rule.quota().offset());
+        // Unless a period ended between the two readings (a minute may).
+        if end - before > 2 * SECOND {
+            assert_eq!(p.length, end - start, "{}", p.period);
+            let drift = (end - before) - p.reset_after;
+            assert!(drift < 2 * SECOND, "{}: {drift} ns off", p.period);
+        }
+        assert_eq!(p.limit - p.remaining, 2, "{}", p.period);
+    }
+}

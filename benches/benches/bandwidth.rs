@@ -5,7 +5,12 @@
 //! key's budget is whole again when its turn comes (no body waits: the
 //! rate does not bind, as the group intends). One run, group
 //! `bandwidth_body`.
-#![allow(missing_docs, clippy::unwrap_used)]
+#![allow(
+    missing_docs,
+    clippy::unwrap_used,
+    clippy::arithmetic_side_effects,
+    clippy::indexing_slicing
+)]
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -68,7 +73,7 @@ fn bandwidth_body(c: &mut Criterion) {
     let mut g = c.benchmark_group("bandwidth_body");
     g.bench_function("bare", |b| {
         b.to_async(&rt).iter(|| {
-            let (bare, req) = (bare.clone(), request());
+            let req = request();
             async move {
                 let res = bare.oneshot(req).await.unwrap();
                 let body = res.into_body().collect().await.unwrap().to_bytes();

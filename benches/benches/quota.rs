@@ -13,7 +13,13 @@ use tollgate_memory::MemoryStore;
 fn quota_decide(c: &mut Criterion) {
     let store = MemoryStore::new();
     let window = store
-        .limiter(&Rule::new("window", Limit::fixed_window(u32::MAX, Duration::from_secs(86_400))).unwrap())
+        .limiter(
+            &Rule::new(
+                "window",
+                Limit::fixed_window(u32::MAX, Duration::from_secs(86_400)),
+            )
+            .unwrap(),
+        )
         .unwrap();
     let quota = store
         .quota_limiter(

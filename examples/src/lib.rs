@@ -12,10 +12,12 @@ use axum::http::Method;
 use axum::routing::{get, post};
 use axum::Router;
 use tollgate::bandwidth::BandwidthLayer;
+use tollgate::calendar::Period;
 use tollgate::concurrency::{AdaptiveLimit, ConcurrencyLayer, Gradient};
+use tollgate::core::QuotaStore;
 use tollgate::cost::ByRoute;
 use tollgate::key::{ClientIp, Header, KeyExtractorExt};
-use tollgate::{ConfigError, Limit, Rate, RateLimitLayer, Store};
+use tollgate::{ConfigError, Limit, QuotaLayer, Rate, RateLimitLayer};
 
 /// The size of `GET /api/download`'s body.
 pub const DOWNLOAD_BYTES: usize = 1 << 20;
@@ -38,12 +40,14 @@ pub const DOWNLOAD_BURST: u32 = 64 << 10;
 /// - every `/api/*` route sits behind at most 64 requests in flight per
 ///   client and an adaptive whole-service limit (a gradient of latencies,
 ///   between 16 and 512) that follows the service's latency and errors;
+/// - every `/api/*` route draws on a daily quota of 1,000 cost units per
+///   client (UTC days; a `RateLimit-Policy` item with `w=86400`);
 /// - `/healthz` is not limited.
 ///
 /// The client is its `x-api-key`, else its IP: the peer's, or — when the
 /// peer is one of `trusted_proxies` (CIDRs) — the address those proxies
 /// report in `X-Forwarded-For`.
-pub fn quickstart_app<S: Store>(
+pub fn quickstart_app<S: QuotaStore>(
     store: S,
     trusted_proxies: &[String],
 ) -> Result<Router, ConfigError> {
@@ -64,13 +68,19 @@ pub fn quickstart_app<S: Store>(
             AdaptiveLimit::Gradient(Gradient::new(16, 64, 512)?),
         )
         .build()?;
+    let costs = ByRoute::new(1)
+        .route(Some(Method::POST), "/api/orders", 3)
+        .route(Some(Method::POST), "/api/reports", 10);
+    let daily = QuotaLayer::builder("daily")
+        .period(Period::Day, 1_000)
+        .soft_limit(0.8)
+        .key(client.clone())
+        .cost(costs.clone())
+        .store(store.clone())
+        .build()?;
     let limit = RateLimitLayer::builder("per-key", Limit::gcra(Rate::per_second(10), 20))
         .key(client)
-        .cost(
-            ByRoute::new(1)
-                .route(Some(Method::POST), "/api/orders", 3)
-                .route(Some(Method::POST), "/api/reports", 10),
-        )
+        .cost(costs)
         .store(store)
         .build()?;
     let api = Router::new()
@@ -88,6 +98,9 @@ pub fn quickstart_app<S: Store>(
                 .route_layer(downloads),
         )
         // route_layer: only matched routes are limited; a 404 costs nothing.
+        // Outermost first: in flight, then the rate, then the day's quota,
+        // so a request refused early spends nothing further in.
+        .route_layer(daily)
         .route_layer(limit)
         .route_layer(in_flight);
     Ok(Router::new()

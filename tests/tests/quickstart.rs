@@ -59,6 +59,14 @@ async fn burst_of_twenty_then_429_with_standard_headers() {
         );
         assert_eq!(r.item("ratelimit", "per-client"), "\"per-client\";r=63");
         assert!(r.item("ratelimit", "service").starts_with("\"service\";r="));
+        // And the day's quota, whose t is the seconds to midnight UTC.
+        assert_eq!(
+            r.item("ratelimit-policy", "daily"),
+            "\"daily\";q=1000;w=86400"
+        );
+        assert!(r
+            .item("ratelimit", "daily")
+            .starts_with(&format!("\"daily\";r={};t=", 999 - i)));
     }
     let r = hello(addr, "alice").await;
     assert_eq!(r.status, 429);

@@ -32,11 +32,15 @@ pin_project! {
             waiting: Option<Box<(Request<ReqB>, S)>>,
             grpc: bool,
             key: Option<Fingerprint>,
+            refund: Option<RefundFn>,
         },
         Pacing {
             sleep: Pin<Box<Sleep>>,
             waiting: Option<Box<(Request<ReqB>, S)>>,
             decision: Decision,
+            // Gives the cost back if the request is cancelled while it
+            // waits its turn; defused once it goes.
+            refund: Refund,
         },
         Calling {
             #[pin]
@@ -84,7 +88,31 @@ impl<S: Clone> Inner<'_, S> {
     }
 }
 
-/// The state that follows a decision (or a store failure).
+/// Gives a paced request's cost back to the store; built only for pacing
+/// rules (the leaky bucket).
+pub(crate) type RefundFn = Box<dyn FnOnce() + Send>;
+
+/// Runs its refund when dropped, unless defused: a paced request that is
+/// cancelled during its delay gives its slot in the queue back.
+pub(crate) struct Refund(Option<RefundFn>);
+
+impl Refund {
+    fn defuse(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Refund {
+    fn drop(&mut self) {
+        if let Some(refund) = self.0.take() {
+            refund();
+        }
+    }
+}
+
+/// The state that follows a decision (or a store failure). `refund`
+/// gives the cost back, for a paced request that is cancelled while it
+/// waits.
 pub(crate) fn decided<S, ReqB, D>(
     result: Result<Decision, StoreError>,
     request: Request<ReqB>,
@@ -92,6 +120,7 @@ pub(crate) fn decided<S, ReqB, D>(
     responder: &Responder,
     grpc: bool,
     key: Option<Fingerprint>,
+    refund: impl FnOnce() -> Option<RefundFn>,
 ) -> State<S, ReqB, D>
 where
     S: Service<Request<ReqB>> + Clone,
@@ -132,6 +161,7 @@ where
             sleep: Box::pin(tokio::time::sleep(Duration::from_nanos(delay))),
             waiting: Some(Box::new((request, inner.clone_for_later()))),
             decision,
+            refund: Refund(refund()),
         },
         Outcome::Deny { .. } | Outcome::Never => {
             let reason = if decision.outcome == Outcome::Never {
@@ -200,18 +230,29 @@ where
                     waiting,
                     grpc,
                     key,
+                    refund,
                 } => {
                     let result = ready!(decide.poll(cx));
                     let Some(waiting) = waiting.take() else {
                         return Poll::Pending;
                     };
                     let (request, inner) = *waiting;
-                    decided(result, request, Inner::Owned(inner), responder, *grpc, *key)
+                    let refund = refund.take();
+                    decided(
+                        result,
+                        request,
+                        Inner::Owned(inner),
+                        responder,
+                        *grpc,
+                        *key,
+                        || refund,
+                    )
                 }
                 StateProj::Pacing {
                     sleep,
                     waiting,
                     decision,
+                    refund,
                 } => {
                     // A finished sleep stays ready when polled again.
                     ready!(sleep.as_mut().poll(cx));
@@ -223,6 +264,8 @@ where
                         return Poll::Pending;
                     };
                     let (request, mut inner) = *waiting;
+                    // Its turn came: the cost stays spent.
+                    refund.defuse();
                     State::Calling {
                         future: inner.call(request),
                         decision: Some(*decision),

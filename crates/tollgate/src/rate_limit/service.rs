@@ -2,14 +2,14 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
-use tollgate_core::Limiter;
+use tollgate_core::{Algorithm, Limiter};
 use tower_service::Service;
 
-use super::future::{decided, ErrorFuture, Inner, ResponseFuture, State};
+use super::future::{decided, ErrorFuture, Inner, RefundFn, ResponseFuture, State};
 use super::layer::{MissingKey, Shared};
 use crate::body::ResponseBody;
 use crate::cost::Cost;
-use crate::key::{KeyBuf, KeyExtractor};
+use crate::key::{KeyBuf, KeyBytes, KeyExtractor};
 use crate::rejection::{is_grpc, LimitKind, Reason, Rejected};
 
 /// The service of [`RateLimitLayer`](super::RateLimitLayer).
@@ -86,6 +86,17 @@ where
     let cost = shared.cost.cost(&req);
     let fingerprint =
         tracing::enabled!(target: "tollgate", tracing::Level::DEBUG).then(|| key.fingerprint());
+    // Only a pacing rule makes requests wait; one cancelled while it
+    // waits gives its cost back.
+    let refund = |key: &mut KeyBuf| -> Option<RefundFn> {
+        if !matches!(shared.limiter.rule().algorithm(), Algorithm::LeakyBucket(_)) {
+            return None;
+        }
+        let (limiter, key) = (shared.limiter.clone(), KeyBytes::new(key));
+        Some(Box::new(move || {
+            crate::task::finish(limiter.refund(key.as_bytes(), cost));
+        }))
+    };
     // Stores that decide without I/O answer here, and the ready inner
     // service is called directly: no clone, no second state.
     if let Some(result) = shared.limiter.decide_sync(key.as_bytes(), cost) {
@@ -96,6 +107,7 @@ where
             &shared.responder,
             grpc,
             fingerprint,
+            || refund(&mut key),
         );
     }
     let decide = shared.limiter.decide(key.as_bytes(), cost);
@@ -108,6 +120,7 @@ where
         waiting: Some(Box::new((req, ready))),
         grpc,
         key: fingerprint,
+        refund: refund(&mut key),
     }
 }
 

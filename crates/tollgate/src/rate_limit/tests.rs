@@ -287,6 +287,27 @@ async fn leaky_bucket_paces_instead_of_rejecting() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_paced_request_cancelled_while_it_waits_gives_its_slot_back() {
+    let clock = ManualClock::starting_at(1);
+    let layer = per_key(
+        &clock,
+        Limit::leaky_bucket(Rate::per_second(10), Duration::from_millis(250)),
+    )
+    .build()
+    .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    assert_eq!(svc.clone().oneshot(req("c")).await.unwrap().status(), 200);
+    // The second waits 100 ms for its turn; its client gives up at 50.
+    let waiting = tokio::time::timeout(Duration::from_millis(50), svc.clone().oneshot(req("c")));
+    assert!(waiting.await.is_err());
+    // Its slot came back, so the third takes it: 100 ms, not 200 (the
+    // store's manual clock stood still).
+    let start = tokio::time::Instant::now();
+    assert_eq!(svc.clone().oneshot(req("c")).await.unwrap().status(), 200);
+    assert_eq!(start.elapsed(), Duration::from_millis(100));
+}
+
+#[tokio::test(start_paused = true)]
 async fn shadow_mode_never_holds_a_paced_request_back() {
     let clock = ManualClock::starting_at(1);
     let svc = per_key(

@@ -430,6 +430,50 @@ impl QuotaRule {
     }
 }
 
+/// A named, validated retry budget (see [`RetryBudget`](crate::RetryBudget)).
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate_core::RetryBudgetRule;
+///
+/// // Finagle's and Linkerd's defaults: 20 % over 10 s, 10 retries a second.
+/// let rule = RetryBudgetRule::new("upstream", 0.2, 10, Duration::from_secs(10))?;
+/// assert_eq!(rule.budget().deposit_units(), 200);
+/// # Ok::<(), tollgate_core::ConfigError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryBudgetRule {
+    name: Arc<str>,
+    budget: crate::RetryBudget,
+}
+
+impl RetryBudgetRule {
+    /// Validates the name and the budget.
+    pub fn new(
+        name: impl AsRef<str>,
+        ratio: f64,
+        min_per_second: u32,
+        window: Duration,
+    ) -> Result<Self, ConfigError> {
+        let name = name.as_ref();
+        validate_name(name)?;
+        Ok(Self {
+            name: name.into(),
+            budget: crate::RetryBudget::new(ratio, min_per_second, window)?,
+        })
+    }
+
+    /// The rule's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The validated budget.
+    pub fn budget(&self) -> &crate::RetryBudget {
+        &self.budget
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -68,14 +68,16 @@ pub mod testing;
 
 pub use algorithm::{
     FixedWindow, Gcra, InFlight, LeakyBucket, PeriodStatus, Quota, QuotaDecision, QuotaState,
-    RateAlgorithm, Semaphore, SemaphoreState, SlidingWindowCounter, SlidingWindowCounterState,
-    SlidingWindowLog, SlidingWindowLogState, TokenBucket,
+    RateAlgorithm, RetryBudget, RetryBudgetState, Semaphore, SemaphoreState, SlidingWindowCounter,
+    SlidingWindowCounterState, SlidingWindowLog, SlidingWindowLogState, TokenBucket,
 };
 pub use clock::{duration_to_nanos, Clock, ManualClock, SystemClock};
 pub use config::{
-    Algorithm, ConcurrencyRule, ConfigError, Limit, QuotaRule, Rate, Rule, MAX_RULE_NAME_LEN,
+    Algorithm, ConcurrencyRule, ConfigError, Limit, QuotaRule, Rate, RetryBudgetRule, Rule,
+    MAX_RULE_NAME_LEN,
 };
 pub use decision::{Acquire, Decision, Lease, Outcome};
 pub use store::{
-    ConcurrencyLimiter, Limiter, QuotaLimiter, QuotaStore, Store, StoreError, StoreErrorKind,
+    ConcurrencyLimiter, Limiter, QuotaLimiter, QuotaStore, RetryBudgetLimiter, RetryBudgetStore,
+    Store, StoreError, StoreErrorKind,
 };

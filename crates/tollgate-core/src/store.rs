@@ -19,7 +19,8 @@ use std::fmt;
 use std::future::Future;
 
 use crate::{
-    Acquire, ConcurrencyRule, ConfigError, Decision, Lease, QuotaDecision, QuotaRule, Rule,
+    Acquire, ConcurrencyRule, ConfigError, Decision, Lease, QuotaDecision, QuotaRule,
+    RetryBudgetRule, Rule,
 };
 
 /// A store failed to answer (network, timeout, script error). The limiter's
@@ -209,4 +210,40 @@ pub trait QuotaLimiter: Clone + Send + Sync + 'static {
 
     /// Adds `units` to every current period's budget for `key`.
     fn grant(&self, key: &[u8], units: u64) -> Self::Future;
+}
+
+/// A store that keeps retry budgets (see [`RetryBudget`](crate::RetryBudget)):
+/// in memory a budget is per process; in Redis a fleet shares one.
+pub trait RetryBudgetStore: Store {
+    /// The handle for one retry budget.
+    type RetryBudgetLimiter: RetryBudgetLimiter;
+
+    /// Binds a retry budget `rule`. Called once per layer, at build time.
+    fn retry_budget(&self, rule: &RetryBudgetRule)
+        -> Result<Self::RetryBudgetLimiter, ConfigError>;
+}
+
+/// One retry budget bound to a store, per key (an upstream host, a route).
+pub trait RetryBudgetLimiter: Clone + Send + Sync + 'static {
+    /// Future of [`deposit`](Self::deposit).
+    type DepositFuture: Future<Output = Result<(), StoreError>> + Send + 'static;
+    /// Future of [`withdraw`](Self::withdraw): whether a retry may go.
+    type WithdrawFuture: Future<Output = Result<bool, StoreError>> + Send + 'static;
+
+    /// The rule this limiter enforces.
+    fn rule(&self) -> &RetryBudgetRule;
+
+    /// A call was made for `key`: deposit. Under way when this returns (a
+    /// caller may drop the future).
+    fn deposit(&self, key: &[u8]) -> Self::DepositFuture;
+
+    /// A retry is wanted for `key`: withdraw one if the budget allows.
+    fn withdraw(&self, key: &[u8]) -> Self::WithdrawFuture;
+
+    /// [`withdraw`](Self::withdraw) at once, for stores that need no I/O;
+    /// `None` (the default) means "call `withdraw`".
+    fn withdraw_sync(&self, key: &[u8]) -> Option<Result<bool, StoreError>> {
+        let _ = key;
+        None
+    }
 }

@@ -80,8 +80,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use tollgate_core::{
     Acquire, Algorithm, Clock, ConcurrencyLimiter, ConcurrencyRule, ConfigError, Decision,
     FixedWindow, Gcra, InFlight, LeakyBucket, Lease, Limiter, Quota, QuotaDecision, QuotaLimiter,
-    QuotaRule, QuotaState, QuotaStore, RateAlgorithm, Rule, Semaphore, SlidingWindowCounter,
-    SlidingWindowLog, Store, StoreError, SystemClock, TokenBucket,
+    QuotaRule, QuotaState, QuotaStore, RateAlgorithm, RetryBudget, RetryBudgetLimiter,
+    RetryBudgetRule, RetryBudgetStore, Rule, Semaphore, SlidingWindowCounter, SlidingWindowLog,
+    Store, StoreError, SystemClock, TokenBucket,
 };
 
 use crate::table::{Shared, Slot, Table};
@@ -110,6 +111,7 @@ enum Bound<C> {
     Rate(Algorithm, AnyTable<C>),
     Concurrency(Semaphore, Arc<Table<InFlight, C>>),
     Quota(Quota, Arc<Table<Quota, C>>),
+    RetryBudget(RetryBudget, Arc<Table<RetryBudget, C>>),
 }
 
 impl<C> Clone for MemoryStore<C> {
@@ -195,6 +197,7 @@ impl<C: Clock> MemoryStore<C> {
                 Bound::Rate(_, table) => dispatch!(table, t => t.purge(now)),
                 Bound::Concurrency(_, t) => t.purge(now),
                 Bound::Quota(_, t) => t.purge(t.now()),
+                Bound::RetryBudget(_, t) => t.purge(now),
             })
             .sum()
     }
@@ -684,5 +687,94 @@ impl<C: Clock> QuotaLimiter for MemoryQuotaLimiter<C> {
 
     fn grant(&self, key: &[u8], units: u64) -> Self::Future {
         ready(Ok(self.grant_now(key, units)))
+    }
+}
+
+impl<C: Clock> RetryBudgetStore for MemoryStore<C> {
+    type RetryBudgetLimiter = MemoryRetryBudget<C>;
+
+    /// Binds a retry budget; the same sharing rules as
+    /// [`limiter`](Store::limiter). The budget is this process's.
+    fn retry_budget(&self, rule: &RetryBudgetRule) -> Result<MemoryRetryBudget<C>, ConfigError> {
+        let budget = *rule.budget();
+        self.bind(
+            rule.name(),
+            |shards, shared| Bound::RetryBudget(budget, Table::registered(budget, shards, shared)),
+            |bound| match bound {
+                Bound::RetryBudget(b, table) if *b == budget => Some(MemoryRetryBudget {
+                    rule: rule.clone(),
+                    table: Arc::clone(table),
+                }),
+                _ => None,
+            },
+        )
+    }
+}
+
+/// A retry budget bound to a [`MemoryStore`].
+pub struct MemoryRetryBudget<C = SystemClock> {
+    rule: RetryBudgetRule,
+    table: Arc<Table<RetryBudget, C>>,
+}
+
+impl<C> Clone for MemoryRetryBudget<C> {
+    fn clone(&self) -> Self {
+        Self {
+            rule: self.rule.clone(),
+            table: Arc::clone(&self.table),
+        }
+    }
+}
+
+impl<C> fmt::Debug for MemoryRetryBudget<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryRetryBudget")
+            .field("rule", &self.rule)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C: Clock> MemoryRetryBudget<C> {
+    /// [`RetryBudgetLimiter::deposit`] without the future.
+    pub fn deposit_now(&self, key: &[u8]) {
+        let t = &self.table;
+        let now = t.now();
+        t.update(key, now, true, |s| t.kind.deposit(s, now));
+    }
+
+    /// [`RetryBudgetLimiter::withdraw`] without the future.
+    pub fn withdraw_now(&self, key: &[u8]) -> bool {
+        let t = &self.table;
+        let now = t.now();
+        t.update(key, now, true, |s| t.kind.withdraw(s, now))
+    }
+
+    /// The balance of `key` in thousandths of a retry.
+    pub fn balance_now(&self, key: &[u8]) -> u64 {
+        let t = &self.table;
+        let now = t.now();
+        t.update(key, now, false, |s| t.kind.balance(s, now))
+    }
+}
+
+impl<C: Clock> RetryBudgetLimiter for MemoryRetryBudget<C> {
+    type DepositFuture = Ready<Result<(), StoreError>>;
+    type WithdrawFuture = Ready<Result<bool, StoreError>>;
+
+    fn rule(&self) -> &RetryBudgetRule {
+        &self.rule
+    }
+
+    fn deposit(&self, key: &[u8]) -> Self::DepositFuture {
+        self.deposit_now(key);
+        ready(Ok(()))
+    }
+
+    fn withdraw(&self, key: &[u8]) -> Self::WithdrawFuture {
+        ready(Ok(self.withdraw_now(key)))
+    }
+
+    fn withdraw_sync(&self, key: &[u8]) -> Option<Result<bool, StoreError>> {
+        Some(Ok(self.withdraw_now(key)))
     }
 }

@@ -5,7 +5,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 
-use tollgate_core::{Clock, InFlight, Quota, QuotaState, RateAlgorithm};
+use tollgate_core::{
+    Clock, InFlight, Quota, QuotaState, RateAlgorithm, RetryBudget, RetryBudgetState,
+};
 
 use crate::cell::{Cell, Stored};
 use crate::key::{BuildIdentity, KeyHasher};
@@ -68,6 +70,19 @@ impl Kind for Quota {
 
     fn sweep_every(&self) -> u64 {
         60 * SECOND
+    }
+}
+
+impl Kind for RetryBudget {
+    type State = RetryBudgetState;
+    type Cell = Mutex<RetryBudgetState>;
+
+    fn is_idle(&self, state: &RetryBudgetState, now: u64) -> bool {
+        RetryBudget::is_idle(self, state, now)
+    }
+
+    fn sweep_every(&self) -> u64 {
+        self.window().clamp(SECOND, 60 * SECOND)
     }
 }
 

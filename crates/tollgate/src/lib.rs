@@ -86,6 +86,7 @@ pub mod observe;
 pub mod quota;
 pub mod rate_limit;
 pub mod rejection;
+pub mod retry;
 mod task;
 
 pub use body::ResponseBody;
@@ -93,6 +94,7 @@ pub use clock::TokioClock;
 pub use concurrency::ConcurrencyLayer;
 pub use quota::QuotaLayer;
 pub use rate_limit::{MissingKey, RateLimit, RateLimitLayer, RateLimitLayerBuilder, RateLimited};
+pub use retry::RetryBudgetLayer;
 pub use tollgate_core::{
     self as core, calendar, Algorithm, ConfigError, Decision, Limit, Outcome, Rate, Rule, Store,
 };

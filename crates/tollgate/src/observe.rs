@@ -8,6 +8,10 @@
 //! | `tollgate_retry_after_seconds` | histogram | `rule` |
 //! | `tollgate_quota_requests_total` | counter | `rule`, `outcome`: as `tollgate_requests_total` |
 //! | `tollgate_quota_warnings_total` | counter | `rule`: responses past the quota's soft limit |
+//! | `tollgate_retry_calls_total` | counter | `rule`: calls through a retry budget layer (first attempts) |
+//! | `tollgate_retries_total` | counter | `rule`: retries made |
+//! | `tollgate_retry_budget_exhausted_total` | counter | `rule`: retries the budget refused |
+//! | `tollgate_retry_throttled_total` | counter | `rule`: calls refused locally by adaptive throttling |
 //! | `tollgate_concurrency_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `queued` (waited, then allowed), `queue_full`, `queue_timeout`, `shadow_limited`, `missing_key`, `unkeyed`, `store_error`, `read_only` (a write refused while degraded) |
 //! | `tollgate_concurrency_in_flight` | gauge | `rule`: permits held through this layer |
 //! | `tollgate_concurrency_limit` | gauge | `rule`: an adaptive limit's current value |
@@ -153,5 +157,42 @@ pub(crate) fn store_fault(layer: &'static str, rule: &str, error: &tollgate_core
             %error,
             "limiter store failed; letting requests through (logged at most once a second)"
         );
+    }
+}
+
+/// The handles of one retry budget layer (labelled by the budget's name,
+/// which names the upstream).
+#[derive(Debug, Clone)]
+pub(crate) struct RetryMetrics {
+    pub(crate) calls: Counter,
+    pub(crate) retries: Counter,
+    pub(crate) exhausted: Counter,
+    pub(crate) throttled: Counter,
+}
+
+impl RetryMetrics {
+    pub(crate) fn register(rule: &str) -> Self {
+        metrics::describe_counter!(
+            "tollgate_retry_calls_total",
+            "Calls through a tollgate retry budget layer"
+        );
+        metrics::describe_counter!(
+            "tollgate_retries_total",
+            "Retries made by a tollgate retry budget layer"
+        );
+        metrics::describe_counter!(
+            "tollgate_retry_budget_exhausted_total",
+            "Retries a tollgate retry budget refused"
+        );
+        metrics::describe_counter!(
+            "tollgate_retry_throttled_total",
+            "Calls refused locally by tollgate's adaptive throttling"
+        );
+        Self {
+            calls: metrics::counter!("tollgate_retry_calls_total", "rule" => rule.to_owned()),
+            retries: metrics::counter!("tollgate_retries_total", "rule" => rule.to_owned()),
+            exhausted: metrics::counter!("tollgate_retry_budget_exhausted_total", "rule" => rule.to_owned()),
+            throttled: metrics::counter!("tollgate_retry_throttled_total", "rule" => rule.to_owned()),
+        }
     }
 }

@@ -1,0 +1,496 @@
+use std::fmt;
+use std::future::{poll_fn, Future};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::Body;
+use tokio::time::Instant;
+use tollgate_core::{ConfigError, RetryBudgetLimiter, RetryBudgetRule, RetryBudgetStore};
+use tollgate_memory::MemoryStore;
+use tower_layer::Layer;
+use tower_service::Service;
+
+use super::body::ReplayBody;
+use super::policy::{is_idempotent, server_hint, Attempt, Backoff};
+use super::throttle::Throttle;
+use crate::key::{KeyBuf, KeyBytes, KeyExtractor};
+use crate::observe::RetryMetrics;
+use crate::BoxError;
+
+/// The default key of a retry budget: the upstream's host (and port), from
+/// the request's URI, else its `Host` header. One budget per upstream.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Upstream;
+
+impl<B> KeyExtractor<B> for Upstream {
+    fn extract(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()> {
+        match req.uri().authority() {
+            Some(authority) => key.push(authority.as_str().as_bytes()),
+            None => key.push(req.headers().get(http::header::HOST)?.as_bytes()),
+        }
+        Some(())
+    }
+}
+
+/// The error of a call the layer refused to make: adaptive throttling
+/// judged the upstream overloaded (see
+/// [`adaptive_throttling`](RetryBudgetLayerBuilder::adaptive_throttling)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Throttled;
+
+impl fmt::Display for Throttled {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("call throttled locally: the upstream is rejecting most calls")
+    }
+}
+
+impl std::error::Error for Throttled {}
+
+type ClassifyFn = Arc<dyn Fn(Attempt<'_>) -> bool + Send + Sync>;
+
+struct Shared<K, L> {
+    key: K,
+    budget: L,
+    max_attempts: u32,
+    backoff: Backoff,
+    deadline: Option<Duration>,
+    classify: Option<ClassifyFn>,
+    any_method: bool,
+    buffer_limit: u64,
+    throttle: Option<Throttle>,
+    metrics: RetryMetrics,
+}
+
+/// Retries failed calls of a client service while a retry budget allows;
+/// see the [module docs](super).
+pub struct RetryBudgetLayer<K, L> {
+    shared: Arc<Shared<K, L>>,
+}
+
+impl<K, L> Clone for RetryBudgetLayer<K, L> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<K, L: RetryBudgetLimiter> fmt::Debug for RetryBudgetLayer<K, L> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetryBudgetLayer")
+            .field("rule", &self.shared.budget.rule().name())
+            .field("max_attempts", &self.shared.max_attempts)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, K, L> Layer<S> for RetryBudgetLayer<K, L> {
+    type Service = Retry<S, K, L>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Retry {
+            inner,
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<K, L> RetryBudgetLayer<K, L> {
+    /// The store's handle of the budget (e.g. to read a key's balance in a
+    /// test or a dashboard).
+    pub fn budget(&self) -> &L {
+        &self.shared.budget
+    }
+}
+
+impl RetryBudgetLayer<Upstream, ()> {
+    /// Starts a layer whose budget is named `name` (store keys, metrics).
+    /// Defaults: 20 % of recent calls over 10 s plus 10 retries a second
+    /// (Finagle's, Linkerd's and tower's), up to 3 attempts, backoff from
+    /// 50 ms up to 2 s with full jitter, no overall deadline, one budget
+    /// per upstream host, idempotent requests only, bodies buffered up to
+    /// 64 KiB, no adaptive throttling, in-memory store.
+    pub fn builder(name: &str) -> RetryBudgetLayerBuilder<Upstream, MemoryStore> {
+        RetryBudgetLayerBuilder {
+            name: name.to_owned(),
+            ratio: 0.2,
+            min_per_second: 10,
+            window: Duration::from_secs(10),
+            key: Upstream,
+            store: MemoryStore::new(),
+            max_attempts: 3,
+            backoff: (Duration::from_millis(50), Duration::from_secs(2)),
+            deadline: None,
+            classify: None,
+            any_method: false,
+            buffer_limit: 64 << 10,
+            throttle: None,
+        }
+    }
+}
+
+/// Builds a [`RetryBudgetLayer`]; see [`RetryBudgetLayer::builder`].
+pub struct RetryBudgetLayerBuilder<K, St> {
+    name: String,
+    ratio: f64,
+    min_per_second: u32,
+    window: Duration,
+    key: K,
+    store: St,
+    max_attempts: u32,
+    backoff: (Duration, Duration),
+    deadline: Option<Duration>,
+    classify: Option<ClassifyFn>,
+    any_method: bool,
+    buffer_limit: u64,
+    throttle: Option<f64>,
+}
+
+impl<K: fmt::Debug, St> fmt::Debug for RetryBudgetLayerBuilder<K, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetryBudgetLayerBuilder")
+            .field("name", &self.name)
+            .field("ratio", &self.ratio)
+            .field("key", &self.key)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<K, St> RetryBudgetLayerBuilder<K, St> {
+    /// Retries may be at most `ratio` of recent calls (over `window`), plus
+    /// `min_per_second` retries every second.
+    pub fn budget(mut self, ratio: f64, min_per_second: u32, window: Duration) -> Self {
+        self.ratio = ratio;
+        self.min_per_second = min_per_second;
+        self.window = window;
+        self
+    }
+
+    /// Whose budget a call draws on (default: [`Upstream`]).
+    pub fn key<K2>(self, key: K2) -> RetryBudgetLayerBuilder<K2, St> {
+        RetryBudgetLayerBuilder {
+            name: self.name,
+            ratio: self.ratio,
+            min_per_second: self.min_per_second,
+            window: self.window,
+            key,
+            store: self.store,
+            max_attempts: self.max_attempts,
+            backoff: self.backoff,
+            deadline: self.deadline,
+            classify: self.classify,
+            any_method: self.any_method,
+            buffer_limit: self.buffer_limit,
+            throttle: self.throttle,
+        }
+    }
+
+    /// Where the budget lives (default: a new [`MemoryStore`]); a Redis
+    /// store shares one budget across a fleet of clients.
+    pub fn store<St2: RetryBudgetStore>(self, store: St2) -> RetryBudgetLayerBuilder<K, St2> {
+        RetryBudgetLayerBuilder {
+            name: self.name,
+            ratio: self.ratio,
+            min_per_second: self.min_per_second,
+            window: self.window,
+            key: self.key,
+            store,
+            max_attempts: self.max_attempts,
+            backoff: self.backoff,
+            deadline: self.deadline,
+            classify: self.classify,
+            any_method: self.any_method,
+            buffer_limit: self.buffer_limit,
+            throttle: self.throttle,
+        }
+    }
+
+    /// Attempts per call, the first included (default 3; 1 to 10).
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = attempts;
+        self
+    }
+
+    /// Backoff between attempts: exponential from `base`, capped at `cap`,
+    /// with full jitter; a server's `Retry-After` or
+    /// `grpc-retry-pushback-ms` is honoured as a minimum.
+    pub fn backoff(mut self, base: Duration, cap: Duration) -> Self {
+        self.backoff = (base, cap);
+        self
+    }
+
+    /// An overall deadline per call, attempts and waits included: no retry
+    /// is started that would wait past it.
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = Some(deadline);
+        self
+    }
+
+    /// Which outcomes are retried (default:
+    /// [`Attempt::is_retryable_by_default`]).
+    pub fn classify<F>(mut self, f: F) -> Self
+    where
+        F: Fn(Attempt<'_>) -> bool + Send + Sync + 'static,
+    {
+        self.classify = Some(Arc::new(f));
+        self
+    }
+
+    /// Retry requests of any method (default: only idempotent methods and
+    /// requests with an `Idempotency-Key`).
+    pub fn retry_any_method(mut self, on: bool) -> Self {
+        self.any_method = on;
+        self
+    }
+
+    /// The largest request body buffered for replay (default 64 KiB). A
+    /// body larger than this, or of unknown length, is sent once and the
+    /// request is not retried.
+    pub fn buffer_limit(mut self, bytes: u64) -> Self {
+        self.buffer_limit = bytes;
+        self
+    }
+
+    /// Client-side adaptive throttling (Google SRE book, "Handling
+    /// Overload"): when the upstream rejects most calls, refuse locally
+    /// with probability `max(0, (requests − k·accepts) / (requests + 1))`
+    /// over the last minute, so a fleet of clients stops hammering it.
+    /// `k` is usually 2; a refused call fails with [`Throttled`].
+    pub fn adaptive_throttling(mut self, k: f64) -> Self {
+        self.throttle = Some(k);
+        self
+    }
+}
+
+impl<K, St: RetryBudgetStore> RetryBudgetLayerBuilder<K, St> {
+    /// Validates and binds the budget; every error names its field.
+    pub fn build(self) -> Result<RetryBudgetLayer<K, St::RetryBudgetLimiter>, ConfigError> {
+        let rule = RetryBudgetRule::new(&self.name, self.ratio, self.min_per_second, self.window)?;
+        if !(1..=10).contains(&self.max_attempts) {
+            return Err(ConfigError::new("max_attempts", "must be from 1 to 10"));
+        }
+        let (base, cap) = self.backoff;
+        if base.is_zero() || cap < base || cap > Duration::from_secs(3_600) {
+            return Err(ConfigError::new(
+                "backoff",
+                "base must be above zero and at most cap, cap at most an hour",
+            ));
+        }
+        if self.deadline.is_some_and(|d| d.is_zero()) {
+            return Err(ConfigError::new("deadline", "must be longer than zero"));
+        }
+        let throttle = match self.throttle {
+            Some(k) if !(1.0..=100.0).contains(&k) => {
+                return Err(ConfigError::new(
+                    "adaptive_throttling",
+                    "k must be from 1 to 100 (2 is usual)",
+                ))
+            }
+            Some(k) => Some(Throttle::new(k)),
+            None => None,
+        };
+        Ok(RetryBudgetLayer {
+            shared: Arc::new(Shared {
+                key: self.key,
+                budget: self.store.retry_budget(&rule)?,
+                max_attempts: self.max_attempts,
+                backoff: Backoff::new(base, cap),
+                deadline: self.deadline,
+                classify: self.classify,
+                any_method: self.any_method,
+                buffer_limit: self.buffer_limit,
+                throttle,
+                metrics: RetryMetrics::register(rule.name()),
+            }),
+        })
+    }
+}
+
+/// The service of [`RetryBudgetLayer`].
+pub struct Retry<S, K, L> {
+    inner: S,
+    shared: Arc<Shared<K, L>>,
+}
+
+impl<S: Clone, K, L> Clone for Retry<S, K, L> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<S: fmt::Debug, K, L> fmt::Debug for Retry<S, K, L> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Retry")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The future of [`Retry`]: attempts, waits and budget calls.
+pub type ResponseFuture<T> = Pin<Box<dyn Future<Output = Result<T, BoxError>> + Send>>;
+
+impl<S, K, L, B, ResB> Service<Request<B>> for Retry<S, K, L>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Into<BoxError>,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+    K: KeyExtractor<B>,
+    L: RetryBudgetLimiter,
+    ResB: Send + 'static,
+{
+    type Response = Response<ResB>;
+    type Error = BoxError;
+    type Future = ResponseFuture<Response<ResB>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        // The service polled ready makes the first attempt; a clone waits
+        // for the next caller's poll_ready.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        Box::pin(run(Arc::clone(&self.shared), inner, req))
+    }
+}
+
+/// Reads `body` in full if it is at most `limit` bytes (by its size hint
+/// and in fact); `Err` gives a body that cannot be buffered back.
+async fn buffer<B>(body: B, limit: u64) -> Result<Result<Bytes, B>, BoxError>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    if body.size_hint().upper().is_none_or(|upper| upper > limit) {
+        return Ok(Err(body));
+    }
+    let mut body = std::pin::pin!(body);
+    let mut data = Vec::new();
+    while let Some(frame) = poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
+        if let Ok(chunk) = frame.map_err(Into::into)?.into_data() {
+            data.extend_from_slice(&chunk);
+            if data.len() as u64 > limit {
+                return Err("request body longer than its size hint".into());
+            }
+        }
+    }
+    Ok(Ok(Bytes::from(data)))
+}
+
+async fn run<S, K, L, B, ResB>(
+    shared: Arc<Shared<K, L>>,
+    mut inner: S,
+    req: Request<B>,
+) -> Result<Response<ResB>, BoxError>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>>,
+    S::Error: Into<BoxError>,
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+    K: KeyExtractor<B>,
+    L: RetryBudgetLimiter,
+{
+    let m = &shared.metrics;
+    let mut buf = KeyBuf::new();
+    if shared.key.extract(&req, &mut buf).is_none() {
+        buf = KeyBuf::new();
+        buf.push(b"\x02unkeyed");
+    }
+    let key = KeyBytes::new(&mut buf);
+    if let Some(throttle) = &shared.throttle {
+        if throttle.refuse(shared.backoff.random()) {
+            m.throttled.increment(1);
+            return Err(Box::new(Throttled));
+        }
+    }
+    let deadline = shared.deadline.and_then(|d| Instant::now().checked_add(d));
+    let (parts, body) = req.into_parts();
+    let replayable = shared.max_attempts > 1
+        && (shared.any_method || is_idempotent(&parts.method, &parts.headers));
+    let (buffered, mut stream) = if replayable {
+        match buffer(body, shared.buffer_limit).await? {
+            Ok(data) => (Some(data), None),
+            Err(body) => (None, Some(body)),
+        }
+    } else {
+        (None, Some(body))
+    };
+    m.calls.increment(1);
+    crate::task::finish(shared.budget.deposit(key.as_bytes()));
+    let mut attempt: u32 = 0;
+    loop {
+        let body = match (&buffered, stream.take()) {
+            (Some(data), _) => ReplayBody::buffered(data.clone()),
+            (None, Some(body)) => ReplayBody::stream(body),
+            // Sent once already: nothing to send again.
+            (None, None) => return Err("a streamed request body cannot be sent twice".into()),
+        };
+        poll_fn(|cx| inner.poll_ready(cx))
+            .await
+            .map_err(Into::into)?;
+        let result = inner
+            .call(Request::from_parts(parts.clone(), body))
+            .await
+            .map_err(Into::into);
+        attempt = attempt.saturating_add(1);
+        let (retryable, hint) = match &result {
+            Ok(res) => {
+                let (status, headers) = (res.status(), res.headers());
+                if let Some(t) = &shared.throttle {
+                    // Refused for overload: not an accept.
+                    t.record(!matches!(status.as_u16(), 429 | 503));
+                }
+                let attempt = Attempt::Response { status, headers };
+                let retryable = match &shared.classify {
+                    Some(f) => f(attempt),
+                    None => attempt.is_retryable_by_default(),
+                };
+                (retryable, server_hint(status, headers))
+            }
+            Err(error) => {
+                if let Some(t) = &shared.throttle {
+                    t.record(false);
+                }
+                let attempt = Attempt::Error(error);
+                let retryable = match &shared.classify {
+                    Some(f) => f(attempt),
+                    None => attempt.is_retryable_by_default(),
+                };
+                (retryable, Some(Duration::ZERO))
+            }
+        };
+        // Not worth it, not possible, or the server says it cannot help.
+        let Some(hint) =
+            hint.filter(|_| retryable && buffered.is_some() && attempt < shared.max_attempts)
+        else {
+            return result;
+        };
+        let wait = hint.max(shared.backoff.wait(attempt.saturating_sub(1)));
+        if deadline.is_some_and(|d| Instant::now().checked_add(wait).is_none_or(|at| at >= d)) {
+            return result;
+        }
+        let allowed = match shared.budget.withdraw_sync(key.as_bytes()) {
+            Some(answer) => answer,
+            None => shared.budget.withdraw(key.as_bytes()).await,
+        };
+        // A store that fails allows no retry: retrying is never needed to
+        // stay up, and a storm is what the budget is for.
+        if !allowed.unwrap_or(false) {
+            m.exhausted.increment(1);
+            return result;
+        }
+        drop(result);
+        m.retries.increment(1);
+        tokio::time::sleep(wait).await;
+    }
+}

@@ -1,0 +1,86 @@
+//! Retry budgets: client retries that cannot turn into a storm.
+//!
+//! [`RetryBudgetLayer`] wraps a *client* service — calls to an upstream —
+//! where the other layers protect a server. It retries failed calls (by
+//! default: connect errors and timeouts, 502, 503, 504 and 429, gRPC
+//! `UNAVAILABLE` and `RESOURCE_EXHAUSTED`) with exponential backoff and
+//! full jitter, never sooner than the server's `Retry-After` or
+//! `grpc-retry-pushback-ms` asks, up to a number of attempts and an
+//! overall deadline — but only while a **retry budget** allows.
+//!
+//! # Why a budget, not a retry count
+//!
+//! "Retry three times" is harmless while one call in a thousand fails, and
+//! a disaster when the upstream is down: every caller then sends three
+//! times its normal load, at the very moment the upstream can least take
+//! it, and the outage feeds itself. A budget bounds retries by a share of
+//! recent calls — 20 % by default, plus a floor of 10 a second for quiet
+//! clients — so a failing upstream sees at most about 1.2 times its
+//! normal load from a client, whatever the failure rate. Retries still
+//! smooth over the odd failure; they just cannot multiply an outage. The
+//! budget is a first-class algorithm in the core
+//! ([`RetryBudget`](tollgate_core::RetryBudget)), kept per upstream in a
+//! store: in memory per process, or in Redis so a whole fleet of clients
+//! shares one.
+//!
+//! # What is retried
+//!
+//! Only requests that are safe to send twice: idempotent methods, or any
+//! request with an `Idempotency-Key` ([`retry_any_method`](RetryBudgetLayerBuilder::retry_any_method)
+//! changes this). A body is buffered, up to a bound, so that every attempt
+//! sends the same bytes ([`ReplayBody`]); a larger body, or one of unknown
+//! length (a stream), is sent once and not retried. A server that says
+//! retrying cannot help — a negative `grpc-retry-pushback-ms`, or a 429
+//! without `Retry-After` — is not retried.
+//!
+//! # Adaptive throttling
+//!
+//! Off by default: [`adaptive_throttling`](RetryBudgetLayerBuilder::adaptive_throttling)
+//! refuses calls locally when the upstream rejects most of them, so a
+//! fleet backs off from an overloaded upstream without waiting for its
+//! timeouts.
+//!
+//! ```
+//! use std::convert::Infallible;
+//! use std::sync::atomic::{AtomicU32, Ordering};
+//! use std::sync::Arc;
+//! use http::{Request, Response, StatusCode};
+//! use tower::{service_fn, Layer, ServiceExt};
+//! use tollgate::retry::RetryBudgetLayer;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! // An upstream that fails its first call.
+//! let calls = Arc::new(AtomicU32::new(0));
+//! let seen = Arc::clone(&calls);
+//! let upstream = service_fn(move |_req: Request<_>| {
+//!     let n = seen.fetch_add(1, Ordering::Relaxed);
+//!     async move {
+//!         let mut res = Response::new(());
+//!         if n == 0 {
+//!             *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+//!         }
+//!         Ok::<_, Infallible>(res)
+//!     }
+//! });
+//! let client = RetryBudgetLayer::builder("inventory").build()?.layer(upstream);
+//! let req = Request::get("http://inventory.internal/items").body(String::new())?;
+//! let res = client.oneshot(req).await?;
+//! assert_eq!(res.status(), StatusCode::OK);
+//! assert_eq!(calls.load(Ordering::Relaxed), 2);
+//! # Ok(())
+//! # }
+//! ```
+
+mod body;
+mod layer;
+mod policy;
+#[cfg(test)]
+mod tests;
+mod throttle;
+
+pub use body::ReplayBody;
+pub use layer::{
+    ResponseFuture, Retry, RetryBudgetLayer, RetryBudgetLayerBuilder, Throttled, Upstream,
+};
+pub use policy::Attempt;

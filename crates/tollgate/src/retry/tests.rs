@@ -1,0 +1,322 @@
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use tokio::time::Instant;
+use tower::{service_fn, Layer, Service, ServiceExt};
+
+use super::*;
+use crate::{MemoryStore, TokioClock};
+
+/// An upstream that answers `status` (with `headers`) while `failing`,
+/// 200 otherwise; it counts attempts and keeps each request's body and
+/// arrival time.
+#[derive(Clone)]
+struct Flaky {
+    failing: Arc<AtomicBool>,
+    status: StatusCode,
+    headers: Vec<(&'static str, &'static str)>,
+    attempts: Arc<AtomicU32>,
+    seen: Arc<Mutex<Vec<(Instant, Bytes)>>>,
+}
+
+impl Flaky {
+    fn new(status: u16, headers: &[(&'static str, &'static str)]) -> Self {
+        Self {
+            failing: Arc::new(AtomicBool::new(true)),
+            status: StatusCode::from_u16(status).unwrap(),
+            headers: headers.to_vec(),
+            attempts: Arc::new(AtomicU32::new(0)),
+            seen: Arc::new(Mutex::new(Vec::new())),
+        }
+    }
+
+    fn service<B>(
+        &self,
+    ) -> impl Service<
+        Request<ReplayBody<B>>,
+        Response = Response<String>,
+        Error = Infallible,
+        Future = impl Send,
+    > + Clone
+           + Send
+           + 'static
+    where
+        B: http_body::Body<Data = Bytes> + Send + 'static,
+        B::Error: std::fmt::Debug,
+    {
+        let this = self.clone();
+        service_fn(move |req: Request<ReplayBody<B>>| {
+            let this = this.clone();
+            async move {
+                this.attempts.fetch_add(1, Ordering::Relaxed);
+                let body = req.into_body().collect().await.unwrap().to_bytes();
+                this.seen.lock().unwrap().push((Instant::now(), body));
+                let mut res = Response::new(String::new());
+                if this.failing.load(Ordering::Relaxed) {
+                    *res.status_mut() = this.status;
+                    for (k, v) in &this.headers {
+                        res.headers_mut().insert(*k, v.parse().unwrap());
+                    }
+                }
+                Ok::<_, Infallible>(res)
+            }
+        })
+    }
+
+    fn attempts(&self) -> u32 {
+        self.attempts.load(Ordering::Relaxed)
+    }
+}
+
+fn get() -> Request<String> {
+    Request::get("http://upstream.test/items")
+        .body(String::new())
+        .unwrap()
+}
+
+fn store() -> MemoryStore<TokioClock> {
+    MemoryStore::builder()
+        .clock(TokioClock::new())
+        .build()
+        .unwrap()
+}
+
+async fn calls<S>(client: &S, n: u32) -> u32
+where
+    S: Service<Request<String>, Response = Response<String>, Error = crate::BoxError> + Clone,
+{
+    let mut ok = 0;
+    for _ in 0..n {
+        let res = client.clone().oneshot(get()).await.unwrap();
+        ok += u32::from(res.status() == StatusCode::OK);
+    }
+    ok
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_budget_keeps_amplification_near_its_ratio_and_recovers() {
+    // No budget to speak of (every call buys a thousand retries): each of
+    // 200 calls to a dead upstream is tried three times.
+    let dead = Flaky::new(503, &[]);
+    let unbudgeted = RetryBudgetLayer::builder("none")
+        .budget(1_000.0, 0, Duration::from_secs(10))
+        .store(store())
+        .build()
+        .unwrap()
+        .layer(dead.service());
+    assert_eq!(calls(&unbudgeted, 200).await, 0);
+    assert_eq!(dead.attempts(), 600, "amplification 3.0");
+
+    // 20 % and no floor: at most 1.2 attempts per call.
+    let dead = Flaky::new(503, &[]);
+    let budgeted = RetryBudgetLayer::builder("twenty")
+        .budget(0.2, 0, Duration::from_secs(10))
+        .store(store())
+        .build()
+        .unwrap()
+        .layer(dead.service());
+    assert_eq!(calls(&budgeted, 200).await, 0);
+    let attempts = dead.attempts();
+    assert!(
+        (220..=240).contains(&attempts),
+        "{attempts} attempts for 200 calls"
+    );
+    // The upstream recovers: one attempt per call again.
+    dead.failing.store(false, Ordering::Relaxed);
+    assert_eq!(calls(&budgeted, 100).await, 100);
+    assert_eq!(dead.attempts(), attempts + 100);
+}
+
+#[tokio::test(start_paused = true)]
+async fn fractional_ratios_and_the_floor() {
+    // 0.6 and no floor: three retries for every five calls (tower's
+    // TpsBudget allowed one per call, tower#857).
+    let dead = Flaky::new(503, &[]);
+    let client = RetryBudgetLayer::builder("sixty")
+        .budget(0.6, 0, Duration::from_secs(10))
+        .max_attempts(2)
+        .store(store())
+        .build()
+        .unwrap()
+        .layer(dead.service());
+    calls(&client, 100).await;
+    assert_eq!(dead.attempts(), 160);
+    // A floor of 10 a second lets a quiet client retry all the same.
+    let dead = Flaky::new(503, &[]);
+    let client = RetryBudgetLayer::builder("floor")
+        .budget(0.0, 10, Duration::from_secs(10))
+        .max_attempts(2)
+        .store(store())
+        .build()
+        .unwrap()
+        .layer(dead.service());
+    calls(&client, 5).await;
+    assert_eq!(dead.attempts(), 10);
+}
+
+#[tokio::test(start_paused = true)]
+async fn servers_are_heard_on_when_and_whether_to_retry() {
+    // Retry-After: 2 — no retry comes sooner.
+    let slow = Flaky::new(503, &[("retry-after", "2")]);
+    let client = RetryBudgetLayer::builder("after")
+        .max_attempts(2)
+        .store(store())
+        .build()
+        .unwrap()
+        .layer(slow.service());
+    client.oneshot(get()).await.unwrap();
+    let seen = slow.seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2);
+    assert!(seen[1].0 - seen[0].0 >= Duration::from_secs(2));
+    // gRPC pushback −1, or a 429 without Retry-After: retrying cannot help.
+    for headers in [&[("grpc-retry-pushback-ms", "-1")][..], &[][..]] {
+        let never = Flaky::new(429, headers);
+        let client = RetryBudgetLayer::builder("never")
+            .store(store())
+            .build()
+            .unwrap()
+            .layer(never.service());
+        let res = client.oneshot(get()).await.unwrap();
+        assert_eq!(res.status(), 429);
+        assert_eq!(never.attempts(), 1, "{headers:?}");
+    }
+    // A 404 is an answer, not a failure.
+    let gone = Flaky::new(404, &[]);
+    let client = RetryBudgetLayer::builder("answer")
+        .store(store())
+        .build()
+        .unwrap()
+        .layer(gone.service());
+    client.oneshot(get()).await.unwrap();
+    assert_eq!(gone.attempts(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn only_idempotent_requests_are_retried_and_bodies_replay_exactly() {
+    let dead = Flaky::new(503, &[]);
+    let layer = RetryBudgetLayer::builder("bodies")
+        .buffer_limit(1_024)
+        .store(store())
+        .build()
+        .unwrap();
+    let client = layer.clone().layer(dead.service::<String>());
+    let post = |key: Option<&str>| {
+        let mut b = Request::post("http://upstream.test/orders");
+        if let Some(k) = key {
+            b = b.header("idempotency-key", k);
+        }
+        b.body("order #1 ✓".to_owned()).unwrap()
+    };
+    client.clone().oneshot(post(None)).await.unwrap();
+    assert_eq!(dead.attempts(), 1, "a plain POST is sent once");
+    client.clone().oneshot(post(Some("k1"))).await.unwrap();
+    assert_eq!(dead.attempts(), 4);
+    let seen = dead.seen.lock().unwrap().clone();
+    for (_, body) in &seen[1..] {
+        assert_eq!(body, "order #1 ✓".as_bytes(), "replayed byte for byte");
+    }
+    // A body over the bound, or a stream of unknown length: sent once.
+    let dead = Flaky::new(503, &[]);
+    let client = layer.clone().layer(dead.service::<Full<Bytes>>());
+    let big = Request::put("http://upstream.test/blob")
+        .body(Full::new(Bytes::from(vec![b'x'; 2_048])))
+        .unwrap();
+    client.oneshot(big).await.unwrap();
+    assert_eq!(dead.attempts(), 1);
+    let dead = Flaky::new(503, &[]);
+    let client = layer.layer(dead.service::<Unsized>());
+    let stream = Request::put("http://upstream.test/blob")
+        .body(Unsized(Some(Bytes::from_static(b"a"))))
+        .unwrap();
+    client.oneshot(stream).await.unwrap();
+    assert_eq!(dead.attempts(), 1);
+    assert_eq!(dead.seen.lock().unwrap()[0].1, "a");
+}
+
+/// A body of unknown length (a stream): its size hint has no upper bound.
+struct Unsized(Option<Bytes>);
+
+impl http_body::Body for Unsized {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
+        std::task::Poll::Ready(self.0.take().map(|d| Ok(http_body::Frame::data(d))))
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_deadline_bounds_the_whole_call() {
+    let slow = Flaky::new(503, &[("retry-after", "5")]);
+    let client = RetryBudgetLayer::builder("deadline")
+        .max_attempts(5)
+        .deadline(Duration::from_secs(3))
+        .store(store())
+        .build()
+        .unwrap()
+        .layer(slow.service());
+    let start = Instant::now();
+    client.oneshot(get()).await.unwrap();
+    assert_eq!(
+        slow.attempts(),
+        1,
+        "a retry 5 s away would pass the 3 s deadline"
+    );
+    assert!(start.elapsed() < Duration::from_secs(3));
+}
+
+#[tokio::test(start_paused = true)]
+async fn adaptive_throttling_refuses_locally_when_the_upstream_rejects_most() {
+    let dead = Flaky::new(503, &[]);
+    let client = RetryBudgetLayer::builder("throttle")
+        .max_attempts(1)
+        .adaptive_throttling(2.0)
+        .store(store())
+        .build()
+        .unwrap()
+        .layer(dead.service());
+    let mut throttled = 0;
+    for _ in 0..200 {
+        match client.clone().oneshot(get()).await {
+            Ok(res) => assert_eq!(res.status(), 503),
+            Err(e) => {
+                assert!(e.is::<Throttled>());
+                throttled += 1;
+            }
+        }
+    }
+    // Nearly every call is refused once the rejections pile up.
+    assert!(throttled > 150, "{throttled} throttled of 200");
+    assert_eq!(dead.attempts() + throttled, 200);
+}
+
+#[test]
+fn configuration_errors_name_the_field() {
+    let e = |b: RetryBudgetLayerBuilder<Upstream, MemoryStore>| {
+        b.build().map(drop).unwrap_err().field()
+    };
+    let b = || RetryBudgetLayer::builder("r");
+    assert_eq!(e(b().max_attempts(0)), "max_attempts");
+    assert_eq!(e(b().max_attempts(11)), "max_attempts");
+    assert_eq!(e(b().budget(-1.0, 0, Duration::from_secs(1))), "ratio");
+    assert_eq!(e(b().budget(0.2, 0, Duration::ZERO)), "window");
+    assert_eq!(
+        e(b().backoff(Duration::ZERO, Duration::from_secs(1))),
+        "backoff"
+    );
+    assert_eq!(
+        e(b().backoff(Duration::from_secs(2), Duration::from_secs(1))),
+        "backoff"
+    );
+    assert_eq!(e(b().deadline(Duration::ZERO)), "deadline");
+    assert_eq!(e(b().adaptive_throttling(0.5)), "adaptive_throttling");
+    assert_eq!(e(RetryBudgetLayer::builder("bad name")), "name");
+}

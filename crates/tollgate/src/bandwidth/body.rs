@@ -228,10 +228,11 @@ where
         let mut hint = self.body.size_hint();
         if let Some(pending) = self.pacer.as_ref().and_then(|p| p.pending.as_ref()) {
             let n = pending.len() as u64;
-            hint.set_lower(hint.lower().saturating_add(n));
+            // Upper first: `set_lower` asserts the lower is not above it.
             if let Some(upper) = hint.upper() {
                 hint.set_upper(upper.saturating_add(n));
             }
+            hint.set_lower(hint.lower().saturating_add(n));
         }
         hint
     }

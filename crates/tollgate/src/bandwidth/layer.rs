@@ -126,6 +126,33 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
     a
 }
 
+/// The token bucket for `rate` bytes a second with `burst`: `refill`
+/// bytes every `interval` ns. Exact — `rate / g` bytes every `1 s / g`,
+/// for g the greatest common divisor of the rate and 10⁹ — when that
+/// refill fits the burst; otherwise the longest tick whose refill does,
+/// rounded so that the rate is never exceeded (a refill above the burst
+/// would be thrown away, pacing far below the rate).
+pub(crate) fn bucket(rate: u32, burst: u32) -> (u32, u64) {
+    let (rate64, burst64) = (u64::from(rate).max(1), u64::from(burst).max(1));
+    let g = gcd(rate64, 1_000_000_000);
+    let refill = rate64.checked_div(g).unwrap_or(1);
+    if refill <= burst64 {
+        let interval = 1_000_000_000u64.checked_div(g).unwrap_or(1);
+        return (u32::try_from(refill).unwrap_or(burst), interval);
+    }
+    // The whole burst every ⌈burst × 10⁹ / rate⌉ ns: never faster than
+    // the rate, slower by less than a nanosecond per tick.
+    let nanos = u128::from(burst64).saturating_mul(1_000_000_000);
+    let interval = nanos.checked_div(u128::from(rate64)).map_or(1, |q| {
+        if q.saturating_mul(u128::from(rate64)) < nanos {
+            q.saturating_add(1)
+        } else {
+            q
+        }
+    });
+    (burst, u64::try_from(interval.max(1)).unwrap_or(u64::MAX))
+}
+
 impl<K, St> BandwidthLayerBuilder<K, St> {
     /// Whose budget a body draws on (default: [`PeerIp`]).
     pub fn key<K2>(self, key: K2) -> BandwidthLayerBuilder<K2, St> {
@@ -193,16 +220,10 @@ impl<K, St: Store> BandwidthLayerBuilder<K, St> {
         if self.burst == 0 {
             return Err(ConfigError::new("burst", "must be at least 1"));
         }
-        // An exact token bucket: `rate / g` bytes every `1 s / g`, for g
-        // the greatest common divisor of the rate and 10⁹, so that no
-        // rounding lets a body run ahead of its rate.
-        let g = gcd(u64::from(self.rate), 1_000_000_000);
-        // g >= 1 divides both (the rate is at least 1).
-        let refill = u32::try_from(u64::from(self.rate).checked_div(g).unwrap_or(1)).unwrap_or(1);
-        let interval = Duration::from_nanos(1_000_000_000u64.checked_div(g).unwrap_or(1));
+        let (refill, interval) = bucket(self.rate, self.burst);
         let rule = Rule::new(
             &self.name,
-            Limit::token_bucket(self.burst, refill, interval),
+            Limit::token_bucket(self.burst, refill, Duration::from_nanos(interval)),
         )?;
         let chunk = self
             .chunk

@@ -12,7 +12,15 @@
 //!
 //! Pacing is not refusing: a download over its rate is slowed, not
 //! answered 429, so this layer sends no `RateLimit` headers. A store that
-//! fails stops pacing that body rather than stalling it.
+//! fails stops pacing that body rather than stalling it. With the Redis
+//! store, choose [`FailurePolicy::Open`] or `Fallback` for the store a
+//! bandwidth layer uses: under `Closed` the store answers every chunk
+//! "not now" while Redis is down, and paced bodies would wait for it.
+//!
+//! Pacing waits on Tokio's timer: the runtime must have time enabled (as
+//! axum's and tonic's servers do).
+//!
+//! [`FailurePolicy::Open`]: https://docs.rs/tollgate-redis
 //!
 //! ```
 //! use axum::{routing::get, Router};

@@ -11,7 +11,7 @@ use tokio::time::Instant;
 use tower::{service_fn, Layer, ServiceExt};
 
 use super::*;
-use crate::key::Header;
+use crate::key::{Header, KeyBytes};
 use crate::{MemoryStore, TokioClock};
 
 /// A store on Tokio's clock, which these paused-time tests move.
@@ -185,6 +185,60 @@ async fn a_dropped_body_gives_its_unspent_tokens_back() {
             .len();
     }
     assert_eq!(start.elapsed(), Duration::from_secs(1));
+}
+
+#[test]
+fn buckets_never_pace_faster_and_never_waste_their_refill() {
+    for (rate, burst) in [
+        (100 << 10, 24 << 10),
+        (1_000_001, 65_536),
+        (1_000_000_000, 1),
+        (3, 1),
+        (999_999_937, 4_096),
+        (1, u32::MAX),
+    ] {
+        let (refill, interval) = super::layer::bucket(rate, burst);
+        assert!(
+            refill >= 1 && refill <= burst,
+            "{rate}/{burst}: refill {refill}"
+        );
+        // Never faster than the rate...
+        let paced = u128::from(refill) * 1_000_000_000;
+        assert!(
+            paced <= u128::from(rate) * u128::from(interval),
+            "{rate}/{burst}"
+        );
+        // ...and within 0.1 % of it, or a byte per tick.
+        let floor = u128::from(rate) * u128::from(interval) - paced;
+        assert!(
+            floor * 1000 <= u128::from(rate) * u128::from(interval) || floor <= 1_000_000_000,
+            "{rate}/{burst}: {refill} every {interval} ns"
+        );
+    }
+}
+
+#[test]
+fn a_size_hint_with_a_split_frame_pending_does_not_panic() {
+    use http_body_util::Full;
+    use tollgate_core::{Limit, Rule, Store};
+    let rule = Rule::new(
+        "h",
+        Limit::token_bucket(1 << 10, 1 << 10, Duration::from_secs(1)),
+    );
+    let limiter = MemoryStore::new().limiter(&rule.unwrap()).unwrap();
+    let mut key = crate::key::KeyBuf::new();
+    key.push(b"k");
+    let pacer = super::body::Pacer::new(limiter, KeyBytes::new(&mut key), 1 << 10);
+    let mut body = PacedBody::new(Full::new(Bytes::from(vec![b'x'; 4 << 10])), Some(pacer));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(first.len(), 1 << 10);
+    });
+    let hint = body.size_hint();
+    assert_eq!((hint.lower(), hint.upper()), (3 << 10, Some(3 << 10)));
 }
 
 #[test]

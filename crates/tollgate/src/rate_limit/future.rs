@@ -256,6 +256,9 @@ where
                 } => {
                     // A finished sleep stays ready when polled again.
                     ready!(sleep.as_mut().poll(cx));
+                    // Its turn came: from here the cost stays spent, even
+                    // if the inner service keeps it waiting.
+                    refund.defuse();
                     let Some(w) = waiting.as_mut() else {
                         return Poll::Pending;
                     };
@@ -264,8 +267,6 @@ where
                         return Poll::Pending;
                     };
                     let (request, mut inner) = *waiting;
-                    // Its turn came: the cost stays spent.
-                    refund.defuse();
                     State::Calling {
                         future: inner.call(request),
                         decision: Some(*decision),

@@ -32,7 +32,10 @@ impl Throttle {
 
     fn index(&self) -> u64 {
         let elapsed = u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        elapsed.checked_div(SLOT_NANOS).unwrap_or(0).saturating_add(1)
+        elapsed
+            .checked_div(SLOT_NANOS)
+            .unwrap_or(0)
+            .saturating_add(1)
     }
 
     /// Counts one attempt, accepted by the upstream or not.

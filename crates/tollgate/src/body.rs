@@ -8,8 +8,9 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
 pin_project! {
-    /// The inner service's body, or the limiter's own (a rejection's
-    /// problem document).
+    /// The inner service's body, or the layer's own bytes: a rejection's
+    /// problem document, or (as [`ReplayBody`](crate::retry::ReplayBody))
+    /// a buffered request body sent again.
     #[derive(Debug)]
     pub struct ResponseBody<B> {
         #[pin]

@@ -14,7 +14,7 @@ use tollgate_memory::MemoryStore;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::body::ReplayBody;
+use super::ReplayBody;
 use super::policy::{is_idempotent, server_hint, Attempt, Backoff};
 use super::throttle::Throttle;
 use crate::key::{KeyBuf, KeyBytes, KeyExtractor};
@@ -430,8 +430,8 @@ where
     let mut attempt: u32 = 0;
     loop {
         let body = match (&buffered, stream.take()) {
-            (Some(data), _) => ReplayBody::buffered(data.clone()),
-            (None, Some(body)) => ReplayBody::stream(body),
+            (Some(data), _) => ReplayBody::full(data.clone()),
+            (None, Some(body)) => ReplayBody::inner(body),
             // Sent once already: nothing to send again.
             (None, None) => return Err("a streamed request body cannot be sent twice".into()),
         };

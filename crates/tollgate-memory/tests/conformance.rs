@@ -27,3 +27,11 @@ async fn memory_store_passes_the_quota_suite() {
     tollgate_core::testing::run_quota(|clock| MemoryStore::builder().clock(clock).build().unwrap())
         .await;
 }
+
+#[tokio::test]
+async fn memory_store_passes_the_retry_budget_suite() {
+    tollgate_core::testing::run_retry_budget(|clock| {
+        MemoryStore::builder().clock(clock).build().unwrap()
+    })
+    .await;
+}

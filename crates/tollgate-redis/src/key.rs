@@ -33,6 +33,8 @@ pub(crate) enum Format {
     Semaphore,
     /// `quota.lua`: a hash of one window per period.
     Quota,
+    /// `retry_budget.lua`: a hash of the window's ten slots.
+    RetryBudget,
 }
 
 impl Format {
@@ -59,6 +61,7 @@ impl Format {
             Self::LeakyBucket => "lb1",
             Self::Semaphore => "sem2",
             Self::Quota => "q1",
+            Self::RetryBudget => "rb1",
         }
     }
 }
@@ -138,6 +141,7 @@ mod tests {
             Format::LeakyBucket,
             Format::Semaphore,
             Format::Quota,
+            Format::RetryBudget,
         ];
         let keys: std::collections::HashSet<String> = formats
             .iter()

@@ -21,7 +21,7 @@
 //!   names the service ([`RedisStoreBuilder::prefix`] is required, so
 //!   that two services never share budgets); the format is the
 //!   algorithm and the version of its state's layout (`gcra1`, `tb1`,
-//!   `fw1`, `swc1`, `swl1`, `lb1`, `sem2`, `q1`), so that a rule whose algorithm
+//!   `fw1`, `swc1`, `swl1`, `lb1`, `sem2`, `q1`, `rb1`), so that a rule whose algorithm
 //!   changes, or instances of two versions, start afresh instead of
 //!   misreading each other's state — and a script that meets state it
 //!   does not recognise (another type, another layout) treats it as
@@ -54,10 +54,19 @@
 //!   years, ISO weeks, fixed offsets), and the key lives until the end of
 //!   its longest period plus a minute, so instances that restart lose
 //!   nothing and idle keys vanish.
+//! - **Retry budgets** ([`RetryBudgetStore`](tollgate_core::RetryBudgetStore)):
+//!   one hash per rule and key holding the window's ten slots, one
+//!   script call per deposit and per withdrawal, the core's
+//!   [`RetryBudget`](tollgate_core::RetryBudget) arithmetic exactly; the
+//!   whole fleet shares one budget. A deposit runs as a task on the
+//!   store's runtime, so a caller need not wait for it; the key lives a
+//!   window (plus a second) after its last write.
 //! - **Failure policy**, per store: [`FailurePolicy::Open`] admits,
 //!   [`FailurePolicy::Closed`] denies, [`FailurePolicy::Fallback`] limits
 //!   in process memory (and releases there the leases it granted, even
-//!   after Redis is back). Every call has a short timeout (default 50 ms;
+//!   after Redis is back). For a retry budget, Open grants every retry
+//!   (as with no budget), Closed none, Fallback spends the process's own
+//!   budget — the one to choose, see [`RedisRetryBudget`]. Every call has a short timeout (default 50 ms;
 //!   connecting has its own, default 2 s), and a circuit breaker stops
 //!   calling a dead Redis — probing it every half second — so an outage
 //!   adds neither seconds of latency nor 5xx to the protected service; a
@@ -122,6 +131,7 @@ mod leases;
 mod policy;
 mod quota;
 mod rate;
+mod retry_budget;
 mod scripts;
 mod store;
 #[cfg(feature = "testing")]
@@ -135,6 +145,7 @@ pub use concurrency::RedisConcurrencyLimiter;
 pub use policy::FailurePolicy;
 pub use quota::RedisQuotaLimiter;
 pub use rate::RedisLimiter;
+pub use retry_budget::RedisRetryBudget;
 pub use store::{RedisStore, RedisStoreBuilder};
 
 /// A boxed future (the Redis path: network-bound, so one box is noise).

@@ -1,22 +1,34 @@
 //! What a limiter answers when Redis does not: the failure policy, bound
 //! to a rate rule ([`RateOnFailure`]), a concurrency rule
-//! ([`ConcurrencyOnFailure`]) or a quota rule ([`QuotaOnFailure`]).
+//! ([`ConcurrencyOnFailure`]), a quota rule ([`QuotaOnFailure`]) or a
+//! retry budget ([`RetryBudgetOnFailure`]).
 
 use tollgate_core::{
     Acquire, ConcurrencyRule, ConfigError, Decision, Lease, Outcome, PeriodStatus, QuotaDecision,
-    QuotaRule, QuotaStore as _, Rule, Store as _, StoreError,
+    QuotaRule, QuotaStore as _, RetryBudgetRule, RetryBudgetStore as _, Rule, Store as _,
+    StoreError,
 };
-use tollgate_memory::{MemoryConcurrencyLimiter, MemoryLimiter, MemoryQuotaLimiter, MemoryStore};
+use tollgate_memory::{
+    MemoryConcurrencyLimiter, MemoryLimiter, MemoryQuotaLimiter, MemoryRetryBudget, MemoryStore,
+};
 
 /// What a limiter answers when Redis does not.
+///
+/// For a retry budget ([`RedisRetryBudget`](crate::RedisRetryBudget)),
+/// where a withdrawal is a retry asked for: `Open` grants it, `Closed`
+/// refuses it, `Fallback` answers from the memory store's budget.
 #[derive(Debug, Clone)]
 pub enum FailurePolicy {
-    /// Admit every request (availability first). The default.
+    /// Admit every request (availability first). The default. A retry
+    /// budget grants every retry, as if there were none: no more retries
+    /// than the retry policy alone makes.
     Open,
-    /// Deny every request, retry after a second (protection first).
+    /// Deny every request, retry after a second (protection first). A
+    /// retry budget grants no retry.
     Closed,
     /// Decide in this process's memory: each instance enforces the limit
-    /// on its own until Redis is back.
+    /// on its own until Redis is back. The one to choose for retry
+    /// budgets (see [`RedisRetryBudget`](crate::RedisRetryBudget)).
     Fallback(MemoryStore),
 }
 
@@ -221,6 +233,56 @@ impl QuotaOnFailure {
         match self {
             Self::Memory(m) => Some(m.refund_now(key, cost)),
             Self::Open | Self::Closed => None,
+        }
+    }
+}
+
+/// The failure policy of one retry budget: Open grants every withdrawal
+/// (retries as without a budget: bounded by the retry policy alone),
+/// Closed grants none, Memory withdraws from (and deposits to) the
+/// process's own budget. Deposits and reads that did not reach Redis
+/// are errors unless there is memory to take them.
+pub(crate) enum RetryBudgetOnFailure {
+    Open,
+    Closed,
+    Memory(MemoryRetryBudget),
+}
+
+impl RetryBudgetOnFailure {
+    pub(crate) fn new(policy: &FailurePolicy, rule: &RetryBudgetRule) -> Result<Self, ConfigError> {
+        Ok(match policy {
+            FailurePolicy::Open => Self::Open,
+            FailurePolicy::Closed => Self::Closed,
+            FailurePolicy::Fallback(m) => Self::Memory(m.retry_budget(rule)?),
+        })
+    }
+
+    /// Deposits in memory; `false` if there is no memory to deposit to.
+    pub(crate) fn deposit(&self, key: &[u8]) -> bool {
+        match self {
+            Self::Memory(m) => {
+                m.deposit_now(key);
+                true
+            }
+            Self::Open | Self::Closed => false,
+        }
+    }
+
+    /// Whether a retry for `key` may go.
+    pub(crate) fn withdraw(&self, key: &[u8]) -> bool {
+        match self {
+            Self::Open => true,
+            Self::Closed => false,
+            Self::Memory(m) => m.withdraw_now(key),
+        }
+    }
+
+    /// What a read of the balance answers when Redis does not: the
+    /// memory's balance, or the error.
+    pub(crate) fn balance(&self, key: &[u8], error: StoreError) -> Result<u64, StoreError> {
+        match self {
+            Self::Memory(m) => Ok(m.balance_now(key)),
+            Self::Open | Self::Closed => Err(error),
         }
     }
 }

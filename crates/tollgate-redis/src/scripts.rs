@@ -28,6 +28,7 @@ script!(SLIDING_LOG, "sliding_window_log.lua");
 script!(LEAKY_BUCKET, "leaky_bucket.lua");
 script!(SEMAPHORE, "semaphore.lua");
 script!(QUOTA, "quota.lua");
+script!(RETRY_BUDGET, "retry_budget.lua");
 
 /// What a rate script does (`ARGV[1]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,6 +92,27 @@ impl QuotaMode {
             Self::Refund => "refund",
             Self::Reset => "reset",
             Self::Grant => "grant",
+        }
+    }
+}
+
+/// What the retry budget script does (`ARGV[1]`); see `retry_budget.lua`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RetryBudgetMode {
+    /// A call was made: deposit the rule's share of a retry.
+    Deposit,
+    /// A retry is wanted: withdraw one if the balance has it.
+    Withdraw,
+    /// Read the balance.
+    Balance,
+}
+
+impl RetryBudgetMode {
+    pub(crate) fn arg(self) -> &'static str {
+        match self {
+            Self::Deposit => "deposit",
+            Self::Withdraw => "withdraw",
+            Self::Balance => "balance",
         }
     }
 }
@@ -292,6 +314,18 @@ impl Reply {
             })
             .collect();
         Some(QuotaDecision::new(outcome, &statuses))
+    }
+
+    /// `{granted, balance}` (see `retry_budget.lua`): whether a
+    /// withdrawal was granted, and the balance after, in thousandths of a
+    /// retry. `None` if malformed.
+    pub(crate) fn retry_budget(&self) -> Option<(bool, u64)> {
+        match self.0.as_slice() {
+            [granted @ (0 | 1), balance] if *balance >= 0 => {
+                Some((*granted == 1, nonneg(*balance)))
+            }
+            _ => None,
+        }
     }
 
     /// `{n}`: a count. `None` if malformed.

@@ -4,7 +4,10 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate_core::{Clock, ConcurrencyRule, ConfigError, QuotaRule, QuotaStore, Rule, Store};
+use tollgate_core::{
+    Clock, ConcurrencyRule, ConfigError, QuotaRule, QuotaStore, RetryBudgetRule, RetryBudgetStore,
+    Rule, Store,
+};
 
 use crate::backend::{Backend, BackendConfig, RedisStats, SharedClock};
 use crate::breaker::Breaker;
@@ -15,6 +18,7 @@ use crate::leases::LeaseIds;
 use crate::policy::FailurePolicy;
 use crate::quota::RedisQuotaLimiter;
 use crate::rate::RedisLimiter;
+use crate::retry_budget::RedisRetryBudget;
 
 /// The Redis store. Cheap to clone; clones share connections and the
 /// lease task.
@@ -23,6 +27,9 @@ pub struct RedisStore {
     backend: Arc<Backend>,
     keeper: LeaseKeeper,
     ids: Arc<LeaseIds>,
+    /// The runtime the store was built in: retry budgets' deposits run
+    /// there as tasks, whoever calls them.
+    runtime: tokio::runtime::Handle,
 }
 
 impl fmt::Debug for RedisStore {
@@ -180,12 +187,12 @@ impl RedisStoreBuilder {
     /// (the connection and the lease task run as tasks); outside one it
     /// returns an error, as it does without a [`prefix`](Self::prefix).
     pub fn build(self) -> Result<RedisStore, ConfigError> {
-        if tokio::runtime::Handle::try_current().is_err() {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return Err(ConfigError::new(
                 "runtime",
                 "build the Redis store inside a Tokio runtime",
             ));
-        }
+        };
         let Some(prefix) = self.prefix else {
             return Err(ConfigError::new(
                 "prefix",
@@ -229,6 +236,7 @@ impl RedisStoreBuilder {
             backend,
             keeper,
             ids: Arc::new(LeaseIds::new()),
+            runtime,
         })
     }
 }
@@ -262,5 +270,18 @@ impl QuotaStore for RedisStore {
     /// lives until the end of its longest period (plus a margin).
     fn quota_limiter(&self, rule: &QuotaRule) -> Result<RedisQuotaLimiter, ConfigError> {
         RedisQuotaLimiter::new(Arc::clone(&self.backend), rule)
+    }
+}
+
+impl RetryBudgetStore for RedisStore {
+    type RetryBudgetLimiter = RedisRetryBudget;
+
+    /// Binds a retry budget `rule`. Its budget is shared by every
+    /// instance on this Redis with the same prefix; each key lives a
+    /// window (plus a second) after its last deposit or withdrawal. See
+    /// [`RedisRetryBudget`] for deposits (tasks on the store's runtime)
+    /// and the failure policy.
+    fn retry_budget(&self, rule: &RetryBudgetRule) -> Result<RedisRetryBudget, ConfigError> {
+        RedisRetryBudget::new(Arc::clone(&self.backend), self.runtime.clone(), rule)
     }
 }

@@ -174,12 +174,14 @@ impl ConcurrencyOnFailure {
 }
 
 /// The failure policy of one quota rule: Open admits and reports whole
-/// budgets, Closed denies (retry in a second) and reports none left —
-/// both with the periods' bounds at this process's Unix time — and Memory
-/// counts in process memory. Only the answer to a consume (or a read)
-/// comes from the policy; a refund, a reset or a grant that did not reach
-/// Redis is an error (with Memory, a refund is made there too), so that
-/// whoever administers quotas knows it did not happen.
+/// budgets (with the periods' bounds at this process's Unix time), Closed
+/// denies and reports none left, to be asked again in a second (its items'
+/// `t` says the same as its `Retry-After`), and Memory counts in process
+/// memory. Only the answer to a consume (or a read) comes from the policy;
+/// a refund, a reset or a grant that did not reach Redis is an error — a
+/// refund is not made in memory either, which never saw the charge it
+/// would give back — so that whoever administers quotas knows it did not
+/// happen.
 pub(crate) enum QuotaOnFailure {
     Open,
     Closed,
@@ -220,7 +222,12 @@ impl QuotaOnFailure {
                     period,
                     limit,
                     remaining: if open { limit } else { 0 },
-                    reset_after: end.saturating_sub(now),
+                    // Closed: "ask again in a second", as its Retry-After.
+                    reset_after: if open {
+                        end.saturating_sub(now)
+                    } else {
+                        1_000_000_000
+                    },
                     length: end.saturating_sub(start),
                 }
             })
@@ -228,12 +235,11 @@ impl QuotaOnFailure {
         QuotaDecision::new(outcome, &periods)
     }
 
-    /// Refunds in memory; `None` if there is no memory to refund to.
-    pub(crate) fn refund(&self, key: &[u8], cost: u32) -> Option<QuotaDecision> {
-        match self {
-            Self::Memory(m) => Some(m.refund_now(key, cost)),
-            Self::Open | Self::Closed => None,
-        }
+    /// A refund that did not reach Redis: never made elsewhere (the
+    /// memory fallback did not see the charge; giving it back there would
+    /// admit more than the limit), so always `None`: the caller's error.
+    pub(crate) fn refund(&self, _key: &[u8], _cost: u32) -> Option<QuotaDecision> {
+        None
     }
 }
 

@@ -51,7 +51,10 @@
 //! [`read_only_above`](ConcurrencyLayerBuilder::read_only_above), while the
 //! error rate is high only GET, HEAD and OPTIONS go through and other
 //! methods get 503 with `Retry-After`: a struggling service keeps serving
-//! reads instead of failing everything.
+//! reads instead of failing everything. gRPC calls are all POSTs, so in
+//! read-only mode every gRPC call is refused (`UNAVAILABLE`, which gRPC
+//! clients retry with backoff); put read-only mode in front of HTTP
+//! routes only if that is not what you want.
 //!
 //! # WebSockets and other upgrades
 //!

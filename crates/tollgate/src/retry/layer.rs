@@ -14,9 +14,9 @@ use tollgate_memory::MemoryStore;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::ReplayBody;
 use super::policy::{is_idempotent, server_hint, Attempt, Backoff};
 use super::throttle::Throttle;
+use super::ReplayBody;
 use crate::key::{KeyBuf, KeyBytes, KeyExtractor};
 use crate::observe::RetryMetrics;
 use crate::BoxError;

@@ -7,9 +7,12 @@
 //! (GCRA, token bucket, fixed and sliding windows, leaky-bucket pacing),
 //! in process or across a fleet. [`ConcurrencyLayer`] limits requests in
 //! flight per key and for the whole service (fixed or adaptive), holding
-//! each permit until the response body is done. Both work with any
-//! `http::Request` service: axum routers (`.layer`, `.route_layer`), tonic
-//! servers, and plain Tower stacks.
+//! each permit until the response body is done. [`QuotaLayer`] keeps
+//! calendar quotas (per day, month, ...), [`bandwidth::BandwidthLayer`]
+//! paces bodies to bytes per second, and — on the client side —
+//! [`RetryBudgetLayer`] retries failed calls only while a retry budget
+//! allows. They work with any `http::Request` service: axum routers
+//! (`.layer`, `.route_layer`), tonic servers, and plain Tower stacks.
 //!
 //! ```
 //! use axum::{routing::{get, post}, Router};
@@ -50,6 +53,8 @@
 //! - [`rate_limit`]: the rate layer, and why it decides in `call`;
 //! - [`concurrency`]: the concurrency layer, and why its permits live as
 //!   long as the response body;
+//! - [`quota`]: calendar quotas; [`bandwidth`]: byte rates;
+//! - [`retry`]: retry budgets for clients, and why a budget beats a count;
 //! - [`headers`] and [`rejection`]: what clients see;
 //! - [`observe`]: the metrics every layer exports.
 //!

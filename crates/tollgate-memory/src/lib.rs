@@ -24,9 +24,12 @@
 //!   user to call ([`MemoryStore::purge_idle`] exists for tests and quiet
 //!   processes).
 //! - **Bounded.** [`MemoryStoreBuilder::max_keys`] caps the keys held across
-//!   all rules of the store (default 1,000,000). A store at the bound first
-//!   drops the idle keys of its shard and then, at most every 100 ms, of
-//!   every rule. If nothing is idle, a new key is decided against an
+//!   all rules of the store (default 1,000,000). A store at the bound
+//!   drops the idle keys of the new key's shard and then of every rule,
+//!   each at most every 100 ms (a sweep is a pass over every key, so a
+//!   flood of new keys must not buy one per key: between sweeps a new key
+//!   costs about two normal decisions, no write lock). If nothing is idle,
+//!   a new key is decided against an
 //!   **overflow state shared by all new keys of its shard**. Memory stays
 //!   bounded and the flood is limited as a group: never more than one
 //!   key's limit per shard, so no key gets more than its own limit. Keys

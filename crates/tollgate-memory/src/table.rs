@@ -183,35 +183,55 @@ const MEMBERS: usize = 256;
 /// The slots of the last `MEMBERS` distinct keys decided in a shard's
 /// overflow state (0 is an empty place). A key that falls out of it before
 /// it gets its own slot starts from a whole budget: a bounded leak, only
-/// under a flood of more than `MEMBERS` keys per shard.
-#[derive(Debug)]
-struct Members(Mutex<(Box<[u64; MEMBERS]>, usize)>);
+/// under a flood of more than `MEMBERS` keys per shard. A ring for the
+/// order and a set for lookups: every key of a flood asks, so both are
+/// O(1).
+#[derive(Debug, Default)]
+struct Members(Mutex<MemberRing>);
 
-impl Default for Members {
+#[derive(Debug)]
+struct MemberRing {
+    ring: Box<[u64; MEMBERS]>,
+    next: usize,
+    set: std::collections::HashSet<u64, BuildIdentity>,
+}
+
+impl Default for MemberRing {
     fn default() -> Self {
-        Self(Mutex::new((Box::new([0; MEMBERS]), 0)))
+        Self {
+            ring: Box::new([0; MEMBERS]),
+            next: 0,
+            set: std::collections::HashSet::with_capacity_and_hasher(
+                MEMBERS,
+                BuildIdentity::default(),
+            ),
+        }
     }
 }
 
 impl Members {
-    fn lock(&self) -> std::sync::MutexGuard<'_, (Box<[u64; MEMBERS]>, usize)> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, MemberRing> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn contains(&self, slot: u64) -> bool {
-        slot != 0 && self.lock().0.contains(&slot)
+        slot != 0 && self.lock().set.contains(&slot)
     }
 
     fn insert(&self, slot: u64) {
         let mut g = self.lock();
-        let (ring, next) = &mut *g;
-        if slot == 0 || ring.contains(&slot) {
+        if slot == 0 || g.set.contains(&slot) {
             return;
         }
-        if let Some(place) = ring.get_mut(*next) {
-            *place = slot;
+        let at = g.next;
+        if let Some(place) = g.ring.get_mut(at) {
+            let evicted = std::mem::replace(place, slot);
+            if evicted != 0 {
+                g.set.remove(&evicted);
+            }
         }
-        *next = next.saturating_add(1) % MEMBERS;
+        g.set.insert(slot);
+        g.next = at.saturating_add(1) % MEMBERS;
     }
 }
 
@@ -349,6 +369,12 @@ impl<K: Kind, C: Clock> Table<K, C> {
         if let Some(cell) = read(&shard.map).get(&hash.slot) {
             return (cell.update(&mut f), Slot::Own);
         }
+        if self.full_until_the_next_sweep(shard, now) {
+            // A flood into a full store: no write lock, no second lookup,
+            // no reservation that must fail; straight to the overflow
+            // state, where a new key is decided while the store is full.
+            return (self.overflow(shard, hash.slot, &mut f), Slot::Overflow);
+        }
         let start = if seed && shard.overflow_members.contains(hash.slot) {
             shard
                 .overflow
@@ -368,12 +394,37 @@ impl<K: Kind, C: Clock> Table<K, C> {
             return (cell.update(&mut f), Slot::Own);
         }
         if !self.reserve(shard, &mut map, now) {
-            self.shared.overflowed.fetch_add(1, Ordering::Relaxed);
-            shard.overflow_members.insert(hash.slot);
-            return (shard.overflow.update(&mut f), Slot::Overflow);
+            drop(map);
+            return (self.overflow(shard, hash.slot, &mut f), Slot::Overflow);
         }
         map.insert(hash.slot, K::Cell::new(fresh));
         (result, Slot::Own)
+    }
+
+    /// Decides in `shard`'s overflow state, remembering `slot` as a member.
+    fn overflow<R>(
+        &self,
+        shard: &Shard<K::Cell>,
+        slot: u64,
+        f: &mut impl FnMut(&mut K::State) -> R,
+    ) -> R {
+        self.shared.overflowed.fetch_add(1, Ordering::Relaxed);
+        shard.overflow_members.insert(slot);
+        shard.overflow.update(f)
+    }
+
+    /// Whether the store is full and no sweep could make room before the
+    /// next is due (so a new key can go to the overflow state without the
+    /// write lock). Only for kinds on the store's monotonic clock, which
+    /// the sweeps' pacing reads.
+    #[inline]
+    fn full_until_the_next_sweep(&self, shard: &Shard<K::Cell>, now: u64) -> bool {
+        K::TIMED
+            && !K::WALL
+            && self.shared.keys.load(Ordering::Acquire) >= self.shared.max_keys
+            && now.saturating_sub(shard.last_sweep.load(Ordering::Relaxed)) < FULL_SWEEP_EVERY
+            && now.saturating_sub(self.shared.last_full_sweep.load(Ordering::Relaxed))
+                < FULL_SWEEP_EVERY
     }
 
     /// Runs `f` on the overflow state that `key` would share if the table
@@ -409,7 +460,15 @@ impl<K: Kind, C: Clock> Table<K, C> {
                 return true;
             }
             self.shared.keys.fetch_sub(1, Ordering::AcqRel);
-            if !swept && self.sweep(shard, map, now) > 0 {
+            // Full. Sweeping the shard costs a pass over all its keys:
+            // done on every new key of a flood, it made each one cost a
+            // full pass (tens of µs) under the write lock that known keys
+            // wait on. So a full shard is swept at most once per
+            // `FULL_SWEEP_EVERY`; in between, a new key goes straight to
+            // the overflow state.
+            let due =
+                now.saturating_sub(shard.last_sweep.load(Ordering::Relaxed)) >= FULL_SWEEP_EVERY;
+            if !swept && due && self.sweep(shard, map, now) > 0 {
                 swept = true;
                 continue;
             }

@@ -11,7 +11,7 @@ use tollgate_core::{Decision, Outcome, StoreError};
 use tower_service::Service;
 
 use super::error::RateLimited;
-use super::layer::Responder;
+use super::shared::Responder;
 use crate::body::ResponseBody;
 use crate::key::Fingerprint;
 use crate::rejection::{LimitKind, Reason, Rejected};

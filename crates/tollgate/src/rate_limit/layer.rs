@@ -8,87 +8,12 @@ use tollgate_memory::MemoryStore;
 use tower_layer::Layer;
 
 use super::service::{RateLimit, RateLimitErrors};
+use super::shared::{MissingKey, RejectFn, Responder, Shared};
 use crate::cost::Fixed;
 use crate::headers::Headers;
-use crate::key::{KeyBuf, PeerIp};
+use crate::key::PeerIp;
 use crate::observe::Metrics;
 use crate::rejection::{LimitKind, Rejected, Rendered};
-use std::sync::atomic::AtomicBool;
-
-/// What to do with a request whose key cannot be extracted (no API key
-/// header, no peer address).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum MissingKey {
-    /// Let it through unlimited.
-    Skip,
-    /// Count it against this shared key: every keyless request shares one
-    /// budget. The default (with the key `"unkeyed"`).
-    Fallback(Bytes),
-    /// Reject it: HTTP 400 (gRPC `INVALID_ARGUMENT`), with a problem body.
-    Reject,
-}
-
-impl MissingKey {
-    /// The key every keyless request of `Fallback(fallback)` shares
-    /// (tagged, so no client key can be the same), and — once per layer,
-    /// loudly, since it is usually a setup mistake (no `ConnectInfo` for
-    /// `PeerIp`, a header a proxy strips) — a warning.
-    pub(crate) fn fallback_key(fallback: &[u8], warned: &AtomicBool, rule: &str) -> KeyBuf {
-        if !warned.swap(true, std::sync::atomic::Ordering::Relaxed) {
-            tracing::warn!(
-                target: "tollgate",
-                rule = %rule,
-                "a request had no key; keyless requests share one fallback budget \
-                 (for PeerIp, serve with into_make_service_with_connect_info)"
-            );
-        }
-        let mut key = KeyBuf::new();
-        key.push(b"\x02fallback");
-        key.push(fallback);
-        key
-    }
-}
-
-impl Default for MissingKey {
-    fn default() -> Self {
-        Self::Fallback(Bytes::from_static(b"unkeyed"))
-    }
-}
-
-pub(crate) type RejectFn = Arc<dyn Fn(&Rejected) -> Response<Bytes> + Send + Sync>;
-
-/// Everything a response future needs after the decision.
-pub(crate) struct Responder {
-    pub(crate) rule: Arc<str>,
-    pub(crate) headers: Headers,
-    pub(crate) shadow: bool,
-    pub(crate) rejection: Option<RejectFn>,
-    pub(crate) rendered: Rendered,
-    pub(crate) metrics: Metrics,
-}
-
-impl Responder {
-    pub(crate) fn reject(&self, rejected: &Rejected) -> Response<Bytes> {
-        let mut res = match &self.rejection {
-            Some(f) if !rejected.grpc => f(rejected),
-            _ => self.rendered.render(rejected),
-        };
-        if let Some(d) = &rejected.decision {
-            self.headers.apply(res.headers_mut(), d, true);
-        }
-        res
-    }
-}
-
-pub(crate) struct Shared<K, C, L> {
-    pub(crate) key: K,
-    pub(crate) cost: C,
-    pub(crate) limiter: L,
-    pub(crate) missing: MissingKey,
-    pub(crate) responder: Arc<Responder>,
-    /// Whether the first keyless request was reported yet.
-    pub(crate) warned_missing: std::sync::atomic::AtomicBool,
-}
 
 /// Rate-limits requests per key; see the [module docs](super).
 ///

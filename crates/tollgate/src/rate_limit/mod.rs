@@ -39,10 +39,12 @@ mod error;
 mod future;
 mod layer;
 mod service;
+mod shared;
 #[cfg(test)]
 mod tests;
 
 pub use error::RateLimited;
 pub use future::{ErrorFuture, ResponseFuture};
-pub use layer::{MissingKey, RateLimitErrorLayer, RateLimitLayer, RateLimitLayerBuilder};
+pub use layer::{RateLimitErrorLayer, RateLimitLayer, RateLimitLayerBuilder};
 pub use service::{RateLimit, RateLimitErrors};
+pub use shared::MissingKey;

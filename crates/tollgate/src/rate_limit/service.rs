@@ -6,7 +6,7 @@ use tollgate_core::{Algorithm, Limiter};
 use tower_service::Service;
 
 use super::future::{decided, ErrorFuture, Inner, RefundFn, ResponseFuture, State};
-use super::layer::{MissingKey, Shared};
+use super::shared::{MissingKey, Shared};
 use crate::body::ResponseBody;
 use crate::cost::Cost;
 use crate::key::{KeyBuf, KeyBytes, KeyExtractor};

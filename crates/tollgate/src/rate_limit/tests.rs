@@ -377,7 +377,7 @@ async fn a_failing_store_lets_requests_through() {
         .build()
         .unwrap();
     // Swap the bound limiter for the broken one, keeping everything else.
-    let shared = std::sync::Arc::new(super::layer::Shared {
+    let shared = std::sync::Arc::new(super::shared::Shared {
         key: crate::key::Global,
         cost: Fixed(1),
         limiter: Broken(rule),

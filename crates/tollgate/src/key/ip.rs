@@ -1,0 +1,201 @@
+//! Keys from the client's address: the peer's, or the one trusted
+//! proxies report in `X-Forwarded-For` / `Forwarded`.
+
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+
+use http::header::{HeaderName, FORWARDED};
+use http::Request;
+
+use super::{canonical, KeyBuf, KeyExtractor};
+use crate::ip::{forwarded_for, Cidr};
+
+/// The peer's socket address, from the request extensions: a
+/// [`SocketAddr`] or, with the `axum` feature, axum's
+/// `ConnectInfo<SocketAddr>` (serve with
+/// `into_make_service_with_connect_info::<SocketAddr>()`).
+pub fn peer_addr<B>(req: &Request<B>) -> Option<SocketAddr> {
+    #[cfg(feature = "axum")]
+    if let Some(info) = req
+        .extensions()
+        .get::<axum::extract::ConnectInfo<SocketAddr>>()
+    {
+        return Some(info.0);
+    }
+    req.extensions().get::<SocketAddr>().copied()
+}
+
+/// Default IPv6 prefix kept in IP keys: a /64 is what one subscriber
+/// usually holds, and would otherwise hand them 2⁶⁴ fresh keys.
+pub const DEFAULT_IPV6_PREFIX: u8 = 64;
+
+/// The peer's IP (the TCP connection's remote address). Behind a proxy
+/// this is the proxy; use [`ClientIp`] there.
+#[derive(Debug, Clone, Copy)]
+pub struct PeerIp {
+    v6_prefix: u8,
+}
+
+impl Default for PeerIp {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl PeerIp {
+    /// IPv6 peers keyed by their /64.
+    pub fn new() -> Self {
+        Self {
+            v6_prefix: DEFAULT_IPV6_PREFIX,
+        }
+    }
+
+    /// How many leading bits of an IPv6 address form the key (0 to 128).
+    pub fn ipv6_prefix(mut self, bits: u8) -> Self {
+        self.v6_prefix = bits.min(128);
+        self
+    }
+}
+
+impl<B> KeyExtractor<B> for PeerIp {
+    fn extract(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()> {
+        key.push_ip(peer_addr(req)?.ip(), self.v6_prefix);
+        Some(())
+    }
+}
+
+/// Which header carries the proxy chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ForwardedHeader {
+    /// `X-Forwarded-For: client, proxy1, proxy2`.
+    XForwardedFor,
+    /// `Forwarded: for=client, for=proxy1` (RFC 7239).
+    Forwarded,
+}
+
+/// The client's IP behind trusted proxies.
+///
+/// If the peer is not a trusted proxy, the peer is the client and the
+/// forwarding header is ignored (anyone can send one). If it is, the chain
+/// is read **right to left**, skipping addresses inside the trusted ranges;
+/// the first address outside them is the client. The leftmost entries are
+/// whatever the client chose to send, so they are never trusted blindly.
+/// If every hop is trusted, the leftmost is the client; an entry that is
+/// not an IP address stops the walk at the last trusted hop before it.
+///
+/// ```
+/// use http::Request;
+/// use std::net::SocketAddr;
+/// use tollgate::key::{ClientIp, KeyBuf, KeyExtractor};
+///
+/// let client_ip = ClientIp::trusting(["10.0.0.0/8"]).unwrap();
+/// let mut req = Request::builder()
+///     .header("x-forwarded-for", "6.6.6.6, 203.0.113.7, 10.1.2.3")
+///     .body(())
+///     .unwrap();
+/// req.extensions_mut().insert("10.0.0.1:5000".parse::<SocketAddr>().unwrap());
+/// assert_eq!(client_ip.client_ip(&req), Some("203.0.113.7".parse().unwrap()));
+/// ```
+#[derive(Debug, Clone)]
+pub struct ClientIp {
+    trusted: Arc<[Cidr]>,
+    header: ForwardedHeader,
+    v6_prefix: u8,
+}
+
+impl ClientIp {
+    /// Trusts proxies in `ranges` (CIDRs like `10.0.0.0/8`, `::1/128`, or
+    /// bare addresses); reads `X-Forwarded-For`.
+    pub fn trusting<I, S>(ranges: I) -> Result<Self, tollgate_core::ConfigError>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        let trusted = ranges
+            .into_iter()
+            .map(|r| r.as_ref().parse::<Cidr>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| tollgate_core::ConfigError::new("trusted_proxies", e))?;
+        Ok(Self {
+            trusted: trusted.into(),
+            header: ForwardedHeader::XForwardedFor,
+            v6_prefix: DEFAULT_IPV6_PREFIX,
+        })
+    }
+
+    /// Reads `header` instead of `X-Forwarded-For`.
+    pub fn header(mut self, header: ForwardedHeader) -> Self {
+        self.header = header;
+        self
+    }
+
+    /// How many leading bits of an IPv6 address form the key (0 to 128).
+    pub fn ipv6_prefix(mut self, bits: u8) -> Self {
+        self.v6_prefix = bits.min(128);
+        self
+    }
+
+    fn is_trusted(&self, ip: IpAddr) -> bool {
+        let ip = canonical(ip);
+        self.trusted.iter().any(|c| c.contains(ip))
+    }
+
+    /// The client IP of `req`, as described on [`ClientIp`].
+    pub fn client_ip<B>(&self, req: &Request<B>) -> Option<IpAddr> {
+        let peer = canonical(peer_addr(req)?.ip());
+        if !self.is_trusted(peer) {
+            return Some(peer);
+        }
+        let name = match self.header {
+            ForwardedHeader::XForwardedFor => &X_FORWARDED_FOR,
+            ForwardedHeader::Forwarded => &FORWARDED,
+        };
+        let mut client = peer;
+        // Multiple header lines form one list, in order; walk it backwards.
+        // Entries are decoded one by one: a stray non-UTF-8 byte to the
+        // left (client-controlled) must not hide the entries our proxies
+        // appended to its right.
+        for value in req.headers().get_all(name).iter().rev() {
+            for entry in value.as_bytes().rsplit(|b| *b == b',') {
+                let Ok(entry) = std::str::from_utf8(entry) else {
+                    return Some(client);
+                };
+                let parsed = match self.header {
+                    ForwardedHeader::XForwardedFor => parse_ip(entry),
+                    ForwardedHeader::Forwarded => forwarded_for(entry).and_then(parse_ip),
+                };
+                let Some(ip) = parsed else {
+                    return Some(client);
+                };
+                client = canonical(ip);
+                if !self.is_trusted(client) {
+                    return Some(client);
+                }
+            }
+        }
+        Some(client)
+    }
+}
+
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+
+/// Parses `1.2.3.4`, `1.2.3.4:80`, `2001:db8::1`, `[2001:db8::1]:80`,
+/// with surrounding spaces and quotes.
+fn parse_ip(s: &str) -> Option<IpAddr> {
+    let s = s.trim().trim_matches('"');
+    if let Ok(ip) = s.parse::<IpAddr>() {
+        return Some(ip);
+    }
+    if let Ok(sa) = s.parse::<SocketAddr>() {
+        return Some(sa.ip());
+    }
+    let inner = s.strip_prefix('[')?.split(']').next()?;
+    inner.parse::<Ipv6Addr>().ok().map(IpAddr::V6)
+}
+
+impl<B> KeyExtractor<B> for ClientIp {
+    fn extract(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()> {
+        key.push_ip(self.client_ip(req)?, self.v6_prefix);
+        Some(())
+    }
+}

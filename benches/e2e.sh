@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# End-to-end speed: the quickstart server (release build, in-memory store)
+# under wrk on loopback, its unlimited GET /healthz against its limited
+# GET /api/hello with 200,000 rotating API keys (so almost every request
+# is allowed), on the same server. Both runs send the same rotating
+# header from the same wrk script, so wrk's own cost (it shares the
+# machine) is the same on both sides. Prints both rates and their ratio.
+#
+#   benches/e2e.sh                 # 10 s per route, 16 connections
+#   DURATION=30s CONNECTIONS=32 benches/e2e.sh
+#
+# Needs wrk (Debian: apt-get install wrk). Traffic goes to 127.0.0.1 only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DURATION=${DURATION:-10s}
+CONNECTIONS=${CONNECTIONS:-16}
+ADDR=127.0.0.1:${PORT:-3999}
+
+command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install wrk)" >&2; exit 1; }
+cargo build --release -q -p tollgate-examples --bin quickstart
+
+TOLLGATE_ADDR=$ADDR ./target/release/quickstart >/dev/null &
+server=$!
+trap 'kill $server 2>/dev/null || true' EXIT
+for _ in $(seq 50); do
+    curl -sf "http://$ADDR/healthz" >/dev/null && break
+    sleep 0.1
+done
+
+script=$(mktemp)
+trap 'kill $server 2>/dev/null || true; rm -f "$script"' EXIT
+cat >"$script" <<'LUA'
+local n = 0
+local path = os.getenv("E2E_PATH")
+request = function()
+  n = n + 1
+  return wrk.format("GET", path, { ["x-api-key"] = "k" .. (n % 200000) })
+end
+LUA
+
+rate() { # prints requests/s and the non-2xx count
+    local out
+    out=$(wrk -t1 -c"$CONNECTIONS" -d"$DURATION" "$@")
+    local rps non2xx
+    rps=$(awk '/Requests\/sec/ {print $2}' <<<"$out")
+    non2xx=$(awk '/Non-2xx/ {print $5}' <<<"$out")
+    echo "$rps ${non2xx:-0}"
+}
+
+read -r bare bare_refused < <(E2E_PATH=/healthz rate -s "$script" "http://$ADDR")
+read -r limited limited_refused < <(E2E_PATH=/api/hello rate -s "$script" "http://$ADDR")
+ratio=$(awk -v a="$limited" -v b="$bare" 'BEGIN { printf "%.3f", a / b }')
+echo "e2e: /healthz ${bare} req/s; /api/hello ${limited} req/s (${limited_refused} refused); ratio ${ratio}"

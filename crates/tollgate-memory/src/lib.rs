@@ -28,7 +28,9 @@
 //!   drops the idle keys of the new key's shard and then of every rule,
 //!   each at most every 100 ms (a sweep is a pass over every key, so a
 //!   flood of new keys must not buy one per key: between sweeps a new key
-//!   costs about two normal decisions, no write lock). If nothing is idle,
+//!   of a rate rule or a retry budget costs about two normal decisions, no
+//!   write lock; quota and concurrency rules still take the shard's write
+//!   lock for it). If nothing is idle,
 //!   a new key is decided against an
 //!   **overflow state shared by all new keys of its shard**. Memory stays
 //!   bounded and the flood is limited as a group: never more than one

@@ -369,10 +369,16 @@ impl<K: Kind, C: Clock> Table<K, C> {
         if let Some(cell) = read(&shard.map).get(&hash.slot) {
             return (cell.update(&mut f), Slot::Own);
         }
-        if self.full_until_the_next_sweep(shard, now) {
+        if seed && self.full_until_the_next_sweep(shard, now) {
             // A flood into a full store: no write lock, no second lookup,
             // no reservation that must fail; straight to the overflow
             // state, where a new key is decided while the store is full.
+            // Only for decisions that consume: a refund or a peek of a key
+            // not stored runs on a fresh state below and stores nothing.
+            // Without the write lock this cannot see a thread that
+            // inserted this key since the lookup above (a sweep freed a
+            // place meanwhile): that one decision then goes to the
+            // overflow state, which is bounded like any other flood key.
             return (self.overflow(shard, hash.slot, &mut f), Slot::Overflow);
         }
         let start = if seed && shard.overflow_members.contains(hash.slot) {
@@ -466,8 +472,11 @@ impl<K: Kind, C: Clock> Table<K, C> {
             // wait on. So a full shard is swept at most once per
             // `FULL_SWEEP_EVERY`; in between, a new key goes straight to
             // the overflow state.
-            let due =
-                now.saturating_sub(shard.last_sweep.load(Ordering::Relaxed)) >= FULL_SWEEP_EVERY;
+            let due = sweep_due(
+                now,
+                shard.last_sweep.load(Ordering::Relaxed),
+                FULL_SWEEP_EVERY,
+            );
             if !swept && due && self.sweep(shard, map, now) > 0 {
                 swept = true;
                 continue;
@@ -528,8 +537,11 @@ impl<K: Kind, C: Clock> Table<K, C> {
     #[cold]
     fn sweep_one(&self, now: u64) {
         let shard = self.shard(self.cursor.fetch_add(1, Ordering::Relaxed));
-        let last = shard.last_sweep.load(Ordering::Relaxed);
-        if now.saturating_sub(last) < self.kind.sweep_every() {
+        if !sweep_due(
+            now,
+            shard.last_sweep.load(Ordering::Relaxed),
+            self.kind.sweep_every(),
+        ) {
             return;
         }
         // Never wait for a busy shard: it will be looked at again.
@@ -547,6 +559,17 @@ impl<K: Kind, C: Clock> Table<K, C> {
     }
 }
 
+/// Whether a sweep last run at `last` is due again at `now`. A clock that
+/// went back (a quota table's wall clock, stepped by NTP) makes it due
+/// rather than stopping the sweeps until the clock catches up.
+#[inline]
+fn sweep_due(now: u64, last: u64, every: u64) -> bool {
+    match now.checked_sub(last) {
+        Some(elapsed) => elapsed >= every,
+        None => true,
+    }
+}
+
 impl<K: Kind, C: Clock> Purge for Table<K, C> {
     fn purge_idle(&self) -> usize {
         let now = if K::TIMED || K::WALL {
@@ -561,5 +584,20 @@ impl<K: Kind, C: Clock> Purge for Table<K, C> {
                 Some(self.sweep(shard, &mut map, now))
             })
             .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sweep_due;
+
+    #[test]
+    fn sweeps_are_paced_and_a_clock_stepped_back_makes_one_due() {
+        assert!(!sweep_due(1_050, 1_000, 100));
+        assert!(sweep_due(1_100, 1_000, 100));
+        assert!(
+            sweep_due(900, 1_000, 100),
+            "a wall clock stepped back stalls sweeps"
+        );
     }
 }

@@ -280,3 +280,29 @@ fn a_full_store_sweeping_for_a_quota_keeps_every_rate_key() {
         );
     }
 }
+
+#[test]
+fn refunds_and_peeks_of_unstored_keys_leave_a_flooded_overflow_state_alone() {
+    let clock = ManualClock::starting_at(1);
+    let s = store(&clock, 1, 1);
+    let l = s.limiter(&gcra()).unwrap(); // 1 per second, bursts of 3
+    assert!(l.decide_now(b"a", 1).is_allowed()); // "a" holds the only slot
+    assert!(l.decide_now(b"b", 3).is_allowed()); // the overflow state is spent
+    assert_eq!(s.overflowed(), 1);
+    // During the flood, a refund for a key that is not stored (its slot
+    // was swept while idle) must not credit the shared overflow state,
+    // and a peek must neither read nor join it.
+    for i in 0..20u32 {
+        l.refund_now(&i.to_be_bytes(), 3);
+        assert_eq!(l.decide_now(&(100 + i).to_be_bytes(), 0).remaining, 3);
+    }
+    assert_eq!(
+        s.overflowed(),
+        1,
+        "refunds and peeks went to the overflow state"
+    );
+    assert!(
+        !l.decide_now(b"c", 1).is_allowed(),
+        "the flood got more than one key's limit"
+    );
+}

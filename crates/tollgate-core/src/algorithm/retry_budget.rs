@@ -132,13 +132,22 @@ impl RetryBudget {
         now.checked_div(self.slot).unwrap_or(0).saturating_add(1)
     }
 
-    /// The slot `now` falls in, reset if it held an older one. A slot from
-    /// a later time (the clock went back) is kept, and counts.
+    /// Whether slot index `s` counts at slot index `index`: in the window,
+    /// or later by less than a window (the clock went back a little, or a
+    /// client's clock runs ahead). A slot a whole window or more ahead is
+    /// a clock far off: it would otherwise keep counting until the clock
+    /// caught up, and it does not count.
+    fn counts(s: u64, index: u64) -> bool {
+        s != 0 && s >= index.saturating_sub(SPAN) && s <= index.saturating_add(SPAN)
+    }
+
+    /// The slot `now` falls in, reset unless it is now's. (Another index
+    /// at now's position is a whole window or more away, either way.)
     fn slot_mut<'a>(&self, state: &'a mut RetryBudgetState, now: u64) -> Option<&'a mut RetrySlot> {
         let index = self.index(now);
         let at = usize::try_from(index.checked_rem(RETRY_SLOTS as u64).unwrap_or(0)).unwrap_or(0);
         let slot = state.slots.get_mut(at)?;
-        if slot.index < index {
+        if slot.index != index {
             *slot = RetrySlot {
                 index,
                 deposited: 0,
@@ -152,11 +161,9 @@ impl RetryBudget {
     /// window's calls deposited, less what its retries withdrew.
     pub fn balance(&self, state: &RetryBudgetState, now: u64) -> u64 {
         let index = self.index(now);
-        let oldest = index.saturating_sub(SPAN);
         let (mut deposited, mut withdrawn) = (self.reserve, 0u64);
         for s in &state.slots {
-            // In the window (or later: the clock went back).
-            if s.index >= oldest && s.index != 0 {
+            if Self::counts(s.index, index) {
                 deposited = deposited.saturating_add(s.deposited);
                 withdrawn = withdrawn.saturating_add(s.withdrawn);
             }
@@ -188,8 +195,8 @@ impl RetryBudget {
 
     /// Whether `state` carries nothing at `now`: every slot has lapsed.
     pub fn is_idle(&self, state: &RetryBudgetState, now: u64) -> bool {
-        let oldest = self.index(now).saturating_sub(SPAN);
-        state.slots.iter().all(|s| s.index < oldest || s.index == 0)
+        let index = self.index(now);
+        state.slots.iter().all(|s| !Self::counts(s.index, index))
     }
 }
 
@@ -239,6 +246,29 @@ mod tests {
         assert!(b.withdraw(&mut s, 20 * S));
         // Back 5 s: the later slot still counts its withdrawal.
         assert!(!b.withdraw(&mut s, 15 * S));
+    }
+
+    #[test]
+    fn a_slot_written_by_a_clock_far_ahead_neither_counts_nor_collects() {
+        let b = RetryBudget::new(0.2, 0, Duration::from_secs(10)).unwrap();
+        let mut s = RetryBudgetState::default();
+        // A client whose clock is an hour ahead deposits there...
+        let ahead = 3_600 * S + 5 * S;
+        for _ in 0..100 {
+            b.deposit(&mut s, ahead);
+        }
+        // ...clients on time neither see it nor add to it: 5 calls at 0.2
+        // make one retry, and that lapses with the window, as always.
+        assert_eq!(b.balance(&s, 5 * S), 0);
+        for _ in 0..5 {
+            b.deposit(&mut s, 5 * S);
+        }
+        assert!(b.withdraw(&mut s, 5 * S));
+        assert!(!b.withdraw(&mut s, 5 * S));
+        for _ in 0..50 {
+            b.deposit(&mut s, 5 * S);
+        }
+        assert_eq!(b.balance(&s, 16 * S), 0, "deposits outlived their window");
     }
 
     #[test]

@@ -299,9 +299,9 @@ pub async fn retry_budget_floor_and_lapse<S: RetryBudgetStore>(store: &S, clock:
     assert!(!retry_withdraw(&limiter, &mut reference, clock, b"at", "at the lapse").await);
 }
 
-/// The clock going back keeps what was spent: slots from later count
-/// until they lapse, and deposits made meanwhile go to now's slot or,
-/// where it holds a later one, to that.
+/// The clock going back a little keeps what was spent: slots from later
+/// by less than a window count until they lapse. A slot a whole window
+/// or more ahead (a clock far off) neither counts nor collects deposits.
 pub async fn retry_budget_clock_going_back<S: RetryBudgetStore>(store: &S, clock: &ManualClock) {
     let rule = RetryBudgetRule::new("back", 1.0, 0, Duration::from_secs(10)).unwrap();
     let limiter = store.retry_budget(&rule).unwrap();
@@ -316,8 +316,8 @@ pub async fn retry_budget_clock_going_back<S: RetryBudgetStore>(store: &S, clock
     assert!(!retry_withdraw(&limiter, &mut reference, clock, key, "back at 15 s").await);
     retry_deposit(&limiter, &mut reference, clock, key).await;
     assert!(retry_withdraw(&limiter, &mut reference, clock, key, "a call at 15 s").await);
-    // Back 10 s, to the position of the 20 s slot a window earlier: the
-    // deposit joins the later slot.
+    // Back 10 s, to the position of the 20 s slot a window earlier: that
+    // slot is a clock far off; the deposits start the slot afresh.
     clock.set(start + 10 * SECOND);
     retry_deposit(&limiter, &mut reference, clock, key).await;
     retry_deposit(&limiter, &mut reference, clock, key).await;

@@ -31,14 +31,16 @@ local function fmt(n) return string.format('%.0f', n) end
 local function main()
   local index = divnow(slot) + 1
   local oldest = index - (SLOTS - 1)
+  local newest = index + (SLOTS - 1)
   local raw = redis.pcall('HMGET', key, unpack(FIELDS))
   if raw.err then
     redis.call('DEL', key)
     raw = {}
   end
   -- The slots by position, and the balance as RetryBudget::balance sums
-  -- it: the floor, plus the slots in the window or later (the clock went
-  -- back), less what they withdrew.
+  -- it: the floor, plus the slots in the window or later by less than a
+  -- window (a clock a little ahead), less what they withdrew. A slot a
+  -- whole window or more ahead (a clock far off) does not count.
   local slots = {}
   local deposited, withdrawn = reserve, 0
   for p = 0, SLOTS - 1 do
@@ -53,19 +55,19 @@ local function main()
       s = {i, d, w}
     end
     slots[p] = s
-    if s[1] ~= 0 and s[1] >= oldest then
+    if s[1] ~= 0 and s[1] >= oldest and s[1] <= newest then
       deposited = deposited + s[2]
       withdrawn = withdrawn + s[3]
     end
   end
   local balance = math.max(0, deposited - withdrawn)
 
-  -- Adds to now's slot (reset if it held an older one; a later one, from
-  -- before the clock went back, is kept and added to).
+  -- Adds to now's slot, reset unless it is now's (another index at this
+  -- position is a whole window or more away, either way).
   local function add(dep, wd)
     local p = index % SLOTS
     local s = slots[p]
-    if s[1] < index then s = {index, 0, 0} end
+    if s[1] ~= index then s = {index, 0, 0} end
     s[2] = math.min(CAP, s[2] + dep)
     s[3] = math.min(CAP, s[3] + wd)
     redis.call('HSET', key, FIELDS[p + 1], fmt(s[1]) .. ' ' .. fmt(s[2]) .. ' ' .. fmt(s[3]))

@@ -4,6 +4,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
@@ -23,7 +24,7 @@ pin_project! {
     #[derive(Debug)]
     enum Kind<B> {
         Inner { #[pin] body: B },
-        Full { data: Option<Bytes> },
+        Full { data: Option<Bytes>, trailers: Option<HeaderMap> },
     }
 }
 
@@ -35,9 +36,15 @@ impl<B> ResponseBody<B> {
     }
 
     pub(crate) fn full(data: Bytes) -> Self {
+        Self::replay(data, None)
+    }
+
+    /// `data`, then `trailers` if any: a buffered body sent again.
+    pub(crate) fn replay(data: Bytes, trailers: Option<HeaderMap>) -> Self {
         Self {
             kind: Kind::Full {
                 data: (!data.is_empty()).then_some(data),
+                trailers,
             },
         }
     }
@@ -56,21 +63,26 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         match self.project().kind.project() {
             KindProj::Inner { body } => body.poll_frame(cx),
-            KindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            KindProj::Full { data, trailers } => Poll::Ready(
+                data.take()
+                    .map(Frame::data)
+                    .or_else(|| trailers.take().map(Frame::trailers))
+                    .map(Ok),
+            ),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match &self.kind {
             Kind::Inner { body } => body.is_end_stream(),
-            Kind::Full { data } => data.is_none(),
+            Kind::Full { data, trailers } => data.is_none() && trailers.is_none(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
             Kind::Inner { body } => body.size_hint(),
-            Kind::Full { data } => {
+            Kind::Full { data, .. } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
         }

@@ -6,7 +6,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, Response};
+use http::{HeaderMap, Request, Response};
 use http_body::Body;
 use tokio::time::Instant;
 use tollgate_core::{ConfigError, RetryBudgetLimiter, RetryBudgetRule, RetryBudgetStore};
@@ -50,6 +50,20 @@ impl fmt::Display for Throttled {
 
 impl std::error::Error for Throttled {}
 
+/// The error of a call whose overall
+/// [`deadline`](RetryBudgetLayerBuilder::deadline) passed before an
+/// attempt answered (the attempt in flight is dropped).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeadlineExceeded;
+
+impl fmt::Display for DeadlineExceeded {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("the call's deadline passed before an attempt answered")
+    }
+}
+
+impl std::error::Error for DeadlineExceeded {}
+
 type ClassifyFn = Arc<dyn Fn(Attempt<'_>) -> bool + Send + Sync>;
 
 struct Shared<K, L> {
@@ -57,6 +71,7 @@ struct Shared<K, L> {
     budget: L,
     max_attempts: u32,
     backoff: Backoff,
+    max_server_wait: Duration,
     deadline: Option<Duration>,
     classify: Option<ClassifyFn>,
     any_method: bool,
@@ -111,9 +126,10 @@ impl RetryBudgetLayer<Upstream, ()> {
     /// Starts a layer whose budget is named `name` (store keys, metrics).
     /// Defaults: 20 % of recent calls over 10 s plus 10 retries a second
     /// (Finagle's, Linkerd's and tower's), up to 3 attempts, backoff from
-    /// 50 ms up to 2 s with full jitter, no overall deadline, one budget
-    /// per upstream host, idempotent requests only, bodies buffered up to
-    /// 64 KiB, no adaptive throttling, in-memory store.
+    /// 50 ms up to 2 s with full jitter, a server's wait honoured up to
+    /// 10 s, no overall deadline, one budget per upstream host, idempotent
+    /// requests only, bodies buffered up to 64 KiB, no adaptive
+    /// throttling, in-memory store.
     pub fn builder(name: &str) -> RetryBudgetLayerBuilder<Upstream, MemoryStore> {
         RetryBudgetLayerBuilder {
             name: name.to_owned(),
@@ -124,6 +140,7 @@ impl RetryBudgetLayer<Upstream, ()> {
             store: MemoryStore::new(),
             max_attempts: 3,
             backoff: (Duration::from_millis(50), Duration::from_secs(2)),
+            max_server_wait: Duration::from_secs(10),
             deadline: None,
             classify: None,
             any_method: false,
@@ -143,6 +160,7 @@ pub struct RetryBudgetLayerBuilder<K, St> {
     store: St,
     max_attempts: u32,
     backoff: (Duration, Duration),
+    max_server_wait: Duration,
     deadline: Option<Duration>,
     classify: Option<ClassifyFn>,
     any_method: bool,
@@ -181,6 +199,7 @@ impl<K, St> RetryBudgetLayerBuilder<K, St> {
             store: self.store,
             max_attempts: self.max_attempts,
             backoff: self.backoff,
+            max_server_wait: self.max_server_wait,
             deadline: self.deadline,
             classify: self.classify,
             any_method: self.any_method,
@@ -201,6 +220,7 @@ impl<K, St> RetryBudgetLayerBuilder<K, St> {
             store,
             max_attempts: self.max_attempts,
             backoff: self.backoff,
+            max_server_wait: self.max_server_wait,
             deadline: self.deadline,
             classify: self.classify,
             any_method: self.any_method,
@@ -223,8 +243,21 @@ impl<K, St> RetryBudgetLayerBuilder<K, St> {
         self
     }
 
-    /// An overall deadline per call, attempts and waits included: no retry
-    /// is started that would wait past it.
+    /// The longest wait a server may ask for, by `Retry-After` or
+    /// `grpc-retry-pushback-ms`, and still be retried (default 10 s). An
+    /// answer asking for longer — a maintenance page's
+    /// `Retry-After: 86400` — is returned to the caller, not waited on.
+    pub fn max_server_wait(mut self, wait: Duration) -> Self {
+        self.max_server_wait = wait;
+        self
+    }
+
+    /// An overall deadline per call, from `call` until an attempt's
+    /// response head: buffering the body, waiting for the upstream to be
+    /// ready, budget calls, backoff and every attempt count. No retry is
+    /// started that would wait past it, and a call still unanswered at the
+    /// deadline fails with [`DeadlineExceeded`] (the attempt in flight is
+    /// dropped). The response body is not covered.
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = Some(deadline);
         self
@@ -280,6 +313,12 @@ impl<K, St: RetryBudgetStore> RetryBudgetLayerBuilder<K, St> {
                 "base must be above zero and at most cap, cap at most an hour",
             ));
         }
+        if self.max_server_wait > Duration::from_secs(3_600) {
+            return Err(ConfigError::new(
+                "max_server_wait",
+                "must be at most an hour",
+            ));
+        }
         if self.deadline.is_some_and(|d| d.is_zero()) {
             return Err(ConfigError::new("deadline", "must be longer than zero"));
         }
@@ -299,6 +338,7 @@ impl<K, St: RetryBudgetStore> RetryBudgetLayerBuilder<K, St> {
                 budget: self.store.retry_budget(&rule)?,
                 max_attempts: self.max_attempts,
                 backoff: Backoff::new(base, cap),
+                max_server_wait: self.max_server_wait,
                 deadline: self.deadline,
                 classify: self.classify,
                 any_method: self.any_method,
@@ -364,9 +404,13 @@ where
     }
 }
 
-/// Reads `body` in full if it is at most `limit` bytes (by its size hint
-/// and in fact); `Err` gives a body that cannot be buffered back.
-async fn buffer<B>(body: B, limit: u64) -> Result<Result<Bytes, B>, BoxError>
+/// A body read in full: its bytes and its trailers, if any.
+type Buffered = (Bytes, Option<HeaderMap>);
+
+/// Reads `body` in full, trailers included, if it is at most `limit` bytes
+/// (by its size hint and in fact); `Err` gives a body that cannot be
+/// buffered back.
+async fn buffer<B>(body: B, limit: u64) -> Result<Result<Buffered, B>, BoxError>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
@@ -376,15 +420,39 @@ where
     }
     let mut body = std::pin::pin!(body);
     let mut data = Vec::new();
+    let mut trailers: Option<HeaderMap> = None;
     while let Some(frame) = poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
-        if let Ok(chunk) = frame.map_err(Into::into)?.into_data() {
-            data.extend_from_slice(&chunk);
-            if data.len() as u64 > limit {
-                return Err("request body longer than its size hint".into());
+        match frame.map_err(Into::into)?.into_data() {
+            Ok(chunk) => {
+                data.extend_from_slice(&chunk);
+                if data.len() as u64 > limit {
+                    return Err("request body longer than its size hint".into());
+                }
+            }
+            Err(frame) => {
+                if let Ok(more) = frame.into_trailers() {
+                    trailers.get_or_insert_with(HeaderMap::new).extend(more);
+                }
             }
         }
     }
-    Ok(Ok(Bytes::from(data)))
+    Ok(Ok((Bytes::from(data), trailers)))
+}
+
+/// `fut`, cut off at `deadline` if there is one (`None` when it was).
+async fn within<T>(deadline: Option<Instant>, fut: impl Future<Output = T>) -> Option<T> {
+    match deadline {
+        Some(at) => tokio::time::timeout_at(at, fut).await.ok(),
+        None => Some(fut.await),
+    }
+}
+
+/// The classifier's verdict on an attempt.
+fn classify<K, L>(shared: &Shared<K, L>, attempt: Attempt<'_>) -> bool {
+    match &shared.classify {
+        Some(f) => f(attempt),
+        None => attempt.is_retryable_by_default(),
+    }
 }
 
 async fn run<S, K, L, B, ResB>(
@@ -409,18 +477,23 @@ where
     let key = KeyBytes::new(&mut buf);
     if let Some(throttle) = &shared.throttle {
         if throttle.refuse(shared.backoff.random()) {
+            // A request the application made, not accepted (SRE book).
+            throttle.record(false);
             m.throttled.increment(1);
             return Err(Box::new(Throttled));
         }
     }
     let deadline = shared.deadline.and_then(|d| Instant::now().checked_add(d));
+    let expired = || -> Result<Response<ResB>, BoxError> { Err(Box::new(DeadlineExceeded)) };
     let (parts, body) = req.into_parts();
     let replayable = shared.max_attempts > 1
         && (shared.any_method || is_idempotent(&parts.method, &parts.headers));
     let (buffered, mut stream) = if replayable {
-        match buffer(body, shared.buffer_limit).await? {
-            Ok(data) => (Some(data), None),
-            Err(body) => (None, Some(body)),
+        match within(deadline, buffer(body, shared.buffer_limit)).await {
+            None => return expired(),
+            Some(Ok(Ok(data))) => (Some(data), None),
+            Some(Ok(Err(body))) => (None, Some(body)),
+            Some(Err(e)) => return Err(e),
         }
     } else {
         (None, Some(body))
@@ -430,18 +503,21 @@ where
     let mut attempt: u32 = 0;
     loop {
         let body = match (&buffered, stream.take()) {
-            (Some(data), _) => ReplayBody::full(data.clone()),
+            (Some((data, trailers)), _) => ReplayBody::replay(data.clone(), trailers.clone()),
             (None, Some(body)) => ReplayBody::inner(body),
             // Sent once already: nothing to send again.
             (None, None) => return Err("a streamed request body cannot be sent twice".into()),
         };
-        poll_fn(|cx| inner.poll_ready(cx))
-            .await
-            .map_err(Into::into)?;
-        let result = inner
-            .call(Request::from_parts(parts.clone(), body))
-            .await
-            .map_err(Into::into);
+        let request = Request::from_parts(parts.clone(), body);
+        let sent = within(deadline, async {
+            poll_fn(|cx| inner.poll_ready(cx))
+                .await
+                .map_err(Into::into)?;
+            inner.call(request).await.map_err(Into::into)
+        });
+        let Some(result) = sent.await else {
+            return expired();
+        };
         attempt = attempt.saturating_add(1);
         let (retryable, hint) = match &result {
             Ok(res) => {
@@ -450,29 +526,27 @@ where
                     // Refused for overload: not an accept.
                     t.record(!matches!(status.as_u16(), 429 | 503));
                 }
-                let attempt = Attempt::Response { status, headers };
-                let retryable = match &shared.classify {
-                    Some(f) => f(attempt),
-                    None => attempt.is_retryable_by_default(),
-                };
+                let retryable = classify(&shared, Attempt::Response { status, headers });
                 (retryable, server_hint(status, headers))
             }
             Err(error) => {
                 if let Some(t) = &shared.throttle {
                     t.record(false);
                 }
-                let attempt = Attempt::Error(error);
-                let retryable = match &shared.classify {
-                    Some(f) => f(attempt),
-                    None => attempt.is_retryable_by_default(),
-                };
-                (retryable, Some(Duration::ZERO))
+                (
+                    classify(&shared, Attempt::Error(error)),
+                    Some(Duration::ZERO),
+                )
             }
         };
-        // Not worth it, not possible, or the server says it cannot help.
-        let Some(hint) =
-            hint.filter(|_| retryable && buffered.is_some() && attempt < shared.max_attempts)
-        else {
+        // Not worth it, not possible, the server says it cannot help, or it
+        // asks for a longer wait than the caller wants to give.
+        let Some(hint) = hint.filter(|hint| {
+            retryable
+                && buffered.is_some()
+                && attempt < shared.max_attempts
+                && *hint <= shared.max_server_wait
+        }) else {
             return result;
         };
         let wait = hint.max(shared.backoff.wait(attempt.saturating_sub(1)));
@@ -481,7 +555,10 @@ where
         }
         let allowed = match shared.budget.withdraw_sync(key.as_bytes()) {
             Some(answer) => answer,
-            None => shared.budget.withdraw(key.as_bytes()).await,
+            None => match within(deadline, shared.budget.withdraw(key.as_bytes())).await {
+                Some(answer) => answer,
+                None => return result,
+            },
         };
         // A store that fails allows no retry: retrying is never needed to
         // stay up, and a storm is what the budget is for.

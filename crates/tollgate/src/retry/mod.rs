@@ -2,11 +2,15 @@
 //!
 //! [`RetryBudgetLayer`] wraps a *client* service — calls to an upstream —
 //! where the other layers protect a server. It retries failed calls (by
-//! default: connect errors and timeouts, 502, 503, 504 and 429, gRPC
-//! `UNAVAILABLE` and `RESOURCE_EXHAUSTED`) with exponential backoff and
-//! full jitter, never sooner than the server's `Retry-After` or
-//! `grpc-retry-pushback-ms` asks, up to a number of attempts and an
-//! overall deadline — but only while a **retry budget** allows.
+//! default: errors of the inner service, such as connect errors and
+//! timeouts; 502, 503, 504 and 429; gRPC `UNAVAILABLE` and
+//! `RESOURCE_EXHAUSTED`) with exponential backoff and full jitter, never
+//! sooner than the server's `Retry-After` or `grpc-retry-pushback-ms` asks
+//! (nor when it asks for longer than
+//! [`max_server_wait`](RetryBudgetLayerBuilder::max_server_wait)), up to a
+//! number of attempts and an overall
+//! [`deadline`](RetryBudgetLayerBuilder::deadline) — but only while a
+//! **retry budget** allows.
 //!
 //! # Why a budget, not a retry count
 //!
@@ -27,8 +31,10 @@
 //!
 //! Only requests that are safe to send twice: idempotent methods, or any
 //! request with an `Idempotency-Key` ([`retry_any_method`](RetryBudgetLayerBuilder::retry_any_method)
-//! changes this). A body is buffered, up to a bound, so that every attempt
-//! sends the same bytes ([`ReplayBody`]); a larger body, or one of unknown
+//! changes this): a Tower error cannot tell a connect error, where nothing
+//! was sent, from a failure after the request reached the upstream. A
+//! body is buffered, up to a bound, so that every attempt sends the same
+//! bytes and trailers ([`ReplayBody`]); a larger body, or one of unknown
 //! length (a stream), is sent once and not retried. A server that says
 //! retrying cannot help — a negative `grpc-retry-pushback-ms`, or a 429
 //! without `Retry-After` — is not retried.
@@ -79,7 +85,8 @@ mod tests;
 mod throttle;
 
 pub use layer::{
-    ResponseFuture, Retry, RetryBudgetLayer, RetryBudgetLayerBuilder, Throttled, Upstream,
+    DeadlineExceeded, ResponseFuture, Retry, RetryBudgetLayer, RetryBudgetLayerBuilder, Throttled,
+    Upstream,
 };
 pub use policy::Attempt;
 

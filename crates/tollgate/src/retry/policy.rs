@@ -7,6 +7,7 @@ use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, Method, StatusCode};
 
+use super::{DeadlineExceeded, Throttled};
 use crate::BoxError;
 
 /// How an attempt ended, as a retry classifier sees it.
@@ -25,12 +26,24 @@ pub enum Attempt<'a> {
 }
 
 impl Attempt<'_> {
-    /// The default classification: errors (connect errors, timeouts), 502,
-    /// 503, 504 and 429, and gRPC `UNAVAILABLE` and `RESOURCE_EXHAUSTED`,
-    /// are worth a retry; anything else is an answer.
+    /// The default classification: errors of the inner service (connect
+    /// errors, timeouts, ...), 502, 503, 504 and 429, and gRPC
+    /// `UNAVAILABLE` and `RESOURCE_EXHAUSTED`, are worth a retry; anything
+    /// else is an answer. Errors that say retrying cannot help are not
+    /// retried: a nested retry layer's [`Throttled`] and
+    /// [`DeadlineExceeded`], anywhere in the error's source chain.
     pub fn is_retryable_by_default(&self) -> bool {
         match self {
-            Attempt::Error(_) => true,
+            Attempt::Error(error) => {
+                let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&***error);
+                while let Some(e) = source {
+                    if e.is::<Throttled>() || e.is::<DeadlineExceeded>() {
+                        return false;
+                    }
+                    source = e.source();
+                }
+                true
+            }
             Attempt::Response { status, headers } => {
                 matches!(status.as_u16(), 429 | 502 | 503 | 504)
                     || matches!(

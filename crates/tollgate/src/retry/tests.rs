@@ -274,6 +274,163 @@ async fn a_deadline_bounds_the_whole_call() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_deadline_cuts_off_an_attempt_in_flight() {
+    // The first attempt fails at once; the retry hangs for a minute.
+    let attempts = Arc::new(AtomicU32::new(0));
+    let seen = Arc::clone(&attempts);
+    let upstream = service_fn(move |_req: Request<ReplayBody<String>>| {
+        let n = seen.fetch_add(1, Ordering::Relaxed);
+        async move {
+            let mut res = Response::new(String::new());
+            if n == 0 {
+                *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            } else {
+                tokio::time::sleep(Duration::from_secs(60)).await;
+            }
+            Ok::<_, Infallible>(res)
+        }
+    });
+    let client = RetryBudgetLayer::builder("cutoff")
+        .deadline(Duration::from_secs(2))
+        .store(store())
+        .build()
+        .unwrap()
+        .layer(upstream);
+    let start = Instant::now();
+    let err = client.oneshot(get()).await.unwrap_err();
+    assert!(err.is::<DeadlineExceeded>(), "{err}");
+    assert_eq!(attempts.load(Ordering::Relaxed), 2);
+    assert_eq!(start.elapsed(), Duration::from_secs(2));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_server_asking_for_a_long_wait_gets_its_answer_back_at_once() {
+    // A maintenance page: come back tomorrow. Not a call to hold for a day.
+    let down = Flaky::new(503, &[("retry-after", "86400")]);
+    let client = RetryBudgetLayer::builder("maintenance")
+        .store(store())
+        .build()
+        .unwrap()
+        .layer(down.service());
+    let start = Instant::now();
+    let res = client.oneshot(get()).await.unwrap();
+    assert_eq!(res.status(), 503);
+    assert_eq!(down.attempts(), 1);
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    // Up to max_server_wait, the wait is honoured.
+    let down = Flaky::new(503, &[("retry-after", "30")]);
+    let client = RetryBudgetLayer::builder("patient")
+        .max_attempts(2)
+        .max_server_wait(Duration::from_secs(30))
+        .store(store())
+        .build()
+        .unwrap()
+        .layer(down.service());
+    client.oneshot(get()).await.unwrap();
+    let seen = down.seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2);
+    assert!(seen[1].0 - seen[0].0 >= Duration::from_secs(30));
+}
+
+#[tokio::test(start_paused = true)]
+async fn trailers_are_replayed_with_the_body() {
+    let trailers = Arc::new(Mutex::new(Vec::new()));
+    let kept = Arc::clone(&trailers);
+    let attempts = Arc::new(AtomicU32::new(0));
+    let counted = Arc::clone(&attempts);
+    let upstream = service_fn(move |req: Request<ReplayBody<WithTrailers>>| {
+        let kept = Arc::clone(&kept);
+        let n = counted.fetch_add(1, Ordering::Relaxed);
+        async move {
+            let collected = req.into_body().collect().await.unwrap();
+            let t = collected.trailers().cloned();
+            kept.lock().unwrap().push((t, collected.to_bytes()));
+            let mut res = Response::new(String::new());
+            if n == 0 {
+                *res.status_mut() = StatusCode::BAD_GATEWAY;
+            }
+            Ok::<_, Infallible>(res)
+        }
+    });
+    let client = RetryBudgetLayer::builder("trailers")
+        .store(store())
+        .build()
+        .unwrap()
+        .layer(upstream);
+    let req = Request::put("http://upstream.test/blob")
+        .body(WithTrailers(Some(Bytes::from_static(b"data")), true))
+        .unwrap();
+    let res = client.oneshot(req).await.unwrap();
+    assert_eq!(res.status(), 200);
+    let seen = trailers.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2);
+    for (t, body) in seen {
+        assert_eq!(body, "data");
+        assert_eq!(t.unwrap()["checksum"], "abc", "trailers lost");
+    }
+}
+
+/// A body of one data frame and a trailers frame, of known length.
+struct WithTrailers(Option<Bytes>, bool);
+
+impl http_body::Body for WithTrailers {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
+        if let Some(d) = self.0.take() {
+            return std::task::Poll::Ready(Some(Ok(http_body::Frame::data(d))));
+        }
+        if std::mem::take(&mut self.1) {
+            let mut t = http::HeaderMap::new();
+            t.insert("checksum", "abc".parse().unwrap());
+            return std::task::Poll::Ready(Some(Ok(http_body::Frame::trailers(t))));
+        }
+        std::task::Poll::Ready(None)
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(self.0.as_ref().map_or(0, |d| d.len() as u64))
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn errors_that_say_retrying_cannot_help_are_not_retried() {
+    for (error, retried) in [
+        (Box::new(Throttled) as crate::BoxError, false),
+        (Box::new(DeadlineExceeded), false),
+        ("connection refused".into(), true),
+    ] {
+        let text = error.to_string();
+        let error = Arc::new(Mutex::new(Some(error)));
+        let attempts = Arc::new(AtomicU32::new(0));
+        let counted = Arc::clone(&attempts);
+        let upstream = service_fn(move |_req: Request<ReplayBody<String>>| {
+            counted.fetch_add(1, Ordering::Relaxed);
+            let e = error.lock().unwrap().take();
+            async move {
+                match e {
+                    Some(e) => Err(e),
+                    None => Ok(Response::new(String::new())),
+                }
+            }
+        });
+        let client = RetryBudgetLayer::builder("errors")
+            .store(store())
+            .build()
+            .unwrap()
+            .layer(upstream);
+        let result = client.oneshot(get()).await;
+        assert_eq!(result.is_ok(), retried, "{text}");
+        let expected = if retried { 2 } else { 1 };
+        assert_eq!(attempts.load(Ordering::Relaxed), expected, "{text}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
 async fn adaptive_throttling_refuses_locally_when_the_upstream_rejects_most() {
     let dead = Flaky::new(503, &[]);
     let client = RetryBudgetLayer::builder("throttle")
@@ -317,6 +474,10 @@ fn configuration_errors_name_the_field() {
         "backoff"
     );
     assert_eq!(e(b().deadline(Duration::ZERO)), "deadline");
+    assert_eq!(
+        e(b().max_server_wait(Duration::from_secs(3_601))),
+        "max_server_wait"
+    );
     assert_eq!(e(b().adaptive_throttling(0.5)), "adaptive_throttling");
     assert_eq!(e(RetryBudgetLayer::builder("bad name")), "name");
 }

@@ -146,19 +146,25 @@ impl RateAlgorithm for SlidingWindowLog {
         )
     }
 
-    fn refund(&self, s: &mut Self::State, _now: u64, cost: u32) {
-        // Give back the newest units first: they were the refunded request's.
+    fn refund(&self, s: &mut Self::State, now: u64, cost: u32) {
+        // A refund cannot tell which entries were the refunded request's.
+        // It gives back the oldest units still in the window: the units
+        // kept are then those that leave the window last, so a refund
+        // never lets in more than giving back the request's own units
+        // would. (Giving back the newest let in more whenever the refunded
+        // request was not the newest.)
+        self.expire(s, now);
         let mut left = u64::from(cost);
         while left > 0 {
-            let Some(last) = s.entries.back_mut() else {
+            let Some(first) = s.entries.front_mut() else {
                 break;
             };
-            let take = left.min(last.cost);
-            last.cost = last.cost.saturating_sub(take);
+            let take = left.min(first.cost);
+            first.cost = first.cost.saturating_sub(take);
             s.total = s.total.saturating_sub(take);
             left = left.saturating_sub(take);
-            if last.cost == 0 {
-                s.entries.pop_back();
+            if first.cost == 0 {
+                s.entries.pop_front();
             }
         }
     }
@@ -219,13 +225,26 @@ mod tests {
     }
 
     #[test]
-    fn refund_takes_newest_first() {
+    fn refund_gives_back_the_oldest_units_and_never_lets_in_more() {
+        let second = 1_000_000_000;
         let l = SlidingWindowLog::new(5, Duration::from_secs(1)).unwrap();
         let mut s = SlidingWindowLogState::default();
+        assert!(l.decide(&mut s, 0, 2).is_allowed()); // A
+        assert!(l.decide(&mut s, 10, 3).is_allowed()); // B
+                                                       // A's 2 units are refunded: the 3 units kept leave the window at
+                                                       // B's time, 1 s + 10 ns, as B's own would.
+        l.refund(&mut s, 10, 2);
+        assert_eq!(s.entries().collect::<Vec<_>>(), vec![(10, 3)]);
+        assert!(!l.decide(&mut s, second, 3).is_allowed());
+        assert!(l.decide(&mut s, second + 10, 3).is_allowed());
+        // Refunding more than is held empties the log; expired entries are
+        // dropped first, not refunded.
+        let mut s = SlidingWindowLogState::default();
         l.decide(&mut s, 0, 2);
-        l.decide(&mut s, 10, 3);
-        l.refund(&mut s, 10, 4);
-        assert_eq!(s.entries().collect::<Vec<_>>(), vec![(0, 1)]);
+        l.decide(&mut s, second / 2, 1);
+        l.refund(&mut s, second, 1);
+        assert_eq!(s.entries().count(), 0);
+        assert_eq!(l.decide(&mut s, second, 0).remaining, 5);
     }
 
     #[test]

@@ -54,25 +54,6 @@ local function main()
       redis.call('PEXPIRE', key, ttl)
     end
   end
-  if mode == 'refund' then
-    -- Give back the newest units first: they were the refunded request's.
-    local left, count = cost, n
-    if count == 0 or left == 0 then return {3, 0, 0, 0, 0} end
-    while left > 0 and count > 0 do
-      local _, c = last()
-      local take = math.min(left, c)
-      total = math.max(0, total - take)
-      left = left - take
-      if take == c then
-        redis.call('LTRIM', key, 0, -3)
-        count = count - 1
-      else
-        redis.call('LSET', key, -1, c - take)
-      end
-    end
-    store(count)
-    return {3, 0, 0, 0, 0}
-  end
   -- Drop the entries that left the window (those from the future, when the
   -- clock went back, stay), as the core does on every decision.
   local gone = 0
@@ -92,6 +73,36 @@ local function main()
     base = gone
   end
   local count = n - gone
+  if mode == 'refund' then
+    -- As the core: give back the oldest units still in the window (the
+    -- units kept leave last, so a refund never lets in more than giving
+    -- back the request's own would). The list is [total, entries...].
+    local left, full, partial = cost, 0, nil
+    while left > 0 do
+      local at, c = entry(gone + full + 1)
+      if at == nil then break end
+      local take = math.min(left, c)
+      total = math.max(0, total - take)
+      left = left - take
+      if take == c then
+        full = full + 1
+      else
+        partial = c - take
+      end
+    end
+    if count > 0 and full > 0 then
+      if full == count then
+        redis.call('DEL', key)
+      else
+        redis.call('LTRIM', key, 2 * full + 1, -1)
+        redis.call('LPUSH', key, total)
+      end
+    end
+    count = count - full
+    if partial then redis.call('LSET', key, 2, partial) end
+    if count > 0 then store(count) end
+    return {3, 0, 0, 0, 0}
+  end
   local function reset_after()
     if count == 0 then return 0 end
     local at = last()

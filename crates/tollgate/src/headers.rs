@@ -123,21 +123,67 @@ pub(crate) fn add_items(headers: &mut HeaderMap, name: &HeaderName, value: Heade
     if value.is_empty() {
         return;
     }
-    let Some(inner) = headers.insert(name.clone(), value) else {
-        return;
-    };
-    let Some(ours) = headers.get(name) else {
-        return;
-    };
-    if inner.is_empty() {
+    if !headers.contains_key(name) {
+        headers.insert(name.clone(), value);
         return;
     }
-    let mut joined = Vec::with_capacity(ours.len().saturating_add(inner.len()).saturating_add(2));
-    joined.extend_from_slice(ours.as_bytes());
-    joined.extend_from_slice(b", ");
-    joined.extend_from_slice(inner.as_bytes());
+    // Every field line the inner limiter sent (a list may span several).
+    let mut joined = value.as_bytes().to_vec();
+    for inner in headers.get_all(name).iter().filter(|v| !v.is_empty()) {
+        joined.extend_from_slice(b", ");
+        joined.extend_from_slice(inner.as_bytes());
+    }
     if let Ok(v) = HeaderValue::from_bytes(&joined) {
         headers.insert(name.clone(), v);
+    } else {
+        headers.insert(name.clone(), value);
+    }
+}
+
+/// Sets the `RateLimit-Policy` and `RateLimit` fields of a rule set, one
+/// item per rule, in order (each `(rule's headers, decision)`), merged
+/// with whatever an inner layer set; `Retry-After` when `retry_after`
+/// (nanoseconds) is given; and the legacy headers of the most restrictive
+/// item when `legacy`.
+pub(crate) fn apply_set(
+    headers: &mut HeaderMap,
+    items: &[(&Headers, Decision)],
+    retry_after: Option<u64>,
+    standard: bool,
+    legacy: bool,
+) {
+    if let Some(v) = retry_after.and_then(|r| number(retry_after_secs(r))) {
+        headers.insert(RETRY_AFTER, v);
+    }
+    if standard && !items.is_empty() {
+        let mut policy = Buf::<2048>::empty();
+        let mut state = Buf::<2048>::empty();
+        for (i, (h, d)) in items.iter().enumerate() {
+            if i > 0 {
+                policy.push(b", ");
+                state.push(b", ");
+            }
+            if let Some(p) = &h.policy {
+                policy.push(p.as_bytes());
+            }
+            state.push(&h.prefix);
+            state.push_u64(d.remaining);
+            state.push(b";t=");
+            state.push_u64(t_secs(d));
+        }
+        if let Some(v) = policy.value() {
+            add_items(headers, &RATELIMIT_POLICY, v);
+        }
+        if let Some(v) = state.value() {
+            add_items(headers, &RATELIMIT, v);
+        }
+    }
+    let tightest = items.iter().min_by_key(|(_, d)| match d.outcome {
+        Outcome::Allow { .. } => (1, d.remaining),
+        _ => (0, 0),
+    });
+    if let (true, Some((h, d))) = (legacy, tightest) {
+        h.apply_legacy(headers, d);
     }
 }
 
@@ -212,15 +258,20 @@ impl Headers {
             }
         }
         if self.legacy {
-            if let Some(l) = &self.limit {
-                headers.insert(X_RATELIMIT_LIMIT.clone(), l.clone());
-            }
-            if let Some(v) = number(d.remaining) {
-                headers.insert(X_RATELIMIT_REMAINING.clone(), v);
-            }
-            if let Some(v) = number(t) {
-                headers.insert(X_RATELIMIT_RESET.clone(), v);
-            }
+            self.apply_legacy(headers, d);
+        }
+    }
+
+    /// `X-RateLimit-Limit`, `-Remaining` and `-Reset` for `d`.
+    fn apply_legacy(&self, headers: &mut HeaderMap, d: &Decision) {
+        if let Some(l) = &self.limit {
+            headers.insert(X_RATELIMIT_LIMIT.clone(), l.clone());
+        }
+        if let Some(v) = number(d.remaining) {
+            headers.insert(X_RATELIMIT_REMAINING.clone(), v);
+        }
+        if let Some(v) = number(t_secs(d)) {
+            headers.insert(X_RATELIMIT_RESET.clone(), v);
         }
     }
 }
@@ -569,6 +620,49 @@ mod tests {
         h.apply(&mut m, &decision(Outcome::Allow { delay: 0 }, 17, 0), false);
         assert_eq!(m["ratelimit"], "\"per-key\";r=17;t=0, \"inner\";r=1");
         assert_eq!(m.get_all("ratelimit").iter().count(), 1);
+    }
+
+    #[test]
+    fn every_field_line_of_an_inner_limiter_is_kept() {
+        let rule = Rule::new("outer", Limit::gcra(Rate::per_second(10), 20)).unwrap();
+        let h = Headers::new(&rule, true, false);
+        let mut m = HeaderMap::new();
+        m.append(RATELIMIT.clone(), HeaderValue::from_static("\"a\";r=1"));
+        m.append(RATELIMIT.clone(), HeaderValue::from_static(""));
+        m.append(RATELIMIT.clone(), HeaderValue::from_static("\"b\";r=2"));
+        h.apply(&mut m, &decision(Outcome::Allow { delay: 0 }, 17, 0), false);
+        assert_eq!(m["ratelimit"], "\"outer\";r=17;t=0, \"a\";r=1, \"b\";r=2");
+        assert_eq!(m.get_all("ratelimit").iter().count(), 1);
+    }
+
+    #[test]
+    fn a_rule_set_lists_every_rule_in_one_field() {
+        let a = Rule::new("per-key", Limit::gcra(Rate::per_second(10), 20)).unwrap();
+        let b = Rule::new("per-ip", Limit::fixed_window(100, Duration::from_secs(60))).unwrap();
+        let (ha, hb) = (Headers::new(&a, true, true), Headers::new(&b, true, true));
+        let mut m = HeaderMap::new();
+        let deny = Decision {
+            outcome: Outcome::Deny {
+                retry_after: 30_000_000_000,
+            },
+            limit: 100,
+            remaining: 0,
+            reset_after: 30_000_000_000,
+        };
+        let items = [
+            (&ha, decision(Outcome::Allow { delay: 0 }, 17, 300_000_000)),
+            (&hb, deny),
+        ];
+        apply_set(&mut m, &items, Some(30_000_000_000), true, true);
+        assert_eq!(
+            m["ratelimit-policy"],
+            "\"per-key\";q=20;w=2, \"per-ip\";q=100;w=60"
+        );
+        assert_eq!(m["ratelimit"], "\"per-key\";r=17;t=1, \"per-ip\";r=0;t=30");
+        assert_eq!(m["retry-after"], "30");
+        // The legacy headers describe the rule that holds the request back.
+        assert_eq!(m["x-ratelimit-limit"], "100");
+        assert_eq!(m["x-ratelimit-reset"], "30");
     }
 
     #[test]

@@ -62,7 +62,7 @@ pub(crate) enum Inner<'a, S> {
 }
 
 impl<S: Clone> Inner<'_, S> {
-    fn call<ReqB>(self, request: Request<ReqB>) -> S::Future
+    pub(crate) fn call<ReqB>(self, request: Request<ReqB>) -> S::Future
     where
         S: Service<Request<ReqB>>,
     {
@@ -76,7 +76,7 @@ impl<S: Clone> Inner<'_, S> {
     /// service is dropped, so whatever it reserved (a permit, a buffer
     /// slot) is free while the request waits its turn; the caller keeps an
     /// unready clone, to poll ready before its next call as Tower requires.
-    fn clone_for_later(self) -> S {
+    pub(crate) fn clone_for_later(self) -> S {
         match self {
             Inner::Borrowed(s) => {
                 let later = s.clone();
@@ -94,10 +94,10 @@ pub(crate) type RefundFn = Box<dyn FnOnce() + Send>;
 
 /// Runs its refund when dropped, unless defused: a paced request that is
 /// cancelled during its delay gives its slot in the queue back.
-pub(crate) struct Refund(Option<RefundFn>);
+pub(crate) struct Refund(pub(crate) Option<RefundFn>);
 
 impl Refund {
-    fn defuse(&mut self) {
+    pub(crate) fn defuse(&mut self) {
         self.0 = None;
     }
 }

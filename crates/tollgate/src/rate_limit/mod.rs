@@ -45,6 +45,8 @@ mod tests;
 
 pub use error::RateLimited;
 pub use future::{ErrorFuture, ResponseFuture};
+pub(crate) use future::{Inner, Refund, RefundFn};
 pub use layer::{RateLimitErrorLayer, RateLimitLayer, RateLimitLayerBuilder};
 pub use service::{RateLimit, RateLimitErrors};
 pub use shared::MissingKey;
+pub(crate) use shared::Responder;

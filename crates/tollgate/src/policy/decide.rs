@@ -1,0 +1,142 @@
+//! Judging the rules' decisions together, and refunds.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tollgate_core::{Decision, Limiter, Outcome, StoreError};
+
+use super::shared::{Bound, Shared, MAX_RULES};
+use crate::key::KeyBytes;
+use crate::rate_limit::RefundFn;
+use crate::rejection::Reason;
+
+/// What each rule decided for one request: its decision and the cost it
+/// charged, or nothing (no key and skipped, or the store failed).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Report {
+    pub(super) decided: [Option<(Decision, u32)>; MAX_RULES],
+}
+
+impl Report {
+    pub(super) fn new() -> Self {
+        Self {
+            decided: [None; MAX_RULES],
+        }
+    }
+}
+
+/// What the rules, together, say about a request.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Verdict {
+    /// Every enforced rule admits it, after the longest pacing delay.
+    Pass { delay: u64 },
+    /// Rule `rule` holds it back: the one that can never admit it, else
+    /// the one that asks for the longest wait.
+    Deny { rule: usize, reason: Reason },
+    /// Rule `rule` found no key and refuses keyless requests.
+    MissingKey { rule: usize },
+}
+
+/// Records a store failure: the rule admits (a store fault never fails
+/// the request), counted and logged.
+pub(super) fn store_failed<B, L>(rule: &Bound<B, L>, error: &StoreError) {
+    rule.responder.metrics.store_error.increment(1);
+    crate::observe::store_fault("rate", &rule.responder.rule, error);
+}
+
+/// Judges the rules' decisions together, counts them, and turns the
+/// refunded rules' `remaining` into what they hold after the refund.
+/// Whoever holds the keys refunds the consumed rules on a denial.
+pub(super) fn settle<B, L>(shared: &Shared<B, L>, report: &mut Report) -> Verdict {
+    let mut never: Option<usize> = None;
+    let mut longest: Option<(usize, u64)> = None;
+    let mut delay = 0u64;
+    for (i, (rule, slot)) in shared.rules.iter().zip(&report.decided).enumerate() {
+        let Some((d, _)) = slot else { continue };
+        let shadow = rule.responder.shadow;
+        match d.outcome {
+            Outcome::Allow { delay: wait } if !shadow => delay = delay.max(wait),
+            Outcome::Allow { .. } => {}
+            Outcome::Deny { .. } | Outcome::Never if shadow => {
+                rule.responder.metrics.shadow_limited.increment(1);
+            }
+            Outcome::Never => {
+                rule.responder.metrics.too_costly.increment(1);
+                never = never.or(Some(i));
+            }
+            Outcome::Deny { retry_after } => {
+                let m = &rule.responder.metrics;
+                m.limited.increment(1);
+                m.retry_after
+                    .record(Duration::from_nanos(retry_after).as_secs_f64());
+                if longest.is_none_or(|(_, r)| retry_after > r) {
+                    longest = Some((i, retry_after));
+                }
+            }
+        }
+    }
+    let verdict = match (never, longest) {
+        (Some(rule), _) => Verdict::Deny {
+            rule,
+            reason: Reason::TooCostly,
+        },
+        (None, Some((rule, _))) => Verdict::Deny {
+            rule,
+            reason: Reason::Limited,
+        },
+        (None, None) => Verdict::Pass { delay },
+    };
+    for (rule, slot) in shared.rules.iter().zip(&mut report.decided) {
+        let Some((d, cost)) = slot else { continue };
+        match verdict {
+            Verdict::Pass { .. } if d.is_allowed() => rule.responder.metrics.allowed.increment(1),
+            // Refunded: the budget is as it was before the request.
+            Verdict::Deny { .. } if d.is_allowed() => {
+                d.remaining = d.remaining.saturating_add(u64::from(*cost)).min(d.limit);
+                if d.remaining == d.limit {
+                    d.reset_after = 0;
+                }
+            }
+            _ => {}
+        }
+    }
+    verdict
+}
+
+/// Gives back what each rule that admitted the request consumed;
+/// `key(i)` is rule `i`'s key.
+pub(super) fn refund_consumed<B, L: Limiter>(
+    shared: &Shared<B, L>,
+    report: &Report,
+    mut key: impl FnMut(usize, &mut dyn FnMut(&[u8])),
+) {
+    for (i, (rule, slot)) in shared.rules.iter().zip(&report.decided).enumerate() {
+        if let Some((d, cost)) = slot {
+            if d.is_allowed() && *cost > 0 {
+                key(i, &mut |k| {
+                    crate::task::finish(rule.limiter.refund(k, *cost));
+                });
+            }
+        }
+    }
+}
+
+/// Every consumed rule's key, owned, for a refund that may come later (a
+/// paced request cancelled while it waits).
+pub(super) fn pacing_refund<B, L: Limiter>(
+    shared: &Arc<Shared<B, L>>,
+    report: &Report,
+    keys: Vec<(usize, KeyBytes)>,
+) -> RefundFn
+where
+    B: 'static,
+{
+    let (shared, report) = (Arc::clone(shared), *report);
+    Box::new(move || {
+        refund_consumed(&shared, &report, |i, f| {
+            if let Some((_, k)) = keys.iter().find(|(j, _)| *j == i) {
+                f(k.as_bytes());
+            }
+        });
+    })
+}

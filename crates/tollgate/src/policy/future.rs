@@ -1,0 +1,254 @@
+//! The policy's response future: deciding, pacing, calling, rejecting.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use pin_project_lite::pin_project;
+use tokio::time::Sleep;
+use tollgate_core::{Decision, Limiter, Outcome};
+use tower_service::Service;
+
+use super::decide::{pacing_refund, Report, Verdict};
+use super::shared::{Shared, MAX_RULES};
+use crate::body::ResponseBody;
+use crate::headers::apply_set;
+use crate::key::KeyBytes;
+use crate::rate_limit::{Inner, Refund};
+use crate::rejection::{LimitKind, Reason, Rejected};
+
+pub(super) type Deciding =
+    Pin<Box<dyn Future<Output = (Report, Verdict, Vec<(usize, KeyBytes)>)> + Send>>;
+
+pin_project! {
+    #[project = StateProj]
+    pub(super) enum State<S, B>
+    where
+        S: Service<Request<B>>,
+    {
+        Deciding {
+            decide: Deciding,
+            waiting: Option<Box<(Request<B>, S)>>,
+        },
+        Pacing {
+            sleep: Pin<Box<Sleep>>,
+            waiting: Option<Box<(Request<B>, S)>>,
+            refund: Refund,
+        },
+        Calling {
+            #[pin]
+            future: S::Future,
+        },
+        Rejected {
+            verdict: Verdict,
+        },
+    }
+}
+
+pin_project! {
+    /// Response future of [`Policy`].
+    pub struct PolicyFuture<S, B, L>
+    where
+        S: Service<Request<B>>,
+    {
+        #[pin]
+        pub(super) state: State<S, B>,
+        pub(super) report: Report,
+        pub(super) grpc: bool,
+        pub(super) shared: Arc<Shared<B, L>>,
+    }
+}
+
+impl<S, B, L> fmt::Debug for PolicyFuture<S, B, L>
+where
+    S: Service<Request<B>>,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PolicyFuture").finish_non_exhaustive()
+    }
+}
+
+/// The state a verdict leads to.
+pub(super) fn next<S, B, L>(
+    shared: &Arc<Shared<B, L>>,
+    report: &Report,
+    verdict: Verdict,
+    req: Request<B>,
+    inner: Inner<'_, S>,
+    keys: impl FnOnce(&Request<B>) -> Vec<(usize, KeyBytes)>,
+) -> State<S, B>
+where
+    S: Service<Request<B>> + Clone,
+    B: 'static,
+    L: Limiter,
+{
+    match verdict {
+        Verdict::Pass { delay: 0 } => State::Calling {
+            future: inner.call(req),
+        },
+        // Needs tokio's timer (a runtime with time enabled, as axum's and
+        // tonic's servers have).
+        Verdict::Pass { delay } => {
+            let refund = pacing_refund(shared, report, keys(&req));
+            State::Pacing {
+                sleep: Box::pin(tokio::time::sleep(Duration::from_nanos(delay))),
+                waiting: Some(Box::new((req, inner.clone_for_later()))),
+                refund: Refund(Some(refund)),
+            }
+        }
+        Verdict::Deny { .. } | Verdict::MissingKey { .. } => State::Rejected { verdict },
+    }
+}
+
+impl<S, B, L, ResB> Future for PolicyFuture<S, B, L>
+where
+    S: Service<Request<B>, Response = Response<ResB>> + Clone,
+    B: 'static,
+    L: Limiter,
+{
+    type Output = Result<Response<ResponseBody<ResB>>, S::Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            let next_state = match this.state.as_mut().project() {
+                StateProj::Deciding { decide, waiting } => {
+                    let (report, verdict, keys) = ready!(decide.as_mut().poll(cx));
+                    *this.report = report;
+                    let Some(waiting) = waiting.take() else {
+                        return Poll::Pending;
+                    };
+                    let (req, inner) = *waiting;
+                    next(
+                        this.shared,
+                        this.report,
+                        verdict,
+                        req,
+                        Inner::Owned(inner),
+                        |_| keys,
+                    )
+                }
+                StateProj::Pacing {
+                    sleep,
+                    waiting,
+                    refund,
+                } => {
+                    ready!(sleep.as_mut().poll(cx));
+                    // Its turn came: from here the cost stays spent.
+                    refund.defuse();
+                    let Some(w) = waiting.as_mut() else {
+                        return Poll::Pending;
+                    };
+                    ready!(w.1.poll_ready(cx))?;
+                    let Some(waiting) = waiting.take() else {
+                        return Poll::Pending;
+                    };
+                    let (req, mut inner) = *waiting;
+                    State::Calling {
+                        future: inner.call(req),
+                    }
+                }
+                StateProj::Calling { future } => {
+                    let mut response = ready!(future.poll(cx))?.map(ResponseBody::inner);
+                    headers(this.shared, this.report, response.headers_mut(), None);
+                    return Poll::Ready(Ok(response));
+                }
+                StateProj::Rejected { verdict } => {
+                    let response = reject(this.shared, this.report, *verdict, *this.grpc);
+                    return Poll::Ready(Ok(response.map(ResponseBody::full)));
+                }
+            };
+            this.state.set(next_state);
+        }
+    }
+}
+
+/// Adds the headers of every enforced rule that decided.
+fn headers<B, L>(
+    shared: &Shared<B, L>,
+    report: &Report,
+    map: &mut http::HeaderMap,
+    retry_after: Option<u64>,
+) {
+    if !shared.standard && !shared.legacy && retry_after.is_none() {
+        return;
+    }
+    let Some(first) = shared.rules.first() else {
+        return;
+    };
+    let blank = Decision {
+        outcome: Outcome::Never,
+        limit: 0,
+        remaining: 0,
+        reset_after: 0,
+    };
+    let mut items = [(&first.responder.headers, blank); MAX_RULES];
+    let mut n = 0;
+    for (rule, slot) in shared.rules.iter().zip(&report.decided) {
+        if let (Some((d, _)), false) = (slot, rule.responder.shadow) {
+            if let Some(item) = items.get_mut(n) {
+                *item = (&rule.responder.headers, *d);
+                n = n.saturating_add(1);
+            }
+        }
+    }
+    apply_set(
+        map,
+        items.get(..n).unwrap_or_default(),
+        retry_after,
+        shared.standard,
+        shared.legacy,
+    );
+}
+
+/// The rejection for `verdict`, with every rule's headers.
+fn reject<B, L>(
+    shared: &Shared<B, L>,
+    report: &Report,
+    verdict: Verdict,
+    grpc: bool,
+) -> Response<Bytes> {
+    let (rule, reason) = match verdict {
+        Verdict::Deny { rule, reason } => (rule, reason),
+        Verdict::MissingKey { rule } => (rule, Reason::MissingKey),
+        Verdict::Pass { .. } => (0, Reason::Limited),
+    };
+    let Some(bound) = shared.rules.get(rule) else {
+        return Response::new(Bytes::new());
+    };
+    let decision = match reason {
+        Reason::MissingKey => None,
+        _ => report.decided.get(rule).copied().flatten().map(|(d, _)| d),
+    };
+    let rejected = Rejected {
+        rule: Arc::clone(&bound.responder.rule),
+        kind: LimitKind::Rate,
+        reason,
+        decision,
+        grpc,
+    };
+    tracing::debug!(
+        target: "tollgate",
+        rule = %bound.responder.rule,
+        ?reason,
+        "request over a policy rule"
+    );
+    let r = &bound.responder;
+    let mut res = match &r.rejection {
+        Some(f) if !grpc => f(&rejected),
+        _ => r.rendered.render(&rejected),
+    };
+    if reason != Reason::MissingKey {
+        let retry_after = decision.and_then(|d| match d.outcome {
+            Outcome::Deny { retry_after } => Some(retry_after),
+            _ => None,
+        });
+        headers(shared, report, res.headers_mut(), retry_after);
+    }
+    res
+}

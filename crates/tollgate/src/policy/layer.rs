@@ -1,0 +1,218 @@
+//! The policy layer and its builder.
+
+use std::fmt;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::Response;
+use tollgate_core::{ConfigError, Limiter, Rule, Store};
+use tollgate_memory::MemoryStore;
+use tower_layer::Layer;
+
+use super::rule::{DynRule, Erased, RateRule};
+use super::service::Policy;
+use super::shared::{Bound, RejectFn, Shared, MAX_RULES};
+use crate::cost::Cost;
+use crate::headers::Headers;
+use crate::key::KeyExtractor;
+use crate::observe::Metrics;
+use crate::rate_limit::{MissingKey, Responder};
+use crate::rejection::{LimitKind, Rejected, Rendered};
+
+/// Several rate limits decided as one: a request passes only if every
+/// rule passes, and what the passing rules consumed is refunded when
+/// another denies. See the [module docs](super).
+pub struct PolicyLayer<B, L> {
+    pub(super) shared: Arc<Shared<B, L>>,
+}
+
+impl<B, L> Clone for PolicyLayer<B, L> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<B, L> fmt::Debug for PolicyLayer<B, L> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<&str> = self
+            .shared
+            .rules
+            .iter()
+            .map(|r| &*r.responder.rule)
+            .collect();
+        f.debug_struct("PolicyLayer")
+            .field("rules", &names)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B> PolicyLayer<B, ()> {
+    /// Starts an empty policy on a new in-memory store, with the standard
+    /// headers on.
+    pub fn builder() -> PolicyLayerBuilder<B, MemoryStore> {
+        PolicyLayerBuilder {
+            rules: Vec::new(),
+            store: MemoryStore::new(),
+            headers: true,
+            legacy_headers: false,
+            rejection: None,
+        }
+    }
+}
+
+impl<B, L: Limiter> PolicyLayer<B, L> {
+    /// The store's limiter of each rule, in order (e.g. to read a key's
+    /// budget in a test or a dashboard).
+    pub fn limiters(&self) -> impl Iterator<Item = &L> {
+        self.shared.rules.iter().map(|r| &r.limiter)
+    }
+}
+
+impl<S, B, L> Layer<S> for PolicyLayer<B, L> {
+    type Service = Policy<S, B, L>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Policy {
+            inner,
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+/// One rule, waiting for the store it will be bound to.
+struct Unbound<B> {
+    name: String,
+    limit: tollgate_core::Limit,
+    rule: Box<dyn DynRule<B>>,
+    missing: MissingKey,
+    shadow: bool,
+}
+
+/// Builds a [`PolicyLayer`]; see [`PolicyLayer::builder`].
+pub struct PolicyLayerBuilder<B, St> {
+    rules: Vec<Unbound<B>>,
+    store: St,
+    headers: bool,
+    legacy_headers: bool,
+    rejection: Option<RejectFn>,
+}
+
+impl<B, St> fmt::Debug for PolicyLayerBuilder<B, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<&str> = self.rules.iter().map(|r| r.name.as_str()).collect();
+        f.debug_struct("PolicyLayerBuilder")
+            .field("rules", &names)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B, St> PolicyLayerBuilder<B, St> {
+    /// Adds a rule; rules are decided, and listed in headers, in the order
+    /// they are added (at most [`MAX_RULES`]).
+    pub fn rule<K, C>(mut self, rule: RateRule<K, C>) -> Self
+    where
+        K: KeyExtractor<B>,
+        C: Cost<B>,
+    {
+        self.rules.push(Unbound {
+            name: rule.name,
+            limit: rule.limit,
+            rule: Box::new(Erased {
+                key: rule.key,
+                cost: rule.cost,
+            }),
+            missing: rule.missing,
+            shadow: rule.shadow,
+        });
+        self
+    }
+
+    /// Where every rule's state lives (default: a new [`MemoryStore`]).
+    pub fn store<St2: Store>(self, store: St2) -> PolicyLayerBuilder<B, St2> {
+        PolicyLayerBuilder {
+            rules: self.rules,
+            store,
+            headers: self.headers,
+            legacy_headers: self.legacy_headers,
+            rejection: self.rejection,
+        }
+    }
+
+    /// Whether to send `RateLimit-Policy` and `RateLimit` (default on).
+    pub fn headers(mut self, on: bool) -> Self {
+        self.headers = on;
+        self
+    }
+
+    /// Whether to send `X-RateLimit-Limit`, `-Remaining` and `-Reset`, for
+    /// the most restrictive rule (default off).
+    pub fn legacy_headers(mut self, on: bool) -> Self {
+        self.legacy_headers = on;
+        self
+    }
+
+    /// Builds the HTTP rejection yourself (gRPC requests keep the standard
+    /// `RESOURCE_EXHAUSTED` answer). The layer adds the rate-limit headers
+    /// and `Retry-After` to what it returns.
+    pub fn rejection<F>(mut self, f: F) -> Self
+    where
+        F: Fn(&Rejected) -> Response<Bytes> + Send + Sync + 'static,
+    {
+        self.rejection = Some(Arc::new(f));
+        self
+    }
+}
+
+impl<B, St: Store> PolicyLayerBuilder<B, St> {
+    /// Validates every rule and binds it to the store. Errors name the
+    /// field: `rules` for the list, or the rule's own field.
+    pub fn build(self) -> Result<PolicyLayer<B, St::Limiter>, ConfigError> {
+        if self.rules.is_empty() || self.rules.len() > MAX_RULES {
+            return Err(ConfigError::new(
+                "rules",
+                format!("a policy holds 1 to {MAX_RULES} rules"),
+            ));
+        }
+        let mut bound = Vec::with_capacity(self.rules.len());
+        for (i, r) in self.rules.into_iter().enumerate() {
+            let rule = Rule::new(&r.name, r.limit)?;
+            if bound
+                .iter()
+                .any(|b: &Bound<B, St::Limiter>| *b.responder.rule == *rule.name())
+            {
+                return Err(ConfigError::new(
+                    "rules",
+                    format!(
+                        "rules[{i}]: the name {:?} is taken by another rule",
+                        rule.name()
+                    ),
+                ));
+            }
+            let limiter = self.store.limiter(&rule)?;
+            bound.push(Bound {
+                rule: r.rule,
+                limiter,
+                missing: r.missing,
+                warned_missing: AtomicBool::new(false),
+                responder: Responder {
+                    rule: rule.name().into(),
+                    headers: Headers::new(&rule, self.headers, self.legacy_headers),
+                    shadow: r.shadow,
+                    rejection: self.rejection.clone(),
+                    rendered: Rendered::new(LimitKind::Rate, rule.name(), rule.capacity()),
+                    metrics: Metrics::register(rule.name()),
+                },
+            });
+        }
+        Ok(PolicyLayer {
+            shared: Arc::new(Shared {
+                rules: bound.into(),
+                standard: self.headers,
+                legacy: self.legacy_headers,
+            }),
+        })
+    }
+}

@@ -1,0 +1,89 @@
+//! Policies: several rate limits decided as one.
+//!
+//! A [`PolicyLayer`] holds an ordered list of rules ([`RateRule`]), each
+//! with its own name, limit, key and cost — per API key, per client IP,
+//! per route, global. A request passes only if every rule admits it.
+//! When one rule denies, what the others consumed is **refunded**, so a
+//! request that was not served costs no rule anything; two stacked
+//! [`RateLimitLayer`](crate::RateLimitLayer)s, by contrast, charge the
+//! outer rule for requests the inner one denies.
+//!
+//! - **Headers** list every enforced rule, in order, in one
+//!   `RateLimit-Policy` and one `RateLimit` field:
+//!   `RateLimit-Policy: "per-key";q=20;w=2, "per-ip";q=400;w=4`.
+//! - **A denial** names the rule that holds the request back: one that can
+//!   never admit it (a cost above its capacity) first, else the one that
+//!   asks for the longest wait, whose wait is the `Retry-After`.
+//! - **Pacing** rules (the leaky bucket) delay the request by the longest
+//!   delay any of them asks; a request cancelled while it waits gives
+//!   every rule its cost back.
+//! - **Shadow** rules decide and count, but never deny and send no
+//!   headers.
+//! - **Stores**: the in-memory store decides every rule in `call`, without
+//!   allocating for up to [`MAX_RULES`] rules. A networked store decides
+//!   the rules concurrently, one call each, then refunds on a denial.
+//!   Between a rule's charge and its refund, another request of the same
+//!   key may see that rule's budget lower than it ends up: rules are not
+//!   one atomic transaction across keys (on Redis Cluster, keys of
+//!   different rules live on different nodes), and a denied request can
+//!   briefly hold back a concurrent one, never let one more through.
+//! - A refund gives back what the rule's algorithm can give back: exact
+//!   for GCRA, token bucket, fixed window, leaky bucket and sliding window
+//!   counter; the sliding window log gives back its oldest units (see
+//!   [`SlidingWindowLog`](tollgate_core::SlidingWindowLog)).
+//!
+//! ```
+//! use http::{Request, Response, StatusCode};
+//! use tower::{service_fn, Layer, ServiceExt};
+//! use tollgate::key::{Global, Header};
+//! use tollgate::policy::{PolicyLayer, RateRule};
+//! use tollgate::{Limit, Rate};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! let layer = PolicyLayer::builder()
+//!     // 10 a second per API key, bursts of 20...
+//!     .rule(RateRule::new(
+//!         "per-key",
+//!         Limit::gcra(Rate::per_second(10), 20),
+//!         Header::named("x-api-key")?,
+//!     ))
+//!     // ...and 2 a second for the whole service.
+//!     .rule(RateRule::new("global", Limit::gcra(Rate::per_second(2), 2), Global))
+//!     .build()?;
+//! let svc = layer.layer(service_fn(|_req: Request<String>| async {
+//!     Ok::<_, std::convert::Infallible>(Response::new(String::new()))
+//! }));
+//! let call = |key: &str| {
+//!     let req = Request::get("/").header("x-api-key", key).body(String::new());
+//!     svc.clone().oneshot(req.unwrap())
+//! };
+//! assert_eq!(call("a").await?.status(), StatusCode::OK);
+//! let res = call("b").await?;
+//! assert_eq!(
+//!     res.headers()["ratelimit-policy"],
+//!     "\"per-key\";q=20;w=2, \"global\";q=2;w=1"
+//! );
+//! // The global rule is spent: the third call is refused, and "c"'s own
+//! // budget is refunded.
+//! let res = call("c").await?;
+//! assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+//! assert_eq!(res.headers()["ratelimit"], "\"per-key\";r=20;t=0, \"global\";r=0;t=1");
+//! # Ok(())
+//! # }
+//! ```
+
+mod decide;
+mod future;
+mod layer;
+mod rule;
+mod service;
+mod shared;
+#[cfg(test)]
+mod tests;
+
+pub use future::PolicyFuture;
+pub use layer::{PolicyLayer, PolicyLayerBuilder};
+pub use rule::RateRule;
+pub use service::Policy;
+pub use shared::MAX_RULES;

@@ -1,0 +1,89 @@
+//! One rule of a policy, and its type-erased form.
+
+use http::Request;
+use tollgate_core::Limit;
+
+use crate::cost::{Cost, Fixed};
+use crate::key::{KeyBuf, KeyExtractor};
+use crate::rate_limit::MissingKey;
+
+/// One rule of a [`PolicyLayer`](super::PolicyLayer): a rate limit with
+/// its own name, key and cost. The key is explicit: there is no default
+/// that could make every client share one budget by accident.
+#[derive(Debug, Clone)]
+pub struct RateRule<K, C = Fixed> {
+    pub(crate) name: String,
+    pub(crate) limit: Limit,
+    pub(crate) key: K,
+    pub(crate) cost: C,
+    pub(crate) missing: MissingKey,
+    pub(crate) shadow: bool,
+}
+
+impl<K> RateRule<K, Fixed> {
+    /// A rule named `name` (headers, store keys, metrics) enforcing `limit`
+    /// per `key`. Defaults: cost 1; a request without this key is refused
+    /// (400, gRPC `INVALID_ARGUMENT`); enforced, not shadow.
+    pub fn new(name: &str, limit: Limit, key: K) -> Self {
+        Self {
+            name: name.to_owned(),
+            limit,
+            key,
+            cost: Fixed(1),
+            missing: MissingKey::Reject,
+            shadow: false,
+        }
+    }
+}
+
+impl<K, C> RateRule<K, C> {
+    /// What a request costs under this rule (default 1).
+    pub fn cost<C2>(self, cost: C2) -> RateRule<K, C2> {
+        RateRule {
+            name: self.name,
+            limit: self.limit,
+            key: self.key,
+            cost,
+            missing: self.missing,
+            shadow: self.shadow,
+        }
+    }
+
+    /// What to do with a request this rule finds no key in (default:
+    /// [`MissingKey::Reject`]). [`MissingKey::Skip`] leaves such a request
+    /// to the other rules, e.g. a per-user rule for anonymous traffic.
+    pub fn on_missing_key(mut self, missing: MissingKey) -> Self {
+        self.missing = missing;
+        self
+    }
+
+    /// Shadow mode: the rule decides and counts (metrics
+    /// `outcome="shadow_limited"`), but never holds a request back and
+    /// sends no headers that would make clients back off.
+    pub fn shadow(mut self, shadow: bool) -> Self {
+        self.shadow = shadow;
+        self
+    }
+}
+
+/// A rule's key and cost, with the request body type fixed and the
+/// extractor types erased, so rules of different types share one list.
+pub(crate) trait DynRule<B>: Send + Sync {
+    fn key(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()>;
+    fn cost(&self, req: &Request<B>) -> u32;
+}
+
+pub(crate) struct Erased<K, C> {
+    pub(crate) key: K,
+    pub(crate) cost: C,
+}
+
+impl<B, K: KeyExtractor<B>, C: Cost<B>> DynRule<B> for Erased<K, C> {
+    fn key(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()> {
+        self.key.extract(req, key)
+    }
+
+    fn cost(&self, req: &Request<B>) -> u32 {
+        self.cost.cost(req)
+    }
+}

@@ -1,0 +1,392 @@
+use std::convert::Infallible;
+use std::future::{ready, Ready};
+use std::time::Duration;
+
+use http::{Request, Response};
+use tollgate_core::{
+    ConcurrencyRule, ConfigError, Decision, Limit, Limiter, ManualClock, Rate, Rule, Store,
+    StoreError, StoreErrorKind,
+};
+use tower::{service_fn, Layer, Service, ServiceExt};
+
+use super::*;
+use crate::cost::{Fixed, HeaderCost};
+use crate::key::{Global, Header};
+use crate::rate_limit::MissingKey;
+use crate::MemoryStore;
+
+type Req = Request<String>;
+
+async fn ok(_req: Req) -> Result<Response<String>, Infallible> {
+    Ok(Response::new("ok".to_owned()))
+}
+
+fn store(clock: &ManualClock) -> MemoryStore<ManualClock> {
+    MemoryStore::builder().clock(clock.clone()).build().unwrap()
+}
+
+fn req(key: &str, ip: &str) -> Req {
+    Request::get("/hello")
+        .header("x-api-key", key)
+        .header("x-ip", ip)
+        .body(String::new())
+        .unwrap()
+}
+
+fn per_key(limit: Limit) -> RateRule<Header> {
+    RateRule::new("per-key", limit, Header::named("x-api-key").unwrap())
+}
+
+fn per_ip(limit: Limit) -> RateRule<Header> {
+    RateRule::new("per-ip", limit, Header::named("x-ip").unwrap())
+}
+
+/// Rule `i`'s remaining budget for the store key its extractor makes of
+/// `key` (an `x-api-key` or `x-ip` value; any for `Global`), read without
+/// consuming.
+async fn remaining<L: Limiter>(layer: &PolicyLayer<String, L>, i: usize, key: &str) -> u64 {
+    use crate::key::{KeyBuf, KeyExtractor};
+    let limiter = layer.limiters().nth(i).unwrap();
+    let r = req(key, key);
+    let mut buf = KeyBuf::new();
+    let extracted = match limiter.rule().name() {
+        "per-key" => Header::named("x-api-key").unwrap().extract(&r, &mut buf),
+        "per-ip" => Header::named("x-ip").unwrap().extract(&r, &mut buf),
+        _ => Global.extract(&r, &mut buf),
+    };
+    extracted.unwrap();
+    limiter.decide(buf.as_bytes(), 0).await.unwrap().remaining
+}
+
+/// A store whose limiters answer only through their futures (no
+/// `decide_sync`), as a networked store does; `broken` ones always fail.
+#[derive(Clone)]
+struct Networked {
+    memory: MemoryStore<ManualClock>,
+    broken: &'static [&'static str],
+}
+
+#[derive(Clone)]
+struct NetLimiter {
+    inner: tollgate_memory::MemoryLimiter<ManualClock>,
+    broken: bool,
+}
+
+impl Limiter for NetLimiter {
+    type DecideFuture = Ready<Result<Decision, StoreError>>;
+    type RefundFuture = Ready<Result<(), StoreError>>;
+
+    fn rule(&self) -> &Rule {
+        self.inner.rule()
+    }
+
+    fn decide(&self, key: &[u8], cost: u32) -> Self::DecideFuture {
+        if self.broken {
+            return ready(Err(StoreError::new(StoreErrorKind::Unavailable, "down")));
+        }
+        ready(Ok(self.inner.decide_now(key, cost)))
+    }
+
+    fn refund(&self, key: &[u8], cost: u32) -> Self::RefundFuture {
+        self.inner.refund_now(key, cost);
+        ready(Ok(()))
+    }
+}
+
+impl Store for Networked {
+    type Limiter = NetLimiter;
+    type ConcurrencyLimiter = <MemoryStore<ManualClock> as Store>::ConcurrencyLimiter;
+
+    fn limiter(&self, rule: &Rule) -> Result<NetLimiter, ConfigError> {
+        Ok(NetLimiter {
+            inner: self.memory.limiter(rule)?,
+            broken: self.broken.contains(&rule.name()),
+        })
+    }
+
+    fn concurrency_limiter(
+        &self,
+        rule: &ConcurrencyRule,
+    ) -> Result<Self::ConcurrencyLimiter, ConfigError> {
+        self.memory.concurrency_limiter(rule)
+    }
+}
+
+/// The same contract on the in-memory store (decided in `call`) and on a
+/// store that answers through futures (decided concurrently).
+macro_rules! on_both_paths {
+    ($name:ident, $body:expr) => {
+        mod $name {
+            use super::*;
+
+            #[tokio::test]
+            async fn in_memory() {
+                let clock = ManualClock::starting_at(1);
+                ($body)(store(&clock), clock).await;
+            }
+
+            #[tokio::test]
+            async fn networked() {
+                let clock = ManualClock::starting_at(1);
+                let s = Networked {
+                    memory: store(&clock),
+                    broken: &[],
+                };
+                ($body)(s, clock).await;
+            }
+        }
+    };
+}
+
+async fn a_denial_refunds_every_other_rule<S: Store>(store: S, _clock: ManualClock) {
+    let layer = PolicyLayer::builder()
+        .rule(per_key(Limit::fixed_window(10, Duration::from_secs(60))))
+        .rule(per_ip(Limit::fixed_window(2, Duration::from_secs(60))))
+        .store(store)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    // Rows: (key, ip, status, RateLimit).
+    let table: &[(&str, &str, u16, &str)] = &[
+        (
+            "a",
+            "1.1.1.1",
+            200,
+            "\"per-key\";r=9;t=60, \"per-ip\";r=1;t=60",
+        ),
+        (
+            "b",
+            "1.1.1.1",
+            200,
+            "\"per-key\";r=9;t=60, \"per-ip\";r=0;t=60",
+        ),
+        // The IP is spent: "c" is refused, and its key's budget refunded.
+        (
+            "c",
+            "1.1.1.1",
+            429,
+            "\"per-key\";r=10;t=0, \"per-ip\";r=0;t=60",
+        ),
+        (
+            "a",
+            "2.2.2.2",
+            200,
+            "\"per-key\";r=8;t=60, \"per-ip\";r=1;t=60",
+        ),
+    ];
+    for (i, (key, ip, status, ratelimit)) in table.iter().enumerate() {
+        let res = svc.clone().oneshot(req(key, ip)).await.unwrap();
+        assert_eq!(res.status(), *status, "row {i}");
+        assert_eq!(res.headers()["ratelimit"], *ratelimit, "row {i}");
+        assert_eq!(
+            res.headers()["ratelimit-policy"],
+            "\"per-key\";q=10;w=60, \"per-ip\";q=2;w=60",
+            "row {i}"
+        );
+    }
+    assert_eq!(
+        remaining(&layer, 0, "c").await,
+        10,
+        "the denial was charged"
+    );
+    assert_eq!(remaining(&layer, 0, "a").await, 8);
+}
+on_both_paths!(refunds, a_denial_refunds_every_other_rule);
+
+async fn the_rule_with_the_longest_wait_answers<S: Store>(store: S, _clock: ManualClock) {
+    let layer = PolicyLayer::builder()
+        .rule(per_key(Limit::gcra(Rate::per_second(1), 1)))
+        .rule(per_ip(Limit::fixed_window(1, Duration::from_secs(60))))
+        .rule(RateRule::new(
+            "global",
+            Limit::gcra(Rate::per_second(100), 100),
+            Global,
+        ))
+        .store(store)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    assert_eq!(
+        svc.clone().oneshot(req("a", "ip")).await.unwrap().status(),
+        200
+    );
+    // Both per-key (1 s) and per-ip (60 s) deny: per-ip waits longest.
+    let res = svc.clone().oneshot(req("a", "ip")).await.unwrap();
+    assert_eq!(res.status(), 429);
+    assert_eq!(res.headers()["retry-after"], "60");
+    let body = http_body_util::BodyExt::collect(res.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    assert!(
+        std::str::from_utf8(&body).unwrap().contains("per-ip"),
+        "the 429 names the rule: {body:?}"
+    );
+    // Global consumed once, refunded once.
+    assert_eq!(remaining(&layer, 2, "any").await, 99);
+}
+on_both_paths!(longest_wait, the_rule_with_the_longest_wait_answers);
+
+async fn a_cost_no_rule_can_ever_admit_is_never<S: Store>(store: S, _clock: ManualClock) {
+    let layer = PolicyLayer::builder()
+        .rule(per_ip(Limit::fixed_window(1, Duration::from_secs(60))))
+        .rule(
+            per_key(Limit::gcra(Rate::per_second(10), 20))
+                .cost(HeaderCost::named("x-cost", 1, 1_000).unwrap()),
+        )
+        .store(store)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    assert_eq!(
+        svc.clone().oneshot(req("a", "ip")).await.unwrap().status(),
+        200
+    );
+    let mut r = req("a", "ip");
+    r.headers_mut().insert("x-cost", "21".parse().unwrap());
+    let res = svc.clone().oneshot(r).await.unwrap();
+    // per-ip would say "in a minute"; per-key says "never": never wins.
+    assert_eq!(res.status(), 429);
+    assert!(res.headers().get("retry-after").is_none());
+}
+on_both_paths!(never, a_cost_no_rule_can_ever_admit_is_never);
+
+async fn missing_keys_skip_or_refuse<S: Store>(store: S, _clock: ManualClock) {
+    let layer = PolicyLayer::builder()
+        .rule(RateRule::new(
+            "global",
+            Limit::fixed_window(100, Duration::from_secs(60)),
+            Global,
+        ))
+        .rule(
+            per_key(Limit::fixed_window(10, Duration::from_secs(60)))
+                .on_missing_key(MissingKey::Skip),
+        )
+        .rule(per_ip(Limit::fixed_window(10, Duration::from_secs(60))))
+        .store(store)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    // No API key: the per-key rule is skipped, and not listed.
+    let anonymous = Request::get("/")
+        .header("x-ip", "1.1.1.1")
+        .body(String::new())
+        .unwrap();
+    let res = svc.clone().oneshot(anonymous).await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(
+        res.headers()["ratelimit"],
+        "\"global\";r=99;t=60, \"per-ip\";r=9;t=60"
+    );
+    // No IP: refused (400), and the global rule refunded.
+    let res = svc
+        .clone()
+        .oneshot(Request::get("/").body(String::new()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 400);
+    assert_eq!(remaining(&layer, 0, "any").await, 99);
+}
+on_both_paths!(missing, missing_keys_skip_or_refuse);
+
+async fn shadow_rules_count_but_never_deny_nor_show<S: Store>(store: S, _clock: ManualClock) {
+    let layer = PolicyLayer::builder()
+        .rule(per_key(Limit::fixed_window(10, Duration::from_secs(60))))
+        .rule(per_ip(Limit::fixed_window(1, Duration::from_secs(60))).shadow(true))
+        .store(store)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    for i in 0..3 {
+        let res = svc.clone().oneshot(req("a", "ip")).await.unwrap();
+        assert_eq!(res.status(), 200, "request {i}");
+        assert_eq!(res.headers()["ratelimit-policy"], "\"per-key\";q=10;w=60");
+    }
+    assert_eq!(
+        remaining(&layer, 1, "ip").await,
+        0,
+        "the shadow rule decided"
+    );
+}
+on_both_paths!(shadow, shadow_rules_count_but_never_deny_nor_show);
+
+#[tokio::test]
+async fn a_failing_store_for_one_rule_leaves_the_others_in_force() {
+    let clock = ManualClock::starting_at(1);
+    let s = Networked {
+        memory: store(&clock),
+        broken: &["per-ip"],
+    };
+    let layer = PolicyLayer::builder()
+        .rule(per_key(Limit::fixed_window(1, Duration::from_secs(60))))
+        .rule(per_ip(Limit::fixed_window(1, Duration::from_secs(60))))
+        .store(s)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    let res = svc.clone().oneshot(req("a", "ip")).await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(res.headers()["ratelimit"], "\"per-key\";r=0;t=60");
+    assert_eq!(
+        svc.clone().oneshot(req("a", "ip")).await.unwrap().status(),
+        429
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn pacing_waits_the_longest_delay_and_a_cancelled_wait_refunds_every_rule() {
+    let clock = ManualClock::starting_at(1);
+    let layer = PolicyLayer::builder()
+        .rule(per_key(Limit::fixed_window(10, Duration::from_secs(60))))
+        .rule(RateRule::new(
+            "paced",
+            Limit::leaky_bucket(Rate::per_second(10), Duration::from_secs(1)),
+            Global,
+        ))
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    assert_eq!(
+        svc.clone().oneshot(req("a", "ip")).await.unwrap().status(),
+        200
+    );
+    // The second request waits 100 ms for its turn; cancelled meanwhile,
+    // it gives both rules their cost back.
+    let mut waiting = svc.clone();
+    let fut = waiting.ready().await.unwrap().call(req("a", "ip"));
+    assert_eq!(remaining(&layer, 0, "a").await, 8);
+    drop(fut);
+    assert_eq!(remaining(&layer, 0, "a").await, 9);
+    let start = tokio::time::Instant::now();
+    assert_eq!(
+        svc.clone().oneshot(req("a", "ip")).await.unwrap().status(),
+        200
+    );
+    assert!(
+        start.elapsed() >= Duration::from_millis(99),
+        "{:?}",
+        start.elapsed()
+    );
+    assert_eq!(remaining(&layer, 0, "a").await, 8);
+}
+
+#[test]
+fn configuration_errors_name_the_field() {
+    let limit = Limit::fixed_window(1, Duration::from_secs(1));
+    let e = |b: PolicyLayerBuilder<String, MemoryStore>| b.build().map(drop).unwrap_err();
+    assert_eq!(e(PolicyLayer::builder()).field(), "rules");
+    let mut nine = PolicyLayer::builder();
+    for i in 0..9 {
+        nine = nine.rule(RateRule::new(&format!("r{i}"), limit, Global));
+    }
+    assert_eq!(e(nine).field(), "rules");
+    let twice = PolicyLayer::builder()
+        .rule(RateRule::new("same", limit, Global))
+        .rule(RateRule::new("same", limit, Global).cost(Fixed(2)));
+    let err = e(twice);
+    assert_eq!(err.field(), "rules");
+    assert!(err.to_string().contains("rules[1]"), "{err}");
+    let bad = PolicyLayer::builder().rule(RateRule::new("bad name", limit, Global));
+    assert_eq!(e(bad).field(), "name");
+}

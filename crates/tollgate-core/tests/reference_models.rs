@@ -344,11 +344,16 @@ impl Model for SlidingWindowLogModel {
     }
 
     fn refund(&mut self, now: u64, cost: u32) {
-        // The newest units still in the window go back first.
+        // The oldest units still in the window go back first (those that
+        // stay leave the window last: never more admitted than an exact
+        // refund of the request's own units would).
         let mut left = u64::from(cost);
-        for i in (0..self.admitted.len()).rev() {
-            if left == 0 || !self.in_window(self.admitted[i].0, now) {
+        for i in 0..self.admitted.len() {
+            if left == 0 {
                 break;
+            }
+            if !self.in_window(self.admitted[i].0, now) {
+                continue;
             }
             let take = left.min(self.admitted[i].1);
             self.admitted[i].1 -= take;

@@ -17,7 +17,7 @@ use crate::key::{KeyBuf, KeyBytes};
 use crate::rate_limit::Inner;
 use crate::rejection::is_grpc;
 
-/// The service of [`PolicyLayer`].
+/// The service of [`PolicyLayer`](super::PolicyLayer).
 pub struct Policy<S, B, L> {
     pub(super) inner: S,
     pub(super) shared: Arc<Shared<B, L>>,

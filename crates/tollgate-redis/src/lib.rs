@@ -100,7 +100,8 @@
 //! Redis 5.0 or later (or a compatible server): the scripts write after
 //! reading `TIME`, which needs script effects replication, the default
 //! since 5.0, and use no command newer than 4.0 (no `RPOP` with a count
-//! nor `ZADD GT`, which need 6.2). Tested with Redis 7.0.
+//! nor `ZADD GT`, which need 6.2). The test suite passes on Redis 5.0.6,
+//! 6.2.14 and 7.0 (`.ci/redis-versions` runs it on the older two).
 //!
 //! # Features
 //!

@@ -53,6 +53,22 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// The highest port a cluster node may take: its bus listens on the
+/// port + 10000, so a node above it refuses to start ("port number too
+/// high"), and Linux hands out ports up to 60999.
+const MAX_CLUSTER_PORT: u16 = 55_535;
+
+/// A free port a cluster node can use.
+fn free_cluster_port() -> u16 {
+    for _ in 0..1_000 {
+        let port = free_port();
+        if port <= MAX_CLUSTER_PORT {
+            return port;
+        }
+    }
+    panic!("no free port at or below {MAX_CLUSTER_PORT}");
+}
+
 fn scratch_dir() -> PathBuf {
     static N: AtomicU32 = AtomicU32::new(0);
     let dir = std::env::temp_dir().join(format!(
@@ -190,7 +206,7 @@ impl Cluster {
         }
         let dir = scratch_dir();
         let nodes: Vec<Server> = (0..3)
-            .map(|_| Server::spawn(free_port(), dir.clone(), true))
+            .map(|_| Server::spawn(free_cluster_port(), dir.clone(), true))
             .collect();
         let addrs: Vec<String> = nodes
             .iter()

@@ -140,14 +140,38 @@ pub(crate) fn add_items(headers: &mut HeaderMap, name: &HeaderName, value: Heade
     }
 }
 
+/// The `RateLimit-Policy` value listing `rules` in order, for a rule set
+/// to build once: most responses list every rule.
+pub(crate) fn set_policy<'a>(rules: impl Iterator<Item = &'a Headers>) -> Option<HeaderValue> {
+    let mut v = Vec::new();
+    for h in rules {
+        if let Some(p) = &h.policy {
+            if !v.is_empty() {
+                v.extend_from_slice(b", ");
+            }
+            v.extend_from_slice(p.as_bytes());
+        }
+    }
+    HeaderValue::from_maybe_shared(bytes::Bytes::from(v)).ok()
+}
+
+/// Appends `n` in decimal to `v`.
+fn push_decimal(v: &mut Vec<u8>, n: u64) {
+    let mut b = Buf::<20>::empty();
+    b.push_u64(n);
+    v.extend_from_slice(b.as_bytes());
+}
+
 /// Sets the `RateLimit-Policy` and `RateLimit` fields of a rule set, one
 /// item per rule, in order (each `(rule's headers, decision)`), merged
 /// with whatever an inner layer set; `Retry-After` when `retry_after`
 /// (nanoseconds) is given; and the legacy headers of the most restrictive
-/// item when `legacy`.
+/// item when `legacy`. `policy` is the `RateLimit-Policy` of exactly these
+/// items when the caller has it built (see [`set_policy`]).
 pub(crate) fn apply_set(
     headers: &mut HeaderMap,
     items: &[(&Headers, Decision)],
+    policy: Option<&HeaderValue>,
     retry_after: Option<u64>,
     standard: bool,
     legacy: bool,
@@ -156,25 +180,25 @@ pub(crate) fn apply_set(
         headers.insert(RETRY_AFTER, v);
     }
     if standard && !items.is_empty() {
-        let mut policy = Buf::<2048>::empty();
-        let mut state = Buf::<2048>::empty();
-        for (i, (h, d)) in items.iter().enumerate() {
-            if i > 0 {
-                policy.push(b", ");
-                state.push(b", ");
-            }
-            if let Some(p) = &h.policy {
-                policy.push(p.as_bytes());
-            }
-            state.push(&h.prefix);
-            state.push_u64(d.remaining);
-            state.push(b";t=");
-            state.push_u64(t_secs(d));
-        }
-        if let Some(v) = policy.value() {
+        let policy = match policy {
+            Some(p) => Some(p.clone()),
+            None => set_policy(items.iter().map(|(h, _)| *h)),
+        };
+        if let Some(v) = policy {
             add_items(headers, &RATELIMIT_POLICY, v);
         }
-        if let Some(v) = state.value() {
+        // One allocation, handed to the header value without a copy.
+        let mut state = Vec::with_capacity(items.len().saturating_mul(48));
+        for (i, (h, d)) in items.iter().enumerate() {
+            if i > 0 {
+                state.extend_from_slice(b", ");
+            }
+            state.extend_from_slice(&h.prefix);
+            push_decimal(&mut state, d.remaining);
+            state.extend_from_slice(b";t=");
+            push_decimal(&mut state, t_secs(d));
+        }
+        if let Ok(v) = HeaderValue::from_maybe_shared(bytes::Bytes::from(state)) {
             add_items(headers, &RATELIMIT, v);
         }
     }
@@ -653,7 +677,7 @@ mod tests {
             (&ha, decision(Outcome::Allow { delay: 0 }, 17, 300_000_000)),
             (&hb, deny),
         ];
-        apply_set(&mut m, &items, Some(30_000_000_000), true, true);
+        apply_set(&mut m, &items, None, Some(30_000_000_000), true, true);
         assert_eq!(
             m["ratelimit-policy"],
             "\"per-key\";q=20;w=2, \"per-ip\";q=100;w=60"

@@ -197,9 +197,14 @@ fn headers<B, L>(
             }
         }
     }
+    // Every enforced rule decided (the usual case): the policy is built.
+    let policy = (n == shared.enforced)
+        .then_some(shared.policy.as_ref())
+        .flatten();
     apply_set(
         map,
         items.get(..n).unwrap_or_default(),
+        policy,
         retry_after,
         shared.standard,
         shared.legacy,

@@ -14,7 +14,7 @@ use super::rule::{DynRule, Erased, RateRule};
 use super::service::Policy;
 use super::shared::{Bound, RejectFn, Shared, MAX_RULES};
 use crate::cost::Cost;
-use crate::headers::Headers;
+use crate::headers::{set_policy, Headers};
 use crate::key::KeyExtractor;
 use crate::observe::Metrics;
 use crate::rate_limit::{MissingKey, Responder};
@@ -207,11 +207,16 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 },
             });
         }
+        let enforced = || bound.iter().filter(|b| !b.responder.shadow);
+        let policy = set_policy(enforced().map(|b| &b.responder.headers));
+        let count = enforced().count();
         Ok(PolicyLayer {
             shared: Arc::new(Shared {
                 rules: bound.into(),
                 standard: self.headers,
                 legacy: self.legacy_headers,
+                policy,
+                enforced: count,
             }),
         })
     }

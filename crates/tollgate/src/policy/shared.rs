@@ -76,4 +76,9 @@ pub(super) struct Shared<B, L> {
     pub(super) rules: Box<[Bound<B, L>]>,
     pub(super) standard: bool,
     pub(super) legacy: bool,
+    /// `RateLimit-Policy` listing every enforced rule: what most responses
+    /// send.
+    pub(super) policy: Option<http::HeaderValue>,
+    /// How many rules are enforced (not shadow).
+    pub(super) enforced: usize,
 }

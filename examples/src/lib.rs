@@ -17,7 +17,8 @@ use tollgate::concurrency::{AdaptiveLimit, ConcurrencyLayer, Gradient};
 use tollgate::core::QuotaStore;
 use tollgate::cost::ByRoute;
 use tollgate::key::{ClientIp, Header, KeyExtractorExt};
-use tollgate::{ConfigError, Limit, QuotaLayer, Rate, RateLimitLayer};
+use tollgate::policy::{PolicyLayer, RateRule};
+use tollgate::{ConfigError, Limit, QuotaLayer, Rate};
 
 /// The size of `GET /api/download`'s body.
 pub const DOWNLOAD_BYTES: usize = 1 << 20;
@@ -32,7 +33,9 @@ pub const DOWNLOAD_BURST: u32 = 64 << 10;
 /// The quickstart's API:
 ///
 /// - one budget per client of 10 requests per second with bursts of 20,
-///   where an order costs 3 and a report 10;
+///   where an order costs 3 and a report 10, and one per client address
+///   of 100 a second with bursts of 400 (so rotating API keys from one
+///   address buys no fresh budgets), decided as one policy;
 /// - `GET /api/download` streams 1 MiB in 16 KiB chunks, paced to
 ///   256 KiB/s per client (bursts of at most 64 KiB), at most 2 at once
 ///   per client: a third is refused at once while two bodies are still
@@ -78,9 +81,22 @@ pub fn quickstart_app<S: QuotaStore>(
         .cost(costs.clone())
         .store(store.clone())
         .build()?;
-    let limit = RateLimitLayer::builder("per-key", Limit::gcra(Rate::per_second(10), 20))
-        .key(client)
-        .cost(costs)
+    // One decision for two rates: a rate per client, and one per address
+    // so that rotating API keys from one address buys no fresh budgets. A
+    // request either rule refuses costs neither.
+    let limit = PolicyLayer::builder()
+        .rule(
+            RateRule::new("per-key", Limit::gcra(Rate::per_second(10), 20), client)
+                .cost(costs.clone()),
+        )
+        .rule(
+            RateRule::new(
+                "per-ip",
+                Limit::gcra(Rate::per_second(100), 400),
+                ClientIp::trusting(trusted_proxies)?,
+            )
+            .cost(costs),
+        )
         .store(store)
         .build()?;
     let api = Router::new()

@@ -104,6 +104,31 @@ async fn keys_are_independent_and_health_is_not_limited() {
 }
 
 #[tokio::test]
+async fn rotating_api_keys_from_one_address_share_its_budget() {
+    let (addr, _clock) = quickstart(&[]).await;
+    // Every key is fresh; the address's burst of 400 is what runs out.
+    for i in 0..400 {
+        let r = hello(addr, &format!("key-{i}")).await;
+        assert_eq!(r.status, 200, "request {i}: {r:?}");
+        assert!(r
+            .item("ratelimit", "per-ip")
+            .contains(&format!("r={};", 399 - i)));
+    }
+    let r = hello(addr, "key-fresh").await;
+    assert_eq!(r.status, 429, "{r:?}");
+    assert!(r.body.contains("\"rule\":\"per-ip\""), "{}", r.body);
+    // The refused request cost its key nothing.
+    assert_eq!(r.item("ratelimit", "per-key"), "\"per-key\";r=20;t=0");
+    assert_eq!(
+        r.header("ratelimit-policy"),
+        "\"per-client\";q=64;qu=\"concurrent-requests\", \
+         \"service\";q=64;qu=\"concurrent-requests\", \
+         \"per-key\";q=20;w=2, \"per-ip\";q=400;w=4",
+        "outer layers first; the quota inside was never reached"
+    );
+}
+
+#[tokio::test]
 async fn orders_cost_three_and_reports_ten_from_one_budget() {
     let (addr, _clock) = quickstart(&[]).await;
     let r = send(addr, post("/api/reports", "dana")).await.unwrap();

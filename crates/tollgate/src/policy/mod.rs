@@ -13,7 +13,9 @@
 //!   `RateLimit-Policy: "per-key";q=20;w=2, "per-ip";q=400;w=4`.
 //! - **A denial** names the rule that holds the request back: one that can
 //!   never admit it (a cost above its capacity) first, else the one that
-//!   asks for the longest wait, whose wait is the `Retry-After`.
+//!   asks for the longest wait, whose wait is the `Retry-After`. The
+//!   items of rules refunded for it show their budget after the refund
+//!   (`r`), and as `t` the time they answered before it: an upper bound.
 //! - **Pacing** rules (the leaky bucket) delay the request by the longest
 //!   delay any of them asks; a request cancelled while it waits gives
 //!   every rule its cost back.

@@ -1,0 +1,245 @@
+//! Policies as contract tables: given these rules and this sequence of
+//! requests, these answers and headers — the same on the in-memory store,
+//! Redis and Redis Cluster (each on one manual clock, so exact).
+#![allow(missing_docs, clippy::unwrap_used, clippy::arithmetic_side_effects)]
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use http::{Request, Response};
+use tollgate::core::{ManualClock, Store};
+use tollgate::cost::HeaderCost;
+use tollgate::key::{Global, Header};
+use tollgate::policy::{PolicyLayer, RateRule};
+use tollgate::{Limit, MemoryStore, Rate, RedisStore};
+use tollgate_redis::testing::{unique_prefix, Cluster, Server};
+use tower::{service_fn, Layer, ServiceExt};
+
+/// One request and what must come back.
+struct Row {
+    key: &'static str,
+    ip: &'static str,
+    cost: u32,
+    /// Advance the clock by this many ms first.
+    after_ms: u64,
+    status: u16,
+    ratelimit: &'static str,
+    retry_after: Option<&'static str>,
+}
+
+const fn row(
+    key: &'static str,
+    ip: &'static str,
+    cost: u32,
+    after_ms: u64,
+    status: u16,
+    ratelimit: &'static str,
+    retry_after: Option<&'static str>,
+) -> Row {
+    Row {
+        key,
+        ip,
+        cost,
+        after_ms,
+        status,
+        ratelimit,
+        retry_after,
+    }
+}
+
+const POLICY: &str = "\"per-key\";q=10;w=60, \"per-ip\";q=3;w=60, \"global\";q=20;w=2";
+
+/// per-key: 10 a minute (fixed window); per-ip: 3 a minute (sliding log);
+/// global: 10/s with bursts of 20 (GCRA). Costs from `x-cost`.
+const TABLE: &[Row] = &[
+    row(
+        "a",
+        "1.1.1.1",
+        1,
+        0,
+        200,
+        "\"per-key\";r=9;t=60, \"per-ip\";r=2;t=60, \"global\";r=19;t=1",
+        None,
+    ),
+    row(
+        "b",
+        "1.1.1.1",
+        1,
+        0,
+        200,
+        "\"per-key\";r=9;t=60, \"per-ip\";r=1;t=60, \"global\";r=18;t=1",
+        None,
+    ),
+    // A cost of 2 does not fit the address's last unit: refused, and the
+    // key and global rules give their 2 back.
+    row(
+        "c",
+        "1.1.1.1",
+        2,
+        0,
+        429,
+        "\"per-key\";r=10;t=0, \"per-ip\";r=1;t=60, \"global\";r=18;t=1",
+        Some("60"),
+    ),
+    row(
+        "c",
+        "1.1.1.1",
+        1,
+        0,
+        200,
+        "\"per-key\";r=9;t=60, \"per-ip\";r=0;t=60, \"global\";r=17;t=1",
+        None,
+    ),
+    // Another address: 8 can never fit its 3 a minute, so no Retry-After;
+    // the key and global rules are refunded. (A refunded rule's t is the
+    // one it answered before its refund: an upper bound, here 1.1 s
+    // rounded up where 0.3 s would be exact.)
+    row(
+        "a",
+        "2.2.2.2",
+        8,
+        0,
+        429,
+        "\"per-key\";r=9;t=60, \"per-ip\";r=3;t=0, \"global\";r=17;t=2",
+        None,
+    ),
+    row(
+        "a",
+        "2.2.2.2",
+        3,
+        0,
+        200,
+        "\"per-key\";r=6;t=60, \"per-ip\";r=0;t=60, \"global\";r=14;t=1",
+        None,
+    ),
+    // A cost above the global burst can never pass: no Retry-After.
+    row(
+        "d",
+        "3.3.3.3",
+        21,
+        0,
+        429,
+        "\"per-key\";r=10;t=0, \"per-ip\";r=3;t=0, \"global\";r=14;t=1",
+        None,
+    ),
+    // The key's window holds across addresses.
+    row(
+        "a",
+        "4.4.4.4",
+        3,
+        0,
+        200,
+        "\"per-key\";r=3;t=60, \"per-ip\";r=0;t=60, \"global\";r=11;t=1",
+        None,
+    ),
+    row(
+        "a",
+        "5.5.5.5",
+        3,
+        0,
+        200,
+        "\"per-key\";r=0;t=60, \"per-ip\";r=0;t=60, \"global\";r=8;t=2",
+        None,
+    ),
+    row(
+        "a",
+        "6.6.6.6",
+        1,
+        0,
+        429,
+        "\"per-key\";r=0;t=60, \"per-ip\";r=3;t=0, \"global\";r=8;t=2",
+        Some("60"),
+    ),
+    // A minute later every window has turned.
+    row(
+        "a",
+        "1.1.1.1",
+        1,
+        60_000,
+        200,
+        "\"per-key\";r=9;t=60, \"per-ip\";r=2;t=60, \"global\";r=19;t=1",
+        None,
+    ),
+];
+
+async fn run_table<S: Store>(store: S, clock: &ManualClock) {
+    let layer = PolicyLayer::builder()
+        .rule(
+            RateRule::new(
+                "per-key",
+                Limit::fixed_window(10, Duration::from_secs(60)),
+                Header::named("x-api-key").unwrap(),
+            )
+            .cost(HeaderCost::named("x-cost", 1, 1_000).unwrap()),
+        )
+        .rule(
+            RateRule::new(
+                "per-ip",
+                Limit::sliding_window_log(3, Duration::from_secs(60)),
+                Header::named("x-ip").unwrap(),
+            )
+            .cost(HeaderCost::named("x-cost", 1, 1_000).unwrap()),
+        )
+        .rule(
+            RateRule::new("global", Limit::gcra(Rate::per_second(10), 20), Global)
+                .cost(HeaderCost::named("x-cost", 1, 1_000).unwrap()),
+        )
+        .store(store)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(|_req: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(String::new()))
+    }));
+    for (i, r) in TABLE.iter().enumerate() {
+        clock.advance(Duration::from_millis(r.after_ms));
+        let req = Request::get("/")
+            .header("x-api-key", r.key)
+            .header("x-ip", r.ip)
+            .header("x-cost", r.cost.to_string())
+            .body(String::new())
+            .unwrap();
+        let res = svc.clone().oneshot(req).await.unwrap();
+        assert_eq!(res.status(), r.status, "row {i}");
+        assert_eq!(res.headers()["ratelimit-policy"], POLICY, "row {i}");
+        assert_eq!(res.headers()["ratelimit"], r.ratelimit, "row {i}");
+        assert_eq!(
+            res.headers()
+                .get("retry-after")
+                .map(|v| v.to_str().unwrap()),
+            r.retry_after,
+            "row {i}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn memory() {
+    let clock = ManualClock::starting_at(60_000_000_000); // a whole minute: windows align
+    let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    run_table(store, &clock).await;
+}
+
+fn redis_store(url: &str, clock: &ManualClock) -> RedisStore {
+    RedisStore::builder(url)
+        .prefix(&unique_prefix())
+        .client_time(clock.clone())
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn redis() {
+    let Some(redis) = Server::start() else { return };
+    let clock = ManualClock::starting_at(1_796_000_040_000_000_000); // a whole minute
+    run_table(redis_store(&redis.url(), &clock), &clock).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster() {
+    let Some(cluster) = Cluster::start() else {
+        return;
+    };
+    let clock = ManualClock::starting_at(1_796_000_040_000_000_000); // a whole minute
+    run_table(redis_store(&cluster.url(), &clock), &clock).await;
+}

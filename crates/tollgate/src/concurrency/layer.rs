@@ -301,7 +301,9 @@ impl<K, C, P, St> ConcurrencyLayerBuilder<K, C, P, St> {
         self
     }
 
-    /// Shadow mode: decide, count and send headers, but never refuse.
+    /// Shadow mode: decide and count, but never refuse, and send no
+    /// rate-limit headers (a client would back off from a limit that is
+    /// not enforced).
     pub fn shadow(mut self, shadow: bool) -> Self {
         self.cfg.shadow = shadow;
         self
@@ -431,7 +433,7 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
         if let Some(n) = &service_name {
             limits.push((n, service_q));
         }
-        let headers = ConcurrencyHeaders::new(&limits, cfg.headers);
+        let headers = ConcurrencyHeaders::new(&limits, cfg.headers && !cfg.shadow);
         let service_rendered = Rendered::new(
             LimitKind::Concurrency,
             service_name.as_deref().unwrap_or(&name),

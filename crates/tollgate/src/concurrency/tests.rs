@@ -320,7 +320,7 @@ async fn shadow_mode_never_refuses() {
     let a = svc.clone().oneshot(req("k")).await.unwrap();
     let b = svc.clone().oneshot(req("k")).await.unwrap();
     assert_eq!((a.status(), b.status()), (StatusCode::OK, StatusCode::OK));
-    assert_eq!(b.headers()["ratelimit"], "\"per-key\";r=0;t=1");
+    assert!(b.headers().get("ratelimit").is_none(), "shadow headers");
     assert!(b.headers().get("retry-after").is_none());
     drop((a, b));
     assert_eq!(held(&layer, "k").await, 0);

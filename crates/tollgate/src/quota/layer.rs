@@ -174,7 +174,9 @@ impl<K, C, St> QuotaLayerBuilder<K, C, St> {
         self
     }
 
-    /// Shadow mode: count, warn and send headers, but never refuse.
+    /// Shadow mode: count and warn (`Quota-Warning`, the metric), but
+    /// never refuse, and send no `RateLimit` headers (a client would back
+    /// off from a quota that is not enforced).
     pub fn shadow(mut self, shadow: bool) -> Self {
         self.cfg.shadow = shadow;
         self
@@ -239,7 +241,7 @@ impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
                 warned_missing: AtomicBool::new(false),
                 responder: Arc::new(Responder {
                     rule: cfg.name.as_str().into(),
-                    headers: QuotaHeaders::new(&names, cfg.headers),
+                    headers: QuotaHeaders::new(&names, cfg.headers && !cfg.shadow),
                     items: names.into_iter().map(Into::into).collect(),
                     shadow: cfg.shadow,
                     rejection: cfg.rejection,

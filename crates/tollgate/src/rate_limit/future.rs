@@ -146,10 +146,11 @@ where
         Outcome::Never => m.too_costly.increment(1),
     }
     match decision.outcome {
-        // Shadow mode decides but never holds a request back.
+        // Shadow mode decides but never holds a request back, and sends no
+        // headers that would make a client back off.
         Outcome::Allow { .. } if responder.shadow => State::Calling {
             future: inner.call(request),
-            decision: Some(decision),
+            decision: None,
         },
         Outcome::Allow { delay: 0 } => State::Calling {
             future: inner.call(request),
@@ -182,7 +183,7 @@ where
             if responder.shadow {
                 State::Calling {
                     future: inner.call(request),
-                    decision: Some(decision),
+                    decision: None,
                 }
             } else {
                 State::Rejected {

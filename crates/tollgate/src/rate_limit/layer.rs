@@ -88,6 +88,12 @@ impl<K, C, L> RateLimitLayer<K, C, L> {
         &self.shared.responder.rule
     }
 
+    /// The store's handle of the rule (e.g. to read a key's budget in a
+    /// test or a dashboard, with a cost-0 `decide`).
+    pub fn limiter(&self) -> &L {
+        &self.shared.limiter
+    }
+
     #[cfg(test)]
     pub(crate) fn responder(&self) -> Arc<Responder> {
         Arc::clone(&self.shared.responder)
@@ -208,7 +214,9 @@ impl<K, C, St> RateLimitLayerBuilder<K, C, St> {
         }
     }
 
-    /// Shadow mode: decide, log and send headers, but never block. For
+    /// Shadow mode: decide, log and count (`outcome="shadow_limited"`),
+    /// but never block, and send no rate-limit headers (a client that
+    /// honours them would back off from a limit that is not enforced). For
     /// trying a limit on live traffic before enforcing it.
     pub fn shadow(mut self, shadow: bool) -> Self {
         self.shadow = shadow;

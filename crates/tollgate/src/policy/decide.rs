@@ -15,13 +15,37 @@ use crate::rejection::Reason;
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Report {
     pub(super) decided: [Option<(Decision, u32)>; MAX_RULES],
+    /// Bit `i`: rule `i` only watches this request (shadow, or a canary
+    /// that leaves its key out).
+    pub(super) shadow: u16,
 }
 
 impl Report {
     pub(super) fn new() -> Self {
         Self {
             decided: [None; MAX_RULES],
+            shadow: 0,
         }
+    }
+
+    /// Rule `i` decided `d` at `cost`, enforced or watching.
+    pub(super) fn set(&mut self, i: usize, d: Decision, cost: u32, shadow: bool) {
+        if let Some(slot) = self.decided.get_mut(i) {
+            *slot = Some((d, cost));
+        }
+        if shadow {
+            self.shadow |= 1u16
+                .checked_shl(u32::try_from(i).unwrap_or(u32::MAX))
+                .unwrap_or(0);
+        }
+    }
+
+    /// Whether rule `i` only watches this request.
+    pub(super) fn shadows(&self, i: usize) -> bool {
+        let bit = 1u16
+            .checked_shl(u32::try_from(i).unwrap_or(u32::MAX))
+            .unwrap_or(0);
+        self.shadow & bit != 0
     }
 }
 
@@ -53,7 +77,7 @@ pub(super) fn settle<B, L>(shared: &Shared<B, L>, report: &mut Report) -> Verdic
     let mut delay = 0u64;
     for (i, (rule, slot)) in shared.rules.iter().zip(&report.decided).enumerate() {
         let Some((d, _)) = slot else { continue };
-        let shadow = rule.responder.shadow;
+        let shadow = report.shadows(i);
         match d.outcome {
             Outcome::Allow { delay: wait } if !shadow => delay = delay.max(wait),
             Outcome::Allow { .. } => {}

@@ -189,8 +189,8 @@ fn headers<B, L>(
     };
     let mut items = [(&first.responder.headers, blank); MAX_RULES];
     let mut n = 0;
-    for (rule, slot) in shared.rules.iter().zip(&report.decided) {
-        if let (Some((d, _)), false) = (slot, rule.responder.shadow) {
+    for (i, (rule, slot)) in shared.rules.iter().zip(&report.decided).enumerate() {
+        if let (Some((d, _)), false) = (slot, report.shadows(i)) {
             if let Some(item) = items.get_mut(n) {
                 *item = (&rule.responder.headers, *d);
                 n = n.saturating_add(1);

@@ -12,7 +12,7 @@ use tower_layer::Layer;
 
 use super::rule::{DynRule, Erased, RateRule};
 use super::service::Policy;
-use super::shared::{Bound, RejectFn, Shared, MAX_RULES};
+use super::shared::{canary, Bound, RejectFn, Shared, MAX_RULES};
 use crate::cost::Cost;
 use crate::headers::{set_policy, Headers};
 use crate::key::KeyExtractor;
@@ -89,6 +89,7 @@ struct Unbound<B> {
     rule: Box<dyn DynRule<B>>,
     missing: MissingKey,
     shadow: bool,
+    canary: Option<f64>,
 }
 
 /// Builds a [`PolicyLayer`]; see [`PolicyLayer::builder`].
@@ -126,6 +127,7 @@ impl<B, St> PolicyLayerBuilder<B, St> {
             }),
             missing: rule.missing,
             shadow: rule.shadow,
+            canary: rule.canary,
         });
         self
     }
@@ -191,11 +193,23 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                     ),
                 ));
             }
+            let canary = match r.canary {
+                None => None,
+                Some(share) if share == 1.0 => None,
+                Some(share) if (0.0..1.0).contains(&share) => Some(canary(rule.name(), share)),
+                Some(_) => {
+                    return Err(ConfigError::new(
+                        "canary",
+                        format!("rules[{i}]: the share must be from 0.0 to 1.0"),
+                    ))
+                }
+            };
             let limiter = self.store.limiter(&rule)?;
             bound.push(Bound {
                 rule: r.rule,
                 limiter,
                 missing: r.missing,
+                canary,
                 warned_missing: AtomicBool::new(false),
                 responder: Responder {
                     rule: rule.name().into(),

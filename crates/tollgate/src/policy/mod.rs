@@ -20,7 +20,9 @@
 //!   delay any of them asks; a request cancelled while it waits gives
 //!   every rule its cost back.
 //! - **Shadow** rules decide and count, but never deny and send no
-//!   headers.
+//!   headers. A **canary** ([`RateRule::canary`]) enforces a new rule for a
+//!   share of keys, chosen by a keyed hash of the rule's name and the key
+//!   (the same on every instance), and shadows it for the rest.
 //! - **Stores**: the in-memory store decides every rule in `call`, without
 //!   allocating for up to [`MAX_RULES`] rules. A networked store decides
 //!   the rules concurrently, one call each, then refunds on a denial.

@@ -18,6 +18,7 @@ pub struct RateRule<K, C = Fixed> {
     pub(crate) cost: C,
     pub(crate) missing: MissingKey,
     pub(crate) shadow: bool,
+    pub(crate) canary: Option<f64>,
 }
 
 impl<K> RateRule<K, Fixed> {
@@ -32,6 +33,7 @@ impl<K> RateRule<K, Fixed> {
             cost: Fixed(1),
             missing: MissingKey::Reject,
             shadow: false,
+            canary: None,
         }
     }
 }
@@ -46,6 +48,7 @@ impl<K, C> RateRule<K, C> {
             cost,
             missing: self.missing,
             shadow: self.shadow,
+            canary: self.canary,
         }
     }
 
@@ -62,6 +65,17 @@ impl<K, C> RateRule<K, C> {
     /// sends no headers that would make clients back off.
     pub fn shadow(mut self, shadow: bool) -> Self {
         self.shadow = shadow;
+        self
+    }
+
+    /// A canary: the rule is enforced for a share of keys (0.0 to 1.0)
+    /// and runs in [shadow](Self::shadow) for the rest. Which keys are in
+    /// the share is decided by a keyed hash of the rule's name and the
+    /// key, so it is the same on every instance and across restarts, and
+    /// a key stays in (or out) as the share grows: raising 0.05 to 0.25
+    /// keeps the first 5 % enforced.
+    pub fn canary(mut self, share: f64) -> Self {
+        self.canary = Some(share);
         self
     }
 }

@@ -103,11 +103,7 @@ where
             }
             let cost = rule.rule.cost(&req);
             match rule.limiter.decide_sync(key.as_bytes(), cost) {
-                Some(Ok(d)) => {
-                    if let Some(slot) = report.decided.get_mut(i) {
-                        *slot = Some((d, cost));
-                    }
-                }
+                Some(Ok(d)) => report.set(i, d, cost, rule.shadows(key.as_bytes())),
                 Some(Err(e)) => store_failed(rule, &e),
                 None => return self.decide_async(req, report, i, grpc),
             }
@@ -207,6 +203,7 @@ where
                 Some((
                     *i,
                     cost,
+                    rule.shadows(key.as_bytes()),
                     Box::pin(rule.limiter.decide(key.as_bytes(), cost)),
                 ))
             })
@@ -219,7 +216,7 @@ where
                     pending.iter().map(|_| None).collect();
                 poll_fn(|cx| {
                     let mut waiting = false;
-                    for ((_, _, fut), result) in pending.iter_mut().zip(results.iter_mut()) {
+                    for ((_, _, _, fut), result) in pending.iter_mut().zip(results.iter_mut()) {
                         if result.is_none() {
                             match fut.as_mut().poll(cx) {
                                 Poll::Ready(r) => *result = Some(r),
@@ -234,16 +231,12 @@ where
                     }
                 })
                 .await;
-                for ((i, cost, _), result) in pending.iter().zip(results) {
+                for ((i, cost, shadow, _), result) in pending.iter().zip(results) {
                     let Some(rule) = shared.rules.get(*i) else {
                         continue;
                     };
                     match result {
-                        Some(Ok(d)) => {
-                            if let Some(slot) = report.decided.get_mut(*i) {
-                                *slot = Some((d, *cost));
-                            }
-                        }
+                        Some(Ok(d)) => report.set(*i, d, *cost, *shadow),
                         Some(Err(e)) => store_failed(rule, &e),
                         None => {}
                     }

@@ -23,6 +23,8 @@ pub(super) struct Bound<B, L> {
     pub(super) missing: MissingKey,
     pub(super) warned_missing: AtomicBool,
     pub(super) responder: Responder,
+    /// A canary's share as a threshold on the key's hash: enforced below.
+    pub(super) canary: Option<(u64, (u64, u64))>,
 }
 
 /// What a rule made of a request's key.
@@ -33,6 +35,15 @@ pub(super) enum Keyed {
 }
 
 impl<B, L> Bound<B, L> {
+    /// Whether this rule only watches `key` (shadow, or a canary that
+    /// leaves it out).
+    pub(super) fn shadows(&self, key: &[u8]) -> bool {
+        if self.responder.shadow {
+            return true;
+        }
+        self.canary.is_some_and(|c| !in_canary(c, key))
+    }
+
     /// The key of a request this rule keyed before: no metrics, no
     /// warning. `false` when it had none (and was skipped or refused).
     pub(super) fn key_again(&self, req: &Request<B>, key: &mut KeyBuf) -> bool {
@@ -81,4 +92,60 @@ pub(super) struct Shared<B, L> {
     pub(super) policy: Option<http::HeaderValue>,
     /// How many rules are enforced (not shadow).
     pub(super) enforced: usize,
+}
+
+/// A canary's threshold on the key hash for `share`, and the hash's keys,
+/// derived from the rule's name: the same on every instance.
+pub(super) fn canary(name: &str, share: f64) -> (u64, (u64, u64)) {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::new()
+        .chain_update(b"tollgate canary\0")
+        .chain_update(name.as_bytes())
+        .finalize();
+    let word = |i: usize| {
+        let mut b = [0u8; 8];
+        if let Some(src) = digest.get(i..i.saturating_add(8)) {
+            b.copy_from_slice(src);
+        }
+        u64::from_le_bytes(b)
+    };
+    // share × 2^64 (share is below 1).
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let threshold = (share * 18_446_744_073_709_551_616.0) as u64;
+    (threshold, (word(0), word(8)))
+}
+
+/// Whether `key` is in the share of a canary `(threshold, hash keys)`.
+pub(super) fn in_canary((threshold, (k0, k1)): (u64, (u64, u64)), key: &[u8]) -> bool {
+    use std::hash::Hasher as _;
+    let mut h = siphasher::sip::SipHasher13::new_with_keys(k0, k1);
+    h.write(key);
+    h.finish() < threshold
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{canary, in_canary};
+
+    #[test]
+    fn a_canary_takes_its_share_of_keys_stably() {
+        for share in [0.01, 0.25, 0.5, 0.9] {
+            let c = canary("new-rule", share);
+            let n = 100_000u32;
+            let inside = (0..n).filter(|i| in_canary(c, &i.to_be_bytes())).count();
+            #[allow(clippy::cast_precision_loss)]
+            let got = inside as f64 / f64::from(n);
+            assert!((got - share).abs() <= 0.02, "share {share}: {got}");
+            // The same on another instance: it depends on the name only.
+            assert_eq!(canary("new-rule", share), c);
+        }
+        // Growing the share keeps every key already in.
+        let (small, large) = (canary("r", 0.05), canary("r", 0.25));
+        for i in 0..10_000u32 {
+            let k = i.to_be_bytes();
+            assert!(!in_canary(small, &k) || in_canary(large, &k));
+        }
+        // Another rule's canary picks other keys.
+        assert_ne!(canary("other", 0.25).1, canary("r", 0.25).1);
+    }
 }

@@ -389,4 +389,49 @@ fn configuration_errors_name_the_field() {
     assert!(err.to_string().contains("rules[1]"), "{err}");
     let bad = PolicyLayer::builder().rule(RateRule::new("bad name", limit, Global));
     assert_eq!(e(bad).field(), "name");
+    for share in [-0.1, 1.5, f64::NAN] {
+        let canary = PolicyLayer::builder().rule(RateRule::new("c", limit, Global).canary(share));
+        assert_eq!(e(canary).field(), "canary", "{share}");
+    }
+}
+
+#[tokio::test]
+async fn a_canary_enforces_its_share_of_keys_and_watches_the_rest() {
+    let clock = ManualClock::starting_at(1);
+    let build = || {
+        PolicyLayer::builder()
+            .rule(per_key(Limit::fixed_window(1, Duration::from_secs(60))).canary(0.5))
+            .store(store(&clock))
+            .build()
+            .unwrap()
+            .layer(service_fn(ok))
+    };
+    let (one, two) = (build(), build());
+    let mut enforced = 0;
+    for i in 0..400 {
+        let key = format!("key-{i}");
+        assert_eq!(
+            one.clone().oneshot(req(&key, "ip")).await.unwrap().status(),
+            200
+        );
+        let second = one.clone().oneshot(req(&key, "ip")).await.unwrap();
+        if second.status() == 429 {
+            enforced += 1;
+            assert_eq!(second.headers()["ratelimit"], "\"per-key\";r=0;t=60");
+        } else {
+            // Watched, not enforced: no headers that would slow it down.
+            assert!(second.headers().get("ratelimit").is_none(), "{key}");
+        }
+        // Another instance (its own store) makes the same choice.
+        assert_eq!(
+            two.clone().oneshot(req(&key, "ip")).await.unwrap().status(),
+            200
+        );
+        let again = two.clone().oneshot(req(&key, "ip")).await.unwrap();
+        assert_eq!(again.status(), second.status(), "{key}");
+    }
+    assert!(
+        (160..=240).contains(&enforced),
+        "{enforced} of 400 enforced"
+    );
 }

@@ -195,7 +195,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
             }
             let canary = match r.canary {
                 None => None,
-                Some(share) if share == 1.0 => None,
+                Some(1.0) => None,
                 Some(share) if (0.0..1.0).contains(&share) => Some(canary(rule.name(), share)),
                 Some(_) => {
                     return Err(ConfigError::new(

@@ -75,7 +75,7 @@ impl BandwidthLayer<PeerIp, ()> {
     /// Starts a layer pacing each key to `bytes_per_second`, with bursts
     /// of up to `burst` bytes, under the rule name `name`. Defaults: keyed
     /// by peer IP, responses paced, in-memory store, chunks of a quarter of
-    /// the burst (at most 1 MiB), keyless requests share one budget.
+    /// the burst (at most 1 MiB), keyless requests refused (400).
     pub fn builder(
         name: &str,
         bytes_per_second: u32,

@@ -93,7 +93,7 @@ impl ConcurrencyLayer<PeerIp, Fixed, AllCritical, ()> {
     /// rule name `name` (used in headers, store keys and metrics).
     /// Defaults: keyed by peer IP, one permit per request, in-memory
     /// store, every request critical, no queue, standard headers on,
-    /// keyless requests share one budget.
+    /// keyless requests refused (400).
     pub fn builder(
         name: &str,
         max_in_flight: u32,

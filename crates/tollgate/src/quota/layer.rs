@@ -70,7 +70,7 @@ impl QuotaLayer<PeerIp, Fixed, ()> {
     /// Starts a quota named `name` (used in headers, store keys and
     /// metrics). Add at least one [`period`](QuotaLayerBuilder::period).
     /// Defaults: keyed by peer IP, cost 1, in-memory store, UTC, standard
-    /// headers on, no soft limit, keyless requests share one budget.
+    /// headers on, no soft limit, keyless requests refused (400).
     pub fn builder(name: &str) -> QuotaLayerBuilder<PeerIp, Fixed, MemoryStore> {
         QuotaLayerBuilder {
             key: PeerIp::new(),

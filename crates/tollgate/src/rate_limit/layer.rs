@@ -55,8 +55,9 @@ impl<K, C, L> fmt::Debug for RateLimitLayer<K, C, L> {
 impl RateLimitLayer<PeerIp, Fixed, ()> {
     /// Starts a layer enforcing `limit` under the rule name `name` (used in
     /// headers, store keys and metrics). Defaults: keyed by peer IP, cost
-    /// 1, in-memory store, standard headers on, keyless requests share one
-    /// budget.
+    /// 1, in-memory store, standard headers on, keyless requests refused
+    /// (400; serve with `into_make_service_with_connect_info` so peer IPs
+    /// are known, or choose [`MissingKey`]).
     pub fn builder(name: &str, limit: Limit) -> RateLimitLayerBuilder<PeerIp, Fixed, MemoryStore> {
         RateLimitLayerBuilder {
             name: name.to_owned(),

@@ -20,9 +20,10 @@ pub enum MissingKey {
     /// Let it through unlimited.
     Skip,
     /// Count it against this shared key: every keyless request shares one
-    /// budget. The default (with the key `"unkeyed"`).
+    /// budget.
     Fallback(Bytes),
     /// Reject it: HTTP 400 (gRPC `INVALID_ARGUMENT`), with a problem body.
+    /// The default.
     Reject,
 }
 
@@ -47,9 +48,13 @@ impl MissingKey {
     }
 }
 
+/// The default is [`MissingKey::Reject`]: a request the layer cannot key
+/// is usually a setup mistake (no `ConnectInfo` for `PeerIp`, a header a
+/// proxy strips), and silently sharing one budget among all such requests
+/// hides it until that budget throttles everyone.
 impl Default for MissingKey {
     fn default() -> Self {
-        Self::Fallback(Bytes::from_static(b"unkeyed"))
+        Self::Reject
     }
 }
 

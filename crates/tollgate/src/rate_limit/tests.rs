@@ -153,9 +153,23 @@ async fn missing_keys_follow_the_chosen_policy() {
         assert!(res.headers().get("ratelimit").is_none());
     }
 
+    // By default, a keyless request is refused, not pooled.
+    let default =
+        RateLimitLayer::builder("default", Limit::fixed_window(1, Duration::from_secs(60)))
+            .key(Header::named("x-api-key").unwrap())
+            .store(store(&clock))
+            .build()
+            .unwrap()
+            .layer(service_fn(ok));
+    assert_eq!(
+        default.clone().oneshot(no_key()).await.unwrap().status(),
+        400
+    );
+
     let fallback =
         RateLimitLayer::builder("fallback", Limit::fixed_window(1, Duration::from_secs(60)))
             .key(Header::named("x-api-key").unwrap())
+            .on_missing_key(MissingKey::Fallback(Bytes::from_static(b"unkeyed")))
             .store(store(&clock))
             .build()
             .unwrap()

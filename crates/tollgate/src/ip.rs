@@ -66,6 +66,38 @@ impl FromStr for Cidr {
     }
 }
 
+/// A set of CIDR ranges, looked up in one hash probe per distinct prefix
+/// length (not one comparison per range): lists of thousands of ranges
+/// cost what a handful do. IPv4-mapped IPv6 addresses match IPv4 ranges.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct NetSet {
+    /// (family is IPv4, mask) -> the networks under that mask.
+    by_mask: Vec<((bool, u128), std::collections::HashSet<u128>)>,
+}
+
+impl NetSet {
+    pub(crate) fn insert(&mut self, c: Cidr) {
+        let at = (c.v4, c.mask);
+        match self.by_mask.iter_mut().find(|(m, _)| *m == at) {
+            Some((_, set)) => {
+                set.insert(c.net);
+            }
+            None => self.by_mask.push((at, std::iter::once(c.net).collect())),
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.by_mask.is_empty()
+    }
+
+    pub(crate) fn contains(&self, ip: IpAddr) -> bool {
+        let (b, v4) = bits(ip.to_canonical());
+        self.by_mask
+            .iter()
+            .any(|((family, mask), set)| *family == v4 && set.contains(&(b & mask)))
+    }
+}
+
 /// The `for=` value of one `Forwarded` element (`for=1.2.3.4;proto=http`).
 pub(crate) fn forwarded_for(element: &str) -> Option<&str> {
     element.split(';').find_map(|pair| {
@@ -93,5 +125,47 @@ mod tests {
         let one: Cidr = "192.168.1.1".parse().unwrap();
         assert!(one.contains("192.168.1.1".parse().unwrap()));
         assert!(!one.contains("192.168.1.2".parse().unwrap()));
+    }
+
+    #[test]
+    fn net_sets_match_every_range_and_fold_mapped_addresses() {
+        let mut set = NetSet::default();
+        for r in [
+            "10.0.0.0/8",
+            "192.168.1.0/24",
+            "203.0.113.7",
+            "2001:db8::/32",
+            "::/0",
+        ] {
+            set.insert(r.parse().unwrap());
+        }
+        let has = |ip: &str| set.contains(ip.parse().unwrap());
+        assert!(has("10.1.2.3"));
+        assert!(has("192.168.1.255"));
+        assert!(!has("192.168.2.1"));
+        assert!(has("203.0.113.7"));
+        assert!(!has("203.0.113.8"));
+        // IPv4-mapped IPv6 is IPv4: in 10/8, not in ::/0.
+        assert!(has("::ffff:10.9.9.9"));
+        assert!(!has("::ffff:11.0.0.1"));
+        assert!(has("2001:db8:1::1"));
+        assert!(has("fe80::1"), "::/0 holds every IPv6 address");
+        let mut v4_only = NetSet::default();
+        v4_only.insert("0.0.0.0/0".parse().unwrap());
+        assert!(v4_only.contains("1.2.3.4".parse().unwrap()));
+        assert!(!v4_only.contains("2001:db8::1".parse().unwrap()));
+        assert!(v4_only.contains("::ffff:1.2.3.4".parse().unwrap()));
+        // Thousands of ranges of one length: one probe.
+        let mut many = NetSet::default();
+        for i in 0..5_000u32 {
+            many.insert(
+                format!("{}.{}.{}.0/24", 100 + i / 65_536, (i / 256) % 256, i % 256)
+                    .parse()
+                    .unwrap(),
+            );
+        }
+        assert_eq!(many.by_mask.len(), 1);
+        assert!(many.contains("100.19.136.5".parse().unwrap()));
+        assert!(!many.contains("101.0.0.1".parse().unwrap()));
     }
 }

@@ -4,7 +4,7 @@
 //!
 //! | metric | kind | labels |
 //! |---|---|---|
-//! | `tollgate_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `shadow_limited` (denied but let through), `missing_key` (rejected), `unkeyed` (let through unlimited), `store_error` (let through) |
+//! | `tollgate_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `shadow_limited` (denied but let through), `missing_key` (rejected), `unkeyed` (let through unlimited), `store_error` (let through); for an access list: `listed_allowed` (on an allow list, unlimited), `denied` (403) |
 //! | `tollgate_retry_after_seconds` | histogram | `rule` |
 //! | `tollgate_quota_requests_total` | counter | `rule`, `outcome`: as `tollgate_requests_total` |
 //! | `tollgate_quota_warnings_total` | counter | `rule`: responses past the quota's soft limit |
@@ -30,6 +30,9 @@ pub(crate) struct Metrics {
     pub(crate) unkeyed: Counter,
     pub(crate) store_error: Counter,
     pub(crate) retry_after: Histogram,
+    /// An access list's verdicts: on its allow list, on its deny list.
+    pub(crate) listed_allowed: Counter,
+    pub(crate) denied: Counter,
 }
 
 const REQUESTS: &str = "tollgate_requests_total";
@@ -75,6 +78,8 @@ impl Metrics {
             unkeyed: counter("unkeyed"),
             store_error: counter("store_error"),
             retry_after: metrics::histogram!(RETRY_AFTER, "rule" => rule.to_owned()),
+            listed_allowed: counter("listed_allowed"),
+            denied: counter("denied"),
         }
     }
 }

@@ -40,6 +40,10 @@ pub enum Reason {
     /// methods (GET, HEAD, OPTIONS) go through; retry after the decision's
     /// `retry_after`.
     ReadOnly,
+    /// A deny list holds the request's key or network, or the route is
+    /// deny-by-default and no allow list holds it: HTTP 403, gRPC
+    /// `PERMISSION_DENIED`. Retrying cannot help.
+    Denied,
 }
 
 /// What kind of limit turned a request away.
@@ -76,6 +80,7 @@ impl Rejected {
         match self.reason {
             Reason::MissingKey => StatusCode::BAD_REQUEST,
             Reason::ReadOnly => StatusCode::SERVICE_UNAVAILABLE,
+            Reason::Denied => StatusCode::FORBIDDEN,
             _ => StatusCode::TOO_MANY_REQUESTS,
         }
     }
@@ -145,6 +150,7 @@ fn detail(kind: LimitKind, reason: Reason, rule: &str, secs: Option<&str>, limit
         (Reason::MissingKey, _) => {
             format!("The request carries no client key, which rule \"{rule}\" requires.")
         }
+        (Reason::Denied, _) => format!("Access is denied by the list \"{rule}\"."),
     }
 }
 
@@ -193,11 +199,12 @@ fn grpc_response(
     let code = match reason {
         Reason::MissingKey => "3",
         Reason::ReadOnly => "14",
+        Reason::Denied => "7",
         _ => "8",
     };
     h.insert("grpc-status", HeaderValue::from_static(code));
     h.insert("grpc-message", message);
-    if reason != Reason::MissingKey {
+    if !matches!(reason, Reason::MissingKey | Reason::Denied) {
         // A negative pushback tells gRPC clients not to retry at all.
         let pushback = pushback_ms.map_or(HeaderValue::from_static("-1"), HeaderValue::from);
         h.insert("grpc-retry-pushback-ms", pushback);
@@ -253,7 +260,7 @@ impl Rendered {
     pub(crate) fn render(&self, r: &Rejected) -> Response<Bytes> {
         // Rare (a degraded service, or another layer's rejection): built
         // on the spot.
-        if r.reason == Reason::ReadOnly || r.kind != self.kind {
+        if matches!(r.reason, Reason::ReadOnly | Reason::Denied) || r.kind != self.kind {
             return if r.grpc {
                 r.to_grpc_response()
             } else {
@@ -262,7 +269,8 @@ impl Rendered {
         }
         if r.grpc {
             let i = match r.reason {
-                Reason::Limited | Reason::ReadOnly => 0,
+                // (Denied and ReadOnly are built on the spot, above.)
+                Reason::Limited | Reason::ReadOnly | Reason::Denied => 0,
                 Reason::TooCostly => 1,
                 Reason::MissingKey => 2,
             };

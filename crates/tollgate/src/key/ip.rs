@@ -104,6 +104,15 @@ pub struct ClientIp {
 }
 
 impl ClientIp {
+    /// The peer's address, trusting no proxy (what [`PeerIp`] keys by).
+    pub fn peer() -> Self {
+        Self {
+            trusted: Arc::new([]),
+            header: ForwardedHeader::XForwardedFor,
+            v6_prefix: DEFAULT_IPV6_PREFIX,
+        }
+    }
+
     /// Trusts proxies in `ranges` (CIDRs like `10.0.0.0/8`, `::1/128`, or
     /// bare addresses); reads `X-Forwarded-For`.
     pub fn trusting<I, S>(ranges: I) -> Result<Self, tollgate_core::ConfigError>

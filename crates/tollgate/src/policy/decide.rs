@@ -57,6 +57,8 @@ pub(super) enum Verdict {
     /// Rule `rule` holds it back: the one that can never admit it, else
     /// the one that asks for the longest wait.
     Deny { rule: usize, reason: Reason },
+    /// An access list refuses it.
+    Denied,
     /// Rule `rule` found no key and refuses keyless requests.
     MissingKey { rule: usize },
 }

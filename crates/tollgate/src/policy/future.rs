@@ -101,7 +101,9 @@ where
                 refund: Refund(Some(refund)),
             }
         }
-        Verdict::Deny { .. } | Verdict::MissingKey { .. } => State::Rejected { verdict },
+        Verdict::Deny { .. } | Verdict::MissingKey { .. } | Verdict::Denied => {
+            State::Rejected { verdict }
+        }
     }
 }
 
@@ -222,6 +224,24 @@ fn reject<B, L>(
         Verdict::Deny { rule, reason } => (rule, reason),
         Verdict::MissingKey { rule } => (rule, Reason::MissingKey),
         Verdict::Pass { .. } => (0, Reason::Limited),
+        Verdict::Denied => {
+            let name = shared
+                .access
+                .as_ref()
+                .map_or_else(|| Arc::from("access"), |(_, _, name)| Arc::clone(name));
+            let rejected = Rejected {
+                rule: name,
+                kind: LimitKind::Rate,
+                reason: Reason::Denied,
+                decision: None,
+                grpc,
+            };
+            return match shared.rules.first().map(|r| &r.responder.rejection) {
+                Some(Some(f)) if !grpc => f(&rejected),
+                _ if grpc => rejected.to_grpc_response(),
+                _ => rejected.to_problem_response(),
+            };
+        }
     };
     let Some(bound) = shared.rules.get(rule) else {
         return Response::new(Bytes::new());

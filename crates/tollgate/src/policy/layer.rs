@@ -10,6 +10,7 @@ use tollgate_core::{ConfigError, Limiter, Rule, Store};
 use tollgate_memory::MemoryStore;
 use tower_layer::Layer;
 
+use super::access::AccessList;
 use super::rule::{DynRule, Erased, RateRule};
 use super::service::Policy;
 use super::shared::{canary, Bound, RejectFn, Shared, MAX_RULES};
@@ -59,6 +60,7 @@ impl<B> PolicyLayer<B, ()> {
             headers: true,
             legacy_headers: false,
             rejection: None,
+            access: None,
         }
     }
 }
@@ -99,6 +101,7 @@ pub struct PolicyLayerBuilder<B, St> {
     headers: bool,
     legacy_headers: bool,
     rejection: Option<RejectFn>,
+    access: Option<AccessList>,
 }
 
 impl<B, St> fmt::Debug for PolicyLayerBuilder<B, St> {
@@ -140,7 +143,15 @@ impl<B, St> PolicyLayerBuilder<B, St> {
             headers: self.headers,
             legacy_headers: self.legacy_headers,
             rejection: self.rejection,
+            access: self.access,
         }
+    }
+
+    /// Allow and deny lists, checked before any rule: an allowed request
+    /// skips every limit, a denied one gets 403 at once.
+    pub fn access(mut self, list: AccessList) -> Self {
+        self.access = Some(list);
+        self
     }
 
     /// Whether to send `RateLimit-Policy` and `RateLimit` (default on).
@@ -231,6 +242,11 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 legacy: self.legacy_headers,
                 policy,
                 enforced: count,
+                access: self.access.map(|list| {
+                    let metrics = Metrics::register(&list.name);
+                    let name = Arc::from(list.name.as_str());
+                    (list, metrics, name)
+                }),
             }),
         })
     }

@@ -16,6 +16,10 @@
 //!   asks for the longest wait, whose wait is the `Retry-After`. The
 //!   items of rules refunded for it show their budget after the refund
 //!   (`r`), and as `t` the time they answered before it: an upper bound.
+//! - **Access lists** ([`AccessList`]), checked before any rule: keys
+//!   and IP networks on an allow list skip every limit, those on a deny
+//!   list get 403 (gRPC `PERMISSION_DENIED`) at once, and a list can deny
+//!   by default for critical routes.
 //! - **Pacing** rules (the leaky bucket) delay the request by the longest
 //!   delay any of them asks; a request cancelled while it waits gives
 //!   every rule its cost back.
@@ -77,6 +81,7 @@
 //! # }
 //! ```
 
+mod access;
 mod decide;
 mod future;
 mod layer;
@@ -86,6 +91,7 @@ mod shared;
 #[cfg(test)]
 mod tests;
 
+pub use access::{Access, AccessList};
 pub use future::PolicyFuture;
 pub use layer::{PolicyLayer, PolicyLayerBuilder};
 pub use rule::RateRule;

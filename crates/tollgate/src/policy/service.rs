@@ -9,6 +9,7 @@ use http::{Request, Response};
 use tollgate_core::{Decision, Limiter, StoreError};
 use tower_service::Service;
 
+use super::access::Access;
 use super::decide::{refund_consumed, settle, store_failed, Report, Verdict};
 use super::future::{next, PolicyFuture, State};
 use super::shared::{Keyed, Shared};
@@ -76,6 +77,23 @@ where
         let shared = &self.shared;
         let grpc = is_grpc(&req);
         let mut report = Report::new();
+        if let Some((list, metrics, _)) = &shared.access {
+            match list.check(&req) {
+                Access::Unlisted => {}
+                Access::Denied => {
+                    metrics.denied.increment(1);
+                    let state = State::Rejected {
+                        verdict: Verdict::Denied,
+                    };
+                    return self.finish(state, report, grpc);
+                }
+                Access::Allowed => {
+                    metrics.listed_allowed.increment(1);
+                    let future = self.inner.call(req);
+                    return self.finish(State::Calling { future }, report, grpc);
+                }
+            }
+        }
         for (i, rule) in shared.rules.iter().enumerate() {
             let mut key = KeyBuf::new();
             match rule.key(&req, &mut key) {

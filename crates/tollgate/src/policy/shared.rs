@@ -92,6 +92,9 @@ pub(super) struct Shared<B, L> {
     pub(super) policy: Option<http::HeaderValue>,
     /// How many rules are enforced (not shadow).
     pub(super) enforced: usize,
+    /// Allow and deny lists, checked before any rule, and their metrics
+    /// (`rule` = the list's name).
+    pub(super) access: Option<(super::AccessList, crate::observe::Metrics, Arc<str>)>,
 }
 
 /// A canary's threshold on the key hash for `share`, and the hash's keys,

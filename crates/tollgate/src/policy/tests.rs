@@ -435,3 +435,118 @@ async fn a_canary_enforces_its_share_of_keys_and_watches_the_rest() {
         "{enforced} of 400 enforced"
     );
 }
+
+fn from(ip: &str, key: &str) -> Req {
+    let mut r = req(key, "unused");
+    r.extensions_mut()
+        .insert(ip.parse::<std::net::SocketAddr>().unwrap());
+    r
+}
+
+#[tokio::test]
+async fn access_lists_allow_deny_and_deny_by_default() {
+    let clock = ManualClock::starting_at(1);
+    let access = AccessList::new("access")
+        .keys_from("x-api-key")
+        .unwrap()
+        .allow_keys(["batch-job", "leaked"])
+        .deny_keys(["leaked"])
+        .allow_networks(["10.0.0.0/8"])
+        .unwrap()
+        .deny_networks(["203.0.113.0/24", "2001:db8:bad::/48"])
+        .unwrap();
+    let layer = PolicyLayer::builder()
+        .rule(per_key(Limit::fixed_window(1, Duration::from_secs(60))))
+        .access(access.clone())
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    let status = |r: Req| {
+        let svc = svc.clone();
+        async move { svc.oneshot(r).await.unwrap() }
+    };
+    // An allowed key skips the limit: no headers, nothing charged.
+    for _ in 0..3 {
+        let res = status(from("198.51.100.1:1", "batch-job")).await;
+        assert_eq!(res.status(), 200);
+        assert!(res.headers().get("ratelimit").is_none());
+    }
+    assert_eq!(remaining(&layer, 0, "batch-job").await, 1);
+    // So does an allowed network.
+    for _ in 0..3 {
+        assert_eq!(status(from("10.1.2.3:1", "x")).await.status(), 200);
+    }
+    // A denied key gets 403 at once, naming the list; deny beats allow.
+    let res = status(from("198.51.100.1:1", "leaked")).await;
+    assert_eq!(res.status(), 403);
+    assert_eq!(res.headers()["content-type"], "application/problem+json");
+    let body = http_body_util::BodyExt::collect(res.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    assert!(std::str::from_utf8(&body)
+        .unwrap()
+        .contains("\"rule\":\"access\""));
+    assert_eq!(
+        remaining(&layer, 0, "leaked").await,
+        1,
+        "a denial charges nothing"
+    );
+    // Denied networks, IPv4-mapped IPv6 included.
+    for ip in [
+        "203.0.113.9:1",
+        "[::ffff:203.0.113.9]:1",
+        "[2001:db8:bad::7]:1",
+    ] {
+        assert_eq!(status(from(ip, "y")).await.status(), 403, "{ip}");
+    }
+    // gRPC: PERMISSION_DENIED, no pushback.
+    let mut grpc = from("203.0.113.9:1", "y");
+    grpc.headers_mut()
+        .insert("content-type", "application/grpc".parse().unwrap());
+    let res = status(grpc).await;
+    assert_eq!(res.headers()["grpc-status"], "7");
+    assert!(res.headers().get("grpc-retry-pushback-ms").is_none());
+    // Unlisted: the limit decides.
+    assert_eq!(status(from("198.51.100.2:1", "z")).await.status(), 200);
+    assert_eq!(status(from("198.51.100.2:1", "z")).await.status(), 429);
+
+    // Deny by default: only the lists' allowed pass.
+    let strict = PolicyLayer::builder()
+        .rule(per_key(Limit::fixed_window(100, Duration::from_secs(60))))
+        .access(access.deny_by_default(true))
+        .store(store(&clock))
+        .build()
+        .unwrap()
+        .layer(service_fn(ok));
+    let strict_status = |r: Req| {
+        let svc = strict.clone();
+        async move { svc.oneshot(r).await.unwrap().status() }
+    };
+    assert_eq!(strict_status(from("198.51.100.3:1", "anyone")).await, 403);
+    assert_eq!(
+        strict_status(from("198.51.100.3:1", "batch-job")).await,
+        200
+    );
+    assert_eq!(strict_status(from("10.0.0.1:1", "anyone")).await, 200);
+}
+
+#[test]
+fn access_list_errors_name_the_field() {
+    let e = AccessList::new("a")
+        .deny_networks(["10.0.0.0/33"])
+        .unwrap_err();
+    assert_eq!(e.field(), "deny_networks");
+    let e = AccessList::new("a")
+        .allow_networks(["not an ip"])
+        .unwrap_err();
+    assert_eq!(e.field(), "allow_networks");
+    assert_eq!(
+        AccessList::new("a")
+            .keys_from("bad header")
+            .unwrap_err()
+            .field(),
+        "header"
+    );
+}

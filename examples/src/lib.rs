@@ -33,7 +33,9 @@ pub const DOWNLOAD_BURST: u32 = 64 << 10;
 /// The quickstart's API:
 ///
 /// - one budget per client of 10 requests per second with bursts of 20,
-///   where an order costs 3 and a report 10, and one per client address
+///   where an order costs 3 and a report 10 (`x-plan: pro`: 100 a second
+///   with bursts of 200 — a demo; in production the plan comes from
+///   authentication), and one per client address
 ///   of 100 a second with bursts of 400 (so rotating API keys from one
 ///   address buys no fresh budgets), decided as one policy;
 /// - `GET /api/download` streams 1 MiB in 16 KiB chunks, paced to
@@ -84,9 +86,14 @@ pub fn quickstart_app<S: QuotaStore>(
     // One decision for two rates: a rate per client, and one per address
     // so that rotating API keys from one address buys no fresh budgets. A
     // request either rule refuses costs neither.
+    // A demo: the plan comes from a header the client sets. In production
+    // it comes from authentication (`plan_from_extension`), never from the
+    // client.
     let limit = PolicyLayer::builder()
+        .plan_from_header("x-plan")?
         .rule(
             RateRule::new("per-key", Limit::gcra(Rate::per_second(10), 20), client)
+                .plan("pro", Limit::gcra(Rate::per_second(100), 200))
                 .cost(costs.clone()),
         )
         .rule(

@@ -129,6 +129,33 @@ async fn rotating_api_keys_from_one_address_share_its_budget() {
 }
 
 #[tokio::test]
+async fn the_pro_plan_gets_ten_times_the_rate() {
+    let (addr, _clock) = quickstart(&[]).await;
+    let pro = || {
+        Request::get("/api/hello")
+            .header("x-api-key", "paying")
+            .header("x-plan", "pro")
+            .body(Bytes::new())
+            .unwrap()
+    };
+    let r = send(addr, pro()).await.unwrap();
+    assert_eq!(
+        r.item("ratelimit-policy", "per-key"),
+        "\"per-key\";q=200;w=2"
+    );
+    for i in 1..200 {
+        let r = send(addr, pro()).await.unwrap();
+        assert_eq!(r.status, 200, "request {i}");
+    }
+    assert_eq!(send(addr, pro()).await.unwrap().status, 429);
+    // The same key on the free plan has its own, smaller budget.
+    assert_eq!(
+        hello(addr, "paying").await.item("ratelimit", "per-key"),
+        "\"per-key\";r=19;t=1"
+    );
+}
+
+#[tokio::test]
 async fn orders_cost_three_and_reports_ten_from_one_budget() {
     let (addr, _clock) = quickstart(&[]).await;
     let r = send(addr, post("/api/reports", "dana")).await.unwrap();

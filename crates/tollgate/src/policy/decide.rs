@@ -18,6 +18,8 @@ pub(super) struct Report {
     /// Bit `i`: rule `i` only watches this request (shadow, or a canary
     /// that leaves its key out).
     pub(super) shadow: u16,
+    /// The request's plan (0: the default).
+    pub(super) plan: u8,
 }
 
 impl Report {
@@ -25,6 +27,7 @@ impl Report {
         Self {
             decided: [None; MAX_RULES],
             shadow: 0,
+            plan: 0,
         }
     }
 
@@ -140,7 +143,7 @@ pub(super) fn refund_consumed<B, L: Limiter>(
         if let Some((d, cost)) = slot {
             if d.is_allowed() && *cost > 0 {
                 key(i, &mut |k| {
-                    crate::task::finish(rule.limiter.refund(k, *cost));
+                    crate::task::finish(rule.at(report.plan).0.refund(k, *cost));
                 });
             }
         }

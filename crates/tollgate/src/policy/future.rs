@@ -194,15 +194,16 @@ fn headers<B, L>(
     for (i, (rule, slot)) in shared.rules.iter().zip(&report.decided).enumerate() {
         if let (Some((d, _)), false) = (slot, report.shadows(i)) {
             if let Some(item) = items.get_mut(n) {
-                *item = (&rule.responder.headers, *d);
+                *item = (&rule.at(report.plan).1.headers, *d);
                 n = n.saturating_add(1);
             }
         }
     }
     // Every enforced rule decided (the usual case): the policy is built.
     let policy = (n == shared.enforced)
-        .then_some(shared.policy.as_ref())
-        .flatten();
+        .then(|| shared.policy.get(usize::from(report.plan)))
+        .flatten()
+        .and_then(Option::as_ref);
     apply_set(
         map,
         items.get(..n).unwrap_or_default(),
@@ -263,7 +264,7 @@ fn reject<B, L>(
         ?reason,
         "request over a policy rule"
     );
-    let r = &bound.responder;
+    let (_, r) = bound.at(report.plan);
     let mut res = match &r.rejection {
         Some(f) if !grpc => f(&rejected),
         _ => r.rendered.render(&rejected),

@@ -5,12 +5,13 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::Response;
+use http::{Request, Response};
 use tollgate_core::{ConfigError, Limiter, Rule, Store};
 use tollgate_memory::MemoryStore;
 use tower_layer::Layer;
 
 use super::access::AccessList;
+use super::plan::{Plan, Plans, Source};
 use super::rule::{DynRule, Erased, RateRule};
 use super::service::Policy;
 use super::shared::{canary, Bound, RejectFn, Shared, MAX_RULES};
@@ -61,6 +62,7 @@ impl<B> PolicyLayer<B, ()> {
             legacy_headers: false,
             rejection: None,
             access: None,
+            plan_source: None,
         }
     }
 }
@@ -92,7 +94,11 @@ struct Unbound<B> {
     missing: MissingKey,
     shadow: bool,
     canary: Option<f64>,
+    plans: Vec<(String, tollgate_core::Limit)>,
 }
+
+/// The most plans one policy knows.
+const MAX_PLANS: usize = 32;
 
 /// Builds a [`PolicyLayer`]; see [`PolicyLayer::builder`].
 pub struct PolicyLayerBuilder<B, St> {
@@ -102,6 +108,7 @@ pub struct PolicyLayerBuilder<B, St> {
     legacy_headers: bool,
     rejection: Option<RejectFn>,
     access: Option<AccessList>,
+    plan_source: Option<Source<B>>,
 }
 
 impl<B, St> fmt::Debug for PolicyLayerBuilder<B, St> {
@@ -131,6 +138,7 @@ impl<B, St> PolicyLayerBuilder<B, St> {
             missing: rule.missing,
             shadow: rule.shadow,
             canary: rule.canary,
+            plans: rule.plans,
         });
         self
     }
@@ -144,7 +152,33 @@ impl<B, St> PolicyLayerBuilder<B, St> {
             legacy_headers: self.legacy_headers,
             rejection: self.rejection,
             access: self.access,
+            plan_source: self.plan_source,
         }
+    }
+
+    /// Reads a request's plan from its [`Plan`] extension, set by
+    /// authentication middleware: the way to choose plans in production.
+    pub fn plan_from_extension(mut self) -> Self {
+        self.plan_source = Some(Source::Extension);
+        self
+    }
+
+    /// Reads a request's plan from header `name`. Only for demos and
+    /// trusted internal callers: a client that sets the header chooses its
+    /// own plan. Errors name the field `header`.
+    pub fn plan_from_header(mut self, name: &str) -> Result<Self, ConfigError> {
+        self.plan_source = Some(Source::Header(crate::key::header_name(name)?));
+        Ok(self)
+    }
+
+    /// Chooses a request's plan with `f` (e.g. from a claim of a token
+    /// another layer verified).
+    pub fn plan_from<F>(mut self, f: F) -> Self
+    where
+        F: Fn(&Request<B>) -> Option<Plan> + Send + Sync + 'static,
+    {
+        self.plan_source = Some(Source::Fn(Arc::new(f)));
+        self
     }
 
     /// Allow and deny lists, checked before any rule: an allowed request
@@ -189,6 +223,19 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 format!("a policy holds 1 to {MAX_RULES} rules"),
             ));
         }
+        // Every plan any rule names, in order of first mention.
+        let mut names: Vec<Box<str>> = Vec::new();
+        for (plan, _) in self.rules.iter().flat_map(|r| &r.plans) {
+            if !names.iter().any(|n| **n == **plan) {
+                names.push(plan.as_str().into());
+            }
+        }
+        if names.len() > MAX_PLANS {
+            return Err(ConfigError::new(
+                "plans",
+                format!("a policy knows at most {MAX_PLANS} plans"),
+            ));
+        }
         let mut bound = Vec::with_capacity(self.rules.len());
         for (i, r) in self.rules.into_iter().enumerate() {
             let rule = Rule::new(&r.name, r.limit)?;
@@ -216,24 +263,42 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 }
             };
             let limiter = self.store.limiter(&rule)?;
+            let responder = |rule: &Rule| Responder {
+                rule: rule.name().into(),
+                headers: Headers::new(rule, self.headers, self.legacy_headers),
+                shadow: r.shadow,
+                rejection: self.rejection.clone(),
+                rendered: Rendered::new(LimitKind::Rate, rule.name(), rule.capacity()),
+                metrics: Metrics::register(rule.name()),
+            };
+            let mut plans = Vec::with_capacity(names.len());
+            for plan in &names {
+                let Some((_, limit)) = r.plans.iter().find(|(p, _)| **p == **plan) else {
+                    plans.push(None);
+                    continue;
+                };
+                // Its own state in the store; the rule's name in headers.
+                let stored = Rule::new(format!("{}:{plan}", rule.name()), *limit)?;
+                let shown = Rule::new(rule.name(), *limit)?;
+                plans.push(Some((self.store.limiter(&stored)?, responder(&shown))));
+            }
             bound.push(Bound {
                 rule: r.rule,
                 limiter,
                 missing: r.missing,
                 canary,
                 warned_missing: AtomicBool::new(false),
-                responder: Responder {
-                    rule: rule.name().into(),
-                    headers: Headers::new(&rule, self.headers, self.legacy_headers),
-                    shadow: r.shadow,
-                    rejection: self.rejection.clone(),
-                    rendered: Rendered::new(LimitKind::Rate, rule.name(), rule.capacity()),
-                    metrics: Metrics::register(rule.name()),
-                },
+                responder: responder(&rule),
+                plans: plans.into(),
             });
         }
         let enforced = || bound.iter().filter(|b| !b.responder.shadow);
-        let policy = set_policy(enforced().map(|b| &b.responder.headers));
+        let policy = (0..=names.len())
+            .map(|p| {
+                let p = u8::try_from(p).unwrap_or(0);
+                set_policy(enforced().map(|b| &b.at(p).1.headers))
+            })
+            .collect();
         let count = enforced().count();
         Ok(PolicyLayer {
             shared: Arc::new(Shared {
@@ -241,6 +306,10 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 standard: self.headers,
                 legacy: self.legacy_headers,
                 policy,
+                plans: Plans {
+                    names,
+                    source: self.plan_source,
+                },
                 enforced: count,
                 access: self.access.map(|list| {
                     let metrics = Metrics::register(&list.name);

@@ -16,6 +16,12 @@
 //!   asks for the longest wait, whose wait is the `Retry-After`. The
 //!   items of rules refunded for it show their budget after the refund
 //!   (`r`), and as `t` the time they answered before it: an upper bound.
+//! - **Plans**: a rule can give each plan (free, pro, enterprise, ...) its
+//!   own limit ([`RateRule::plan`]); the request's plan comes from a
+//!   [`Plan`] extension that authentication sets, a header (demos only),
+//!   or a closure. Each plan keeps its own state, so a key that changes
+//!   plan is judged by the new one from its next request; an unknown plan
+//!   is the default (the rule's own limit).
 //! - **Access lists** ([`AccessList`]), checked before any rule: keys
 //!   and IP networks on an allow list skip every limit, those on a deny
 //!   list get 403 (gRPC `PERMISSION_DENIED`) at once, and a list can deny
@@ -85,6 +91,7 @@ mod access;
 mod decide;
 mod future;
 mod layer;
+mod plan;
 mod rule;
 mod service;
 mod shared;
@@ -94,6 +101,7 @@ mod tests;
 pub use access::{Access, AccessList};
 pub use future::PolicyFuture;
 pub use layer::{PolicyLayer, PolicyLayerBuilder};
+pub use plan::Plan;
 pub use rule::RateRule;
 pub use service::Policy;
 pub use shared::MAX_RULES;

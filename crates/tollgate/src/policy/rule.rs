@@ -19,6 +19,7 @@ pub struct RateRule<K, C = Fixed> {
     pub(crate) missing: MissingKey,
     pub(crate) shadow: bool,
     pub(crate) canary: Option<f64>,
+    pub(crate) plans: Vec<(String, Limit)>,
 }
 
 impl<K> RateRule<K, Fixed> {
@@ -34,6 +35,7 @@ impl<K> RateRule<K, Fixed> {
             missing: MissingKey::Reject,
             shadow: false,
             canary: None,
+            plans: Vec::new(),
         }
     }
 }
@@ -49,7 +51,20 @@ impl<K, C> RateRule<K, C> {
             missing: self.missing,
             shadow: self.shadow,
             canary: self.canary,
+            plans: self.plans,
         }
+    }
+
+    /// The limit of this rule for requests on plan `plan` (see
+    /// [`plan_from_extension`](super::PolicyLayerBuilder::plan_from_extension)
+    /// and its siblings); requests on no plan, or on one the rule does not
+    /// name, get the rule's own limit. Each plan keeps its own state, so a
+    /// key whose plan changes is judged by its new plan from its next
+    /// request on.
+    pub fn plan(mut self, plan: &str, limit: Limit) -> Self {
+        self.plans.retain(|(p, _)| p != plan);
+        self.plans.push((plan.to_owned(), limit));
+        self
     }
 
     /// What to do with a request this rule finds no key in (default:

@@ -77,6 +77,7 @@ where
         let shared = &self.shared;
         let grpc = is_grpc(&req);
         let mut report = Report::new();
+        report.plan = shared.plans.of(&req);
         if let Some((list, metrics, _)) = &shared.access {
             match list.check(&req) {
                 Access::Unlisted => {}
@@ -120,7 +121,7 @@ where
                 }
             }
             let cost = rule.rule.cost(&req);
-            match rule.limiter.decide_sync(key.as_bytes(), cost) {
+            match rule.at(report.plan).0.decide_sync(key.as_bytes(), cost) {
                 Some(Ok(d)) => report.set(i, d, cost, rule.shadows(key.as_bytes())),
                 Some(Err(e)) => store_failed(rule, &e),
                 None => return self.decide_async(req, report, i, grpc),
@@ -222,7 +223,7 @@ where
                     *i,
                     cost,
                     rule.shadows(key.as_bytes()),
-                    Box::pin(rule.limiter.decide(key.as_bytes(), cost)),
+                    Box::pin(rule.at(report.plan).0.decide(key.as_bytes(), cost)),
                 ))
             })
             .collect();

@@ -25,6 +25,8 @@ pub(super) struct Bound<B, L> {
     pub(super) responder: Responder,
     /// A canary's share as a threshold on the key's hash: enforced below.
     pub(super) canary: Option<(u64, (u64, u64))>,
+    /// Plan `i + 1`'s limiter and responder, where this rule names it.
+    pub(super) plans: Box<[Option<(L, Responder)>]>,
 }
 
 /// What a rule made of a request's key.
@@ -35,6 +37,18 @@ pub(super) enum Keyed {
 }
 
 impl<B, L> Bound<B, L> {
+    /// The limiter and responder of plan `plan` (0: the default).
+    pub(super) fn at(&self, plan: u8) -> (&L, &Responder) {
+        let variant = usize::from(plan)
+            .checked_sub(1)
+            .and_then(|p| self.plans.get(p))
+            .and_then(Option::as_ref);
+        match variant {
+            Some((l, r)) => (l, r),
+            None => (&self.limiter, &self.responder),
+        }
+    }
+
     /// Whether this rule only watches `key` (shadow, or a canary that
     /// leaves it out).
     pub(super) fn shadows(&self, key: &[u8]) -> bool {
@@ -87,9 +101,11 @@ pub(super) struct Shared<B, L> {
     pub(super) rules: Box<[Bound<B, L>]>,
     pub(super) standard: bool,
     pub(super) legacy: bool,
-    /// `RateLimit-Policy` listing every enforced rule: what most responses
-    /// send.
-    pub(super) policy: Option<http::HeaderValue>,
+    /// `RateLimit-Policy` listing every enforced rule, per plan: what most
+    /// responses send.
+    pub(super) policy: Box<[Option<http::HeaderValue>]>,
+    /// The plans rules name, and where a request's plan is read.
+    pub(super) plans: super::plan::Plans<B>,
     /// How many rules are enforced (not shadow).
     pub(super) enforced: usize,
     /// Allow and deny lists, checked before any rule, and their metrics

@@ -550,3 +550,98 @@ fn access_list_errors_name_the_field() {
         "header"
     );
 }
+
+#[tokio::test]
+async fn plans_choose_each_rules_limits_and_a_switch_applies_at_once() {
+    let clock = ManualClock::starting_at(1);
+    let layer = PolicyLayer::builder()
+        .plan_from_extension()
+        .rule(
+            per_key(Limit::fixed_window(2, Duration::from_secs(60)))
+                .plan("pro", Limit::fixed_window(20, Duration::from_secs(60))),
+        )
+        .rule(RateRule::new(
+            "global",
+            Limit::fixed_window(1_000, Duration::from_secs(60)),
+            Global,
+        ))
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    let on = |plan: Option<&str>| {
+        let mut r = req("k", "ip");
+        if let Some(p) = plan {
+            r.extensions_mut().insert(Plan::new(p));
+        }
+        let svc = svc.clone();
+        async move { svc.oneshot(r).await.unwrap() }
+    };
+    // Free (no plan): 2 a minute.
+    let res = on(None).await;
+    assert_eq!(
+        res.headers()["ratelimit-policy"],
+        "\"per-key\";q=2;w=60, \"global\";q=1000;w=60"
+    );
+    assert_eq!(on(None).await.status(), 200);
+    assert_eq!(on(None).await.status(), 429);
+    // The key upgrades: pro limits from its next request, the rule's
+    // name unchanged; rules that name no plan keep their limit.
+    let res = on(Some("pro")).await;
+    assert_eq!(res.status(), 200);
+    assert_eq!(
+        res.headers()["ratelimit-policy"],
+        "\"per-key\";q=20;w=60, \"global\";q=1000;w=60"
+    );
+    assert_eq!(
+        res.headers()["ratelimit"],
+        "\"per-key\";r=19;t=60, \"global\";r=997;t=60"
+    );
+    // An unknown plan is the default plan.
+    assert_eq!(on(Some("platinum")).await.status(), 429);
+    // Downgraded again: the free budget is still spent.
+    assert_eq!(on(None).await.status(), 429);
+}
+
+#[tokio::test]
+async fn plans_from_a_header_or_a_closure() {
+    let clock = ManualClock::starting_at(1);
+    let rule = || {
+        per_key(Limit::fixed_window(1, Duration::from_secs(60)))
+            .plan("pro", Limit::fixed_window(10, Duration::from_secs(60)))
+    };
+    let by_header = PolicyLayer::builder()
+        .plan_from_header("x-plan")
+        .unwrap()
+        .rule(rule())
+        .store(store(&clock))
+        .build()
+        .unwrap()
+        .layer(service_fn(ok));
+    let mut r = req("h", "ip");
+    r.headers_mut().insert("x-plan", "pro".parse().unwrap());
+    let res = by_header.oneshot(r).await.unwrap();
+    assert_eq!(res.headers()["ratelimit"], "\"per-key\";r=9;t=60");
+    let by_fn = PolicyLayer::builder()
+        .plan_from(|req: &Req| {
+            req.uri()
+                .path()
+                .starts_with("/hello")
+                .then(|| Plan::new("pro"))
+        })
+        .rule(rule())
+        .store(store(&clock))
+        .build()
+        .unwrap()
+        .layer(service_fn(ok));
+    let res = by_fn.oneshot(req("f", "ip")).await.unwrap();
+    assert_eq!(res.headers()["ratelimit"], "\"per-key\";r=9;t=60");
+    assert_eq!(
+        PolicyLayer::<String, ()>::builder()
+            .plan_from_header("bad header")
+            .map(drop)
+            .unwrap_err()
+            .field(),
+        "header"
+    );
+}

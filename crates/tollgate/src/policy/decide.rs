@@ -169,3 +169,34 @@ where
         });
     })
 }
+
+/// After the response: gives back the cost of each response-aware rule
+/// whose test the response fails (it does not count), and shows that
+/// rule's budget as it is after the refund.
+pub(super) fn settle_response<B, L: Limiter>(
+    shared: &Shared<B, L>,
+    report: &mut Report,
+    status: http::StatusCode,
+    keys: &[(usize, KeyBytes)],
+) {
+    let plan = report.plan;
+    for (i, key) in keys {
+        let Some(rule) = shared.rules.get(*i) else {
+            continue;
+        };
+        let Some(count_if) = &rule.count_if else {
+            continue;
+        };
+        let Some(Some((d, cost))) = report.decided.get_mut(*i) else {
+            continue;
+        };
+        if !d.is_allowed() || *cost == 0 || count_if(status) {
+            continue;
+        }
+        crate::task::finish(rule.at(plan).0.refund(key.as_bytes(), *cost));
+        d.remaining = d.remaining.saturating_add(u64::from(*cost)).min(d.limit);
+        if d.remaining == d.limit {
+            d.reset_after = 0;
+        }
+    }
+}

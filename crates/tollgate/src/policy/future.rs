@@ -14,7 +14,7 @@ use tokio::time::Sleep;
 use tollgate_core::{Decision, Limiter, Outcome};
 use tower_service::Service;
 
-use super::decide::{pacing_refund, Report, Verdict};
+use super::decide::{pacing_refund, settle_response, Report, Verdict};
 use super::shared::{Shared, MAX_RULES};
 use crate::body::ResponseBody;
 use crate::headers::apply_set;
@@ -61,6 +61,8 @@ pin_project! {
         pub(super) report: Report,
         pub(super) grpc: bool,
         pub(super) shared: Arc<Shared<B, L>>,
+        // The keys of response-aware rules, kept until the response.
+        pub(super) after: Option<Vec<(usize, KeyBytes)>>,
     }
 }
 
@@ -122,6 +124,9 @@ where
                 StateProj::Deciding { decide, waiting } => {
                     let (report, verdict, keys) = ready!(decide.as_mut().poll(cx));
                     *this.report = report;
+                    if this.shared.response_aware && matches!(verdict, Verdict::Pass { .. }) {
+                        *this.after = Some(keys.clone());
+                    }
                     let Some(waiting) = waiting.take() else {
                         return Poll::Pending;
                     };
@@ -157,6 +162,9 @@ where
                 }
                 StateProj::Calling { future } => {
                     let mut response = ready!(future.poll(cx))?.map(ResponseBody::inner);
+                    if let Some(keys) = this.after.take() {
+                        settle_response(this.shared, this.report, response.status(), &keys);
+                    }
                     headers(this.shared, this.report, response.headers_mut(), None);
                     return Poll::Ready(Ok(response));
                 }

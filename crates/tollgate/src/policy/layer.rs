@@ -95,6 +95,7 @@ struct Unbound<B> {
     shadow: bool,
     canary: Option<f64>,
     plans: Vec<(String, tollgate_core::Limit)>,
+    count_if: Option<super::rule::CountIf>,
 }
 
 /// The most plans one policy knows.
@@ -139,6 +140,7 @@ impl<B, St> PolicyLayerBuilder<B, St> {
             shadow: rule.shadow,
             canary: rule.canary,
             plans: rule.plans,
+            count_if: rule.count_if,
         });
         self
     }
@@ -290,6 +292,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 warned_missing: AtomicBool::new(false),
                 responder: responder(&rule),
                 plans: plans.into(),
+                count_if: r.count_if,
             });
         }
         let enforced = || bound.iter().filter(|b| !b.responder.shadow);
@@ -300,6 +303,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
             })
             .collect();
         let count = enforced().count();
+        let response_aware = bound.iter().any(|b| b.count_if.is_some());
         Ok(PolicyLayer {
             shared: Arc::new(Shared {
                 rules: bound.into(),
@@ -311,6 +315,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                     source: self.plan_source,
                 },
                 enforced: count,
+                response_aware,
                 access: self.access.map(|list| {
                     let metrics = Metrics::register(&list.name);
                     let name = Arc::from(list.name.as_str());

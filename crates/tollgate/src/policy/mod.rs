@@ -22,6 +22,11 @@
 //!   or a closure. Each plan keeps its own state, so a key that changes
 //!   plan is judged by the new one from its next request; an unknown plan
 //!   is the default (the rule's own limit).
+//! - **Response-aware** rules ([`RateRule::count_if`]) count only the
+//!   requests whose response they are told to — failed logins per
+//!   account and per address, say. The cost is taken up front (parallel
+//!   attempts cannot overrun the limit) and given back when the response
+//!   does not count.
 //! - **Access lists** ([`AccessList`]), checked before any rule: keys
 //!   and IP networks on an allow list skip every limit, those on a deny
 //!   list get 403 (gRPC `PERMISSION_DENIED`) at once, and a list can deny

@@ -1,6 +1,8 @@
 //! One rule of a policy, and its type-erased form.
 
-use http::Request;
+use std::sync::Arc;
+
+use http::{Request, StatusCode};
 use tollgate_core::Limit;
 
 use crate::cost::{Cost, Fixed};
@@ -10,7 +12,7 @@ use crate::rate_limit::MissingKey;
 /// One rule of a [`PolicyLayer`](super::PolicyLayer): a rate limit with
 /// its own name, key and cost. The key is explicit: there is no default
 /// that could make every client share one budget by accident.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct RateRule<K, C = Fixed> {
     pub(crate) name: String,
     pub(crate) limit: Limit,
@@ -20,6 +22,22 @@ pub struct RateRule<K, C = Fixed> {
     pub(crate) shadow: bool,
     pub(crate) canary: Option<f64>,
     pub(crate) plans: Vec<(String, Limit)>,
+    pub(crate) count_if: Option<CountIf>,
+}
+
+/// Which responses a response-aware rule counts.
+pub(crate) type CountIf = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
+
+impl<K: std::fmt::Debug, C: std::fmt::Debug> std::fmt::Debug for RateRule<K, C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RateRule")
+            .field("name", &self.name)
+            .field("limit", &self.limit)
+            .field("key", &self.key)
+            .field("cost", &self.cost)
+            .field("response_aware", &self.count_if.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl<K> RateRule<K, Fixed> {
@@ -36,6 +54,7 @@ impl<K> RateRule<K, Fixed> {
             shadow: false,
             canary: None,
             plans: Vec::new(),
+            count_if: None,
         }
     }
 }
@@ -52,7 +71,24 @@ impl<K, C> RateRule<K, C> {
             shadow: self.shadow,
             canary: self.canary,
             plans: self.plans,
+            count_if: self.count_if,
         }
+    }
+
+    /// Makes the rule response-aware: only requests whose response `f`
+    /// accepts count against it — e.g. failed logins, `|s| s == 401 ||
+    /// s == 403`. The cost is taken when the request arrives, so that a
+    /// burst of parallel attempts cannot overrun the limit while their
+    /// responses are pending, and given back once the response shows it
+    /// does not count. (A request whose service errs, or that is
+    /// cancelled, keeps its charge.) Over its limit, the rule refuses
+    /// every request — a correct password included — until it recovers.
+    pub fn count_if<F>(mut self, f: F) -> Self
+    where
+        F: Fn(StatusCode) -> bool + Send + Sync + 'static,
+    {
+        self.count_if = Some(Arc::new(f));
+        self
     }
 
     /// The limit of this rule for requests on plan `plan` (see

@@ -41,6 +41,24 @@ impl<S: fmt::Debug, B, L> fmt::Debug for Policy<S, B, L> {
     }
 }
 
+/// Owned keys of the response-aware rules that consumed.
+fn response_keys<B, L>(
+    shared: &Shared<B, L>,
+    report: &Report,
+    req: &Request<B>,
+) -> Vec<(usize, KeyBytes)> {
+    let mut keys = Vec::new();
+    for (i, (rule, slot)) in shared.rules.iter().zip(&report.decided).enumerate() {
+        if rule.count_if.is_some() && slot.is_some() {
+            let mut key = KeyBuf::new();
+            if rule.key_again(req, &mut key) {
+                keys.push((i, KeyBytes::new(&mut key)));
+            }
+        }
+    }
+    keys
+}
+
 /// Owned keys of the rules that consumed, extracted again.
 fn owned_keys<B, L>(
     shared: &Shared<B, L>,
@@ -140,16 +158,20 @@ where
                 }
             });
         }
-        let shared = Arc::clone(&self.shared);
+        // Response-aware rules need their keys once the response is in.
+        let after = (shared.response_aware && matches!(verdict, Verdict::Pass { .. }))
+            .then(|| response_keys(shared, &report, &req));
         let state = next(
-            &shared,
+            &self.shared,
             &report,
             verdict,
             req,
             Inner::Borrowed(&mut self.inner),
-            |req| owned_keys(&shared, &report, req),
+            |req| owned_keys(&self.shared, &report, req),
         );
-        self.finish(state, report, grpc)
+        let mut future = self.finish(state, report, grpc);
+        future.after = after;
+        future
     }
 }
 
@@ -165,6 +187,7 @@ where
             report,
             grpc,
             shared: Arc::clone(&self.shared),
+            after: None,
         }
     }
 

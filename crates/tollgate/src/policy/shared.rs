@@ -27,6 +27,8 @@ pub(super) struct Bound<B, L> {
     pub(super) canary: Option<(u64, (u64, u64))>,
     /// Plan `i + 1`'s limiter and responder, where this rule names it.
     pub(super) plans: Box<[Option<(L, Responder)>]>,
+    /// A response-aware rule's test of which responses count.
+    pub(super) count_if: Option<super::rule::CountIf>,
 }
 
 /// What a rule made of a request's key.
@@ -108,6 +110,8 @@ pub(super) struct Shared<B, L> {
     pub(super) plans: super::plan::Plans<B>,
     /// How many rules are enforced (not shadow).
     pub(super) enforced: usize,
+    /// Whether any rule is response-aware.
+    pub(super) response_aware: bool,
     /// Allow and deny lists, checked before any rule, and their metrics
     /// (`rule` = the list's name).
     pub(super) access: Option<(super::AccessList, crate::observe::Metrics, Arc<str>)>,

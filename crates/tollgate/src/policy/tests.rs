@@ -645,3 +645,89 @@ async fn plans_from_a_header_or_a_closure() {
         "header"
     );
 }
+
+/// A login handler: 200 for the password "demo", 401 otherwise, after a
+/// moment's work.
+async fn login(req: Req) -> Result<Response<String>, Infallible> {
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let ok = req.headers().get("x-password").is_some_and(|p| p == "demo");
+    let mut res = Response::new(String::new());
+    if !ok {
+        *res.status_mut() = http::StatusCode::UNAUTHORIZED;
+    }
+    Ok(res)
+}
+
+fn attempt(user: &str, password: &str) -> Req {
+    Request::post("/login")
+        .header("x-user", user)
+        .header("x-password", password)
+        .body(String::new())
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn response_aware_rules_count_only_the_responses_they_are_told_to() {
+    let clock = ManualClock::starting_at(1);
+    let layer = PolicyLayer::builder()
+        .rule(
+            RateRule::new(
+                "failed-logins",
+                Limit::fixed_window(3, Duration::from_secs(900)),
+                Header::named("x-user").unwrap(),
+            )
+            .count_if(|s| s == 401 || s == 403),
+        )
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(login));
+    let send = |r: Req| {
+        let svc = svc.clone();
+        async move { svc.oneshot(r).await.unwrap() }
+    };
+    let res = send(attempt("ann", "guess")).await;
+    assert_eq!(res.status(), 401);
+    assert_eq!(res.headers()["ratelimit"], "\"failed-logins\";r=2;t=900");
+    // A success does not count: the budget is as it was.
+    let res = send(attempt("ann", "demo")).await;
+    assert_eq!(res.status(), 200);
+    assert_eq!(res.headers()["ratelimit"], "\"failed-logins\";r=2;t=900");
+    for _ in 0..2 {
+        assert_eq!(send(attempt("ann", "guess")).await.status(), 401);
+    }
+    // Three failures: locked, the right password included.
+    let res = send(attempt("ann", "demo")).await;
+    assert_eq!(res.status(), 429);
+    assert_eq!(res.headers()["retry-after"], "900");
+    // Another user is not.
+    assert_eq!(send(attempt("bob", "demo")).await.status(), 200);
+}
+
+#[tokio::test(start_paused = true)]
+async fn parallel_attempts_cannot_overrun_a_response_aware_rule() {
+    let clock = ManualClock::starting_at(1);
+    let layer = PolicyLayer::builder()
+        .rule(
+            RateRule::new(
+                "failed-logins",
+                Limit::fixed_window(5, Duration::from_secs(900)),
+                Header::named("x-user").unwrap(),
+            )
+            .count_if(|s| s == 401),
+        )
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(login));
+    // 64 guesses at once: all pending together, only 5 reach the handler.
+    let tasks: Vec<_> = (0..64)
+        .map(|_| tokio::spawn(svc.clone().oneshot(attempt("eve", "guess"))))
+        .collect();
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.push(t.await.unwrap().unwrap().status().as_u16());
+    }
+    assert_eq!(statuses.iter().filter(|s| **s == 401).count(), 5);
+    assert_eq!(statuses.iter().filter(|s| **s == 429).count(), 59);
+}

@@ -3,6 +3,8 @@
 //!
 //! Run the quickstart with `cargo run -p tollgate-examples --bin quickstart`.
 
+pub mod login;
+
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -47,6 +49,11 @@ pub const DOWNLOAD_BURST: u32 = 64 << 10;
 ///   between 16 and 512) that follows the service's latency and errors;
 /// - every `/api/*` route draws on a daily quota of 1,000 cost units per
 ///   client (UTC days; a `RateLimit-Policy` item with `w=86400`);
+/// - `POST /login` (JSON `{"user": ..., "password": ...}`; the password
+///   `demo` succeeds, anything else is a 401) allows 5 failed logins per
+///   account and 20 per address in any 15 minutes; past either, logins
+///   of that account or address answer 429 with `Retry-After`, the right
+///   password included (see [`login::routes`]);
 /// - `/healthz` is not limited.
 ///
 /// The client is its `x-api-key`, else its IP: the peer's, or — when the
@@ -57,6 +64,7 @@ pub fn quickstart_app<S: QuotaStore>(
     trusted_proxies: &[String],
 ) -> Result<Router, ConfigError> {
     let client = Header::named("x-api-key")?.or(ClientIp::trusting(trusted_proxies)?);
+    let store_for_login = store.clone();
     let downloads = ConcurrencyLayer::builder("downloads", 2)
         .key(client.clone())
         .store(store.clone())
@@ -128,7 +136,11 @@ pub fn quickstart_app<S: QuotaStore>(
         .route_layer(in_flight);
     Ok(Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
-        .merge(api))
+        .merge(api)
+        .merge(login::routes(
+            store_for_login,
+            ClientIp::trusting(trusted_proxies)?,
+        )?))
 }
 
 /// A body of `n` bytes in 16 KiB chunks, as fast as it is read (the

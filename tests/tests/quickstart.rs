@@ -279,3 +279,50 @@ async fn a_third_download_is_refused_while_two_are_in_flight() {
     }
     drop((two, other));
 }
+
+fn login(user: &str, password: &str) -> Request<Bytes> {
+    Request::post("/login")
+        .header("content-type", "application/json")
+        .body(Bytes::from(format!(
+            r#"{{"user":"{user}","password":"{password}"}}"#
+        )))
+        .unwrap()
+}
+
+#[tokio::test]
+async fn five_failed_logins_lock_the_account_for_the_rest_of_the_window() {
+    let (addr, clock) = quickstart(&[]).await;
+    let r = send(addr, login("ann", "demo")).await.unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.body, "Welcome, ann.\n");
+    for i in 0..5 {
+        clock.advance(Duration::from_secs(60));
+        let r = send(addr, login("ann", "guess")).await.unwrap();
+        assert_eq!(r.status, 401, "failure {i}: {r:?}");
+    }
+    // Locked: the right password too, until the first failure (at 1 min)
+    // leaves the 15-minute window (at 16 min; now 5 min).
+    let r = send(addr, login("ann", "demo")).await.unwrap();
+    assert_eq!(r.status, 429, "{r:?}");
+    assert_eq!(r.header("retry-after"), "660");
+    assert!(r.body.contains("failed-logins-user"), "{}", r.body);
+    // Another account from the same address is not locked.
+    assert_eq!(send(addr, login("bob", "demo")).await.unwrap().status, 200);
+    // Once the first failure leaves the window, one more try is allowed.
+    clock.advance(Duration::from_secs(660));
+    assert_eq!(send(addr, login("ann", "demo")).await.unwrap().status, 200);
+}
+
+#[tokio::test]
+async fn twenty_failed_logins_from_one_address_lock_every_account_there() {
+    let (addr, _clock) = quickstart(&[]).await;
+    for i in 0..20 {
+        let r = send(addr, login(&format!("user-{i}"), "guess"))
+            .await
+            .unwrap();
+        assert_eq!(r.status, 401, "failure {i}: {r:?}");
+    }
+    let r = send(addr, login("fresh", "demo")).await.unwrap();
+    assert_eq!(r.status, 429, "{r:?}");
+    assert!(r.body.contains("failed-logins-ip"), "{}", r.body);
+}

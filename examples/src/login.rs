@@ -1,0 +1,106 @@
+//! The quickstart's `POST /login`: failed logins limited per account and
+//! per address, with response-aware policy rules.
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::Request;
+use axum::http::StatusCode;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Json, Router};
+use serde::Deserialize;
+use tollgate::core::Store;
+use tollgate::key::{ClientIp, KeyBuf};
+use tollgate::policy::{PolicyLayer, RateRule};
+use tollgate::{ConfigError, Limit, MissingKey};
+
+/// Failed logins one account may have in [`LOGIN_WINDOW`].
+pub const FAILED_PER_USER: u32 = 5;
+/// Failed logins one address may have in [`LOGIN_WINDOW`].
+pub const FAILED_PER_IP: u32 = 20;
+/// The window failed logins are counted over: 15 minutes.
+pub const LOGIN_WINDOW: Duration = Duration::from_secs(15 * 60);
+/// The largest login body read.
+const MAX_BODY: usize = 4 << 10;
+
+#[derive(Deserialize)]
+struct Credentials {
+    user: String,
+    password: String,
+}
+
+/// The account a login is for, read from its JSON body before the limits
+/// decide (the policy keys by it).
+#[derive(Clone)]
+struct LoginUser(String);
+
+/// Reads the body (at most 4 KiB) for its `user`, and hands the request on
+/// with the body intact.
+async fn read_user(req: Request, next: Next) -> Response {
+    let (parts, body) = req.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, MAX_BODY).await else {
+        return StatusCode::PAYLOAD_TOO_LARGE.into_response();
+    };
+    let user = Json::<Credentials>::from_bytes(&bytes)
+        .ok()
+        .map(|Json(c)| c.user);
+    let mut req = Request::from_parts(parts, Body::from(bytes));
+    if let Some(user) = user {
+        req.extensions_mut().insert(LoginUser(user));
+    }
+    next.run(req).await
+}
+
+/// `demo` is the password of every account.
+async fn login(Json(c): Json<Credentials>) -> (StatusCode, String) {
+    if c.password == "demo" {
+        (StatusCode::OK, format!("Welcome, {}.\n", c.user))
+    } else {
+        (
+            StatusCode::UNAUTHORIZED,
+            "Wrong user or password.\n".to_owned(),
+        )
+    }
+}
+
+/// `POST /login`: at most [`FAILED_PER_USER`] failed logins per account
+/// and [`FAILED_PER_IP`] per address in any 15 minutes (sliding windows);
+/// past either, every login of that account or address — the right
+/// password included — answers 429 with `Retry-After` until the oldest
+/// failure leaves the window. Successful logins count toward neither.
+pub fn routes<S: Store>(store: S, client_ip: ClientIp) -> Result<Router, ConfigError> {
+    let user = |req: &axum::http::Request<Body>, key: &mut KeyBuf| {
+        key.push(req.extensions().get::<LoginUser>()?.0.as_bytes());
+        Some(())
+    };
+    let failed = |s: StatusCode| s == StatusCode::UNAUTHORIZED;
+    let limits = PolicyLayer::builder()
+        .rule(
+            RateRule::new(
+                "failed-logins-user",
+                Limit::sliding_window_log(FAILED_PER_USER, LOGIN_WINDOW),
+                user,
+            )
+            .count_if(failed)
+            // A body without a user is the handler's to refuse.
+            .on_missing_key(MissingKey::Skip),
+        )
+        .rule(
+            RateRule::new(
+                "failed-logins-ip",
+                Limit::sliding_window_log(FAILED_PER_IP, LOGIN_WINDOW),
+                client_ip,
+            )
+            .count_if(failed),
+        )
+        .store(store)
+        .build()?;
+    Ok(Router::new().route(
+        "/login",
+        post(login)
+            .route_layer(limits)
+            .route_layer(middleware::from_fn(read_user)),
+    ))
+}

@@ -243,3 +243,59 @@ async fn redis_cluster() {
     let clock = ManualClock::starting_at(1_796_000_040_000_000_000); // a whole minute
     run_table(redis_store(&cluster.url(), &clock), &clock).await;
 }
+
+/// 64 copies of one request with one `Idempotency-Key`, raced from 64
+/// tasks on several threads: charged once.
+async fn idempotent_duplicates_race<S: Store>(store: S) {
+    let layer = PolicyLayer::builder()
+        .rule(RateRule::new(
+            "per-key",
+            Limit::fixed_window(100, Duration::from_secs(3_600)),
+            Header::named("x-api-key").unwrap(),
+        ))
+        .idempotency(
+            "idem",
+            Header::named("x-api-key").unwrap(),
+            Duration::from_secs(60),
+        )
+        .store(store)
+        .build()
+        .unwrap();
+    let limiter = layer.limiters().next().unwrap().clone();
+    let svc = layer.layer(service_fn(|_req: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(String::new()))
+    }));
+    let req = || {
+        Request::post("/orders")
+            .header("x-api-key", "racer")
+            .header("idempotency-key", "order-77")
+            .body(String::new())
+            .unwrap()
+    };
+    let tasks: Vec<_> = (0..64)
+        .map(|_| tokio::spawn(svc.clone().oneshot(req())))
+        .collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap().unwrap().status(), 200);
+    }
+    // The key's budget moved by one.
+    let mut key = tollgate::key::KeyBuf::new();
+    tollgate::key::KeyExtractor::extract(&Header::named("x-api-key").unwrap(), &req(), &mut key)
+        .unwrap();
+    let d = tollgate::core::Limiter::decide(&limiter, key.as_bytes(), 0)
+        .await
+        .unwrap();
+    assert_eq!(d.remaining, 99);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn idempotent_duplicates_race_in_memory() {
+    idempotent_duplicates_race(MemoryStore::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn idempotent_duplicates_race_on_redis() {
+    let Some(redis) = Server::start() else { return };
+    let clock = ManualClock::starting_at(1_796_000_040_000_000_000);
+    idempotent_duplicates_race(redis_store(&redis.url(), &clock)).await;
+}

@@ -33,6 +33,8 @@ pub(crate) struct Metrics {
     /// An access list's verdicts: on its allow list, on its deny list.
     pub(crate) listed_allowed: Counter,
     pub(crate) denied: Counter,
+    /// An idempotent repeat let through uncharged.
+    pub(crate) repeat: Counter,
 }
 
 const REQUESTS: &str = "tollgate_requests_total";
@@ -80,6 +82,7 @@ impl Metrics {
             retry_after: metrics::histogram!(RETRY_AFTER, "rule" => rule.to_owned()),
             listed_allowed: counter("listed_allowed"),
             denied: counter("denied"),
+            repeat: counter("idempotent_repeat"),
         }
     }
 }

@@ -62,6 +62,8 @@ pub(super) enum Verdict {
     Deny { rule: usize, reason: Reason },
     /// An access list refuses it.
     Denied,
+    /// An idempotent repeat within the TTL: served, charged nothing.
+    Repeat,
     /// Rule `rule` found no key and refuses keyless requests.
     MissingKey { rule: usize },
 }

@@ -90,7 +90,7 @@ where
     L: Limiter,
 {
     match verdict {
-        Verdict::Pass { delay: 0 } => State::Calling {
+        Verdict::Pass { delay: 0 } | Verdict::Repeat => State::Calling {
             future: inner.call(req),
         },
         // Needs tokio's timer (a runtime with time enabled, as axum's and
@@ -232,7 +232,7 @@ fn reject<B, L>(
     let (rule, reason) = match verdict {
         Verdict::Deny { rule, reason } => (rule, reason),
         Verdict::MissingKey { rule } => (rule, Reason::MissingKey),
-        Verdict::Pass { .. } => (0, Reason::Limited),
+        Verdict::Pass { .. } | Verdict::Repeat => (0, Reason::Limited),
         Verdict::Denied => {
             let name = shared
                 .access

@@ -11,6 +11,7 @@ use tollgate_memory::MemoryStore;
 use tower_layer::Layer;
 
 use super::access::AccessList;
+use super::idempotency::Idempotency;
 use super::plan::{Plan, Plans, Source};
 use super::rule::{DynRule, Erased, RateRule};
 use super::service::Policy;
@@ -63,6 +64,7 @@ impl<B> PolicyLayer<B, ()> {
             rejection: None,
             access: None,
             plan_source: None,
+            idempotency: None,
         }
     }
 }
@@ -110,6 +112,7 @@ pub struct PolicyLayerBuilder<B, St> {
     rejection: Option<RejectFn>,
     access: Option<AccessList>,
     plan_source: Option<Source<B>>,
+    idempotency: Option<(String, Box<dyn DynRule<B>>, std::time::Duration)>,
 }
 
 impl<B, St> fmt::Debug for PolicyLayerBuilder<B, St> {
@@ -155,7 +158,30 @@ impl<B, St> PolicyLayerBuilder<B, St> {
             rejection: self.rejection,
             access: self.access,
             plan_source: self.plan_source,
+            idempotency: self.idempotency,
         }
+    }
+
+    /// Idempotent repeats go uncharged: a request sent again with the same
+    /// `Idempotency-Key` by the same client (`client`'s key) within `ttl`
+    /// of the first is let through without charging any rule — the
+    /// service answers it from its idempotency store. Concurrent
+    /// duplicates race on one atomic store decision, so exactly one of
+    /// them is charged. A first request that the rules refuse leaves no
+    /// trace (a retry of it is charged). Only for services that really
+    /// deduplicate by `Idempotency-Key`: otherwise a client could repeat a
+    /// key to go unlimited for `ttl`. The marker is a rule named `name` in
+    /// the policy's store.
+    pub fn idempotency<K>(mut self, name: &str, client: K, ttl: std::time::Duration) -> Self
+    where
+        K: KeyExtractor<B>,
+    {
+        let client: Box<dyn DynRule<B>> = Box::new(Erased {
+            key: client,
+            cost: crate::cost::Fixed(1),
+        });
+        self.idempotency = Some((name.to_owned(), client, ttl));
+        self
     }
 
     /// Reads a request's plan from its [`Plan`] extension, set by
@@ -303,6 +329,27 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
             })
             .collect();
         let count = enforced().count();
+        let idempotency = match self.idempotency {
+            None => None,
+            Some((name, client, ttl)) => {
+                if ttl.is_zero() {
+                    return Err(ConfigError::new(
+                        "idempotency",
+                        "the TTL must be longer than zero",
+                    ));
+                }
+                let rule = Rule::new(
+                    &name,
+                    tollgate_core::Limit::gcra(tollgate_core::Rate::new(1, ttl), 1),
+                )?;
+                Some(Idempotency {
+                    client,
+                    limiter: self.store.limiter(&rule)?,
+                    metrics: Metrics::register(&name),
+                    name: Arc::from(name.as_str()),
+                })
+            }
+        };
         let response_aware = bound.iter().any(|b| b.count_if.is_some());
         Ok(PolicyLayer {
             shared: Arc::new(Shared {
@@ -316,6 +363,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 },
                 enforced: count,
                 response_aware,
+                idempotency,
                 access: self.access.map(|list| {
                     let metrics = Metrics::register(&list.name);
                     let name = Arc::from(list.name.as_str());

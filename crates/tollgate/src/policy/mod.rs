@@ -27,6 +27,11 @@
 //!   account and per address, say. The cost is taken up front (parallel
 //!   attempts cannot overrun the limit) and given back when the response
 //!   does not count.
+//! - **Idempotent repeats**
+//!   ([`idempotency`](PolicyLayerBuilder::idempotency)): a request sent
+//!   again with the same `Idempotency-Key` by the same client within a
+//!   TTL is served uncharged; concurrent duplicates race on one atomic
+//!   store decision, so exactly one is charged.
 //! - **Access lists** ([`AccessList`]), checked before any rule: keys
 //!   and IP networks on an allow list skip every limit, those on a deny
 //!   list get 403 (gRPC `PERMISSION_DENIED`) at once, and a list can deny
@@ -95,6 +100,7 @@
 mod access;
 mod decide;
 mod future;
+mod idempotency;
 mod layer;
 mod plan;
 mod rule;

@@ -113,6 +113,29 @@ where
                 }
             }
         }
+        // An idempotent repeat goes uncharged; a first request's marker is
+        // taken back if the rules refuse it.
+        let mut marker = Marker::None;
+        if let Some(idem) = &shared.idempotency {
+            if let Some(mut key) = idem.marker(&req) {
+                match idem.limiter.decide_sync(key.as_bytes(), 1) {
+                    Some(Ok(d)) if d.is_allowed() => {
+                        marker = Marker::Charged(KeyBytes::new(&mut key))
+                    }
+                    Some(Ok(_)) => {
+                        idem.metrics.repeat.increment(1);
+                        let future = self.inner.call(req);
+                        return self.finish(State::Calling { future }, report, grpc);
+                    }
+                    // The store failed: charge the request as usual.
+                    Some(Err(e)) => crate::observe::store_fault("rate", &idem.metrics_name(), &e),
+                    None => marker = Marker::Pending(KeyBytes::new(&mut key)),
+                }
+            }
+        }
+        if let Marker::Pending(_) = marker {
+            return self.decide_async(req, report, 0, grpc, marker);
+        }
         for (i, rule) in shared.rules.iter().enumerate() {
             let mut key = KeyBuf::new();
             match rule.key(&req, &mut key) {
@@ -129,6 +152,7 @@ where
                             f(k.as_bytes());
                         }
                     });
+                    marker.give_back(shared);
                     return self.finish(
                         State::Rejected {
                             verdict: Verdict::MissingKey { rule: i },
@@ -142,7 +166,7 @@ where
             match rule.at(report.plan).0.decide_sync(key.as_bytes(), cost) {
                 Some(Ok(d)) => report.set(i, d, cost, rule.shadows(key.as_bytes())),
                 Some(Err(e)) => store_failed(rule, &e),
-                None => return self.decide_async(req, report, i, grpc),
+                None => return self.decide_async(req, report, i, grpc, marker),
             }
         }
         let verdict = settle(shared, &mut report);
@@ -157,6 +181,7 @@ where
                     f(k.as_bytes());
                 }
             });
+            marker.give_back(shared);
         }
         // Response-aware rules need their keys once the response is in.
         let after = (shared.response_aware && matches!(verdict, Verdict::Pass { .. }))
@@ -172,6 +197,26 @@ where
         let mut future = self.finish(state, report, grpc);
         future.after = after;
         future
+    }
+}
+
+/// A request's idempotency marker.
+enum Marker {
+    /// None: no `Idempotency-Key`, or no idempotency in the policy.
+    None,
+    /// Taken (a first request): given back if the rules refuse it.
+    Charged(KeyBytes),
+    /// To take in the store, before the rules decide.
+    Pending(KeyBytes),
+}
+
+impl Marker {
+    /// Gives a taken marker back: the request was refused, so a retry of
+    /// it is a first request again.
+    fn give_back<B, L: Limiter>(&self, shared: &Shared<B, L>) {
+        if let (Marker::Charged(key), Some(idem)) = (self, &shared.idempotency) {
+            crate::task::finish(idem.limiter.refund(key.as_bytes(), 1));
+        }
     }
 }
 
@@ -191,15 +236,17 @@ where
         }
     }
 
-    /// The path of a store that needs I/O: rules `from` on are decided
-    /// concurrently (the earlier ones, if any, answered at once), then
-    /// judged together; a denial refunds what the others consumed.
+    /// The path of a store that needs I/O: the idempotency marker if it is
+    /// pending, then rules `from` on, concurrently (the earlier ones, if
+    /// any, answered at once), judged together; a denial refunds what the
+    /// others consumed, and the marker.
     fn decide_async(
         &mut self,
         req: Request<B>,
         mut report: Report,
         from: usize,
         grpc: bool,
+        marker: Marker,
     ) -> PolicyFuture<S, B, L> {
         let shared = Arc::clone(&self.shared);
         // Every rule's key first: a rule that refuses a keyless request
@@ -222,6 +269,7 @@ where
                                 f(k.as_bytes());
                             }
                         });
+                        marker.give_back(&shared);
                         return self.finish(
                             State::Rejected {
                                 verdict: Verdict::MissingKey { rule: i },
@@ -236,30 +284,58 @@ where
                 keys.push((i, KeyBytes::new(&mut key)));
             }
         }
+        // (rule, cost, shadowed, index into keys) of the rules to decide.
         let pending: Vec<_> = keys
             .iter()
-            .filter(|(i, _)| *i >= from)
-            .filter_map(|(i, key)| {
+            .enumerate()
+            .filter(|(_, (i, _))| *i >= from)
+            .filter_map(|(k, (i, key))| {
                 let rule = shared.rules.get(*i)?;
-                let cost = rule.rule.cost(&req);
-                Some((
-                    *i,
-                    cost,
-                    rule.shadows(key.as_bytes()),
-                    Box::pin(rule.at(report.plan).0.decide(key.as_bytes(), cost)),
-                ))
+                Some((*i, rule.rule.cost(&req), rule.shadows(key.as_bytes()), k))
             })
             .collect();
         let decide = Box::pin({
             let shared = Arc::clone(&shared);
             async move {
-                let mut pending = pending;
+                let mut marker = marker;
+                if let (Marker::Pending(key), Some(idem)) = (&marker, &shared.idempotency) {
+                    match idem.limiter.decide(key.as_bytes(), 1).await {
+                        Ok(d) if !d.is_allowed() => {
+                            idem.metrics.repeat.increment(1);
+                            return (report, Verdict::Repeat, keys);
+                        }
+                        Ok(_) => {
+                            if let Marker::Pending(key) =
+                                std::mem::replace(&mut marker, Marker::None)
+                            {
+                                marker = Marker::Charged(key);
+                            }
+                        }
+                        // The store failed: charge the request as usual.
+                        Err(e) => {
+                            crate::observe::store_fault("rate", &idem.metrics_name(), &e);
+                            marker = Marker::None;
+                        }
+                    }
+                }
+                // Created here, after the marker: no rule is charged for a
+                // repeat.
+                let mut futures: Vec<_> = pending
+                    .iter()
+                    .map(|(i, cost, _, k)| {
+                        let key = keys.get(*k).map_or(&[][..], |(_, key)| key.as_bytes());
+                        shared
+                            .rules
+                            .get(*i)
+                            .map(|rule| Box::pin(rule.at(report.plan).0.decide(key, *cost)))
+                    })
+                    .collect();
                 let mut results: Vec<Option<Result<Decision, StoreError>>> =
                     pending.iter().map(|_| None).collect();
                 poll_fn(|cx| {
                     let mut waiting = false;
-                    for ((_, _, _, fut), result) in pending.iter_mut().zip(results.iter_mut()) {
-                        if result.is_none() {
+                    for (fut, result) in futures.iter_mut().zip(results.iter_mut()) {
+                        if let (Some(fut), None) = (fut.as_mut(), result.as_ref()) {
                             match fut.as_mut().poll(cx) {
                                 Poll::Ready(r) => *result = Some(r),
                                 Poll::Pending => waiting = true,
@@ -290,6 +366,7 @@ where
                             f(k.as_bytes());
                         }
                     });
+                    marker.give_back(&shared);
                 }
                 (report, verdict, keys)
             }

@@ -112,6 +112,8 @@ pub(super) struct Shared<B, L> {
     pub(super) enforced: usize,
     /// Whether any rule is response-aware.
     pub(super) response_aware: bool,
+    /// Idempotent repeats go uncharged.
+    pub(super) idempotency: Option<super::idempotency::Idempotency<B, L>>,
     /// Allow and deny lists, checked before any rule, and their metrics
     /// (`rule` = the list's name).
     pub(super) access: Option<(super::AccessList, crate::observe::Metrics, Arc<str>)>,

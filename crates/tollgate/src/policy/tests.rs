@@ -731,3 +731,59 @@ async fn parallel_attempts_cannot_overrun_a_response_aware_rule() {
     assert_eq!(statuses.iter().filter(|s| **s == 401).count(), 5);
     assert_eq!(statuses.iter().filter(|s| **s == 429).count(), 59);
 }
+
+fn with_idempotency(key: &str, idem: &str) -> Req {
+    let mut r = req(key, "ip");
+    r.headers_mut()
+        .insert("idempotency-key", idem.parse().unwrap());
+    r
+}
+
+async fn idempotent_repeats_are_not_charged_again<S: Store>(store: S, clock: ManualClock) {
+    let layer = PolicyLayer::builder()
+        .rule(per_key(Limit::fixed_window(3, Duration::from_secs(3_600))))
+        .idempotency(
+            "idem",
+            Header::named("x-api-key").unwrap(),
+            Duration::from_secs(60),
+        )
+        .store(store)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    let send = |r: Req| {
+        let svc = svc.clone();
+        async move { svc.oneshot(r).await.unwrap() }
+    };
+    let res = send(with_idempotency("a", "order-1")).await;
+    assert_eq!(res.headers()["ratelimit"], "\"per-key\";r=2;t=3600");
+    // The repeat is served, uncharged, without limit headers.
+    for _ in 0..5 {
+        let res = send(with_idempotency("a", "order-1")).await;
+        assert_eq!(res.status(), 200);
+        assert!(res.headers().get("ratelimit").is_none());
+    }
+    assert_eq!(remaining(&layer, 0, "a").await, 2);
+    // Another key, or another client with the same key: charged.
+    send(with_idempotency("a", "order-2")).await;
+    send(with_idempotency("b", "order-1")).await;
+    assert_eq!(remaining(&layer, 0, "a").await, 1);
+    // After the TTL the key is new again.
+    clock.advance(Duration::from_secs(61));
+    send(with_idempotency("a", "order-1")).await;
+    assert_eq!(remaining(&layer, 0, "a").await, 0);
+    // A first request the rules refuse leaves no marker: its retry, once
+    // the budget is back, is charged, not waved through.
+    assert_eq!(send(with_idempotency("a", "order-3")).await.status(), 429);
+    assert_eq!(send(with_idempotency("a", "order-3")).await.status(), 429);
+    // 64 duplicates at once are charged once.
+    let fresh = || with_idempotency("c", "burst");
+    let tasks: Vec<_> = (0..64)
+        .map(|_| tokio::spawn(svc.clone().oneshot(fresh())))
+        .collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap().unwrap().status(), 200);
+    }
+    assert_eq!(remaining(&layer, 0, "c").await, 2);
+}
+on_both_paths!(idempotency, idempotent_repeats_are_not_charged_again);

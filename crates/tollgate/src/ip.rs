@@ -165,7 +165,7 @@ mod tests {
             );
         }
         assert_eq!(many.by_mask.len(), 1);
-        assert!(many.contains("100.19.136.5".parse().unwrap()));
-        assert!(!many.contains("101.0.0.1".parse().unwrap()));
+        assert!(many.contains("100.19.135.5".parse().unwrap()));
+        assert!(!many.contains("100.19.136.1".parse().unwrap()));
     }
 }

@@ -19,7 +19,7 @@ use super::shared::{Shared, MAX_RULES};
 use crate::body::ResponseBody;
 use crate::headers::apply_set;
 use crate::key::KeyBytes;
-use crate::rate_limit::{Inner, Refund};
+use crate::rate_limit::{poll_paced, Inner, Refund};
 use crate::rejection::{LimitKind, Reason, Rejected};
 
 pub(super) type Deciding =
@@ -144,22 +144,9 @@ where
                     sleep,
                     waiting,
                     refund,
-                } => {
-                    ready!(sleep.as_mut().poll(cx));
-                    // Its turn came: from here the cost stays spent.
-                    refund.defuse();
-                    let Some(w) = waiting.as_mut() else {
-                        return Poll::Pending;
-                    };
-                    ready!(w.1.poll_ready(cx))?;
-                    let Some(waiting) = waiting.take() else {
-                        return Poll::Pending;
-                    };
-                    let (req, mut inner) = *waiting;
-                    State::Calling {
-                        future: inner.call(req),
-                    }
-                }
+                } => State::Calling {
+                    future: ready!(poll_paced(cx, sleep, waiting, refund))?,
+                },
                 StateProj::Calling { future } => {
                     let mut response = ready!(future.poll(cx))?.map(ResponseBody::inner);
                     if let Some(keys) = this.after.take() {

@@ -41,6 +41,21 @@ impl<S: fmt::Debug, B, L> fmt::Debug for Policy<S, B, L> {
     }
 }
 
+/// Refunds the rules that consumed, their keys extracted from `req` again
+/// (the synchronous path keeps no keys).
+fn refund_by_request<B, L: Limiter>(shared: &Shared<B, L>, report: &Report, req: &Request<B>) {
+    refund_consumed(shared, report, |j, f| {
+        let mut k = KeyBuf::new();
+        if shared
+            .rules
+            .get(j)
+            .is_some_and(|r| r.key_again(req, &mut k))
+        {
+            f(k.as_bytes());
+        }
+    });
+}
+
 /// Owned keys of the response-aware rules that consumed.
 fn response_keys<B, L>(
     shared: &Shared<B, L>,
@@ -142,16 +157,7 @@ where
                 Keyed::Key => {}
                 Keyed::Skip => continue,
                 Keyed::Reject => {
-                    refund_consumed(shared, &report, |j, f| {
-                        let mut k = KeyBuf::new();
-                        if shared
-                            .rules
-                            .get(j)
-                            .is_some_and(|r| r.key_again(&req, &mut k))
-                        {
-                            f(k.as_bytes());
-                        }
-                    });
+                    refund_by_request(shared, &report, &req);
                     marker.give_back(shared);
                     return self.finish(
                         State::Rejected {
@@ -171,16 +177,7 @@ where
         }
         let verdict = settle(shared, &mut report);
         if let Verdict::Deny { .. } = verdict {
-            refund_consumed(shared, &report, |j, f| {
-                let mut k = KeyBuf::new();
-                if shared
-                    .rules
-                    .get(j)
-                    .is_some_and(|r| r.key_again(&req, &mut k))
-                {
-                    f(k.as_bytes());
-                }
-            });
+            refund_by_request(shared, &report, &req);
             marker.give_back(shared);
         }
         // Response-aware rules need their keys once the response is in.

@@ -88,6 +88,32 @@ impl<S: Clone> Inner<'_, S> {
     }
 }
 
+/// A paced request's wait: once `sleep` is over (a finished sleep stays
+/// ready when polled again), its cost stays spent even if the inner
+/// service keeps it waiting; then the inner service is polled ready and
+/// called. Shared by the rate-limit and policy futures.
+pub(crate) fn poll_paced<S, ReqB>(
+    cx: &mut Context<'_>,
+    sleep: &mut Pin<Box<Sleep>>,
+    waiting: &mut Option<Box<(Request<ReqB>, S)>>,
+    refund: &mut Refund,
+) -> Poll<Result<S::Future, S::Error>>
+where
+    S: Service<Request<ReqB>>,
+{
+    ready!(sleep.as_mut().poll(cx));
+    refund.defuse();
+    let Some(w) = waiting.as_mut() else {
+        return Poll::Pending;
+    };
+    ready!(w.1.poll_ready(cx))?;
+    let Some(waiting) = waiting.take() else {
+        return Poll::Pending;
+    };
+    let (request, mut inner) = *waiting;
+    Poll::Ready(Ok(inner.call(request)))
+}
+
 /// Gives a paced request's cost back to the store; built only for pacing
 /// rules (the leaky bucket).
 pub(crate) type RefundFn = Box<dyn FnOnce() + Send>;
@@ -254,25 +280,10 @@ where
                     waiting,
                     decision,
                     refund,
-                } => {
-                    // A finished sleep stays ready when polled again.
-                    ready!(sleep.as_mut().poll(cx));
-                    // Its turn came: from here the cost stays spent, even
-                    // if the inner service keeps it waiting.
-                    refund.defuse();
-                    let Some(w) = waiting.as_mut() else {
-                        return Poll::Pending;
-                    };
-                    ready!(w.1.poll_ready(cx))?;
-                    let Some(waiting) = waiting.take() else {
-                        return Poll::Pending;
-                    };
-                    let (request, mut inner) = *waiting;
-                    State::Calling {
-                        future: inner.call(request),
-                        decision: Some(*decision),
-                    }
-                }
+                } => State::Calling {
+                    future: ready!(poll_paced(cx, sleep, waiting, refund))?,
+                    decision: Some(*decision),
+                },
                 StateProj::Calling { future, decision } => {
                     let response = ready!(future.poll(cx))?;
                     return Poll::Ready(Ok(Finished::Response(response, *decision)));

@@ -44,8 +44,8 @@ mod shared;
 mod tests;
 
 pub use error::RateLimited;
+pub(crate) use future::{poll_paced, Inner, Refund, RefundFn};
 pub use future::{ErrorFuture, ResponseFuture};
-pub(crate) use future::{Inner, Refund, RefundFn};
 pub use layer::{RateLimitErrorLayer, RateLimitLayer, RateLimitLayerBuilder};
 pub use service::{RateLimit, RateLimitErrors};
 pub use shared::MissingKey;

@@ -240,6 +240,14 @@ pub trait RetryBudgetLimiter: Clone + Send + Sync + 'static {
     /// A retry is wanted for `key`: withdraw one if the budget allows.
     fn withdraw(&self, key: &[u8]) -> Self::WithdrawFuture;
 
+    /// [`deposit`](Self::deposit) at once, for stores that need no I/O:
+    /// `true` when it is done; `false` (the default) means "call
+    /// `deposit`" (and nothing was deposited).
+    fn deposit_sync(&self, key: &[u8]) -> bool {
+        let _ = key;
+        false
+    }
+
     /// [`withdraw`](Self::withdraw) at once, for stores that need no I/O;
     /// `None` (the default) means "call `withdraw`".
     fn withdraw_sync(&self, key: &[u8]) -> Option<Result<bool, StoreError>> {

@@ -779,6 +779,11 @@ impl<C: Clock> RetryBudgetLimiter for MemoryRetryBudget<C> {
         ready(Ok(self.withdraw_now(key)))
     }
 
+    fn deposit_sync(&self, key: &[u8]) -> bool {
+        self.deposit_now(key);
+        true
+    }
+
     fn withdraw_sync(&self, key: &[u8]) -> Option<Result<bool, StoreError>> {
         Some(Ok(self.withdraw_now(key)))
     }

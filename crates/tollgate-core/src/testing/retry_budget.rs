@@ -110,7 +110,10 @@ pub async fn run_retry_budget_at<S: RetryBudgetStore>(make: impl Fn(ManualClock)
     retry_budget_deposit_survives_its_future(&make(clock.clone()), &clock).await;
 }
 
-/// Deposits `key` on `limiter` and on `reference` at the clock's time.
+/// Deposits `key` on `limiter` and on `reference` at the clock's time:
+/// synchronously where the store can (every other deposit of a key, so
+/// both paths are checked against the reference), else through the
+/// future.
 pub async fn retry_deposit<L: RetryBudgetLimiter>(
     limiter: &L,
     reference: &mut RetryBudgetReference,
@@ -118,10 +121,13 @@ pub async fn retry_deposit<L: RetryBudgetLimiter>(
     key: &[u8],
 ) {
     let now = crate::Clock::now(clock);
-    limiter
-        .deposit(key)
-        .await
-        .unwrap_or_else(|e| panic!("deposit for {key:?}: {e}"));
+    let sync_turn = (reference.balance(key, now) / crate::algorithm::RETRY_UNIT).is_multiple_of(2);
+    if !(sync_turn && limiter.deposit_sync(key)) {
+        limiter
+            .deposit(key)
+            .await
+            .unwrap_or_else(|e| panic!("deposit for {key:?}: {e}"));
+    }
     reference.deposit(key, now);
 }
 

@@ -400,7 +400,17 @@ where
         // for the next caller's poll_ready.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        Box::pin(run(Arc::clone(&self.shared), inner, req))
+        let shared = Arc::clone(&self.shared);
+        // A call without a deadline carries no timer.
+        match shared.deadline.and_then(|d| Instant::now().checked_add(d)) {
+            None => Box::pin(run(shared, inner, req, None)),
+            Some(at) => Box::pin(async move {
+                match tokio::time::timeout_at(at, run(shared, inner, req, Some(at))).await {
+                    Ok(result) => result,
+                    Err(_) => Err(Box::new(DeadlineExceeded) as BoxError),
+                }
+            }),
+        }
     }
 }
 
@@ -439,14 +449,6 @@ where
     Ok(Ok((Bytes::from(data), trailers)))
 }
 
-/// `fut`, cut off at `deadline` if there is one (`None` when it was).
-async fn within<T>(deadline: Option<Instant>, fut: impl Future<Output = T>) -> Option<T> {
-    match deadline {
-        Some(at) => tokio::time::timeout_at(at, fut).await.ok(),
-        None => Some(fut.await),
-    }
-}
-
 /// The classifier's verdict on an attempt.
 fn classify<K, L>(shared: &Shared<K, L>, attempt: Attempt<'_>) -> bool {
     match &shared.classify {
@@ -455,10 +457,14 @@ fn classify<K, L>(shared: &Shared<K, L>, attempt: Attempt<'_>) -> bool {
     }
 }
 
+/// The call: budget, attempts and waits. `deadline`, when set, is when
+/// the caller's timer cuts it off; no retry is started that would wait
+/// past it.
 async fn run<S, K, L, B, ResB>(
     shared: Arc<Shared<K, L>>,
     mut inner: S,
     req: Request<B>,
+    deadline: Option<Instant>,
 ) -> Result<Response<ResB>, BoxError>
 where
     S: Service<Request<ReplayBody<B>>, Response = Response<ResB>>,
@@ -483,23 +489,22 @@ where
             return Err(Box::new(Throttled));
         }
     }
-    let deadline = shared.deadline.and_then(|d| Instant::now().checked_add(d));
-    let expired = || -> Result<Response<ResB>, BoxError> { Err(Box::new(DeadlineExceeded)) };
     let (parts, body) = req.into_parts();
     let replayable = shared.max_attempts > 1
         && (shared.any_method || is_idempotent(&parts.method, &parts.headers));
     let (buffered, mut stream) = if replayable {
-        match within(deadline, buffer(body, shared.buffer_limit)).await {
-            None => return expired(),
-            Some(Ok(Ok(data))) => (Some(data), None),
-            Some(Ok(Err(body))) => (None, Some(body)),
-            Some(Err(e)) => return Err(e),
+        match buffer(body, shared.buffer_limit).await? {
+            Ok(data) => (Some(data), None),
+            Err(body) => (None, Some(body)),
         }
     } else {
         (None, Some(body))
     };
     m.calls.increment(1);
-    crate::task::finish(shared.budget.deposit(key.as_bytes()));
+    // In memory at once; a networked store's deposit runs on its own.
+    if !shared.budget.deposit_sync(key.as_bytes()) {
+        crate::task::finish(shared.budget.deposit(key.as_bytes()));
+    }
     let mut attempt: u32 = 0;
     loop {
         let body = match (&buffered, stream.take()) {
@@ -509,15 +514,10 @@ where
             (None, None) => return Err("a streamed request body cannot be sent twice".into()),
         };
         let request = Request::from_parts(parts.clone(), body);
-        let sent = within(deadline, async {
-            poll_fn(|cx| inner.poll_ready(cx))
-                .await
-                .map_err(Into::into)?;
-            inner.call(request).await.map_err(Into::into)
-        });
-        let Some(result) = sent.await else {
-            return expired();
-        };
+        poll_fn(|cx| inner.poll_ready(cx))
+            .await
+            .map_err(Into::into)?;
+        let result = inner.call(request).await.map_err(Into::into);
         attempt = attempt.saturating_add(1);
         let (retryable, hint) = match &result {
             Ok(res) => {
@@ -527,7 +527,13 @@ where
                     t.record(!matches!(status.as_u16(), 429 | 503));
                 }
                 let retryable = classify(&shared, Attempt::Response { status, headers });
-                (retryable, server_hint(status, headers))
+                // What the server says about when: read only for a retry.
+                let hint = if retryable {
+                    server_hint(status, headers)
+                } else {
+                    None
+                };
+                (retryable, hint)
             }
             Err(error) => {
                 if let Some(t) = &shared.throttle {
@@ -555,10 +561,7 @@ where
         }
         let allowed = match shared.budget.withdraw_sync(key.as_bytes()) {
             Some(answer) => answer,
-            None => match within(deadline, shared.budget.withdraw(key.as_bytes())).await {
-                Some(answer) => answer,
-                None => return result,
-            },
+            None => shared.budget.withdraw(key.as_bytes()).await,
         };
         // A store that fails allows no retry: retrying is never needed to
         // stay up, and a storm is what the budget is for.

@@ -11,8 +11,12 @@
 //! calendar quotas (per day, month, ...), [`bandwidth::BandwidthLayer`]
 //! paces bodies to bytes per second, and — on the client side —
 //! [`RetryBudgetLayer`] retries failed calls only while a retry budget
-//! allows. They work with any `http::Request` service: axum routers
-//! (`.layer`, `.route_layer`), tonic servers, and plain Tower stacks.
+//! allows. [`PolicyLayer`] decides several rate rules as one — per key,
+//! per address, global — refunding what the others charged when one
+//! refuses, with plans, allow and deny lists, canaries, idempotent
+//! repeats and response-aware rules (failed logins). They work with any
+//! `http::Request` service: axum routers (`.layer`, `.route_layer`),
+//! tonic servers, and plain Tower stacks.
 //!
 //! ```
 //! use axum::{routing::{get, post}, Router};
@@ -51,6 +55,7 @@
 //! - [`key`]: who a request counts against;
 //! - [`cost`]: what it costs;
 //! - [`rate_limit`]: the rate layer, and why it decides in `call`;
+//! - [`policy`]: several rules as one decision, plans, lists;
 //! - [`concurrency`]: the concurrency layer, and why its permits live as
 //!   long as the response body;
 //! - [`quota`]: calendar quotas; [`bandwidth`]: byte rates;

@@ -299,3 +299,55 @@ async fn idempotent_duplicates_race_on_redis() {
     let clock = ManualClock::starting_at(1_796_000_040_000_000_000);
     idempotent_duplicates_race(redis_store(&redis.url(), &clock)).await;
 }
+
+/// 64 copies of a request whose key is over its limit, raced: every one
+/// refused — a refused first request leaves no marker for its duplicates
+/// to pass on uncharged.
+async fn refused_duplicates_race<S: Store>(store: S) {
+    let layer = PolicyLayer::builder()
+        .rule(RateRule::new(
+            "per-key",
+            Limit::fixed_window(1, Duration::from_secs(3_600)),
+            Header::named("x-api-key").unwrap(),
+        ))
+        .idempotency(
+            "idem",
+            Header::named("x-api-key").unwrap(),
+            Duration::from_secs(60),
+        )
+        .store(store)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(|_req: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(String::new()))
+    }));
+    let req = |idem: &str| {
+        Request::post("/orders")
+            .header("x-api-key", "spent")
+            .header("idempotency-key", idem)
+            .body(String::new())
+            .unwrap()
+    };
+    assert_eq!(
+        svc.clone().oneshot(req("first")).await.unwrap().status(),
+        200
+    );
+    let tasks: Vec<_> = (0..64)
+        .map(|_| tokio::spawn(svc.clone().oneshot(req("second"))))
+        .collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap().unwrap().status(), 429);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn refused_duplicates_race_in_memory() {
+    refused_duplicates_race(MemoryStore::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn refused_duplicates_race_on_redis() {
+    let Some(redis) = Server::start() else { return };
+    let clock = ManualClock::starting_at(1_796_000_040_000_000_000);
+    refused_duplicates_race(redis_store(&redis.url(), &clock)).await;
+}

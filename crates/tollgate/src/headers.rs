@@ -166,8 +166,9 @@ fn push_decimal(v: &mut Vec<u8>, n: u64) {
 /// item per rule, in order (each `(rule's headers, decision)`), merged
 /// with whatever an inner layer set; `Retry-After` when `retry_after`
 /// (nanoseconds) is given; and the legacy headers of the most restrictive
-/// item when `legacy`. `policy` is the `RateLimit-Policy` of exactly these
-/// items when the caller has it built (see [`set_policy`]).
+/// item (or of item `named`, the rule a rejection names) when `legacy`.
+/// `policy` is the `RateLimit-Policy` of exactly these items when the
+/// caller has it built (see [`set_policy`]).
 pub(crate) fn apply_set(
     headers: &mut HeaderMap,
     items: &[(&Headers, Decision)],
@@ -175,6 +176,7 @@ pub(crate) fn apply_set(
     retry_after: Option<u64>,
     standard: bool,
     legacy: bool,
+    named: Option<usize>,
 ) {
     if let Some(v) = retry_after.and_then(|r| number(retry_after_secs(r))) {
         headers.insert(RETRY_AFTER, v);
@@ -202,9 +204,11 @@ pub(crate) fn apply_set(
             add_items(headers, &RATELIMIT, v);
         }
     }
-    let tightest = items.iter().min_by_key(|(_, d)| match d.outcome {
-        Outcome::Allow { .. } => (1, d.remaining),
-        _ => (0, 0),
+    let tightest = named.and_then(|i| items.get(i)).or_else(|| {
+        items.iter().min_by_key(|(_, d)| match d.outcome {
+            Outcome::Allow { .. } => (1, d.remaining),
+            _ => (0, 0),
+        })
     });
     if let (true, Some((h, d))) = (legacy, tightest) {
         h.apply_legacy(headers, d);
@@ -677,7 +681,15 @@ mod tests {
             (&ha, decision(Outcome::Allow { delay: 0 }, 17, 300_000_000)),
             (&hb, deny),
         ];
-        apply_set(&mut m, &items, None, Some(30_000_000_000), true, true);
+        apply_set(
+            &mut m,
+            &items,
+            None,
+            Some(30_000_000_000),
+            true,
+            true,
+            Some(1),
+        );
         assert_eq!(
             m["ratelimit-policy"],
             "\"per-key\";q=20;w=2, \"per-ip\";q=100;w=60"

@@ -168,6 +168,12 @@ impl AccessList {
         self
     }
 
+    /// Whether key lists were given with no header to read keys from
+    /// (they could never match).
+    pub(crate) fn keys_unread(&self) -> bool {
+        self.key.is_none() && !(self.allow_keys.is_empty() && self.deny_keys.is_empty())
+    }
+
     /// What the lists say about `req`.
     pub fn check<B>(&self, req: &Request<B>) -> Access {
         let key = self

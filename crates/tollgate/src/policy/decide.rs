@@ -169,8 +169,18 @@ where
                 f(k.as_bytes());
             }
         });
+        // The idempotency marker too: a cancelled request was not served,
+        // so its retry is a first request.
+        let marker = keys.iter().find(|(j, _)| *j == MARKER);
+        if let (Some(idem), Some((_, k))) = (&shared.idempotency, marker) {
+            crate::task::finish(idem.limiter.refund(k.as_bytes(), 1));
+        }
     })
 }
+
+/// The index under which a taken idempotency marker's key travels with
+/// the rules' keys (no rule has it).
+pub(super) const MARKER: usize = usize::MAX;
 
 /// After the response: gives back the cost of each response-aware rule
 /// whose test the response fails (it does not count), and shows that

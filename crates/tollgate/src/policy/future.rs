@@ -152,7 +152,7 @@ where
                     if let Some(keys) = this.after.take() {
                         settle_response(this.shared, this.report, response.status(), &keys);
                     }
-                    headers(this.shared, this.report, response.headers_mut(), None);
+                    headers(this.shared, this.report, response.headers_mut(), None, None);
                     return Poll::Ready(Ok(response));
                 }
                 StateProj::Rejected { verdict } => {
@@ -171,6 +171,7 @@ fn headers<B, L>(
     report: &Report,
     map: &mut http::HeaderMap,
     retry_after: Option<u64>,
+    named: Option<usize>,
 ) {
     if !shared.standard && !shared.legacy && retry_after.is_none() {
         return;
@@ -186,10 +187,16 @@ fn headers<B, L>(
     };
     let mut items = [(&first.responder.headers, blank); MAX_RULES];
     let mut n = 0;
+    // The item of the rule a rejection names: the legacy headers tell its
+    // numbers.
+    let mut tightest = None;
     for (i, (rule, slot)) in shared.rules.iter().zip(&report.decided).enumerate() {
         if let (Some((d, _)), false) = (slot, report.shadows(i)) {
             if let Some(item) = items.get_mut(n) {
                 *item = (&rule.at(report.plan).1.headers, *d);
+                if named == Some(i) {
+                    tightest = Some(n);
+                }
                 n = n.saturating_add(1);
             }
         }
@@ -206,6 +213,7 @@ fn headers<B, L>(
         retry_after,
         shared.standard,
         shared.legacy,
+        tightest,
     );
 }
 
@@ -269,7 +277,7 @@ fn reject<B, L>(
             Outcome::Deny { retry_after } => Some(retry_after),
             _ => None,
         });
-        headers(shared, report, res.headers_mut(), retry_after);
+        headers(shared, report, res.headers_mut(), retry_after, Some(rule));
     }
     res
 }

@@ -25,11 +25,6 @@ pub(crate) struct Idempotency<B, L> {
 }
 
 impl<B, L> Idempotency<B, L> {
-    /// The marker rule's name (logs).
-    pub(crate) fn metrics_name(&self) -> std::sync::Arc<str> {
-        std::sync::Arc::clone(&self.name)
-    }
-
     /// The marker's key: the client's key and the idempotency key, or
     /// `None` when the request has either missing (it is charged as
     /// usual).

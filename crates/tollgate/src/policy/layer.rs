@@ -264,6 +264,42 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 format!("a policy knows at most {MAX_PLANS} plans"),
             ));
         }
+        if !names.is_empty() && self.plan_source.is_none() {
+            return Err(ConfigError::new(
+                "plans",
+                "rules name plans, but no plan source is set (plan_from_extension, plan_from_header or plan_from)",
+            ));
+        }
+        if self.access.as_ref().is_some_and(AccessList::keys_unread) {
+            return Err(ConfigError::new(
+                "access",
+                "key lists need keys_from (the header that carries the key)",
+            ));
+        }
+        // Every name the store will hold must be unique: a rule `api:pro`
+        // next to rule `api`'s plan `pro` would share one budget.
+        let mut stored = std::collections::HashSet::new();
+        for (i, r) in self.rules.iter().enumerate() {
+            let plan_names = r.plans.iter().map(|(p, _)| format!("{}:{p}", r.name));
+            for name in std::iter::once(r.name.clone()).chain(plan_names) {
+                if !stored.insert(name.clone()) {
+                    return Err(ConfigError::new(
+                        "rules",
+                        format!(
+                            "rules[{i}]: the name {name:?} is taken (rules and their plans share the store)"
+                        ),
+                    ));
+                }
+            }
+        }
+        if let Some((name, _, _)) = &self.idempotency {
+            if stored.contains(name) {
+                return Err(ConfigError::new(
+                    "idempotency",
+                    format!("the name {name:?} is taken by a rule"),
+                ));
+            }
+        }
         let mut bound = Vec::with_capacity(self.rules.len());
         for (i, r) in self.rules.into_iter().enumerate() {
             let rule = Rule::new(&r.name, r.limit)?;

@@ -8,9 +8,12 @@
 //! [`RateLimitLayer`](crate::RateLimitLayer)s, by contrast, charge the
 //! outer rule for requests the inner one denies.
 //!
-//! - **Headers** list every enforced rule, in order, in one
-//!   `RateLimit-Policy` and one `RateLimit` field:
-//!   `RateLimit-Policy: "per-key";q=20;w=2, "per-ip";q=400;w=4`.
+//! - **Headers** list every enforced rule that decided the request, in
+//!   order, in one `RateLimit-Policy` and one `RateLimit` field:
+//!   `RateLimit-Policy: "per-key";q=20;w=2, "per-ip";q=400;w=4` (a rule
+//!   skipped for a missing key, one whose store failed, and one only
+//!   watching are left out). Legacy `X-RateLimit-*` headers describe the
+//!   rule a 429 names, else the one with the least left.
 //! - **A denial** names the rule that holds the request back: one that can
 //!   never admit it (a cost above its capacity) first, else the one that
 //!   asks for the longest wait, whose wait is the `Retry-After`. The
@@ -26,26 +29,35 @@
 //!   requests whose response they are told to — failed logins per
 //!   account and per address, say. The cost is taken up front (parallel
 //!   attempts cannot overrun the limit) and given back when the response
-//!   does not count.
+//!   does not count. The test sees the HTTP status only: a gRPC answer is
+//!   HTTP 200 whatever its `grpc-status`.
 //! - **Idempotent repeats**
 //!   ([`idempotency`](PolicyLayerBuilder::idempotency)): a request sent
 //!   again with the same `Idempotency-Key` by the same client within a
 //!   TTL is served uncharged; concurrent duplicates race on one atomic
-//!   store decision, so exactly one is charged.
+//!   store decision, so exactly one is charged. A first request takes its
+//!   marker only once the rules admit it, so a refused one leaves nothing
+//!   for a duplicate to pass on; a store that cannot record a marker (a
+//!   full memory store) charges the repeats too.
 //! - **Access lists** ([`AccessList`]), checked before any rule: keys
 //!   and IP networks on an allow list skip every limit, those on a deny
 //!   list get 403 (gRPC `PERMISSION_DENIED`) at once, and a list can deny
 //!   by default for critical routes.
 //! - **Pacing** rules (the leaky bucket) delay the request by the longest
 //!   delay any of them asks; a request cancelled while it waits gives
-//!   every rule its cost back.
+//!   every rule its cost back, and its idempotency marker.
+//! - **Shadow and canary rules never refuse**, a keyless request
+//!   included: it is left to the other rules.
 //! - **Shadow** rules decide and count, but never deny and send no
 //!   headers. A **canary** ([`RateRule::canary`]) enforces a new rule for a
 //!   share of keys, chosen by a keyed hash of the rule's name and the key
 //!   (the same on every instance), and shadows it for the rest.
-//! - **Stores**: the in-memory store decides every rule in `call`, without
-//!   allocating for up to [`MAX_RULES`] rules. A networked store decides
-//!   the rules concurrently, one call each, then refunds on a denial.
+//! - **Stores**: the in-memory store decides every rule in `call`, with no
+//!   allocation for the decisions of up to [`MAX_RULES`] rules (the header
+//!   values are allocated, as for one rule). A networked store decides the
+//!   rules concurrently, one call each, then refunds on a denial; a
+//!   request cancelled during that call keeps what it was charged, as a
+//!   single rule's does.
 //!   Between a rule's charge and its refund, another request of the same
 //!   key may see that rule's budget lower than it ends up: rules are not
 //!   one atomic transaction across keys (on Redis Cluster, keys of

@@ -10,7 +10,7 @@ use tollgate_core::{Decision, Limiter, StoreError};
 use tower_service::Service;
 
 use super::access::Access;
-use super::decide::{refund_consumed, settle, store_failed, Report, Verdict};
+use super::decide::{refund_consumed, settle, store_failed, Report, Verdict, MARKER};
 use super::future::{next, PolicyFuture, State};
 use super::shared::{Keyed, Shared};
 use crate::body::ResponseBody;
@@ -128,22 +128,21 @@ where
                 }
             }
         }
-        // An idempotent repeat goes uncharged; a first request's marker is
-        // taken back if the rules refuse it.
+        // An idempotent repeat goes uncharged. A first request takes its
+        // marker only once the rules admit it, so a refused one leaves no
+        // trace for a concurrent duplicate to ride on.
         let mut marker = Marker::None;
         if let Some(idem) = &shared.idempotency {
             if let Some(mut key) = idem.marker(&req) {
-                match idem.limiter.decide_sync(key.as_bytes(), 1) {
-                    Some(Ok(d)) if d.is_allowed() => {
-                        marker = Marker::Charged(KeyBytes::new(&mut key))
-                    }
-                    Some(Ok(_)) => {
+                match idem.limiter.decide_sync(key.as_bytes(), 0) {
+                    Some(Ok(d)) if d.remaining == 0 => {
                         idem.metrics.repeat.increment(1);
                         let future = self.inner.call(req);
                         return self.finish(State::Calling { future }, report, grpc);
                     }
+                    Some(Ok(_)) => marker = Marker::Fresh(KeyBytes::new(&mut key)),
                     // The store failed: charge the request as usual.
-                    Some(Err(e)) => crate::observe::store_fault("rate", &idem.metrics_name(), &e),
+                    Some(Err(e)) => crate::observe::store_fault("rate", &idem.name, &e),
                     None => marker = Marker::Pending(KeyBytes::new(&mut key)),
                 }
             }
@@ -158,7 +157,6 @@ where
                 Keyed::Skip => continue,
                 Keyed::Reject => {
                     refund_by_request(shared, &report, &req);
-                    marker.give_back(shared);
                     return self.finish(
                         State::Rejected {
                             verdict: Verdict::MissingKey { rule: i },
@@ -175,10 +173,26 @@ where
                 None => return self.decide_async(req, report, i, grpc, marker),
             }
         }
-        let verdict = settle(shared, &mut report);
-        if let Verdict::Deny { .. } = verdict {
-            refund_by_request(shared, &report, &req);
-            marker.give_back(shared);
+        let mut verdict = settle(shared, &mut report);
+        let mut taken = None;
+        match verdict {
+            Verdict::Deny { .. } => refund_by_request(shared, &report, &req),
+            Verdict::Pass { .. } => {
+                if let (Marker::Fresh(key), Some(idem)) = (marker, &shared.idempotency) {
+                    let won = idem.limiter.decide_sync(key.as_bytes(), 1);
+                    let held = || idem.limiter.decide_sync(key.as_bytes(), 0);
+                    match take(won, held) {
+                        Take::Taken => taken = Some(key),
+                        Take::Repeat => {
+                            idem.metrics.repeat.increment(1);
+                            refund_by_request(shared, &report, &req);
+                            verdict = Verdict::Repeat;
+                        }
+                        Take::Unrecorded => {}
+                    }
+                }
+            }
+            _ => {}
         }
         // Response-aware rules need their keys once the response is in.
         let after = (shared.response_aware && matches!(verdict, Verdict::Pass { .. }))
@@ -189,7 +203,11 @@ where
             verdict,
             req,
             Inner::Borrowed(&mut self.inner),
-            |req| owned_keys(&self.shared, &report, req),
+            |req| {
+                let mut keys = owned_keys(&self.shared, &report, req);
+                keys.extend(taken.map(|k| (MARKER, k)));
+                keys
+            },
         );
         let mut future = self.finish(state, report, grpc);
         future.after = after;
@@ -197,24 +215,43 @@ where
     }
 }
 
+/// What taking a first request's marker came to.
+enum Take {
+    /// Taken: this request is the one charged.
+    Taken,
+    /// A concurrent duplicate took it first: this one is a repeat.
+    Repeat,
+    /// The store could not record it (a full memory store decides a new
+    /// key in a shared overflow state, which peeks do not read) or failed:
+    /// charged as usual, and a later duplicate is charged too.
+    Unrecorded,
+}
+
+/// Judges the answer `won` to taking a marker (cost 1), peeking at it
+/// again (`held`, cost 0) when refused: held by another request means a
+/// repeat; not held means the store could not record it.
+fn take(
+    won: Option<Result<tollgate_core::Decision, StoreError>>,
+    held: impl FnOnce() -> Option<Result<tollgate_core::Decision, StoreError>>,
+) -> Take {
+    match won {
+        Some(Ok(d)) if d.is_allowed() => Take::Taken,
+        Some(Ok(_)) => match held() {
+            Some(Ok(d)) if d.remaining == 0 => Take::Repeat,
+            _ => Take::Unrecorded,
+        },
+        _ => Take::Unrecorded,
+    }
+}
+
 /// A request's idempotency marker.
 enum Marker {
     /// None: no `Idempotency-Key`, or no idempotency in the policy.
     None,
-    /// Taken (a first request): given back if the rules refuse it.
-    Charged(KeyBytes),
-    /// To take in the store, before the rules decide.
+    /// Not held (a first request): taken once the rules admit it.
+    Fresh(KeyBytes),
+    /// To look at in the store, before the rules decide.
     Pending(KeyBytes),
-}
-
-impl Marker {
-    /// Gives a taken marker back: the request was refused, so a retry of
-    /// it is a first request again.
-    fn give_back<B, L: Limiter>(&self, shared: &Shared<B, L>) {
-        if let (Marker::Charged(key), Some(idem)) = (self, &shared.idempotency) {
-            crate::task::finish(idem.limiter.refund(key.as_bytes(), 1));
-        }
-    }
 }
 
 impl<S, B, L, ResB> Policy<S, B, L>
@@ -234,9 +271,10 @@ where
     }
 
     /// The path of a store that needs I/O: the idempotency marker if it is
-    /// pending, then rules `from` on, concurrently (the earlier ones, if
-    /// any, answered at once), judged together; a denial refunds what the
-    /// others consumed, and the marker.
+    /// pending (a repeat decides nothing else), then rules `from` on,
+    /// concurrently (the earlier ones, if any, answered at once), judged
+    /// together; a denial refunds what the others consumed, and an
+    /// admitted first request takes its marker.
     fn decide_async(
         &mut self,
         req: Request<B>,
@@ -246,9 +284,12 @@ where
         marker: Marker,
     ) -> PolicyFuture<S, B, L> {
         let shared = Arc::clone(&self.shared);
+        let pending_marker = matches!(marker, Marker::Pending(_));
         // Every rule's key first: a rule that refuses a keyless request
-        // must do so before any store call is under way.
+        // must do so before any store call is under way (after the marker,
+        // when one is pending: a repeat is served as on the other path).
         let mut keys: Vec<(usize, KeyBytes)> = Vec::with_capacity(shared.rules.len());
+        let mut missing = None;
         for (i, rule) in shared.rules.iter().enumerate() {
             let mut key = KeyBuf::new();
             // Rules before `from` were keyed once already: no second
@@ -259,6 +300,10 @@ where
                 match rule.key(&req, &mut key) {
                     Keyed::Key => true,
                     Keyed::Skip => false,
+                    Keyed::Reject if pending_marker => {
+                        missing = Some(i);
+                        break;
+                    }
                     Keyed::Reject => {
                         // Refund the rules answered at once, and refuse.
                         refund_consumed(&shared, &report, |j, f| {
@@ -266,7 +311,6 @@ where
                                 f(k.as_bytes());
                             }
                         });
-                        marker.give_back(&shared);
                         return self.finish(
                             State::Rejected {
                                 verdict: Verdict::MissingKey { rule: i },
@@ -294,26 +338,28 @@ where
         let decide = Box::pin({
             let shared = Arc::clone(&shared);
             async move {
-                let mut marker = marker;
-                if let (Marker::Pending(key), Some(idem)) = (&marker, &shared.idempotency) {
-                    match idem.limiter.decide(key.as_bytes(), 1).await {
-                        Ok(d) if !d.is_allowed() => {
-                            idem.metrics.repeat.increment(1);
-                            return (report, Verdict::Repeat, keys);
-                        }
-                        Ok(_) => {
-                            if let Marker::Pending(key) =
-                                std::mem::replace(&mut marker, Marker::None)
-                            {
-                                marker = Marker::Charged(key);
+                let mut keys = keys;
+                let mut fresh = match marker {
+                    Marker::Fresh(key) => Some(key),
+                    Marker::None => None,
+                    Marker::Pending(key) => match &shared.idempotency {
+                        None => None,
+                        Some(idem) => match idem.limiter.decide(key.as_bytes(), 0).await {
+                            Ok(d) if d.remaining == 0 => {
+                                idem.metrics.repeat.increment(1);
+                                return (report, Verdict::Repeat, keys);
                             }
-                        }
-                        // The store failed: charge the request as usual.
-                        Err(e) => {
-                            crate::observe::store_fault("rate", &idem.metrics_name(), &e);
-                            marker = Marker::None;
-                        }
-                    }
+                            Ok(_) => Some(key),
+                            // The store failed: charge the request as usual.
+                            Err(e) => {
+                                crate::observe::store_fault("rate", &idem.name, &e);
+                                None
+                            }
+                        },
+                    },
+                };
+                if let Some(rule) = missing {
+                    return (report, Verdict::MissingKey { rule }, keys);
                 }
                 // Created here, after the marker: no rule is charged for a
                 // repeat.
@@ -356,14 +402,36 @@ where
                         None => {}
                     }
                 }
-                let verdict = settle(&shared, &mut report);
-                if let Verdict::Deny { .. } = verdict {
-                    refund_consumed(&shared, &report, |j, f| {
+                let mut verdict = settle(&shared, &mut report);
+                let refund = |report: &Report, keys: &[(usize, KeyBytes)]| {
+                    refund_consumed(&shared, report, |j, f| {
                         if let Some((_, k)) = keys.iter().find(|(x, _)| *x == j) {
                             f(k.as_bytes());
                         }
                     });
-                    marker.give_back(&shared);
+                };
+                match verdict {
+                    Verdict::Deny { .. } => refund(&report, &keys),
+                    Verdict::Pass { .. } => {
+                        if let (Some(key), Some(idem)) = (fresh.take(), &shared.idempotency) {
+                            let won = Some(idem.limiter.decide(key.as_bytes(), 1).await);
+                            let held = if matches!(&won, Some(Ok(d)) if !d.is_allowed()) {
+                                Some(idem.limiter.decide(key.as_bytes(), 0).await)
+                            } else {
+                                None
+                            };
+                            match take(won, || held) {
+                                Take::Taken => keys.push((MARKER, key)),
+                                Take::Repeat => {
+                                    idem.metrics.repeat.increment(1);
+                                    refund(&report, &keys);
+                                    verdict = Verdict::Repeat;
+                                }
+                                Take::Unrecorded => {}
+                            }
+                        }
+                    }
+                    _ => {}
                 }
                 (report, verdict, keys)
             }

@@ -86,6 +86,12 @@ impl<B, L> Bound<B, L> {
                 m.unkeyed.increment(1);
                 Keyed::Skip
             }
+            // A rule that only watches (shadow, or a canary's rest) must
+            // never refuse: a keyless request is left to the others.
+            MissingKey::Reject if self.responder.shadow || self.canary.is_some() => {
+                m.missing_key.increment(1);
+                Keyed::Skip
+            }
             MissingKey::Reject => {
                 m.missing_key.increment(1);
                 Keyed::Reject

@@ -389,6 +389,24 @@ fn configuration_errors_name_the_field() {
     assert!(err.to_string().contains("rules[1]"), "{err}");
     let bad = PolicyLayer::builder().rule(RateRule::new("bad name", limit, Global));
     assert_eq!(e(bad).field(), "name");
+    // A rule named like another's plan, a plan with no source, key lists
+    // with no header, an idempotency name taken by a rule.
+    let clash = PolicyLayer::builder()
+        .plan_from_extension()
+        .rule(RateRule::new("api", limit, Global).plan("pro", limit))
+        .rule(RateRule::new("api:pro", limit, Global));
+    assert_eq!(e(clash).field(), "rules");
+    let sourceless =
+        PolicyLayer::builder().rule(RateRule::new("api", limit, Global).plan("pro", limit));
+    assert_eq!(e(sourceless).field(), "plans");
+    let keyless_lists = PolicyLayer::builder()
+        .rule(RateRule::new("api", limit, Global))
+        .access(AccessList::new("access").allow_keys(["k"]));
+    assert_eq!(e(keyless_lists).field(), "access");
+    let taken = PolicyLayer::builder()
+        .rule(RateRule::new("api", limit, Global))
+        .idempotency("api", Global, Duration::from_secs(60));
+    assert_eq!(e(taken).field(), "idempotency");
     for share in [-0.1, 1.5, f64::NAN] {
         let canary = PolicyLayer::builder().rule(RateRule::new("c", limit, Global).canary(share));
         assert_eq!(e(canary).field(), "canary", "{share}");
@@ -787,3 +805,138 @@ async fn idempotent_repeats_are_not_charged_again<S: Store>(store: S, clock: Man
     assert_eq!(remaining(&layer, 0, "c").await, 2);
 }
 on_both_paths!(idempotency, idempotent_repeats_are_not_charged_again);
+
+#[tokio::test]
+async fn a_full_store_never_turns_fresh_idempotency_keys_into_repeats() {
+    let clock = ManualClock::starting_at(1);
+    let tiny = MemoryStore::builder()
+        .clock(clock.clone())
+        .max_keys(2)
+        .shards(1)
+        .build()
+        .unwrap();
+    let layer = PolicyLayer::builder()
+        .rule(per_key(Limit::fixed_window(
+            100,
+            Duration::from_secs(3_600),
+        )))
+        .idempotency(
+            "idem",
+            Header::named("x-api-key").unwrap(),
+            Duration::from_secs(60),
+        )
+        .store(tiny)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    // The first request fills the store (its key and its marker); every
+    // later one has a fresh Idempotency-Key, and every one is charged.
+    for i in 0..10 {
+        let res = svc
+            .clone()
+            .oneshot(with_idempotency("a", &format!("order-{i}")))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 200);
+        assert_eq!(
+            res.headers()["ratelimit"],
+            format!("\"per-key\";r={};t=3600", 99 - i).as_str(),
+            "request {i} went uncharged"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_paced_request_cancelled_while_it_waits_gives_back_its_idempotency_marker() {
+    let clock = ManualClock::starting_at(1);
+    let layer = PolicyLayer::builder()
+        .rule(per_key(Limit::fixed_window(10, Duration::from_secs(60))))
+        .rule(RateRule::new(
+            "paced",
+            Limit::leaky_bucket(Rate::per_second(10), Duration::from_secs(1)),
+            Global,
+        ))
+        .idempotency(
+            "idem",
+            Header::named("x-api-key").unwrap(),
+            Duration::from_secs(60),
+        )
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    assert_eq!(
+        svc.clone()
+            .oneshot(with_idempotency("a", "x1"))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let mut waiting = svc.clone();
+    let fut = waiting
+        .ready()
+        .await
+        .unwrap()
+        .call(with_idempotency("a", "x2"));
+    drop(fut);
+    assert_eq!(remaining(&layer, 0, "a").await, 9);
+    // Sent again, it is a first request: charged and paced, not waved
+    // through as a repeat.
+    let start = tokio::time::Instant::now();
+    let res = svc
+        .clone()
+        .oneshot(with_idempotency("a", "x2"))
+        .await
+        .unwrap();
+    let ratelimit = res.headers()["ratelimit"].to_str().unwrap();
+    assert!(
+        ratelimit.starts_with("\"per-key\";r=8;t=60, "),
+        "{ratelimit}"
+    );
+    assert!(start.elapsed() >= Duration::from_millis(99));
+}
+
+#[tokio::test]
+async fn a_shadow_or_canary_rule_never_refuses_a_keyless_request() {
+    let clock = ManualClock::starting_at(1);
+    let layer = PolicyLayer::builder()
+        .rule(RateRule::new(
+            "global",
+            Limit::fixed_window(100, Duration::from_secs(60)),
+            Global,
+        ))
+        .rule(per_key(Limit::fixed_window(1, Duration::from_secs(60))).shadow(true))
+        .rule(per_ip(Limit::fixed_window(1, Duration::from_secs(60))).canary(0.5))
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    let anonymous = Request::get("/").body(String::new()).unwrap();
+    assert_eq!(svc.oneshot(anonymous).await.unwrap().status(), 200);
+}
+
+#[tokio::test]
+async fn the_legacy_headers_of_a_429_describe_the_rule_it_names() {
+    let clock = ManualClock::starting_at(1);
+    let layer = PolicyLayer::builder()
+        .rule(per_key(Limit::gcra(Rate::per_second(1), 1)))
+        .rule(per_ip(Limit::fixed_window(1, Duration::from_secs(60))))
+        .legacy_headers(true)
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    assert_eq!(
+        svc.clone().oneshot(req("a", "ip")).await.unwrap().status(),
+        200
+    );
+    let res = svc.clone().oneshot(req("a", "ip")).await.unwrap();
+    assert_eq!(res.status(), 429);
+    assert_eq!(res.headers()["retry-after"], "60");
+    assert_eq!(
+        res.headers()["x-ratelimit-reset"],
+        "60",
+        "per-ip, as the 429 names it"
+    );
+}

@@ -22,6 +22,12 @@ pub const FAILED_PER_USER: u32 = 5;
 pub const FAILED_PER_IP: u32 = 20;
 /// The window failed logins are counted over: 15 minutes.
 pub const LOGIN_WINDOW: Duration = Duration::from_secs(15 * 60);
+/// Refused logins (while locked) within [`LOGIN_WINDOW`] that block the
+/// account or address: the first block lasts [`LOGIN_WINDOW`], each next
+/// one twice as long, up to a day.
+pub const STRIKES: u32 = 3;
+/// The longest block: a day.
+pub const MAX_BLOCK: Duration = Duration::from_secs(24 * 60 * 60);
 /// The largest login body read.
 const MAX_BODY: usize = 4 << 10;
 
@@ -70,6 +76,9 @@ async fn login(Json(c): Json<Credentials>) -> (StatusCode, String) {
 /// past either, every login of that account or address — the right
 /// password included — answers 429 with `Retry-After` until the oldest
 /// failure leaves the window. Successful logins count toward neither.
+/// Who keeps trying while locked climbs an escalation ladder: [`STRIKES`]
+/// refused logins within 15 minutes block the account (or address) for
+/// 15 minutes, the next block 30, then an hour, ... up to a day.
 pub fn routes<S: Store>(store: S, client_ip: ClientIp) -> Result<Router, ConfigError> {
     let user = |req: &axum::http::Request<Body>, key: &mut KeyBuf| {
         key.push(req.extensions().get::<LoginUser>()?.0.as_bytes());
@@ -84,6 +93,7 @@ pub fn routes<S: Store>(store: S, client_ip: ClientIp) -> Result<Router, ConfigE
                 user,
             )
             .count_if(failed)
+            .escalate(STRIKES, LOGIN_WINDOW, LOGIN_WINDOW, MAX_BLOCK)
             // A body without a user is the handler's to refuse.
             .on_missing_key(MissingKey::Skip),
         )
@@ -93,7 +103,8 @@ pub fn routes<S: Store>(store: S, client_ip: ClientIp) -> Result<Router, ConfigE
                 Limit::sliding_window_log(FAILED_PER_IP, LOGIN_WINDOW),
                 client_ip,
             )
-            .count_if(failed),
+            .count_if(failed)
+            .escalate(STRIKES, LOGIN_WINDOW, LOGIN_WINDOW, MAX_BLOCK),
         )
         .store(store)
         .build()?;

@@ -326,3 +326,37 @@ async fn twenty_failed_logins_from_one_address_lock_every_account_there() {
     assert_eq!(r.status, 429, "{r:?}");
     assert!(r.body.contains("failed-logins-ip"), "{}", r.body);
 }
+
+#[tokio::test]
+async fn who_keeps_trying_while_locked_is_blocked_for_longer_each_time() {
+    let (addr, clock) = quickstart(&[]).await;
+    for _ in 0..5 {
+        assert_eq!(send(addr, login("cat", "guess")).await.unwrap().status, 401);
+    }
+    // Locked until the first failure leaves the window (15 min); three
+    // refused tries within it block the account for 15 minutes.
+    for _ in 0..2 {
+        let r = send(addr, login("cat", "demo")).await.unwrap();
+        assert_eq!(r.header("retry-after"), "900", "{r:?}");
+    }
+    let r = send(addr, login("cat", "demo")).await.unwrap();
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("retry-after"), "900");
+    assert!(r.body.contains("Blocked by"), "{}", r.body);
+    // The failures leave the window, but the block holds until it ends.
+    clock.advance(Duration::from_secs(899));
+    let r = send(addr, login("cat", "demo")).await.unwrap();
+    assert_eq!(r.status, 429, "{r:?}");
+    assert_eq!(r.header("retry-after"), "1", "{r:?}");
+    clock.advance(Duration::from_secs(1));
+    assert_eq!(send(addr, login("cat", "demo")).await.unwrap().status, 200);
+    // Locked and blocked again: the block is twice as long.
+    for _ in 0..5 {
+        send(addr, login("cat", "guess")).await.unwrap();
+    }
+    for _ in 0..2 {
+        send(addr, login("cat", "demo")).await.unwrap();
+    }
+    let r = send(addr, login("cat", "demo")).await.unwrap();
+    assert_eq!(r.header("retry-after"), "1800", "{r:?}");
+}

@@ -474,6 +474,43 @@ impl RetryBudgetRule {
     }
 }
 
+/// An escalation ladder with its name: what an
+/// [`EscalationLimiter`](crate::EscalationLimiter) enforces.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EscalationRule {
+    name: Arc<str>,
+    escalation: crate::algorithm::Escalation,
+}
+
+impl EscalationRule {
+    /// Validates the name and the ladder (see
+    /// [`Escalation::new`](crate::algorithm::Escalation::new)).
+    pub fn new(
+        name: impl AsRef<str>,
+        strikes: u32,
+        period: Duration,
+        block: Duration,
+        max_block: Duration,
+    ) -> Result<Self, ConfigError> {
+        let name = name.as_ref();
+        validate_name(name)?;
+        Ok(Self {
+            name: name.into(),
+            escalation: crate::algorithm::Escalation::new(strikes, period, block, max_block)?,
+        })
+    }
+
+    /// The rule's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The validated ladder.
+    pub fn escalation(&self) -> &crate::algorithm::Escalation {
+        &self.escalation
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -73,11 +73,11 @@ pub use algorithm::{
 };
 pub use clock::{duration_to_nanos, Clock, ManualClock, SystemClock};
 pub use config::{
-    Algorithm, ConcurrencyRule, ConfigError, Limit, QuotaRule, Rate, RetryBudgetRule, Rule,
-    MAX_RULE_NAME_LEN,
+    Algorithm, ConcurrencyRule, ConfigError, EscalationRule, Limit, QuotaRule, Rate,
+    RetryBudgetRule, Rule, MAX_RULE_NAME_LEN,
 };
 pub use decision::{Acquire, Decision, Lease, Outcome};
 pub use store::{
-    ConcurrencyLimiter, Limiter, QuotaLimiter, QuotaStore, RetryBudgetLimiter, RetryBudgetStore,
-    Store, StoreError, StoreErrorKind,
+    BoxFuture, ConcurrencyLimiter, EscalationLimiter, Limiter, QuotaLimiter, QuotaStore,
+    RetryBudgetLimiter, RetryBudgetStore, Store, StoreError, StoreErrorKind,
 };

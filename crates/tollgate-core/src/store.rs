@@ -17,11 +17,17 @@
 
 use std::fmt;
 use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
 
+use crate::algorithm::Strike;
 use crate::{
-    Acquire, ConcurrencyRule, ConfigError, Decision, Lease, QuotaDecision, QuotaRule,
-    RetryBudgetRule, Rule,
+    Acquire, ConcurrencyRule, ConfigError, Decision, EscalationRule, Lease, QuotaDecision,
+    QuotaRule, RetryBudgetRule, Rule,
 };
+
+/// A boxed future, for the object-safe parts of the contract.
+pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
 /// A store failed to answer (network, timeout, script error). The limiter's
 /// failure policy decides what the request gets.
@@ -84,6 +90,45 @@ pub trait Store: Clone + Send + Sync + 'static {
         &self,
         rule: &ConcurrencyRule,
     ) -> Result<Self::ConcurrencyLimiter, ConfigError>;
+
+    /// Binds an escalation ladder. The default: this store keeps none (an
+    /// error naming `escalation`).
+    fn escalation(&self, rule: &EscalationRule) -> Result<Arc<dyn EscalationLimiter>, ConfigError> {
+        Err(ConfigError::new(
+            "escalation",
+            format!(
+                "ladder {:?}: this store keeps no escalation ladders",
+                rule.name()
+            ),
+        ))
+    }
+}
+
+/// One escalation ladder bound to a store (see
+/// [`Escalation`](crate::algorithm::Escalation)): whether a key is blocked,
+/// and strikes. Object-safe (a policy holds ladders of one store beside
+/// its rules); the in-memory store answers synchronously.
+pub trait EscalationLimiter: Send + Sync + 'static {
+    /// The ladder.
+    fn rule(&self) -> &EscalationRule;
+
+    /// Nanoseconds `key` stays blocked, if it is. Changes nothing.
+    fn blocked(&self, key: &[u8]) -> BoxFuture<Result<Option<u64>, StoreError>>;
+
+    /// A violation by `key`: counts a strike, blocking at the last.
+    fn strike(&self, key: &[u8]) -> BoxFuture<Result<Strike, StoreError>>;
+
+    /// [`blocked`](Self::blocked) at once, for stores that need no I/O.
+    fn blocked_sync(&self, key: &[u8]) -> Option<Result<Option<u64>, StoreError>> {
+        let _ = key;
+        None
+    }
+
+    /// [`strike`](Self::strike) at once, for stores that need no I/O.
+    fn strike_sync(&self, key: &[u8]) -> Option<Result<Strike, StoreError>> {
+        let _ = key;
+        None
+    }
 }
 
 /// One rate rule bound to a store: decide-and-consume, refund, peek.

@@ -82,6 +82,7 @@ use std::future::{ready, Ready};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use tollgate_core::algorithm::{Escalation, Strike};
 use tollgate_core::{
     Acquire, Algorithm, Clock, ConcurrencyLimiter, ConcurrencyRule, ConfigError, Decision,
     FixedWindow, Gcra, InFlight, LeakyBucket, Lease, Limiter, Quota, QuotaDecision, QuotaLimiter,
@@ -89,6 +90,7 @@ use tollgate_core::{
     RetryBudgetRule, RetryBudgetStore, Rule, Semaphore, SlidingWindowCounter, SlidingWindowLog,
     Store, StoreError, SystemClock, TokenBucket,
 };
+use tollgate_core::{BoxFuture, EscalationLimiter, EscalationRule};
 
 use crate::table::{Shared, Slot, Table};
 
@@ -117,6 +119,7 @@ enum Bound<C> {
     Concurrency(Semaphore, Arc<Table<InFlight, C>>),
     Quota(Quota, Arc<Table<Quota, C>>),
     RetryBudget(RetryBudget, Arc<Table<RetryBudget, C>>),
+    Escalation(Escalation, Arc<Table<Escalation, C>>),
 }
 
 impl<C> Clone for MemoryStore<C> {
@@ -203,6 +206,7 @@ impl<C: Clock> MemoryStore<C> {
                 Bound::Concurrency(_, t) => t.purge(now),
                 Bound::Quota(_, t) => t.purge(t.now()),
                 Bound::RetryBudget(_, t) => t.purge(now),
+                Bound::Escalation(_, t) => t.purge(now),
             })
             .sum()
     }
@@ -372,6 +376,77 @@ impl<C: Clock> Store for MemoryStore<C> {
                 _ => None,
             },
         )
+    }
+
+    /// Binds an escalation ladder; the same sharing rules as
+    /// [`limiter`](Self::limiter). The ladder is this process's.
+    fn escalation(&self, rule: &EscalationRule) -> Result<Arc<dyn EscalationLimiter>, ConfigError> {
+        let ladder = *rule.escalation();
+        let limiter = self.bind(
+            rule.name(),
+            |shards, shared| Bound::Escalation(ladder, Table::registered(ladder, shards, shared)),
+            |bound| match bound {
+                Bound::Escalation(l, table) if *l == ladder => Some(MemoryEscalation {
+                    rule: rule.clone(),
+                    table: Arc::clone(table),
+                }),
+                _ => None,
+            },
+        )?;
+        Ok(Arc::new(limiter))
+    }
+}
+
+/// An escalation ladder bound to a [`MemoryStore`].
+pub struct MemoryEscalation<C = SystemClock> {
+    rule: EscalationRule,
+    table: Arc<Table<Escalation, C>>,
+}
+
+impl<C> fmt::Debug for MemoryEscalation<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryEscalation")
+            .field("rule", &self.rule)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C: Clock> MemoryEscalation<C> {
+    /// [`EscalationLimiter::blocked`] without the future (a peek: a key
+    /// not stored is not blocked, and nothing is stored).
+    pub fn blocked_now(&self, key: &[u8]) -> Option<u64> {
+        let t = &self.table;
+        let now = t.now();
+        t.update(key, now, false, |s| t.kind.blocked(s, now))
+    }
+
+    /// [`EscalationLimiter::strike`] without the future.
+    pub fn strike_now(&self, key: &[u8]) -> Strike {
+        let t = &self.table;
+        let now = t.now();
+        t.update(key, now, true, |s| t.kind.strike(s, now))
+    }
+}
+
+impl<C: Clock> EscalationLimiter for MemoryEscalation<C> {
+    fn rule(&self) -> &EscalationRule {
+        &self.rule
+    }
+
+    fn blocked(&self, key: &[u8]) -> BoxFuture<Result<Option<u64>, StoreError>> {
+        Box::pin(ready(Ok(self.blocked_now(key))))
+    }
+
+    fn strike(&self, key: &[u8]) -> BoxFuture<Result<Strike, StoreError>> {
+        Box::pin(ready(Ok(self.strike_now(key))))
+    }
+
+    fn blocked_sync(&self, key: &[u8]) -> Option<Result<Option<u64>, StoreError>> {
+        Some(Ok(self.blocked_now(key)))
+    }
+
+    fn strike_sync(&self, key: &[u8]) -> Option<Result<Strike, StoreError>> {
+        Some(Ok(self.strike_now(key)))
     }
 }
 

@@ -73,6 +73,19 @@ impl Kind for Quota {
     }
 }
 
+impl Kind for tollgate_core::algorithm::Escalation {
+    type State = tollgate_core::algorithm::EscalationState;
+    type Cell = Mutex<tollgate_core::algorithm::EscalationState>;
+
+    fn is_idle(&self, state: &Self::State, now: u64) -> bool {
+        tollgate_core::algorithm::Escalation::is_idle(self, state, now)
+    }
+
+    fn sweep_every(&self) -> u64 {
+        60 * SECOND
+    }
+}
+
 impl Kind for RetryBudget {
     type State = RetryBudgetState;
     type Cell = Mutex<RetryBudgetState>;

@@ -35,3 +35,11 @@ async fn memory_store_passes_the_retry_budget_suite() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn memory_store_passes_the_escalation_suite() {
+    tollgate_core::testing::run_escalation(|clock| {
+        MemoryStore::builder().clock(clock).build().unwrap()
+    })
+    .await;
+}

@@ -35,6 +35,8 @@ pub(crate) enum Format {
     Quota,
     /// `retry_budget.lua`: a hash of the window's ten slots.
     RetryBudget,
+    /// `escalation.lua`: a string of strikes, level and two times.
+    Escalation,
 }
 
 impl Format {
@@ -62,6 +64,7 @@ impl Format {
             Self::Semaphore => "sem2",
             Self::Quota => "q1",
             Self::RetryBudget => "rb1",
+            Self::Escalation => "esc1",
         }
     }
 }

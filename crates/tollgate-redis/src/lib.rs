@@ -126,6 +126,7 @@ mod backend;
 mod breaker;
 mod concurrency;
 mod conn;
+mod escalation;
 mod keeper;
 mod key;
 mod leases;
@@ -143,6 +144,7 @@ use std::pin::Pin;
 
 pub use backend::RedisStats;
 pub use concurrency::RedisConcurrencyLimiter;
+pub use escalation::RedisEscalation;
 pub use policy::FailurePolicy;
 pub use quota::RedisQuotaLimiter;
 pub use rate::RedisLimiter;

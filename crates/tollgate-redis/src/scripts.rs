@@ -29,6 +29,7 @@ script!(LEAKY_BUCKET, "leaky_bucket.lua");
 script!(SEMAPHORE, "semaphore.lua");
 script!(QUOTA, "quota.lua");
 script!(RETRY_BUDGET, "retry_budget.lua");
+script!(ESCALATION, "escalation.lua");
 
 /// What a rate script does (`ARGV[1]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,6 +114,24 @@ impl RetryBudgetMode {
             Self::Deposit => "deposit",
             Self::Withdraw => "withdraw",
             Self::Balance => "balance",
+        }
+    }
+}
+
+/// What the escalation script does (`ARGV[1]`); see `escalation.lua`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EscalationMode {
+    /// Is the key blocked? Writes nothing.
+    Check,
+    /// A violation: count a strike.
+    Strike,
+}
+
+impl EscalationMode {
+    pub(crate) fn arg(self) -> &'static str {
+        match self {
+            Self::Check => "check",
+            Self::Strike => "strike",
         }
     }
 }
@@ -324,6 +343,20 @@ impl Reply {
             [granted @ (0 | 1), balance] if *balance >= 0 => {
                 Some((*granted == 1, nonneg(*balance)))
             }
+            _ => None,
+        }
+    }
+
+    /// `{kind, a, level}` (see `escalation.lua`): a counted strike (kind
+    /// 0, a = strikes), a block (1, a = ns left), or a check that found
+    /// none (2). `None` if malformed.
+    pub(crate) fn escalation(&self) -> Option<(u8, u64, u32)> {
+        match self.0.as_slice() {
+            [kind @ 0..=2, a, level] if *a >= 0 && *level >= 0 => Some((
+                u8::try_from(*kind).ok()?,
+                nonneg(*a),
+                u32::try_from(*level).unwrap_or(u32::MAX),
+            )),
             _ => None,
         }
     }

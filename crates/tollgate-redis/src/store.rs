@@ -260,6 +260,16 @@ impl Store for RedisStore {
             rule,
         )
     }
+
+    /// Binds an escalation ladder, shared by every instance on this Redis
+    /// with the same prefix (see [`RedisEscalation`](crate::RedisEscalation)).
+    fn escalation(
+        &self,
+        rule: &tollgate_core::EscalationRule,
+    ) -> Result<Arc<dyn tollgate_core::EscalationLimiter>, ConfigError> {
+        let ladder = crate::escalation::RedisEscalation::new(Arc::clone(&self.backend), rule)?;
+        Ok(Arc::new(crate::escalation::Shared(Arc::new(ladder))))
+    }
 }
 
 impl QuotaStore for RedisStore {

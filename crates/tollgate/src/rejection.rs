@@ -44,6 +44,9 @@ pub enum Reason {
     /// deny-by-default and no allow list holds it: HTTP 403, gRPC
     /// `PERMISSION_DENIED`. Retrying cannot help.
     Denied,
+    /// Blocked by an escalation ladder after repeated violations; retry
+    /// after the decision's `retry_after` (the block's end).
+    Blocked,
 }
 
 /// What kind of limit turned a request away.
@@ -89,7 +92,7 @@ impl Rejected {
     /// helps.
     pub fn retry_after_secs(&self) -> Option<u64> {
         match (self.reason, self.decision) {
-            (Reason::Limited | Reason::ReadOnly, Some(d)) => d
+            (Reason::Limited | Reason::ReadOnly | Reason::Blocked, Some(d)) => d
                 .retry_after()
                 .map(|r| retry_after_secs(u64::try_from(r.as_nanos()).unwrap_or(u64::MAX))),
             _ => None,
@@ -114,7 +117,7 @@ impl Rejected {
         let limit = self.decision.map_or(0, |d| d.limit);
         let message = grpc_message(self.kind, self.reason, &self.rule, limit);
         let pushback = match (self.reason, self.decision.and_then(|d| d.retry_after())) {
-            (Reason::Limited | Reason::ReadOnly, Some(r)) => Some(pushback_ms(r)),
+            (Reason::Limited | Reason::ReadOnly | Reason::Blocked, Some(r)) => Some(pushback_ms(r)),
             _ => None,
         };
         grpc_response(self.reason, message, pushback)
@@ -151,6 +154,10 @@ fn detail(kind: LimitKind, reason: Reason, rule: &str, secs: Option<&str>, limit
             format!("The request carries no client key, which rule \"{rule}\" requires.")
         }
         (Reason::Denied, _) => format!("Access is denied by the list \"{rule}\"."),
+        (Reason::Blocked, secs) => format!(
+            "Blocked by \"{rule}\" after repeated violations; retry after {} s.",
+            secs.unwrap_or("1")
+        ),
     }
 }
 
@@ -260,7 +267,11 @@ impl Rendered {
     pub(crate) fn render(&self, r: &Rejected) -> Response<Bytes> {
         // Rare (a degraded service, or another layer's rejection): built
         // on the spot.
-        if matches!(r.reason, Reason::ReadOnly | Reason::Denied) || r.kind != self.kind {
+        if matches!(
+            r.reason,
+            Reason::ReadOnly | Reason::Denied | Reason::Blocked
+        ) || r.kind != self.kind
+        {
             return if r.grpc {
                 r.to_grpc_response()
             } else {
@@ -270,7 +281,7 @@ impl Rendered {
         if r.grpc {
             let i = match r.reason {
                 // (Denied and ReadOnly are built on the spot, above.)
-                Reason::Limited | Reason::ReadOnly | Reason::Denied => 0,
+                Reason::Limited | Reason::ReadOnly | Reason::Denied | Reason::Blocked => 0,
                 Reason::TooCostly => 1,
                 Reason::MissingKey => 2,
             };

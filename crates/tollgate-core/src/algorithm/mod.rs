@@ -16,6 +16,7 @@
 //! - arithmetic saturates or is done in `u128`; near the end of `u64` time
 //!   an algorithm denies rather than wraps.
 
+mod escalation;
 mod fixed_window;
 mod gcra;
 mod in_flight;
@@ -27,6 +28,7 @@ mod sliding_window_counter;
 mod sliding_window_log;
 mod token_bucket;
 
+pub use escalation::{Escalation, EscalationState, Strike};
 pub use fixed_window::FixedWindow;
 pub use gcra::Gcra;
 pub use in_flight::InFlight;

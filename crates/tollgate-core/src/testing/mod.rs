@@ -399,9 +399,11 @@ pub async fn hostile_keys_are_ordinary_keys<S: Store>(store: &S, _clock: &Manual
 }
 
 mod concurrency;
+mod escalation;
 mod quota;
 mod retry_budget;
 
 pub use concurrency::*;
+pub use escalation::*;
 pub use quota::*;
 pub use retry_budget::*;

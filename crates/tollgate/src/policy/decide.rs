@@ -64,6 +64,8 @@ pub(super) enum Verdict {
     Denied,
     /// An idempotent repeat within the TTL: served, charged nothing.
     Repeat,
+    /// Rule `rule`'s escalation ladder blocks the key for `for_ns`.
+    Blocked { rule: usize, for_ns: u64 },
     /// Rule `rule` found no key and refuses keyless requests.
     MissingKey { rule: usize },
 }
@@ -211,4 +213,38 @@ pub(super) fn settle_response<B, L: Limiter>(
             d.reset_after = 0;
         }
     }
+}
+
+/// After a denial: a strike on the ladder of every enforced rule that
+/// refused the request for now; the longest block a strike starts (or
+/// finds running) is the answer, replacing the rule's own.
+pub(super) fn strike_sync<B, L>(
+    shared: &Shared<B, L>,
+    report: &Report,
+    mut key: impl FnMut(usize, &mut dyn FnMut(&[u8])),
+) -> Option<(usize, u64)> {
+    let mut longest: Option<(usize, u64)> = None;
+    for (i, (rule, slot)) in shared.rules.iter().zip(&report.decided).enumerate() {
+        let (Some(ladder), Some((d, _))) = (&rule.ladder, slot) else {
+            continue;
+        };
+        if report.shadows(i) || !matches!(d.outcome, Outcome::Deny { .. }) {
+            continue;
+        }
+        key(i, &mut |k| match ladder.strike_sync(k) {
+            Some(Ok(tollgate_core::algorithm::Strike::Blocked { for_ns, .. })) => {
+                if longest.is_none_or(|(_, l)| for_ns > l) {
+                    longest = Some((i, for_ns));
+                }
+            }
+            Some(Ok(_)) => {}
+            Some(Err(e)) => crate::observe::store_fault("rate", ladder.rule().name(), &e),
+            // A store that needs I/O for its ladder decides on the other
+            // path; never reached with the stores here.
+            None => {
+                crate::task::finish(ladder.strike(k));
+            }
+        });
+    }
+    longest
 }

@@ -103,9 +103,10 @@ where
                 refund: Refund(Some(refund)),
             }
         }
-        Verdict::Deny { .. } | Verdict::MissingKey { .. } | Verdict::Denied => {
-            State::Rejected { verdict }
-        }
+        Verdict::Deny { .. }
+        | Verdict::MissingKey { .. }
+        | Verdict::Denied
+        | Verdict::Blocked { .. } => State::Rejected { verdict },
     }
 }
 
@@ -225,6 +226,45 @@ fn reject<B, L>(
     grpc: bool,
 ) -> Response<Bytes> {
     let (rule, reason) = match verdict {
+        Verdict::Blocked { rule, for_ns } => {
+            let Some(bound) = shared.rules.get(rule) else {
+                return Response::new(Bytes::new());
+            };
+            let (_, r) = bound.at(report.plan);
+            let decision = Decision {
+                outcome: Outcome::Deny {
+                    retry_after: for_ns,
+                },
+                limit: report
+                    .decided
+                    .get(rule)
+                    .copied()
+                    .flatten()
+                    .map_or(0, |(d, _)| d.limit),
+                remaining: 0,
+                reset_after: for_ns,
+            };
+            let rejected = Rejected {
+                rule: Arc::clone(&r.rule),
+                kind: LimitKind::Rate,
+                reason: Reason::Blocked,
+                decision: Some(decision),
+                grpc,
+            };
+            tracing::info!(
+                target: "tollgate",
+                rule = %r.rule,
+                block_secs = for_ns / 1_000_000_000,
+                "a key is blocked by an escalation ladder"
+            );
+            let mut res = match &r.rejection {
+                Some(f) if !grpc => f(&rejected),
+                _ if grpc => rejected.to_grpc_response(),
+                _ => rejected.to_problem_response(),
+            };
+            headers(shared, report, res.headers_mut(), Some(for_ns), Some(rule));
+            return res;
+        }
         Verdict::Deny { rule, reason } => (rule, reason),
         Verdict::MissingKey { rule } => (rule, Reason::MissingKey),
         Verdict::Pass { .. } | Verdict::Repeat => (0, Reason::Limited),

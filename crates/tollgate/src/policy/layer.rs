@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{Request, Response};
-use tollgate_core::{ConfigError, Limiter, Rule, Store};
+use tollgate_core::{ConfigError, EscalationRule, Limiter, Rule, Store};
 use tollgate_memory::MemoryStore;
 use tower_layer::Layer;
 
@@ -98,6 +98,7 @@ struct Unbound<B> {
     canary: Option<f64>,
     plans: Vec<(String, tollgate_core::Limit)>,
     count_if: Option<super::rule::CountIf>,
+    ladder: Option<super::rule::Ladder>,
 }
 
 /// The most plans one policy knows.
@@ -144,6 +145,7 @@ impl<B, St> PolicyLayerBuilder<B, St> {
             canary: rule.canary,
             plans: rule.plans,
             count_if: rule.count_if,
+            ladder: rule.ladder,
         });
         self
     }
@@ -281,6 +283,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
         let mut stored = std::collections::HashSet::new();
         for (i, r) in self.rules.iter().enumerate() {
             let plan_names = r.plans.iter().map(|(p, _)| format!("{}:{p}", r.name));
+            let plan_names = plan_names.chain(r.ladder.map(|_| format!("{}:ladder", r.name)));
             for name in std::iter::once(r.name.clone()).chain(plan_names) {
                 if !stored.insert(name.clone()) {
                     return Err(ConfigError::new(
@@ -346,6 +349,19 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 let shown = Rule::new(rule.name(), *limit)?;
                 plans.push(Some((self.store.limiter(&stored)?, responder(&shown))));
             }
+            let ladder = match r.ladder {
+                None => None,
+                Some((strikes, period, block, max_block)) => {
+                    let ladder = EscalationRule::new(
+                        format!("{}:ladder", rule.name()),
+                        strikes,
+                        period,
+                        block,
+                        max_block,
+                    )?;
+                    Some(self.store.escalation(&ladder)?)
+                }
+            };
             bound.push(Bound {
                 rule: r.rule,
                 limiter,
@@ -355,6 +371,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 responder: responder(&rule),
                 plans: plans.into(),
                 count_if: r.count_if,
+                ladder,
             });
         }
         let enforced = || bound.iter().filter(|b| !b.responder.shadow);

@@ -39,6 +39,12 @@
 //!   marker only once the rules admit it, so a refused one leaves nothing
 //!   for a duplicate to pass on; a store that cannot record a marker (a
 //!   full memory store) charges the repeats too.
+//! - **Escalation ladders** ([`RateRule::escalate`]): each request a rule
+//!   refuses is a strike against the key; enough strikes within a period
+//!   block the key (429 until the block ends, before any rule is asked)
+//!   for a time that doubles per block up to a cap, and a key out of
+//!   trouble long enough starts over. The ladder lives in the store, so
+//!   a fleet on Redis escalates together.
 //! - **Access lists** ([`AccessList`]), checked before any rule: keys
 //!   and IP networks on an allow list skip every limit, those on a deny
 //!   list get 403 (gRPC `PERMISSION_DENIED`) at once, and a list can deny

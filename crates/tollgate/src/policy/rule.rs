@@ -23,7 +23,17 @@ pub struct RateRule<K, C = Fixed> {
     pub(crate) canary: Option<f64>,
     pub(crate) plans: Vec<(String, Limit)>,
     pub(crate) count_if: Option<CountIf>,
+    pub(crate) ladder: Option<Ladder>,
 }
+
+/// An escalation ladder's parameters: strikes, period, first block,
+/// longest block.
+pub(crate) type Ladder = (
+    u32,
+    std::time::Duration,
+    std::time::Duration,
+    std::time::Duration,
+);
 
 /// Which responses a response-aware rule counts.
 pub(crate) type CountIf = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
@@ -55,6 +65,7 @@ impl<K> RateRule<K, Fixed> {
             canary: None,
             plans: Vec::new(),
             count_if: None,
+            ladder: None,
         }
     }
 }
@@ -72,7 +83,28 @@ impl<K, C> RateRule<K, C> {
             canary: self.canary,
             plans: self.plans,
             count_if: self.count_if,
+            ladder: self.ladder,
         }
+    }
+
+    /// An escalation ladder on this rule, per key: every request the rule
+    /// refuses is a strike; `strikes` strikes within `period` block the key
+    /// for `block`, each later block twice as long up to `max_block`. A
+    /// blocked key is refused (429 with `Retry-After` until the block
+    /// ends) before any rule is asked; a key out of trouble for as long as
+    /// the longest block starts again from the first step (see
+    /// [`Escalation`](tollgate_core::algorithm::Escalation)). The ladder's
+    /// state is a rule named `"<name>:ladder"` in the policy's store; the
+    /// store must keep ladders (the memory store does).
+    pub fn escalate(
+        mut self,
+        strikes: u32,
+        period: std::time::Duration,
+        block: std::time::Duration,
+        max_block: std::time::Duration,
+    ) -> Self {
+        self.ladder = Some((strikes, period, block, max_block));
+        self
     }
 
     /// Makes the rule response-aware: only requests whose response `f`

@@ -10,7 +10,7 @@ use tollgate_core::{Decision, Limiter, StoreError};
 use tower_service::Service;
 
 use super::access::Access;
-use super::decide::{refund_consumed, settle, store_failed, Report, Verdict, MARKER};
+use super::decide::{refund_consumed, settle, store_failed, strike_sync, Report, Verdict, MARKER};
 use super::future::{next, PolicyFuture, State};
 use super::shared::{Keyed, Shared};
 use crate::body::ResponseBody;
@@ -166,6 +166,19 @@ where
                     );
                 }
             }
+            // A key its ladder blocks is refused before the rule is asked.
+            if let (Some(ladder), false) = (&rule.ladder, rule.shadows(key.as_bytes())) {
+                match ladder.blocked_sync(key.as_bytes()) {
+                    Some(Ok(Some(for_ns))) => {
+                        refund_by_request(shared, &report, &req);
+                        let verdict = Verdict::Blocked { rule: i, for_ns };
+                        return self.finish(State::Rejected { verdict }, report, grpc);
+                    }
+                    Some(Ok(None)) => {}
+                    Some(Err(e)) => crate::observe::store_fault("rate", ladder.rule().name(), &e),
+                    None => return self.decide_async(req, report, i, grpc, marker),
+                }
+            }
             let cost = rule.rule.cost(&req);
             match rule.at(report.plan).0.decide_sync(key.as_bytes(), cost) {
                 Some(Ok(d)) => report.set(i, d, cost, rule.shadows(key.as_bytes())),
@@ -176,7 +189,23 @@ where
         let mut verdict = settle(shared, &mut report);
         let mut taken = None;
         match verdict {
-            Verdict::Deny { .. } => refund_by_request(shared, &report, &req),
+            Verdict::Deny { .. } => {
+                refund_by_request(shared, &report, &req);
+                // Each refusal is a strike on the refusing rules' ladders.
+                let struck = strike_sync(shared, &report, |j, f| {
+                    let mut k = KeyBuf::new();
+                    if shared
+                        .rules
+                        .get(j)
+                        .is_some_and(|r| r.key_again(&req, &mut k))
+                    {
+                        f(k.as_bytes());
+                    }
+                });
+                if let Some((rule, for_ns)) = struck {
+                    verdict = Verdict::Blocked { rule, for_ns };
+                }
+            }
             Verdict::Pass { .. } => {
                 if let (Marker::Fresh(key), Some(idem)) = (marker, &shared.idempotency) {
                     let won = idem.limiter.decide_sync(key.as_bytes(), 1);
@@ -361,6 +390,30 @@ where
                 if let Some(rule) = missing {
                     return (report, Verdict::MissingKey { rule }, keys);
                 }
+                let refund = |report: &Report, keys: &[(usize, KeyBytes)]| {
+                    refund_consumed(&shared, report, |j, f| {
+                        if let Some((_, k)) = keys.iter().find(|(x, _)| *x == j) {
+                            f(k.as_bytes());
+                        }
+                    });
+                };
+                // A key a ladder blocks is refused before the rules decide.
+                for (i, _, shadow, k) in &pending {
+                    let (Some(rule), Some((_, key))) = (shared.rules.get(*i), keys.get(*k)) else {
+                        continue;
+                    };
+                    let Some(ladder) = rule.ladder.as_ref().filter(|_| !shadow) else {
+                        continue;
+                    };
+                    match ladder.blocked(key.as_bytes()).await {
+                        Ok(Some(for_ns)) => {
+                            refund(&report, &keys);
+                            return (report, Verdict::Blocked { rule: *i, for_ns }, keys);
+                        }
+                        Ok(None) => {}
+                        Err(e) => crate::observe::store_fault("rate", ladder.rule().name(), &e),
+                    }
+                }
                 // Created here, after the marker: no rule is charged for a
                 // repeat.
                 let mut futures: Vec<_> = pending
@@ -403,15 +456,42 @@ where
                     }
                 }
                 let mut verdict = settle(&shared, &mut report);
-                let refund = |report: &Report, keys: &[(usize, KeyBytes)]| {
-                    refund_consumed(&shared, report, |j, f| {
-                        if let Some((_, k)) = keys.iter().find(|(x, _)| *x == j) {
-                            f(k.as_bytes());
-                        }
-                    });
-                };
                 match verdict {
-                    Verdict::Deny { .. } => refund(&report, &keys),
+                    Verdict::Deny { .. } => {
+                        refund(&report, &keys);
+                        // Each refusal is a strike on the refusing rules'
+                        // ladders; the longest block answers.
+                        let mut longest: Option<(usize, u64)> = None;
+                        for (i, (rule, slot)) in
+                            shared.rules.iter().zip(&report.decided).enumerate()
+                        {
+                            let (Some(ladder), Some((d, _))) = (&rule.ladder, slot) else {
+                                continue;
+                            };
+                            let denied = matches!(d.outcome, tollgate_core::Outcome::Deny { .. });
+                            let key = keys.iter().find(|(x, _)| *x == i);
+                            let (true, false, Some((_, key))) = (denied, report.shadows(i), key)
+                            else {
+                                continue;
+                            };
+                            match ladder.strike(key.as_bytes()).await {
+                                Ok(tollgate_core::algorithm::Strike::Blocked {
+                                    for_ns, ..
+                                }) => {
+                                    if longest.is_none_or(|(_, l)| for_ns > l) {
+                                        longest = Some((i, for_ns));
+                                    }
+                                }
+                                Ok(_) => {}
+                                Err(e) => {
+                                    crate::observe::store_fault("rate", ladder.rule().name(), &e)
+                                }
+                            }
+                        }
+                        if let Some((rule, for_ns)) = longest {
+                            verdict = Verdict::Blocked { rule, for_ns };
+                        }
+                    }
                     Verdict::Pass { .. } => {
                         if let (Some(key), Some(idem)) = (fresh.take(), &shared.idempotency) {
                             let won = Some(idem.limiter.decide(key.as_bytes(), 1).await);

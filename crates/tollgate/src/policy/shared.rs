@@ -29,6 +29,8 @@ pub(super) struct Bound<B, L> {
     pub(super) plans: Box<[Option<(L, Responder)>]>,
     /// A response-aware rule's test of which responses count.
     pub(super) count_if: Option<super::rule::CountIf>,
+    /// The rule's escalation ladder, per key.
+    pub(super) ladder: Option<Arc<dyn tollgate_core::EscalationLimiter>>,
 }
 
 /// What a rule made of a request's key.

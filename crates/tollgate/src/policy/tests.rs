@@ -110,6 +110,13 @@ impl Store for Networked {
     ) -> Result<Self::ConcurrencyLimiter, ConfigError> {
         self.memory.concurrency_limiter(rule)
     }
+
+    fn escalation(
+        &self,
+        rule: &tollgate_core::EscalationRule,
+    ) -> Result<std::sync::Arc<dyn tollgate_core::EscalationLimiter>, ConfigError> {
+        self.memory.escalation(rule)
+    }
 }
 
 /// The same contract on the in-memory store (decided in `call`) and on a
@@ -939,4 +946,98 @@ async fn the_legacy_headers_of_a_429_describe_the_rule_it_names() {
         "60",
         "per-ip, as the 429 names it"
     );
+}
+
+async fn repeated_refusals_climb_the_escalation_ladder<S: Store>(store: S, clock: ManualClock) {
+    let layer = PolicyLayer::builder()
+        .rule(
+            per_key(Limit::fixed_window(1, Duration::from_secs(10))).escalate(
+                2,
+                Duration::from_secs(60),
+                Duration::from_secs(30),
+                Duration::from_secs(100),
+            ),
+        )
+        .rule(RateRule::new(
+            "global",
+            Limit::fixed_window(1_000, Duration::from_secs(3_600)),
+            Global,
+        ))
+        .store(store)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    let send = || {
+        let svc = svc.clone();
+        async move { svc.oneshot(req("m", "ip")).await.unwrap() }
+    };
+    let mut blocks = Vec::new();
+    for round in 0..3 {
+        assert_eq!(send().await.status(), 200, "round {round}");
+        // First refusal: a strike, the rule's own answer.
+        let res = send().await;
+        assert_eq!(res.status(), 429);
+        assert_ne!(res.headers()["retry-after"], "30");
+        // Second: blocked.
+        let res = send().await;
+        assert_eq!(res.status(), 429);
+        let secs: u64 = res.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let body = http_body_util::BodyExt::collect(res.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        assert!(
+            std::str::from_utf8(&body).unwrap().contains("Blocked by"),
+            "{body:?}"
+        );
+        blocks.push(secs);
+        // The rule's window turns, but the block holds.
+        clock.advance(Duration::from_secs(10));
+        assert_eq!(send().await.status(), 429, "round {round}: released early");
+        clock.advance(Duration::from_secs(secs - 10));
+    }
+    assert_eq!(blocks, vec![30, 60, 100]);
+    // Blocked requests cost the global rule nothing.
+    assert_eq!(remaining(&layer, 1, "any").await, 1_000 - 3);
+    // Out of trouble for as long as the longest block: the first step again.
+    clock.advance(Duration::from_secs(100));
+    assert_eq!(send().await.status(), 200);
+    send().await;
+    assert_eq!(send().await.headers()["retry-after"], "30");
+}
+on_both_paths!(escalation, repeated_refusals_climb_the_escalation_ladder);
+
+#[test]
+fn a_store_without_ladders_refuses_one_at_build() {
+    struct NoLadders(MemoryStore);
+    impl Clone for NoLadders {
+        fn clone(&self) -> Self {
+            Self(self.0.clone())
+        }
+    }
+    impl Store for NoLadders {
+        type Limiter = <MemoryStore as Store>::Limiter;
+        type ConcurrencyLimiter = <MemoryStore as Store>::ConcurrencyLimiter;
+        fn limiter(&self, rule: &Rule) -> Result<Self::Limiter, ConfigError> {
+            self.0.limiter(rule)
+        }
+        fn concurrency_limiter(
+            &self,
+            rule: &ConcurrencyRule,
+        ) -> Result<Self::ConcurrencyLimiter, ConfigError> {
+            self.0.concurrency_limiter(rule)
+        }
+    }
+    let d = Duration::from_secs(1);
+    let err = PolicyLayer::<String, ()>::builder()
+        .rule(RateRule::new("r", Limit::fixed_window(1, d), Global).escalate(1, d, d, d))
+        .store(NoLadders(MemoryStore::new()))
+        .build()
+        .map(drop)
+        .unwrap_err();
+    assert_eq!(err.field(), "escalation");
 }

@@ -23,6 +23,11 @@ impl fmt::Display for RateLimited {
             ),
             Reason::MissingKey => write!(f, "request has no key for rule \"{}\"", self.0.rule),
             Reason::Denied => write!(f, "access denied by list \"{}\"", self.0.rule),
+            Reason::Blocked => write!(
+                f,
+                "blocked by \"{}\" after repeated violations",
+                self.0.rule
+            ),
             Reason::ReadOnly => {
                 write!(f, "service is read-only for now (rule \"{}\")", self.0.rule)
             }

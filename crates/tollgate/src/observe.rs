@@ -4,7 +4,7 @@
 //!
 //! | metric | kind | labels |
 //! |---|---|---|
-//! | `tollgate_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `shadow_limited` (denied but let through), `missing_key` (rejected), `unkeyed` (let through unlimited), `store_error` (let through); for an access list: `listed_allowed` (on an allow list, unlimited), `denied` (403) |
+//! | `tollgate_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `shadow_limited` (denied but let through), `missing_key` (rejected), `unkeyed` (let through unlimited), `store_error` (let through); for an access list: `listed_allowed` (on an allow list, unlimited), `denied` (403); for an idempotency marker: `idempotent_repeat`; for a rule with an escalation ladder: `strike`, `blocked` |
 //! | `tollgate_retry_after_seconds` | histogram | `rule` |
 //! | `tollgate_quota_requests_total` | counter | `rule`, `outcome`: as `tollgate_requests_total` |
 //! | `tollgate_quota_warnings_total` | counter | `rule`: responses past the quota's soft limit |
@@ -35,6 +35,10 @@ pub(crate) struct Metrics {
     pub(crate) denied: Counter,
     /// An idempotent repeat let through uncharged.
     pub(crate) repeat: Counter,
+    /// An escalation ladder's steps: a strike counted, a request refused
+    /// because its key is blocked (a block starting included).
+    pub(crate) strike: Counter,
+    pub(crate) blocked: Counter,
 }
 
 const REQUESTS: &str = "tollgate_requests_total";
@@ -83,6 +87,8 @@ impl Metrics {
             listed_allowed: counter("listed_allowed"),
             denied: counter("denied"),
             repeat: counter("idempotent_repeat"),
+            strike: counter("strike"),
+            blocked: counter("blocked"),
         }
     }
 }

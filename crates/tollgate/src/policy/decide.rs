@@ -231,6 +231,7 @@ pub(super) fn strike_sync<B, L>(
         if report.shadows(i) || !matches!(d.outcome, Outcome::Deny { .. }) {
             continue;
         }
+        rule.responder.metrics.strike.increment(1);
         key(i, &mut |k| match ladder.strike_sync(k) {
             Some(Ok(tollgate_core::algorithm::Strike::Blocked { for_ns, .. })) => {
                 if longest.is_none_or(|(_, l)| for_ns > l) {

@@ -474,6 +474,7 @@ where
                             else {
                                 continue;
                             };
+                            rule.responder.metrics.strike.increment(1);
                             match ladder.strike(key.as_bytes()).await {
                                 Ok(tollgate_core::algorithm::Strike::Blocked {
                                     for_ns, ..

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # End-to-end speed: the quickstart server (release build, in-memory store)
 # under wrk on loopback, its unlimited GET /healthz against its limited
-# GET /api/hello with 200,000 rotating API keys (so almost every request
-# is allowed), on the same server. Both runs send the same rotating
-# header from the same wrk script, so wrk's own cost (it shares the
+# GET /api/hello with 200,000 rotating API keys and, as if from a trusted
+# proxy on loopback, 200,000 rotating client addresses in
+# X-Forwarded-For (so the per-key and the per-address rules allow almost
+# every request), on the same server. Both runs send the same rotating
+# headers from the same wrk script, so wrk's own cost (it shares the
 # machine) is the same on both sides. Prints both rates and their ratio.
 #
 #   benches/e2e.sh                 # 10 s per route, 16 connections
@@ -20,7 +22,7 @@ ADDR=127.0.0.1:${PORT:-3999}
 command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install wrk)" >&2; exit 1; }
 cargo build --release -q -p tollgate-examples --bin quickstart
 
-TOLLGATE_ADDR=$ADDR ./target/release/quickstart >/dev/null &
+TOLLGATE_ADDR=$ADDR TOLLGATE_TRUSTED_PROXIES=127.0.0.1 ./target/release/quickstart >/dev/null &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
 for _ in $(seq 50); do
@@ -35,7 +37,9 @@ local n = 0
 local path = os.getenv("E2E_PATH")
 request = function()
   n = n + 1
-  return wrk.format("GET", path, { ["x-api-key"] = "k" .. (n % 200000) })
+  local i = n % 200000
+  local ip = "10." .. math.floor(i / 65536) .. "." .. (math.floor(i / 256) % 256) .. "." .. (i % 256)
+  return wrk.format("GET", path, { ["x-api-key"] = "k" .. i, ["x-forwarded-for"] = ip })
 end
 LUA
 

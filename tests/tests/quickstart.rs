@@ -339,11 +339,10 @@ async fn who_keeps_trying_while_locked_is_blocked_for_longer_each_time() {
         let r = send(addr, login("cat", "demo")).await.unwrap();
         assert_eq!(r.header("retry-after"), "900", "{r:?}");
     }
+    // (The block ends when the lock does: the answer stays the lock's.)
     let r = send(addr, login("cat", "demo")).await.unwrap();
     assert_eq!(r.status, 429);
     assert_eq!(r.header("retry-after"), "900");
-    assert!(r.body.contains("Blocked by"), "{}", r.body);
-    // The failures leave the window, but the block holds until it ends.
     clock.advance(Duration::from_secs(899));
     let r = send(addr, login("cat", "demo")).await.unwrap();
     assert_eq!(r.status, 429, "{r:?}");
@@ -359,4 +358,12 @@ async fn who_keeps_trying_while_locked_is_blocked_for_longer_each_time() {
     }
     let r = send(addr, login("cat", "demo")).await.unwrap();
     assert_eq!(r.header("retry-after"), "1800", "{r:?}");
+    assert!(r.body.contains("Blocked by"), "{}", r.body);
+    // The failures leave the window after 15 minutes; the block holds.
+    clock.advance(Duration::from_secs(901));
+    let r = send(addr, login("cat", "demo")).await.unwrap();
+    assert_eq!(r.status, 429, "{r:?}");
+    assert_eq!(r.header("retry-after"), "899");
+    clock.advance(Duration::from_secs(899));
+    assert_eq!(send(addr, login("cat", "demo")).await.unwrap().status, 200);
 }

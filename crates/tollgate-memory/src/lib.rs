@@ -420,11 +420,17 @@ impl<C: Clock> MemoryEscalation<C> {
         t.update(key, now, false, |s| t.kind.blocked(s, now))
     }
 
-    /// [`EscalationLimiter::strike`] without the future.
+    /// [`EscalationLimiter::strike`] without the future. A store too full
+    /// to hold the key counts nothing: a ladder never uses the shared
+    /// overflow state (its block would fall on every new key of the shard,
+    /// innocent or not).
     pub fn strike_now(&self, key: &[u8]) -> Strike {
         let t = &self.table;
         let now = t.now();
-        t.update(key, now, true, |s| t.kind.strike(s, now))
+        match t.update_in(key, now, false, |s| t.kind.strike(s, now)) {
+            (strike, Slot::Own) => strike,
+            (_, Slot::Overflow) => Strike::Counted { strikes: 0 },
+        }
     }
 }
 

@@ -306,3 +306,29 @@ fn refunds_and_peeks_of_unstored_keys_leave_a_flooded_overflow_state_alone() {
         "the flood got more than one key's limit"
     );
 }
+
+#[test]
+fn a_full_store_never_lets_one_key_block_another_through_a_ladder() {
+    use tollgate_core::algorithm::Strike;
+    use tollgate_core::EscalationRule;
+    let clock = ManualClock::starting_at(1);
+    let s = store(&clock, 1, 1);
+    let d = Duration::from_secs;
+    let ladder = s
+        .escalation(&EscalationRule::new("ladder", 1, d(60), d(600), d(600)).unwrap())
+        .unwrap();
+    // "a" holds the only slot and gets itself blocked.
+    assert!(matches!(
+        ladder.strike_sync(b"a"),
+        Some(Ok(Strike::Blocked { .. }))
+    ));
+    // Others, with no room to be stored, count nothing: no shared block.
+    for k in [&b"abuser"[..], b"innocent", b"abuser"] {
+        assert_eq!(
+            ladder.strike_sync(k),
+            Some(Ok(Strike::Counted { strikes: 0 }))
+        );
+        assert_eq!(ladder.blocked_sync(k), Some(Ok(None)));
+    }
+    assert!(ladder.blocked_sync(b"a").unwrap().unwrap().is_some());
+}

@@ -239,7 +239,10 @@ pub(super) fn strike_sync<B, L>(
                 }
             }
             Some(Ok(_)) => {}
-            Some(Err(e)) => crate::observe::store_fault("rate", ladder.rule().name(), &e),
+            Some(Err(e)) => {
+                rule.responder.metrics.store_error.increment(1);
+                crate::observe::store_fault("rate", ladder.rule().name(), &e);
+            }
             // A store that needs I/O for its ladder decides on the other
             // path; never reached with the stores here.
             None => {

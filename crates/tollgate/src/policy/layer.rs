@@ -404,6 +404,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
             }
         };
         let response_aware = bound.iter().any(|b| b.count_if.is_some());
+        let laddered = bound.iter().any(|b| b.ladder.is_some());
         Ok(PolicyLayer {
             shared: Arc::new(Shared {
                 rules: bound.into(),
@@ -416,6 +417,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 },
                 enforced: count,
                 response_aware,
+                laddered,
                 idempotency,
                 access: self.access.map(|list| {
                     let metrics = Metrics::register(&list.name);

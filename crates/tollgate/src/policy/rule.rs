@@ -88,14 +88,23 @@ impl<K, C> RateRule<K, C> {
     }
 
     /// An escalation ladder on this rule, per key: every request the rule
-    /// refuses is a strike; `strikes` strikes within `period` block the key
-    /// for `block`, each later block twice as long up to `max_block`. A
-    /// blocked key is refused (429 with `Retry-After` until the block
-    /// ends) before any rule is asked; a key out of trouble for as long as
-    /// the longest block starts again from the first step (see
-    /// [`Escalation`](tollgate_core::algorithm::Escalation)). The ladder's
-    /// state is a rule named `"<name>:ladder"` in the policy's store; the
-    /// store must keep ladders (the memory store does).
+    /// refuses for now is a strike; `strikes` strikes within `period` block
+    /// the key for `block`, each later block twice as long up to
+    /// `max_block`. A blocked key is refused (429 with `Retry-After` until
+    /// the block ends) before anything else is asked, an idempotent repeat
+    /// included; a key not blocked again for as long as the longest block
+    /// (or `period`, if longer) after its last block ended starts again
+    /// from the first step (see
+    /// [`Escalation`](tollgate_core::algorithm::Escalation)). Keyless
+    /// requests (a shared fallback key) neither strike nor are blocked.
+    ///
+    /// The ladder's state is a rule named `"<name>:ladder"` in the
+    /// policy's store: the memory store and Redis keep ladders (Redis:
+    /// spans up to about 26 days, and a fleet climbs one ladder). A rule
+    /// on Redis with the `Closed` failure policy
+    /// refuses while Redis is away, and such refusals strike too: pair
+    /// ladders with `Open` or `Fallback`. A ladder on an account is a
+    /// lever for locking that account out: pair it with one per address.
     pub fn escalate(
         mut self,
         strikes: u32,

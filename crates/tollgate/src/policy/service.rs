@@ -128,6 +128,17 @@ where
                 }
             }
         }
+        // A key a ladder blocks is refused before anything else is asked
+        // (an idempotent repeat included).
+        if shared.laddered {
+            match blocked_sync(shared, &req) {
+                Some(Some(verdict)) => {
+                    return self.finish(State::Rejected { verdict }, report, grpc);
+                }
+                Some(None) => {}
+                None => return self.decide_async(req, report, 0, grpc, Marker::Ladders),
+            }
+        }
         // An idempotent repeat goes uncharged. A first request takes its
         // marker only once the rules admit it, so a refused one leaves no
         // trace for a concurrent duplicate to ride on.
@@ -166,19 +177,6 @@ where
                     );
                 }
             }
-            // A key its ladder blocks is refused before the rule is asked.
-            if let (Some(ladder), false) = (&rule.ladder, rule.shadows(key.as_bytes())) {
-                match ladder.blocked_sync(key.as_bytes()) {
-                    Some(Ok(Some(for_ns))) => {
-                        refund_by_request(shared, &report, &req);
-                        let verdict = Verdict::Blocked { rule: i, for_ns };
-                        return self.finish(State::Rejected { verdict }, report, grpc);
-                    }
-                    Some(Ok(None)) => {}
-                    Some(Err(e)) => crate::observe::store_fault("rate", ladder.rule().name(), &e),
-                    None => return self.decide_async(req, report, i, grpc, marker),
-                }
-            }
             let cost = rule.rule.cost(&req);
             match rule.at(report.plan).0.decide_sync(key.as_bytes(), cost) {
                 Some(Ok(d)) => report.set(i, d, cost, rule.shadows(key.as_bytes())),
@@ -192,18 +190,17 @@ where
             Verdict::Deny { .. } => {
                 refund_by_request(shared, &report, &req);
                 // Each refusal is a strike on the refusing rules' ladders.
+                // (Never on a shared fallback key: one keyless client's
+                // strikes would block them all.)
                 let struck = strike_sync(shared, &report, |j, f| {
                     let mut k = KeyBuf::new();
-                    if shared
-                        .rules
-                        .get(j)
-                        .is_some_and(|r| r.key_again(&req, &mut k))
-                    {
+                    let rule = shared.rules.get(j);
+                    if rule.is_some_and(|r| r.rule.key(&req, &mut k).is_some()) {
                         f(k.as_bytes());
                     }
                 });
-                if let Some((rule, for_ns)) = struck {
-                    verdict = Verdict::Blocked { rule, for_ns };
+                if let Some(blocked) = struck.and_then(|b| escalate(&report, verdict, b)) {
+                    verdict = blocked;
                 }
             }
             Verdict::Pass { .. } => {
@@ -244,6 +241,58 @@ where
     }
 }
 
+/// Whether a ladder blocks `req`'s key (checked before anything else):
+/// `Some(Some(verdict))` blocked, `Some(None)` not, `None` when a ladder
+/// must be asked through its future. Keyless requests (a shared fallback
+/// key) are never blocked.
+fn blocked_sync<B, L>(shared: &Shared<B, L>, req: &Request<B>) -> Option<Option<Verdict>> {
+    for (i, rule) in shared.rules.iter().enumerate() {
+        let Some(ladder) = &rule.ladder else { continue };
+        let mut key = KeyBuf::new();
+        if rule.rule.key(req, &mut key).is_none() || rule.shadows(key.as_bytes()) {
+            continue;
+        }
+        match ladder.blocked_sync(key.as_bytes())? {
+            Ok(Some(for_ns)) => return Some(Some(Verdict::Blocked { rule: i, for_ns })),
+            Ok(None) => {}
+            Err(e) => ladder_fault(rule, &e),
+        }
+    }
+    Some(None)
+}
+
+/// A ladder's store fault: counted and logged; the key is not blocked.
+fn ladder_fault<B, L>(rule: &super::shared::Bound<B, L>, e: &StoreError) {
+    rule.responder.metrics.store_error.increment(1);
+    if let Some(ladder) = &rule.ladder {
+        crate::observe::store_fault("rate", ladder.rule().name(), e);
+    }
+}
+
+/// What a denial becomes when its strikes start (or find) a block of
+/// `for_ns` on rule `rule`'s ladder: the block, unless the denial already
+/// asks for a longer wait, or can never pass (both stay as they are).
+fn escalate(report: &Report, verdict: Verdict, (rule, for_ns): (usize, u64)) -> Option<Verdict> {
+    let Verdict::Deny {
+        rule: denying,
+        reason,
+    } = verdict
+    else {
+        return None;
+    };
+    if reason != crate::rejection::Reason::Limited {
+        return None;
+    }
+    let wait = report
+        .decided
+        .get(denying)
+        .copied()
+        .flatten()
+        .and_then(|(d, _)| d.retry_after())
+        .map_or(0, |w| u64::try_from(w.as_nanos()).unwrap_or(u64::MAX));
+    (for_ns > wait).then_some(Verdict::Blocked { rule, for_ns })
+}
+
 /// What taking a first request's marker came to.
 enum Take {
     /// Taken: this request is the one charged.
@@ -281,6 +330,9 @@ enum Marker {
     Fresh(KeyBytes),
     /// To look at in the store, before the rules decide.
     Pending(KeyBytes),
+    /// Not looked at yet: the ladders are checked first, through their
+    /// futures (the asynchronous path), then the marker.
+    Ladders,
 }
 
 impl<S, B, L, ResB> Policy<S, B, L>
@@ -313,6 +365,28 @@ where
         marker: Marker,
     ) -> PolicyFuture<S, B, L> {
         let shared = Arc::clone(&self.shared);
+        // Coming straight from `call` with ladders to ask: they go first,
+        // then the idempotency marker, then the rules.
+        let check_ladders = matches!(marker, Marker::Ladders);
+        let marker = match marker {
+            Marker::Ladders => match shared.idempotency.as_ref().and_then(|i| i.marker(&req)) {
+                Some(mut key) => Marker::Pending(KeyBytes::new(&mut key)),
+                None => Marker::None,
+            },
+            other => other,
+        };
+        // The ladders' keys: the rules' own keys (never a shared fallback
+        // key), for rules that enforce.
+        let mut ladder_keys: Vec<(usize, KeyBytes)> = Vec::new();
+        for (i, rule) in shared.rules.iter().enumerate() {
+            let mut key = KeyBuf::new();
+            if rule.ladder.is_some()
+                && rule.rule.key(&req, &mut key).is_some()
+                && !rule.shadows(key.as_bytes())
+            {
+                ladder_keys.push((i, KeyBytes::new(&mut key)));
+            }
+        }
         let pending_marker = matches!(marker, Marker::Pending(_));
         // Every rule's key first: a rule that refuses a keyless request
         // must do so before any store call is under way (after the marker,
@@ -368,9 +442,25 @@ where
             let shared = Arc::clone(&shared);
             async move {
                 let mut keys = keys;
+                // A key a ladder blocks is refused before anything else.
+                if check_ladders {
+                    for (i, key) in &ladder_keys {
+                        let Some(rule) = shared.rules.get(*i) else {
+                            continue;
+                        };
+                        let Some(ladder) = &rule.ladder else { continue };
+                        match ladder.blocked(key.as_bytes()).await {
+                            Ok(Some(for_ns)) => {
+                                return (report, Verdict::Blocked { rule: *i, for_ns }, keys);
+                            }
+                            Ok(None) => {}
+                            Err(e) => ladder_fault(rule, &e),
+                        }
+                    }
+                }
                 let mut fresh = match marker {
                     Marker::Fresh(key) => Some(key),
-                    Marker::None => None,
+                    Marker::None | Marker::Ladders => None,
                     Marker::Pending(key) => match &shared.idempotency {
                         None => None,
                         Some(idem) => match idem.limiter.decide(key.as_bytes(), 0).await {
@@ -397,23 +487,6 @@ where
                         }
                     });
                 };
-                // A key a ladder blocks is refused before the rules decide.
-                for (i, _, shadow, k) in &pending {
-                    let (Some(rule), Some((_, key))) = (shared.rules.get(*i), keys.get(*k)) else {
-                        continue;
-                    };
-                    let Some(ladder) = rule.ladder.as_ref().filter(|_| !shadow) else {
-                        continue;
-                    };
-                    match ladder.blocked(key.as_bytes()).await {
-                        Ok(Some(for_ns)) => {
-                            refund(&report, &keys);
-                            return (report, Verdict::Blocked { rule: *i, for_ns }, keys);
-                        }
-                        Ok(None) => {}
-                        Err(e) => crate::observe::store_fault("rate", ladder.rule().name(), &e),
-                    }
-                }
                 // Created here, after the marker: no rule is charged for a
                 // repeat.
                 let mut futures: Vec<_> = pending
@@ -462,35 +535,35 @@ where
                         // Each refusal is a strike on the refusing rules'
                         // ladders; the longest block answers.
                         let mut longest: Option<(usize, u64)> = None;
-                        for (i, (rule, slot)) in
-                            shared.rules.iter().zip(&report.decided).enumerate()
-                        {
-                            let (Some(ladder), Some((d, _))) = (&rule.ladder, slot) else {
+                        for (i, key) in &ladder_keys {
+                            let Some(rule) = shared.rules.get(*i) else {
                                 continue;
                             };
-                            let denied = matches!(d.outcome, tollgate_core::Outcome::Deny { .. });
-                            let key = keys.iter().find(|(x, _)| *x == i);
-                            let (true, false, Some((_, key))) = (denied, report.shadows(i), key)
+                            let (Some(ladder), Some(Some((d, _)))) =
+                                (&rule.ladder, report.decided.get(*i))
                             else {
                                 continue;
                             };
+                            if report.shadows(*i)
+                                || !matches!(d.outcome, tollgate_core::Outcome::Deny { .. })
+                            {
+                                continue;
+                            }
                             rule.responder.metrics.strike.increment(1);
                             match ladder.strike(key.as_bytes()).await {
                                 Ok(tollgate_core::algorithm::Strike::Blocked {
                                     for_ns, ..
                                 }) => {
                                     if longest.is_none_or(|(_, l)| for_ns > l) {
-                                        longest = Some((i, for_ns));
+                                        longest = Some((*i, for_ns));
                                     }
                                 }
                                 Ok(_) => {}
-                                Err(e) => {
-                                    crate::observe::store_fault("rate", ladder.rule().name(), &e)
-                                }
+                                Err(e) => ladder_fault(rule, &e),
                             }
                         }
-                        if let Some((rule, for_ns)) = longest {
-                            verdict = Verdict::Blocked { rule, for_ns };
+                        if let Some(blocked) = longest.and_then(|b| escalate(&report, verdict, b)) {
+                            verdict = blocked;
                         }
                     }
                     Verdict::Pass { .. } => {

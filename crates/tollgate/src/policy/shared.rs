@@ -120,6 +120,8 @@ pub(super) struct Shared<B, L> {
     pub(super) enforced: usize,
     /// Whether any rule is response-aware.
     pub(super) response_aware: bool,
+    /// Whether any rule has an escalation ladder.
+    pub(super) laddered: bool,
     /// Idempotent repeats go uncharged.
     pub(super) idempotency: Option<super::idempotency::Idempotency<B, L>>,
     /// Allow and deny lists, checked before any rule, and their metrics

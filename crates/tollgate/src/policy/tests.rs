@@ -1041,3 +1041,40 @@ fn a_store_without_ladders_refuses_one_at_build() {
         .unwrap_err();
     assert_eq!(err.field(), "escalation");
 }
+
+#[tokio::test]
+async fn a_blocked_key_asks_no_rule_and_a_longer_refusal_is_not_shortened() {
+    let clock = ManualClock::starting_at(1);
+    let d = Duration::from_secs;
+    let layer = PolicyLayer::builder()
+        .rule(RateRule::new(
+            "global",
+            Limit::fixed_window(1_000, d(3_600)),
+            Global,
+        ))
+        .rule(per_key(Limit::fixed_window(1, d(3_600))).escalate(2, d(60), d(10), d(40)))
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    let send = || {
+        let svc = svc.clone();
+        async move { svc.oneshot(req("q", "ip")).await.unwrap() }
+    };
+    assert_eq!(send().await.status(), 200);
+    assert_eq!(send().await.headers()["retry-after"], "3600");
+    // The strike that starts a 10 s block does not shorten the rule's own
+    // hour: the answer stays the rule's.
+    let res = send().await;
+    assert_eq!(res.status(), 429);
+    assert_eq!(res.headers()["retry-after"], "3600");
+    // Now blocked: refused before any rule is asked (no rule's headers).
+    let res = send().await;
+    assert_eq!(res.status(), 429);
+    assert!(
+        res.headers().get("ratelimit").is_none(),
+        "{:?}",
+        res.headers()
+    );
+    assert_eq!(remaining(&layer, 0, "any").await, 999);
+}

@@ -244,13 +244,26 @@ async fn redis_cluster() {
     run_table(redis_store(&cluster.url(), &clock), &clock).await;
 }
 
-/// 64 copies of one request with one `Idempotency-Key`, raced from 64
-/// tasks on several threads: charged once.
-async fn idempotent_duplicates_race<S: Store>(store: S) {
+/// A policy of one per-key fixed window of `limit` an hour, with
+/// idempotency by the same key, over a service that answers 200.
+fn idempotent_policy<S: Store>(
+    store: S,
+    limit: u32,
+) -> (
+    impl tower::Service<
+            Request<String>,
+            Response = Response<tollgate::ResponseBody<String>>,
+            Error = Infallible,
+            Future = impl Send,
+        > + Clone
+        + Send
+        + 'static,
+    S::Limiter,
+) {
     let layer = PolicyLayer::builder()
         .rule(RateRule::new(
             "per-key",
-            Limit::fixed_window(100, Duration::from_secs(3_600)),
+            Limit::fixed_window(limit, Duration::from_secs(3_600)),
             Header::named("x-api-key").unwrap(),
         ))
         .idempotency(
@@ -265,23 +278,35 @@ async fn idempotent_duplicates_race<S: Store>(store: S) {
     let svc = layer.layer(service_fn(|_req: Request<String>| async {
         Ok::<_, Infallible>(Response::new(String::new()))
     }));
-    let req = || {
-        Request::post("/orders")
-            .header("x-api-key", "racer")
-            .header("idempotency-key", "order-77")
-            .body(String::new())
-            .unwrap()
-    };
+    (svc, limiter)
+}
+
+fn order(key: &str, idem: &str) -> Request<String> {
+    Request::post("/orders")
+        .header("x-api-key", key)
+        .header("idempotency-key", idem)
+        .body(String::new())
+        .unwrap()
+}
+
+/// 64 copies of one request with one `Idempotency-Key`, raced from 64
+/// tasks on several threads: charged once.
+async fn idempotent_duplicates_race<S: Store>(store: S) {
+    let (svc, limiter) = idempotent_policy(store, 100);
     let tasks: Vec<_> = (0..64)
-        .map(|_| tokio::spawn(svc.clone().oneshot(req())))
+        .map(|_| tokio::spawn(svc.clone().oneshot(order("racer", "order-77"))))
         .collect();
     for t in tasks {
         assert_eq!(t.await.unwrap().unwrap().status(), 200);
     }
     // The key's budget moved by one.
     let mut key = tollgate::key::KeyBuf::new();
-    tollgate::key::KeyExtractor::extract(&Header::named("x-api-key").unwrap(), &req(), &mut key)
-        .unwrap();
+    tollgate::key::KeyExtractor::extract(
+        &Header::named("x-api-key").unwrap(),
+        &order("racer", "order-77"),
+        &mut key,
+    )
+    .unwrap();
     let d = tollgate::core::Limiter::decide(&limiter, key.as_bytes(), 0)
         .await
         .unwrap();
@@ -304,36 +329,17 @@ async fn idempotent_duplicates_race_on_redis() {
 /// refused — a refused first request leaves no marker for its duplicates
 /// to pass on uncharged.
 async fn refused_duplicates_race<S: Store>(store: S) {
-    let layer = PolicyLayer::builder()
-        .rule(RateRule::new(
-            "per-key",
-            Limit::fixed_window(1, Duration::from_secs(3_600)),
-            Header::named("x-api-key").unwrap(),
-        ))
-        .idempotency(
-            "idem",
-            Header::named("x-api-key").unwrap(),
-            Duration::from_secs(60),
-        )
-        .store(store)
-        .build()
-        .unwrap();
-    let svc = layer.layer(service_fn(|_req: Request<String>| async {
-        Ok::<_, Infallible>(Response::new(String::new()))
-    }));
-    let req = |idem: &str| {
-        Request::post("/orders")
-            .header("x-api-key", "spent")
-            .header("idempotency-key", idem)
-            .body(String::new())
-            .unwrap()
-    };
+    let (svc, _) = idempotent_policy(store, 1);
     assert_eq!(
-        svc.clone().oneshot(req("first")).await.unwrap().status(),
+        svc.clone()
+            .oneshot(order("spent", "first"))
+            .await
+            .unwrap()
+            .status(),
         200
     );
     let tasks: Vec<_> = (0..64)
-        .map(|_| tokio::spawn(svc.clone().oneshot(req("second"))))
+        .map(|_| tokio::spawn(svc.clone().oneshot(order("spent", "second"))))
         .collect();
     for t in tasks {
         assert_eq!(t.await.unwrap().unwrap().status(), 429);

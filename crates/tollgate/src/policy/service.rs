@@ -56,33 +56,17 @@ fn refund_by_request<B, L: Limiter>(shared: &Shared<B, L>, report: &Report, req:
     });
 }
 
-/// Owned keys of the response-aware rules that consumed.
-fn response_keys<B, L>(
-    shared: &Shared<B, L>,
-    report: &Report,
-    req: &Request<B>,
-) -> Vec<(usize, KeyBytes)> {
-    let mut keys = Vec::new();
-    for (i, (rule, slot)) in shared.rules.iter().zip(&report.decided).enumerate() {
-        if rule.count_if.is_some() && slot.is_some() {
-            let mut key = KeyBuf::new();
-            if rule.key_again(req, &mut key) {
-                keys.push((i, KeyBytes::new(&mut key)));
-            }
-        }
-    }
-    keys
-}
-
-/// Owned keys of the rules that consumed, extracted again.
+/// Owned keys of the rules that consumed (`response_aware`: of those that
+/// are response-aware only), extracted again.
 fn owned_keys<B, L>(
     shared: &Shared<B, L>,
     report: &Report,
     req: &Request<B>,
+    response_aware: bool,
 ) -> Vec<(usize, KeyBytes)> {
     let mut keys = Vec::new();
     for (i, (rule, slot)) in shared.rules.iter().zip(&report.decided).enumerate() {
-        if slot.is_some() {
+        if slot.is_some() && (!response_aware || rule.count_if.is_some()) {
             let mut key = KeyBuf::new();
             if rule.key_again(req, &mut key) {
                 keys.push((i, KeyBytes::new(&mut key)));
@@ -222,7 +206,7 @@ where
         }
         // Response-aware rules need their keys once the response is in.
         let after = (shared.response_aware && matches!(verdict, Verdict::Pass { .. }))
-            .then(|| response_keys(shared, &report, &req));
+            .then(|| owned_keys(shared, &report, &req, true));
         let state = next(
             &self.shared,
             &report,
@@ -230,7 +214,7 @@ where
             req,
             Inner::Borrowed(&mut self.inner),
             |req| {
-                let mut keys = owned_keys(&self.shared, &report, req);
+                let mut keys = owned_keys(&self.shared, &report, req, false);
                 keys.extend(taken.map(|k| (MARKER, k)));
                 keys
             },

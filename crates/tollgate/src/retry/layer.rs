@@ -428,6 +428,10 @@ where
     if body.size_hint().upper().is_none_or(|upper| upper > limit) {
         return Ok(Err(body));
     }
+    // Nothing to read (no data, no trailers): the common GET.
+    if body.is_end_stream() {
+        return Ok(Ok((Bytes::new(), None)));
+    }
     let mut body = std::pin::pin!(body);
     let mut data = Vec::new();
     let mut trailers: Option<HeaderMap> = None;
@@ -475,12 +479,16 @@ where
     L: RetryBudgetLimiter,
 {
     let m = &shared.metrics;
-    let mut buf = KeyBuf::new();
-    if shared.key.extract(&req, &mut buf).is_none() {
-        buf = KeyBuf::new();
-        buf.push(b"\x02unkeyed");
-    }
-    let key = KeyBytes::new(&mut buf);
+    // The key, compact; the builder is dropped here, not carried in the
+    // future across its awaits.
+    let key = {
+        let mut buf = KeyBuf::new();
+        if shared.key.extract(&req, &mut buf).is_none() {
+            buf = KeyBuf::new();
+            buf.push(b"\x02unkeyed");
+        }
+        KeyBytes::new(&mut buf)
+    };
     if let Some(throttle) = &shared.throttle {
         if throttle.refuse(shared.backoff.random()) {
             // A request the application made, not accepted (SRE book).

@@ -76,7 +76,9 @@ async fn login(Json(c): Json<Credentials>) -> (StatusCode, String) {
 /// past either, every login of that account or address — the right
 /// password included — answers 429 with `Retry-After` until the oldest
 /// failure leaves the window. Successful logins count toward neither.
-/// Who keeps trying while locked climbs an escalation ladder: [`STRIKES`]
+/// From the third failure, responses warn (`RateLimit-Warning:
+/// "failed-logins-user";used=60`). Who keeps trying while locked climbs
+/// an escalation ladder: [`STRIKES`]
 /// refused logins within 15 minutes block the account (or address) for
 /// 15 minutes, the next block 30, then an hour, ... up to a day.
 pub fn routes<S: Store>(store: S, client_ip: ClientIp) -> Result<Router, ConfigError> {
@@ -93,6 +95,9 @@ pub fn routes<S: Store>(store: S, client_ip: ClientIp) -> Result<Router, ConfigE
                 user,
             )
             .count_if(failed)
+            // The ladder: a warning from the third failure, 429 past the
+            // fifth, then blocks that grow.
+            .warn_at(0.6)
             .escalate(STRIKES, LOGIN_WINDOW, LOGIN_WINDOW, MAX_BLOCK)
             // A body without a user is the handler's to refuse.
             .on_missing_key(MissingKey::Skip),

@@ -299,6 +299,14 @@ async fn five_failed_logins_lock_the_account_for_the_rest_of_the_window() {
         clock.advance(Duration::from_secs(60));
         let r = send(addr, login("ann", "guess")).await.unwrap();
         assert_eq!(r.status, 401, "failure {i}: {r:?}");
+        // The ladder's first step: a warning from the third failure on.
+        let warning = r.headers.get("ratelimit-warning");
+        if i < 2 {
+            assert!(warning.is_none(), "failure {i}: {r:?}");
+        } else {
+            let want = format!("\"failed-logins-user\";used={}", (i + 1) * 20);
+            assert_eq!(warning.unwrap(), want.as_str(), "failure {i}");
+        }
     }
     // Locked: the right password too, until the first failure (at 1 min)
     // leaves the 15-minute window (at 16 min; now 5 min).

@@ -25,6 +25,38 @@ pub(crate) static X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-rat
 /// Past a quota's soft limit: `Quota-Warning: "daily";used=85`, one item
 /// (the percentage used) per period past it.
 pub(crate) static QUOTA_WARNING: HeaderName = HeaderName::from_static("quota-warning");
+/// Past a policy rule's warning share: `RateLimit-Warning: "per-key";used=85`,
+/// one item (the percentage used) per rule past it.
+pub(crate) static RATELIMIT_WARNING: HeaderName = HeaderName::from_static("ratelimit-warning");
+
+/// Appends the warning item `"name";used=<percent>` to `list` if `used`
+/// of `limit` is at least `share` of it; returns whether it did.
+pub(crate) fn push_warning<const N: usize>(
+    list: &mut Buf<N>,
+    name: &str,
+    used: u64,
+    limit: u64,
+    share: f64,
+) -> bool {
+    // `used / limit >= share`, in floats where the counts are exact.
+    #[allow(clippy::cast_precision_loss)]
+    let past = limit > 0 && used as f64 >= share * limit as f64;
+    if !past {
+        return false;
+    }
+    if !list.as_bytes().is_empty() {
+        list.push(b", ");
+    }
+    list.push(b"\"");
+    list.push(name.as_bytes());
+    list.push(b"\";used=");
+    let percent = u128::from(used)
+        .saturating_mul(100)
+        .checked_div(u128::from(limit))
+        .unwrap_or(100);
+    list.push_u64(u64::try_from(percent).unwrap_or(100));
+    true
+}
 
 const NANOS_PER_SEC: u64 = 1_000_000_000;
 

@@ -4,7 +4,7 @@
 //!
 //! | metric | kind | labels |
 //! |---|---|---|
-//! | `tollgate_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `shadow_limited` (denied but let through), `missing_key` (rejected), `unkeyed` (let through unlimited), `store_error` (let through); for an access list: `listed_allowed` (on an allow list, unlimited), `denied` (403); for an idempotency marker: `idempotent_repeat`; for a rule with an escalation ladder: `strike`, `blocked` |
+//! | `tollgate_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `shadow_limited` (denied but let through), `missing_key` (rejected), `unkeyed` (let through unlimited), `store_error` (let through); for an access list: `listed_allowed` (on an allow list, unlimited), `denied` (403); for an idempotency marker: `idempotent_repeat`; for a rule with an escalation ladder: `strike`, `blocked`; past a rule's warning share: `warned` |
 //! | `tollgate_retry_after_seconds` | histogram | `rule` |
 //! | `tollgate_quota_requests_total` | counter | `rule`, `outcome`: as `tollgate_requests_total` |
 //! | `tollgate_quota_warnings_total` | counter | `rule`: responses past the quota's soft limit |
@@ -39,6 +39,8 @@ pub(crate) struct Metrics {
     /// because its key is blocked (a block starting included).
     pub(crate) strike: Counter,
     pub(crate) blocked: Counter,
+    /// An admitted response past the rule's warning share.
+    pub(crate) warned: Counter,
 }
 
 const REQUESTS: &str = "tollgate_requests_total";
@@ -89,6 +91,7 @@ impl Metrics {
             repeat: counter("idempotent_repeat"),
             strike: counter("strike"),
             blocked: counter("blocked"),
+            warned: counter("warned"),
         }
     }
 }

@@ -154,6 +154,9 @@ where
                         settle_response(this.shared, this.report, response.status(), &keys);
                     }
                     headers(this.shared, this.report, response.headers_mut(), None, None);
+                    if this.shared.warns {
+                        warnings(this.shared, this.report, response.headers_mut());
+                    }
                     return Poll::Ready(Ok(response));
                 }
                 StateProj::Rejected { verdict } => {
@@ -216,6 +219,27 @@ fn headers<B, L>(
         shared.legacy,
         tightest,
     );
+}
+
+/// `RateLimit-Warning` on an admitted response: every enforced rule with
+/// a warning share the request's key has used past.
+fn warnings<B, L>(shared: &Shared<B, L>, report: &Report, map: &mut http::HeaderMap) {
+    let mut list = crate::headers::Buf::<1024>::empty();
+    for (i, (rule, slot)) in shared.rules.iter().zip(&report.decided).enumerate() {
+        let (Some(share), Some((d, _))) = (rule.warn_at, slot) else {
+            continue;
+        };
+        if report.shadows(i) || !d.is_allowed() {
+            continue;
+        }
+        let used = d.limit.saturating_sub(d.remaining);
+        if crate::headers::push_warning(&mut list, &rule.responder.rule, used, d.limit, share) {
+            rule.responder.metrics.warned.increment(1);
+        }
+    }
+    if let Some(v) = list.value().filter(|v| !v.is_empty()) {
+        map.insert(crate::headers::RATELIMIT_WARNING.clone(), v);
+    }
 }
 
 /// The rejection for `verdict`, with every rule's headers.

@@ -99,6 +99,7 @@ struct Unbound<B> {
     plans: Vec<(String, tollgate_core::Limit)>,
     count_if: Option<super::rule::CountIf>,
     ladder: Option<super::rule::Ladder>,
+    warn_at: Option<f64>,
 }
 
 /// The most plans one policy knows.
@@ -146,6 +147,7 @@ impl<B, St> PolicyLayerBuilder<B, St> {
             plans: rule.plans,
             count_if: rule.count_if,
             ladder: rule.ladder,
+            warn_at: rule.warn_at,
         });
         self
     }
@@ -349,6 +351,12 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 let shown = Rule::new(rule.name(), *limit)?;
                 plans.push(Some((self.store.limiter(&stored)?, responder(&shown))));
             }
+            if r.warn_at.is_some_and(|s| !(s > 0.0 && s <= 1.0)) {
+                return Err(ConfigError::new(
+                    "warn_at",
+                    format!("rules[{i}]: the share must be above 0 and at most 1"),
+                ));
+            }
             let ladder = match r.ladder {
                 None => None,
                 Some((strikes, period, block, max_block)) => {
@@ -372,6 +380,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 plans: plans.into(),
                 count_if: r.count_if,
                 ladder,
+                warn_at: r.warn_at,
             });
         }
         let enforced = || bound.iter().filter(|b| !b.responder.shadow);
@@ -405,6 +414,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
         };
         let response_aware = bound.iter().any(|b| b.count_if.is_some());
         let laddered = bound.iter().any(|b| b.ladder.is_some());
+        let warns = bound.iter().any(|b| b.warn_at.is_some());
         Ok(PolicyLayer {
             shared: Arc::new(Shared {
                 rules: bound.into(),
@@ -418,6 +428,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 enforced: count,
                 response_aware,
                 laddered,
+                warns,
                 idempotency,
                 access: self.access.map(|list| {
                     let metrics = Metrics::register(&list.name);

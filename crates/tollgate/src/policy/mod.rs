@@ -39,6 +39,9 @@
 //!   marker only once the rules admit it, so a refused one leaves nothing
 //!   for a duplicate to pass on; a store that cannot record a marker (a
 //!   full memory store) charges the repeats too.
+//! - **Warnings** ([`RateRule::warn_at`]): past a share of a rule's
+//!   capacity, admitted responses carry `RateLimit-Warning:
+//!   "<rule>";used=<percent>`, the ladder's first step before the 429.
 //! - **Escalation ladders** ([`RateRule::escalate`]): each request a rule
 //!   refuses is a strike against the key; enough strikes within a period
 //!   block the key (429 until the block ends, before any rule is asked)

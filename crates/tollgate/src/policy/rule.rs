@@ -24,6 +24,7 @@ pub struct RateRule<K, C = Fixed> {
     pub(crate) plans: Vec<(String, Limit)>,
     pub(crate) count_if: Option<CountIf>,
     pub(crate) ladder: Option<Ladder>,
+    pub(crate) warn_at: Option<f64>,
 }
 
 /// An escalation ladder's parameters: strikes, period, first block,
@@ -66,6 +67,7 @@ impl<K> RateRule<K, Fixed> {
             plans: Vec::new(),
             count_if: None,
             ladder: None,
+            warn_at: None,
         }
     }
 }
@@ -84,7 +86,18 @@ impl<K, C> RateRule<K, C> {
             plans: self.plans,
             count_if: self.count_if,
             ladder: self.ladder,
+            warn_at: self.warn_at,
         }
+    }
+
+    /// The ladder's first step: once a key has used `share` (above 0, at
+    /// most 1) of this rule's capacity, its admitted responses carry
+    /// `RateLimit-Warning: "<name>";used=<percent>` — a client that reads
+    /// it can slow down before the 429 — and the metric outcome `warned`
+    /// counts them.
+    pub fn warn_at(mut self, share: f64) -> Self {
+        self.warn_at = Some(share);
+        self
     }
 
     /// An escalation ladder on this rule, per key: every request the rule

@@ -31,6 +31,8 @@ pub(super) struct Bound<B, L> {
     pub(super) count_if: Option<super::rule::CountIf>,
     /// The rule's escalation ladder, per key.
     pub(super) ladder: Option<Arc<dyn tollgate_core::EscalationLimiter>>,
+    /// The share of capacity past which admitted responses warn.
+    pub(super) warn_at: Option<f64>,
 }
 
 /// What a rule made of a request's key.
@@ -122,6 +124,8 @@ pub(super) struct Shared<B, L> {
     pub(super) response_aware: bool,
     /// Whether any rule has an escalation ladder.
     pub(super) laddered: bool,
+    /// Whether any rule warns past a share of its capacity.
+    pub(super) warns: bool,
     /// Idempotent repeats go uncharged.
     pub(super) idempotency: Option<super::idempotency::Idempotency<B, L>>,
     /// Allow and deny lists, checked before any rule, and their metrics

@@ -1078,3 +1078,38 @@ async fn a_blocked_key_asks_no_rule_and_a_longer_refusal_is_not_shortened() {
     );
     assert_eq!(remaining(&layer, 0, "any").await, 999);
 }
+
+#[tokio::test]
+async fn a_rule_warns_past_its_share_before_it_refuses() {
+    let clock = ManualClock::starting_at(1);
+    let layer = PolicyLayer::builder()
+        .rule(per_key(Limit::fixed_window(10, Duration::from_secs(60))).warn_at(0.8))
+        .rule(per_ip(Limit::fixed_window(100, Duration::from_secs(60))))
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    for i in 1..=10 {
+        let res = svc.clone().oneshot(req("w", "ip")).await.unwrap();
+        let warning = res.headers().get("ratelimit-warning");
+        if i < 8 {
+            assert!(warning.is_none(), "request {i}");
+        } else {
+            assert_eq!(
+                warning.unwrap(),
+                format!("\"per-key\";used={}", i * 10).as_str()
+            );
+        }
+    }
+    let res = svc.clone().oneshot(req("w", "ip")).await.unwrap();
+    assert_eq!(res.status(), 429);
+    assert!(res.headers().get("ratelimit-warning").is_none());
+    for share in [0.0, -1.0, 1.5, f64::NAN] {
+        let bad = PolicyLayer::<String, ()>::builder()
+            .rule(per_key(Limit::fixed_window(10, Duration::from_secs(60))).warn_at(share))
+            .build()
+            .map(drop)
+            .unwrap_err();
+        assert_eq!(bad.field(), "warn_at", "{share}");
+    }
+}

@@ -58,22 +58,7 @@ impl Responder {
         let mut warn = Buf::<1024>::empty();
         for (name, p) in self.items.iter().zip(d.periods()) {
             let used = p.limit.saturating_sub(p.remaining);
-            // `used / limit >= soft`, in integers where they are exact.
-            #[allow(clippy::cast_precision_loss)]
-            let past = p.limit > 0 && used as f64 >= soft * p.limit as f64;
-            if past {
-                if !warn.as_bytes().is_empty() {
-                    warn.push(b", ");
-                }
-                warn.push(b"\"");
-                warn.push(name.as_bytes());
-                warn.push(b"\";used=");
-                let percent = u128::from(used)
-                    .saturating_mul(100)
-                    .checked_div(u128::from(p.limit))
-                    .unwrap_or(100);
-                warn.push_u64(u64::try_from(percent).unwrap_or(100));
-            }
+            crate::headers::push_warning(&mut warn, name, used, p.limit, soft);
         }
         if !warn.as_bytes().is_empty() {
             self.warnings.increment(1);

@@ -6,6 +6,8 @@
 pub mod login;
 
 use std::net::SocketAddr;
+
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -141,6 +143,42 @@ pub fn quickstart_app<S: QuotaStore>(
             store_for_login,
             ClientIp::trusting(trusted_proxies)?,
         )?))
+}
+
+/// Installs a Prometheus recorder for the `metrics` facade, once per
+/// process (later calls return the same handle). Call it **before**
+/// building the layers: each registers its metrics when it is built.
+pub fn prometheus() -> Result<PrometheusHandle, String> {
+    static HANDLE: std::sync::OnceLock<Result<PrometheusHandle, String>> =
+        std::sync::OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            PrometheusBuilder::new()
+                .install_recorder()
+                .map_err(|e| e.to_string())
+        })
+        .clone()
+}
+
+/// `GET /metrics`: the Prometheus text of every metric the layers
+/// record (all named `tollgate_*`). Not limited: a scraper must always
+/// get through.
+pub fn metrics_route(handle: PrometheusHandle) -> Router {
+    Router::new().route(
+        "/metrics",
+        get(move || {
+            let text = handle.render();
+            async move {
+                (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        "text/plain; version=0.0.4",
+                    )],
+                    text,
+                )
+            }
+        }),
+    )
 }
 
 /// A body of `n` bytes in 16 KiB chunks, as fast as it is read (the

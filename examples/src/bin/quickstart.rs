@@ -9,6 +9,7 @@
 //! ```text
 //! curl -i -H 'x-api-key: demo' http://127.0.0.1:3000/api/hello
 //! curl -i -X POST -H 'x-api-key: demo' http://127.0.0.1:3000/api/reports
+//! curl -s http://127.0.0.1:3000/metrics | grep tollgate_requests_total
 //! ```
 
 use tollgate::{FailurePolicy, MemoryStore, RedisStore};
@@ -23,6 +24,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .filter(|s| !s.is_empty())
         .map(str::to_owned)
         .collect();
+    // The recorder first: the layers register their metrics when built.
+    let metrics = tollgate_examples::prometheus()?;
     let (app, store) = match std::env::var("TOLLGATE_REDIS_URL") {
         Ok(url) if !url.trim().is_empty() => {
             // If Redis goes away, each instance keeps limiting on its own.
@@ -40,6 +43,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "in-memory store".to_owned(),
         ),
     };
+    let app = app.merge(tollgate_examples::metrics_route(metrics));
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     println!(
         "tollgate quickstart listening on http://{} ({store})",

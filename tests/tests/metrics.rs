@@ -30,7 +30,22 @@ fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
-#[tokio::test]
+/// Every `tollgate_*` name in `text` (PromQL, YAML, JSON).
+fn names_in(text: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("tollgate_") {
+        let tail = &rest[at..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        names.push(tail[..end].to_owned());
+        rest = &tail[end..];
+    }
+    names
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_quickstart_serves_what_its_layers_decided_as_prometheus_text() {
     let handle = tollgate_examples::prometheus().unwrap();
     let app = tollgate_examples::quickstart_app(MemoryStore::new(), &[])
@@ -74,6 +89,43 @@ async fn the_quickstart_serves_what_its_layers_decided_as_prometheus_text() {
     )
     .is_some());
     assert!(text.contains("tollgate_retry_after_seconds"), "{text}");
+    // The dashboard and the alerts use only metrics that exist. The Redis
+    // store's register when one is built.
+    let redis = tollgate_redis::testing::Server::start();
+    let _store = redis.as_ref().map(|r| {
+        tollgate::RedisStore::builder(&r.url())
+            .prefix(&tollgate_redis::testing::unique_prefix())
+            .build()
+            .unwrap()
+    });
+    let text = send(addr, get("/metrics", "metered")).await.unwrap().body;
+    let exported: std::collections::HashSet<&str> = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .collect();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let dashboard = std::fs::read_to_string(root.join("examples/grafana/tollgate.json")).unwrap();
+    let dashboard: serde_json::Value = serde_json::from_str(&dashboard).unwrap();
+    let mut exprs: Vec<String> = Vec::new();
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            exprs.push(target["expr"].as_str().unwrap().to_owned());
+        }
+    }
+    assert!(exprs.len() >= 6, "{exprs:?}");
+    let alerts = std::fs::read_to_string(root.join("examples/prometheus/alerts.yml")).unwrap();
+    let alert_count = alerts.matches("- alert:").count();
+    assert_eq!(alert_count, 4);
+    exprs.push(alerts);
+    if redis.is_some() {
+        for name in exprs.iter().flat_map(|e| names_in(e)) {
+            assert!(
+                exported.contains(name.as_str()),
+                "{name} is not exported:\n{text}"
+            );
+        }
+    }
     // Every metric is tollgate's, and no label carries a client key.
     for line in text
         .lines()

@@ -64,6 +64,12 @@ struct Counters {
     timeouts: Tally,
     skipped: Tally,
     last_log: AtomicU64,
+    /// `tollgate_store_call_seconds{store="redis"}`: each call's time,
+    /// answered or not (a skipped call is not timed).
+    latency: metrics::Histogram,
+    /// `tollgate_store_breaker_open{store="redis"}`: 1 while the breaker
+    /// is open.
+    breaker: metrics::Gauge,
 }
 
 impl Counters {
@@ -72,12 +78,23 @@ impl Counters {
             "tollgate_store_calls_total",
             "Calls to the Redis store by result: ok, error, timeout, skipped (breaker open)"
         );
+        metrics::describe_histogram!(
+            "tollgate_store_call_seconds",
+            metrics::Unit::Seconds,
+            "Time of each call to the Redis store, answered or not"
+        );
+        metrics::describe_gauge!(
+            "tollgate_store_breaker_open",
+            "1 while the Redis store's circuit breaker is open"
+        );
         Self {
             ok: Tally::new("ok"),
             errors: Tally::new("error"),
             timeouts: Tally::new("timeout"),
             skipped: Tally::new("skipped"),
             last_log: AtomicU64::new(0),
+            latency: metrics::histogram!("tollgate_store_call_seconds", "store" => "redis"),
+            breaker: metrics::gauge!("tollgate_store_breaker_open", "store" => "redis"),
         }
     }
 }
@@ -186,32 +203,42 @@ impl Backend {
                 maybe_sent: false,
             });
         }
-        let result =
-            match tokio::time::timeout(self.timeout, self.conn.invoke(script, keys, args)).await {
-                Ok(Ok(reply)) => Ok(reply),
-                Ok(Err(e)) if e.is_timeout() => {
-                    self.counters.timeouts.add();
-                    Err(StoreError::new(StoreErrorKind::Timeout, e.to_string()))
-                }
-                Ok(Err(e)) => {
-                    self.counters.errors.add();
-                    Err(StoreError::new(StoreErrorKind::Unavailable, e.to_string()))
-                }
-                Err(_) => {
-                    self.counters.timeouts.add();
-                    Err(StoreError::new(
-                        StoreErrorKind::Timeout,
-                        format!("no answer within {:?}", self.timeout),
-                    ))
-                }
-            };
+        let started = std::time::Instant::now();
+        let answer = tokio::time::timeout(self.timeout, self.conn.invoke(script, keys, args)).await;
+        self.counters
+            .latency
+            .record(started.elapsed().as_secs_f64());
+        let result = match answer {
+            Ok(Ok(reply)) => Ok(reply),
+            Ok(Err(e)) if e.is_timeout() => {
+                self.counters.timeouts.add();
+                Err(StoreError::new(StoreErrorKind::Timeout, e.to_string()))
+            }
+            Ok(Err(e)) => {
+                self.counters.errors.add();
+                Err(StoreError::new(StoreErrorKind::Unavailable, e.to_string()))
+            }
+            Err(_) => {
+                self.counters.timeouts.add();
+                Err(StoreError::new(
+                    StoreErrorKind::Timeout,
+                    format!("no answer within {:?}", self.timeout),
+                ))
+            }
+        };
         match &result {
             Ok(_) => {
                 self.counters.ok.add();
                 attempt.success();
+                if !self.breaker.is_open() {
+                    self.counters.breaker.set(0.0);
+                }
             }
             Err(e) => {
                 let opened = attempt.failure(now_nanos());
+                if opened {
+                    self.counters.breaker.set(1.0);
+                }
                 self.log_fault(e, opened);
             }
         }

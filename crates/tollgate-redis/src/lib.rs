@@ -73,8 +73,11 @@
 //!   lease that cannot be released or renewed lapses after its TTL.
 //!   Faults are logged at most once a second and counted, in
 //!   [`RedisStore::stats`] and as the metric
-//!   `tollgate_store_calls_total{store="redis", result=ok|error|timeout|skipped}`
-//!   (registered when the store is built: install the recorder first).
+//!   `tollgate_store_calls_total{store="redis", result=ok|error|timeout|skipped}`,
+//!   with each call's time in `tollgate_store_call_seconds{store="redis"}`
+//!   and `tollgate_store_breaker_open{store="redis"}` 1 while the breaker
+//!   is open (registered when the store is built: install the recorder
+//!   first).
 //!
 //! ```no_run
 //! use tollgate_core::{Limit, Limiter, Rate, Rule, Store};

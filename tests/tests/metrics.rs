@@ -1,7 +1,12 @@
 //! The quickstart's `GET /metrics`: Prometheus text of what its layers
 //! decided, through real HTTP. (Its own test binary: the recorder is
 //! global to the process.)
-#![allow(missing_docs, clippy::unwrap_used, clippy::arithmetic_side_effects)]
+#![allow(
+    missing_docs,
+    clippy::unwrap_used,
+    clippy::arithmetic_side_effects,
+    clippy::indexing_slicing
+)]
 
 mod common;
 

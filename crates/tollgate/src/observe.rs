@@ -220,3 +220,91 @@ impl RetryMetrics {
         }
     }
 }
+
+/// Sampled decision logs: a `tracing` event (target `tollgate::decision`,
+/// level INFO) for a share of decisions, set per outcome, with the rule,
+/// the outcome, what remains, why a request was refused, and a keyed hash
+/// of the client key (never the key: it is personal data). Off by
+/// default; a policy takes one with
+/// [`decision_log`](crate::policy::PolicyLayerBuilder::decision_log).
+///
+/// ```
+/// use tollgate::observe::DecisionLog;
+/// // Every refusal, and one admitted request in a hundred.
+/// let log = DecisionLog::new().limited(1.0).allowed(0.01);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DecisionLog {
+    allowed: f64,
+    limited: f64,
+}
+
+impl DecisionLog {
+    /// Logs nothing until told to.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The share (0.0 to 1.0) of admitted requests logged.
+    pub fn allowed(mut self, share: f64) -> Self {
+        self.allowed = share;
+        self
+    }
+
+    /// The share (0.0 to 1.0) of refused requests logged.
+    pub fn limited(mut self, share: f64) -> Self {
+        self.limited = share;
+        self
+    }
+
+    /// Whether the shares are from 0 to 1.
+    pub(crate) fn is_valid(&self) -> bool {
+        (0.0..=1.0).contains(&self.allowed) && (0.0..=1.0).contains(&self.limited)
+    }
+
+    /// Whether to log this decision (`refused` or admitted).
+    pub(crate) fn sample(&self, refused: bool) -> bool {
+        let share = if refused { self.limited } else { self.allowed };
+        if share <= 0.0 {
+            return false;
+        }
+        if share >= 1.0 {
+            return true;
+        }
+        thread_local! {
+            static STATE: std::cell::Cell<u64> = std::cell::Cell::new({
+                use std::hash::BuildHasher;
+                std::collections::hash_map::RandomState::new().hash_one(0u8) | 1
+            });
+        }
+        // xorshift64*: cheap, good enough to sample with.
+        let draw = STATE.with(|s| {
+            let mut x = s.get();
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            s.set(x);
+            x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        });
+        #[allow(clippy::cast_precision_loss)]
+        let unit = (draw >> 11) as f64 / (1u64 << 53) as f64;
+        unit < share
+    }
+}
+
+#[cfg(test)]
+mod decision_log_tests {
+    use super::DecisionLog;
+
+    #[test]
+    fn a_share_of_decisions_is_logged_per_outcome() {
+        let log = DecisionLog::new().allowed(0.25).limited(1.0);
+        let n = 100_000;
+        let sampled = (0..n).filter(|_| log.sample(false)).count();
+        #[allow(clippy::cast_precision_loss)]
+        let share = sampled as f64 / f64::from(n);
+        assert!((share - 0.25).abs() < 0.01, "{share}");
+        assert!((0..1_000).all(|_| log.sample(true)));
+        assert!(!(0..1_000).any(|_| DecisionLog::new().sample(true)));
+    }
+}

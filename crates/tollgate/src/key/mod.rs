@@ -213,15 +213,7 @@ impl KeyBuf {
     /// (API keys, IPs: personal data) are never written out. Stable within
     /// a process, unlinkable across processes.
     pub fn fingerprint(&mut self) -> Fingerprint {
-        static SECRET: OnceLock<(u64, u64)> = OnceLock::new();
-        let (k0, k1) = *SECRET.get_or_init(|| {
-            use std::hash::BuildHasher;
-            let s = std::collections::hash_map::RandomState::new();
-            (s.hash_one(1u8), s.hash_one(2u8))
-        });
-        let mut h = siphasher::sip::SipHasher13::new_with_keys(k0, k1);
-        h.write(self.as_bytes());
-        Fingerprint(h.finish())
+        Fingerprint::of(self.as_bytes())
     }
 }
 
@@ -238,6 +230,21 @@ impl fmt::Debug for KeyBuf {
 /// A keyed hash of a client key, printable in logs (16 hex digits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint(pub u64);
+
+impl Fingerprint {
+    /// The fingerprint of a finished key's bytes.
+    pub(crate) fn of(key: &[u8]) -> Self {
+        static SECRET: OnceLock<(u64, u64)> = OnceLock::new();
+        let (k0, k1) = *SECRET.get_or_init(|| {
+            use std::hash::BuildHasher;
+            let s = std::collections::hash_map::RandomState::new();
+            (s.hash_one(1u8), s.hash_one(2u8))
+        });
+        let mut h = siphasher::sip::SipHasher13::new_with_keys(k0, k1);
+        h.write(key);
+        Fingerprint(h.finish())
+    }
+}
 
 impl fmt::Display for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -252,3 +252,61 @@ pub(super) fn strike_sync<B, L>(
     }
     longest
 }
+
+/// A sampled request's decision log: one event per rule that decided it,
+/// `key(i)` giving rule `i`'s key bytes (hashed before they are logged).
+pub(super) fn log_decisions<B, L>(
+    shared: &Shared<B, L>,
+    report: &Report,
+    verdict: Verdict,
+    mut key: impl FnMut(usize, &mut dyn FnMut(&[u8])),
+) {
+    let refused = !matches!(verdict, Verdict::Pass { .. } | Verdict::Repeat);
+    if !shared.log.is_some_and(|l| l.sample(refused)) {
+        return;
+    }
+    let named = match verdict {
+        Verdict::Deny { rule, reason } => Some((rule, reason)),
+        Verdict::Blocked { rule, .. } => Some((rule, Reason::Blocked)),
+        Verdict::MissingKey { rule } => Some((rule, Reason::MissingKey)),
+        _ => None,
+    };
+    for (i, (rule, slot)) in shared.rules.iter().zip(&report.decided).enumerate() {
+        let decided = slot.map(|(d, _)| d);
+        let reason = named.filter(|(r, _)| *r == i).map(|(_, reason)| reason);
+        if decided.is_none() && reason.is_none() {
+            continue;
+        }
+        let outcome = match (decided.map(|d| d.outcome), report.shadows(i)) {
+            (Some(Outcome::Allow { .. }), _) => "allowed",
+            (Some(_), true) => "shadow_limited",
+            (Some(Outcome::Never), false) => "too_costly",
+            (Some(_), false) => "limited",
+            (None, _) => "refused",
+        };
+        let mut fingerprint = None;
+        key(i, &mut |k| {
+            fingerprint = Some(crate::key::Fingerprint::of(k))
+        });
+        tracing::info!(
+            target: "tollgate::decision",
+            rule = %rule.responder.rule,
+            outcome,
+            remaining = decided.map_or(0, |d| d.remaining),
+            reason = reason.map_or("", reason_name),
+            key = %fingerprint.map_or_else(String::new, |f| f.to_string()),
+            "decision"
+        );
+    }
+}
+
+fn reason_name(reason: Reason) -> &'static str {
+    match reason {
+        Reason::Limited => "limited",
+        Reason::TooCostly => "too_costly",
+        Reason::MissingKey => "missing_key",
+        Reason::Blocked => "blocked",
+        Reason::Denied => "denied",
+        Reason::ReadOnly => "read_only",
+    }
+}

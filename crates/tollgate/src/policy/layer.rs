@@ -65,6 +65,7 @@ impl<B> PolicyLayer<B, ()> {
             access: None,
             plan_source: None,
             idempotency: None,
+            log: None,
         }
     }
 }
@@ -115,6 +116,7 @@ pub struct PolicyLayerBuilder<B, St> {
     access: Option<AccessList>,
     plan_source: Option<Source<B>>,
     idempotency: Option<(String, Box<dyn DynRule<B>>, std::time::Duration)>,
+    log: Option<crate::observe::DecisionLog>,
 }
 
 impl<B, St> fmt::Debug for PolicyLayerBuilder<B, St> {
@@ -163,7 +165,16 @@ impl<B, St> PolicyLayerBuilder<B, St> {
             access: self.access,
             plan_source: self.plan_source,
             idempotency: self.idempotency,
+            log: self.log,
         }
+    }
+
+    /// Sampled decision logs (see [`DecisionLog`](crate::observe::DecisionLog)):
+    /// one `tracing` event per rule that decided a sampled request.
+    /// Errors name the field `decision_log` (shares from 0 to 1).
+    pub fn decision_log(mut self, log: crate::observe::DecisionLog) -> Self {
+        self.log = Some(log);
+        self
     }
 
     /// Idempotent repeats go uncharged: a request sent again with the same
@@ -266,6 +277,12 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
             return Err(ConfigError::new(
                 "plans",
                 format!("a policy knows at most {MAX_PLANS} plans"),
+            ));
+        }
+        if self.log.is_some_and(|l| !l.is_valid()) {
+            return Err(ConfigError::new(
+                "decision_log",
+                "the shares must be from 0.0 to 1.0",
             ));
         }
         if !names.is_empty() && self.plan_source.is_none() {
@@ -429,6 +446,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 response_aware,
                 laddered,
                 warns,
+                log: self.log,
                 idempotency,
                 access: self.access.map(|list| {
                     let metrics = Metrics::register(&list.name);

@@ -48,6 +48,9 @@
 //!   for a time that doubles per block up to a cap, and a key out of
 //!   trouble long enough starts over. The ladder lives in the store, so
 //!   a fleet on Redis escalates together.
+//! - **Decision logs** ([`decision_log`](PolicyLayerBuilder::decision_log)):
+//!   a sampled `tracing` event per rule (target `tollgate::decision`):
+//!   rule, outcome, remaining, reason, and a keyed hash of the key.
 //! - **Access lists** ([`AccessList`]), checked before any rule: keys
 //!   and IP networks on an allow list skip every limit, those on a deny
 //!   list get 403 (gRPC `PERMISSION_DENIED`) at once, and a list can deny

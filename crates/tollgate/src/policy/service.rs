@@ -10,7 +10,9 @@ use tollgate_core::{Decision, Limiter, StoreError};
 use tower_service::Service;
 
 use super::access::Access;
-use super::decide::{refund_consumed, settle, store_failed, strike_sync, Report, Verdict, MARKER};
+use super::decide::{
+    log_decisions, refund_consumed, settle, store_failed, strike_sync, Report, Verdict, MARKER,
+};
 use super::future::{next, PolicyFuture, State};
 use super::shared::{Keyed, Shared};
 use crate::body::ResponseBody;
@@ -117,6 +119,18 @@ where
         if shared.laddered {
             match blocked_sync(shared, &req) {
                 Some(Some(verdict)) => {
+                    if shared.log.is_some() {
+                        log_decisions(shared, &report, verdict, |j, f| {
+                            let mut k = KeyBuf::new();
+                            if shared
+                                .rules
+                                .get(j)
+                                .is_some_and(|r| r.key_again(&req, &mut k))
+                            {
+                                f(k.as_bytes());
+                            }
+                        });
+                    }
                     return self.finish(State::Rejected { verdict }, report, grpc);
                 }
                 Some(None) => {}
@@ -203,6 +217,18 @@ where
                 }
             }
             _ => {}
+        }
+        if shared.log.is_some() {
+            log_decisions(shared, &report, verdict, |j, f| {
+                let mut k = KeyBuf::new();
+                if shared
+                    .rules
+                    .get(j)
+                    .is_some_and(|r| r.key_again(&req, &mut k))
+                {
+                    f(k.as_bytes());
+                }
+            });
         }
         // Response-aware rules need their keys once the response is in.
         let after = (shared.response_aware && matches!(verdict, Verdict::Pass { .. }))
@@ -570,6 +596,13 @@ where
                         }
                     }
                     _ => {}
+                }
+                if shared.log.is_some() {
+                    log_decisions(&shared, &report, verdict, |j, f| {
+                        if let Some((_, k)) = keys.iter().find(|(x, _)| *x == j) {
+                            f(k.as_bytes());
+                        }
+                    });
                 }
                 (report, verdict, keys)
             }

@@ -126,6 +126,8 @@ pub(super) struct Shared<B, L> {
     pub(super) laddered: bool,
     /// Whether any rule warns past a share of its capacity.
     pub(super) warns: bool,
+    /// Sampled decision logs.
+    pub(super) log: Option<crate::observe::DecisionLog>,
     /// Idempotent repeats go uncharged.
     pub(super) idempotency: Option<super::idempotency::Idempotency<B, L>>,
     /// Allow and deny lists, checked before any rule, and their metrics

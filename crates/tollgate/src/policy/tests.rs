@@ -1113,3 +1113,98 @@ async fn a_rule_warns_past_its_share_before_it_refuses() {
         assert_eq!(bad.field(), "warn_at", "{share}");
     }
 }
+
+/// A `tracing` subscriber that keeps the `tollgate::decision` events, as
+/// `field=value` lines.
+#[derive(Clone, Default)]
+struct Events(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl tracing::Subscriber for Events {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        struct Line(String);
+        impl tracing::field::Visit for Line {
+            fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn std::fmt::Debug) {
+                self.0.push_str(&format!("{}={:?} ", f.name(), v));
+            }
+            fn record_str(&mut self, f: &tracing::field::Field, v: &str) {
+                self.0.push_str(&format!("{}={} ", f.name(), v));
+            }
+        }
+        if event.metadata().target() == "tollgate::decision" {
+            let mut line = Line(String::new());
+            event.record(&mut line);
+            self.0.lock().unwrap().push(line.0);
+        }
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+#[tokio::test]
+async fn sampled_decision_logs_name_the_rule_and_hash_the_key() {
+    let events = Events::default();
+    let _guard = tracing::subscriber::set_default(events.clone());
+    let clock = ManualClock::starting_at(1);
+    let layer = PolicyLayer::builder()
+        .rule(per_key(Limit::fixed_window(1, Duration::from_secs(60))))
+        .rule(per_ip(Limit::fixed_window(100, Duration::from_secs(60))))
+        .decision_log(crate::observe::DecisionLog::new().limited(1.0))
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    assert_eq!(
+        svc.clone()
+            .oneshot(req("secret-key", "ip"))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert!(
+        events.0.lock().unwrap().is_empty(),
+        "admitted requests are not sampled"
+    );
+    assert_eq!(
+        svc.clone()
+            .oneshot(req("secret-key", "ip"))
+            .await
+            .unwrap()
+            .status(),
+        429
+    );
+    let lines = events.0.lock().unwrap().clone();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert!(
+        lines[0].contains("rule=per-key") && lines[0].contains("outcome=limited"),
+        "{lines:?}"
+    );
+    assert!(
+        lines[0].contains("reason=limited") && lines[0].contains("remaining=0"),
+        "{lines:?}"
+    );
+    assert!(
+        lines[1].contains("rule=per-ip") && lines[1].contains("outcome=allowed"),
+        "{lines:?}"
+    );
+    assert!(
+        lines.iter().all(|l| !l.contains("secret-key")),
+        "a raw key in a log: {lines:?}"
+    );
+    assert!(lines[0].contains("key="), "{lines:?}");
+    let bad = PolicyLayer::<String, ()>::builder()
+        .rule(per_key(Limit::fixed_window(1, Duration::from_secs(60))))
+        .decision_log(crate::observe::DecisionLog::new().allowed(2.0))
+        .build()
+        .map(drop)
+        .unwrap_err();
+    assert_eq!(bad.field(), "decision_log");
+}

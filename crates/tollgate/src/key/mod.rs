@@ -355,9 +355,11 @@ impl<B, A: KeyExtractor<B>, O: KeyExtractor<B>> KeyExtractor<B> for Or<A, O> {
 }
 
 mod ip;
+mod peer;
 mod request;
 
 pub use ip::{peer_addr, ClientIp, ForwardedHeader, PeerIp, DEFAULT_IPV6_PREFIX};
+pub use peer::{PeerAddr, PeerAddrLayer};
 pub(crate) use request::header_name;
 #[cfg(feature = "axum")]
 pub use request::Route;

@@ -357,3 +357,79 @@ async fn refused_duplicates_race_on_redis() {
     let clock = ManualClock::starting_at(1_796_000_040_000_000_000);
     refused_duplicates_race(redis_store(&redis.url(), &clock)).await;
 }
+
+/// Refusals of an audited rule land in a Redis stream, never the raw
+/// key; a dead Redis delays nothing and the lost records are counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_of_audited_rules_land_in_a_redis_stream() {
+    let Some(mut redis) = Server::start() else {
+        return;
+    };
+    let prefix = unique_prefix();
+    let store = RedisStore::builder(&redis.url())
+        .prefix(&prefix)
+        .timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let audit = store.audit_stream("audit", 1_000, 4);
+    let layer = PolicyLayer::builder()
+        .rule(RateRule::new(
+            "per-key",
+            Limit::fixed_window(1, Duration::from_secs(3_600)),
+            Header::named("x-api-key").unwrap(),
+        ))
+        .rule(RateRule::new(
+            "global",
+            Limit::fixed_window(1_000_000, Duration::from_secs(3_600)),
+            tollgate::key::Global,
+        ))
+        .audit(audit.clone(), &["per-key"])
+        .store(MemoryStore::new())
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(|_req: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(String::new()))
+    }));
+    let req = || {
+        Request::get("/")
+            .header("x-api-key", "the-raw-key")
+            .body(String::new())
+            .unwrap()
+    };
+    assert_eq!(svc.clone().oneshot(req()).await.unwrap().status(), 200);
+    for _ in 0..2 {
+        assert_eq!(svc.clone().oneshot(req()).await.unwrap().status(), 429);
+    }
+    let stream = format!("{prefix}:audit");
+    let mut len = String::new();
+    for _ in 0..100 {
+        len = redis.cli(&["XLEN", &stream]);
+        if len.trim() == "2" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(len.trim(), "2");
+    let entries = redis.cli(&["XRANGE", &stream, "-", "+"]);
+    assert!(
+        entries.contains("per-key") && entries.contains("limited"),
+        "{entries}"
+    );
+    assert!(
+        !entries.contains("the-raw-key"),
+        "a raw key in the audit: {entries}"
+    );
+    // Redis dies: requests are still answered (a record is queued, never
+    // waited for), and what cannot be written is counted as dropped.
+    redis.kill();
+    for _ in 0..50 {
+        assert_eq!(svc.clone().oneshot(req()).await.unwrap().status(), 429);
+    }
+    for _ in 0..200 {
+        if audit.dropped() >= 46 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(audit.dropped() >= 46, "{} dropped", audit.dropped());
+}

@@ -154,6 +154,11 @@ impl Backend {
         }
     }
 
+    /// The connection, for what is not a script call (the audit stream).
+    pub(crate) fn conn(&self) -> &Conn {
+        &self.conn
+    }
+
     pub(crate) fn breaker_open(&self) -> bool {
         self.breaker.is_open()
     }

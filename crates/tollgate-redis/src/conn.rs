@@ -118,6 +118,37 @@ impl Conn {
         Ok(Conn::Standalone(manager))
     }
 
+    /// Appends `entries` to the stream `key` in one pipeline (`XADD key
+    /// MAXLEN ~ maxlen * field value ...` each).
+    pub(crate) async fn xadd_batch(
+        &self,
+        key: &str,
+        maxlen: usize,
+        entries: &[Vec<(&'static str, String)>],
+    ) -> redis::RedisResult<()> {
+        let mut pipe = redis::pipe();
+        for fields in entries {
+            let cmd = pipe
+                .cmd("XADD")
+                .arg(key)
+                .arg("MAXLEN")
+                .arg("~")
+                .arg(maxlen)
+                .arg("*");
+            for (name, value) in fields {
+                cmd.arg(*name).arg(value);
+            }
+            cmd.ignore();
+        }
+        match self {
+            Conn::Standalone(manager) => pipe.query_async(&mut manager.clone()).await,
+            Conn::Cluster(slot) => {
+                let mut conn = slot.connection().await;
+                pipe.query_async(&mut conn).await
+            }
+        }
+    }
+
     pub(crate) async fn invoke(
         &self,
         script: &Script,

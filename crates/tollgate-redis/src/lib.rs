@@ -125,6 +125,7 @@
     )
 )]
 
+mod audit;
 mod backend;
 mod breaker;
 mod concurrency;
@@ -145,6 +146,7 @@ pub mod testing;
 use std::future::Future;
 use std::pin::Pin;
 
+pub use audit::{AuditFields, RedisAudit};
 pub use backend::RedisStats;
 pub use concurrency::RedisConcurrencyLimiter;
 pub use escalation::RedisEscalation;

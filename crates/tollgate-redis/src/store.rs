@@ -90,6 +90,19 @@ impl RedisStore {
         self.backend.stats()
     }
 
+    /// An audit stream named `name` under this store's prefix, kept to
+    /// about `maxlen` entries (`XADD ... MAXLEN ~`), fed through a queue of
+    /// `capacity` records; see [`RedisAudit`](crate::RedisAudit).
+    pub fn audit_stream(&self, name: &str, maxlen: usize, capacity: usize) -> crate::RedisAudit {
+        crate::RedisAudit::spawn(
+            Arc::clone(&self.backend),
+            &self.runtime,
+            name.to_owned(),
+            maxlen,
+            capacity,
+        )
+    }
+
     /// Whether the breaker is open (Redis is being skipped).
     pub fn breaker_open(&self) -> bool {
         self.backend.breaker_open()

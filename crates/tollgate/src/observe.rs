@@ -292,6 +292,47 @@ impl DecisionLog {
     }
 }
 
+/// One refusal on an audited rule, for an audit trail: never the client
+/// key, a keyed hash of it.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct AuditRecord {
+    /// The rule that refused.
+    pub rule: std::sync::Arc<str>,
+    /// Why: `limited`, `too_costly`, `blocked`, `missing_key`.
+    pub reason: &'static str,
+    /// A keyed hash of the client key (stable within a process).
+    pub key: crate::key::Fingerprint,
+    /// The wait given, in milliseconds rounded up (0: none).
+    pub retry_after_ms: u64,
+    /// When, in Unix milliseconds.
+    pub unix_ms: u64,
+}
+
+/// Where a policy's audit records go (see
+/// [`audit`](crate::policy::PolicyLayerBuilder::audit)). `record` is
+/// called on the request's path: it must not wait (queue and return).
+pub trait AuditSink: Send + Sync + 'static {
+    /// Takes one record.
+    fn record(&self, record: &AuditRecord);
+}
+
+#[cfg(feature = "redis")]
+impl AuditSink for tollgate_redis::RedisAudit {
+    fn record(&self, r: &AuditRecord) {
+        tollgate_redis::RedisAudit::record(
+            self,
+            vec![
+                ("rule", r.rule.to_string()),
+                ("reason", r.reason.to_owned()),
+                ("key", r.key.to_string()),
+                ("retry_after_ms", r.retry_after_ms.to_string()),
+                ("unix_ms", r.unix_ms.to_string()),
+            ],
+        );
+    }
+}
+
 #[cfg(test)]
 mod decision_log_tests {
     use super::DecisionLog;

@@ -253,6 +253,54 @@ pub(super) fn strike_sync<B, L>(
     longest
 }
 
+/// A refusal by an audited rule goes to the audit sink; `key(i)` gives
+/// rule `i`'s key bytes (hashed before they leave).
+pub(super) fn audit<B, L>(
+    shared: &Shared<B, L>,
+    report: &Report,
+    verdict: Verdict,
+    mut key: impl FnMut(usize, &mut dyn FnMut(&[u8])),
+) {
+    let Some((sink, mask)) = &shared.audit else {
+        return;
+    };
+    let (rule, reason, retry_after) = match verdict {
+        Verdict::Deny { rule, reason } => {
+            let wait = report
+                .decided
+                .get(rule)
+                .copied()
+                .flatten()
+                .and_then(|(d, _)| d.retry_after())
+                .map_or(0, |w| {
+                    u64::try_from(w.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
+                });
+            (rule, reason, wait)
+        }
+        Verdict::Blocked { rule, for_ns } => (rule, Reason::Blocked, for_ns.div_ceil(1_000_000)),
+        Verdict::MissingKey { rule } => (rule, Reason::MissingKey, 0),
+        _ => return,
+    };
+    let bit = 1u16
+        .checked_shl(u32::try_from(rule).unwrap_or(u32::MAX))
+        .unwrap_or(0);
+    let Some(bound) = shared.rules.get(rule).filter(|_| mask & bit != 0) else {
+        return;
+    };
+    let mut fingerprint = crate::key::Fingerprint(0);
+    key(rule, &mut |k| fingerprint = crate::key::Fingerprint::of(k));
+    let unix_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    sink.record(&crate::observe::AuditRecord {
+        rule: Arc::clone(&bound.responder.rule),
+        reason: reason_name(reason),
+        key: fingerprint,
+        retry_after_ms: retry_after,
+        unix_ms,
+    });
+}
+
 /// A sampled request's decision log: one event per rule that decided it,
 /// `key(i)` giving rule `i`'s key bytes (hashed before they are logged).
 pub(super) fn log_decisions<B, L>(

@@ -66,6 +66,7 @@ impl<B> PolicyLayer<B, ()> {
             plan_source: None,
             idempotency: None,
             log: None,
+            audit: None,
         }
     }
 }
@@ -117,6 +118,7 @@ pub struct PolicyLayerBuilder<B, St> {
     plan_source: Option<Source<B>>,
     idempotency: Option<(String, Box<dyn DynRule<B>>, std::time::Duration)>,
     log: Option<crate::observe::DecisionLog>,
+    audit: Option<(Arc<dyn crate::observe::AuditSink>, Vec<String>)>,
 }
 
 impl<B, St> fmt::Debug for PolicyLayerBuilder<B, St> {
@@ -166,7 +168,19 @@ impl<B, St> PolicyLayerBuilder<B, St> {
             plan_source: self.plan_source,
             idempotency: self.idempotency,
             log: self.log,
+            audit: self.audit,
         }
+    }
+
+    /// An audit trail: every refusal by one of the rules named in `rules`
+    /// (429s and blocks, and 400s for a missing key) is handed to `sink` —
+    /// e.g. a Redis stream (`RedisAudit`, from `RedisStore::audit_stream`,
+    /// which never delays a request). Errors name the field `audit` (a
+    /// name no rule has).
+    pub fn audit<A: crate::observe::AuditSink>(mut self, sink: A, rules: &[&str]) -> Self {
+        let rules = rules.iter().map(|r| (*r).to_owned()).collect();
+        self.audit = Some((Arc::new(sink), rules));
+        self
     }
 
     /// Sampled decision logs (see [`DecisionLog`](crate::observe::DecisionLog)):
@@ -408,6 +422,24 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
             })
             .collect();
         let count = enforced().count();
+        let audit = match self.audit {
+            None => None,
+            Some((sink, names)) => {
+                let mut mask = 0u16;
+                for name in &names {
+                    let Some(i) = bound.iter().position(|b| *b.responder.rule == **name) else {
+                        return Err(ConfigError::new(
+                            "audit",
+                            format!("no rule is named {name:?}"),
+                        ));
+                    };
+                    mask |= 1u16
+                        .checked_shl(u32::try_from(i).unwrap_or(u32::MAX))
+                        .unwrap_or(0);
+                }
+                Some((sink, mask))
+            }
+        };
         let idempotency = match self.idempotency {
             None => None,
             Some((name, client, ttl)) => {
@@ -447,6 +479,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 laddered,
                 warns,
                 log: self.log,
+                audit,
                 idempotency,
                 access: self.access.map(|list| {
                     let metrics = Metrics::register(&list.name);

@@ -51,6 +51,9 @@
 //! - **Decision logs** ([`decision_log`](PolicyLayerBuilder::decision_log)):
 //!   a sampled `tracing` event per rule (target `tollgate::decision`):
 //!   rule, outcome, remaining, reason, and a keyed hash of the key.
+//! - **Audit trails** ([`audit`](PolicyLayerBuilder::audit)): refusals by
+//!   chosen rules go to an [`AuditSink`](crate::observe::AuditSink), e.g.
+//!   a Redis stream that never delays a request.
 //! - **Access lists** ([`AccessList`]), checked before any rule: keys
 //!   and IP networks on an allow list skip every limit, those on a deny
 //!   list get 403 (gRPC `PERMISSION_DENIED`) at once, and a list can deny

@@ -11,7 +11,8 @@ use tower_service::Service;
 
 use super::access::Access;
 use super::decide::{
-    log_decisions, refund_consumed, settle, store_failed, strike_sync, Report, Verdict, MARKER,
+    audit, log_decisions, refund_consumed, settle, store_failed, strike_sync, Report, Verdict,
+    MARKER,
 };
 use super::future::{next, PolicyFuture, State};
 use super::shared::{Keyed, Shared};
@@ -56,6 +57,31 @@ fn refund_by_request<B, L: Limiter>(shared: &Shared<B, L>, report: &Report, req:
             f(k.as_bytes());
         }
     });
+}
+
+/// The decision log and the audit trail of a decided request, the keys
+/// extracted again from `req` (only when either is on).
+fn observe_by_request<B, L>(
+    shared: &Shared<B, L>,
+    report: &Report,
+    verdict: Verdict,
+    req: &Request<B>,
+) {
+    if shared.log.is_none() && shared.audit.is_none() {
+        return;
+    }
+    let key = |j: usize, f: &mut dyn FnMut(&[u8])| {
+        let mut k = KeyBuf::new();
+        if shared
+            .rules
+            .get(j)
+            .is_some_and(|r| r.key_again(req, &mut k))
+        {
+            f(k.as_bytes());
+        }
+    };
+    log_decisions(shared, report, verdict, key);
+    audit(shared, report, verdict, key);
 }
 
 /// Owned keys of the rules that consumed (`response_aware`: of those that
@@ -119,18 +145,7 @@ where
         if shared.laddered {
             match blocked_sync(shared, &req) {
                 Some(Some(verdict)) => {
-                    if shared.log.is_some() {
-                        log_decisions(shared, &report, verdict, |j, f| {
-                            let mut k = KeyBuf::new();
-                            if shared
-                                .rules
-                                .get(j)
-                                .is_some_and(|r| r.key_again(&req, &mut k))
-                            {
-                                f(k.as_bytes());
-                            }
-                        });
-                    }
+                    observe_by_request(shared, &report, verdict, &req);
                     return self.finish(State::Rejected { verdict }, report, grpc);
                 }
                 Some(None) => {}
@@ -166,6 +181,7 @@ where
                 Keyed::Skip => continue,
                 Keyed::Reject => {
                     refund_by_request(shared, &report, &req);
+                    observe_by_request(shared, &report, Verdict::MissingKey { rule: i }, &req);
                     return self.finish(
                         State::Rejected {
                             verdict: Verdict::MissingKey { rule: i },
@@ -218,18 +234,7 @@ where
             }
             _ => {}
         }
-        if shared.log.is_some() {
-            log_decisions(shared, &report, verdict, |j, f| {
-                let mut k = KeyBuf::new();
-                if shared
-                    .rules
-                    .get(j)
-                    .is_some_and(|r| r.key_again(&req, &mut k))
-                {
-                    f(k.as_bytes());
-                }
-            });
-        }
+        observe_by_request(shared, &report, verdict, &req);
         // Response-aware rules need their keys once the response is in.
         let after = (shared.response_aware && matches!(verdict, Verdict::Pass { .. }))
             .then(|| owned_keys(shared, &report, &req, true));
@@ -424,6 +429,7 @@ where
                                 f(k.as_bytes());
                             }
                         });
+                        observe_by_request(&shared, &report, Verdict::MissingKey { rule: i }, &req);
                         return self.finish(
                             State::Rejected {
                                 verdict: Verdict::MissingKey { rule: i },
@@ -488,7 +494,15 @@ where
                     },
                 };
                 if let Some(rule) = missing {
-                    return (report, Verdict::MissingKey { rule }, keys);
+                    let verdict = Verdict::MissingKey { rule };
+                    let key = |j: usize, f: &mut dyn FnMut(&[u8])| {
+                        if let Some((_, k)) = keys.iter().find(|(x, _)| *x == j) {
+                            f(k.as_bytes());
+                        }
+                    };
+                    log_decisions(&shared, &report, verdict, key);
+                    audit(&shared, &report, verdict, key);
+                    return (report, verdict, keys);
                 }
                 let refund = |report: &Report, keys: &[(usize, KeyBytes)]| {
                     refund_consumed(&shared, report, |j, f| {
@@ -597,12 +611,14 @@ where
                     }
                     _ => {}
                 }
-                if shared.log.is_some() {
-                    log_decisions(&shared, &report, verdict, |j, f| {
+                if shared.log.is_some() || shared.audit.is_some() {
+                    let key = |j: usize, f: &mut dyn FnMut(&[u8])| {
                         if let Some((_, k)) = keys.iter().find(|(x, _)| *x == j) {
                             f(k.as_bytes());
                         }
-                    });
+                    };
+                    log_decisions(&shared, &report, verdict, key);
+                    audit(&shared, &report, verdict, key);
                 }
                 (report, verdict, keys)
             }

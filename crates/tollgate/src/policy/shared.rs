@@ -128,6 +128,8 @@ pub(super) struct Shared<B, L> {
     pub(super) warns: bool,
     /// Sampled decision logs.
     pub(super) log: Option<crate::observe::DecisionLog>,
+    /// Where refusals by the audited rules (bit `i`: rule `i`) go.
+    pub(super) audit: Option<(Arc<dyn crate::observe::AuditSink>, u16)>,
     /// Idempotent repeats go uncharged.
     pub(super) idempotency: Option<super::idempotency::Idempotency<B, L>>,
     /// Allow and deny lists, checked before any rule, and their metrics

@@ -1208,3 +1208,55 @@ async fn sampled_decision_logs_name_the_rule_and_hash_the_key() {
         .unwrap_err();
     assert_eq!(bad.field(), "decision_log");
 }
+
+#[derive(Clone, Default)]
+struct Audited(std::sync::Arc<std::sync::Mutex<Vec<crate::observe::AuditRecord>>>);
+
+impl crate::observe::AuditSink for Audited {
+    fn record(&self, record: &crate::observe::AuditRecord) {
+        self.0.lock().unwrap().push(record.clone());
+    }
+}
+
+async fn only_audited_rules_reach_the_audit_sink<S: Store>(store: S, _clock: ManualClock) {
+    let sink = Audited::default();
+    let layer = PolicyLayer::builder()
+        .rule(per_key(Limit::fixed_window(1, Duration::from_secs(60))))
+        .rule(per_ip(Limit::fixed_window(1, Duration::from_secs(60))))
+        .audit(sink.clone(), &["per-ip"])
+        .store(store)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    assert_eq!(
+        svc.clone().oneshot(req("a", "1")).await.unwrap().status(),
+        200
+    );
+    // Refused by per-key (not audited), then by per-ip (audited).
+    assert_eq!(
+        svc.clone().oneshot(req("a", "2")).await.unwrap().status(),
+        429
+    );
+    assert_eq!(
+        svc.clone().oneshot(req("b", "1")).await.unwrap().status(),
+        429
+    );
+    let records = sink.0.lock().unwrap().clone();
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_eq!(&*records[0].rule, "per-ip");
+    assert_eq!(records[0].reason, "limited");
+    assert_eq!(records[0].retry_after_ms, 60_000);
+    assert_ne!(records[0].key.0, 0);
+}
+on_both_paths!(audit, only_audited_rules_reach_the_audit_sink);
+
+#[test]
+fn an_audit_of_a_rule_that_does_not_exist_is_refused() {
+    let err = PolicyLayer::<String, ()>::builder()
+        .rule(per_key(Limit::fixed_window(1, Duration::from_secs(60))))
+        .audit(Audited::default(), &["per-kye"])
+        .build()
+        .map(drop)
+        .unwrap_err();
+    assert_eq!(err.field(), "audit");
+}

@@ -1,0 +1,104 @@
+//! An audit trail of refusals in a Redis stream: batched, bounded, and
+//! never in a request's way.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+
+use crate::backend::Backend;
+
+/// One audit record: field names and values, as `XADD` stores them.
+pub type AuditFields = Vec<(&'static str, String)>;
+
+/// A Redis stream that audit records are appended to (`XADD <prefix>:<name>
+/// MAXLEN ~ <maxlen> * ...`), from a [`RedisStore`](crate::RedisStore)'s
+/// connection.
+///
+/// [`record`](Self::record) never waits: it hands the record to a bounded
+/// queue and returns; one task per stream drains the queue in batches (a
+/// pipeline of up to 256 `XADD`s a call). When the queue is full — Redis
+/// is slow or away — the record is dropped and counted, in
+/// [`dropped`](Self::dropped) and the metric
+/// `tollgate_audit_dropped_total{stream}`: an audit trail must never
+/// delay, let alone fail, the requests it describes. A batch Redis does
+/// not take is dropped the same way.
+#[derive(Clone)]
+pub struct RedisAudit {
+    queue: mpsc::Sender<AuditFields>,
+    dropped: Arc<AtomicU64>,
+    metric: metrics::Counter,
+    stream: Arc<str>,
+}
+
+impl fmt::Debug for RedisAudit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisAudit")
+            .field("stream", &self.stream)
+            .field("dropped", &self.dropped())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Records sent in one pipeline at most.
+const BATCH: usize = 256;
+
+impl RedisAudit {
+    pub(crate) fn spawn(
+        backend: Arc<Backend>,
+        runtime: &tokio::runtime::Handle,
+        stream: String,
+        maxlen: usize,
+        capacity: usize,
+    ) -> Self {
+        let (queue, mut rx) = mpsc::channel::<AuditFields>(capacity.max(1));
+        let dropped = Arc::new(AtomicU64::new(0));
+        metrics::describe_counter!(
+            "tollgate_audit_dropped_total",
+            "Audit records dropped because the queue to Redis was full or Redis did not take them"
+        );
+        let metric = metrics::counter!("tollgate_audit_dropped_total", "stream" => stream.clone());
+        let key = format!("{}:{stream}", backend.prefix);
+        let (lost, lost_metric) = (Arc::clone(&dropped), metric.clone());
+        runtime.spawn(async move {
+            let mut batch = Vec::with_capacity(BATCH);
+            while rx.recv_many(&mut batch, BATCH).await > 0 {
+                let sent = tokio::time::timeout(
+                    backend.timeout.max(Duration::from_secs(1)),
+                    backend.conn().xadd_batch(&key, maxlen, &batch),
+                )
+                .await;
+                if !matches!(sent, Ok(Ok(()))) {
+                    let n = u64::try_from(batch.len()).unwrap_or(u64::MAX);
+                    lost.fetch_add(n, Ordering::Relaxed);
+                    lost_metric.increment(n);
+                }
+                batch.clear();
+            }
+        });
+        Self {
+            queue,
+            dropped,
+            metric,
+            stream: stream.into(),
+        }
+    }
+
+    /// Queues `fields` for the stream; never waits. `false` when the
+    /// record was dropped (the queue is full).
+    pub fn record(&self, fields: AuditFields) -> bool {
+        if self.queue.try_send(fields).is_ok() {
+            return true;
+        }
+        self.dropped.fetch_add(1, Ordering::Relaxed);
+        self.metric.increment(1);
+        false
+    }
+
+    /// Records dropped so far (queue full, or a batch Redis did not take).
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+}

@@ -18,6 +18,7 @@
 //! | `tollgate_store_calls_total` | counter | `store="redis"`, `result`: `ok`, `error`, `timeout`, `skipped` (breaker open) |
 //! | `tollgate_store_call_seconds` | histogram | `store="redis"`: each call's time |
 //! | `tollgate_store_breaker_open` | gauge | `store="redis"`: 1 while the circuit breaker is open |
+//! | `tollgate_audit_dropped_total` | counter | `stream`: audit records a Redis audit stream could not take |
 //!
 //! `examples/grafana/tollgate.json` is a Grafana dashboard of these, and
 //! `examples/prometheus/alerts.yml` alerting rules (a test checks that

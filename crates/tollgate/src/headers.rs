@@ -155,20 +155,21 @@ pub(crate) fn add_items(headers: &mut HeaderMap, name: &HeaderName, value: Heade
     if value.is_empty() {
         return;
     }
-    if !headers.contains_key(name) {
-        headers.insert(name.clone(), value);
-        return;
-    }
-    // Every field line the inner limiter sent (a list may span several).
-    let mut joined = value.as_bytes().to_vec();
-    for inner in headers.get_all(name).iter().filter(|v| !v.is_empty()) {
-        joined.extend_from_slice(b", ");
-        joined.extend_from_slice(inner.as_bytes());
-    }
-    if let Ok(v) = HeaderValue::from_bytes(&joined) {
-        headers.insert(name.clone(), v);
-    } else {
-        headers.insert(name.clone(), value);
+    // One hash of the name: the common case is a vacant entry.
+    match headers.entry(name) {
+        http::header::Entry::Vacant(vacant) => {
+            vacant.insert(value);
+        }
+        http::header::Entry::Occupied(mut occupied) => {
+            // Every field line the inner limiter sent (a list may span
+            // several).
+            let mut joined = value.as_bytes().to_vec();
+            for inner in occupied.iter().filter(|v| !v.is_empty()) {
+                joined.extend_from_slice(b", ");
+                joined.extend_from_slice(inner.as_bytes());
+            }
+            occupied.insert(HeaderValue::from_bytes(&joined).unwrap_or(value));
+        }
     }
 }
 

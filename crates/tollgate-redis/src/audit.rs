@@ -24,7 +24,16 @@ pub type AuditFields = Vec<(&'static str, String)>;
 /// [`dropped`](Self::dropped) and the metric
 /// `tollgate_audit_dropped_total{stream}`: an audit trail must never
 /// delay, let alone fail, the requests it describes. A batch Redis does
-/// not take is dropped the same way.
+/// not take is counted as dropped whole, though part of it may have been
+/// written (the count is an upper bound), and a batch retried after a
+/// broken connection may be written twice. The queue holds at most
+/// 2^20 records.
+///
+/// The batches share the store's connection (a pipeline of `XADD`s can
+/// sit ahead of a decision's script call on it) and its call timeout. The
+/// task lives as long as a clone of the sink does; records still queued
+/// when the process exits are lost. The records' key hashes are keyed per
+/// process: one client's hash differs between instances and restarts.
 #[derive(Clone)]
 pub struct RedisAudit {
     queue: mpsc::Sender<AuditFields>,
@@ -53,7 +62,7 @@ impl RedisAudit {
         maxlen: usize,
         capacity: usize,
     ) -> Self {
-        let (queue, mut rx) = mpsc::channel::<AuditFields>(capacity.max(1));
+        let (queue, mut rx) = mpsc::channel::<AuditFields>(capacity.clamp(1, 1 << 20));
         let dropped = Arc::new(AtomicU64::new(0));
         metrics::describe_counter!(
             "tollgate_audit_dropped_total",

@@ -73,7 +73,7 @@ struct Counters {
 }
 
 impl Counters {
-    fn register() -> Self {
+    fn register(prefix: &str) -> Self {
         metrics::describe_counter!(
             "tollgate_store_calls_total",
             "Calls to the Redis store by result: ok, error, timeout, skipped (breaker open)"
@@ -94,7 +94,11 @@ impl Counters {
             skipped: Tally::new("skipped"),
             last_log: AtomicU64::new(0),
             latency: metrics::histogram!("tollgate_store_call_seconds", "store" => "redis"),
-            breaker: metrics::gauge!("tollgate_store_breaker_open", "store" => "redis"),
+            breaker: metrics::gauge!(
+                "tollgate_store_breaker_open",
+                "store" => "redis",
+                "prefix" => prefix.to_owned()
+            ),
         }
     }
 }
@@ -133,6 +137,7 @@ pub(crate) struct BackendConfig {
 
 impl Backend {
     pub(crate) fn new(config: BackendConfig) -> Self {
+        let counters = Counters::register(&config.prefix);
         Self {
             conn: config.conn,
             prefix: config.prefix,
@@ -140,7 +145,7 @@ impl Backend {
             policy: config.policy,
             client_time: config.client_time,
             breaker: config.breaker,
-            counters: Counters::register(),
+            counters,
         }
     }
 
@@ -203,6 +208,7 @@ impl Backend {
         let attempt = self.breaker.enter(now_nanos());
         if attempt.pass() == Pass::Skip {
             self.counters.skipped.add();
+            self.show_breaker();
             return Err(Fault {
                 error: StoreError::new(StoreErrorKind::Unavailable, "circuit breaker open"),
                 maybe_sent: false,
@@ -235,15 +241,11 @@ impl Backend {
             Ok(_) => {
                 self.counters.ok.add();
                 attempt.success();
-                if !self.breaker.is_open() {
-                    self.counters.breaker.set(0.0);
-                }
+                self.show_breaker();
             }
             Err(e) => {
                 let opened = attempt.failure(now_nanos());
-                if opened {
-                    self.counters.breaker.set(1.0);
-                }
+                self.show_breaker();
                 self.log_fault(e, opened);
             }
         }
@@ -251,6 +253,14 @@ impl Backend {
             error,
             maybe_sent: true,
         })
+    }
+
+    /// Sets the breaker gauge from the breaker's state now (read after the
+    /// call that may have changed it, so the gauge follows the breaker
+    /// rather than the last call's outcome).
+    fn show_breaker(&self) {
+        let open = if self.breaker.is_open() { 1.0 } else { 0.0 };
+        self.counters.breaker.set(open);
     }
 
     /// Logs a fault at most once a second (an outage fails every call).

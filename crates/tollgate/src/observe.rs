@@ -17,7 +17,7 @@
 //! | `tollgate_concurrency_limit` | gauge | `rule`: an adaptive limit's current value |
 //! | `tollgate_store_calls_total` | counter | `store="redis"`, `result`: `ok`, `error`, `timeout`, `skipped` (breaker open) |
 //! | `tollgate_store_call_seconds` | histogram | `store="redis"`: each call's time |
-//! | `tollgate_store_breaker_open` | gauge | `store="redis"`: 1 while the circuit breaker is open |
+//! | `tollgate_store_breaker_open` | gauge | `store="redis"`, `prefix`: 1 while the circuit breaker is open |
 //! | `tollgate_audit_dropped_total` | counter | `stream`: audit records a Redis audit stream could not take |
 //!
 //! `examples/grafana/tollgate.json` is a Grafana dashboard of these, and

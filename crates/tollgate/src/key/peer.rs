@@ -25,7 +25,9 @@ use tower_service::Service;
 /// use tollgate::key::PeerAddrLayer;
 ///
 /// // With tonic: `PeerAddrLayer::new(|info: &TcpConnectInfo| info.remote_addr())`,
-/// // then `Server::builder().layer(peer).layer(limits)`.
+/// // then `Server::builder().layer(peer).layer(limits)`. Over TLS, tonic
+/// // records `TlsConnectInfo<TcpConnectInfo>` instead:
+/// // `|info: &TlsConnectInfo<TcpConnectInfo>| info.get_ref().remote_addr()`.
 /// struct ConnectInfo {
 ///     remote: Option<SocketAddr>,
 /// }

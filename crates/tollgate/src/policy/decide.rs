@@ -264,41 +264,47 @@ pub(super) fn audit<B, L>(
     let Some((sink, mask)) = &shared.audit else {
         return;
     };
-    let (rule, reason, retry_after) = match verdict {
-        Verdict::Deny { rule, reason } => {
-            let wait = report
-                .decided
-                .get(rule)
-                .copied()
-                .flatten()
-                .and_then(|(d, _)| d.retry_after())
-                .map_or(0, |w| {
-                    u64::try_from(w.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
-                });
-            (rule, reason, wait)
-        }
-        Verdict::Blocked { rule, for_ns } => (rule, Reason::Blocked, for_ns.div_ceil(1_000_000)),
-        Verdict::MissingKey { rule } => (rule, Reason::MissingKey, 0),
-        _ => return,
-    };
-    let bit = 1u16
-        .checked_shl(u32::try_from(rule).unwrap_or(u32::MAX))
-        .unwrap_or(0);
-    let Some(bound) = shared.rules.get(rule).filter(|_| mask & bit != 0) else {
+    if matches!(
+        verdict,
+        Verdict::Pass { .. } | Verdict::Repeat | Verdict::Denied
+    ) {
         return;
-    };
-    let mut fingerprint = crate::key::Fingerprint(0);
-    key(rule, &mut |k| fingerprint = crate::key::Fingerprint::of(k));
+    }
+    let ms = |ns: u128| u64::try_from(ns.div_ceil(1_000_000)).unwrap_or(u64::MAX);
     let unix_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-    sink.record(&crate::observe::AuditRecord {
-        rule: Arc::clone(&bound.responder.rule),
-        reason: reason_name(reason),
-        key: fingerprint,
-        retry_after_ms: retry_after,
-        unix_ms,
-    });
+    for (i, (rule, slot)) in shared.rules.iter().zip(&report.decided).enumerate() {
+        let bit = 1u16
+            .checked_shl(u32::try_from(i).unwrap_or(u32::MAX))
+            .unwrap_or(0);
+        if mask & bit == 0 || report.shadows(i) {
+            continue;
+        }
+        // Every audited rule that refused: the one the answer names (a
+        // block, a missing key) and any other that said no.
+        let (reason, wait) = match (verdict, slot) {
+            (Verdict::Blocked { rule: r, for_ns }, _) if r == i => {
+                (Reason::Blocked, ms(u128::from(for_ns)))
+            }
+            (Verdict::MissingKey { rule: r }, _) if r == i => (Reason::MissingKey, 0),
+            (_, Some((d, _))) => match d.outcome {
+                Outcome::Deny { retry_after } => (Reason::Limited, ms(u128::from(retry_after))),
+                Outcome::Never => (Reason::TooCostly, 0),
+                Outcome::Allow { .. } => continue,
+            },
+            _ => continue,
+        };
+        let mut fingerprint = crate::key::Fingerprint(0);
+        key(i, &mut |k| fingerprint = crate::key::Fingerprint::of(k));
+        sink.record(&crate::observe::AuditRecord {
+            rule: Arc::clone(&rule.responder.rule),
+            reason: reason_name(reason),
+            key: fingerprint,
+            retry_after_ms: wait,
+            unix_ms,
+        });
+    }
 }
 
 /// A sampled request's decision log: one event per rule that decided it,

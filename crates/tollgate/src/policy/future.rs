@@ -237,8 +237,8 @@ fn warnings<B, L>(shared: &Shared<B, L>, report: &Report, map: &mut http::Header
             rule.responder.metrics.warned.increment(1);
         }
     }
-    if let Some(v) = list.value().filter(|v| !v.is_empty()) {
-        map.insert(crate::headers::RATELIMIT_WARNING.clone(), v);
+    if let Some(v) = list.value() {
+        crate::headers::add_items(map, &crate::headers::RATELIMIT_WARNING, v);
     }
 }
 

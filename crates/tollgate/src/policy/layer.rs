@@ -173,7 +173,9 @@ impl<B, St> PolicyLayerBuilder<B, St> {
     }
 
     /// An audit trail: every refusal by one of the rules named in `rules`
-    /// (429s and blocks, and 400s for a missing key) is handed to `sink` —
+    /// (each that said no to a refused request, a block, a 400 for a
+    /// missing key; shadow and canary-watched rules refuse nothing) is
+    /// handed to `sink` —
     /// e.g. a Redis stream (`RedisAudit`, from `RedisStore::audit_stream`,
     /// which never delays a request). Errors name the field `audit` (a
     /// name no rule has).
@@ -425,6 +427,9 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
         let audit = match self.audit {
             None => None,
             Some((sink, names)) => {
+                if names.is_empty() {
+                    return Err(ConfigError::new("audit", "name at least one rule"));
+                }
                 let mut mask = 0u16;
                 for name in &names {
                     let Some(i) = bound.iter().position(|b| *b.responder.rule == **name) else {

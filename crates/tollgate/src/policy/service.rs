@@ -467,7 +467,16 @@ where
                         let Some(ladder) = &rule.ladder else { continue };
                         match ladder.blocked(key.as_bytes()).await {
                             Ok(Some(for_ns)) => {
-                                return (report, Verdict::Blocked { rule: *i, for_ns }, keys);
+                                let verdict = Verdict::Blocked { rule: *i, for_ns };
+                                let key = |j: usize, f: &mut dyn FnMut(&[u8])| {
+                                    if let Some((_, k)) = ladder_keys.iter().find(|(x, _)| *x == j)
+                                    {
+                                        f(k.as_bytes());
+                                    }
+                                };
+                                log_decisions(&shared, &report, verdict, key);
+                                audit(&shared, &report, verdict, key);
+                                return (report, verdict, keys);
                             }
                             Ok(None) => {}
                             Err(e) => ladder_fault(rule, &e),

@@ -1247,6 +1247,37 @@ async fn only_audited_rules_reach_the_audit_sink<S: Store>(store: S, _clock: Man
     assert_eq!(records[0].reason, "limited");
     assert_eq!(records[0].retry_after_ms, 60_000);
     assert_ne!(records[0].key.0, 0);
+    // Both audited and both refusing: a record for each.
+    let both = Audited::default();
+    let layer = PolicyLayer::builder()
+        .rule(RateRule::new(
+            "r1",
+            Limit::fixed_window(1, Duration::from_secs(60)),
+            Global,
+        ))
+        .rule(RateRule::new(
+            "r2",
+            Limit::fixed_window(1, Duration::from_secs(3_600)),
+            Global,
+        ))
+        .audit(both.clone(), &["r1", "r2"])
+        .store(MemoryStore::new())
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    svc.clone().oneshot(req("c", "3")).await.unwrap();
+    assert_eq!(
+        svc.clone().oneshot(req("c", "3")).await.unwrap().status(),
+        429
+    );
+    let names: Vec<String> = both
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|r| r.rule.to_string())
+        .collect();
+    assert_eq!(names, ["r1", "r2"]);
 }
 on_both_paths!(audit, only_audited_rules_reach_the_audit_sink);
 
@@ -1259,4 +1290,11 @@ fn an_audit_of_a_rule_that_does_not_exist_is_refused() {
         .map(drop)
         .unwrap_err();
     assert_eq!(err.field(), "audit");
+    let none = PolicyLayer::<String, ()>::builder()
+        .rule(per_key(Limit::fixed_window(1, Duration::from_secs(60))))
+        .audit(Audited::default(), &[])
+        .build()
+        .map(drop)
+        .unwrap_err();
+    assert_eq!(none.field(), "audit");
 }

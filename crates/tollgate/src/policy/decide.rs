@@ -125,10 +125,7 @@ pub(super) fn settle<B, L>(shared: &Shared<B, L>, report: &mut Report) -> Verdic
             Verdict::Pass { .. } if d.is_allowed() => rule.responder.metrics.allowed.increment(1),
             // Refunded: the budget is as it was before the request.
             Verdict::Deny { .. } if d.is_allowed() => {
-                d.remaining = d.remaining.saturating_add(u64::from(*cost)).min(d.limit);
-                if d.remaining == d.limit {
-                    d.reset_after = 0;
-                }
+                shown_refunded(d, *cost);
             }
             _ => {}
         }
@@ -166,11 +163,7 @@ where
 {
     let (shared, report) = (Arc::clone(shared), *report);
     Box::new(move || {
-        refund_consumed(&shared, &report, |i, f| {
-            if let Some((_, k)) = keys.iter().find(|(j, _)| *j == i) {
-                f(k.as_bytes());
-            }
-        });
+        refund_consumed(&shared, &report, listed_key(&keys));
         // The idempotency marker too: a cancelled request was not served,
         // so its retry is a first request.
         let marker = keys.iter().find(|(j, _)| *j == MARKER);
@@ -178,6 +171,31 @@ where
             crate::task::finish(idem.limiter.refund(k.as_bytes(), 1));
         }
     })
+}
+
+/// A decision as shown after its `cost` was refunded: what remains is back
+/// (at most the whole budget), and a whole budget resets now.
+fn shown_refunded(d: &mut Decision, cost: u32) {
+    d.remaining = d.remaining.saturating_add(u64::from(cost)).min(d.limit);
+    if d.remaining == d.limit {
+        d.reset_after = 0;
+    }
+}
+
+/// Where refunds, logs and audits get rule `i`'s key: they call it with
+/// `i` and a callback that receives the key's bytes (not called when the
+/// rule has no key).
+pub(super) trait KeyOf: Fn(usize, &mut dyn FnMut(&[u8])) + Copy {}
+
+impl<F: Fn(usize, &mut dyn FnMut(&[u8])) + Copy> KeyOf for F {}
+
+/// Rule `i`'s key, from owned keys kept with their rule's index.
+pub(super) fn listed_key(keys: &[(usize, KeyBytes)]) -> impl KeyOf + '_ {
+    move |i, f| {
+        if let Some((_, k)) = keys.iter().find(|(j, _)| *j == i) {
+            f(k.as_bytes());
+        }
+    }
 }
 
 /// The index under which a taken idempotency marker's key travels with
@@ -208,10 +226,7 @@ pub(super) fn settle_response<B, L: Limiter>(
             continue;
         }
         crate::task::finish(rule.at(plan).0.refund(key.as_bytes(), *cost));
-        d.remaining = d.remaining.saturating_add(u64::from(*cost)).min(d.limit);
-        if d.remaining == d.limit {
-            d.reset_after = 0;
-        }
+        shown_refunded(d, *cost);
     }
 }
 

@@ -11,8 +11,8 @@ use tower_service::Service;
 
 use super::access::Access;
 use super::decide::{
-    audit, log_decisions, refund_consumed, settle, store_failed, strike_sync, Report, Verdict,
-    MARKER,
+    audit, listed_key, log_decisions, refund_consumed, settle, store_failed, strike_sync, KeyOf,
+    Report, Verdict, MARKER,
 };
 use super::future::{next, PolicyFuture, State};
 use super::shared::{Keyed, Shared};
@@ -44,10 +44,10 @@ impl<S: fmt::Debug, B, L> fmt::Debug for Policy<S, B, L> {
     }
 }
 
-/// Refunds the rules that consumed, their keys extracted from `req` again
-/// (the synchronous path keeps no keys).
-fn refund_by_request<B, L: Limiter>(shared: &Shared<B, L>, report: &Report, req: &Request<B>) {
-    refund_consumed(shared, report, |j, f| {
+/// Rule `i`'s key extracted again from `req` (the synchronous path keeps
+/// no keys), for the callbacks of refunds, logs and audits.
+fn request_key<'a, B, L>(shared: &'a Shared<B, L>, req: &'a Request<B>) -> impl KeyOf + 'a {
+    move |j, f| {
         let mut k = KeyBuf::new();
         if shared
             .rules
@@ -56,7 +56,12 @@ fn refund_by_request<B, L: Limiter>(shared: &Shared<B, L>, report: &Report, req:
         {
             f(k.as_bytes());
         }
-    });
+    }
+}
+
+/// Refunds the rules that consumed, their keys extracted from `req` again.
+fn refund_by_request<B, L: Limiter>(shared: &Shared<B, L>, report: &Report, req: &Request<B>) {
+    refund_consumed(shared, report, request_key(shared, req));
 }
 
 /// The decision log and the audit trail of a decided request, the keys
@@ -70,16 +75,7 @@ fn observe_by_request<B, L>(
     if shared.log.is_none() && shared.audit.is_none() {
         return;
     }
-    let key = |j: usize, f: &mut dyn FnMut(&[u8])| {
-        let mut k = KeyBuf::new();
-        if shared
-            .rules
-            .get(j)
-            .is_some_and(|r| r.key_again(req, &mut k))
-        {
-            f(k.as_bytes());
-        }
-    };
+    let key = request_key(shared, req);
     log_decisions(shared, report, verdict, key);
     audit(shared, report, verdict, key);
 }
@@ -424,11 +420,7 @@ where
                     }
                     Keyed::Reject => {
                         // Refund the rules answered at once, and refuse.
-                        refund_consumed(&shared, &report, |j, f| {
-                            if let Some((_, k)) = keys.iter().find(|(x, _)| *x == j) {
-                                f(k.as_bytes());
-                            }
-                        });
+                        refund_consumed(&shared, &report, listed_key(&keys));
                         observe_by_request(&shared, &report, Verdict::MissingKey { rule: i }, &req);
                         return self.finish(
                             State::Rejected {
@@ -468,12 +460,7 @@ where
                         match ladder.blocked(key.as_bytes()).await {
                             Ok(Some(for_ns)) => {
                                 let verdict = Verdict::Blocked { rule: *i, for_ns };
-                                let key = |j: usize, f: &mut dyn FnMut(&[u8])| {
-                                    if let Some((_, k)) = ladder_keys.iter().find(|(x, _)| *x == j)
-                                    {
-                                        f(k.as_bytes());
-                                    }
-                                };
+                                let key = listed_key(&ladder_keys);
                                 log_decisions(&shared, &report, verdict, key);
                                 audit(&shared, &report, verdict, key);
                                 return (report, verdict, keys);
@@ -504,21 +491,13 @@ where
                 };
                 if let Some(rule) = missing {
                     let verdict = Verdict::MissingKey { rule };
-                    let key = |j: usize, f: &mut dyn FnMut(&[u8])| {
-                        if let Some((_, k)) = keys.iter().find(|(x, _)| *x == j) {
-                            f(k.as_bytes());
-                        }
-                    };
+                    let key = listed_key(&keys);
                     log_decisions(&shared, &report, verdict, key);
                     audit(&shared, &report, verdict, key);
                     return (report, verdict, keys);
                 }
                 let refund = |report: &Report, keys: &[(usize, KeyBytes)]| {
-                    refund_consumed(&shared, report, |j, f| {
-                        if let Some((_, k)) = keys.iter().find(|(x, _)| *x == j) {
-                            f(k.as_bytes());
-                        }
-                    });
+                    refund_consumed(&shared, report, listed_key(keys));
                 };
                 // Created here, after the marker: no rule is charged for a
                 // repeat.
@@ -621,11 +600,7 @@ where
                     _ => {}
                 }
                 if shared.log.is_some() || shared.audit.is_some() {
-                    let key = |j: usize, f: &mut dyn FnMut(&[u8])| {
-                        if let Some((_, k)) = keys.iter().find(|(x, _)| *x == j) {
-                            f(k.as_bytes());
-                        }
-                    };
+                    let key = listed_key(&keys);
                     log_decisions(&shared, &report, verdict, key);
                     audit(&shared, &report, verdict, key);
                 }

@@ -232,6 +232,50 @@ impl Algorithm {
         })
     }
 
+    /// Whether the keys' states of a rule that used `old` stay meaningful
+    /// under `self`, so that a reloaded rule can go on from them: the same
+    /// algorithm, with the parameters its state depends on unchanged.
+    ///
+    /// - GCRA and the leaky bucket store a time (when the key's budget is
+    ///   whole again, or its queue's tail): any new rate, burst or delay
+    ///   goes on from it. A key that had spent its budget is whole again
+    ///   when it would have been under the old rule (at most the old
+    ///   rule's window later), then runs at the new rate: a reload never
+    ///   grants a fresh burst.
+    /// - The token bucket stores a count of refills: it goes on when the
+    ///   refill amount and interval stay (a new capacity applies at once).
+    /// - The windows (fixed, sliding counter, sliding log) store counts of
+    ///   the current window: they go on when the window's length stays (a
+    ///   new limit applies to the counts so far).
+    ///
+    /// Anything else starts from fresh states.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate_core::{Algorithm, Limit, Rate};
+    ///
+    /// let old = Algorithm::new(Limit::gcra(Rate::per_second(10), 20)).unwrap();
+    /// let faster = Algorithm::new(Limit::gcra(Rate::per_second(50), 100)).unwrap();
+    /// assert!(faster.keeps_state_of(&old));
+    /// let window = Algorithm::new(Limit::fixed_window(10, Duration::from_secs(1))).unwrap();
+    /// assert!(!window.keeps_state_of(&old));
+    /// ```
+    pub fn keeps_state_of(&self, old: &Algorithm) -> bool {
+        match (self, old) {
+            (Self::Gcra(a), Self::Gcra(b)) => a.state_shape() == b.state_shape(),
+            (Self::TokenBucket(a), Self::TokenBucket(b)) => a.state_shape() == b.state_shape(),
+            (Self::FixedWindow(a), Self::FixedWindow(b)) => a.state_shape() == b.state_shape(),
+            (Self::SlidingWindowCounter(a), Self::SlidingWindowCounter(b)) => {
+                a.state_shape() == b.state_shape()
+            }
+            (Self::SlidingWindowLog(a), Self::SlidingWindowLog(b)) => {
+                a.state_shape() == b.state_shape()
+            }
+            (Self::LeakyBucket(a), Self::LeakyBucket(b)) => a.state_shape() == b.state_shape(),
+            _ => false,
+        }
+    }
+
     /// The most that may be consumed at once (the `q` of `RateLimit-Policy`).
     pub fn capacity(&self) -> u64 {
         use crate::algorithm::RateAlgorithm as _;

@@ -91,6 +91,21 @@ pub trait Store: Clone + Send + Sync + 'static {
         rule: &ConcurrencyRule,
     ) -> Result<Self::ConcurrencyLimiter, ConfigError>;
 
+    /// A handle on this store for rebuilding a policy on reload: binding a
+    /// rule through it that is bound already under its name with other
+    /// parameters replaces the binding instead of failing. Where the
+    /// state's meaning allows (see [`Algorithm::keeps_state_of`](crate::Algorithm::keeps_state_of)),
+    /// the new binding goes on from the keys' states; otherwise it starts
+    /// fresh. Limiters bound earlier keep working on what they were bound
+    /// to, so requests decided before a reload finish on their own rules.
+    ///
+    /// The default is the store itself: a store that keeps state by rule
+    /// name and algorithm outside the process (Redis) already lets new
+    /// parameters go on from the stored state.
+    fn rebinding(&self) -> Self {
+        self.clone()
+    }
+
     /// Binds an escalation ladder. The default: this store keeps none (an
     /// error naming `escalation`).
     fn escalation(&self, rule: &EscalationRule) -> Result<Arc<dyn EscalationLimiter>, ConfigError> {

@@ -106,6 +106,9 @@ pub const DEFAULT_SHARDS: usize = 64;
 /// bounded.
 pub struct MemoryStore<C = SystemClock> {
     inner: Arc<Inner<C>>,
+    /// Binding a rule of a bound name with other parameters replaces the
+    /// binding (see [`Store::rebinding`]).
+    rebinding: bool,
 }
 
 struct Inner<C> {
@@ -126,6 +129,7 @@ impl<C> Clone for MemoryStore<C> {
     fn clone(&self) -> Self {
         Self {
             inner: Arc::clone(&self.inner),
+            rebinding: self.rebinding,
         }
     }
 }
@@ -175,6 +179,7 @@ impl<C: Clock> MemoryStore<C> {
                 shards,
                 rules: Mutex::new(HashMap::new()),
             }),
+            rebinding: false,
         }
     }
 
@@ -304,6 +309,27 @@ impl<C> Clone for AnyTable<C> {
 }
 
 impl<C: Clock> AnyTable<C> {
+    /// A table of `algorithm` over this one's states, where they stay
+    /// meaningful under it ([`Algorithm::keeps_state_of`]).
+    fn sharing(&self, old: &Algorithm, algorithm: &Algorithm) -> Option<Self> {
+        if !algorithm.keeps_state_of(old) {
+            return None;
+        }
+        Some(match (self, algorithm) {
+            (Self::Gcra(t), Algorithm::Gcra(a)) => Self::Gcra(t.sharing(*a)),
+            (Self::TokenBucket(t), Algorithm::TokenBucket(a)) => Self::TokenBucket(t.sharing(*a)),
+            (Self::FixedWindow(t), Algorithm::FixedWindow(a)) => Self::FixedWindow(t.sharing(*a)),
+            (Self::SlidingWindowCounter(t), Algorithm::SlidingWindowCounter(a)) => {
+                Self::SlidingWindowCounter(t.sharing(*a))
+            }
+            (Self::SlidingWindowLog(t), Algorithm::SlidingWindowLog(a)) => {
+                Self::SlidingWindowLog(t.sharing(*a))
+            }
+            (Self::LeakyBucket(t), Algorithm::LeakyBucket(a)) => Self::LeakyBucket(t.sharing(*a)),
+            _ => return None,
+        })
+    }
+
     fn new(algorithm: &Algorithm, shards: usize, shared: Arc<Shared<C>>) -> Self {
         match algorithm {
             Algorithm::Gcra(a) => Self::Gcra(Table::registered(*a, shards, shared)),
@@ -331,8 +357,21 @@ impl<C: Clock> Store for MemoryStore<C> {
     type Limiter = MemoryLimiter<C>;
     type ConcurrencyLimiter = MemoryConcurrencyLimiter<C>;
 
+    /// A handle that replaces a binding of other parameters (see
+    /// [`Store::rebinding`]): a rate rule goes on from its keys' states
+    /// where [`Algorithm::keeps_state_of`] allows, a concurrency rule keeps
+    /// its held permits, a ladder its strikes and blocks; quotas and retry
+    /// budgets of new parameters start fresh.
+    fn rebinding(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+            rebinding: true,
+        }
+    }
+
     /// Binds `rule`. Binding a rule of the same name and parameters again
-    /// shares its state; the same name with other parameters is an error.
+    /// shares its state; the same name with other parameters is an error
+    /// (except through [`rebinding`](Store::rebinding)).
     fn limiter(&self, rule: &Rule) -> Result<MemoryLimiter<C>, ConfigError> {
         self.bind(
             rule.name(),
@@ -341,6 +380,12 @@ impl<C: Clock> Store for MemoryStore<C> {
                     rule.algorithm().clone(),
                     AnyTable::new(rule.algorithm(), shards, shared),
                 )
+            },
+            |old| match old {
+                Bound::Rate(algorithm, table) => table
+                    .sharing(algorithm, rule.algorithm())
+                    .map(|t| Bound::Rate(rule.algorithm().clone(), t)),
+                _ => None,
             },
             |bound| match bound {
                 Bound::Rate(algorithm, table) if algorithm == rule.algorithm() => {
@@ -366,6 +411,13 @@ impl<C: Clock> Store for MemoryStore<C> {
             |shards, shared| {
                 Bound::Concurrency(*sem, Table::registered(sem.in_flight(), shards, shared))
             },
+            // Permits held stay held under the new maximum.
+            |old| match old {
+                Bound::Concurrency(_, table) => {
+                    Some(Bound::Concurrency(*sem, table.sharing(sem.in_flight())))
+                }
+                _ => None,
+            },
             |bound| match bound {
                 Bound::Concurrency(semaphore, table) if semaphore == sem => {
                     Some(MemoryConcurrencyLimiter {
@@ -385,6 +437,11 @@ impl<C: Clock> Store for MemoryStore<C> {
         let limiter = self.bind(
             rule.name(),
             |shards, shared| Bound::Escalation(ladder, Table::registered(ladder, shards, shared)),
+            // Strikes and blocks carry over to the new ladder.
+            |old| match old {
+                Bound::Escalation(_, table) => Some(Bound::Escalation(ladder, table.sharing(ladder))),
+                _ => None,
+            },
             |bound| match bound {
                 Bound::Escalation(l, table) if *l == ladder => Some(MemoryEscalation {
                     rule: rule.clone(),
@@ -465,17 +522,34 @@ impl<C: Clock> MemoryStore<C> {
         &self,
         name: &str,
         make: impl FnOnce(usize, Arc<Shared<C>>) -> Bound<C>,
-        get: impl FnOnce(&Bound<C>) -> Option<T>,
+        carry: impl FnOnce(&Bound<C>) -> Option<Bound<C>>,
+        get: impl Fn(&Bound<C>) -> Option<T>,
     ) -> Result<T, ConfigError> {
+        use std::collections::hash_map::Entry;
         let mut rules = self
             .inner
             .rules
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let bound = rules
-            .entry(name.to_owned())
-            .or_insert_with(|| make(self.inner.shards, Arc::clone(&self.inner.shared)));
-        get(bound).ok_or_else(conflict)
+        match rules.entry(name.to_owned()) {
+            Entry::Vacant(slot) => {
+                let bound = slot.insert(make(self.inner.shards, Arc::clone(&self.inner.shared)));
+                get(bound).ok_or_else(conflict)
+            }
+            Entry::Occupied(mut slot) => {
+                if let Some(found) = get(slot.get()) {
+                    return Ok(found);
+                }
+                if !self.rebinding {
+                    return Err(conflict());
+                }
+                let next = carry(slot.get()).unwrap_or_else(|| {
+                    make(self.inner.shards, Arc::clone(&self.inner.shared))
+                });
+                slot.insert(next);
+                get(slot.get()).ok_or_else(conflict)
+            }
+        }
     }
 }
 
@@ -675,6 +749,8 @@ impl<C: Clock> QuotaStore for MemoryStore<C> {
                     Table::registered(quota.clone(), shards, shared),
                 )
             },
+            // A quota's windows belong to its periods: new ones start fresh.
+            |_| None,
             |bound| match bound {
                 Bound::Quota(q, table) if q == quota => Some(MemoryQuotaLimiter {
                     rule: rule.clone(),
@@ -786,6 +862,7 @@ impl<C: Clock> RetryBudgetStore for MemoryStore<C> {
         self.bind(
             rule.name(),
             |shards, shared| Bound::RetryBudget(budget, Table::registered(budget, shards, shared)),
+            |_| None,
             |bound| match bound {
                 Bound::RetryBudget(b, table) if *b == budget => Some(MemoryRetryBudget {
                     rule: rule.clone(),

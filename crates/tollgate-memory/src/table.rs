@@ -269,7 +269,9 @@ struct Shard<Ce> {
 
 pub(crate) struct Table<K: Kind, C> {
     pub(crate) kind: K,
-    shards: Box<[Shard<K::Cell>]>,
+    /// Shared with the tables of a rule's later parameters, where they go
+    /// on from its states (see `MemoryStore::rebinding`).
+    shards: std::sync::Arc<[Shard<K::Cell>]>,
     mask: usize,
     pub(crate) shared: std::sync::Arc<Shared<C>>,
     cursor: AtomicUsize,
@@ -299,7 +301,7 @@ thread_local! {
 impl<K: Kind, C: Clock> Table<K, C> {
     /// `shards` is a power of two (the builder checks).
     pub(crate) fn new(kind: K, shards: usize, shared: std::sync::Arc<Shared<C>>) -> Self {
-        let shards: Box<[_]> = (0..shards.max(1))
+        let shards: std::sync::Arc<[_]> = (0..shards.max(1))
             .map(|_| Shard {
                 map: RwLock::new(HashMap::default()),
                 overflow: K::Cell::new(K::State::default()),
@@ -324,6 +326,21 @@ impl<K: Kind, C: Clock> Table<K, C> {
         shared: std::sync::Arc<Shared<C>>,
     ) -> std::sync::Arc<Self> {
         let table = std::sync::Arc::new(Self::new(kind, shards, shared));
+        let weak: Weak<dyn Purge> = std::sync::Arc::downgrade(&table) as Weak<dyn Purge>;
+        table.shared.register(weak);
+        table
+    }
+
+    /// A table of `kind` over this table's keys and states, registered
+    /// with the store: a rule's new parameters going on from its states.
+    pub(crate) fn sharing(&self, kind: K) -> std::sync::Arc<Self> {
+        let table = std::sync::Arc::new(Self {
+            kind,
+            shards: std::sync::Arc::clone(&self.shards),
+            mask: self.mask,
+            shared: std::sync::Arc::clone(&self.shared),
+            cursor: AtomicUsize::new(0),
+        });
         let weak: Weak<dyn Purge> = std::sync::Arc::downgrade(&table) as Weak<dyn Purge>;
         table.shared.register(weak);
         table

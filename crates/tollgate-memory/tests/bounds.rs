@@ -30,6 +30,50 @@ fn builder_rejects_bad_bounds_naming_the_field() {
 }
 
 #[test]
+fn rebinding_goes_on_from_states_that_keep_their_meaning() {
+    let clock = ManualClock::new();
+    let s = store(&clock, 1_000, 4);
+    let old = s.limiter(&gcra()).unwrap();
+    for _ in 0..3 {
+        assert!(old.decide_now(b"k", 1).is_allowed());
+    }
+    assert!(!old.decide_now(b"k", 1).is_allowed());
+    // Through a rebinding handle, new parameters replace the binding and
+    // go on from the key's state: the time at which its budget is whole
+    // again (3 s), so a reload is never a fresh burst...
+    let re = s.rebinding();
+    let faster = Rule::new("per-ip", Limit::gcra(Rate::per_second(10), 3)).unwrap();
+    let new = re.limiter(&faster).unwrap();
+    assert!(!new.decide_now(b"k", 1).is_allowed());
+    clock.advance(Duration::from_millis(2_700));
+    assert!(!new.decide_now(b"k", 1).is_allowed());
+    // ...and then runs at the new rate: 3 s less its burst's 200 ms.
+    clock.advance(Duration::from_millis(100));
+    assert!(new.decide_now(b"k", 1).is_allowed());
+    // The old limiter (a request decided before the reload) shares the
+    // states: what the new one spent is spent for it too (a fresh state
+    // would show 3).
+    assert_eq!(old.decide_now(b"k", 0).remaining, 2);
+    // The plain store binds the new parameters now, and still refuses
+    // yet others.
+    assert!(s.limiter(&faster).is_ok());
+    let third = Rule::new("per-ip", Limit::gcra(Rate::per_second(5), 3)).unwrap();
+    assert_eq!(s.limiter(&third).unwrap_err().field(), "name");
+    // A state whose meaning changes starts fresh: another algorithm...
+    let window = Rule::new("per-ip", Limit::fixed_window(1, Duration::from_secs(60))).unwrap();
+    let w = re.limiter(&window).unwrap();
+    assert!(w.decide_now(b"k", 1).is_allowed());
+    assert!(!w.decide_now(b"k", 1).is_allowed());
+    // ...or a window of another length; the same length keeps its count.
+    let same = Rule::new("per-ip", Limit::fixed_window(5, Duration::from_secs(60))).unwrap();
+    let same = re.limiter(&same).unwrap();
+    assert_eq!(same.decide_now(b"k", 0).remaining, 4);
+    let longer = Rule::new("per-ip", Limit::fixed_window(5, Duration::from_secs(120))).unwrap();
+    let longer = re.limiter(&longer).unwrap();
+    assert_eq!(longer.decide_now(b"k", 0).remaining, 5);
+}
+
+#[test]
 fn a_rule_name_cannot_be_rebound_with_other_parameters() {
     let s = MemoryStore::new();
     s.limiter(&gcra()).unwrap();

@@ -32,6 +32,12 @@ const BACKWARD_SLACK: u32 = 1 << 16;
 const MIN_WINDOW: u64 = 1_000_000;
 
 impl FixedWindow {
+    /// The parameters a stored state's meaning depends on: a rule whose
+    /// parameters change keeps its keys' states when these stay the same.
+    pub(crate) fn state_shape(&self) -> (u64, u64) {
+        (self.window, 0)
+    }
+
     /// Validates `limit` (at least 1) and `window` (at least 1 ms).
     pub fn new(limit: u32, window: Duration) -> Result<Self, ConfigError> {
         if limit == 0 {

@@ -17,6 +17,12 @@ pub struct Gcra {
 }
 
 impl Gcra {
+    /// The parameters a stored state's meaning depends on: a rule whose
+    /// parameters change keeps its keys' states when these stay the same.
+    pub(crate) fn state_shape(&self) -> (u64, u64) {
+        (0, 0)
+    }
+
     /// Validates `rate` (field `rate`) and `burst` (field `burst`).
     pub fn new(rate: Rate, burst: u32) -> Result<Self, ConfigError> {
         let interval = rate.interval_nanos("rate")?;

@@ -21,6 +21,12 @@ pub struct LeakyBucket {
 }
 
 impl LeakyBucket {
+    /// The parameters a stored state's meaning depends on: a rule whose
+    /// parameters change keeps its keys' states when these stay the same.
+    pub(crate) fn state_shape(&self) -> (u64, u64) {
+        (0, 0)
+    }
+
     /// Validates `rate` (field `rate`); `max_delay` may be zero.
     pub fn new(rate: Rate, max_delay: Duration) -> Result<Self, ConfigError> {
         let interval = rate.interval_nanos("rate")?;

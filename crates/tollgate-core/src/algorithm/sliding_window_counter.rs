@@ -30,6 +30,12 @@ pub struct SlidingWindowCounterState {
 }
 
 impl SlidingWindowCounter {
+    /// The parameters a stored state's meaning depends on: a rule whose
+    /// parameters change keeps its keys' states when these stay the same.
+    pub(crate) fn state_shape(&self) -> (u64, u64) {
+        (self.window, 0)
+    }
+
     /// Validates `limit` (at least 1) and `window` (longer than zero).
     pub fn new(limit: u32, window: Duration) -> Result<Self, ConfigError> {
         if limit == 0 {

@@ -53,6 +53,12 @@ impl SlidingWindowLogState {
 }
 
 impl SlidingWindowLog {
+    /// The parameters a stored state's meaning depends on: a rule whose
+    /// parameters change keeps its keys' states when these stay the same.
+    pub(crate) fn state_shape(&self) -> (u64, u64) {
+        (self.window, 0)
+    }
+
     /// The largest `limit` a log accepts.
     pub const MAX_LIMIT: u32 = 10_000;
 

@@ -25,6 +25,12 @@ pub struct TokenBucket {
 }
 
 impl TokenBucket {
+    /// The parameters a stored state's meaning depends on: a rule whose
+    /// parameters change keeps its keys' states when these stay the same.
+    pub(crate) fn state_shape(&self) -> (u64, u64) {
+        (self.interval, u64::from(self.refill))
+    }
+
     /// Validates `capacity`, `refill` and `interval` (each error names its
     /// field). At most one token per nanosecond may be added.
     pub fn new(capacity: u32, refill: u32, interval: Duration) -> Result<Self, ConfigError> {

@@ -274,7 +274,7 @@ fn idempotent_policy<S: Store>(
         .store(store)
         .build()
         .unwrap();
-    let limiter = layer.limiters().next().unwrap().clone();
+    let limiter = layer.limiters().into_iter().next().unwrap();
     let svc = layer.layer(service_fn(|_req: Request<String>| async {
         Ok::<_, Infallible>(Response::new(String::new()))
     }));

@@ -439,7 +439,9 @@ impl<C: Clock> Store for MemoryStore<C> {
             |shards, shared| Bound::Escalation(ladder, Table::registered(ladder, shards, shared)),
             // Strikes and blocks carry over to the new ladder.
             |old| match old {
-                Bound::Escalation(_, table) => Some(Bound::Escalation(ladder, table.sharing(ladder))),
+                Bound::Escalation(_, table) => {
+                    Some(Bound::Escalation(ladder, table.sharing(ladder)))
+                }
                 _ => None,
             },
             |bound| match bound {
@@ -543,9 +545,8 @@ impl<C: Clock> MemoryStore<C> {
                 if !self.rebinding {
                     return Err(conflict());
                 }
-                let next = carry(slot.get()).unwrap_or_else(|| {
-                    make(self.inner.shards, Arc::clone(&self.inner.shared))
-                });
+                let next = carry(slot.get())
+                    .unwrap_or_else(|| make(self.inner.shards, Arc::clone(&self.inner.shared)));
                 slot.insert(next);
                 get(slot.get()).ok_or_else(conflict)
             }

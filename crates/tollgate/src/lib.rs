@@ -88,6 +88,8 @@ pub mod bandwidth;
 mod body;
 mod clock;
 pub mod concurrency;
+#[cfg(feature = "config")]
+pub mod config;
 pub mod cost;
 pub mod headers;
 mod ip;

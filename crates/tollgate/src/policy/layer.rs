@@ -15,7 +15,7 @@ use super::idempotency::Idempotency;
 use super::plan::{Plan, Plans, Source};
 use super::rule::{DynRule, Erased, RateRule};
 use super::service::Policy;
-use super::shared::{canary, Bound, RejectFn, Shared, MAX_RULES};
+use super::shared::{canary, Bound, Current, RejectFn, Shared, MAX_RULES};
 use crate::cost::Cost;
 use crate::headers::{set_policy, Headers};
 use crate::key::KeyExtractor;
@@ -26,26 +26,25 @@ use crate::rejection::{LimitKind, Rejected, Rendered};
 /// Several rate limits decided as one: a request passes only if every
 /// rule passes, and what the passing rules consumed is refunded when
 /// another denies. See the [module docs](super).
+///
+/// Clones of a layer, and every service built from them, share one
+/// policy, which [`replace`](Self::replace) swaps (a reload).
 pub struct PolicyLayer<B, L> {
-    pub(super) shared: Arc<Shared<B, L>>,
+    pub(super) current: Arc<Current<B, L>>,
 }
 
 impl<B, L> Clone for PolicyLayer<B, L> {
     fn clone(&self) -> Self {
         Self {
-            shared: Arc::clone(&self.shared),
+            current: Arc::clone(&self.current),
         }
     }
 }
 
 impl<B, L> fmt::Debug for PolicyLayer<B, L> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let names: Vec<&str> = self
-            .shared
-            .rules
-            .iter()
-            .map(|r| &*r.responder.rule)
-            .collect();
+        let (shared, _) = self.current.load();
+        let names: Vec<&str> = shared.rules.iter().map(|r| &*r.responder.rule).collect();
         f.debug_struct("PolicyLayer")
             .field("rules", &names)
             .finish_non_exhaustive()
@@ -71,11 +70,39 @@ impl<B> PolicyLayer<B, ()> {
     }
 }
 
-impl<B, L: Limiter> PolicyLayer<B, L> {
+impl<B, L: Limiter + Clone> PolicyLayer<B, L> {
     /// The store's limiter of each rule, in order (e.g. to read a key's
-    /// budget in a test or a dashboard).
-    pub fn limiters(&self) -> impl Iterator<Item = &L> {
-        self.shared.rules.iter().map(|r| &r.limiter)
+    /// budget in a test or a dashboard), of the policy now.
+    pub fn limiters(&self) -> Vec<L> {
+        let (shared, _) = self.current.load();
+        shared.rules.iter().map(|r| r.limiter.clone()).collect()
+    }
+}
+
+impl<B, L> PolicyLayer<B, L> {
+    /// Makes `next`'s policy this layer's — and that of every clone and
+    /// every service built from them — from each service's next request:
+    /// a reload. A request decided before goes on with the policy that
+    /// decided it (its refunds and response-aware settlement included),
+    /// so none is dropped or charged twice. Build `next` on the same store
+    /// through [`Store::rebinding`](tollgate_core::Store::rebinding) so
+    /// that rules keep their state: an unchanged rule goes on exactly
+    /// where it was, a changed one from its keys' states where their
+    /// meaning allows ([`Algorithm::keeps_state_of`](tollgate_core::Algorithm::keeps_state_of)).
+    /// `next` itself stays as it was.
+    pub fn replace(&self, next: &PolicyLayer<B, L>) {
+        let (shared, _) = next.current.load();
+        self.current.replace(shared);
+    }
+
+    /// The names of the policy's rules now, in order.
+    pub fn rule_names(&self) -> Vec<String> {
+        let (shared, _) = self.current.load();
+        shared
+            .rules
+            .iter()
+            .map(|r| r.responder.rule.to_string())
+            .collect()
     }
 }
 
@@ -83,9 +110,12 @@ impl<S, B, L> Layer<S> for PolicyLayer<B, L> {
     type Service = Policy<S, B, L>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        let (shared, generation) = self.current.load();
         Policy {
             inner,
-            shared: Arc::clone(&self.shared),
+            shared,
+            generation,
+            current: Arc::clone(&self.current),
         }
     }
 }
@@ -470,7 +500,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
         let laddered = bound.iter().any(|b| b.ladder.is_some());
         let warns = bound.iter().any(|b| b.warn_at.is_some());
         Ok(PolicyLayer {
-            shared: Arc::new(Shared {
+            current: Arc::new(Current::new(Shared {
                 rules: bound.into(),
                 standard: self.headers,
                 legacy: self.legacy_headers,
@@ -491,7 +521,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                     let name = Arc::from(list.name.as_str());
                     (list, metrics, name)
                 }),
-            }),
+            })),
         })
     }
 }

@@ -15,7 +15,7 @@ use super::decide::{
     Report, Verdict, MARKER,
 };
 use super::future::{next, PolicyFuture, State};
-use super::shared::{Keyed, Shared};
+use super::shared::{Current, Keyed, Shared};
 use crate::body::ResponseBody;
 use crate::key::{KeyBuf, KeyBytes};
 use crate::rate_limit::Inner;
@@ -24,7 +24,10 @@ use crate::rejection::is_grpc;
 /// The service of [`PolicyLayer`](super::PolicyLayer).
 pub struct Policy<S, B, L> {
     pub(super) inner: S,
+    /// The policy as last read, and its generation.
     pub(super) shared: Arc<Shared<B, L>>,
+    pub(super) generation: u64,
+    pub(super) current: Arc<Current<B, L>>,
 }
 
 impl<S: Clone, B, L> Clone for Policy<S, B, L> {
@@ -32,6 +35,8 @@ impl<S: Clone, B, L> Clone for Policy<S, B, L> {
         Self {
             inner: self.inner.clone(),
             shared: Arc::clone(&self.shared),
+            generation: self.generation,
+            current: Arc::clone(&self.current),
         }
     }
 }
@@ -115,6 +120,11 @@ where
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
+        // A reload replaced the policy: decide by the new one from now on
+        // (requests decided earlier finish on the old one).
+        if self.current.generation() != self.generation {
+            (self.shared, self.generation) = self.current.load();
+        }
         let shared = &self.shared;
         let grpc = is_grpc(&req);
         let mut report = Report::new();

@@ -46,7 +46,7 @@ fn per_ip(limit: Limit) -> RateRule<Header> {
 /// consuming.
 async fn remaining<L: Limiter>(layer: &PolicyLayer<String, L>, i: usize, key: &str) -> u64 {
     use crate::key::{KeyBuf, KeyExtractor};
-    let limiter = layer.limiters().nth(i).unwrap();
+    let limiter = layer.limiters().into_iter().nth(i).unwrap();
     let r = req(key, key);
     let mut buf = KeyBuf::new();
     let extracted = match limiter.rule().name() {

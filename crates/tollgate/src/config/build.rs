@@ -1,0 +1,609 @@
+//! From the file's shape to a policy builder, with every problem placed
+//! at its span and named by its field path.
+
+use std::ops::Range;
+use std::time::Duration;
+
+use toml::Spanned;
+
+use super::parts::{FileCost, FileKey};
+use super::spec::{self, CostSpec, FileSpec, LimitSpec, RuleSpec};
+use crate::cost::{BodyLength, ByMethod, ByRoute, Fixed, HeaderCost, QueryCost};
+use crate::key::{ClientIp, ForwardedHeader, DEFAULT_IPV6_PREFIX};
+use crate::observe::DecisionLog;
+use crate::policy::{AccessList, PolicyLayerBuilder, RateRule};
+use crate::rate_limit::MissingKey;
+use crate::MemoryStore;
+use tollgate_core::{Algorithm, ConfigError, Limit, Rate};
+
+/// A problem: where (if known), the field path, what.
+pub(super) type Problem = (Option<Range<usize>>, String, String);
+
+fn at<T>(value: &Spanned<T>, field: String, message: impl Into<String>) -> Problem {
+    (Some(value.span()), field, message.into())
+}
+
+/// Places serde's error: its span, and the field path found from it.
+pub(super) fn serde_error(
+    text: &str,
+    origin: Option<&str>,
+    e: &toml::de::Error,
+) -> super::FileError {
+    let span = e.span();
+    let field = span
+        .as_ref()
+        .map(|s| field_at(text, s.start))
+        .unwrap_or_default();
+    let message = e.message().trim().to_owned();
+    super::FileError::at(text, origin, span, field, message)
+}
+
+/// The field path of the value or key at byte `offset`: the innermost
+/// `[[rules]]` entry (counted) or table header above it, and the key on
+/// its line.
+fn field_at(text: &str, offset: usize) -> String {
+    let before = text.get(..offset).unwrap_or(text);
+    let mut table = String::new();
+    let mut rules: usize = 0;
+    for line in before.lines() {
+        let line = line.trim();
+        if line.starts_with("[[rules]]") {
+            rules = rules.saturating_add(1);
+            table = format!("rules[{}]", rules.saturating_sub(1));
+        } else if let Some(name) = line.strip_prefix('[').and_then(|l| l.split(']').next()) {
+            if !line.starts_with("[[") {
+                table = name.trim().to_owned();
+            }
+        }
+    }
+    // The key on the offending line: before its `=`, or the word at the
+    // offset (an unknown key's span is the key itself).
+    let line_start = before.rfind('\n').map_or(0, |i| i.saturating_add(1));
+    let line = text
+        .get(line_start..)
+        .and_then(|l| l.lines().next())
+        .unwrap_or("");
+    let column = offset.saturating_sub(line_start);
+    let key = match line.find('=') {
+        Some(eq) if eq < column => line.get(..eq).unwrap_or("").trim(),
+        _ => line
+            .get(column..)
+            .unwrap_or("")
+            .split(|c: char| c == '=' || c.is_whitespace())
+            .next()
+            .unwrap_or(""),
+    };
+    let key = key.trim_matches(|c| c == '[' || c == ']' || c == '"');
+    match (table.is_empty(), key.is_empty() || key.starts_with('[')) {
+        (true, _) => key.to_owned(),
+        (false, true) => table,
+        (false, false) => format!("{table}.{key}"),
+    }
+}
+
+fn whole(n: i64, value: &Spanned<i64>, field: String, least: u32) -> Result<u32, Problem> {
+    match u32::try_from(n) {
+        Ok(v) if v >= least => Ok(v),
+        _ if n < i64::from(least) => Err(at(value, field, format!("must be at least {least}"))),
+        _ => Err(at(value, field, format!("must be at most {}", u32::MAX))),
+    }
+}
+
+fn plain_whole(n: i64, span: &Range<usize>, field: String, least: u32) -> Result<u32, Problem> {
+    u32::try_from(n)
+        .ok()
+        .filter(|v| *v >= least)
+        .ok_or_else(|| {
+            (
+                Some(span.clone()),
+                field,
+                format!("must be from {least} to {}", u32::MAX),
+            )
+        })
+}
+
+fn duration(value: &Spanned<String>, field: String) -> Result<Duration, Problem> {
+    spec::duration(value.get_ref()).map_err(|m| at(value, field, m))
+}
+
+/// The limit of `algorithm` from a rule's (or plan's) numbers, checked.
+fn limit(
+    algorithm: &str,
+    rate: Option<&Spanned<String>>,
+    burst: Option<&Spanned<i64>>,
+    max_delay: Option<&Spanned<String>>,
+    path: &str,
+    whole_span: &Range<usize>,
+) -> Result<Limit, Problem> {
+    let field = |f: &str| format!("{path}.{f}");
+    let Some(rate_text) = rate else {
+        return Err((
+            Some(whole_span.clone()),
+            field("rate"),
+            "is missing (e.g. rate = \"10/s\")".to_owned(),
+        ));
+    };
+    let (amount, period) =
+        spec::rate(rate_text.get_ref()).map_err(|m| at(rate_text, field("rate"), m))?;
+    if amount == 0 {
+        return Err(at(
+            rate_text,
+            field("rate"),
+            "the amount must be at least 1",
+        ));
+    }
+    let needs_burst = matches!(algorithm, "gcra" | "token_bucket");
+    let burst_at = burst;
+    let burst = match (burst, needs_burst) {
+        (Some(b), true) => whole(*b.get_ref(), b, field("burst"), 1)?,
+        (None, true) => {
+            return Err((
+                Some(whole_span.clone()),
+                field("burst"),
+                format!("is missing: {algorithm} needs burst = N (at least 1)"),
+            ))
+        }
+        (Some(b), false) => {
+            return Err(at(
+                b,
+                field("burst"),
+                format!("is not used by {algorithm}: its limit is the rate's amount"),
+            ))
+        }
+        (None, false) => 0,
+    };
+    let delay = match (max_delay, algorithm) {
+        (Some(d), "leaky_bucket") => duration(d, field("max_delay"))?,
+        (None, "leaky_bucket") => {
+            return Err((
+                Some(whole_span.clone()),
+                field("max_delay"),
+                "is missing: leaky_bucket needs max_delay (e.g. \"500ms\")".to_owned(),
+            ))
+        }
+        (Some(d), _) => {
+            return Err(at(
+                d,
+                field("max_delay"),
+                format!("is only for leaky_bucket, not {algorithm}"),
+            ))
+        }
+        (None, _) => Duration::ZERO,
+    };
+    let rate = Rate::new(amount, period);
+    let limit = match algorithm {
+        "gcra" => Limit::gcra(rate, burst),
+        "token_bucket" => Limit::token_bucket(burst, amount, period),
+        "fixed_window" => Limit::fixed_window(amount, period),
+        "sliding_window" => Limit::sliding_window_counter(amount, period),
+        "sliding_log" => Limit::sliding_window_log(amount, period),
+        "leaky_bucket" => Limit::leaky_bucket(rate, delay),
+        other => {
+            return Err((
+                Some(whole_span.clone()),
+                field("algorithm"),
+                format!("{other:?} is not an algorithm"),
+            ))
+        }
+    };
+    // Validate here, so the error lands on this rule's numbers.
+    Algorithm::new(limit).map_err(|e| match (e.field(), burst_at) {
+        ("burst" | "capacity", Some(b)) => at(b, field("burst"), e.message().to_owned()),
+        ("max_delay", Some(_)) | ("max_delay", None) => match max_delay {
+            Some(d) => at(d, field("max_delay"), e.message().to_owned()),
+            None => at(rate_text, field("rate"), e.message().to_owned()),
+        },
+        _ => at(rate_text, field("rate"), e.message().to_owned()),
+    })?;
+    Ok(limit)
+}
+
+const ALGORITHMS: [&str; 6] = [
+    "gcra",
+    "token_bucket",
+    "fixed_window",
+    "sliding_window",
+    "sliding_log",
+    "leaky_bucket",
+];
+
+fn cost(spec: &CostSpec, span: &Range<usize>, field: &str) -> Result<FileCost, Problem> {
+    let problem = |m: String| (Some(span.clone()), field.to_owned(), m);
+    let num = |n: i64, f: &str| plain_whole(n, span, format!("{field}.{f}"), 0);
+    let default = num(spec.default.unwrap_or(1), "default")?;
+    let max = spec.max.map(|m| num(m, "max")).transpose()?;
+    let kinds = [
+        spec.header.is_some(),
+        spec.query.is_some(),
+        spec.bytes_per_unit.is_some(),
+        !spec.methods.is_empty(),
+        !spec.routes.is_empty(),
+    ];
+    if kinds.iter().filter(|k| **k).count() > 1 {
+        return Err(problem(
+            "one of header, query, bytes_per_unit, methods and routes".to_owned(),
+        ));
+    }
+    let config = |e: ConfigError| problem(format!("{}: {}", e.field(), e.message()));
+    if let Some(h) = &spec.header {
+        return HeaderCost::named(h, default, max.unwrap_or(u32::MAX))
+            .map(FileCost::Header)
+            .map_err(config);
+    }
+    if let Some(q) = &spec.query {
+        return QueryCost::named(q, default, max.unwrap_or(u32::MAX))
+            .map(FileCost::Query)
+            .map_err(config);
+    }
+    if let Some(b) = spec.bytes_per_unit {
+        let per = u64::try_from(b)
+            .map_err(|_| problem("bytes_per_unit: must be at least 1".to_owned()))?;
+        return BodyLength::new(per, default, max.unwrap_or(u32::MAX))
+            .map(FileCost::Body)
+            .map_err(config);
+    }
+    if max.is_some() {
+        return Err(problem(
+            "max caps header, query and bytes_per_unit costs only".to_owned(),
+        ));
+    }
+    if !spec.methods.is_empty() {
+        let mut by = ByMethod::new(default);
+        for (m, c) in &spec.methods {
+            let method = http::Method::from_bytes(m.as_bytes())
+                .map_err(|_| problem(format!("methods: {m:?} is not an HTTP method")))?;
+            by = by.method(method, num(*c, &format!("methods.{m}"))?);
+        }
+        return Ok(FileCost::Methods(by));
+    }
+    if !spec.routes.is_empty() {
+        let mut by = ByRoute::new(default);
+        for (i, r) in spec.routes.iter().enumerate() {
+            let method = match &r.method {
+                None => None,
+                Some(m) => Some(http::Method::from_bytes(m.as_bytes()).map_err(|_| {
+                    problem(format!("routes[{i}].method: {m:?} is not an HTTP method"))
+                })?),
+            };
+            if !r.path.starts_with('/') {
+                return Err(problem(format!("routes[{i}].path: must start with '/'")));
+            }
+            by = by.route(method, &r.path, num(r.cost, &format!("routes[{i}].cost"))?);
+        }
+        return Ok(FileCost::Routes(by));
+    }
+    Ok(FileCost::Fixed(Fixed(default)))
+}
+
+const COST_SHAPE: &str = "a cost is a whole number, the name of a [costs] entry, or a table of default, max, and one of header, query, bytes_per_unit, methods, routes";
+
+/// A cost table's value, read as a [`CostSpec`].
+fn cost_table(value: &Spanned<toml::Value>, field: &str) -> Result<CostSpec, Problem> {
+    match value.get_ref() {
+        toml::Value::Table(t) => t
+            .clone()
+            .try_into::<CostSpec>()
+            .map_err(|e| at(value, field.to_owned(), e.message().trim().to_owned())),
+        _ => Err(at(value, field.to_owned(), COST_SHAPE)),
+    }
+}
+
+fn rule_cost(file: &FileSpec, r: &RuleSpec, path: &str) -> Result<FileCost, Problem> {
+    let field = format!("{path}.cost");
+    let Some(c) = &r.cost else {
+        return Ok(FileCost::Fixed(Fixed(1)));
+    };
+    match c.get_ref() {
+        toml::Value::Integer(n) => Ok(FileCost::Fixed(Fixed(plain_whole(
+            *n,
+            &c.span(),
+            field,
+            0,
+        )?))),
+        toml::Value::String(name) => match file.costs.get(name) {
+            Some(spec) => {
+                let field = format!("costs.{name}");
+                cost(&cost_table(spec, &field)?, &spec.span(), &field)
+            }
+            None => Err(at(c, field, format!("no [costs.{name}] is declared"))),
+        },
+        toml::Value::Table(_) => cost(&cost_table(c, &field)?, &c.span(), &field),
+        _ => Err(at(c, field, COST_SHAPE)),
+    }
+}
+
+fn share(value: &Spanned<f64>, field: String, above_zero: bool) -> Result<f64, Problem> {
+    let v = *value.get_ref();
+    let ok = if above_zero {
+        v > 0.0 && v <= 1.0
+    } else {
+        (0.0..=1.0).contains(&v)
+    };
+    if ok {
+        Ok(v)
+    } else if above_zero {
+        Err(at(value, field, "must be above 0 and at most 1"))
+    } else {
+        Err(at(value, field, "must be from 0.0 to 1.0"))
+    }
+}
+
+/// A builder holding everything `file` declares.
+pub(super) fn builder<B>(file: &FileSpec) -> Result<PolicyLayerBuilder<B, MemoryStore>, Problem> {
+    let v6_prefix = match &file.ipv6_prefix {
+        None => DEFAULT_IPV6_PREFIX,
+        Some(p) if *p.get_ref() <= 128 => *p.get_ref(),
+        Some(p) => return Err(at(p, "ipv6_prefix".to_owned(), "must be at most 128")),
+    };
+    let trusted: &[String] = file.trusted_proxies.as_ref().map_or(&[], |t| t.get_ref());
+    let mut client = ClientIp::trusting(trusted).map_err(|e| {
+        let span = file.trusted_proxies.as_ref().map(Spanned::span);
+        (span, "trusted_proxies".to_owned(), e.message().to_owned())
+    })?;
+    if let Some(h) = &file.forwarded_header {
+        client = client.header(match h.get_ref().to_ascii_lowercase().as_str() {
+            "x-forwarded-for" => ForwardedHeader::XForwardedFor,
+            "forwarded" => ForwardedHeader::Forwarded,
+            _ => {
+                return Err(at(
+                    h,
+                    "forwarded_header".to_owned(),
+                    "must be \"x-forwarded-for\" or \"forwarded\"",
+                ))
+            }
+        });
+    }
+    let client = client.ipv6_prefix(v6_prefix);
+    let mut b = crate::policy::PolicyLayer::builder()
+        .headers(file.headers.unwrap_or(true))
+        .legacy_headers(file.legacy_headers.unwrap_or(false));
+    if let Some(p) = &file.plan_from {
+        b = match p.get_ref().as_str() {
+            "extension" => b.plan_from_extension(),
+            other => match other.strip_prefix("header:") {
+                Some(h) => b
+                    .plan_from_header(h.trim())
+                    .map_err(|e| at(p, "plan_from".to_owned(), e.message().to_owned()))?,
+                None => {
+                    return Err(at(
+                        p,
+                        "plan_from".to_owned(),
+                        "must be \"extension\" or \"header:<name>\"",
+                    ))
+                }
+            },
+        };
+    }
+    if file.rules.is_empty() {
+        return Err((
+            None,
+            "rules".to_owned(),
+            "declare 1 to 8 [[rules]]".to_owned(),
+        ));
+    }
+    for (i, r) in file.rules.iter().enumerate() {
+        b = b.rule(rule(file, r, i, &client, v6_prefix)?);
+    }
+    if let Some(a) = &file.access {
+        b = b.access(access(a, &client)?);
+    }
+    if let Some(idem) = &file.idempotency {
+        let s = idem.get_ref();
+        let key = FileKey::parse(s.key.get_ref(), &client, v6_prefix)
+            .map_err(|m| at(&s.key, "idempotency.key".to_owned(), m))?;
+        let ttl = duration(&s.ttl, "idempotency.ttl".to_owned())?;
+        b = b.idempotency(s.name.get_ref(), key, ttl);
+    }
+    if let Some(log) = &file.decision_log {
+        let s = log.get_ref();
+        let l = DecisionLog::new()
+            .allowed(s.allowed.unwrap_or(0.0))
+            .limited(s.limited.unwrap_or(0.0));
+        if !l.is_valid() {
+            return Err(at(
+                log,
+                "decision_log".to_owned(),
+                "the shares must be from 0.0 to 1.0",
+            ));
+        }
+        b = b.decision_log(l);
+    }
+    Ok(b)
+}
+
+fn rule(
+    file: &FileSpec,
+    spanned: &Spanned<RuleSpec>,
+    i: usize,
+    client: &ClientIp,
+    v6_prefix: u8,
+) -> Result<RateRule<FileKey, FileCost>, Problem> {
+    let r = spanned.get_ref();
+    let path = format!("rules[{i}]");
+    let field = |f: &str| format!("{path}.{f}");
+    let algorithm = match &r.algorithm {
+        None => "gcra",
+        Some(a) => ALGORITHMS
+            .iter()
+            .copied()
+            .find(|n| *n == a.get_ref().as_str())
+            .ok_or_else(|| {
+                at(
+                    a,
+                    field("algorithm"),
+                    format!("must be one of {}", ALGORITHMS.join(", ")),
+                )
+            })?,
+    };
+    let lim = limit(
+        algorithm,
+        r.rate.as_ref(),
+        r.burst.as_ref(),
+        r.max_delay.as_ref(),
+        &path,
+        &spanned.span(),
+    )?;
+    tollgate_core::Rule::new(r.name.get_ref(), lim)
+        .map_err(|e| at(&r.name, field("name"), e.message().to_owned()))?;
+    let key = FileKey::parse(r.key.get_ref(), client, v6_prefix)
+        .map_err(|m| at(&r.key, field("key"), m))?;
+    let mut rule = RateRule::new(r.name.get_ref(), lim, key).cost(rule_cost(file, r, &path)?);
+    if let Some(m) = &r.missing_key {
+        rule = rule.on_missing_key(match m.get_ref().as_str() {
+            "reject" => MissingKey::Reject,
+            "skip" => MissingKey::Skip,
+            other => match other.strip_prefix("fallback:") {
+                Some(k) if !k.is_empty() => {
+                    MissingKey::Fallback(bytes::Bytes::copy_from_slice(k.as_bytes()))
+                }
+                _ => {
+                    return Err(at(
+                        m,
+                        field("missing_key"),
+                        "must be \"reject\", \"skip\" or \"fallback:<shared key>\"",
+                    ))
+                }
+            },
+        });
+    }
+    if let Some(s) = r.shadow {
+        rule = rule.shadow(s);
+    }
+    if let Some(c) = &r.canary {
+        rule = rule.canary(share(c, field("canary"), false)?);
+    }
+    if let Some(w) = &r.warn_at {
+        rule = rule.warn_at(share(w, field("warn_at"), true)?);
+    }
+    if let Some(statuses) = &r.count_if {
+        let mut codes = Vec::with_capacity(statuses.get_ref().len());
+        for s in statuses.get_ref() {
+            let code = http::StatusCode::from_u16(*s)
+                .ok()
+                .filter(|_| (100..=599).contains(s))
+                .ok_or_else(|| {
+                    at(
+                        statuses,
+                        field("count_if"),
+                        format!("{s} is not an HTTP status"),
+                    )
+                })?;
+            codes.push(code);
+        }
+        if codes.is_empty() {
+            return Err(at(statuses, field("count_if"), "name at least one status"));
+        }
+        rule = rule.count_if(move |s| codes.contains(&s));
+    }
+    if let Some(e) = &r.escalate {
+        let e = e.get_ref();
+        let strikes = whole(
+            *e.strikes.get_ref(),
+            &e.strikes,
+            field("escalate.strikes"),
+            1,
+        )?;
+        rule = rule.escalate(
+            strikes,
+            duration(&e.period, field("escalate.period"))?,
+            duration(&e.block, field("escalate.block"))?,
+            duration(&e.max_block, field("escalate.max_block"))?,
+        );
+        // The ladder's own checks, placed on the ladder.
+        tollgate_core::EscalationRule::new(
+            format!("{}:ladder", r.name.get_ref()),
+            strikes,
+            duration(&e.period, String::new())?,
+            duration(&e.block, String::new())?,
+            duration(&e.max_block, String::new())?,
+        )
+        .map_err(|err| {
+            at(
+                &e.strikes,
+                field(&format!("escalate.{}", err.field())),
+                err.message().to_owned(),
+            )
+        })?;
+    }
+    for (plan, p) in &r.plans {
+        let LimitSpec {
+            rate,
+            burst,
+            max_delay,
+        } = p.get_ref();
+        let lim = limit(
+            algorithm,
+            rate.as_ref(),
+            burst.as_ref(),
+            max_delay.as_ref(),
+            &format!("{path}.plans.{plan}"),
+            &p.span(),
+        )?;
+        rule = rule.plan(plan, lim);
+    }
+    Ok(rule)
+}
+
+fn access(a: &Spanned<super::spec::AccessSpec>, client: &ClientIp) -> Result<AccessList, Problem> {
+    let s = a.get_ref();
+    let name = s.name.as_ref().map_or("access", |n| n.get_ref().as_str());
+    let mut list = AccessList::new(name).client_ip(client.clone());
+    if let Some(h) = &s.keys_from {
+        list = list
+            .keys_from(h.get_ref())
+            .map_err(|e| at(h, "access.keys_from".to_owned(), e.message().to_owned()))?;
+    }
+    list = list
+        .allow_keys(s.allow_keys.iter())
+        .deny_keys(s.deny_keys.iter());
+    if let Some(n) = &s.allow_networks {
+        list = list.allow_networks(n.get_ref()).map_err(|e| {
+            at(
+                n,
+                "access.allow_networks".to_owned(),
+                e.message().to_owned(),
+            )
+        })?;
+    }
+    if let Some(n) = &s.deny_networks {
+        list = list
+            .deny_networks(n.get_ref())
+            .map_err(|e| at(n, "access.deny_networks".to_owned(), e.message().to_owned()))?;
+    }
+    if let Some(d) = s.deny_by_default {
+        list = list.deny_by_default(d);
+    }
+    if (!s.allow_keys.is_empty() || !s.deny_keys.is_empty()) && s.keys_from.is_none() {
+        return Err(at(
+            a,
+            "access.keys_from".to_owned(),
+            "key lists need keys_from (the header that carries the key)",
+        ));
+    }
+    Ok(list)
+}
+
+/// Places a builder's error: builder messages about a rule start with
+/// `rules[i]`; the rest belong to the file's top-level tables.
+pub(super) fn config_error(file: &FileSpec, e: &ConfigError) -> Option<Problem> {
+    let message = e.message();
+    if let Some(rest) = message.strip_prefix("rules[") {
+        let (index, tail) = rest.split_once(']')?;
+        let i: usize = index.parse().ok()?;
+        let r = file.rules.get(i)?;
+        let tail = tail.trim_start_matches(':').trim();
+        let field = match e.field() {
+            "rules" => format!("rules[{i}].name"),
+            f => format!("rules[{i}].{f}"),
+        };
+        return Some((Some(r.span()), field, tail.to_owned()));
+    }
+    let span = match e.field() {
+        "access" => file.access.as_ref().map(Spanned::span),
+        "idempotency" => file.idempotency.as_ref().map(Spanned::span),
+        "plans" => file.plan_from.as_ref().map(Spanned::span),
+        "decision_log" => file.decision_log.as_ref().map(Spanned::span),
+        _ => None,
+    };
+    Some((span, e.field().to_owned(), message.to_owned()))
+}

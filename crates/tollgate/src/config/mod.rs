@@ -1,0 +1,279 @@
+//! Policy files: a [`PolicyLayer`](crate::policy::PolicyLayer) declared in
+//! TOML, and reloaded while the server runs (feature `config`).
+//!
+//! ```
+//! use tollgate::config::PolicyFile;
+//! use tollgate::MemoryStore;
+//!
+//! # fn main() -> Result<(), tollgate::config::FileError> {
+//! let file = PolicyFile::parse(r#"
+//!     trusted_proxies = ["10.0.0.0/8"]  # whose X-Forwarded-For is believed
+//!     plan_from = "header:x-plan"       # demos only; in production: "extension"
+//!
+//!     [costs.api]
+//!     default = 1
+//!     routes = [
+//!         { method = "POST", path = "/api/orders", cost = 3 },
+//!         { method = "POST", path = "/api/reports", cost = 10 },
+//!     ]
+//!
+//!     [[rules]]
+//!     name = "per-key"
+//!     key = "header:x-api-key | client-ip"
+//!     rate = "10/s"
+//!     burst = 20
+//!     cost = "api"
+//!     plans.pro = { rate = "100/s", burst = 200 }
+//!
+//!     [[rules]]
+//!     name = "per-ip"
+//!     key = "client-ip"
+//!     rate = "100/s"
+//!     burst = 400
+//!     cost = "api"
+//! "#)?;
+//! let layer = file.layer::<axum::body::Body, _>(&MemoryStore::new())?;
+//! assert_eq!(layer.rule_names(), ["per-key", "per-ip"]);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # The file
+//!
+//! Top level (all optional): `headers` and `legacy_headers` (booleans),
+//! `trusted_proxies` (CIDRs whose forwarding headers `client-ip` believes),
+//! `forwarded_header` (`"x-forwarded-for"`, the default, or
+//! `"forwarded"`), `ipv6_prefix` (bits an IPv6 client is keyed by, 64 by
+//! default), `plan_from` (`"extension"` or `"header:<name>"`), named
+//! `[costs.<name>]`, `[access]`, `[idempotency]` and `[decision_log]`.
+//!
+//! Each `[[rules]]` entry (1 to 8, decided in order):
+//!
+//! | field | meaning |
+//! |---|---|
+//! | `name` | the rule's name in headers, store keys and metrics |
+//! | `key` | alternatives split by `\|`, each parts joined by `+`: `header:<name>`, `client-ip`, `peer-ip`, `path`, `route`, `method`, `global` |
+//! | `algorithm` | `gcra` (default), `token_bucket`, `fixed_window`, `sliding_window` (counter), `sliding_log`, `leaky_bucket` |
+//! | `rate` | `"10/s"`, `"600/min"`, `"5/15m"`: for GCRA the sustained rate, for the token bucket the refill, for windows the limit per window, for the leaky bucket the drain rate |
+//! | `burst = N` | GCRA's burst, the token bucket's capacity (not for windows or the leaky bucket) |
+//! | `max_delay` | the leaky bucket's longest wait, e.g. `"500ms"` |
+//! | `cost` | a number, a `[costs]` name, or a table: `default`, `max`, and one of `header`, `query`, `bytes_per_unit`, `methods = { POST = 5 }`, `routes = [{ method, path, cost }]` |
+//! | `missing_key` | `"reject"` (default), `"skip"`, or `"fallback:<shared key>"` |
+//! | `shadow`, `canary` | shadow mode; enforce for a share of keys (0.0–1.0) |
+//! | `warn_at` | the share of capacity past which responses warn |
+//! | `count_if` | statuses that count (response-aware), e.g. `[401, 403]` |
+//! | `escalate` | `{ strikes, period, block, max_block }` |
+//! | `plans.<plan>` | the plan's own `rate`, `burst`, `max_delay` (the rule's algorithm) |
+//!
+//! What a file cannot hold is code: a custom rejection, an audit sink, a
+//! plan closure. Set those on the builder and declare the rest in the
+//! file (see [`PolicyFile::builder`]).
+//!
+//! # Errors
+//!
+//! A file that does not load names its line, column and field:
+//! `policy.toml:14:9: rules[1].burst: must be at least 1`.
+//!
+//! # Reload
+//!
+//! [`Reloader`] watches the file: on SIGHUP (Unix) and when its contents
+//! change (polled), it loads the new file and
+//! [`replace`](crate::policy::PolicyLayer::replace)s the running policy.
+//! No request is dropped or charged twice: requests decided before finish
+//! on the policy that decided them, later ones are decided by the new one.
+//! An unchanged rule keeps its state exactly. A changed rule goes on from
+//! its keys' states where their meaning allows —
+//! [`Algorithm::keeps_state_of`](tollgate_core::Algorithm::keeps_state_of)
+//! says when, per algorithm; on Redis the scripts read the stored state
+//! under the new parameters — and starts fresh otherwise. A new file that
+//! does not load is logged and counted
+//! (`tollgate_config_reloads_total{outcome="rejected"}`), and the policy
+//! running stays.
+
+mod build;
+mod parts;
+mod reload;
+mod spec;
+
+use std::fmt;
+use std::ops::Range;
+use std::path::Path;
+
+pub use parts::{FileCost, FileKey};
+pub use reload::{Reloaded, Reloader};
+
+/// A policy file that loaded: parsed and checked, ready to build layers.
+#[derive(Debug)]
+pub struct PolicyFile {
+    spec: spec::FileSpec,
+    text: String,
+    origin: Option<String>,
+}
+
+/// Why a policy file did not load: where, which field, what is wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileError {
+    origin: Option<String>,
+    line: usize,
+    column: usize,
+    field: String,
+    message: String,
+}
+
+impl FileError {
+    /// The 1-based line of the problem (0: the file as a whole).
+    pub fn line(&self) -> usize {
+        self.line
+    }
+
+    /// The 1-based column of the problem.
+    pub fn column(&self) -> usize {
+        self.column
+    }
+
+    /// The field, as a path: `rules[2].burst`.
+    pub fn field(&self) -> &str {
+        &self.field
+    }
+
+    /// What is wrong.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    fn at(
+        text: &str,
+        origin: Option<&str>,
+        span: Option<Range<usize>>,
+        field: String,
+        message: String,
+    ) -> Self {
+        let (line, column) = match span {
+            Some(span) => position(text, span.start),
+            None => (0, 0),
+        };
+        Self {
+            origin: origin.map(str::to_owned),
+            line,
+            column,
+            field,
+            message,
+        }
+    }
+}
+
+impl fmt::Display for FileError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(origin) = &self.origin {
+            write!(f, "{origin}:")?;
+        }
+        if self.line > 0 {
+            write!(f, "{}:{}: ", self.line, self.column)?;
+        } else if self.origin.is_some() {
+            f.write_str(" ")?;
+        }
+        if self.field.is_empty() {
+            f.write_str(&self.message)
+        } else {
+            write!(f, "{}: {}", self.field, self.message)
+        }
+    }
+}
+
+impl std::error::Error for FileError {}
+
+/// The 1-based line and column (in characters) of byte `offset`.
+fn position(text: &str, offset: usize) -> (usize, usize) {
+    let before = text.get(..offset).unwrap_or(text);
+    let line = before.matches('\n').count().saturating_add(1);
+    let start = before.rfind('\n').map_or(0, |i| i.saturating_add(1));
+    let column = before
+        .get(start..)
+        .map_or(0, |l| l.chars().count())
+        .saturating_add(1);
+    (line, column)
+}
+
+impl PolicyFile {
+    /// Parses and checks a policy file's text. Everything that can be
+    /// checked without a store is checked here.
+    pub fn parse(text: &str) -> Result<Self, FileError> {
+        Self::parse_from(text, None)
+    }
+
+    /// Reads and parses the file at `path`; errors start with the path.
+    pub fn read(path: impl AsRef<Path>) -> Result<Self, FileError> {
+        let path = path.as_ref();
+        let origin = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| FileError {
+            origin: Some(origin.clone()),
+            line: 0,
+            column: 0,
+            field: String::new(),
+            message: format!("cannot read the file: {e}"),
+        })?;
+        Self::parse_from(&text, Some(origin))
+    }
+
+    fn parse_from(text: &str, origin: Option<String>) -> Result<Self, FileError> {
+        let spec: spec::FileSpec =
+            toml::from_str(text).map_err(|e| build::serde_error(text, origin.as_deref(), &e))?;
+        let file = Self {
+            spec,
+            text: text.to_owned(),
+            origin,
+        };
+        // Check everything a store does not decide, on a throwaway one.
+        file.builder::<()>()?
+            .build()
+            .map_err(|e| file.config_error(&e))?;
+        Ok(file)
+    }
+
+    /// The text the file was read from.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// Builds the file's policy on `store`.
+    pub fn layer<B, St: tollgate_core::Store>(
+        &self,
+        store: &St,
+    ) -> Result<crate::policy::PolicyLayer<B, St::Limiter>, FileError> {
+        self.builder::<B>()?
+            .store(store.clone())
+            .build()
+            .map_err(|e| self.config_error(&e))
+    }
+
+    /// A builder holding everything the file declares, on a new memory
+    /// store: add what a file cannot hold (a rejection, an audit sink, a
+    /// plan closure), set the store, and build. Errors of `build` map back
+    /// to the file with [`config_error`](Self::config_error).
+    pub fn builder<B>(
+        &self,
+    ) -> Result<crate::policy::PolicyLayerBuilder<B, crate::MemoryStore>, FileError> {
+        build::builder(&self.spec).map_err(|(span, field, message)| {
+            FileError::at(&self.text, self.origin.as_deref(), span, field, message)
+        })
+    }
+
+    /// Places a builder's [`ConfigError`](tollgate_core::ConfigError)
+    /// in the file: at the rule it names (`rules[2]: …`), or the file.
+    pub fn config_error(&self, e: &tollgate_core::ConfigError) -> FileError {
+        build::config_error(&self.spec, e)
+            .map(|(span, field, message)| {
+                FileError::at(&self.text, self.origin.as_deref(), span, field, message)
+            })
+            .unwrap_or_else(|| FileError {
+                origin: self.origin.clone(),
+                line: 0,
+                column: 0,
+                field: e.field().to_owned(),
+                message: e.message().to_owned(),
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests;

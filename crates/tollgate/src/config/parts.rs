@@ -1,0 +1,143 @@
+//! Keys and costs a file names, as extractors and cost functions.
+
+use std::sync::Arc;
+
+use http::Request;
+
+use crate::cost::{BodyLength, ByMethod, ByRoute, Cost, Fixed, HeaderCost, QueryCost};
+use crate::key::{ClientIp, Global, Header, KeyBuf, KeyExtractor, Method, Or, Path, PeerIp};
+
+/// One part of a file's key.
+#[derive(Debug, Clone)]
+enum Part {
+    Header(Header),
+    ClientIp(ClientIp),
+    PeerIp(PeerIp),
+    Path,
+    Method,
+    Global,
+    #[cfg(feature = "axum")]
+    Route,
+}
+
+impl<B> KeyExtractor<B> for Part {
+    fn extract(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()> {
+        match self {
+            Part::Header(h) => h.extract(req, key),
+            Part::ClientIp(ip) => ip.extract(req, key),
+            Part::PeerIp(ip) => ip.extract(req, key),
+            Part::Path => Path.extract(req, key),
+            Part::Method => Method.extract(req, key),
+            Part::Global => Global.extract(req, key),
+            #[cfg(feature = "axum")]
+            Part::Route => crate::key::Route.extract(req, key),
+        }
+    }
+}
+
+/// A key a policy file declares, e.g. `"header:x-api-key | client-ip"`.
+/// It writes the same store keys as the extractors built in code
+/// (`Header::named("x-api-key")?.or(ClientIp::…)`), so moving a rule
+/// between code and a file keeps its clients' state.
+#[derive(Debug, Clone)]
+pub struct FileKey(Node);
+
+#[derive(Debug, Clone)]
+enum Node {
+    /// Every part, in order (a tuple).
+    All(Arc<[Part]>),
+    /// The first's key, else the second's (`Or`).
+    Or(Arc<Or<Node, Node>>),
+}
+
+impl<B> KeyExtractor<B> for Node {
+    fn extract(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()> {
+        match self {
+            Node::All(parts) => {
+                for part in parts.iter() {
+                    part.extract(req, key)?;
+                }
+                Some(())
+            }
+            Node::Or(or) => or.extract(req, key),
+        }
+    }
+}
+
+impl<B> KeyExtractor<B> for FileKey {
+    fn extract(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()> {
+        self.0.extract(req, key)
+    }
+}
+
+impl FileKey {
+    /// Reads a key: alternatives split by `|`, parts joined by `+`; a
+    /// part is `header:<name>`, `client-ip`, `peer-ip`, `path`, `route`,
+    /// `method` or `global`. `client` is the `client-ip` extractor.
+    pub(super) fn parse(text: &str, client: &ClientIp, v6_prefix: u8) -> Result<Self, String> {
+        let mut alternatives = Vec::new();
+        for parts in super::spec::key_parts(text) {
+            let mut all = Vec::with_capacity(parts.len());
+            for part in parts {
+                all.push(match part {
+                    "client-ip" => Part::ClientIp(client.clone()),
+                    "peer-ip" => Part::PeerIp(PeerIp::new().ipv6_prefix(v6_prefix)),
+                    "path" => Part::Path,
+                    "method" => Part::Method,
+                    "global" => Part::Global,
+                    #[cfg(feature = "axum")]
+                    "route" => Part::Route,
+                    _ => match part.strip_prefix("header:") {
+                        Some(name) => Part::Header(
+                            Header::named(name.trim()).map_err(|e| e.message().to_owned())?,
+                        ),
+                        None => {
+                            return Err(format!(
+                                "{part:?} is not a key part (header:<name>, client-ip, peer-ip, path, route, method, global)"
+                            ))
+                        }
+                    },
+                });
+            }
+            alternatives.push(Node::All(all.into()));
+        }
+        let mut alternatives = alternatives.into_iter();
+        let first = alternatives
+            .next()
+            .ok_or_else(|| "the key is empty".to_owned())?;
+        // `a | b | c` is `a.or(b).or(c)`.
+        Ok(Self(alternatives.fold(first, |acc, next| {
+            Node::Or(Arc::new(Or::new(acc, next)))
+        })))
+    }
+}
+
+/// A cost a policy file declares.
+#[derive(Debug, Clone)]
+pub enum FileCost {
+    /// `cost = 3`.
+    Fixed(Fixed),
+    /// `cost = { header = "x-cost", default = 1, max = 100 }`.
+    Header(HeaderCost),
+    /// `cost = { query = "count", default = 1, max = 100 }`.
+    Query(QueryCost),
+    /// `cost = { bytes_per_unit = 1024, default = 1, max = 1000 }`.
+    Body(BodyLength),
+    /// `cost = { default = 1, methods = { POST = 5 } }`.
+    Methods(ByMethod),
+    /// `cost = { default = 1, routes = [{ method = "POST", path = "/api/orders", cost = 3 }] }`.
+    Routes(ByRoute),
+}
+
+impl<B> Cost<B> for FileCost {
+    fn cost(&self, req: &Request<B>) -> u32 {
+        match self {
+            FileCost::Fixed(c) => Cost::<B>::cost(c, req),
+            FileCost::Header(c) => Cost::<B>::cost(c, req),
+            FileCost::Query(c) => Cost::<B>::cost(c, req),
+            FileCost::Body(c) => Cost::<B>::cost(c, req),
+            FileCost::Methods(c) => Cost::<B>::cost(c, req),
+            FileCost::Routes(c) => Cost::<B>::cost(c, req),
+        }
+    }
+}

@@ -1,0 +1,193 @@
+//! Reloading a policy file while the server runs.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::Poll;
+use std::time::Duration;
+
+use tollgate_core::Store;
+
+use super::{FileError, PolicyFile};
+use crate::policy::{PolicyLayer, PolicyLayerBuilder};
+use crate::MemoryStore;
+
+type Customize<B> = Arc<
+    dyn Fn(PolicyLayerBuilder<B, MemoryStore>) -> PolicyLayerBuilder<B, MemoryStore> + Send + Sync,
+>;
+
+/// Keeps a [`PolicyLayer`] in step with its file: [`reload`](Self::reload)
+/// on demand, or [`spawn`](Self::spawn) a task that reloads on SIGHUP and
+/// when the file's contents change. See the [module docs](super) for what
+/// a reload keeps.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use tollgate::config::Reloader;
+/// use tollgate::MemoryStore;
+///
+/// # async fn run() -> Result<(), tollgate::config::FileError> {
+/// let (layer, reloader) =
+///     Reloader::<axum::body::Body, _>::load("policy.toml", MemoryStore::new())?;
+/// reloader.spawn(Duration::from_secs(2));
+/// let app = axum::Router::new()
+///     .route("/", axum::routing::get(|| async { "hi" }))
+///     .layer(layer);
+/// # let _ = app;
+/// # Ok(())
+/// # }
+/// ```
+pub struct Reloader<B, St: Store> {
+    path: PathBuf,
+    store: St,
+    layer: PolicyLayer<B, St::Limiter>,
+    customize: Option<Customize<B>>,
+    /// The text of the policy running.
+    running: Mutex<String>,
+}
+
+impl<B, St: Store> fmt::Debug for Reloader<B, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Reloader")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a reload did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reloaded {
+    /// The file changed and its policy now runs.
+    Applied,
+    /// The file is as it was: nothing to do.
+    Unchanged,
+}
+
+impl<B, St: Store> Reloader<B, St> {
+    /// Loads the policy at `path` onto `store`, and a reloader for it.
+    /// Errors name the file, line and field.
+    pub fn load(
+        path: impl AsRef<Path>,
+        store: St,
+    ) -> Result<(PolicyLayer<B, St::Limiter>, Self), FileError> {
+        let file = PolicyFile::read(path.as_ref())?;
+        let layer = file.layer::<B, St>(&store)?;
+        let reloader = Self {
+            path: path.as_ref().to_owned(),
+            store,
+            layer: layer.clone(),
+            customize: None,
+            running: Mutex::new(file.text().to_owned()),
+        };
+        Ok((layer, reloader))
+    }
+
+    /// A reloader for `layer`, built from `file` (which was read from
+    /// `path`) on `store`.
+    pub fn new(
+        path: impl AsRef<Path>,
+        file: &PolicyFile,
+        store: St,
+        layer: &PolicyLayer<B, St::Limiter>,
+    ) -> Self {
+        Self {
+            path: path.as_ref().to_owned(),
+            store,
+            layer: layer.clone(),
+            customize: None,
+            running: Mutex::new(file.text().to_owned()),
+        }
+    }
+
+    /// What to add to every reloaded policy that a file cannot hold (a
+    /// rejection, an audit sink, a plan closure): the same as was added to
+    /// the first.
+    pub fn customize<F>(mut self, f: F) -> Self
+    where
+        F: Fn(PolicyLayerBuilder<B, MemoryStore>) -> PolicyLayerBuilder<B, MemoryStore>
+            + Send
+            + Sync
+            + 'static,
+    {
+        self.customize = Some(Arc::new(f));
+        self
+    }
+
+    /// Reads the file and, if it changed, makes its policy the running
+    /// one. A file that does not load changes nothing: the error says
+    /// why, and the running policy stays.
+    pub fn reload(&self) -> Result<Reloaded, FileError> {
+        let outcome = self.try_reload();
+        let label = match &outcome {
+            Ok(Reloaded::Applied) => {
+                tracing::info!(target: "tollgate", path = %self.path.display(), "policy reloaded");
+                "applied"
+            }
+            Ok(Reloaded::Unchanged) => "unchanged",
+            Err(e) => {
+                tracing::error!(
+                    target: "tollgate",
+                    error = %e,
+                    "policy file rejected; the running policy stays"
+                );
+                "rejected"
+            }
+        };
+        metrics::counter!("tollgate_config_reloads_total", "outcome" => label).increment(1);
+        outcome
+    }
+
+    fn try_reload(&self) -> Result<Reloaded, FileError> {
+        let file = PolicyFile::read(&self.path)?;
+        let mut running = self.running.lock().unwrap_or_else(PoisonError::into_inner);
+        if *running == file.text() {
+            return Ok(Reloaded::Unchanged);
+        }
+        let mut builder = file.builder::<B>()?;
+        if let Some(f) = &self.customize {
+            builder = f(builder);
+        }
+        let next = builder
+            .store(self.store.rebinding())
+            .build()
+            .map_err(|e| file.config_error(&e))?;
+        self.layer.replace(&next);
+        file.text().clone_into(&mut running);
+        Ok(Reloaded::Applied)
+    }
+
+    /// Spawns a task (on the current tokio runtime) that reloads on SIGHUP
+    /// (Unix) and whenever the file's contents change, checked every
+    /// `poll`. Errors are logged and counted; the task runs until the
+    /// runtime stops or the handle is aborted.
+    pub fn spawn(self, poll: Duration) -> tokio::task::JoinHandle<()>
+    where
+        B: Send + 'static,
+        St::Limiter: Send + Sync,
+    {
+        tokio::spawn(async move {
+            #[cfg(unix)]
+            let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+                .map_err(|e| {
+                    tracing::warn!(target: "tollgate", error = %e, "no SIGHUP reloads");
+                })
+                .ok();
+            let mut tick = tokio::time::interval(poll.max(Duration::from_millis(10)));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            loop {
+                std::future::poll_fn(|cx| {
+                    #[cfg(unix)]
+                    if let Some(h) = hangup.as_mut() {
+                        if h.poll_recv(cx).is_ready() {
+                            return Poll::Ready(());
+                        }
+                    }
+                    tick.poll_tick(cx).map(|_| ())
+                })
+                .await;
+                // Errors are logged and counted by `reload`.
+                let _ = self.reload();
+            }
+        })
+    }
+}

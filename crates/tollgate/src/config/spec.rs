@@ -1,0 +1,237 @@
+//! The file's shape, as serde reads it, and its small languages: rates,
+//! durations, keys.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::Deserialize;
+use toml::Spanned;
+
+/// The whole file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct FileSpec {
+    #[serde(default)]
+    pub(super) headers: Option<bool>,
+    #[serde(default)]
+    pub(super) legacy_headers: Option<bool>,
+    #[serde(default)]
+    pub(super) trusted_proxies: Option<Spanned<Vec<String>>>,
+    #[serde(default)]
+    pub(super) forwarded_header: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) ipv6_prefix: Option<Spanned<u8>>,
+    #[serde(default)]
+    pub(super) plan_from: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) costs: BTreeMap<String, Spanned<toml::Value>>,
+    #[serde(default)]
+    pub(super) rules: Vec<Spanned<RuleSpec>>,
+    #[serde(default)]
+    pub(super) access: Option<Spanned<AccessSpec>>,
+    #[serde(default)]
+    pub(super) idempotency: Option<Spanned<IdempotencySpec>>,
+    #[serde(default)]
+    pub(super) decision_log: Option<Spanned<LogSpec>>,
+}
+
+/// One `[[rules]]` entry.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RuleSpec {
+    pub(super) name: Spanned<String>,
+    pub(super) key: Spanned<String>,
+    #[serde(default)]
+    pub(super) algorithm: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) rate: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) burst: Option<Spanned<i64>>,
+    #[serde(default)]
+    pub(super) max_delay: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) cost: Option<Spanned<toml::Value>>,
+    #[serde(default)]
+    pub(super) missing_key: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) shadow: Option<bool>,
+    #[serde(default)]
+    pub(super) canary: Option<Spanned<f64>>,
+    #[serde(default)]
+    pub(super) warn_at: Option<Spanned<f64>>,
+    #[serde(default)]
+    pub(super) count_if: Option<Spanned<Vec<u16>>>,
+    #[serde(default)]
+    pub(super) escalate: Option<Spanned<EscalateSpec>>,
+    #[serde(default)]
+    pub(super) plans: BTreeMap<String, Spanned<LimitSpec>>,
+}
+
+/// A plan's numbers; which apply depends on the rule's algorithm.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct LimitSpec {
+    #[serde(default)]
+    pub(super) rate: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) burst: Option<Spanned<i64>>,
+    #[serde(default)]
+    pub(super) max_delay: Option<Spanned<String>>,
+}
+
+/// A cost function.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct CostSpec {
+    #[serde(default)]
+    pub(super) default: Option<i64>,
+    #[serde(default)]
+    pub(super) max: Option<i64>,
+    #[serde(default)]
+    pub(super) header: Option<String>,
+    #[serde(default)]
+    pub(super) query: Option<String>,
+    #[serde(default)]
+    pub(super) bytes_per_unit: Option<i64>,
+    #[serde(default)]
+    pub(super) methods: BTreeMap<String, i64>,
+    #[serde(default)]
+    pub(super) routes: Vec<RouteCost>,
+}
+
+/// One `routes` entry of a cost.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RouteCost {
+    #[serde(default)]
+    pub(super) method: Option<String>,
+    pub(super) path: String,
+    pub(super) cost: i64,
+}
+
+/// An escalation ladder.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct EscalateSpec {
+    pub(super) strikes: Spanned<i64>,
+    pub(super) period: Spanned<String>,
+    pub(super) block: Spanned<String>,
+    pub(super) max_block: Spanned<String>,
+}
+
+/// `[access]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct AccessSpec {
+    #[serde(default)]
+    pub(super) name: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) keys_from: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) allow_keys: Vec<String>,
+    #[serde(default)]
+    pub(super) deny_keys: Vec<String>,
+    #[serde(default)]
+    pub(super) allow_networks: Option<Spanned<Vec<String>>>,
+    #[serde(default)]
+    pub(super) deny_networks: Option<Spanned<Vec<String>>>,
+    #[serde(default)]
+    pub(super) deny_by_default: Option<bool>,
+}
+
+/// `[idempotency]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct IdempotencySpec {
+    pub(super) name: Spanned<String>,
+    pub(super) key: Spanned<String>,
+    pub(super) ttl: Spanned<String>,
+}
+
+/// `[decision_log]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct LogSpec {
+    #[serde(default)]
+    pub(super) allowed: Option<f64>,
+    #[serde(default)]
+    pub(super) limited: Option<f64>,
+}
+
+/// `"15m"`, `"100ms"`, `"1h"`, `"2d"`, `"30s"`: one whole number and a
+/// unit.
+pub(super) fn duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (digits, unit) = text.split_at(split);
+    let n: u64 = digits.parse().map_err(|_| {
+        format!("{text:?} is not a duration like \"100ms\", \"30s\", \"15m\", \"1h\" or \"1d\"")
+    })?;
+    let unit_secs = match unit.trim() {
+        "ms" => return Ok(Duration::from_millis(n)),
+        "s" | "sec" | "second" | "seconds" => 1,
+        "m" | "min" | "minute" | "minutes" => 60,
+        "h" | "hour" | "hours" => 3_600,
+        "d" | "day" | "days" => 86_400,
+        _ => {
+            return Err(format!(
+                "{text:?} is not a duration like \"100ms\", \"30s\", \"15m\", \"1h\" or \"1d\""
+            ))
+        }
+    };
+    n.checked_mul(unit_secs)
+        .map(Duration::from_secs)
+        .ok_or_else(|| format!("{text:?} is too long"))
+}
+
+/// `"10/s"`, `"600/min"`, `"5/15m"`, `"1000/day"`: an amount per period.
+pub(super) fn rate(text: &str) -> Result<(u32, Duration), String> {
+    let shape = || format!("{text:?} is not a rate like \"10/s\", \"600/min\" or \"5/15m\"");
+    let (amount, per) = text.split_once('/').ok_or_else(shape)?;
+    let amount: u32 = amount.trim().parse().map_err(|_| shape())?;
+    let per = per.trim();
+    // A bare unit is one of it: "10/s" is "10/1s".
+    let period = if per.starts_with(|c: char| c.is_ascii_digit()) {
+        duration(per)?
+    } else {
+        duration(&format!("1{per}")).map_err(|_| shape())?
+    };
+    Ok((amount, period))
+}
+
+/// A key: alternatives split by `|` (the first that finds a key wins),
+/// each the parts joined by `+` (all of them, in order).
+pub(super) fn key_parts(text: &str) -> Vec<Vec<&str>> {
+    text.split('|')
+        .map(|alt| alt.split('+').map(str::trim).collect())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_and_durations_read_as_people_write_them() {
+        assert_eq!(rate("10/s").unwrap(), (10, Duration::from_secs(1)));
+        assert_eq!(rate("600 / min").unwrap(), (600, Duration::from_secs(60)));
+        assert_eq!(rate("5/15m").unwrap(), (5, Duration::from_secs(900)));
+        assert_eq!(
+            rate("1000/day").unwrap(),
+            (1000, Duration::from_secs(86_400))
+        );
+        assert_eq!(rate("3/250ms").unwrap(), (3, Duration::from_millis(250)));
+        for bad in ["10", "x/s", "10/fortnight", "-1/s", "10/", "99999999999/s"] {
+            assert!(rate(bad).is_err(), "{bad}");
+        }
+        assert_eq!(duration("24h").unwrap(), Duration::from_secs(86_400));
+        assert!(duration("18446744073709551615d").is_err());
+        assert!(duration("").is_err());
+        assert_eq!(
+            key_parts("header:x-org + route | client-ip"),
+            vec![vec!["header:x-org", "route"], vec!["client-ip"]]
+        );
+    }
+}

@@ -1,0 +1,429 @@
+use std::convert::Infallible;
+use std::time::Duration;
+
+use http::{Request, Response, StatusCode};
+use tollgate_core::{Limiter, ManualClock, Store};
+use tower::{service_fn, Layer, Service, ServiceExt};
+
+use super::*;
+use crate::MemoryStore;
+
+type Req = Request<String>;
+
+const QUICK: &str = r#"
+plan_from = "header:x-plan"
+
+[costs.api]
+default = 1
+routes = [
+    { method = "POST", path = "/api/orders", cost = 3 },
+    { method = "POST", path = "/api/reports", cost = 10 },
+]
+
+[[rules]]
+name = "per-key"
+key = "header:x-api-key | client-ip"
+rate = "10/s"
+burst = 20
+cost = "api"
+plans.pro = { rate = "100/s", burst = 200 }
+
+[[rules]]
+name = "per-ip"
+key = "client-ip"
+rate = "100/s"
+burst = 400
+cost = "api"
+"#;
+
+fn store(clock: &ManualClock) -> MemoryStore<ManualClock> {
+    MemoryStore::builder().clock(clock.clone()).build().unwrap()
+}
+
+fn req(method: &str, path: &str, key: &str) -> Req {
+    let mut r = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("x-api-key", key)
+        .body(String::new())
+        .unwrap();
+    r.extensions_mut()
+        .insert("203.0.113.9:4000".parse::<std::net::SocketAddr>().unwrap());
+    r
+}
+
+async fn status<S>(svc: &mut S, r: Req) -> (StatusCode, Option<String>)
+where
+    S: Service<Req, Response = Response<crate::body::ResponseBody<String>>, Error = Infallible>,
+{
+    let res = svc.ready().await.unwrap().call(r).await.unwrap();
+    let policy = res
+        .headers()
+        .get("ratelimit-policy")
+        .map(|v| v.to_str().unwrap().to_owned());
+    (res.status(), policy)
+}
+
+fn ok_service(
+) -> impl Service<Req, Response = Response<String>, Error = Infallible, Future = impl Send> + Clone + Send
+{
+    service_fn(|_r: Req| async { Ok::<_, Infallible>(Response::new("ok".to_owned())) })
+}
+
+#[tokio::test]
+async fn a_file_declares_what_the_builder_does() {
+    let clock = ManualClock::new();
+    let file = PolicyFile::parse(QUICK).unwrap();
+    let layer = file.layer::<String, _>(&store(&clock)).unwrap();
+    assert_eq!(layer.rule_names(), ["per-key", "per-ip"]);
+    let mut svc = layer.layer(ok_service());
+    let (s, policy) = status(&mut svc, req("GET", "/api/hello", "a")).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(
+        policy.as_deref(),
+        Some(r#""per-key";q=20;w=2, "per-ip";q=400;w=4"#)
+    );
+    // Reports cost 10 of the 20: two pass, the third is refused.
+    for _ in 0..1 {
+        assert_eq!(
+            status(&mut svc, req("POST", "/api/reports", "b")).await.0,
+            StatusCode::OK
+        );
+    }
+    assert_eq!(
+        status(&mut svc, req("POST", "/api/reports", "b")).await.0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        status(&mut svc, req("POST", "/api/reports", "b")).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // The pro plan has its own budget of 200.
+    let mut pro = req("POST", "/api/reports", "b");
+    pro.headers_mut().insert("x-plan", "pro".parse().unwrap());
+    assert_eq!(status(&mut svc, pro).await.0, StatusCode::OK);
+    // Keyless requests fall to the client IP.
+    let mut anon = req("GET", "/", "x");
+    anon.headers_mut().remove("x-api-key");
+    assert_eq!(status(&mut svc, anon).await.0, StatusCode::OK);
+}
+
+#[test]
+fn file_keys_write_the_same_store_keys_as_code() {
+    use crate::key::{ClientIp, Header, KeyBuf, KeyExtractor, KeyExtractorExt};
+    let client = ClientIp::trusting(["10.0.0.0/8"]).unwrap();
+    let file = FileKey::parse("header:x-api-key | client-ip", &client, 64).unwrap();
+    let code = Header::named("x-api-key").unwrap().or(client.clone());
+    let three = FileKey::parse("header:a | header:b + path | global", &client, 64).unwrap();
+    let three_code = Header::named("a")
+        .unwrap()
+        .or((Header::named("b").unwrap(), crate::key::Path))
+        .or(crate::key::Global);
+    for r in [req("GET", "/x", "k1"), {
+        let mut r = req("GET", "/y", "k");
+        r.headers_mut().remove("x-api-key");
+        r.headers_mut().insert("b", "bee".parse().unwrap());
+        r
+    }] {
+        let (mut a, mut b) = (KeyBuf::new(), KeyBuf::new());
+        assert_eq!(file.extract(&r, &mut a), code.extract(&r, &mut b));
+        assert_eq!(a.as_bytes(), b.as_bytes());
+        let (mut a, mut b) = (KeyBuf::new(), KeyBuf::new());
+        assert_eq!(three.extract(&r, &mut a), three_code.extract(&r, &mut b));
+        assert_eq!(a.as_bytes(), b.as_bytes());
+    }
+}
+
+/// The error `text` gives, as `line:column: field: message`.
+fn error(text: &str) -> String {
+    let e = PolicyFile::parse(text).unwrap_err();
+    format!(
+        "{}:{}: {}: {}",
+        e.line(),
+        e.column(),
+        e.field(),
+        e.message()
+    )
+}
+
+#[test]
+fn load_errors_name_the_line_and_the_field() {
+    let rule = |extra: &str| {
+        format!("[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\n\n[[rules]]\nname = \"b\"\nkey = \"global\"\n{extra}\n")
+    };
+    // The issue's example.
+    let e = error(&rule("rate = \"1/s\"\nburst = 0"));
+    assert_eq!(e, "11:9: rules[1].burst: must be at least 1");
+    assert!(
+        error(&rule("rate = \"1/s\"\nbrust = 5"))
+            .starts_with("11:1: rules[1].brust: unknown field"),
+        "{}",
+        error(&rule("rate = \"1/s\"\nbrust = 5"))
+    );
+    assert_eq!(
+        error(&rule("rate = \"1 per s\"\nburst = 2")),
+        "10:8: rules[1].rate: \"1 per s\" is not a rate like \"10/s\", \"600/min\" or \"5/15m\""
+    );
+    assert!(error(&rule("rate = \"1/s\"")).contains("rules[1].burst: is missing"));
+    assert!(error(&rule(
+        "algorithm = \"fixed_window\"\nrate = \"5/m\"\nburst = 2"
+    ))
+    .starts_with("12:9: rules[1].burst: is not used by fixed_window"));
+    assert!(error(&rule("algorithm = \"magic\"\nrate = \"5/m\""))
+        .starts_with("10:13: rules[1].algorithm: must be one of"));
+    assert!(error(&rule("rate = \"1/s\"\nburst = 2\ncost = \"pricey\""))
+        .starts_with("12:8: rules[1].cost: no [costs.pricey] is declared"));
+    assert!(error(&rule("rate = \"1/s\"\nburst = 2\nkey2 = 1"))
+        .contains("rules[1].key2: unknown field"));
+    assert!(error(&rule("rate = \"1/s\"\nburst = 2\ncost = [1]"))
+        .starts_with("12:8: rules[1].cost: a cost is a whole number"));
+    assert!(error(&rule(
+        "rate = \"1/s\"\nburst = 2\ncost = { header = \"x-cost\", colour = 1 }"
+    ))
+    .contains("rules[1].cost: unknown field `colour`"));
+    assert!(error(&rule("rate = \"1/s\"\nburst = 2\nwarn_at = 1.5"))
+        .starts_with("12:11: rules[1].warn_at: must be above 0"));
+    assert!(
+        error(&rule("rate = \"1/s\"\nburst = 2\nmissing_key = \"maybe\""))
+            .contains("rules[1].missing_key")
+    );
+    assert!(error(&rule("rate = \"1/s\"\nburst = 2\ncount_if = [999]"))
+        .contains("rules[1].count_if: 999 is not an HTTP status"));
+    assert!(error(&rule(
+        "rate = \"1/s\"\nburst = 2\nplans.pro = { rate = \"5/s\", burst = 0 }"
+    ))
+    .contains("rules[1].plans.pro.burst: must be at least 1"));
+    assert!(
+        error(&rule("rate = \"1/s\"\nburst = \"ten\""))
+            .starts_with("11:9: rules[1].burst: invalid type"),
+        "{}",
+        error(&rule("rate = \"1/s\"\nburst = \"ten\""))
+    );
+    // A rule name twice: placed at the second rule.
+    let twice = "[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\n[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\n";
+    assert!(
+        error(twice).starts_with("6:1: rules[1].name: "),
+        "{}",
+        error(twice)
+    );
+    // Top-level fields.
+    assert!(error(&format!(
+        "trusted_proxies = [\"10.0.0.0/33\"]\n{}",
+        rule("rate = \"1/s\"\nburst = 1")
+    ))
+    .starts_with("1:19: trusted_proxies:"));
+    assert!(
+        error("[[rules]]\nname = \"a\"\nkey = \"cookie\"\nrate = \"1/s\"\nburst = 1\n")
+            .starts_with("3:7: rules[0].key: \"cookie\" is not a key part")
+    );
+    assert_eq!(error(""), "0:0: rules: declare 1 to 8 [[rules]]");
+    assert!(
+        error("[[rules]\nname = 1").starts_with("1:"),
+        "{}",
+        error("[[rules]\nname = 1")
+    );
+    // The Display form starts with the file when read from one.
+    let dir = std::env::temp_dir().join(format!("tollgate-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("bad.toml");
+    std::fs::write(&path, rule("rate = \"1/s\"\nburst = 0")).unwrap();
+    let shown = PolicyFile::read(&path).unwrap_err().to_string();
+    assert_eq!(
+        shown,
+        format!(
+            "{}:11:9: rules[1].burst: must be at least 1",
+            path.display()
+        )
+    );
+    let missing = PolicyFile::read(dir.join("absent.toml")).unwrap_err();
+    assert!(missing.message().starts_with("cannot read the file"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn every_option_loads() {
+    let text = r#"
+headers = true
+legacy_headers = true
+trusted_proxies = ["10.0.0.0/8", "::1"]
+forwarded_header = "forwarded"
+ipv6_prefix = 56
+plan_from = "extension"
+
+[access]
+name = "lists"
+keys_from = "x-api-key"
+allow_keys = ["internal"]
+deny_keys = ["leaked"]
+allow_networks = ["192.0.2.0/24"]
+deny_networks = ["203.0.113.0/24", "2001:db8::/32"]
+
+[idempotency]
+name = "idem"
+key = "header:x-api-key"
+ttl = "24h"
+
+[decision_log]
+allowed = 0.01
+limited = 1.0
+
+[[rules]]
+name = "tb"
+key = "header:x-api-key + route"
+algorithm = "token_bucket"
+rate = "5/s"
+burst = 10
+cost = { header = "x-cost", default = 1, max = 50 }
+missing_key = "fallback:anonymous"
+
+[[rules]]
+name = "fw"
+key = "peer-ip"
+algorithm = "fixed_window"
+rate = "100/min"
+cost = { query = "count", max = 10 }
+shadow = true
+
+[[rules]]
+name = "swc"
+key = "path + method"
+algorithm = "sliding_window"
+rate = "50/10s"
+cost = { default = 1, methods = { POST = 5, DELETE = 2 } }
+canary = 0.25
+missing_key = "skip"
+
+[[rules]]
+name = "log"
+key = "header:x-user"
+algorithm = "sliding_log"
+rate = "5/15m"
+count_if = [401, 403]
+warn_at = 0.6
+escalate = { strikes = 3, period = "15m", block = "15m", max_block = "24h" }
+
+[[rules]]
+name = "lb"
+key = "global"
+algorithm = "leaky_bucket"
+rate = "100/s"
+max_delay = "250ms"
+cost = { bytes_per_unit = 1024, default = 1, max = 64 }
+plans.gold = { rate = "1000/s", max_delay = "1s" }
+"#;
+    let file = PolicyFile::parse(text).unwrap();
+    let layer = file.layer::<String, _>(&MemoryStore::new()).unwrap();
+    assert_eq!(layer.rule_names(), ["tb", "fw", "swc", "log", "lb"]);
+}
+
+#[tokio::test]
+async fn a_reload_keeps_unchanged_rules_and_rejects_bad_files() {
+    let clock = ManualClock::new();
+    let dir = std::env::temp_dir().join(format!("tollgate-reload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("policy.toml");
+    let v1 = "[[rules]]\nname = \"per-key\"\nkey = \"header:x-api-key\"\nrate = \"1/min\"\nburst = 2\n\n[[rules]]\nname = \"global\"\nkey = \"global\"\nrate = \"1/min\"\nburst = 100\n";
+    std::fs::write(&path, v1).unwrap();
+    let (layer, reloader) = Reloader::<String, _>::load(&path, store(&clock)).unwrap();
+    let mut svc = layer.layer(ok_service());
+    for _ in 0..2 {
+        assert_eq!(
+            status(&mut svc, req("GET", "/", "a")).await.0,
+            StatusCode::OK
+        );
+    }
+    assert_eq!(
+        status(&mut svc, req("GET", "/", "a")).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(reloader.reload().unwrap(), Reloaded::Unchanged);
+
+    // v2: per-key unchanged; global's burst cut to 2 (GCRA: it goes on
+    // from its state, where 2 of 100 are spent); a third rule.
+    let v2 = v1.replace("burst = 100", "burst = 3")
+        + "\n[[rules]]\nname = \"per-path\"\nkey = \"path\"\nrate = \"1/min\"\nburst = 1\n";
+    std::fs::write(&path, &v2).unwrap();
+    assert_eq!(reloader.reload().unwrap(), Reloaded::Applied);
+    assert_eq!(layer.rule_names(), ["per-key", "global", "per-path"]);
+    // per-key kept its state: "a" is still refused.
+    assert_eq!(
+        status(&mut svc, req("GET", "/", "a")).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // global has one unit left of 3 (2 spent before the reload).
+    let (s, policy) = status(&mut svc, req("GET", "/one", "b")).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(policy.unwrap().contains(r#""global";q=3"#));
+    assert_eq!(
+        status(&mut svc, req("GET", "/two", "c")).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+
+    // A bad file: rejected, and the running policy stays.
+    std::fs::write(&path, v2.replace("burst = 3", "burst = 0")).unwrap();
+    let e = reloader.reload().unwrap_err();
+    assert_eq!(e.field(), "rules[1].burst");
+    assert_eq!(layer.rule_names(), ["per-key", "global", "per-path"]);
+    assert_eq!(
+        status(&mut svc, req("GET", "/three", "d")).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // A minute on, one more unit per rule.
+    clock.advance(Duration::from_secs(60));
+    assert_eq!(
+        status(&mut svc, req("GET", "/four", "e")).await.0,
+        StatusCode::OK
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[tokio::test]
+async fn a_request_decided_before_a_reload_finishes_on_its_policy() {
+    // A response-aware rule: the charge taken at arrival is given back
+    // when the response does not count. A reload between the two must
+    // neither drop the give-back nor charge again.
+    let clock = ManualClock::new();
+    let v1 = "[[rules]]\nname = \"fails\"\nkey = \"header:x-api-key\"\nrate = \"1/min\"\nburst = 3\ncount_if = [401]\n";
+    let st = store(&clock);
+    let layer = PolicyFile::parse(v1)
+        .unwrap()
+        .layer::<String, _>(&st)
+        .unwrap();
+    let (release, gate) = tokio::sync::oneshot::channel::<()>();
+    let gate = std::sync::Arc::new(tokio::sync::Mutex::new(Some(gate)));
+    let inner = service_fn(move |_r: Req| {
+        let gate = gate.clone();
+        async move {
+            if let Some(g) = gate.lock().await.take() {
+                let _ = g.await;
+            }
+            Ok::<_, Infallible>(Response::new("ok".to_owned()))
+        }
+    });
+    let mut svc = layer.layer(inner);
+    let pending = tokio::spawn(svc.ready().await.unwrap().call(req("GET", "/", "k")));
+    tokio::task::yield_now().await;
+    let key = {
+        use crate::key::{Header, KeyBuf, KeyExtractor};
+        let mut buf = KeyBuf::new();
+        Header::named("x-api-key")
+            .unwrap()
+            .extract(&req("GET", "/", "k"), &mut buf)
+            .unwrap();
+        buf.as_bytes().to_vec()
+    };
+    let limiter = layer.limiters().into_iter().next().unwrap();
+    assert_eq!(limiter.decide(&key, 0).await.unwrap().remaining, 2);
+    // Reload with another burst (GCRA goes on from the state).
+    let v2 = v1.replace("burst = 3", "burst = 5");
+    let next = PolicyFile::parse(&v2)
+        .unwrap()
+        .layer::<String, _>(&st.rebinding())
+        .unwrap();
+    layer.replace(&next);
+    release.send(()).unwrap();
+    assert_eq!(pending.await.unwrap().unwrap().status(), StatusCode::OK);
+    // The 200 did not count: its charge is back, under the new burst.
+    let limiter = layer.limiters().into_iter().next().unwrap();
+    assert_eq!(limiter.decide(&key, 0).await.unwrap().remaining, 5);
+}

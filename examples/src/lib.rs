@@ -18,11 +18,12 @@ use axum::Router;
 use tollgate::bandwidth::BandwidthLayer;
 use tollgate::calendar::Period;
 use tollgate::concurrency::{AdaptiveLimit, ConcurrencyLayer, Gradient};
+use tollgate::config::{FileError, PolicyFile};
 use tollgate::core::QuotaStore;
 use tollgate::cost::ByRoute;
 use tollgate::key::{ClientIp, Header, KeyExtractorExt};
-use tollgate::policy::{PolicyLayer, RateRule};
-use tollgate::{ConfigError, Limit, QuotaLayer, Rate};
+use tollgate::policy::PolicyLayer;
+use tollgate::QuotaLayer;
 
 /// The size of `GET /api/download`'s body.
 pub const DOWNLOAD_BYTES: usize = 1 << 20;
@@ -64,7 +65,39 @@ pub const DOWNLOAD_BURST: u32 = 64 << 10;
 pub fn quickstart_app<S: QuotaStore>(
     store: S,
     trusted_proxies: &[String],
-) -> Result<Router, ConfigError> {
+) -> Result<Router, Error> {
+    let policy = quickstart_policy(None, trusted_proxies)?;
+    Ok(quickstart_app_with(store, trusted_proxies, &policy)?.0)
+}
+
+/// Why a quickstart app was not built: a policy file that did not load,
+/// or a layer's configuration error.
+pub type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// The quickstart's built-in rate policy (per-key and per-ip), as a
+/// policy file: `examples/quickstart.toml`.
+pub const QUICKSTART_POLICY: &str = include_str!("../quickstart.toml");
+
+/// The quickstart's rate policy: the file at `path`, else the built-in
+/// one; `trusted_proxies` apply where the file names none.
+pub fn quickstart_policy(
+    path: Option<&std::path::Path>,
+    trusted_proxies: &[String],
+) -> Result<PolicyFile, FileError> {
+    let file = match path {
+        Some(path) => PolicyFile::read(path)?,
+        None => PolicyFile::parse(QUICKSTART_POLICY)?,
+    };
+    file.default_trusted_proxies(trusted_proxies)
+}
+
+/// [`quickstart_app`] with its rate policy from `policy`; also returns
+/// that policy's layer, for a [`Reloader`](tollgate::config::Reloader).
+pub fn quickstart_app_with<S: QuotaStore>(
+    store: S,
+    trusted_proxies: &[String],
+    policy: &PolicyFile,
+) -> Result<(Router, PolicyLayer<Body, S::Limiter>), Error> {
     let client = Header::named("x-api-key")?.or(ClientIp::trusting(trusted_proxies)?);
     let store_for_login = store.clone();
     let downloads = ConcurrencyLayer::builder("downloads", 2)
@@ -83,6 +116,7 @@ pub fn quickstart_app<S: QuotaStore>(
             AdaptiveLimit::Gradient(Gradient::new(16, 64, 512)?),
         )
         .build()?;
+    // The quota's costs (the rate policy's are in its file).
     let costs = ByRoute::new(1)
         .route(Some(Method::POST), "/api/orders", 3)
         .route(Some(Method::POST), "/api/reports", 10);
@@ -90,32 +124,14 @@ pub fn quickstart_app<S: QuotaStore>(
         .period(Period::Day, 1_000)
         .soft_limit(0.8)
         .key(client.clone())
-        .cost(costs.clone())
+        .cost(costs)
         .store(store.clone())
         .build()?;
-    // One decision for two rates: a rate per client, and one per address
-    // so that rotating API keys from one address buys no fresh budgets. A
-    // request either rule refuses costs neither.
-    // A demo: the plan comes from a header the client sets. In production
-    // it comes from authentication (`plan_from_extension`), never from the
-    // client.
-    let limit = PolicyLayer::builder()
-        .plan_from_header("x-plan")?
-        .rule(
-            RateRule::new("per-key", Limit::gcra(Rate::per_second(10), 20), client)
-                .plan("pro", Limit::gcra(Rate::per_second(100), 200))
-                .cost(costs.clone()),
-        )
-        .rule(
-            RateRule::new(
-                "per-ip",
-                Limit::gcra(Rate::per_second(100), 400),
-                ClientIp::trusting(trusted_proxies)?,
-            )
-            .cost(costs),
-        )
-        .store(store)
-        .build()?;
+    // One decision for two rates, declared in `quickstart.toml`: a rate
+    // per client, and one per address so that rotating API keys from one
+    // address buys no fresh budgets. A request either rule refuses costs
+    // neither.
+    let limit = policy.layer::<Body, _>(&store)?;
     let api = Router::new()
         .route(
             "/api/hello",
@@ -134,15 +150,16 @@ pub fn quickstart_app<S: QuotaStore>(
         // Outermost first: in flight, then the rate, then the day's quota,
         // so a request refused early spends nothing further in.
         .route_layer(daily)
-        .route_layer(limit)
+        .route_layer(limit.clone())
         .route_layer(in_flight);
-    Ok(Router::new()
+    let router = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .merge(api)
         .merge(login::routes(
             store_for_login,
             ClientIp::trusting(trusted_proxies)?,
-        )?))
+        )?);
+    Ok((router, limit))
 }
 
 /// Installs a Prometheus recorder for the `metrics` facade, once per

@@ -433,3 +433,101 @@ async fn refusals_of_audited_rules_land_in_a_redis_stream() {
     }
     assert!(audit.dropped() >= 46, "{} dropped", audit.dropped());
 }
+
+/// A reload on a store: `v1`'s per-key GCRA (burst 2) and fixed window
+/// (3 a minute) spent by one key, then `v2` with a bigger burst and limit
+/// and a window of another length. The GCRA goes on from its state, the
+/// window of the same length would too, the one of another length starts
+/// fresh — the same on every store.
+async fn reload_on<S: Store>(store: S, clock: &ManualClock) {
+    use tollgate::config::PolicyFile;
+    let v1 = r#"
+[[rules]]
+name = "gcra"
+key = "header:x-api-key"
+rate = "1/min"
+burst = 2
+
+[[rules]]
+name = "window"
+key = "header:x-api-key"
+algorithm = "fixed_window"
+rate = "3/min"
+"#;
+    let layer = PolicyFile::parse(v1)
+        .unwrap()
+        .layer::<String, _>(&store)
+        .unwrap();
+    let svc = layer.layer(service_fn(|_r: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(String::new()))
+    }));
+    let call = |svc: &_| {
+        let svc: &tollgate::policy::Policy<_, String, S::Limiter> = svc;
+        let svc = svc.clone();
+        async move {
+            let req = Request::get("/")
+                .header("x-api-key", "k")
+                .body(String::new())
+                .unwrap();
+            let res = svc.oneshot(req).await.unwrap();
+            let rl = res
+                .headers()
+                .get("ratelimit")
+                .map(|v| v.to_str().unwrap().to_owned())
+                .unwrap_or_default();
+            (res.status().as_u16(), rl)
+        }
+    };
+    assert_eq!(
+        call(&svc).await,
+        (200, "\"gcra\";r=1;t=60, \"window\";r=2;t=60".to_owned())
+    );
+    assert_eq!(
+        call(&svc).await,
+        (200, "\"gcra\";r=0;t=120, \"window\";r=1;t=60".to_owned())
+    );
+    assert_eq!(call(&svc).await.0, 429);
+    // v2: burst 4 (2 spent: 2 left), and the window 5 a minute (2 spent).
+    let v2 = v1
+        .replace("burst = 2", "burst = 4")
+        .replace("3/min", "5/min");
+    let next = PolicyFile::parse(&v2)
+        .unwrap()
+        .layer::<String, _>(&store.rebinding())
+        .unwrap();
+    layer.replace(&next);
+    assert_eq!(
+        call(&svc).await,
+        (200, "\"gcra\";r=1;t=180, \"window\";r=2;t=60".to_owned())
+    );
+    // v3: the window 5 every 2 minutes: a fresh count.
+    let v3 = v2.replace("5/min", "5/2m");
+    let next = PolicyFile::parse(&v3)
+        .unwrap()
+        .layer::<String, _>(&store.rebinding())
+        .unwrap();
+    layer.replace(&next);
+    let (status, rl) = call(&svc).await;
+    assert_eq!(status, 200);
+    assert!(
+        rl.starts_with("\"gcra\";r=0;t=240, \"window\";r=4;"),
+        "{rl}"
+    );
+    // The GCRA recovers at its rate: one unit a minute on.
+    clock.advance(Duration::from_secs(60));
+    assert_eq!(call(&svc).await.0, 200);
+}
+
+#[tokio::test]
+async fn a_reload_goes_on_from_state_in_memory() {
+    let clock = ManualClock::starting_at(1_796_000_040_000_000_000); // a whole minute
+    let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    reload_on(store, &clock).await;
+}
+
+#[tokio::test]
+async fn a_reload_goes_on_from_state_on_redis() {
+    let Some(redis) = Server::start() else { return };
+    let clock = ManualClock::starting_at(1_796_000_040_000_000_000);
+    reload_on(redis_store(&redis.url(), &clock), &clock).await;
+}

@@ -4,7 +4,10 @@
 //! store, or with Redis when `TOLLGATE_REDIS_URL` is set (a `redis://` URL,
 //! or a comma-separated list of cluster nodes): several instances then
 //! share one budget per client. `TOLLGATE_TRUSTED_PROXIES` (comma-separated
-//! CIDRs) names the proxies whose `X-Forwarded-For` is believed. Try it:
+//! CIDRs) names the proxies whose `X-Forwarded-For` is believed.
+//! `TOLLGATE_CONFIG` names a policy file to use instead of the built-in
+//! `examples/quickstart.toml`; the server reloads it on SIGHUP and when it
+//! changes, and refuses to start if it does not load. Try it:
 //!
 //! ```text
 //! curl -i -H 'x-api-key: demo' http://127.0.0.1:3000/api/hello
@@ -12,10 +15,39 @@
 //! curl -s http://127.0.0.1:3000/metrics | grep tollgate_requests_total
 //! ```
 
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tollgate::config::Reloader;
+use tollgate::core::QuotaStore;
 use tollgate::{FailurePolicy, MemoryStore, RedisStore};
 
+/// Builds the app on `store`, and starts reloading the policy file if
+/// one is named.
+fn app<S: QuotaStore>(
+    store: S,
+    trusted: &[String],
+    config: Option<&PathBuf>,
+) -> Result<axum::Router, Box<dyn std::error::Error + Send + Sync>> {
+    let policy = tollgate_examples::quickstart_policy(config.map(PathBuf::as_path), trusted)?;
+    let (app, layer) = tollgate_examples::quickstart_app_with(store.clone(), trusted, &policy)?;
+    if let Some(path) = config {
+        Reloader::new(path, &policy, store, &layer).spawn(Duration::from_secs(2));
+        println!(
+            "policy from {} (reloads on SIGHUP and on change)",
+            path.display()
+        );
+    }
+    Ok(app)
+}
+
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    // Logs (a reload, a rejected policy file) to stderr.
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
     let addr = std::env::var("TOLLGATE_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
     let trusted: Vec<String> = std::env::var("TOLLGATE_TRUSTED_PROXIES")
         .unwrap_or_default()
@@ -24,24 +56,30 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .filter(|s| !s.is_empty())
         .map(str::to_owned)
         .collect();
+    let config = std::env::var_os("TOLLGATE_CONFIG")
+        .filter(|p| !p.is_empty())
+        .map(PathBuf::from);
     // The recorder first: the layers register their metrics when built.
     let metrics = tollgate_examples::prometheus()?;
-    let (app, store) = match std::env::var("TOLLGATE_REDIS_URL") {
+    let built = match std::env::var("TOLLGATE_REDIS_URL") {
         Ok(url) if !url.trim().is_empty() => {
             // If Redis goes away, each instance keeps limiting on its own.
             let store = RedisStore::builder(&url)
                 .prefix("quickstart")
                 .failure_policy(FailurePolicy::fallback())
                 .build()?;
-            (
-                tollgate_examples::quickstart_app(store, &trusted)?,
-                format!("redis store at {url}"),
-            )
+            app(store, &trusted, config.as_ref()).map(|a| (a, format!("redis store at {url}")))
         }
-        _ => (
-            tollgate_examples::quickstart_app(MemoryStore::new(), &trusted)?,
-            "in-memory store".to_owned(),
-        ),
+        _ => app(MemoryStore::new(), &trusted, config.as_ref())
+            .map(|a| (a, "in-memory store".to_owned())),
+    };
+    let (app, store) = match built {
+        Ok(built) => built,
+        Err(e) => {
+            // A policy file that does not load: say where, and stop.
+            eprintln!("tollgate quickstart: {e}");
+            std::process::exit(2);
+        }
     };
     let app = app.merge(tollgate_examples::metrics_route(metrics));
     let listener = tokio::net::TcpListener::bind(&addr).await?;

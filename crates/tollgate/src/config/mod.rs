@@ -113,11 +113,11 @@ pub struct PolicyFile {
 /// Why a policy file did not load: where, which field, what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FileError {
-    origin: Option<String>,
-    line: usize,
-    column: usize,
-    field: String,
-    message: String,
+    pub(super) origin: Option<String>,
+    pub(super) line: usize,
+    pub(super) column: usize,
+    pub(super) field: String,
+    pub(super) message: String,
 }
 
 impl FileError {
@@ -215,7 +215,7 @@ impl PolicyFile {
         Self::parse_from(&text, Some(origin))
     }
 
-    fn parse_from(text: &str, origin: Option<String>) -> Result<Self, FileError> {
+    pub(super) fn parse_from(text: &str, origin: Option<String>) -> Result<Self, FileError> {
         let spec: spec::FileSpec =
             toml::from_str(text).map_err(|e| build::serde_error(text, origin.as_deref(), &e))?;
         let file = Self {
@@ -228,6 +228,18 @@ impl PolicyFile {
             .build()
             .map_err(|e| file.config_error(&e))?;
         Ok(file)
+    }
+
+    /// Trusts `ranges` (CIDRs) as proxies for `client-ip` keys when the
+    /// file names none itself (`trusted_proxies`): e.g. from the
+    /// environment of a server whose file is shared across deployments.
+    /// Errors name `trusted_proxies`.
+    pub fn default_trusted_proxies(mut self, ranges: &[String]) -> Result<Self, FileError> {
+        if self.spec.trusted_proxies.is_none() && !ranges.is_empty() {
+            self.spec.trusted_proxies = Some(toml::Spanned::new(0..0, ranges.to_vec()));
+            self.builder::<()>()?;
+        }
+        Ok(self)
     }
 
     /// The text the file was read from.

@@ -30,7 +30,7 @@ type Customize<B> = Arc<
 /// let (layer, reloader) =
 ///     Reloader::<axum::body::Body, _>::load("policy.toml", MemoryStore::new())?;
 /// reloader.spawn(Duration::from_secs(2));
-/// let app = axum::Router::new()
+/// let app: axum::Router = axum::Router::new()
 ///     .route("/", axum::routing::get(|| async { "hi" }))
 ///     .layer(layer);
 /// # let _ = app;
@@ -44,6 +44,9 @@ pub struct Reloader<B, St: Store> {
     customize: Option<Customize<B>>,
     /// The text of the policy running.
     running: Mutex<String>,
+    /// The text last tried, applied or not: polls skip it, so a bad file
+    /// is reported once, not on every poll.
+    tried: Mutex<String>,
 }
 
 impl<B, St: Store> fmt::Debug for Reloader<B, St> {
@@ -78,6 +81,7 @@ impl<B, St: Store> Reloader<B, St> {
             layer: layer.clone(),
             customize: None,
             running: Mutex::new(file.text().to_owned()),
+            tried: Mutex::new(file.text().to_owned()),
         };
         Ok((layer, reloader))
     }
@@ -96,6 +100,7 @@ impl<B, St: Store> Reloader<B, St> {
             layer: layer.clone(),
             customize: None,
             running: Mutex::new(file.text().to_owned()),
+            tried: Mutex::new(file.text().to_owned()),
         }
     }
 
@@ -117,7 +122,13 @@ impl<B, St: Store> Reloader<B, St> {
     /// one. A file that does not load changes nothing: the error says
     /// why, and the running policy stays.
     pub fn reload(&self) -> Result<Reloaded, FileError> {
-        let outcome = self.try_reload();
+        self.reload_unless_tried(false)
+    }
+
+    /// [`reload`](Self::reload), except that with `skip_tried` a file
+    /// whose text was tried last (applied or rejected) is left alone.
+    fn reload_unless_tried(&self, skip_tried: bool) -> Result<Reloaded, FileError> {
+        let outcome = self.try_reload(skip_tried);
         let label = match &outcome {
             Ok(Reloaded::Applied) => {
                 tracing::info!(target: "tollgate", path = %self.path.display(), "policy reloaded");
@@ -137,8 +148,26 @@ impl<B, St: Store> Reloader<B, St> {
         outcome
     }
 
-    fn try_reload(&self) -> Result<Reloaded, FileError> {
-        let file = PolicyFile::read(&self.path)?;
+    fn try_reload(&self, skip_tried: bool) -> Result<Reloaded, FileError> {
+        let text = std::fs::read_to_string(&self.path).map_err(|e| FileError {
+            origin: Some(self.path.display().to_string()),
+            line: 0,
+            column: 0,
+            field: String::new(),
+            message: format!("cannot read the file: {e}"),
+        });
+        {
+            let mut tried = self.tried.lock().unwrap_or_else(PoisonError::into_inner);
+            let seen = match &text {
+                Ok(t) => t.as_str(),
+                Err(_) => "",
+            };
+            if skip_tried && *tried == seen {
+                return Ok(Reloaded::Unchanged);
+            }
+            seen.clone_into(&mut tried);
+        }
+        let file = PolicyFile::parse_from(&text?, Some(self.path.display().to_string()))?;
         let mut running = self.running.lock().unwrap_or_else(PoisonError::into_inner);
         if *running == file.text() {
             return Ok(Reloaded::Unchanged);
@@ -175,18 +204,20 @@ impl<B, St: Store> Reloader<B, St> {
             let mut tick = tokio::time::interval(poll.max(Duration::from_millis(10)));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
             loop {
-                std::future::poll_fn(|cx| {
+                // `true`: a SIGHUP, which retries even a file tried before.
+                let signalled = std::future::poll_fn(|cx| {
                     #[cfg(unix)]
                     if let Some(h) = hangup.as_mut() {
                         if h.poll_recv(cx).is_ready() {
-                            return Poll::Ready(());
+                            return Poll::Ready(true);
                         }
                     }
-                    tick.poll_tick(cx).map(|_| ())
+                    tick.poll_tick(cx).map(|_| false)
                 })
                 .await;
-                // Errors are logged and counted by `reload`.
-                let _ = self.reload();
+                // Errors are logged and counted; a file already tried is
+                // not tried again until it changes (or SIGHUP).
+                let _ = self.reload_unless_tried(!signalled);
             }
         })
     }

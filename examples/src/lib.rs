@@ -3,6 +3,7 @@
 //!
 //! Run the quickstart with `cargo run -p tollgate-examples --bin quickstart`.
 
+pub mod grpc;
 pub mod login;
 
 use std::net::SocketAddr;

@@ -22,17 +22,19 @@ fn get(path: &str, key: &str) -> Request<Bytes> {
         .unwrap()
 }
 
-/// The value of the sample `name{labels}` in Prometheus text, if present.
+/// The sum of the samples `name{labels, ...}` in Prometheus text, if any.
 fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    // The sum of the series with these labels (as PromQL's `sum`).
     text.lines()
         .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-        .find(|l| {
+        .filter(|l| {
             labels
                 .iter()
                 .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
         })
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
+        .filter_map(|l| l.rsplit(' ').next())
+        .filter_map(|v| v.parse::<f64>().ok())
+        .fold(None, |sum, v| Some(sum.unwrap_or(0.0) + v))
 }
 
 /// Every `tollgate_*` name in `text` (PromQL, YAML, JSON).
@@ -85,6 +87,33 @@ async fn the_quickstart_serves_what_its_layers_decided_as_prometheus_text() {
             &[("rule", "per-key"), ("outcome", "limited")]
         ),
         Some(5.0),
+        "{text}"
+    );
+    // The policy counts by plan, and (route_label in its file) by route.
+    assert_eq!(
+        sample(
+            &text,
+            requests,
+            &[
+                ("rule", "per-key"),
+                ("plan", "default"),
+                ("outcome", "limited")
+            ]
+        ),
+        Some(5.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "tollgate_route_requests_total",
+            &[
+                ("rule", "per-key"),
+                ("route", "/api/hello"),
+                ("outcome", "allowed")
+            ]
+        ),
+        Some(20.0),
         "{text}"
     );
     assert!(sample(

@@ -5,7 +5,9 @@
 //! | metric | kind | labels |
 //! |---|---|---|
 //! | `tollgate_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `shadow_limited` (denied but let through), `missing_key` (rejected), `unkeyed` (let through unlimited), `store_error` (let through); for an access list: `listed_allowed` (on an allow list, unlimited), `denied` (403); for an idempotency marker: `idempotent_repeat`; for a rule with an escalation ladder: `strike`, `blocked`; past a rule's warning share: `warned` |
-//! | `tollgate_retry_after_seconds` | histogram | `rule` |
+//! | `tollgate_route_requests_total` | counter | `rule`, `route` (axum's matched route, a template), `outcome`: `allowed`, `limited`, `too_costly`, `shadow_limited`; a policy's, when [`route_label`](crate::policy::PolicyLayerBuilder::route_label) is on |
+//! | `tollgate_config_reloads_total` | counter | `outcome`: `applied`, `unchanged`, `rejected` (a policy file's reloads) |
+//! | `tollgate_retry_after_seconds` | histogram | `rule` (and `plan`, as above) |
 //! | `tollgate_quota_requests_total` | counter | `rule`, `outcome`: as `tollgate_requests_total` |
 //! | `tollgate_quota_warnings_total` | counter | `rule`: responses past the quota's soft limit |
 //! | `tollgate_retry_calls_total` | counter | `rule`: calls through a retry budget layer (first attempts) |
@@ -24,7 +26,11 @@
 //! `examples/prometheus/alerts.yml` alerting rules (a test checks that
 //! every metric they use is exported).
 //!
-//! Labels carry the rule's name, never a client key.
+//! A policy whose rules name plans adds a `plan` label to its rules'
+//! `tollgate_requests_total` and `tollgate_retry_after_seconds` series:
+//! the plan whose limit applied (`default` for the rule's own limit).
+//!
+//! Labels carry the rule's name, its plan and route, never a client key.
 
 use metrics::{Counter, Histogram};
 
@@ -62,6 +68,15 @@ impl Metrics {
         Self::register_as(REQUESTS, rule)
     }
 
+    /// The handles of policy rule `rule` for requests on `plan` (`None`: a
+    /// policy without plans, whose series carry no `plan` label).
+    pub(crate) fn register_plan(rule: &str, plan: Option<&str>) -> Self {
+        match plan {
+            None => Self::register(rule),
+            Some(plan) => Self::register_labels(REQUESTS, rule, Some(plan)),
+        }
+    }
+
     /// The handles of a quota layer's `rule`.
     pub(crate) fn register_quota(rule: &str) -> (Self, Counter) {
         metrics::describe_counter!(
@@ -75,6 +90,10 @@ impl Metrics {
     }
 
     fn register_as(name: &'static str, rule: &str) -> Self {
+        Self::register_labels(name, rule, None)
+    }
+
+    fn register_labels(name: &'static str, rule: &str, plan: Option<&str>) -> Self {
         metrics::describe_counter!(
             name,
             "Requests decided by a tollgate limit, by rule and outcome"
@@ -84,7 +103,15 @@ impl Metrics {
             metrics::Unit::Seconds,
             "Retry-After of requests denied for now"
         );
-        let counter = |outcome: &'static str| metrics::counter!(name, "rule" => rule.to_owned(), "outcome" => outcome);
+        let mut labels = vec![metrics::Label::new("rule", rule.to_owned())];
+        if let Some(plan) = plan {
+            labels.push(metrics::Label::new("plan", plan.to_owned()));
+        }
+        let counter = |outcome: &'static str| {
+            let mut labels = labels.clone();
+            labels.push(metrics::Label::new("outcome", outcome));
+            metrics::counter!(name, labels)
+        };
         Self {
             allowed: counter("allowed"),
             limited: counter("limited"),
@@ -93,7 +120,7 @@ impl Metrics {
             missing_key: counter("missing_key"),
             unkeyed: counter("unkeyed"),
             store_error: counter("store_error"),
-            retry_after: metrics::histogram!(RETRY_AFTER, "rule" => rule.to_owned()),
+            retry_after: metrics::histogram!(RETRY_AFTER, labels.clone()),
             listed_allowed: counter("listed_allowed"),
             denied: counter("denied"),
             repeat: counter("idempotent_repeat"),

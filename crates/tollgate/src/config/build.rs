@@ -357,6 +357,20 @@ pub(super) fn builder<B>(file: &FileSpec) -> Result<PolicyLayerBuilder<B, Memory
     let mut b = crate::policy::PolicyLayer::builder()
         .headers(file.headers.unwrap_or(true))
         .legacy_headers(file.legacy_headers.unwrap_or(false));
+    if let Some(on) = &file.route_label {
+        #[cfg(feature = "axum")]
+        {
+            b = b.route_label(*on.get_ref());
+        }
+        #[cfg(not(feature = "axum"))]
+        if *on.get_ref() {
+            return Err(at(
+                on,
+                "route_label".to_owned(),
+                "needs tollgate's axum feature (routes are axum's matched paths)",
+            ));
+        }
+    }
     if let Some(p) = &file.plan_from {
         b = match p.get_ref().as_str() {
             "extension" => b.plan_from_extension(),

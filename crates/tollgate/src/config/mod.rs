@@ -40,7 +40,9 @@
 //!
 //! # The file
 //!
-//! Top level (all optional): `headers` and `legacy_headers` (booleans),
+//! Top level (all optional): `headers`, `legacy_headers` and
+//! `route_label` (booleans; see
+//! [`route_label`](crate::policy::PolicyLayerBuilder::route_label)),
 //! `trusted_proxies` (CIDRs whose forwarding headers `client-ip` believes),
 //! `forwarded_header` (`"x-forwarded-for"`, the default, or
 //! `"forwarded"`), `ipv6_prefix` (bits an IPv6 client is keyed by, 64 by

@@ -16,6 +16,8 @@ pub(super) struct FileSpec {
     #[serde(default)]
     pub(super) legacy_headers: Option<bool>,
     #[serde(default)]
+    pub(super) route_label: Option<Spanned<bool>>,
+    #[serde(default)]
     pub(super) trusted_proxies: Option<Spanned<Vec<String>>>,
     #[serde(default)]
     pub(super) forwarded_header: Option<Spanned<String>>,

@@ -87,18 +87,19 @@ pub(super) fn settle<B, L>(shared: &Shared<B, L>, report: &mut Report) -> Verdic
     for (i, (rule, slot)) in shared.rules.iter().zip(&report.decided).enumerate() {
         let Some((d, _)) = slot else { continue };
         let shadow = report.shadows(i);
+        // The plan's series (a plan the rule does not name: the rule's).
+        let m = &rule.at(report.plan).1.metrics;
         match d.outcome {
             Outcome::Allow { delay: wait } if !shadow => delay = delay.max(wait),
             Outcome::Allow { .. } => {}
             Outcome::Deny { .. } | Outcome::Never if shadow => {
-                rule.responder.metrics.shadow_limited.increment(1);
+                m.shadow_limited.increment(1);
             }
             Outcome::Never => {
-                rule.responder.metrics.too_costly.increment(1);
+                m.too_costly.increment(1);
                 never = never.or(Some(i));
             }
             Outcome::Deny { retry_after } => {
-                let m = &rule.responder.metrics;
                 m.limited.increment(1);
                 m.retry_after
                     .record(Duration::from_nanos(retry_after).as_secs_f64());
@@ -122,7 +123,9 @@ pub(super) fn settle<B, L>(shared: &Shared<B, L>, report: &mut Report) -> Verdic
     for (rule, slot) in shared.rules.iter().zip(&mut report.decided) {
         let Some((d, cost)) = slot else { continue };
         match verdict {
-            Verdict::Pass { .. } if d.is_allowed() => rule.responder.metrics.allowed.increment(1),
+            Verdict::Pass { .. } if d.is_allowed() => {
+                rule.at(report.plan).1.metrics.allowed.increment(1);
+            }
             // Refunded: the budget is as it was before the request.
             Verdict::Deny { .. } if d.is_allowed() => {
                 shown_refunded(d, *cost);

@@ -89,6 +89,10 @@ where
     B: 'static,
     L: Limiter,
 {
+    #[cfg(feature = "axum")]
+    if shared.route_label {
+        count_by_route(shared, report, verdict, &req);
+    }
     match verdict {
         Verdict::Pass { delay: 0 } | Verdict::Repeat => State::Calling {
             future: inner.call(req),
@@ -107,6 +111,40 @@ where
         | Verdict::MissingKey { .. }
         | Verdict::Denied
         | Verdict::Blocked { .. } => State::Rejected { verdict },
+    }
+}
+
+/// Counts each rule's decision of `req` under its matched route (see
+/// `PolicyLayerBuilder::route_label`).
+#[cfg(feature = "axum")]
+fn count_by_route<B, L>(
+    shared: &Shared<B, L>,
+    report: &Report,
+    verdict: Verdict,
+    req: &Request<B>,
+) {
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or("unmatched", axum::extract::MatchedPath::as_str);
+    let passed = matches!(verdict, Verdict::Pass { .. });
+    for (i, (rule, slot)) in shared.rules.iter().zip(&report.decided).enumerate() {
+        let Some((d, _)) = slot else { continue };
+        let outcome = match d.outcome {
+            tollgate_core::Outcome::Allow { .. } if passed => "allowed",
+            // Refunded: another rule refused the request.
+            tollgate_core::Outcome::Allow { .. } => continue,
+            _ if report.shadows(i) => "shadow_limited",
+            tollgate_core::Outcome::Never => "too_costly",
+            tollgate_core::Outcome::Deny { .. } => "limited",
+        };
+        metrics::counter!(
+            "tollgate_route_requests_total",
+            "rule" => rule.responder.rule.to_string(),
+            "route" => route.to_owned(),
+            "outcome" => outcome
+        )
+        .increment(1);
     }
 }
 

@@ -65,6 +65,7 @@ impl<B> PolicyLayer<B, ()> {
             plan_source: None,
             idempotency: None,
             log: None,
+            route_label: false,
             audit: None,
         }
     }
@@ -149,6 +150,7 @@ pub struct PolicyLayerBuilder<B, St> {
     idempotency: Option<(String, Box<dyn DynRule<B>>, std::time::Duration)>,
     log: Option<crate::observe::DecisionLog>,
     audit: Option<(Arc<dyn crate::observe::AuditSink>, Vec<String>)>,
+    route_label: bool,
 }
 
 impl<B, St> fmt::Debug for PolicyLayerBuilder<B, St> {
@@ -198,6 +200,7 @@ impl<B, St> PolicyLayerBuilder<B, St> {
             plan_source: self.plan_source,
             idempotency: self.idempotency,
             log: self.log,
+            route_label: self.route_label,
             audit: self.audit,
         }
     }
@@ -280,6 +283,19 @@ impl<B, St> PolicyLayerBuilder<B, St> {
     /// Whether to send `RateLimit-Policy` and `RateLimit` (default on).
     pub fn headers(mut self, on: bool) -> Self {
         self.headers = on;
+        self
+    }
+
+    /// Also counts decisions by route: `tollgate_route_requests_total{rule,
+    /// route, outcome}` (outcomes `allowed`, `limited`, `too_costly`,
+    /// `shadow_limited`), where `route` is axum's matched route (e.g.
+    /// `/api/items/{id}`: a template, so the series stay few) or
+    /// `unmatched` (default off: it costs a metrics-registry lookup per
+    /// rule and request). A separate name from `tollgate_requests_total`,
+    /// so sums of that one never count a request twice.
+    #[cfg(feature = "axum")]
+    pub fn route_label(mut self, on: bool) -> Self {
+        self.route_label = on;
         self
     }
 
@@ -395,14 +411,16 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 }
             };
             let limiter = self.store.limiter(&rule)?;
-            let responder = |rule: &Rule| Responder {
+            // Metrics carry a `plan` label where the policy has plans.
+            let responder = |rule: &Rule, plan: Option<&str>| Responder {
                 rule: rule.name().into(),
                 headers: Headers::new(rule, self.headers, self.legacy_headers),
                 shadow: r.shadow,
                 rejection: self.rejection.clone(),
                 rendered: Rendered::new(LimitKind::Rate, rule.name(), rule.capacity()),
-                metrics: Metrics::register(rule.name()),
+                metrics: Metrics::register_plan(rule.name(), plan),
             };
+            let default_plan = (!names.is_empty()).then_some("default");
             let mut plans = Vec::with_capacity(names.len());
             for plan in &names {
                 let Some((_, limit)) = r.plans.iter().find(|(p, _)| **p == **plan) else {
@@ -412,7 +430,10 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 // Its own state in the store; the rule's name in headers.
                 let stored = Rule::new(format!("{}:{plan}", rule.name()), *limit)?;
                 let shown = Rule::new(rule.name(), *limit)?;
-                plans.push(Some((self.store.limiter(&stored)?, responder(&shown))));
+                plans.push(Some((
+                    self.store.limiter(&stored)?,
+                    responder(&shown, Some(plan)),
+                )));
             }
             if r.warn_at.is_some_and(|s| !(s > 0.0 && s <= 1.0)) {
                 return Err(ConfigError::new(
@@ -439,7 +460,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 missing: r.missing,
                 canary,
                 warned_missing: AtomicBool::new(false),
-                responder: responder(&rule),
+                responder: responder(&rule, default_plan),
                 plans: plans.into(),
                 count_if: r.count_if,
                 ladder,
@@ -514,6 +535,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 laddered,
                 warns,
                 log: self.log,
+                route_label: self.route_label,
                 audit,
                 idempotency,
                 access: self.access.map(|list| {

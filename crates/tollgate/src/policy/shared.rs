@@ -126,6 +126,9 @@ pub(super) struct Shared<B, L> {
     pub(super) laddered: bool,
     /// Whether any rule warns past a share of its capacity.
     pub(super) warns: bool,
+    /// Whether decisions are also counted by route.
+    #[cfg_attr(not(feature = "axum"), allow(dead_code))]
+    pub(super) route_label: bool,
     /// Sampled decision logs.
     pub(super) log: Option<crate::observe::DecisionLog>,
     /// Where refusals by the audited rules (bit `i`: rule `i`) go.

@@ -629,6 +629,44 @@ async fn plans_choose_each_rules_limits_and_a_switch_applies_at_once() {
 }
 
 #[tokio::test]
+async fn metrics_carry_the_plan_whose_limit_applied() {
+    let recorder = crate::rate_limit::tests::Recorded::default();
+    let clock = ManualClock::starting_at(1);
+    let svc = metrics::with_local_recorder(&recorder, || {
+        PolicyLayer::builder()
+            .plan_from_header("x-plan")
+            .unwrap()
+            .rule(
+                per_key(Limit::fixed_window(1, Duration::from_secs(60)))
+                    .plan("pro", Limit::fixed_window(2, Duration::from_secs(60))),
+            )
+            .rule(per_ip(Limit::fixed_window(100, Duration::from_secs(60))))
+            .store(store(&clock))
+            .build()
+            .unwrap()
+    })
+    .layer(service_fn(ok));
+    for plan in [None, None, Some("pro"), Some("pro"), Some("pro")] {
+        let mut r = req("k", "ip");
+        if let Some(p) = plan {
+            r.headers_mut().insert("x-plan", p.parse().unwrap());
+        }
+        svc.clone().oneshot(r).await.unwrap();
+    }
+    let n = |rule: &str, plan: &str, outcome: &str| {
+        recorder.get(&format!(
+            "tollgate_requests_total{{rule={rule},plan={plan},outcome={outcome}}}"
+        ))
+    };
+    assert_eq!(n("per-key", "default", "allowed"), 1);
+    assert_eq!(n("per-key", "default", "limited"), 1);
+    assert_eq!(n("per-key", "pro", "allowed"), 2);
+    assert_eq!(n("per-key", "pro", "limited"), 1);
+    // per-ip names no plans: its limit is the default for every request.
+    assert_eq!(n("per-ip", "default", "allowed"), 3);
+}
+
+#[tokio::test]
 async fn plans_from_a_header_or_a_closure() {
     let clock = ManualClock::starting_at(1);
     let rule = || {

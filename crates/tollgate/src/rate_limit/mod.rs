@@ -41,7 +41,7 @@ mod layer;
 mod service;
 mod shared;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 pub use error::RateLimited;
 pub(crate) use future::{poll_paced, Inner, Refund, RefundFn};

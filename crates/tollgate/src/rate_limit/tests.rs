@@ -465,10 +465,12 @@ fn build_errors_name_the_field() {
 
 /// A recorder that keeps counters by `name{label=value,...}`.
 #[derive(Default)]
-struct Recorded(std::sync::Mutex<Vec<(String, std::sync::Arc<std::sync::atomic::AtomicU64>)>>);
+pub(crate) struct Recorded(
+    pub(crate) std::sync::Mutex<Vec<(String, std::sync::Arc<std::sync::atomic::AtomicU64>)>>,
+);
 
 impl Recorded {
-    fn get(&self, name: &str) -> u64 {
+    pub(crate) fn get(&self, name: &str) -> u64 {
         self.0
             .lock()
             .unwrap()

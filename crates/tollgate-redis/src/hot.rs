@@ -1,0 +1,715 @@
+//! Hot keys without a store round trip per request: local leases of
+//! units and a denial cache, in front of any store (see [`HotKeys`]).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::hash::{BuildHasher, RandomState};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tollgate_core::{
+    duration_to_nanos, Algorithm, Clock, ConcurrencyRule, ConfigError, Decision, EscalationLimiter,
+    EscalationRule, Limiter, Outcome, Rule, Store, StoreError, SystemClock,
+};
+
+/// Local leases for hot keys, in front of a shared store (Redis): an
+/// instance takes a batch of a key's units from the store in one call
+/// and spends them locally, with no I/O, until they run out or the lease
+/// ends; and when the store says a key is over its limit until time T, the
+/// instance answers that key itself until T (a denial cache).
+///
+/// **The batch adapts per key.** A key starts at a batch of 1 — each
+/// decision is one store call, exact — and its batch doubles each time a
+/// lease is spent before it ends (the key is hot), up to
+/// [`max_batch`](Self::max_batch) and to [`max_share`](Self::max_share)
+/// of the rule's capacity, and halves when a lease ends with units left.
+/// Units left when a lease ends go back to the store (a refund) on the
+/// key's next decision, or lapse. A holder that dies mid-lease simply
+/// spent its units: the budget recovers from them at its rate, so nothing
+/// is lost or gained for good.
+///
+/// **The bound.** Units are counted in the store when they are leased, and
+/// spent locally within the lease's TTL, so leases never let the fleet
+/// take more units than the store counted. What moves is *when* they are
+/// admitted: up to one TTL after they were counted. Over any window, a
+/// rule admits at most what it would admit over that window lengthened by
+/// the TTL:
+///
+/// - GCRA and the token bucket: at most `rate × ttl` units beyond the
+///   rule's own bound, however many instances share it (e.g. 1,000/s with
+///   a 50-ms TTL: 50 units, 0.5 % of a 10-s window's 10,000);
+/// - fixed window: a lease ends with the store's window (its `reset_after`),
+///   so leased units are spent in the window that counted them — no
+///   over-admission beyond the clock skew between instances and Redis;
+/// - sliding window counter: as GCRA, `limit × ttl / window`;
+/// - sliding window log and leaky bucket: not leased — the log's exactness
+///   and the bucket's pacing are per request; building such a rule
+///   through `HotKeys` is an error naming `hot_keys`.
+///
+/// The price is under-admission while leases are outstanding: units one
+/// instance leased and has not spent are not available to the others
+/// (bounded by `max_share` per instance), and a cached denial may outlast
+/// a refund by another instance (bounded by
+/// [`max_denial`](Self::max_denial)). Cap the error by the TTL (how late
+/// units may be spent) and the share (how much one instance may hold).
+///
+/// Concurrent decisions for one key on one instance share one store call
+/// (single flight): while a lease is being taken, the others wait for it.
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate_redis::{HotKeys, RedisStore};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), tollgate_core::ConfigError> {
+/// let redis = RedisStore::builder("redis://127.0.0.1:6379").build()?;
+/// // Only the per-key rule is leased; others decide per request.
+/// let store = HotKeys::new()
+///     .ttl(Duration::from_millis(50))
+///     .max_batch(64)
+///     .rules(["per-key"])
+///     .over(redis)?;
+/// # let _ = store;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct HotKeys {
+    ttl: Duration,
+    max_batch: u32,
+    max_share: f64,
+    max_denial: Duration,
+    max_keys: usize,
+    rules: Option<Vec<String>>,
+}
+
+impl Default for HotKeys {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl HotKeys {
+    /// Leases of 50 ms, batches up to 64 units and 10 % of a rule's
+    /// capacity, denials cached up to 1 s, up to 100,000 keys per rule,
+    /// for every rule.
+    pub fn new() -> Self {
+        Self {
+            ttl: Duration::from_millis(50),
+            max_batch: 64,
+            max_share: 0.1,
+            max_denial: Duration::from_secs(1),
+            max_keys: 100_000,
+            rules: None,
+        }
+    }
+
+    /// How long a lease lasts: how late a leased unit may be spent (the
+    /// bound above scales with it). From 1 ms to 10 s.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// The most units one lease takes (at least 1; 1 turns leasing off and
+    /// keeps only the denial cache and the single flight).
+    pub fn max_batch(mut self, units: u32) -> Self {
+        self.max_batch = units;
+        self
+    }
+
+    /// The most of a rule's capacity one lease takes (above 0, at most 1).
+    pub fn max_share(mut self, share: f64) -> Self {
+        self.max_share = share;
+        self
+    }
+
+    /// The longest a denial is answered locally (0: no denial cache).
+    pub fn max_denial(mut self, max: Duration) -> Self {
+        self.max_denial = max;
+        self
+    }
+
+    /// The most keys one rule keeps leases for (a key beyond decides per
+    /// request, through the store).
+    pub fn max_keys(mut self, keys: usize) -> Self {
+        self.max_keys = keys;
+        self
+    }
+
+    /// Leases only the rules named (default: every rule bound through it).
+    pub fn rules<I, S>(mut self, names: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        self.rules = Some(names.into_iter().map(|n| n.as_ref().to_owned()).collect());
+        self
+    }
+
+    /// Puts hot-key leases in front of `store`, on the system clock.
+    /// Errors name `hot_keys`.
+    pub fn over<S: Store>(self, store: S) -> Result<Hot<S>, ConfigError> {
+        self.over_with_clock(store, SystemClock)
+    }
+
+    /// [`over`](Self::over), on `clock` (tests pass a manual clock — the
+    /// same one the store reads, e.g. Redis's `client_time`).
+    pub fn over_with_clock<S: Store, C: Clock>(
+        self,
+        store: S,
+        clock: C,
+    ) -> Result<Hot<S, C>, ConfigError> {
+        let ttl = duration_to_nanos(self.ttl);
+        if !(1_000_000..=10_000_000_000).contains(&ttl) {
+            return Err(ConfigError::new(
+                "hot_keys",
+                "ttl must be from 1 ms to 10 s",
+            ));
+        }
+        if self.max_batch == 0 {
+            return Err(ConfigError::new("hot_keys", "max_batch must be at least 1"));
+        }
+        if !(self.max_share > 0.0 && self.max_share <= 1.0) {
+            return Err(ConfigError::new(
+                "hot_keys",
+                "max_share must be above 0 and at most 1",
+            ));
+        }
+        if self.max_keys == 0 {
+            return Err(ConfigError::new("hot_keys", "max_keys must be at least 1"));
+        }
+        Ok(Hot {
+            inner: store,
+            config: Arc::new(self),
+            clock: Arc::new(clock),
+        })
+    }
+}
+
+/// A store with hot-key leases in front (see [`HotKeys`]). Concurrency
+/// rules and escalation ladders go to the store as they are.
+pub struct Hot<S, C = SystemClock> {
+    inner: S,
+    config: Arc<HotKeys>,
+    clock: Arc<C>,
+}
+
+impl<S: Clone, C> Clone for Hot<S, C> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            config: Arc::clone(&self.config),
+            clock: Arc::clone(&self.clock),
+        }
+    }
+}
+
+impl<S: fmt::Debug, C> fmt::Debug for Hot<S, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Hot")
+            .field("inner", &self.inner)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: Store, C: Clock> Store for Hot<S, C> {
+    type Limiter = HotLimiter<S::Limiter, C>;
+    type ConcurrencyLimiter = S::ConcurrencyLimiter;
+
+    fn limiter(&self, rule: &Rule) -> Result<Self::Limiter, ConfigError> {
+        let leased = self
+            .config
+            .rules
+            .as_ref()
+            .is_none_or(|names| names.iter().any(|n| n == rule.name()));
+        if !leased {
+            return Ok(HotLimiter {
+                inner: self.inner.limiter(rule)?,
+                local: None,
+            });
+        }
+        let windowed = match rule.algorithm() {
+            Algorithm::SlidingWindowLog(_) | Algorithm::LeakyBucket(_) => {
+                return Err(ConfigError::new(
+                    "hot_keys",
+                    format!(
+                        "rule {:?}: a sliding window log is exact per request and a leaky bucket paces each request; neither can be leased (name the other rules in HotKeys::rules)",
+                        rule.name()
+                    ),
+                ))
+            }
+            Algorithm::FixedWindow(_) => true,
+            _ => false,
+        };
+        #[allow(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            clippy::cast_precision_loss
+        )]
+        let share_cap = ((rule.capacity() as f64) * self.config.max_share).floor() as u64;
+        let max_batch = u64::from(self.config.max_batch)
+            .min(share_cap.max(1))
+            .max(1);
+        let shards: Box<[_]> = (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect();
+        Ok(HotLimiter {
+            inner: self.inner.limiter(rule)?,
+            local: Some(Arc::new(Local {
+                clock: Arc::clone(&self.clock),
+                ttl: duration_to_nanos(self.config.ttl),
+                max_denial: duration_to_nanos(self.config.max_denial),
+                max_batch,
+                windowed,
+                per_shard: self.config.max_keys.div_ceil(SHARDS).max(1),
+                hasher: RandomState::new(),
+                shards,
+                decisions: AtomicU64::new(0),
+                store_calls: AtomicU64::new(0),
+            })),
+        })
+    }
+
+    fn concurrency_limiter(
+        &self,
+        rule: &ConcurrencyRule,
+    ) -> Result<Self::ConcurrencyLimiter, ConfigError> {
+        self.inner.concurrency_limiter(rule)
+    }
+
+    fn escalation(&self, rule: &EscalationRule) -> Result<Arc<dyn EscalationLimiter>, ConfigError> {
+        self.inner.escalation(rule)
+    }
+
+    fn rebinding(&self) -> Self {
+        Self {
+            inner: self.inner.rebinding(),
+            config: Arc::clone(&self.config),
+            clock: Arc::clone(&self.clock),
+        }
+    }
+}
+
+const SHARDS: usize = 16;
+
+/// One key's lease and cached denial.
+#[derive(Debug, Default)]
+struct KeyState {
+    /// Units leased and not spent.
+    units: u64,
+    /// When the lease ends (local clock).
+    expires: u64,
+    /// Until when the key is answered "denied" locally.
+    denied_until: u64,
+    /// The units the next lease asks for.
+    batch: u64,
+    /// What the store had left after the last lease, and when its budget
+    /// was to be whole (local clock): the headers of local decisions.
+    remaining: u64,
+    whole_at: u64,
+    /// A lease being taken: waiters are woken when it is in.
+    flight: Option<Arc<Notify>>,
+}
+
+impl KeyState {
+    fn idle(&self, now: u64) -> bool {
+        self.flight.is_none() && self.expires <= now && self.denied_until <= now
+    }
+}
+
+/// One shard's keys and their leases.
+type Keys = HashMap<Box<[u8]>, KeyState>;
+
+struct Local<C> {
+    clock: Arc<C>,
+    ttl: u64,
+    max_denial: u64,
+    max_batch: u64,
+    /// Fixed windows: a lease ends with the store's window.
+    windowed: bool,
+    per_shard: usize,
+    hasher: RandomState,
+    shards: Box<[Mutex<Keys>]>,
+    decisions: AtomicU64,
+    store_calls: AtomicU64,
+}
+
+/// What the local state answers.
+enum Step {
+    /// Decided here.
+    Done(Decision),
+    /// Take a lease of this many units (units left from an ended lease
+    /// to give back first).
+    Take { batch: u64, give_back: u64 },
+    /// Another decision is taking a lease: wait for it.
+    Wait(Arc<Notify>),
+    /// No room to keep the key: decide through the store.
+    Through,
+}
+
+impl<C: Clock> Local<C> {
+    fn shard(&self, key: &[u8]) -> MutexGuard<'_, Keys> {
+        let i = usize::try_from(self.hasher.hash_one(key)).unwrap_or(0) % SHARDS;
+        // SHARDS entries; `i` is below it.
+        let shard = self.shards.get(i).or_else(|| self.shards.first());
+        match shard {
+            Some(m) => m.lock().unwrap_or_else(PoisonError::into_inner),
+            None => unreachable_shards(),
+        }
+    }
+
+    /// A local answer, if the lease or the denial cache has one.
+    fn local(&self, key: &[u8], cost: u32, limit: u64) -> Option<Decision> {
+        let now = self.clock.now();
+        let mut shard = self.shard(key);
+        let s = shard.get_mut(key)?;
+        answer(s, now, u64::from(cost), limit)
+    }
+
+    /// The next step for a decision that the local state could not answer.
+    fn plan(&self, key: &[u8], cost: u32, limit: u64) -> Step {
+        let now = self.clock.now();
+        let mut shard = self.shard(key);
+        if !shard.contains_key(key) && shard.len() >= self.per_shard {
+            shard.retain(|_, s| !s.idle(now));
+            if shard.len() >= self.per_shard {
+                return Step::Through;
+            }
+        }
+        let s = shard.entry(key.into()).or_default();
+        if let Some(d) = answer(s, now, u64::from(cost), limit) {
+            return Step::Done(d);
+        }
+        if let Some(flight) = &s.flight {
+            return Step::Wait(Arc::clone(flight));
+        }
+        // Adapt: a lease spent before its end means a hot key; one that
+        // ended with units left, a cooler one.
+        let give_back = if s.expires <= now {
+            std::mem::take(&mut s.units)
+        } else {
+            0
+        };
+        if s.batch == 0 {
+            s.batch = 1;
+        } else if give_back == 0 && s.expires > now {
+            s.batch = s.batch.saturating_mul(2).min(self.max_batch);
+        } else if give_back > 0 {
+            s.batch = (s.batch / 2).max(1);
+        }
+        // Units of a fixed window that ended were counted in that window:
+        // they lapse rather than go back into the next one.
+        let give_back = if self.windowed { 0 } else { give_back };
+        s.flight = Some(Arc::new(Notify::new()));
+        Step::Take {
+            batch: s.batch.max(u64::from(cost)),
+            give_back,
+        }
+    }
+
+    /// Records what the store answered to a lease of `taken` units for a
+    /// decision of `cost`, wakes the waiters, and returns the decision.
+    fn settle(&self, key: &[u8], cost: u32, taken: u64, d: &Result<Decision, StoreError>) {
+        let now = self.clock.now();
+        let mut shard = self.shard(key);
+        let Some(s) = shard.get_mut(key) else { return };
+        if let Some(flight) = s.flight.take() {
+            flight.notify_waiters();
+        }
+        let Ok(d) = d else { return };
+        match d.outcome {
+            Outcome::Allow { .. } => {
+                s.units = taken.saturating_sub(u64::from(cost));
+                let mut end = now.saturating_add(self.ttl);
+                if self.windowed {
+                    end = end.min(now.saturating_add(d.reset_after));
+                }
+                s.expires = end;
+                s.remaining = d.remaining;
+                s.whole_at = now.saturating_add(d.reset_after);
+            }
+            // Refused this request's own cost: nothing for it until then.
+            Outcome::Deny { retry_after } if taken <= u64::from(cost) => {
+                s.denied_until = now.saturating_add(retry_after.min(self.max_denial));
+                s.batch = 1;
+            }
+            Outcome::Deny { .. } | Outcome::Never => {}
+        }
+    }
+
+    /// Gives `units` back to the local lease, if it is still on.
+    fn refund_local(&self, key: &[u8], units: u32) -> bool {
+        let now = self.clock.now();
+        let mut shard = self.shard(key);
+        match shard.get_mut(key) {
+            Some(s) if s.expires > now => {
+                s.units = s.units.saturating_add(u64::from(units));
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+#[allow(clippy::panic)]
+fn unreachable_shards() -> ! {
+    // `shards` has SHARDS > 0 entries from construction.
+    panic!("hot-key table without shards")
+}
+
+/// The local answer of `s` at `now` to a decision of `cost`, if any.
+fn answer(s: &mut KeyState, now: u64, cost: u64, limit: u64) -> Option<Decision> {
+    if s.denied_until > now {
+        let wait = s.denied_until.saturating_sub(now);
+        return Some(Decision {
+            outcome: Outcome::Deny { retry_after: wait },
+            limit,
+            remaining: 0,
+            reset_after: s.whole_at.saturating_sub(now).max(wait),
+        });
+    }
+    if cost > 0 && s.units >= cost && now < s.expires {
+        s.units = s.units.saturating_sub(cost);
+        return Some(Decision {
+            outcome: Outcome::Allow { delay: 0 },
+            limit,
+            remaining: s.remaining.saturating_add(s.units),
+            reset_after: s.whole_at.saturating_sub(now),
+        });
+    }
+    None
+}
+
+/// A rule bound through [`Hot`]: decides from its key's lease when it can,
+/// else through the store.
+pub struct HotLimiter<L, C = SystemClock> {
+    inner: L,
+    local: Option<Arc<Local<C>>>,
+}
+
+impl<L: Clone, C> Clone for HotLimiter<L, C> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            local: self.local.clone(),
+        }
+    }
+}
+
+impl<L: fmt::Debug, C> fmt::Debug for HotLimiter<L, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HotLimiter")
+            .field("inner", &self.inner)
+            .field("leased", &self.local.is_some())
+            .finish()
+    }
+}
+
+/// Decisions a [`HotLimiter`] made, and the store calls they took.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HotStats {
+    /// Decisions (cost above 0) made.
+    pub decisions: u64,
+    /// Calls to the store they took (leases, refunds of ended leases,
+    /// decisions through).
+    pub store_calls: u64,
+}
+
+impl<L, C> HotLimiter<L, C> {
+    /// Decisions so far and the store calls they took (zeros for a rule
+    /// that is not leased).
+    pub fn stats(&self) -> HotStats {
+        self.local
+            .as_ref()
+            .map_or_else(HotStats::default, |l| HotStats {
+                decisions: l.decisions.load(Ordering::Relaxed),
+                store_calls: l.store_calls.load(Ordering::Relaxed),
+            })
+    }
+
+    /// The store's limiter behind.
+    pub fn inner(&self) -> &L {
+        &self.inner
+    }
+}
+
+/// The future of [`HotLimiter::decide`]: ready when the lease answered.
+pub struct HotFuture(Inner);
+
+enum Inner {
+    Ready(Option<Result<Decision, StoreError>>),
+    Boxed(Pin<Box<dyn Future<Output = Result<Decision, StoreError>> + Send>>),
+}
+
+impl fmt::Debug for HotFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("HotFuture")
+    }
+}
+
+impl Future for HotFuture {
+    type Output = Result<Decision, StoreError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &mut self.0 {
+            Inner::Ready(r) => Poll::Ready(r.take().unwrap_or_else(|| {
+                Err(StoreError::new(
+                    tollgate_core::StoreErrorKind::Protocol,
+                    "polled after completion",
+                ))
+            })),
+            Inner::Boxed(f) => f.as_mut().poll(cx),
+        }
+    }
+}
+
+impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
+    type DecideFuture = HotFuture;
+    type RefundFuture = Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send>>;
+
+    fn rule(&self) -> &Rule {
+        self.inner.rule()
+    }
+
+    fn decide(&self, key: &[u8], cost: u32) -> HotFuture {
+        let Some(local) = &self.local else {
+            let f = self.inner.decide(key, cost);
+            return HotFuture(Inner::Boxed(Box::pin(f)));
+        };
+        if cost == 0 {
+            // A peek: the store's view.
+            return HotFuture(Inner::Boxed(Box::pin(self.inner.decide(key, 0))));
+        }
+        let limit = self.inner.rule().capacity();
+        if let Some(d) = local.local(key, cost, limit) {
+            local.decisions.fetch_add(1, Ordering::Relaxed);
+            return HotFuture(Inner::Ready(Some(Ok(d))));
+        }
+        let (inner, local, key) = (self.inner.clone(), Arc::clone(local), key.to_vec());
+        HotFuture(Inner::Boxed(Box::pin(async move {
+            local.decisions.fetch_add(1, Ordering::Relaxed);
+            loop {
+                match local.plan(&key, cost, limit) {
+                    Step::Done(d) => return Ok(d),
+                    Step::Through => {
+                        local.store_calls.fetch_add(1, Ordering::Relaxed);
+                        return inner.decide(&key, cost).await;
+                    }
+                    Step::Wait(flight) => {
+                        let notified = flight.notified();
+                        tokio::pin!(notified);
+                        notified.as_mut().enable();
+                        // The flight may have landed between `plan` and
+                        // `enable`: wait only if it is still in the air.
+                        let still_flying = {
+                            let mut shard = local.shard(&key);
+                            shard
+                                .get_mut(key.as_slice())
+                                .and_then(|s| s.flight.as_ref().map(|f| Arc::ptr_eq(f, &flight)))
+                                .unwrap_or(false)
+                        };
+                        if still_flying {
+                            notified.await;
+                        }
+                    }
+                    Step::Take { batch, give_back } => {
+                        let guard = Flight {
+                            local: &local,
+                            key: &key,
+                            done: false,
+                        };
+                        if give_back > 0 {
+                            local.store_calls.fetch_add(1, Ordering::Relaxed);
+                            let units = u32::try_from(give_back).unwrap_or(u32::MAX);
+                            // A failed give-back only means the units lapse.
+                            let _ = inner.refund(&key, units).await;
+                        }
+                        let batch32 = u32::try_from(batch).unwrap_or(u32::MAX);
+                        local.store_calls.fetch_add(1, Ordering::Relaxed);
+                        let mut taken = batch;
+                        let mut d = inner.decide(&key, batch32).await;
+                        // Not enough for a batch: ask for what is left
+                        // (the denial says how much), at least this
+                        // request's cost.
+                        if let Ok(Decision {
+                            outcome: Outcome::Deny { .. },
+                            remaining,
+                            ..
+                        }) = d
+                        {
+                            // (Below the cost: ask for the cost alone, for
+                            // the exact wait the denial cache keeps.)
+                            let left = remaining.min(batch).max(u64::from(cost));
+                            if batch32 > cost {
+                                local.store_calls.fetch_add(1, Ordering::Relaxed);
+                                taken = left;
+                                d = inner
+                                    .decide(&key, u32::try_from(left).unwrap_or(cost))
+                                    .await;
+                            }
+                        }
+                        local.settle(&key, cost, taken, &d);
+                        let mut guard = guard;
+                        guard.done = true;
+                        return d.map(|mut d| {
+                            if d.is_allowed() {
+                                // The rest of the batch is this client's too.
+                                d.remaining = d
+                                    .remaining
+                                    .saturating_add(taken.saturating_sub(u64::from(cost)));
+                            }
+                            d
+                        });
+                    }
+                }
+            }
+        })))
+    }
+
+    fn decide_sync(&self, key: &[u8], cost: u32) -> Option<Result<Decision, StoreError>> {
+        let local = self.local.as_ref()?;
+        if cost == 0 {
+            return None;
+        }
+        let d = local.local(key, cost, self.inner.rule().capacity())?;
+        local.decisions.fetch_add(1, Ordering::Relaxed);
+        Some(Ok(d))
+    }
+
+    fn refund(&self, key: &[u8], cost: u32) -> Self::RefundFuture {
+        if let Some(local) = &self.local {
+            // Back into the lease while it lasts: it goes back to the
+            // store with the lease's other units.
+            if local.refund_local(key, cost) {
+                return Box::pin(std::future::ready(Ok(())));
+            }
+        }
+        Box::pin(self.inner.refund(key, cost))
+    }
+}
+
+/// Ends a flight if its future is dropped mid-way (a cancelled request):
+/// the waiters wake and one of them takes the lease.
+struct Flight<'a, C: Clock> {
+    local: &'a Local<C>,
+    key: &'a [u8],
+    done: bool,
+}
+
+impl<C: Clock> Drop for Flight<'_, C> {
+    fn drop(&mut self) {
+        if !self.done {
+            let mut shard = self.local.shard(self.key);
+            if let Some(s) = shard.get_mut(self.key) {
+                if let Some(flight) = s.flight.take() {
+                    flight.notify_waiters();
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,344 @@
+//! Hot-key leases and the denial cache: exact on cold keys, few store
+//! calls on hot ones, never more admitted than the documented bound — on
+//! a memory store (exact, fast) and across three instances on Redis.
+#![allow(missing_docs, clippy::unwrap_used, clippy::arithmetic_side_effects)]
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tollgate_core::{
+    ConcurrencyRule, ConfigError, Decision, Limit, Limiter, ManualClock, Rate, Rule, Store,
+    StoreError,
+};
+use tollgate_memory::{MemoryLimiter, MemoryStore};
+use tollgate_redis::testing::{unique_prefix, Server};
+use tollgate_redis::{HotKeys, RedisStore};
+
+/// A memory store whose decisions take a tokio tick (as a network call
+/// does) and are counted: what the store was asked.
+#[derive(Clone)]
+struct Counted {
+    memory: MemoryStore<ManualClock>,
+    calls: Arc<AtomicU64>,
+}
+
+#[derive(Clone, Debug)]
+struct CountedLimiter {
+    inner: MemoryLimiter<ManualClock>,
+    calls: Arc<AtomicU64>,
+}
+
+type Boxed<T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send>>;
+
+impl Limiter for CountedLimiter {
+    type DecideFuture = Boxed<Decision>;
+    type RefundFuture = Boxed<()>;
+
+    fn rule(&self) -> &Rule {
+        self.inner.rule()
+    }
+
+    fn decide(&self, key: &[u8], cost: u32) -> Self::DecideFuture {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let (inner, key) = (self.inner.clone(), key.to_vec());
+        Box::pin(async move {
+            tokio::task::yield_now().await;
+            Ok(inner.decide_now(&key, cost))
+        })
+    }
+
+    fn refund(&self, key: &[u8], cost: u32) -> Self::RefundFuture {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.inner.refund_now(key, cost);
+        Box::pin(std::future::ready(Ok(())))
+    }
+}
+
+impl Store for Counted {
+    type Limiter = CountedLimiter;
+    type ConcurrencyLimiter = <MemoryStore<ManualClock> as Store>::ConcurrencyLimiter;
+
+    fn limiter(&self, rule: &Rule) -> Result<CountedLimiter, ConfigError> {
+        Ok(CountedLimiter {
+            inner: self.memory.limiter(rule)?,
+            calls: Arc::clone(&self.calls),
+        })
+    }
+
+    fn concurrency_limiter(
+        &self,
+        rule: &ConcurrencyRule,
+    ) -> Result<Self::ConcurrencyLimiter, ConfigError> {
+        self.memory.concurrency_limiter(rule)
+    }
+}
+
+fn counted(clock: &ManualClock) -> Counted {
+    Counted {
+        memory: MemoryStore::builder().clock(clock.clone()).build().unwrap(),
+        calls: Arc::new(AtomicU64::new(0)),
+    }
+}
+
+fn gcra(per_second: u32, burst: u32) -> Rule {
+    Rule::new("hot", Limit::gcra(Rate::per_second(per_second), burst)).unwrap()
+}
+
+#[tokio::test]
+async fn a_cold_key_decides_every_request_in_the_store() {
+    let clock = ManualClock::starting_at(1_000_000_000);
+    let store = counted(&clock);
+    let hot = HotKeys::new()
+        .over_with_clock(store.clone(), clock.clone())
+        .unwrap();
+    let l = hot.limiter(&gcra(10, 5)).unwrap();
+    for i in 1..=5u64 {
+        assert!(l.decide(b"k", 1).await.unwrap().is_allowed());
+        assert_eq!(store.calls.load(Ordering::Relaxed), i);
+        // Longer apart than a lease: the key never gets hot.
+        clock.advance(Duration::from_millis(60));
+    }
+    // Exact: the store's own budget is what the key spent.
+    let peek = store
+        .memory
+        .limiter(&gcra(10, 5))
+        .unwrap()
+        .decide_now(b"k", 0);
+    // All 5 spent, 5 × 60 ms = 300 ms at 10/s refilled 3.
+    assert_eq!(peek.remaining, 3);
+}
+
+#[tokio::test]
+async fn a_hot_key_spends_leases_and_never_exceeds_the_store() {
+    let clock = ManualClock::starting_at(1_000_000_000);
+    let store = counted(&clock);
+    let hot = HotKeys::new()
+        .max_batch(64)
+        .over_with_clock(store.clone(), clock.clone())
+        .unwrap();
+    // 1,000 a second in bursts of 1,000: a lease may take 64 (6.4 %).
+    let l = hot.limiter(&gcra(1_000, 1_000)).unwrap();
+    let mut admitted = 0u64;
+    for _ in 0..2_000 {
+        if l.decide(b"k", 1).await.unwrap().is_allowed() {
+            admitted += 1;
+        }
+    }
+    // The clock stood still: at most the burst, all of it.
+    assert_eq!(admitted, 1_000);
+    let stats = l.stats();
+    assert_eq!(stats.decisions, 2_000);
+    // Batches 1, 2, 4, ... 64, then 64 at a time, the last one what is
+    // left; once spent, the denial cache answers: about 25 calls for
+    // 2,000 decisions.
+    assert!(stats.store_calls <= 30, "{stats:?}");
+    assert_eq!(stats.store_calls, store.calls.load(Ordering::Relaxed));
+}
+
+#[tokio::test]
+async fn the_denial_cache_answers_until_the_store_said_to_retry() {
+    let clock = ManualClock::starting_at(1_000_000_000);
+    let store = counted(&clock);
+    let hot = HotKeys::new()
+        .over_with_clock(store.clone(), clock.clone())
+        .unwrap();
+    let l = hot.limiter(&gcra(1, 1)).unwrap();
+    assert!(l.decide(b"k", 1).await.unwrap().is_allowed());
+    let denied = l.decide(b"k", 1).await.unwrap();
+    assert_eq!(denied.retry_after(), Some(Duration::from_secs(1)));
+    let calls = store.calls.load(Ordering::Relaxed);
+    clock.advance(Duration::from_millis(400));
+    for _ in 0..100 {
+        let d = l.decide_sync(b"k", 1).unwrap().unwrap();
+        assert_eq!(d.retry_after(), Some(Duration::from_millis(600)));
+    }
+    assert_eq!(store.calls.load(Ordering::Relaxed), calls);
+    clock.advance(Duration::from_millis(600));
+    assert!(l.decide_sync(b"k", 1).is_none());
+    assert!(l.decide(b"k", 1).await.unwrap().is_allowed());
+}
+
+#[tokio::test]
+async fn units_left_when_a_lease_ends_go_back_to_the_store() {
+    let clock = ManualClock::starting_at(1_000_000_000);
+    let store = counted(&clock);
+    let hot = HotKeys::new()
+        .max_batch(8)
+        .over_with_clock(store.clone(), clock.clone())
+        .unwrap();
+    let l = hot.limiter(&gcra(1, 100)).unwrap();
+    // Grow the batch: 1 + 2 + 4 + 8 units, the last lease barely used.
+    for _ in 0..8 {
+        assert!(l.decide(b"k", 1).await.unwrap().is_allowed());
+    }
+    let plain = store.memory.limiter(&gcra(1, 100)).unwrap();
+    assert_eq!(plain.decide_now(b"k", 0).remaining, 100 - 15);
+    // The lease ends; the next decision gives the 7 back, then leases.
+    clock.advance(Duration::from_millis(51));
+    assert!(l.decide(b"k", 1).await.unwrap().is_allowed());
+    let left = plain.decide_now(b"k", 0).remaining;
+    // 8 spent before, and the new lease (halved to 4, one of it spent).
+    assert_eq!(left, 100 - 8 - 4);
+    // A refund goes into the live lease, not the store.
+    let calls = store.calls.load(Ordering::Relaxed);
+    l.refund(b"k", 1).await.unwrap();
+    assert_eq!(store.calls.load(Ordering::Relaxed), calls);
+}
+
+#[tokio::test]
+async fn a_fixed_window_lease_ends_with_its_window() {
+    let clock = ManualClock::starting_at(60_000_000_000);
+    let store = counted(&clock);
+    let hot = HotKeys::new()
+        .ttl(Duration::from_secs(5))
+        .over_with_clock(store.clone(), clock.clone())
+        .unwrap();
+    let rule = Rule::new("hot", Limit::fixed_window(100, Duration::from_secs(60))).unwrap();
+    let l = hot.limiter(&rule).unwrap();
+    clock.advance(Duration::from_secs(58));
+    for _ in 0..7 {
+        assert!(l.decide(b"k", 1).await.unwrap().is_allowed());
+    }
+    // A lease of 8 holds 5 (1 + 2 + 4 + 8 taken, 10 spent... ) — either
+    // way, the new window starts from the store's count: leftovers lapse.
+    clock.advance(Duration::from_secs(2));
+    let before = store.calls.load(Ordering::Relaxed);
+    assert!(l.decide(b"k", 1).await.unwrap().is_allowed());
+    assert!(
+        store.calls.load(Ordering::Relaxed) > before,
+        "the old lease answered in a new window"
+    );
+    let plain = store.memory.limiter(&rule).unwrap();
+    assert!(plain.decide_now(b"k", 0).remaining >= 100 - 8);
+}
+
+#[tokio::test]
+async fn concurrent_decisions_share_one_lease_call() {
+    let clock = ManualClock::starting_at(1_000_000_000);
+    let store = counted(&clock);
+    let hot = HotKeys::new()
+        .max_batch(64)
+        .over_with_clock(store.clone(), clock.clone())
+        .unwrap();
+    let l = hot.limiter(&gcra(100_000, 100_000)).unwrap();
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..64 {
+        let l = l.clone();
+        set.spawn(async move {
+            for _ in 0..100 {
+                assert!(l.decide(b"k", 1).await.unwrap().is_allowed());
+            }
+        });
+    }
+    while set.join_next().await.is_some() {}
+    let stats = l.stats();
+    assert_eq!(stats.decisions, 6_400);
+    // Without the single flight, each of 64 tasks would lease on its own.
+    assert!(stats.store_calls <= 6_400 / 32, "{stats:?}");
+}
+
+#[test]
+fn rules_that_cannot_be_leased_are_refused() {
+    let clock = ManualClock::new();
+    let hot = HotKeys::new()
+        .over_with_clock(counted(&clock), clock.clone())
+        .unwrap();
+    for (name, limit) in [
+        ("log", Limit::sliding_window_log(10, Duration::from_secs(1))),
+        (
+            "pacer",
+            Limit::leaky_bucket(Rate::per_second(10), Duration::from_secs(1)),
+        ),
+    ] {
+        let e = hot.limiter(&Rule::new(name, limit).unwrap()).unwrap_err();
+        assert_eq!(e.field(), "hot_keys");
+    }
+    // Unless the rule is left out.
+    let only = HotKeys::new()
+        .rules(["other"])
+        .over_with_clock(counted(&clock), clock)
+        .unwrap();
+    let r = Rule::new("r", Limit::sliding_window_log(10, Duration::from_secs(1))).unwrap();
+    assert!(only.limiter(&r).is_ok());
+    for bad in [
+        HotKeys::new().ttl(Duration::ZERO),
+        HotKeys::new().max_batch(0),
+        HotKeys::new().max_share(1.5),
+        HotKeys::new().max_keys(0),
+    ] {
+        assert_eq!(
+            bad.over(MemoryStore::new()).unwrap_err().field(),
+            "hot_keys"
+        );
+    }
+}
+
+/// Three instances, each its own Redis store and leases, 64 tasks each on
+/// one hot key, on one manual clock read as Redis time: what the fleet
+/// admits stays within GCRA's bound stretched by one TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_on_one_hot_key_stay_within_the_bound() {
+    let Some(server) = Server::start() else {
+        return;
+    };
+    let clock = ManualClock::starting_at(1_796_000_000_000_000_000);
+    let prefix = unique_prefix();
+    let rule = gcra(1_000, 100);
+    let ttl = Duration::from_millis(50);
+    let limiters: Vec<_> = (0..3)
+        .map(|_| {
+            let redis = RedisStore::builder(&server.url())
+                .prefix(&prefix)
+                .client_time(clock.clone())
+                .timeout(Duration::from_secs(5))
+                .build()
+                .unwrap();
+            HotKeys::new()
+                .ttl(ttl)
+                .over_with_clock(redis, clock.clone())
+                .unwrap()
+                .limiter(&rule)
+                .unwrap()
+        })
+        .collect();
+    let admitted = Arc::new(AtomicU64::new(0));
+    let step = Duration::from_millis(5);
+    let rounds = 400u64; // 2 s
+    for _ in 0..rounds {
+        let mut set = tokio::task::JoinSet::new();
+        for l in &limiters {
+            for _ in 0..64 {
+                let (l, admitted) = (l.clone(), Arc::clone(&admitted));
+                set.spawn(async move {
+                    if l.decide(b"hot", 1).await.unwrap().is_allowed() {
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                });
+            }
+        }
+        while set.join_next().await.is_some() {}
+        clock.advance(step);
+    }
+    let admitted = admitted.load(Ordering::Relaxed);
+    // GCRA alone: the burst and the rate over 2 s; leases may spend units
+    // up to one TTL after they were counted.
+    let exact = 100 + 1_000 * 2;
+    let bound = exact + 1_000 * 50 / 1_000;
+    assert!(admitted <= bound, "{admitted} > {bound}");
+    // Demand is ~20× the limit: the fleet admits nearly all it may.
+    assert!(admitted >= exact * 95 / 100, "{admitted}");
+    let (decisions, calls) = limiters.iter().fold((0, 0), |(d, c), l| {
+        let s = l.stats();
+        (d + s.decisions, c + s.store_calls)
+    });
+    assert_eq!(decisions, 3 * 64 * rounds);
+    let per_decision = calls as f64 / decisions as f64;
+    assert!(
+        per_decision <= 0.1,
+        "{calls} calls for {decisions} decisions"
+    );
+    println!("admitted {admitted} (exact {exact}, bound {bound}); {calls} Redis calls for {decisions} decisions ({per_decision:.4} per decision)");
+}

@@ -67,7 +67,7 @@ use tollgate_core::{
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), tollgate_core::ConfigError> {
-/// let redis = RedisStore::builder("redis://127.0.0.1:6379").build()?;
+/// let redis = RedisStore::builder("redis://127.0.0.1:6379").prefix("my-api").build()?;
 /// // Only the per-key rule is leased; others decide per request.
 /// let store = HotKeys::new()
 ///     .ttl(Duration::from_millis(50))

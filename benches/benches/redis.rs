@@ -12,7 +12,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use redis::aio::ConnectionManager;
 use tollgate_core::{Limit, Limiter, Rate, Rule, Store};
 use tollgate_redis::testing::Server;
-use tollgate_redis::RedisStore;
+use tollgate_redis::{HotKeys, RedisStore};
 
 /// Runs `op` `iters` times split over `tasks` concurrent tasks; returns the
 /// wall time.
@@ -120,6 +120,110 @@ fn redis_decide(c: &mut Criterion) {
         });
     }
     g.finish();
+
+    // Hot keys: 64 tasks on one connection and one key, a limit that
+    // admits nearly all: a store call per decision against local leases.
+    let hot_store = HotKeys::new().over(store.clone()).unwrap();
+    let hot_rule = Rule::new(
+        "bench-hot",
+        Limit::gcra(Rate::per_second(1_000_000_000), 1_000_000_000),
+    )
+    .unwrap();
+    let hot = hot_store.limiter(&hot_rule).unwrap();
+    let plain = store.limiter(&hot_rule).unwrap();
+    let mut g = c.benchmark_group("redis_hot_key");
+    let tasks = 64;
+    g.bench_function("per_decision", |b| {
+        b.iter_custom(|iters| {
+            let l = plain.clone();
+            run(&rt, iters, tasks, move || {
+                let l = l.clone();
+                async move {
+                    assert!(l.decide(b"hot-key", 1).await.unwrap().is_allowed());
+                }
+            })
+        })
+    });
+    g.bench_function("leased", |b| {
+        b.iter_custom(|iters| {
+            let l = hot.clone();
+            run(&rt, iters, tasks, move || {
+                let l = l.clone();
+                async move {
+                    assert!(l.decide(b"hot-key", 1).await.unwrap().is_allowed());
+                }
+            })
+        })
+    });
+    let (c1, s1) = (conn.clone(), Arc::clone(&noop));
+    g.bench_function("raw_evalsha_noop", |b| {
+        b.iter_custom(|iters| {
+            let (c1, s1) = (c1.clone(), Arc::clone(&s1));
+            run(&rt, iters, tasks, move || {
+                let (mut c, s) = (c1.clone(), Arc::clone(&s1));
+                async move {
+                    let one: i64 = s.key("bench:{noop}").invoke_async(&mut c).await.unwrap();
+                    assert_eq!(one, 1);
+                }
+            })
+        })
+    });
+    g.finish();
+    let stats = hot.stats();
+    #[allow(clippy::cast_precision_loss)]
+    let per = stats.store_calls as f64 / stats.decisions.max(1) as f64;
+    println!(
+        "redis_hot_key/leased: {} Redis calls for {} decisions ({per:.4} per decision)",
+        stats.store_calls, stats.decisions
+    );
+    over_admission(&rt, &store);
+}
+
+/// A 10-s run of 64 tasks on one hot key with a limit they exceed many
+/// times over (2,000 a second, bursts of 100), through leases: what was admitted against
+/// what exact GCRA admits over the run (burst + rate × elapsed).
+fn over_admission(rt: &tokio::runtime::Runtime, store: &RedisStore) {
+    let secs: u64 = std::env::var("TOLLGATE_HOT_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(10);
+    let rule = Rule::new("bench-over", Limit::gcra(Rate::per_second(2_000), 100)).unwrap();
+    let hot = HotKeys::new().over(store.clone()).unwrap().limiter(&rule).unwrap();
+    let admitted = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let elapsed = rt.block_on(async {
+        let start = Instant::now();
+        let end = start + Duration::from_secs(secs);
+        let tasks: Vec<_> = (0..64)
+            .map(|_| {
+                let (l, admitted) = (hot.clone(), Arc::clone(&admitted));
+                tokio::spawn(async move {
+                    while Instant::now() < end {
+                        if l.decide(b"over-key", 1).await.unwrap().is_allowed() {
+                            admitted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        tokio::task::yield_now().await;
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+        start.elapsed()
+    });
+    let admitted = admitted.load(std::sync::atomic::Ordering::Relaxed);
+    #[allow(clippy::cast_precision_loss)]
+    let exact = 100.0 + 2_000.0 * elapsed.as_secs_f64();
+    let stats = hot.stats();
+    #[allow(clippy::cast_precision_loss)]
+    let over = (admitted as f64 - exact) / exact * 100.0;
+    #[allow(clippy::cast_precision_loss)]
+    let per = stats.store_calls as f64 / stats.decisions.max(1) as f64;
+    println!(
+        "redis_hot_key/over_admission: {admitted} admitted in {:.2} s, exact GCRA {exact:.0}: {over:+.2} % of the limit; {} decisions, {per:.4} Redis calls per decision",
+        elapsed.as_secs_f64(),
+        stats.decisions
+    );
 }
 
 criterion_group!(benches, redis_decide);

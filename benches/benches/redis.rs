@@ -188,7 +188,11 @@ fn over_admission(rt: &tokio::runtime::Runtime, store: &RedisStore) {
         .and_then(|s| s.parse().ok())
         .unwrap_or(10);
     let rule = Rule::new("bench-over", Limit::gcra(Rate::per_second(2_000), 100)).unwrap();
-    let hot = HotKeys::new().over(store.clone()).unwrap().limiter(&rule).unwrap();
+    let hot = HotKeys::new()
+        .over(store.clone())
+        .unwrap()
+        .limiter(&rule)
+        .unwrap();
     let admitted = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let elapsed = rt.block_on(async {
         let start = Instant::now();

@@ -43,7 +43,7 @@ impl<B, L> Clone for PolicyLayer<B, L> {
 
 impl<B, L> fmt::Debug for PolicyLayer<B, L> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let (shared, _) = self.current.load();
+        let shared = self.current.load();
         let names: Vec<&str> = shared.rules.iter().map(|r| &*r.responder.rule).collect();
         f.debug_struct("PolicyLayer")
             .field("rules", &names)
@@ -75,7 +75,7 @@ impl<B, L: Limiter + Clone> PolicyLayer<B, L> {
     /// The store's limiter of each rule, in order (e.g. to read a key's
     /// budget in a test or a dashboard), of the policy now.
     pub fn limiters(&self) -> Vec<L> {
-        let (shared, _) = self.current.load();
+        let shared = self.current.load();
         shared.rules.iter().map(|r| r.limiter.clone()).collect()
     }
 }
@@ -92,13 +92,13 @@ impl<B, L> PolicyLayer<B, L> {
     /// meaning allows ([`Algorithm::keeps_state_of`](tollgate_core::Algorithm::keeps_state_of)).
     /// `next` itself stays as it was.
     pub fn replace(&self, next: &PolicyLayer<B, L>) {
-        let (shared, _) = next.current.load();
+        let shared = next.current.load();
         self.current.replace(shared);
     }
 
     /// The names of the policy's rules now, in order.
     pub fn rule_names(&self) -> Vec<String> {
-        let (shared, _) = self.current.load();
+        let shared = self.current.load();
         shared
             .rules
             .iter()
@@ -111,11 +111,8 @@ impl<S, B, L> Layer<S> for PolicyLayer<B, L> {
     type Service = Policy<S, B, L>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        let (shared, generation) = self.current.load();
         Policy {
             inner,
-            shared,
-            generation,
             current: Arc::clone(&self.current),
         }
     }

@@ -24,9 +24,7 @@ use crate::rejection::is_grpc;
 /// The service of [`PolicyLayer`](super::PolicyLayer).
 pub struct Policy<S, B, L> {
     pub(super) inner: S,
-    /// The policy as last read, and its generation.
-    pub(super) shared: Arc<Shared<B, L>>,
-    pub(super) generation: u64,
+    /// The policy now (read once per request; a reload swaps it).
     pub(super) current: Arc<Current<B, L>>,
 }
 
@@ -34,8 +32,6 @@ impl<S: Clone, B, L> Clone for Policy<S, B, L> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
-            shared: Arc::clone(&self.shared),
-            generation: self.generation,
             current: Arc::clone(&self.current),
         }
     }
@@ -120,12 +116,10 @@ where
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
-        // A reload replaced the policy: decide by the new one from now on
-        // (requests decided earlier finish on the old one).
-        if self.current.generation() != self.generation {
-            (self.shared, self.generation) = self.current.load();
-        }
-        let shared = &self.shared;
+        // The policy now: a request decided by it finishes on it, whatever
+        // a reload does meanwhile.
+        let shared_now = self.current.load();
+        let shared = &shared_now;
         let grpc = is_grpc(&req);
         let mut report = Report::new();
         report.plan = shared.plans.of(&req);
@@ -137,12 +131,17 @@ where
                     let state = State::Rejected {
                         verdict: Verdict::Denied,
                     };
-                    return self.finish(state, report, grpc);
+                    return Self::finish(Arc::clone(shared), state, report, grpc);
                 }
                 Access::Allowed => {
                     metrics.listed_allowed.increment(1);
                     let future = self.inner.call(req);
-                    return self.finish(State::Calling { future }, report, grpc);
+                    return Self::finish(
+                        Arc::clone(shared),
+                        State::Calling { future },
+                        report,
+                        grpc,
+                    );
                 }
             }
         }
@@ -152,10 +151,24 @@ where
             match blocked_sync(shared, &req) {
                 Some(Some(verdict)) => {
                     observe_by_request(shared, &report, verdict, &req);
-                    return self.finish(State::Rejected { verdict }, report, grpc);
+                    return Self::finish(
+                        Arc::clone(shared),
+                        State::Rejected { verdict },
+                        report,
+                        grpc,
+                    );
                 }
                 Some(None) => {}
-                None => return self.decide_async(req, report, 0, grpc, Marker::Ladders),
+                None => {
+                    return self.decide_async(
+                        Arc::clone(shared),
+                        req,
+                        report,
+                        0,
+                        grpc,
+                        Marker::Ladders,
+                    )
+                }
             }
         }
         // An idempotent repeat goes uncharged. A first request takes its
@@ -168,7 +181,12 @@ where
                     Some(Ok(d)) if d.remaining == 0 => {
                         idem.metrics.repeat.increment(1);
                         let future = self.inner.call(req);
-                        return self.finish(State::Calling { future }, report, grpc);
+                        return Self::finish(
+                            Arc::clone(shared),
+                            State::Calling { future },
+                            report,
+                            grpc,
+                        );
                     }
                     Some(Ok(_)) => marker = Marker::Fresh(KeyBytes::new(&mut key)),
                     // The store failed: charge the request as usual.
@@ -178,7 +196,7 @@ where
             }
         }
         if let Marker::Pending(_) = marker {
-            return self.decide_async(req, report, 0, grpc, marker);
+            return self.decide_async(Arc::clone(shared), req, report, 0, grpc, marker);
         }
         for (i, rule) in shared.rules.iter().enumerate() {
             let mut key = KeyBuf::new();
@@ -188,7 +206,8 @@ where
                 Keyed::Reject => {
                     refund_by_request(shared, &report, &req);
                     observe_by_request(shared, &report, Verdict::MissingKey { rule: i }, &req);
-                    return self.finish(
+                    return Self::finish(
+                        Arc::clone(shared),
                         State::Rejected {
                             verdict: Verdict::MissingKey { rule: i },
                         },
@@ -201,7 +220,7 @@ where
             match rule.at(report.plan).0.decide_sync(key.as_bytes(), cost) {
                 Some(Ok(d)) => report.set(i, d, cost, rule.shadows(key.as_bytes())),
                 Some(Err(e)) => store_failed(rule, &e),
-                None => return self.decide_async(req, report, i, grpc, marker),
+                None => return self.decide_async(Arc::clone(shared), req, report, i, grpc, marker),
             }
         }
         let mut verdict = settle(shared, &mut report);
@@ -245,18 +264,18 @@ where
         let after = (shared.response_aware && matches!(verdict, Verdict::Pass { .. }))
             .then(|| owned_keys(shared, &report, &req, true));
         let state = next(
-            &self.shared,
+            shared,
             &report,
             verdict,
             req,
             Inner::Borrowed(&mut self.inner),
             |req| {
-                let mut keys = owned_keys(&self.shared, &report, req, false);
+                let mut keys = owned_keys(shared, &report, req, false);
                 keys.extend(taken.map(|k| (MARKER, k)));
                 keys
             },
         );
-        let mut future = self.finish(state, report, grpc);
+        let mut future = Self::finish(Arc::clone(shared), state, report, grpc);
         future.after = after;
         future
     }
@@ -362,12 +381,17 @@ where
     B: Send + 'static,
     L: Limiter,
 {
-    fn finish(&self, state: State<S, B>, report: Report, grpc: bool) -> PolicyFuture<S, B, L> {
+    fn finish(
+        shared: Arc<Shared<B, L>>,
+        state: State<S, B>,
+        report: Report,
+        grpc: bool,
+    ) -> PolicyFuture<S, B, L> {
         PolicyFuture {
             state,
             report,
             grpc,
-            shared: Arc::clone(&self.shared),
+            shared,
             after: None,
         }
     }
@@ -379,13 +403,14 @@ where
     /// admitted first request takes its marker.
     fn decide_async(
         &mut self,
+        shared_now: Arc<Shared<B, L>>,
         req: Request<B>,
         mut report: Report,
         from: usize,
         grpc: bool,
         marker: Marker,
     ) -> PolicyFuture<S, B, L> {
-        let shared = Arc::clone(&self.shared);
+        let shared = shared_now;
         // Coming straight from `call` with ladders to ask: they go first,
         // then the idempotency marker, then the rules.
         let check_ladders = matches!(marker, Marker::Ladders);
@@ -432,7 +457,8 @@ where
                         // Refund the rules answered at once, and refuse.
                         refund_consumed(&shared, &report, listed_key(&keys));
                         observe_by_request(&shared, &report, Verdict::MissingKey { rule: i }, &req);
-                        return self.finish(
+                        return Self::finish(
+                            Arc::clone(&shared),
                             State::Rejected {
                                 verdict: Verdict::MissingKey { rule: i },
                             },
@@ -621,7 +647,8 @@ where
         // serves this request; a fresh clone waits for the next poll_ready.
         let clone = self.inner.clone();
         let ready = std::mem::replace(&mut self.inner, clone);
-        self.finish(
+        Self::finish(
+            Arc::clone(&shared),
             State::Deciding {
                 decide,
                 waiting: Some(Box::new((req, ready))),

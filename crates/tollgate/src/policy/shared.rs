@@ -141,47 +141,25 @@ pub(super) struct Shared<B, L> {
 }
 
 /// The policy a layer and its services decide by: replaced as a whole on
-/// reload ([`PolicyLayer::replace`](super::PolicyLayer::replace)).
-/// Services keep the policy they last read and compare one generation
-/// number per request, so an unchanged policy costs one atomic load.
-pub(super) struct Current<B, L> {
-    generation: std::sync::atomic::AtomicU64,
-    shared: std::sync::RwLock<Arc<Shared<B, L>>>,
-}
+/// reload ([`PolicyLayer::replace`](super::PolicyLayer::replace)). Read
+/// once per request, lock-free (`arc-swap`): a request keeps the policy
+/// that decided it, and an old policy is freed with its last request.
+pub(super) struct Current<B, L>(arc_swap::ArcSwap<Shared<B, L>>);
 
 impl<B, L> Current<B, L> {
     pub(super) fn new(shared: Shared<B, L>) -> Self {
-        Self {
-            generation: std::sync::atomic::AtomicU64::new(0),
-            shared: std::sync::RwLock::new(Arc::new(shared)),
-        }
+        Self(arc_swap::ArcSwap::from_pointee(shared))
     }
 
-    /// The policy now, and its generation.
-    pub(super) fn load(&self) -> (Arc<Shared<B, L>>, u64) {
-        use std::sync::atomic::Ordering;
-        let guard = self
-            .shared
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        (Arc::clone(&guard), self.generation.load(Ordering::Acquire))
-    }
-
-    /// The policy's generation (it changes on every replacement).
+    /// The policy now.
     #[inline]
-    pub(super) fn generation(&self) -> u64 {
-        self.generation.load(std::sync::atomic::Ordering::Acquire)
+    pub(super) fn load(&self) -> Arc<Shared<B, L>> {
+        self.0.load_full()
     }
 
     /// Makes `next` the policy of every service from its next request.
     pub(super) fn replace(&self, next: Arc<Shared<B, L>>) {
-        let mut guard = self
-            .shared
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        *guard = next;
-        self.generation
-            .fetch_add(1, std::sync::atomic::Ordering::Release);
+        self.0.store(next);
     }
 }
 

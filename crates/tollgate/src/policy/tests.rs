@@ -1336,3 +1336,35 @@ fn an_audit_of_a_rule_that_does_not_exist_is_refused() {
         .unwrap_err();
     assert_eq!(none.field(), "audit");
 }
+
+#[tokio::test]
+async fn services_cloned_per_request_follow_a_replacement() {
+    // axum and tonic clone a template service per request and never call
+    // the template: each clone must decide by the policy now.
+    let clock = ManualClock::starting_at(1);
+    let st = store(&clock);
+    let layer = PolicyLayer::builder()
+        .rule(per_key(Limit::fixed_window(1, Duration::from_secs(60))))
+        .store(st.clone())
+        .build()
+        .unwrap();
+    let template = layer.layer(service_fn(ok));
+    let res = template.clone().oneshot(req("a", "ip")).await.unwrap();
+    assert_eq!(res.headers()["ratelimit-policy"], "\"per-key\";q=1;w=60");
+    let next = PolicyLayer::builder()
+        .rule(per_key(Limit::fixed_window(5, Duration::from_secs(60))))
+        .rule(per_ip(Limit::fixed_window(9, Duration::from_secs(60))))
+        .store(st.rebinding())
+        .build()
+        .unwrap();
+    layer.replace(&next);
+    for _ in 0..3 {
+        let res = template.clone().oneshot(req("a", "ip")).await.unwrap();
+        assert_eq!(
+            res.headers()["ratelimit-policy"],
+            "\"per-key\";q=5;w=60, \"per-ip\";q=9;w=60"
+        );
+    }
+    // The window kept its count: 1 before, 3 after, 1 left of 5.
+    assert_eq!(remaining(&layer, 0, "a").await, 1);
+}

@@ -547,6 +547,11 @@ impl<C: Clock> MemoryStore<C> {
                 }
                 let next = carry(slot.get())
                     .unwrap_or_else(|| make(self.inner.shards, Arc::clone(&self.inner.shared)));
+                // A reload rebinds a rule's parameters, never a name bound
+                // to another kind of rule (a quota named like a rate rule).
+                if std::mem::discriminant(slot.get()) != std::mem::discriminant(&next) {
+                    return Err(conflict());
+                }
                 slot.insert(next);
                 get(slot.get()).ok_or_else(conflict)
             }

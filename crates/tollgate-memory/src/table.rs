@@ -271,10 +271,34 @@ pub(crate) struct Table<K: Kind, C> {
     pub(crate) kind: K,
     /// Shared with the tables of a rule's later parameters, where they go
     /// on from its states (see `MemoryStore::rebinding`).
-    shards: std::sync::Arc<[Shard<K::Cell>]>,
+    shards: std::sync::Arc<ShardSet<K::Cell, C>>,
     mask: usize,
     pub(crate) shared: std::sync::Arc<Shared<C>>,
     cursor: AtomicUsize,
+}
+
+/// A table's shards: shared by the tables of one rule's successive
+/// parameters (see `Table::sharing`). When the last table goes — a rule
+/// rebound on reload, and its last limiter dropped — the keys it held are
+/// given back to the store's count.
+struct ShardSet<Ce, C> {
+    shards: Box<[Shard<Ce>]>,
+    shared: std::sync::Arc<Shared<C>>,
+}
+
+impl<Ce, C> std::ops::Deref for ShardSet<Ce, C> {
+    type Target = [Shard<Ce>];
+
+    fn deref(&self) -> &[Shard<Ce>] {
+        &self.shards
+    }
+}
+
+impl<Ce, C> Drop for ShardSet<Ce, C> {
+    fn drop(&mut self) {
+        let held: usize = self.shards.iter().map(|s| read(&s.map).len()).sum();
+        self.shared.keys.fetch_sub(held, Ordering::AcqRel);
+    }
 }
 
 impl<K: Kind + std::fmt::Debug, C> std::fmt::Debug for Table<K, C> {
@@ -301,7 +325,7 @@ thread_local! {
 impl<K: Kind, C: Clock> Table<K, C> {
     /// `shards` is a power of two (the builder checks).
     pub(crate) fn new(kind: K, shards: usize, shared: std::sync::Arc<Shared<C>>) -> Self {
-        let shards: std::sync::Arc<[_]> = (0..shards.max(1))
+        let shards: Box<[_]> = (0..shards.max(1))
             .map(|_| Shard {
                 map: RwLock::new(HashMap::default()),
                 overflow: K::Cell::new(K::State::default()),
@@ -310,6 +334,10 @@ impl<K: Kind, C: Clock> Table<K, C> {
                 last_sweep: AtomicU64::new(0),
             })
             .collect();
+        let shards = std::sync::Arc::new(ShardSet {
+            shards,
+            shared: std::sync::Arc::clone(&shared),
+        });
         Self {
             kind,
             mask: shards.len().saturating_sub(1),

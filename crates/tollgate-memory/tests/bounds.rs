@@ -71,6 +71,33 @@ fn rebinding_goes_on_from_states_that_keep_their_meaning() {
     let longer = Rule::new("per-ip", Limit::fixed_window(5, Duration::from_secs(120))).unwrap();
     let longer = re.limiter(&longer).unwrap();
     assert_eq!(longer.decide_now(b"k", 0).remaining, 5);
+    // A name bound to a rate rule is not rebound to another kind.
+    let conc = ConcurrencyRule::new("per-ip", 1, Duration::from_secs(1)).unwrap();
+    assert_eq!(re.concurrency_limiter(&conc).unwrap_err().field(), "name");
+}
+
+#[test]
+fn a_replaced_binding_gives_its_keys_back_when_its_last_limiter_goes() {
+    let clock = ManualClock::new();
+    let s = store(&clock, 1_000, 4);
+    let old = s.limiter(&gcra()).unwrap();
+    for k in 0..10u32 {
+        old.decide_now(&k.to_be_bytes(), 1);
+    }
+    assert_eq!(s.key_count(), 10);
+    // Another algorithm: a fresh table; the old one lives on with `old`.
+    let window = Rule::new("per-ip", Limit::fixed_window(1, Duration::from_secs(60))).unwrap();
+    let new = s.rebinding().limiter(&window).unwrap();
+    new.decide_now(b"x", 1);
+    assert_eq!(s.key_count(), 11);
+    drop(old);
+    assert_eq!(s.key_count(), 1);
+    // A table sharing its shards keeps them counted until the last goes.
+    let wider = Rule::new("per-ip", Limit::fixed_window(5, Duration::from_secs(60))).unwrap();
+    let shared = s.rebinding().limiter(&wider).unwrap();
+    drop(new);
+    assert_eq!(s.key_count(), 1);
+    assert_eq!(shared.decide_now(b"x", 0).remaining, 4);
 }
 
 #[test]

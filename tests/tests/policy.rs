@@ -531,3 +531,18 @@ async fn a_reload_goes_on_from_state_on_redis() {
     let clock = ManualClock::starting_at(1_796_000_040_000_000_000);
     reload_on(redis_store(&redis.url(), &clock), &clock).await;
 }
+
+#[tokio::test]
+async fn a_reload_goes_on_from_state_on_redis_with_a_fallback() {
+    // The fallback memory store binds every rule too: it must rebind.
+    let Some(redis) = Server::start() else { return };
+    let clock = ManualClock::starting_at(1_796_000_040_000_000_000);
+    let store = RedisStore::builder(&redis.url())
+        .prefix(&unique_prefix())
+        .client_time(clock.clone())
+        .timeout(Duration::from_secs(2))
+        .failure_policy(tollgate::FailurePolicy::fallback())
+        .build()
+        .unwrap();
+    reload_on(store, &clock).await;
+}

@@ -45,11 +45,15 @@ impl fmt::Debug for RedisEscalation {
 }
 
 impl RedisEscalation {
-    pub(crate) fn new(backend: Arc<Backend>, rule: &EscalationRule) -> Result<Self, ConfigError> {
+    pub(crate) fn new(
+        backend: Arc<Backend>,
+        rule: &EscalationRule,
+        rebinding: bool,
+    ) -> Result<Self, ConfigError> {
         let l = rule.escalation();
         crate::scripts::check_span("period", l.period())?;
         crate::scripts::check_span("max_block", l.max_block())?;
-        let fallback = match &backend.policy {
+        let fallback = match &backend.policy.binding(rebinding) {
             FailurePolicy::Fallback(memory) => Some(memory.escalation(rule)?),
             FailurePolicy::Open | FailurePolicy::Closed => None,
         };

@@ -57,6 +57,19 @@ fn open_decision(limit: u64) -> Decision {
 }
 
 /// What fail-closed answers: denied, retry in a second.
+impl FailurePolicy {
+    /// The policy to bind a rule's fallback with: through the memory
+    /// store's rebinding handle when the Redis store is rebinding.
+    pub(crate) fn binding(&self, rebinding: bool) -> FailurePolicy {
+        match self {
+            FailurePolicy::Fallback(m) if rebinding => {
+                FailurePolicy::Fallback(tollgate_core::Store::rebinding(m))
+            }
+            other => other.clone(),
+        }
+    }
+}
+
 fn closed_decision(limit: u64) -> Decision {
     Decision {
         outcome: Outcome::Deny {

@@ -40,10 +40,11 @@ impl RedisLimiter {
     pub(crate) fn new(
         backend: Arc<Backend>,
         rule: &Rule,
+        rebinding: bool,
     ) -> Result<Self, tollgate_core::ConfigError> {
         crate::scripts::check_spans(rule.algorithm())?;
         let (script, params) = crate::scripts::for_algorithm(rule.algorithm());
-        let on_failure = RateOnFailure::new(&backend.policy, rule)?;
+        let on_failure = RateOnFailure::new(&backend.policy.binding(rebinding), rule)?;
         Ok(Self {
             bound: Arc::new(BoundRate {
                 ttl: crate::scripts::ttl_ms(crate::scripts::state_lifetime(rule.algorithm()))

@@ -30,6 +30,9 @@ pub struct RedisStore {
     /// The runtime the store was built in: retry budgets' deposits run
     /// there as tasks, whoever calls them.
     runtime: tokio::runtime::Handle,
+    /// Binding through [`Store::rebinding`]: the fallback memory store (if
+    /// any) rebinds too.
+    rebinding: bool,
 }
 
 impl fmt::Debug for RedisStore {
@@ -250,6 +253,7 @@ impl RedisStoreBuilder {
             keeper,
             ids: Arc::new(LeaseIds::new()),
             runtime,
+            rebinding: false,
         })
     }
 }
@@ -259,7 +263,18 @@ impl Store for RedisStore {
     type ConcurrencyLimiter = RedisConcurrencyLimiter;
 
     fn limiter(&self, rule: &Rule) -> Result<RedisLimiter, ConfigError> {
-        RedisLimiter::new(Arc::clone(&self.backend), rule)
+        RedisLimiter::new(Arc::clone(&self.backend), rule, self.rebinding)
+    }
+
+    /// State in Redis is kept by rule name and algorithm, and the scripts
+    /// read it under whatever parameters they are given: new parameters go
+    /// on from it. The fallback memory store (`FailurePolicy::Fallback`)
+    /// rebinds as [`MemoryStore`](tollgate_memory::MemoryStore) does.
+    fn rebinding(&self) -> Self {
+        Self {
+            rebinding: true,
+            ..self.clone()
+        }
     }
 
     fn concurrency_limiter(
@@ -280,7 +295,11 @@ impl Store for RedisStore {
         &self,
         rule: &tollgate_core::EscalationRule,
     ) -> Result<Arc<dyn tollgate_core::EscalationLimiter>, ConfigError> {
-        let ladder = crate::escalation::RedisEscalation::new(Arc::clone(&self.backend), rule)?;
+        let ladder = crate::escalation::RedisEscalation::new(
+            Arc::clone(&self.backend),
+            rule,
+            self.rebinding,
+        )?;
         Ok(Arc::new(crate::escalation::Shared(Arc::new(ladder))))
     }
 }

@@ -239,16 +239,19 @@ impl Algorithm {
     /// - GCRA and the leaky bucket store a time (when the key's budget is
     ///   whole again, or its queue's tail): any new rate, burst or delay
     ///   goes on from it. A key that had spent its budget is whole again
-    ///   when it would have been under the old rule (at most the old
-    ///   rule's window later), then runs at the new rate: a reload never
-    ///   grants a fresh burst.
+    ///   when it would have been under the old rule, then runs at the new
+    ///   rate: such a reload grants no fresh burst — and a loosened rule
+    ///   with a slow old rate keeps a spent key waiting up to the old
+    ///   rule's window.
     /// - The token bucket stores a count of refills: it goes on when the
-    ///   refill amount and interval stay (a new capacity applies at once).
+    ///   refill amount and interval stay. A new capacity applies at once:
+    ///   raising it by `n` gives every key `n` more tokens.
     /// - The windows (fixed, sliding counter, sliding log) store counts of
     ///   the current window: they go on when the window's length stays (a
     ///   new limit applies to the counts so far).
     ///
-    /// Anything else starts from fresh states.
+    /// Anything else — another algorithm, another window length, another
+    /// refill — starts from fresh states: every key's whole budget.
     ///
     /// ```
     /// use std::time::Duration;

@@ -32,7 +32,11 @@ fn app<S: QuotaStore>(
     let policy = tollgate_examples::quickstart_policy(config.map(PathBuf::as_path), trusted)?;
     let (app, layer) = tollgate_examples::quickstart_app_with(store.clone(), trusted, &policy)?;
     if let Some(path) = config {
-        Reloader::new(path, &policy, store, &layer).spawn(Duration::from_secs(2));
+        // Every reloaded file gets the environment's proxies, as the first.
+        let trusted = trusted.to_vec();
+        Reloader::new(path, &policy, store, &layer)
+            .prepare(move |f| f.default_trusted_proxies(&trusted))
+            .spawn(Duration::from_secs(2));
         println!(
             "policy from {} (reloads on SIGHUP and on change)",
             path.display()

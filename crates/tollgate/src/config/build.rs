@@ -42,7 +42,13 @@ pub(super) fn serde_error(
 /// `[[rules]]` entry (counted) or table header above it, and the key on
 /// its line.
 fn field_at(text: &str, offset: usize) -> String {
-    let before = text.get(..offset).unwrap_or(text);
+    // Through the end of the offset's line: a missing field's span is its
+    // table's header, which counts.
+    let line_end = text
+        .get(offset..)
+        .and_then(|t| t.find('\n'))
+        .map_or(text.len(), |i| offset.saturating_add(i));
+    let before = text.get(..line_end).unwrap_or(text);
     let mut table = String::new();
     let mut rules: usize = 0;
     for line in before.lines() {
@@ -64,6 +70,9 @@ fn field_at(text: &str, offset: usize) -> String {
         .and_then(|l| l.lines().next())
         .unwrap_or("");
     let column = offset.saturating_sub(line_start);
+    if line.trim_start().starts_with('[') {
+        return table;
+    }
     let key = match line.find('=') {
         Some(eq) if eq < column => line.get(..eq).unwrap_or("").trim(),
         _ => line
@@ -224,7 +233,23 @@ fn cost(spec: &CostSpec, span: &Range<usize>, field: &str) -> Result<FileCost, P
             "one of header, query, bytes_per_unit, methods and routes".to_owned(),
         ));
     }
-    let config = |e: ConfigError| problem(format!("{}: {}", e.field(), e.message()));
+    // The cost functions' own field names, as the file spells them.
+    let config = |e: ConfigError| {
+        let f = match e.field() {
+            "cap" => "max",
+            "min" => "default",
+            other => other,
+        };
+        problem(format!("{f}: {}", e.message()))
+    };
+    let reads_request =
+        spec.header.is_some() || spec.query.is_some() || spec.bytes_per_unit.is_some();
+    if reads_request && max.is_none() {
+        // A missing or unreadable value costs `max`: it must be chosen.
+        return Err(problem(
+            "max is missing: a cost read from the request needs max = N (the most one request is charged)".to_owned(),
+        ));
+    }
     if let Some(h) = &spec.header {
         return HeaderCost::named(h, default, max.unwrap_or(u32::MAX))
             .map(FileCost::Header)
@@ -250,8 +275,11 @@ fn cost(spec: &CostSpec, span: &Range<usize>, field: &str) -> Result<FileCost, P
     if !spec.methods.is_empty() {
         let mut by = ByMethod::new(default);
         for (m, c) in &spec.methods {
-            let method = http::Method::from_bytes(m.as_bytes())
-                .map_err(|_| problem(format!("methods: {m:?} is not an HTTP method")))?;
+            let method = method_named(m).ok_or_else(|| {
+                problem(format!(
+                    "methods: {m:?} is not an HTTP method (upper case, e.g. \"POST\")"
+                ))
+            })?;
             by = by.method(method, num(*c, &format!("methods.{m}"))?);
         }
         return Ok(FileCost::Methods(by));
@@ -261,8 +289,10 @@ fn cost(spec: &CostSpec, span: &Range<usize>, field: &str) -> Result<FileCost, P
         for (i, r) in spec.routes.iter().enumerate() {
             let method = match &r.method {
                 None => None,
-                Some(m) => Some(http::Method::from_bytes(m.as_bytes()).map_err(|_| {
-                    problem(format!("routes[{i}].method: {m:?} is not an HTTP method"))
+                Some(m) => Some(method_named(m).ok_or_else(|| {
+                    problem(format!(
+                        "routes[{i}].method: {m:?} is not an HTTP method (upper case, e.g. \"POST\")"
+                    ))
                 })?),
             };
             if !r.path.starts_with('/') {
@@ -286,6 +316,15 @@ fn cost_table(value: &Spanned<toml::Value>, field: &str) -> Result<CostSpec, Pro
             .map_err(|e| at(value, field.to_owned(), e.message().trim().to_owned())),
         _ => Err(at(value, field.to_owned(), COST_SHAPE)),
     }
+}
+
+/// An HTTP method as requests carry it: upper case (a lower-case name
+/// would be an extension method no request sends, silently never matched).
+fn method_named(name: &str) -> Option<http::Method> {
+    if name.is_empty() || name.bytes().any(|b| b.is_ascii_lowercase()) {
+        return None;
+    }
+    http::Method::from_bytes(name.as_bytes()).ok()
 }
 
 fn rule_cost(file: &FileSpec, r: &RuleSpec, path: &str) -> Result<FileCost, Problem> {
@@ -532,11 +571,14 @@ fn rule(
             duration(&e.max_block, String::new())?,
         )
         .map_err(|err| {
-            at(
-                &e.strikes,
-                field(&format!("escalate.{}", err.field())),
-                err.message().to_owned(),
-            )
+            let message = err.message().to_owned();
+            let f = field(&format!("escalate.{}", err.field()));
+            match err.field() {
+                "period" => at(&e.period, f, message),
+                "block" => at(&e.block, f, message),
+                "max_block" => at(&e.max_block, f, message),
+                _ => at(&e.strikes, f, message),
+            }
         })?;
     }
     for (plan, p) in &r.plans {

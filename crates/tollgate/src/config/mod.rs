@@ -225,11 +225,29 @@ impl PolicyFile {
             text: text.to_owned(),
             origin,
         };
-        // Check everything a store does not decide, on a throwaway one.
-        file.builder::<()>()?
-            .build()
-            .map_err(|e| file.config_error(&e))?;
+        file.check::<()>(|b| b)?;
         Ok(file)
+    }
+
+    /// Checks everything a store does not decide by building the file's
+    /// policy (with `customize`'s additions) on a throwaway memory store,
+    /// recording no metrics. A file whose rules name plans but that sets
+    /// no `plan_from` passes: the plan source may come from code (a
+    /// closure); [`layer`](Self::layer) refuses it if none does.
+    pub(crate) fn check<B>(
+        &self,
+        customize: impl FnOnce(
+            crate::policy::PolicyLayerBuilder<B, crate::MemoryStore>,
+        ) -> crate::policy::PolicyLayerBuilder<B, crate::MemoryStore>,
+    ) -> Result<(), FileError> {
+        let mut b = self.builder::<B>()?;
+        if self.spec.plan_from.is_none() {
+            b = b.plan_from_extension();
+        }
+        let b = customize(b);
+        metrics::with_local_recorder(&metrics::NoopRecorder, || b.build())
+            .map(drop)
+            .map_err(|e| self.config_error(&e))
     }
 
     /// Trusts `ranges` (CIDRs) as proxies for `client-ip` keys when the

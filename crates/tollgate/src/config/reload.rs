@@ -12,6 +12,8 @@ use super::{FileError, PolicyFile};
 use crate::policy::{PolicyLayer, PolicyLayerBuilder};
 use crate::MemoryStore;
 
+type Prepare = Arc<dyn Fn(PolicyFile) -> Result<PolicyFile, FileError> + Send + Sync>;
+
 type Customize<B> = Arc<
     dyn Fn(PolicyLayerBuilder<B, MemoryStore>) -> PolicyLayerBuilder<B, MemoryStore> + Send + Sync,
 >;
@@ -42,6 +44,7 @@ pub struct Reloader<B, St: Store> {
     store: St,
     layer: PolicyLayer<B, St::Limiter>,
     customize: Option<Customize<B>>,
+    prepare: Option<Prepare>,
     /// The text of the policy running.
     running: Mutex<String>,
     /// The text last tried, applied or not: polls skip it, so a bad file
@@ -80,6 +83,7 @@ impl<B, St: Store> Reloader<B, St> {
             store,
             layer: layer.clone(),
             customize: None,
+            prepare: None,
             running: Mutex::new(file.text().to_owned()),
             tried: Mutex::new(file.text().to_owned()),
         };
@@ -99,6 +103,7 @@ impl<B, St: Store> Reloader<B, St> {
             store,
             layer: layer.clone(),
             customize: None,
+            prepare: None,
             running: Mutex::new(file.text().to_owned()),
             tried: Mutex::new(file.text().to_owned()),
         }
@@ -106,7 +111,9 @@ impl<B, St: Store> Reloader<B, St> {
 
     /// What to add to every reloaded policy that a file cannot hold (a
     /// rejection, an audit sink, a plan closure): the same as was added to
-    /// the first.
+    /// the first (build that one with [`PolicyFile::builder`], the same
+    /// additions, and [`Reloader::new`]). A reload checks the file with
+    /// them on a throwaway store before it touches the running one.
     pub fn customize<F>(mut self, f: F) -> Self
     where
         F: Fn(PolicyLayerBuilder<B, MemoryStore>) -> PolicyLayerBuilder<B, MemoryStore>
@@ -115,6 +122,17 @@ impl<B, St: Store> Reloader<B, St> {
             + 'static,
     {
         self.customize = Some(Arc::new(f));
+        self
+    }
+
+    /// What to do to every file read before it is built: the same as was
+    /// done to the first, e.g.
+    /// `|f| f.default_trusted_proxies(&from_the_environment)`.
+    pub fn prepare<F>(mut self, f: F) -> Self
+    where
+        F: Fn(PolicyFile) -> Result<PolicyFile, FileError> + Send + Sync + 'static,
+    {
+        self.prepare = Some(Arc::new(f));
         self
     }
 
@@ -130,6 +148,8 @@ impl<B, St: Store> Reloader<B, St> {
     fn reload_unless_tried(&self, skip_tried: bool) -> Result<Reloaded, FileError> {
         let outcome = self.try_reload(skip_tried);
         let label = match &outcome {
+            // A poll that found the file as last tried: not a reload.
+            Ok(Reloaded::Unchanged) if skip_tried => return outcome,
             Ok(Reloaded::Applied) => {
                 tracing::info!(target: "tollgate", path = %self.path.display(), "policy reloaded");
                 "applied"
@@ -167,16 +187,22 @@ impl<B, St: Store> Reloader<B, St> {
             }
             seen.clone_into(&mut tried);
         }
-        let file = PolicyFile::parse_from(&text?, Some(self.path.display().to_string()))?;
+        let mut file = PolicyFile::parse_from(&text?, Some(self.path.display().to_string()))?;
+        if let Some(prepare) = &self.prepare {
+            file = prepare(file)?;
+        }
         let mut running = self.running.lock().unwrap_or_else(PoisonError::into_inner);
         if *running == file.text() {
             return Ok(Reloaded::Unchanged);
         }
-        let mut builder = file.builder::<B>()?;
-        if let Some(f) = &self.customize {
-            builder = f(builder);
-        }
-        let next = builder
+        let customize = |b| match &self.customize {
+            Some(f) => f(b),
+            None => b,
+        };
+        // On a throwaway store first: a file that fails to build must not
+        // rebind a single rule of the running store.
+        file.check::<B>(customize)?;
+        let next = customize(file.builder::<B>()?)
             .store(self.store.rebinding())
             .build()
             .map_err(|e| file.config_error(&e))?;
@@ -208,8 +234,11 @@ impl<B, St: Store> Reloader<B, St> {
                 let signalled = std::future::poll_fn(|cx| {
                     #[cfg(unix)]
                     if let Some(h) = hangup.as_mut() {
-                        if h.poll_recv(cx).is_ready() {
-                            return Poll::Ready(true);
+                        match h.poll_recv(cx) {
+                            Poll::Ready(Some(())) => return Poll::Ready(true),
+                            // No more signals will come: stop listening.
+                            Poll::Ready(None) => hangup = None,
+                            Poll::Pending => {}
                         }
                     }
                     tick.poll_tick(cx).map(|_| false)

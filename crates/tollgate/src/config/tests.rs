@@ -427,3 +427,118 @@ async fn a_request_decided_before_a_reload_finishes_on_its_policy() {
     let limiter = layer.limiters().into_iter().next().unwrap();
     assert_eq!(limiter.decide(&key, 0).await.unwrap().remaining, 5);
 }
+
+#[test]
+fn more_errors_land_where_the_mistake_is() {
+    // A rule without a required field: at its header, named by index.
+    let missing = "[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\n\n[[rules]]\nname = \"b\"\nrate = \"1/s\"\nburst = 1\n";
+    let e = error(missing);
+    assert!(e.starts_with("7:1: rules[1]: missing field `key`"), "{e}");
+    // A ladder's error on the ladder's own field.
+    let ladder = "[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\nescalate = { strikes = 3, period = \"0s\", block = \"1m\", max_block = \"1h\" }\n";
+    let e = error(ladder);
+    assert!(e.starts_with("6:36: rules[0].escalate.period:"), "{e}");
+    // A lower-case method would never match a request.
+    let lower = "[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\ncost = { methods = { post = 5 } }\n";
+    assert!(
+        error(lower).contains("\"post\" is not an HTTP method"),
+        "{}",
+        error(lower)
+    );
+    // A cost read from the request needs its cap.
+    let uncapped = "[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\ncost = { header = \"x-cost\" }\n";
+    assert!(
+        error(uncapped).contains("rules[0].cost: max is missing"),
+        "{}",
+        error(uncapped)
+    );
+}
+
+#[test]
+fn plans_may_take_their_source_from_code() {
+    let text = "[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\nplans.pro = { rate = \"5/s\", burst = 5 }\n";
+    let file = PolicyFile::parse(text).unwrap();
+    // No source in the file or the code: refused when built.
+    let e = file.layer::<String, _>(&MemoryStore::new()).unwrap_err();
+    assert_eq!(e.field(), "plans");
+    // A closure from code.
+    let layer = file
+        .builder::<String>()
+        .unwrap()
+        .plan_from(|_r: &Req| Some(crate::policy::Plan::new("pro")))
+        .build();
+    assert!(layer.is_ok());
+}
+
+#[tokio::test]
+async fn a_reload_prepares_every_file_and_a_bad_one_rebinds_nothing() {
+    let clock = ManualClock::new();
+    let dir = std::env::temp_dir().join(format!("tollgate-prepare-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("policy.toml");
+    let v1 = "[[rules]]\nname = \"per-client\"\nkey = \"client-ip\"\nrate = \"1/min\"\nburst = 1\n\n[[rules]]\nname = \"audited\"\nkey = \"global\"\nrate = \"100/s\"\nburst = 100\n";
+    std::fs::write(&path, v1).unwrap();
+    let trusted = vec!["10.0.0.0/8".to_owned()];
+    struct Sink;
+    impl crate::observe::AuditSink for Sink {
+        fn record(&self, _: &crate::observe::AuditRecord) {}
+    }
+    let st = store(&clock);
+    let first = PolicyFile::read(&path)
+        .unwrap()
+        .default_trusted_proxies(&trusted)
+        .unwrap();
+    let layer = first
+        .builder::<String>()
+        .unwrap()
+        .audit(Sink, &["audited"])
+        .store(st.clone())
+        .build()
+        .unwrap();
+    let t = trusted.clone();
+    let reloader = Reloader::new(&path, &first, st, &layer)
+        .prepare(move |f| f.default_trusted_proxies(&t))
+        .customize(|b| b.audit(Sink, &["audited"]));
+    let mut svc = layer.layer(ok_service());
+    // Behind the proxy 10.0.0.1, clients are told apart by X-Forwarded-For.
+    let from = |client: &str| {
+        let mut r = req("GET", "/", "k");
+        r.extensions_mut()
+            .insert("10.0.0.1:4000".parse::<std::net::SocketAddr>().unwrap());
+        r.headers_mut()
+            .insert("x-forwarded-for", client.parse().unwrap());
+        r
+    };
+    assert_eq!(
+        status(&mut svc, from("198.51.100.1")).await.0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        status(&mut svc, from("198.51.100.1")).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // v2: another algorithm for per-client, and no rule "audited", which
+    // the code's customisation audits: an error found only after
+    // per-client is bound. Rejected, and per-client must not have been
+    // rebound on the way.
+    let v2 = "[[rules]]\nname = \"per-client\"\nkey = \"client-ip\"\nalgorithm = \"fixed_window\"\nrate = \"1/min\"\n";
+    std::fs::write(&path, v2).unwrap();
+    assert_eq!(reloader.reload().unwrap_err().field(), "audit");
+    // v3: v1 and another rule. per-client kept its state (a rebinding to
+    // the fixed window and back would have started it afresh), and the
+    // proxies still apply: another client behind the proxy is admitted.
+    let v3 = format!(
+        "{v1}\n[[rules]]\nname = \"global\"\nkey = \"global\"\nrate = \"100/s\"\nburst = 100\n"
+    );
+    std::fs::write(&path, v3).unwrap();
+    assert_eq!(reloader.reload().unwrap(), Reloaded::Applied);
+    assert_eq!(
+        status(&mut svc, from("198.51.100.1")).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        status(&mut svc, from("198.51.100.2")).await.0,
+        StatusCode::OK
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

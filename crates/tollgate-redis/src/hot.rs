@@ -82,6 +82,7 @@ use tollgate_core::{
 pub struct HotKeys {
     ttl: Duration,
     max_batch: u32,
+    min_batch: u32,
     max_share: f64,
     max_denial: Duration,
     max_keys: usize,
@@ -102,6 +103,7 @@ impl HotKeys {
         Self {
             ttl: Duration::from_millis(50),
             max_batch: 64,
+            min_batch: 1,
             max_share: 0.1,
             max_denial: Duration::from_secs(1),
             max_keys: 100_000,
@@ -120,6 +122,18 @@ impl HotKeys {
     /// keeps only the denial cache and the single flight).
     pub fn max_batch(mut self, units: u32) -> Self {
         self.max_batch = units;
+        self
+    }
+
+    /// The batch every key starts from, and never goes below (default 1:
+    /// a cold key decides per request, exactly). Above 1 — for a distant
+    /// store, e.g. a global tier 100 ms away (see
+    /// [`Tiered`](crate::Tiered)) — even a key's first request takes a
+    /// lease, so most decisions skip the round trip; the bound above is
+    /// the same (`rate × ttl`), and a cold key holds up to this many units
+    /// it may not spend. Capped by `max_batch` and `max_share`.
+    pub fn min_batch(mut self, units: u32) -> Self {
+        self.min_batch = units;
         self
     }
 
@@ -174,6 +188,12 @@ impl HotKeys {
         }
         if self.max_batch == 0 {
             return Err(ConfigError::new("hot_keys", "max_batch must be at least 1"));
+        }
+        if self.min_batch == 0 || self.min_batch > self.max_batch {
+            return Err(ConfigError::new(
+                "hot_keys",
+                "min_batch must be from 1 to max_batch",
+            ));
         }
         if !(self.max_share > 0.0 && self.max_share <= 1.0) {
             return Err(ConfigError::new(
@@ -265,6 +285,7 @@ impl<S: Store, C: Clock> Store for Hot<S, C> {
                 ttl: duration_to_nanos(self.config.ttl),
                 max_denial: duration_to_nanos(self.config.max_denial),
                 max_batch,
+                min_batch: u64::from(self.config.min_batch).min(max_batch),
                 windowed,
                 per_shard: self.config.max_keys.div_ceil(SHARDS).max(1),
                 hasher: RandomState::new(),
@@ -330,6 +351,7 @@ struct Local<C> {
     ttl: u64,
     max_denial: u64,
     max_batch: u64,
+    min_batch: u64,
     /// Fixed windows: a lease ends with the store's window.
     windowed: bool,
     per_shard: usize,
@@ -396,11 +418,11 @@ impl<C: Clock> Local<C> {
             0
         };
         if s.batch == 0 {
-            s.batch = 1;
+            s.batch = self.min_batch;
         } else if give_back == 0 && s.expires > now {
             s.batch = s.batch.saturating_mul(2).min(self.max_batch);
         } else if give_back > 0 {
-            s.batch = (s.batch / 2).max(1);
+            s.batch = (s.batch / 2).max(self.min_batch);
         }
         // Units of a fixed window that ended were counted in that window:
         // they lapse rather than go back into the next one.
@@ -436,7 +458,7 @@ impl<C: Clock> Local<C> {
             // Refused this request's own cost: nothing for it until then.
             Outcome::Deny { retry_after } if taken <= u64::from(cost) => {
                 s.denied_until = now.saturating_add(retry_after.min(self.max_denial));
-                s.batch = 1;
+                s.batch = self.min_batch;
             }
             Outcome::Deny { .. } | Outcome::Never => {}
         }

@@ -143,6 +143,7 @@ mod scripts;
 mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod tiered;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -157,6 +158,7 @@ pub use quota::RedisQuotaLimiter;
 pub use rate::RedisLimiter;
 pub use retry_budget::RedisRetryBudget;
 pub use store::{RedisStore, RedisStoreBuilder};
+pub use tiered::{Tiered, TieredLimiter};
 
 /// A boxed future (the Redis path: network-bound, so one box is noise).
 pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;

@@ -268,6 +268,8 @@ fn rules_that_cannot_be_leased_are_refused() {
         HotKeys::new().max_batch(0),
         HotKeys::new().max_share(1.5),
         HotKeys::new().max_keys(0),
+        HotKeys::new().min_batch(0),
+        HotKeys::new().min_batch(100).max_batch(10),
     ] {
         assert_eq!(
             bad.over(MemoryStore::new()).unwrap_err().field(),
@@ -341,4 +343,47 @@ async fn three_instances_on_one_hot_key_stay_within_the_bound() {
         "{calls} calls for {decisions} decisions"
     );
     println!("admitted {admitted} (exact {exact}, bound {bound}); {calls} Redis calls for {decisions} decisions ({per_decision:.4} per decision)");
+}
+
+#[tokio::test]
+async fn a_holder_that_dies_mid_lease_costs_its_units_until_they_recover() {
+    let clock = ManualClock::starting_at(1_000_000_000);
+    let shared = MemoryStore::builder().clock(clock.clone()).build().unwrap();
+    let rule = gcra(10, 100);
+    let a = HotKeys::new()
+        .min_batch(10)
+        .max_batch(10)
+        .over_with_clock(shared.clone(), clock.clone())
+        .unwrap()
+        .limiter(&rule)
+        .unwrap();
+    // Instance A leases 10 units, spends 1, and dies.
+    assert!(a.decide(b"k", 1).await.unwrap().is_allowed());
+    drop(a);
+    let b = HotKeys::new()
+        .over_with_clock(shared.clone(), clock.clone())
+        .unwrap()
+        .limiter(&rule)
+        .unwrap();
+    let spend = |l: &tollgate_redis::HotLimiter<MemoryLimiter<ManualClock>, ManualClock>| {
+        let l = l.clone();
+        async move {
+            let mut n = 0;
+            while l.decide(b"k", 1).await.unwrap().is_allowed() {
+                n += 1;
+            }
+            n
+        }
+    };
+    // No gain: the 9 units A held are gone for now.
+    assert_eq!(spend(&b).await, 90);
+    // No permanent loss: after the burst's recovery time (100 units at
+    // 10 a second) the whole budget is back.
+    clock.advance(Duration::from_secs(10));
+    let c = HotKeys::new()
+        .over_with_clock(shared, clock.clone())
+        .unwrap()
+        .limiter(&rule)
+        .unwrap();
+    assert_eq!(spend(&c).await, 100);
 }

@@ -1,0 +1,212 @@
+//! One rule enforced against two stores: a regional one, exact and near,
+//! and a global one, coarse and far (see [`Tiered`]).
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use tollgate_core::{
+    ConcurrencyRule, ConfigError, Decision, EscalationLimiter, EscalationRule, Limiter, Outcome,
+    Rule, Store, StoreError,
+};
+
+/// A rule enforced against two stores at once: a request passes only if
+/// both the regional and the global store admit it.
+///
+/// The intended pair: a **regional** Redis next to the instances — exact,
+/// with low latency — and a **global** Redis shared by every region, far
+/// away (100 ms round trips), put behind [`HotKeys`](crate::HotKeys) with
+/// a large `ttl` and `min_batch`, so that most decisions spend a lease
+/// locally instead of crossing the ocean. Both are asked at once; a
+/// request one refuses is refunded to the other.
+///
+/// **Consistency.** Within a region, the regional store's guarantee holds
+/// exactly. Across regions, the global store bounds the sum: at most its
+/// limit plus its leases' bound (`rate × ttl` for GCRA; see
+/// [`HotKeys`](crate::HotKeys)), plus what each region admitted while the
+/// global store was unreachable. **When the global store is unreachable**
+/// (an error, or — better — its own `FailurePolicy::Open` answering),
+/// the regional limit alone holds: no region is ever limited more than by
+/// its own rule because the far store is away, and none admits more than
+/// its regional limit. When the regional store fails, its failure policy
+/// answers as it would alone.
+///
+/// Both stores bind the rule under the same name; give the global one
+/// its own prefix if both are one Redis. Concurrency rules and escalation
+/// ladders go to the regional store alone.
+///
+/// ```
+/// use tollgate_core::{Limit, Rate, Rule, Store};
+/// use tollgate_memory::MemoryStore;
+/// use tollgate_redis::{HotKeys, Tiered};
+///
+/// # fn main() -> Result<(), tollgate_core::ConfigError> {
+/// // (Two Redis stores in production; memory here.)
+/// let regional = MemoryStore::new();
+/// let global = HotKeys::new().min_batch(16).over(MemoryStore::new())?;
+/// let store = Tiered::new(regional, global);
+/// let rule = Rule::new("per-org", Limit::gcra(Rate::per_second(100), 100))?;
+/// let limiter = store.limiter(&rule)?;
+/// # let _ = limiter;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Tiered<R, G> {
+    regional: R,
+    global: G,
+}
+
+impl<R: fmt::Debug, G: fmt::Debug> fmt::Debug for Tiered<R, G> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tiered")
+            .field("regional", &self.regional)
+            .field("global", &self.global)
+            .finish()
+    }
+}
+
+impl<R, G> Tiered<R, G> {
+    /// `regional` and `global` as one store.
+    pub fn new(regional: R, global: G) -> Self {
+        Self { regional, global }
+    }
+}
+
+impl<R: Store, G: Store> Store for Tiered<R, G> {
+    type Limiter = TieredLimiter<R::Limiter, G::Limiter>;
+    type ConcurrencyLimiter = R::ConcurrencyLimiter;
+
+    fn limiter(&self, rule: &Rule) -> Result<Self::Limiter, ConfigError> {
+        Ok(TieredLimiter(Arc::new((
+            self.regional.limiter(rule)?,
+            self.global.limiter(rule)?,
+        ))))
+    }
+
+    fn concurrency_limiter(
+        &self,
+        rule: &ConcurrencyRule,
+    ) -> Result<Self::ConcurrencyLimiter, ConfigError> {
+        self.regional.concurrency_limiter(rule)
+    }
+
+    fn escalation(&self, rule: &EscalationRule) -> Result<Arc<dyn EscalationLimiter>, ConfigError> {
+        self.regional.escalation(rule)
+    }
+
+    fn rebinding(&self) -> Self {
+        Self {
+            regional: self.regional.rebinding(),
+            global: self.global.rebinding(),
+        }
+    }
+}
+
+/// A rule bound to a [`Tiered`] store.
+pub struct TieredLimiter<RL, GL>(Arc<(RL, GL)>);
+
+impl<RL, GL> Clone for TieredLimiter<RL, GL> {
+    fn clone(&self) -> Self {
+        Self(Arc::clone(&self.0))
+    }
+}
+
+impl<RL: fmt::Debug, GL: fmt::Debug> fmt::Debug for TieredLimiter<RL, GL> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("TieredLimiter").field(&self.0).finish()
+    }
+}
+
+impl<RL, GL> TieredLimiter<RL, GL> {
+    /// The regional store's limiter.
+    pub fn regional(&self) -> &RL {
+        &self.0 .0
+    }
+
+    /// The global store's limiter.
+    pub fn global(&self) -> &GL {
+        &self.0 .1
+    }
+}
+
+type Boxed<T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send>>;
+
+/// The two answers as one: both must admit; the longer wait wins.
+fn combine(r: Decision, g: Decision) -> Decision {
+    let outcome = match (r.outcome, g.outcome) {
+        (Outcome::Never, _) | (_, Outcome::Never) => Outcome::Never,
+        (Outcome::Deny { retry_after: a }, Outcome::Deny { retry_after: b }) => Outcome::Deny {
+            retry_after: a.max(b),
+        },
+        (Outcome::Deny { retry_after }, _) | (_, Outcome::Deny { retry_after }) => {
+            Outcome::Deny { retry_after }
+        }
+        (Outcome::Allow { delay: a }, Outcome::Allow { delay: b }) => {
+            Outcome::Allow { delay: a.max(b) }
+        }
+    };
+    // The headers show the tighter of the two.
+    let (limit, remaining) = if g.remaining < r.remaining {
+        (g.limit, g.remaining)
+    } else {
+        (r.limit, r.remaining)
+    };
+    Decision {
+        outcome,
+        limit,
+        remaining,
+        reset_after: r.reset_after.max(g.reset_after),
+    }
+}
+
+impl<RL: Limiter, GL: Limiter> Limiter for TieredLimiter<RL, GL> {
+    type DecideFuture = Boxed<Decision>;
+    type RefundFuture = Boxed<()>;
+
+    fn rule(&self) -> &Rule {
+        self.0 .0.rule()
+    }
+
+    fn decide(&self, key: &[u8], cost: u32) -> Boxed<Decision> {
+        let both = Arc::clone(&self.0);
+        let (rf, gf) = (both.0.decide(key, cost), both.1.decide(key, cost));
+        let key = key.to_vec();
+        Box::pin(async move {
+            let (r, g) = tokio::join!(rf, gf);
+            let r = r?;
+            let g = match g {
+                Ok(g) => g,
+                Err(e) => {
+                    // The far store is away: the regional limit holds.
+                    tracing::debug!(target: "tollgate", error = %e, "global store failed; regional decision alone");
+                    return Ok(r);
+                }
+            };
+            let d = combine(r, g);
+            if cost > 0 && !d.is_allowed() {
+                // Give back what the one that admitted took.
+                if r.is_allowed() {
+                    let _ = both.0.refund(&key, cost).await;
+                }
+                if g.is_allowed() {
+                    let _ = both.1.refund(&key, cost).await;
+                }
+            }
+            Ok(d)
+        })
+    }
+
+    fn refund(&self, key: &[u8], cost: u32) -> Boxed<()> {
+        let both = Arc::clone(&self.0);
+        let (rf, gf) = (both.0.refund(key, cost), both.1.refund(key, cost));
+        Box::pin(async move {
+            let (r, g) = tokio::join!(rf, gf);
+            // A global refund that fails only leaves the far budget a
+            // little lower until it recovers.
+            let _ = g;
+            r
+        })
+    }
+}

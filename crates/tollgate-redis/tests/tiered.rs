@@ -1,0 +1,157 @@
+//! A rule against a regional and a global store: both must admit, a
+//! refusal by one is refunded to the other, and when the global store is
+//! away the regional limit alone holds.
+#![allow(missing_docs, clippy::unwrap_used, clippy::arithmetic_side_effects)]
+
+use std::future::Ready;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use tollgate_core::{
+    ConcurrencyRule, ConfigError, Decision, Limit, Limiter, ManualClock, Rate, Rule, Store,
+    StoreError, StoreErrorKind,
+};
+use tollgate_memory::{MemoryLimiter, MemoryStore};
+use tollgate_redis::{HotKeys, Tiered};
+
+/// A memory store that can be switched off (every call fails).
+#[derive(Clone)]
+struct Far {
+    memory: MemoryStore<ManualClock>,
+    down: Arc<AtomicBool>,
+}
+
+#[derive(Clone, Debug)]
+struct FarLimiter {
+    inner: MemoryLimiter<ManualClock>,
+    down: Arc<AtomicBool>,
+}
+
+impl Limiter for FarLimiter {
+    type DecideFuture = Ready<Result<Decision, StoreError>>;
+    type RefundFuture = Ready<Result<(), StoreError>>;
+
+    fn rule(&self) -> &Rule {
+        self.inner.rule()
+    }
+
+    fn decide(&self, key: &[u8], cost: u32) -> Self::DecideFuture {
+        if self.down.load(Ordering::Relaxed) {
+            return std::future::ready(Err(StoreError::new(StoreErrorKind::Timeout, "far away")));
+        }
+        std::future::ready(Ok(self.inner.decide_now(key, cost)))
+    }
+
+    fn refund(&self, key: &[u8], cost: u32) -> Self::RefundFuture {
+        self.inner.refund_now(key, cost);
+        std::future::ready(Ok(()))
+    }
+}
+
+impl Store for Far {
+    type Limiter = FarLimiter;
+    type ConcurrencyLimiter = <MemoryStore<ManualClock> as Store>::ConcurrencyLimiter;
+
+    fn limiter(&self, rule: &Rule) -> Result<FarLimiter, ConfigError> {
+        Ok(FarLimiter {
+            inner: self.memory.limiter(rule)?,
+            down: Arc::clone(&self.down),
+        })
+    }
+
+    fn concurrency_limiter(
+        &self,
+        rule: &ConcurrencyRule,
+    ) -> Result<Self::ConcurrencyLimiter, ConfigError> {
+        self.memory.concurrency_limiter(rule)
+    }
+}
+
+fn mem(clock: &ManualClock) -> MemoryStore<ManualClock> {
+    MemoryStore::builder().clock(clock.clone()).build().unwrap()
+}
+
+/// 10 a minute, a burst of 10: no refill during the test.
+fn rule() -> Rule {
+    Rule::new("per-org", Limit::gcra(Rate::per_minute(10), 10)).unwrap()
+}
+
+#[tokio::test]
+async fn both_tiers_must_admit_and_a_refusal_is_refunded() {
+    let clock = ManualClock::starting_at(1);
+    let global = Far {
+        memory: mem(&clock),
+        down: Arc::new(AtomicBool::new(false)),
+    };
+    // Two regions, each its own regional store, one global store whose
+    // limit (the same rule: 10) caps them together.
+    let eu = Tiered::new(mem(&clock), global.clone())
+        .limiter(&rule())
+        .unwrap();
+    let us = Tiered::new(mem(&clock), global.clone())
+        .limiter(&rule())
+        .unwrap();
+    for _ in 0..6 {
+        assert!(eu.decide(b"acme", 1).await.unwrap().is_allowed());
+    }
+    for _ in 0..4 {
+        assert!(us.decide(b"acme", 1).await.unwrap().is_allowed());
+    }
+    // The global budget is spent: both regions refuse, with its wait.
+    let refused = us.decide(b"acme", 1).await.unwrap();
+    assert!(!refused.is_allowed());
+    assert_eq!(refused.remaining, 0);
+    // The US region's own budget was refunded: it still has 6.
+    assert_eq!(us.regional().decide(b"acme", 0).await.unwrap().remaining, 6);
+    // A cost above capacity is never admitted, in either tier.
+    assert!(matches!(
+        eu.decide(b"acme", 11).await.unwrap().outcome,
+        tollgate_core::Outcome::Never
+    ));
+}
+
+#[tokio::test]
+async fn without_the_global_store_the_regional_limit_holds() {
+    let clock = ManualClock::starting_at(1);
+    let global = Far {
+        memory: mem(&clock),
+        down: Arc::new(AtomicBool::new(false)),
+    };
+    let eu = Tiered::new(mem(&clock), global.clone())
+        .limiter(&rule())
+        .unwrap();
+    global.down.store(true, Ordering::Relaxed);
+    let mut admitted = 0;
+    for _ in 0..20 {
+        if eu.decide(b"acme", 1).await.unwrap().is_allowed() {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 10);
+}
+
+#[tokio::test]
+async fn a_leased_global_tier_decides_mostly_locally() {
+    let clock = ManualClock::starting_at(1);
+    let global = Far {
+        memory: mem(&clock),
+        down: Arc::new(AtomicBool::new(false)),
+    };
+    let rule = Rule::new("per-org", Limit::gcra(Rate::per_second(1_000), 1_000)).unwrap();
+    let leased = HotKeys::new()
+        .min_batch(16)
+        .max_batch(64)
+        .over_with_clock(global, clock.clone())
+        .unwrap();
+    let eu = Tiered::new(mem(&clock), leased).limiter(&rule).unwrap();
+    for _ in 0..100 {
+        assert!(eu.decide(b"acme", 1).await.unwrap().is_allowed());
+    }
+    // A first lease of 16, then 32, 64: the far store was asked 3 times.
+    assert_eq!(eu.global().stats().store_calls, 3);
+    // The regional store counted every request exactly.
+    assert_eq!(
+        eu.regional().decide(b"acme", 0).await.unwrap().remaining,
+        900
+    );
+}

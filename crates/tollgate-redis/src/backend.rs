@@ -231,6 +231,7 @@ impl Backend {
             }
             Err(_) => {
                 self.counters.timeouts.add();
+                self.conn.timed_out();
                 Err(StoreError::new(
                     StoreErrorKind::Timeout,
                     format!("no answer within {:?}", self.timeout),

@@ -2,9 +2,11 @@
 
 use std::time::Duration;
 
+use redis::aio::MultiplexedConnection;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
+use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
 use std::sync::Arc;
 
 use tokio::sync::{Notify, OnceCell};
@@ -19,6 +21,138 @@ pub(crate) enum Conn {
     /// seeds, slot map, every node — is never cut short by a call's
     /// timeout. Calls wait for it within their own timeout.
     Cluster(Arc<ClusterSlot>),
+    /// A master found through Redis Sentinel, found again after a call
+    /// fails (a master switch: the old master refuses writes, or is gone).
+    Sentinel(Arc<SentinelSlot>),
+}
+
+pub(crate) struct SentinelSlot {
+    client: Arc<tokio::sync::Mutex<SentinelClient>>,
+    conn: std::sync::Mutex<Option<MultiplexedConnection>>,
+    /// A task is finding the master and connecting: calls wait for it
+    /// within their own timeout, and it goes on past that timeout, so a
+    /// slow first connect is never cut short.
+    connecting: std::sync::atomic::AtomicBool,
+    ready: Notify,
+    connect_timeout: Duration,
+}
+
+impl SentinelSlot {
+    /// The master's connection: the one in use, or a new one to the
+    /// master the sentinels name now.
+    async fn connection(self: &Arc<Self>) -> redis::RedisResult<MultiplexedConnection> {
+        use std::sync::atomic::Ordering;
+        if let Some(c) = self.current() {
+            return Ok(c);
+        }
+        let notified = self.ready.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if let Some(c) = self.current() {
+            return Ok(c);
+        }
+        if !self.connecting.swap(true, Ordering::AcqRel) {
+            let slot = Arc::clone(self);
+            tokio::spawn(async move {
+                let attempt = async { slot.client.lock().await.get_async_connection().await };
+                match tokio::time::timeout(slot.connect_timeout, attempt).await {
+                    Ok(Ok(conn)) => {
+                        *slot
+                            .conn
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(conn);
+                    }
+                    Ok(Err(error)) => {
+                        tracing::warn!(target: "tollgate::redis", %error, "no master through the sentinels");
+                    }
+                    Err(_) => {
+                        tracing::warn!(target: "tollgate::redis", "no master through the sentinels within the connect timeout");
+                    }
+                }
+                slot.connecting.store(false, Ordering::Release);
+                slot.ready.notify_waiters();
+            });
+        }
+        notified.await;
+        self.current().ok_or_else(|| {
+            redis::RedisError::from((
+                redis::ErrorKind::Io,
+                "no master connection through the sentinels",
+            ))
+        })
+    }
+
+    fn current(&self) -> Option<MultiplexedConnection> {
+        self.conn
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Forgets the connection: the next call asks the sentinels again.
+    pub(crate) fn forget(&self) {
+        *self
+            .conn
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+    }
+}
+
+/// `redis+sentinel://[user:password@]host:port[,host:port...]/service`:
+/// the sentinels' addresses, and the monitored master's name. The user and
+/// password are the master's (sentinels are asked without).
+fn sentinel(url: &str, connect_timeout: Duration) -> Result<Option<Conn>, ConfigError> {
+    let Some(rest) = url.strip_prefix("redis+sentinel://") else {
+        return Ok(None);
+    };
+    let bad = |m: &str| {
+        ConfigError::new("url", format!("sentinel URL: {m} (redis+sentinel://[user:password@]host:port[,host:port]/service)"))
+    };
+    let (hosts, service) = rest
+        .rsplit_once('/')
+        .ok_or_else(|| bad("no service name"))?;
+    if service.is_empty() {
+        return Err(bad("no service name"));
+    }
+    let (auth, hosts) = match hosts.rsplit_once('@') {
+        Some((auth, hosts)) => (Some(auth), hosts),
+        None => (None, hosts),
+    };
+    let sentinels: Vec<String> = hosts
+        .split(',')
+        .map(str::trim)
+        .filter(|h| !h.is_empty())
+        .map(|h| format!("redis://{h}"))
+        .collect();
+    if sentinels.is_empty() {
+        return Err(bad("no sentinel address"));
+    }
+    let mut info = redis::RedisConnectionInfo::default();
+    if let Some(auth) = auth {
+        let (user, password) = auth.split_once(':').unwrap_or(("", auth));
+        if !user.is_empty() {
+            info = info.set_username(user);
+        }
+        if !password.is_empty() {
+            info = info.set_password(password);
+        }
+    }
+    let node = SentinelNodeConnectionInfo::default().set_redis_connection_info(info);
+    let client = SentinelClient::build(
+        sentinels,
+        service.to_owned(),
+        Some(node),
+        SentinelServerType::Master,
+    )
+    // The error names the URL's parts, never its password.
+    .map_err(|e| bad(&format!("{:?}", e.kind())))?;
+    Ok(Some(Conn::Sentinel(Arc::new(SentinelSlot {
+        client: Arc::new(tokio::sync::Mutex::new(client)),
+        conn: std::sync::Mutex::new(None),
+        connecting: std::sync::atomic::AtomicBool::new(false),
+        ready: Notify::new(),
+        connect_timeout,
+    }))))
 }
 
 pub(crate) struct ClusterSlot {
@@ -80,6 +214,14 @@ impl ClusterSlot {
 }
 
 impl Conn {
+    /// A call took too long: a Sentinel connection may be to a master that
+    /// hangs; find the master again.
+    pub(crate) fn timed_out(&self) {
+        if let Conn::Sentinel(slot) = self {
+            slot.forget();
+        }
+    }
+
     /// `connect_timeout` bounds each attempt to connect, `timeout` each
     /// command's response.
     pub(crate) fn new(
@@ -88,6 +230,9 @@ impl Conn {
         timeout: Duration,
     ) -> Result<Self, ConfigError> {
         let bad = |e: redis::RedisError| ConfigError::new("url", e.to_string());
+        if let Some(conn) = sentinel(url.trim(), connect_timeout)? {
+            return Ok(conn);
+        }
         let urls: Vec<&str> = url
             .split(',')
             .map(str::trim)
@@ -146,6 +291,14 @@ impl Conn {
                 let mut conn = slot.connection().await;
                 pipe.query_async(&mut conn).await
             }
+            Conn::Sentinel(slot) => {
+                let mut conn = slot.connection().await?;
+                let r = pipe.query_async(&mut conn).await;
+                if r.is_err() {
+                    slot.forget();
+                }
+                r
+            }
         }
     }
 
@@ -167,6 +320,18 @@ impl Conn {
             Conn::Cluster(slot) => {
                 let mut conn = slot.connection().await;
                 invocation.invoke_async(&mut conn).await?
+            }
+            Conn::Sentinel(slot) => {
+                let mut conn = slot.connection().await?;
+                match invocation.invoke_async(&mut conn).await {
+                    Ok(reply) => reply,
+                    Err(e) => {
+                        // READONLY from a demoted master, or a dead one:
+                        // ask the sentinels again next time.
+                        slot.forget();
+                        return Err(e);
+                    }
+                }
             }
         };
         Ok(Reply(reply))

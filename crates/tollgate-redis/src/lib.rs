@@ -98,7 +98,20 @@
 //! Connection strings: one `redis://` (or `rediss://`) URL is a standalone
 //! server (auto-reconnecting, multiplexed); several, comma-separated, or
 //! one with the scheme `redis+cluster://`, are the seed nodes of a Redis
-//! Cluster.
+//! Cluster. `redis+sentinel://[user:password@]host:port[,host:port]/name`
+//! finds the master `name` through Redis Sentinel (the user and password
+//! are the master's) and follows a failover: a call that fails (a demoted
+//! master refuses writes, a dead one does not answer) or times out makes
+//! the next call ask the sentinels again, and the failure policy answers
+//! meanwhile. A user and password in any URL authenticate (ACL users
+//! included) and never appear in the store's errors or `Debug` output.
+//!
+//! **Failover and replication lag.** Redis replicates asynchronously, so a
+//! failover loses the writes the replica had not received: the decisions
+//! of the last moments before the switch (typically well under a second
+//! of traffic). Their units come back — a client gets up to that much
+//! extra budget once; nothing is lost for good. The same holds for a
+//! Cluster master failing over to its replica.
 //!
 //! Redis 5.0 or later (or a compatible server): the scripts write after
 //! reading `TIME`, which needs script effects replication, the default

@@ -256,3 +256,124 @@ pub fn unique_prefix() -> String {
     static N: AtomicU32 = AtomicU32::new(0);
     format!("t{}", N.fetch_add(1, Ordering::Relaxed))
 }
+
+/// A master, its replica and one Redis Sentinel watching them (as
+/// `tollgate`), on free ports; [`failover`](Self::failover) promotes the
+/// replica.
+#[derive(Debug)]
+pub struct Sentinels {
+    /// The first master.
+    pub master: Server,
+    /// Its replica (the master after a failover).
+    pub replica: Server,
+    sentinel: Option<Child>,
+    /// The sentinel's port.
+    pub sentinel_port: u16,
+}
+
+/// Runs `redis-cli -p port args...` and returns its output.
+fn cli(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Waits up to `secs` for `f`, panicking with `what` after.
+fn wait_for(secs: u64, what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+impl Sentinels {
+    /// The three processes, replication up and the sentinel aware of the
+    /// replica; `None` (skip) if redis-server is missing.
+    pub fn start() -> Option<Self> {
+        let master = Server::start()?;
+        let replica = Server::start()?;
+        let m = master.port.to_string();
+        assert_eq!(replica.cli(&["REPLICAOF", "127.0.0.1", &m]).trim(), "OK");
+        wait_for(20, "replication", || {
+            replica
+                .cli(&["INFO", "replication"])
+                .contains("master_link_status:up")
+        });
+        let port = free_port();
+        let dir = scratch_dir();
+        let conf = dir.join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {}\nsentinel monitor tollgate 127.0.0.1 {m} 1\nsentinel down-after-milliseconds tollgate 1000\nsentinel failover-timeout tollgate 5000\n",
+                dir.display()
+            ),
+        )
+        .unwrap();
+        let child = Command::new("redis-server")
+            .arg(&conf)
+            .arg("--sentinel")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let set = Self {
+            master,
+            replica,
+            sentinel: Some(child),
+            sentinel_port: port,
+        };
+        wait_for(10, "the sentinel", || ping(port));
+        let r = set.replica.port.to_string();
+        wait_for(30, "the sentinel to see the replica", || {
+            cli(port, &["SENTINEL", "replicas", "tollgate"]).contains(&r)
+        });
+        Some(set)
+    }
+
+    /// The store URL: `redis+sentinel://127.0.0.1:<port>/tollgate`.
+    pub fn url(&self) -> String {
+        format!("redis+sentinel://127.0.0.1:{}/tollgate", self.sentinel_port)
+    }
+
+    /// The master's port as the sentinel says.
+    pub fn master_port(&self) -> u16 {
+        cli(
+            self.sentinel_port,
+            &["SENTINEL", "get-master-addr-by-name", "tollgate"],
+        )
+        .lines()
+        .nth(1)
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or(0)
+    }
+
+    /// Fails the master over to the replica, and waits until the sentinel
+    /// names it.
+    pub fn failover(&self) {
+        let to = self.replica.port;
+        wait_for(30, "a failover", || {
+            if self.master_port() == to {
+                return true;
+            }
+            // Refused while the sentinel is not ready (e.g. a failover is
+            // already in progress): ask again.
+            let _ = cli(self.sentinel_port, &["SENTINEL", "FAILOVER", "tollgate"]);
+            std::thread::sleep(Duration::from_millis(200));
+            self.master_port() == to
+        });
+    }
+}
+
+impl Drop for Sentinels {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.sentinel.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}

@@ -228,6 +228,7 @@ impl Conn {
         url: &str,
         connect_timeout: Duration,
         timeout: Duration,
+        tls_root: Option<&[u8]>,
     ) -> Result<Self, ConfigError> {
         let bad = |e: redis::RedisError| ConfigError::new("url", e.to_string());
         if let Some(conn) = sentinel(url.trim(), connect_timeout)? {
@@ -253,7 +254,18 @@ impl Conn {
                 .map_err(bad)?;
             return Ok(Conn::Cluster(ClusterSlot::spawn_connect(client)));
         }
-        let client = redis::Client::open(url).map_err(bad)?;
+        let client = match tls_root {
+            #[cfg(feature = "tls")]
+            Some(root) => redis::Client::build_with_tls(
+                url,
+                redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(root.to_vec()),
+                },
+            )
+            .map_err(bad)?,
+            _ => redis::Client::open(url).map_err(bad)?,
+        };
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(connect_timeout))
             .set_response_timeout(Some(timeout))

@@ -57,6 +57,7 @@ pub struct RedisStoreBuilder {
     breaker_threshold: u32,
     breaker_cooldown: Duration,
     lease_renewal: bool,
+    tls_root: Option<Vec<u8>>,
 }
 
 impl fmt::Debug for RedisStoreBuilder {
@@ -85,6 +86,7 @@ impl RedisStore {
             breaker_threshold: 3,
             breaker_cooldown: Duration::from_millis(500),
             lease_renewal: true,
+            tls_root: None,
         }
     }
 
@@ -143,6 +145,16 @@ impl RedisStoreBuilder {
     /// may wait for Redis before the failure policy answers.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// Trusts the CA certificate `pem` (PEM) for `rediss://` URLs, instead
+    /// of the system's roots (feature `tls`): a private CA, or a test's
+    /// self-signed one. For a standalone server (a cluster's and Sentinel's
+    /// connections trust the system's roots).
+    #[cfg(feature = "tls")]
+    pub fn tls_root_cert(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls_root = Some(pem.into());
         self
     }
 
@@ -240,7 +252,12 @@ impl RedisStoreBuilder {
             return Err(ConfigError::new("breaker_threshold", "must be at least 1"));
         }
         let backend = Arc::new(Backend::new(BackendConfig {
-            conn: Conn::new(&self.url, self.connect_timeout, self.timeout)?,
+            conn: Conn::new(
+                &self.url,
+                self.connect_timeout,
+                self.timeout,
+                self.tls_root.as_deref(),
+            )?,
             prefix: prefix.into(),
             timeout: self.timeout,
             policy: self.policy,

@@ -163,6 +163,15 @@ pub fn quickstart_app_with<S: QuotaStore>(
     Ok((router, limit))
 }
 
+/// Logs to stderr through `tracing` (a reload, a rejected policy file,
+/// a store fault), without module paths.
+pub fn init_logs() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+}
+
 /// Installs a Prometheus recorder for the `metrics` facade, once per
 /// process (later calls return the same handle). Call it **before**
 /// building the layers: each registers its metrics when it is built.

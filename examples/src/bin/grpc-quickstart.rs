@@ -15,10 +15,7 @@ use tollgate::MemoryStore;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_target(false)
-        .init();
+    tollgate_examples::init_logs();
     let addr = tollgate_examples::grpc::grpc_addr()?;
     let app = tollgate_examples::grpc::grpc_app(MemoryStore::new())?;
     // The stock moves every few seconds, so `Watch` streams have news.

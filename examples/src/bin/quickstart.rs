@@ -47,11 +47,7 @@ fn app<S: QuotaStore>(
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    // Logs (a reload, a rejected policy file) to stderr.
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_target(false)
-        .init();
+    tollgate_examples::init_logs();
     let addr = std::env::var("TOLLGATE_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
     let trusted: Vec<String> = std::env::var("TOLLGATE_TRUSTED_PROXIES")
         .unwrap_or_default()

@@ -78,15 +78,7 @@ impl<B, St: Store> Reloader<B, St> {
     ) -> Result<(PolicyLayer<B, St::Limiter>, Self), FileError> {
         let file = PolicyFile::read(path.as_ref())?;
         let layer = file.layer::<B, St>(&store)?;
-        let reloader = Self {
-            path: path.as_ref().to_owned(),
-            store,
-            layer: layer.clone(),
-            customize: None,
-            prepare: None,
-            running: Mutex::new(file.text().to_owned()),
-            tried: Mutex::new(file.text().to_owned()),
-        };
+        let reloader = Self::new(path, &file, store, &layer);
         Ok((layer, reloader))
     }
 

@@ -231,7 +231,6 @@ impl Backend {
             }
             Err(_) => {
                 self.counters.timeouts.add();
-                self.conn.timed_out();
                 Err(StoreError::new(
                     StoreErrorKind::Timeout,
                     format!("no answer within {:?}", self.timeout),

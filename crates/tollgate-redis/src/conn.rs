@@ -28,7 +28,11 @@ pub(crate) enum Conn {
 
 pub(crate) struct SentinelSlot {
     client: Arc<tokio::sync::Mutex<SentinelClient>>,
-    conn: std::sync::Mutex<Option<MultiplexedConnection>>,
+    /// The connection in use, and its number: a call forgets only the
+    /// connection it used, never a newer one.
+    conn: std::sync::Mutex<Option<(u64, MultiplexedConnection)>>,
+    generation: std::sync::atomic::AtomicU64,
+    timeout: Duration,
     /// A task is finding the master and connecting: calls wait for it
     /// within their own timeout, and it goes on past that timeout, so a
     /// slow first connect is never cut short.
@@ -40,7 +44,7 @@ pub(crate) struct SentinelSlot {
 impl SentinelSlot {
     /// The master's connection: the one in use, or a new one to the
     /// master the sentinels name now.
-    async fn connection(self: &Arc<Self>) -> redis::RedisResult<MultiplexedConnection> {
+    async fn connection(self: &Arc<Self>) -> redis::RedisResult<(u64, MultiplexedConnection)> {
         use std::sync::atomic::Ordering;
         if let Some(c) = self.current() {
             return Ok(c);
@@ -57,10 +61,11 @@ impl SentinelSlot {
                 let attempt = async { slot.client.lock().await.get_async_connection().await };
                 match tokio::time::timeout(slot.connect_timeout, attempt).await {
                     Ok(Ok(conn)) => {
+                        let n = slot.generation.fetch_add(1, Ordering::AcqRel);
                         *slot
                             .conn
                             .lock()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(conn);
+                            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((n, conn));
                     }
                     Ok(Err(error)) => {
                         tracing::warn!(target: "tollgate::redis", %error, "no master through the sentinels");
@@ -82,26 +87,46 @@ impl SentinelSlot {
         })
     }
 
-    fn current(&self) -> Option<MultiplexedConnection> {
+    fn current(&self) -> Option<(u64, MultiplexedConnection)> {
         self.conn
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone()
     }
 
-    /// Forgets the connection: the next call asks the sentinels again.
-    pub(crate) fn forget(&self) {
-        *self
+    /// Forgets connection `n` (if it is still the one in use): the next
+    /// call asks the sentinels again.
+    pub(crate) fn forget(&self, n: u64) {
+        let mut conn = self
             .conn
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if conn.as_ref().is_some_and(|(m, _)| *m == n) {
+            *conn = None;
+        }
     }
+}
+
+/// Whether `e` says the connection is no longer to a working master: the
+/// connection broke or hangs, or the server was demoted (`READONLY`) or
+/// lost its master (`MASTERDOWN`). Other errors (a script error, `OOM`)
+/// keep the connection.
+fn lost_master(e: &redis::RedisError) -> bool {
+    e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_timeout()
+        || matches!(e.code(), Some("READONLY" | "MASTERDOWN"))
 }
 
 /// `redis+sentinel://[user:password@]host:port[,host:port...]/service`:
 /// the sentinels' addresses, and the monitored master's name. The user and
 /// password are the master's (sentinels are asked without).
-fn sentinel(url: &str, connect_timeout: Duration) -> Result<Option<Conn>, ConfigError> {
+fn sentinel(
+    url: &str,
+    connect_timeout: Duration,
+    timeout: Duration,
+) -> Result<Option<Conn>, ConfigError> {
     let Some(rest) = url.strip_prefix("redis+sentinel://") else {
         return Ok(None);
     };
@@ -129,11 +154,16 @@ fn sentinel(url: &str, connect_timeout: Duration) -> Result<Option<Conn>, Config
     }
     let mut info = redis::RedisConnectionInfo::default();
     if let Some(auth) = auth {
-        let (user, password) = auth.split_once(':').unwrap_or(("", auth));
-        if !user.is_empty() {
+        // Read the credentials as a redis:// URL's (percent-decoded,
+        // `user:password` or `:password`).
+        use redis::IntoConnectionInfo as _;
+        let parsed = format!("redis://{auth}@127.0.0.1/")
+            .into_connection_info()
+            .map_err(|_| bad("credentials that do not parse"))?;
+        if let Some(user) = parsed.redis_settings().username() {
             info = info.set_username(user);
         }
-        if !password.is_empty() {
+        if let Some(password) = parsed.redis_settings().password() {
             info = info.set_password(password);
         }
     }
@@ -152,6 +182,10 @@ fn sentinel(url: &str, connect_timeout: Duration) -> Result<Option<Conn>, Config
         connecting: std::sync::atomic::AtomicBool::new(false),
         ready: Notify::new(),
         connect_timeout,
+        generation: std::sync::atomic::AtomicU64::new(0),
+        // Just under the store's call timeout, so that a hung master is
+        // forgotten by the call that found it so.
+        timeout: timeout.mul_f64(0.9),
     }))))
 }
 
@@ -214,14 +248,6 @@ impl ClusterSlot {
 }
 
 impl Conn {
-    /// A call took too long: a Sentinel connection may be to a master that
-    /// hangs; find the master again.
-    pub(crate) fn timed_out(&self) {
-        if let Conn::Sentinel(slot) = self {
-            slot.forget();
-        }
-    }
-
     /// `connect_timeout` bounds each attempt to connect, `timeout` each
     /// command's response.
     pub(crate) fn new(
@@ -231,7 +257,16 @@ impl Conn {
         tls_root: Option<&[u8]>,
     ) -> Result<Self, ConfigError> {
         let bad = |e: redis::RedisError| ConfigError::new("url", e.to_string());
-        if let Some(conn) = sentinel(url.trim(), connect_timeout)? {
+        let tls_elsewhere = || {
+            ConfigError::new(
+                "tls_root_cert",
+                "a root certificate of your own is for a standalone rediss:// URL only",
+            )
+        };
+        if let Some(conn) = sentinel(url.trim(), connect_timeout, timeout)? {
+            if tls_root.is_some() {
+                return Err(tls_elsewhere());
+            }
             return Ok(conn);
         }
         let urls: Vec<&str> = url
@@ -245,6 +280,9 @@ impl Conn {
             return Err(ConfigError::new("url", "no Redis URL given"));
         }
         if urls.len() > 1 || urls.iter().any(|u| cluster_scheme(u)) {
+            if tls_root.is_some() {
+                return Err(tls_elsewhere());
+            }
             let nodes: Vec<String> = urls.iter().map(|u| u.replacen("+cluster", "", 1)).collect();
             let client = ClusterClient::builder(nodes)
                 .connection_timeout(connect_timeout)
@@ -304,10 +342,10 @@ impl Conn {
                 pipe.query_async(&mut conn).await
             }
             Conn::Sentinel(slot) => {
-                let mut conn = slot.connection().await?;
+                let (n, mut conn) = slot.connection().await?;
                 let r = pipe.query_async(&mut conn).await;
-                if r.is_err() {
-                    slot.forget();
+                if r.as_ref().is_err_and(lost_master) {
+                    slot.forget(n);
                 }
                 r
             }
@@ -334,14 +372,25 @@ impl Conn {
                 invocation.invoke_async(&mut conn).await?
             }
             Conn::Sentinel(slot) => {
-                let mut conn = slot.connection().await?;
-                match invocation.invoke_async(&mut conn).await {
-                    Ok(reply) => reply,
-                    Err(e) => {
+                let (n, mut conn) = slot.connection().await?;
+                let call = invocation.invoke_async(&mut conn);
+                match tokio::time::timeout(slot.timeout, call).await {
+                    Ok(Ok(reply)) => reply,
+                    Ok(Err(e)) => {
                         // READONLY from a demoted master, or a dead one:
                         // ask the sentinels again next time.
-                        slot.forget();
+                        if lost_master(&e) {
+                            slot.forget(n);
+                        }
                         return Err(e);
+                    }
+                    Err(_) => {
+                        // A master that hangs.
+                        slot.forget(n);
+                        return Err(redis::RedisError::from(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            "no answer from the master",
+                        )));
                     }
                 }
             }

@@ -43,9 +43,9 @@ use tollgate_core::{
 /// - GCRA and the token bucket: at most `rate × ttl` units beyond the
 ///   rule's own bound, however many instances share it (e.g. 1,000/s with
 ///   a 50-ms TTL: 50 units, 0.5 % of a 10-s window's 10,000);
-/// - fixed window: a lease ends with the store's window (its `reset_after`),
-///   so leased units are spent in the window that counted them — no
-///   over-admission beyond the clock skew between instances and Redis;
+/// - fixed window: a lease ends with the store's window (its `reset_after`,
+///   counted from when the lease was asked for), so leased units are spent
+///   in the window that counted them;
 /// - sliding window counter: as GCRA, `limit × ttl / window`;
 /// - sliding window log and leaky bucket: not leased — the log's exactness
 ///   and the bucket's pacing are per request; building such a rule
@@ -333,6 +333,10 @@ struct KeyState {
     /// was to be whole (local clock): the headers of local decisions.
     remaining: u64,
     whole_at: u64,
+    /// Units of the current lease spent (what a local refund may give
+    /// back), and the smallest cost the cached denial refuses.
+    spent: u64,
+    denied_cost: u64,
     /// A lease being taken: waiters are woken when it is in.
     flight: Option<Arc<Notify>>,
 }
@@ -412,21 +416,19 @@ impl<C: Clock> Local<C> {
         }
         // Adapt: a lease spent before its end means a hot key; one that
         // ended with units left, a cooler one.
-        let give_back = if s.expires <= now {
-            std::mem::take(&mut s.units)
-        } else {
-            0
-        };
+        // A new lease replaces the old one: what the old one holds (ended,
+        // or too little for this cost) goes back to the store, which
+        // ignores it if its window has passed.
+        let ended = s.expires <= now;
+        let give_back = std::mem::take(&mut s.units);
+        s.spent = 0;
         if s.batch == 0 {
             s.batch = self.min_batch;
-        } else if give_back == 0 && s.expires > now {
+        } else if !ended {
             s.batch = s.batch.saturating_mul(2).min(self.max_batch);
         } else if give_back > 0 {
             s.batch = (s.batch / 2).max(self.min_batch);
         }
-        // Units of a fixed window that ended were counted in that window:
-        // they lapse rather than go back into the next one.
-        let give_back = if self.windowed { 0 } else { give_back };
         s.flight = Some(Arc::new(Notify::new()));
         Step::Take {
             batch: s.batch.max(u64::from(cost)),
@@ -436,8 +438,18 @@ impl<C: Clock> Local<C> {
 
     /// Records what the store answered to a lease of `taken` units for a
     /// decision of `cost`, wakes the waiters, and returns the decision.
-    fn settle(&self, key: &[u8], cost: u32, taken: u64, d: &Result<Decision, StoreError>) {
-        let now = self.clock.now();
+    /// `sent`: when the store call started. Times run from it, not from
+    /// the answer, so a lease never outlives its TTL (or its window) as
+    /// counted from when the store counted it.
+    fn settle(
+        &self,
+        key: &[u8],
+        cost: u32,
+        taken: u64,
+        sent: u64,
+        d: &Result<Decision, StoreError>,
+    ) {
+        let now = sent;
         let mut shard = self.shard(key);
         let Some(s) = shard.get_mut(key) else { return };
         if let Some(flight) = s.flight.take() {
@@ -446,7 +458,11 @@ impl<C: Clock> Local<C> {
         let Ok(d) = d else { return };
         match d.outcome {
             Outcome::Allow { .. } => {
-                s.units = taken.saturating_sub(u64::from(cost));
+                // (Units refunded into the lease during the call stay.)
+                s.units = s
+                    .units
+                    .saturating_add(taken.saturating_sub(u64::from(cost)));
+                s.spent = u64::from(cost);
                 let mut end = now.saturating_add(self.ttl);
                 if self.windowed {
                     end = end.min(now.saturating_add(d.reset_after));
@@ -458,19 +474,26 @@ impl<C: Clock> Local<C> {
             // Refused this request's own cost: nothing for it until then.
             Outcome::Deny { retry_after } if taken <= u64::from(cost) => {
                 s.denied_until = now.saturating_add(retry_after.min(self.max_denial));
+                s.denied_cost = u64::from(cost);
+                s.remaining = d.remaining;
+                s.whole_at = now.saturating_add(d.reset_after);
                 s.batch = self.min_batch;
             }
             Outcome::Deny { .. } | Outcome::Never => {}
         }
     }
 
-    /// Gives `units` back to the local lease, if it is still on.
+    /// Gives `units` back to the local lease, if it is still on and they
+    /// were spent from it (an older charge goes back to the store, which
+    /// caps it as its algorithm does).
     fn refund_local(&self, key: &[u8], units: u32) -> bool {
         let now = self.clock.now();
+        let units = u64::from(units);
         let mut shard = self.shard(key);
         match shard.get_mut(key) {
-            Some(s) if s.expires > now => {
-                s.units = s.units.saturating_add(u64::from(units));
+            Some(s) if s.expires > now && s.spent >= units => {
+                s.spent = s.spent.saturating_sub(units);
+                s.units = s.units.saturating_add(units);
                 true
             }
             _ => false,
@@ -486,7 +509,8 @@ fn unreachable_shards() -> ! {
 
 /// The local answer of `s` at `now` to a decision of `cost`, if any.
 fn answer(s: &mut KeyState, now: u64, cost: u64, limit: u64) -> Option<Decision> {
-    if s.denied_until > now {
+    // The cached denial refuses what costs at least what it refused.
+    if s.denied_until > now && cost >= s.denied_cost {
         let wait = s.denied_until.saturating_sub(now);
         return Some(Decision {
             outcome: Outcome::Deny { retry_after: wait },
@@ -497,6 +521,7 @@ fn answer(s: &mut KeyState, now: u64, cost: u64, limit: u64) -> Option<Decision>
     }
     if cost > 0 && s.units >= cost && now < s.expires {
         s.units = s.units.saturating_sub(cost);
+        s.spent = s.spent.saturating_add(cost);
         return Some(Decision {
             outcome: Outcome::Allow { delay: 0 },
             limit,
@@ -652,6 +677,7 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                             let _ = inner.refund(&key, units).await;
                         }
                         let batch32 = u32::try_from(batch).unwrap_or(u32::MAX);
+                        let sent = local.clock.now();
                         local.store_calls.fetch_add(1, Ordering::Relaxed);
                         let mut taken = batch;
                         let mut d = inner.decide(&key, batch32).await;
@@ -675,7 +701,7 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                                     .await;
                             }
                         }
-                        local.settle(&key, cost, taken, &d);
+                        local.settle(&key, cost, taken, sent, &d);
                         let mut guard = guard;
                         guard.done = true;
                         return d.map(|mut d| {

@@ -150,8 +150,10 @@ impl RedisStoreBuilder {
 
     /// Trusts the CA certificate `pem` (PEM) for `rediss://` URLs, instead
     /// of the system's roots (feature `tls`): a private CA, or a test's
-    /// self-signed one. For a standalone server (a cluster's and Sentinel's
-    /// connections trust the system's roots).
+    /// self-signed one. For a standalone `rediss://` URL only: building a
+    /// store with it and a cluster or Sentinel URL is an error naming
+    /// `tls_root_cert` (their connections use the system's roots, and
+    /// Sentinel connections are plain TCP).
     #[cfg(feature = "tls")]
     pub fn tls_root_cert(mut self, pem: impl Into<Vec<u8>>) -> Self {
         self.tls_root = Some(pem.into());

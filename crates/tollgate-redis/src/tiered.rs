@@ -175,7 +175,17 @@ impl<RL: Limiter, GL: Limiter> Limiter for TieredLimiter<RL, GL> {
         let key = key.to_vec();
         Box::pin(async move {
             let (r, g) = tokio::join!(rf, gf);
-            let r = r?;
+            let r = match r {
+                Ok(r) => r,
+                Err(e) => {
+                    // Nothing is admitted: give the global store back
+                    // what it took.
+                    if cost > 0 && g.as_ref().is_ok_and(Decision::is_allowed) {
+                        let _ = both.1.refund(&key, cost).await;
+                    }
+                    return Err(e);
+                }
+            };
             let g = match g {
                 Ok(g) => g,
                 Err(e) => {

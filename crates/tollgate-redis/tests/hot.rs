@@ -199,20 +199,59 @@ async fn a_fixed_window_lease_ends_with_its_window() {
     let rule = Rule::new("hot", Limit::fixed_window(100, Duration::from_secs(60))).unwrap();
     let l = hot.limiter(&rule).unwrap();
     clock.advance(Duration::from_secs(58));
-    for _ in 0..7 {
+    // Leases of 1, 2, 4 and 8: after 8 decisions the last holds 7.
+    for _ in 0..8 {
         assert!(l.decide(b"k", 1).await.unwrap().is_allowed());
     }
-    // A lease of 8 holds 5 (1 + 2 + 4 + 8 taken, 10 spent... ) — either
-    // way, the new window starts from the store's count: leftovers lapse.
-    clock.advance(Duration::from_secs(2));
+    let plain = store.memory.limiter(&rule).unwrap();
+    assert_eq!(plain.decide_now(b"k", 0).remaining, 100 - 15);
+    // Within the window the lease answers...
     let before = store.calls.load(Ordering::Relaxed);
     assert!(l.decide(b"k", 1).await.unwrap().is_allowed());
-    assert!(
-        store.calls.load(Ordering::Relaxed) > before,
-        "the old lease answered in a new window"
-    );
-    let plain = store.memory.limiter(&rule).unwrap();
-    assert!(plain.decide_now(b"k", 0).remaining >= 100 - 8);
+    assert_eq!(store.calls.load(Ordering::Relaxed), before);
+    // ...but not in the next one, though its 5-s TTL is not over: the
+    // new window is asked, and counts only what it gave.
+    clock.advance(Duration::from_secs(2));
+    assert!(l.decide(b"k", 1).await.unwrap().is_allowed());
+    assert!(store.calls.load(Ordering::Relaxed) > before);
+    let left = plain.decide_now(b"k", 0).remaining;
+    assert!(left >= 100 - 16, "{left}");
+}
+
+#[tokio::test]
+async fn a_cached_denial_refuses_only_what_costs_as_much() {
+    let clock = ManualClock::starting_at(1_000_000_000);
+    let store = counted(&clock);
+    let hot = HotKeys::new()
+        .over_with_clock(store.clone(), clock.clone())
+        .unwrap();
+    let l = hot.limiter(&gcra(1, 10)).unwrap();
+    assert!(l.decide(b"k", 5).await.unwrap().is_allowed());
+    assert!(!l.decide(b"k", 8).await.unwrap().is_allowed());
+    // Cached for costs of 8 and more...
+    assert!(!l.decide_sync(b"k", 9).unwrap().unwrap().is_allowed());
+    // ...while a smaller one still goes to the store, and passes.
+    assert!(l.decide_sync(b"k", 1).is_none());
+    assert!(l.decide(b"k", 1).await.unwrap().is_allowed());
+}
+
+#[tokio::test]
+async fn a_refund_goes_into_the_lease_only_for_what_it_spent() {
+    let clock = ManualClock::starting_at(1_000_000_000);
+    let store = counted(&clock);
+    let hot = HotKeys::new()
+        .over_with_clock(store.clone(), clock.clone())
+        .unwrap();
+    let l = hot.limiter(&gcra(1, 10)).unwrap();
+    assert!(l.decide(b"k", 2).await.unwrap().is_allowed());
+    let calls = store.calls.load(Ordering::Relaxed);
+    // More than the lease spent: the store takes it (and caps it).
+    l.refund(b"k", 5).await.unwrap();
+    assert_eq!(store.calls.load(Ordering::Relaxed), calls + 1);
+    // What it spent: back into the lease, no store call.
+    l.refund(b"k", 2).await.unwrap();
+    assert_eq!(store.calls.load(Ordering::Relaxed), calls + 1);
+    assert!(l.decide_sync(b"k", 2).unwrap().unwrap().is_allowed());
 }
 
 #[tokio::test]

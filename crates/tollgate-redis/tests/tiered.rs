@@ -155,3 +155,18 @@ async fn a_leased_global_tier_decides_mostly_locally() {
         900
     );
 }
+
+#[tokio::test]
+async fn a_regional_failure_gives_the_global_units_back() {
+    let clock = ManualClock::starting_at(1);
+    let regional = Far {
+        memory: mem(&clock),
+        down: Arc::new(AtomicBool::new(true)),
+    };
+    let global = mem(&clock);
+    let eu = Tiered::new(regional, global.clone())
+        .limiter(&rule())
+        .unwrap();
+    assert!(eu.decide(b"acme", 1).await.is_err());
+    assert_eq!(eu.global().decide(b"acme", 0).await.unwrap().remaining, 10);
+}

@@ -190,5 +190,17 @@ async fn rediss_with_a_ca_of_its_own() {
     let d = untrusted.decide(b"other", 1).await.unwrap();
     assert!(!d.is_allowed());
     assert_eq!(d.retry_after(), Some(Duration::from_secs(1)));
+    // A root of its own is for a standalone URL: elsewhere, an error.
+    for url in [
+        "redis+cluster://127.0.0.1:1",
+        "redis+sentinel://127.0.0.1:1/x",
+    ] {
+        let e = RedisStore::builder(url)
+            .prefix("p")
+            .tls_root_cert(b"pem".to_vec())
+            .build()
+            .unwrap_err();
+        assert_eq!(e.field(), "tls_root_cert");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }

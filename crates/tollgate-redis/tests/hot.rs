@@ -83,18 +83,28 @@ fn counted(clock: &ManualClock) -> Counted {
     }
 }
 
+type Hot = tollgate_redis::HotLimiter<CountedLimiter, ManualClock>;
+
+/// A counted memory store at t = 1 s, and `rule` bound through `config`
+/// in front of it.
+fn leased(config: HotKeys, rule: &Rule) -> (ManualClock, Counted, Hot) {
+    let clock = ManualClock::starting_at(1_000_000_000);
+    let store = counted(&clock);
+    let l = config
+        .over_with_clock(store.clone(), clock.clone())
+        .unwrap()
+        .limiter(rule)
+        .unwrap();
+    (clock, store, l)
+}
+
 fn gcra(per_second: u32, burst: u32) -> Rule {
     Rule::new("hot", Limit::gcra(Rate::per_second(per_second), burst)).unwrap()
 }
 
 #[tokio::test]
 async fn a_cold_key_decides_every_request_in_the_store() {
-    let clock = ManualClock::starting_at(1_000_000_000);
-    let store = counted(&clock);
-    let hot = HotKeys::new()
-        .over_with_clock(store.clone(), clock.clone())
-        .unwrap();
-    let l = hot.limiter(&gcra(10, 5)).unwrap();
+    let (clock, store, l) = leased(HotKeys::new(), &gcra(10, 5));
     for i in 1..=5u64 {
         assert!(l.decide(b"k", 1).await.unwrap().is_allowed());
         assert_eq!(store.calls.load(Ordering::Relaxed), i);
@@ -113,14 +123,8 @@ async fn a_cold_key_decides_every_request_in_the_store() {
 
 #[tokio::test]
 async fn a_hot_key_spends_leases_and_never_exceeds_the_store() {
-    let clock = ManualClock::starting_at(1_000_000_000);
-    let store = counted(&clock);
-    let hot = HotKeys::new()
-        .max_batch(64)
-        .over_with_clock(store.clone(), clock.clone())
-        .unwrap();
     // 1,000 a second in bursts of 1,000: a lease may take 64 (6.4 %).
-    let l = hot.limiter(&gcra(1_000, 1_000)).unwrap();
+    let (_clock, store, l) = leased(HotKeys::new().max_batch(64), &gcra(1_000, 1_000));
     let mut admitted = 0u64;
     for _ in 0..2_000 {
         if l.decide(b"k", 1).await.unwrap().is_allowed() {
@@ -140,12 +144,7 @@ async fn a_hot_key_spends_leases_and_never_exceeds_the_store() {
 
 #[tokio::test]
 async fn the_denial_cache_answers_until_the_store_said_to_retry() {
-    let clock = ManualClock::starting_at(1_000_000_000);
-    let store = counted(&clock);
-    let hot = HotKeys::new()
-        .over_with_clock(store.clone(), clock.clone())
-        .unwrap();
-    let l = hot.limiter(&gcra(1, 1)).unwrap();
+    let (clock, store, l) = leased(HotKeys::new(), &gcra(1, 1));
     assert!(l.decide(b"k", 1).await.unwrap().is_allowed());
     let denied = l.decide(b"k", 1).await.unwrap();
     assert_eq!(denied.retry_after(), Some(Duration::from_secs(1)));
@@ -163,13 +162,7 @@ async fn the_denial_cache_answers_until_the_store_said_to_retry() {
 
 #[tokio::test]
 async fn units_left_when_a_lease_ends_go_back_to_the_store() {
-    let clock = ManualClock::starting_at(1_000_000_000);
-    let store = counted(&clock);
-    let hot = HotKeys::new()
-        .max_batch(8)
-        .over_with_clock(store.clone(), clock.clone())
-        .unwrap();
-    let l = hot.limiter(&gcra(1, 100)).unwrap();
+    let (clock, store, l) = leased(HotKeys::new().max_batch(8), &gcra(1, 100));
     // Grow the batch: 1 + 2 + 4 + 8 units, the last lease barely used.
     for _ in 0..8 {
         assert!(l.decide(b"k", 1).await.unwrap().is_allowed());
@@ -220,12 +213,7 @@ async fn a_fixed_window_lease_ends_with_its_window() {
 
 #[tokio::test]
 async fn a_cached_denial_refuses_only_what_costs_as_much() {
-    let clock = ManualClock::starting_at(1_000_000_000);
-    let store = counted(&clock);
-    let hot = HotKeys::new()
-        .over_with_clock(store.clone(), clock.clone())
-        .unwrap();
-    let l = hot.limiter(&gcra(1, 10)).unwrap();
+    let (_, _, l) = leased(HotKeys::new(), &gcra(1, 10));
     assert!(l.decide(b"k", 5).await.unwrap().is_allowed());
     assert!(!l.decide(b"k", 8).await.unwrap().is_allowed());
     // Cached for costs of 8 and more...
@@ -237,12 +225,7 @@ async fn a_cached_denial_refuses_only_what_costs_as_much() {
 
 #[tokio::test]
 async fn a_refund_goes_into_the_lease_only_for_what_it_spent() {
-    let clock = ManualClock::starting_at(1_000_000_000);
-    let store = counted(&clock);
-    let hot = HotKeys::new()
-        .over_with_clock(store.clone(), clock.clone())
-        .unwrap();
-    let l = hot.limiter(&gcra(1, 10)).unwrap();
+    let (_, store, l) = leased(HotKeys::new(), &gcra(1, 10));
     assert!(l.decide(b"k", 2).await.unwrap().is_allowed());
     let calls = store.calls.load(Ordering::Relaxed);
     // More than the lease spent: the store takes it (and caps it).
@@ -256,13 +239,7 @@ async fn a_refund_goes_into_the_lease_only_for_what_it_spent() {
 
 #[tokio::test]
 async fn concurrent_decisions_share_one_lease_call() {
-    let clock = ManualClock::starting_at(1_000_000_000);
-    let store = counted(&clock);
-    let hot = HotKeys::new()
-        .max_batch(64)
-        .over_with_clock(store.clone(), clock.clone())
-        .unwrap();
-    let l = hot.limiter(&gcra(100_000, 100_000)).unwrap();
+    let (_, _, l) = leased(HotKeys::new().max_batch(64), &gcra(100_000, 100_000));
     let mut set = tokio::task::JoinSet::new();
     for _ in 0..64 {
         let l = l.clone();

@@ -17,6 +17,7 @@
 //! | `tollgate_concurrency_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `queued` (waited, then allowed), `queue_full`, `queue_timeout`, `shadow_limited`, `missing_key`, `unkeyed`, `store_error`, `read_only` (a write refused while degraded) |
 //! | `tollgate_concurrency_in_flight` | gauge | `rule`: permits held through this layer |
 //! | `tollgate_concurrency_limit` | gauge | `rule`: an adaptive limit's current value |
+//! | `tollgate_concurrency_queue_depth` | gauge | `rule`: requests waiting in the layer's queue now (a cancelled or timed-out waiter leaves it) |
 //! | `tollgate_store_calls_total` | counter | `store="redis"`, `result`: `ok`, `error`, `timeout`, `skipped` (breaker open) |
 //! | `tollgate_store_call_seconds` | histogram | `store="redis"`: each call's time |
 //! | `tollgate_store_breaker_open` | gauge | `store="redis"`, `prefix`: 1 while the circuit breaker is open |

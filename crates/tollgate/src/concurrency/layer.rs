@@ -364,7 +364,7 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
                     "max_wait must be from 1 ms to 60 s",
                 ))
             }
-            Some((len, wait)) => Some(Arc::new(Queue::new(len, wait))),
+            Some((len, wait)) => Some(Arc::new(Queue::new(len, wait, per_key_rule.name()))),
         };
         let name: Arc<str> = per_key_rule.name().into();
         let per_key = Slot {

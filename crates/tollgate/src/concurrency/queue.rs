@@ -30,10 +30,16 @@ pub(crate) struct Queue {
     keys: Mutex<HashMap<u64, VecDeque<Arc<Notify>>>>,
     waiting: AtomicUsize,
     hasher: RandomState,
+    /// `tollgate_concurrency_queue_depth{rule}`: requests waiting now.
+    depth: metrics::Gauge,
 }
 
 impl Queue {
-    pub(crate) fn new(max_len: usize, max_wait: Duration) -> Self {
+    pub(crate) fn new(max_len: usize, max_wait: Duration, rule: &str) -> Self {
+        metrics::describe_gauge!(
+            "tollgate_concurrency_queue_depth",
+            "Requests waiting in a tollgate concurrency queue, by rule"
+        );
         Self {
             max_len,
             max_wait,
@@ -44,6 +50,7 @@ impl Queue {
             keys: Mutex::new(HashMap::new()),
             waiting: AtomicUsize::new(0),
             hasher: RandomState::new(),
+            depth: metrics::gauge!("tollgate_concurrency_queue_depth", "rule" => rule.to_owned()),
         }
     }
 
@@ -75,6 +82,7 @@ impl Queue {
         let notify = Arc::new(Notify::new());
         line.push_back(Arc::clone(&notify));
         self.waiting.fetch_add(1, Ordering::AcqRel);
+        self.depth.increment(1.0);
         Some(Place {
             queue: Arc::clone(self),
             key,
@@ -134,6 +142,7 @@ impl Drop for Place {
             .is_some_and(|head| Arc::ptr_eq(head, &self.notify));
         line.retain(|w| !Arc::ptr_eq(w, &self.notify));
         self.queue.waiting.fetch_sub(1, Ordering::AcqRel);
+        self.queue.depth.decrement(1.0);
         match line.front() {
             // The next in line may find a permit free now.
             Some(next) if was_head => next.notify_one(),

@@ -275,7 +275,11 @@ async fn non_critical_requests_leave_a_reserve() {
 
 #[tokio::test(start_paused = true)]
 async fn the_queue_is_fifo_and_bounded_in_length_and_time() {
-    let layer = builder(1).queue(2, Duration::from_secs(5)).build().unwrap();
+    let recorder = crate::rate_limit::tests::Recorded::default();
+    let layer = metrics::with_local_recorder(&recorder, || {
+        builder(1).queue(2, Duration::from_secs(5)).build().unwrap()
+    });
+    let depth = || recorder.gauge("tollgate_concurrency_queue_depth{rule=per-key}");
     let (inner, mut feeds) = streaming();
     let svc = layer.layer(inner);
     let first = svc.clone().oneshot(req("k")).await.unwrap();
@@ -291,7 +295,8 @@ async fn the_queue_is_fifo_and_bounded_in_length_and_time() {
         // Let it join the queue before the next one comes.
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    // The queue holds two: a third is refused at once.
+    // The queue holds two (the gauge says so): a third is refused at once.
+    assert_eq!(depth(), 2.0);
     let full = svc.clone().oneshot(req("k")).await.unwrap();
     assert_eq!(full.status(), 429);
     assert_eq!(full.headers()["retry-after"], "1");
@@ -303,11 +308,13 @@ async fn the_queue_is_fifo_and_bounded_in_length_and_time() {
     let third = waiters.remove(0).await.unwrap();
     assert_eq!(third.status(), 200);
     assert_eq!(*order.lock().unwrap(), vec![0, 1]);
+    assert_eq!(depth(), 0.0);
     // A wait longer than max_wait ends in a 429, at max_wait.
     let start = tokio::time::Instant::now();
     let late = svc.clone().oneshot(req("k")).await.unwrap();
     assert_eq!(late.status(), 429);
     assert_eq!(start.elapsed(), Duration::from_secs(5));
+    assert_eq!(depth(), 0.0, "a waiter that timed out left the queue");
     drop(third);
     assert_eq!(svc.clone().oneshot(req("k")).await.unwrap().status(), 200);
 }

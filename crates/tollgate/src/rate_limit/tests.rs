@@ -470,6 +470,11 @@ pub(crate) struct Recorded(
 );
 
 impl Recorded {
+    /// A gauge's value.
+    pub(crate) fn gauge(&self, name: &str) -> f64 {
+        f64::from_bits(self.get(name))
+    }
+
     pub(crate) fn get(&self, name: &str) -> u64 {
         self.0
             .lock()
@@ -515,8 +520,19 @@ impl metrics::Recorder for Recorded {
             .push((name, std::sync::Arc::clone(&counter)));
         metrics::Counter::from_arc(counter)
     }
-    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        metrics::Gauge::noop()
+    /// Gauges are kept too, their `f64` as bits (read with `gauge`).
+    fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        let labels: Vec<String> = key
+            .labels()
+            .map(|l| format!("{}={}", l.key(), l.value()))
+            .collect();
+        let name = format!("{}{{{}}}", key.name(), labels.join(","));
+        let gauge = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        self.0
+            .lock()
+            .unwrap()
+            .push((name, std::sync::Arc::clone(&gauge)));
+        metrics::Gauge::from_arc(gauge)
     }
     fn register_histogram(
         &self,

@@ -115,11 +115,11 @@ pub struct PolicyFile {
 /// Why a policy file did not load: where, which field, what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FileError {
-    pub(super) origin: Option<String>,
-    pub(super) line: usize,
-    pub(super) column: usize,
-    pub(super) field: String,
-    pub(super) message: String,
+    origin: Option<String>,
+    line: usize,
+    column: usize,
+    field: String,
+    message: String,
 }
 
 impl FileError {
@@ -184,6 +184,17 @@ impl fmt::Display for FileError {
 
 impl std::error::Error for FileError {}
 
+/// The text of the file at `path`; an error names the file.
+pub(super) fn read_text(path: &Path) -> Result<String, FileError> {
+    std::fs::read_to_string(path).map_err(|e| FileError {
+        origin: Some(path.display().to_string()),
+        line: 0,
+        column: 0,
+        field: String::new(),
+        message: format!("cannot read the file: {e}"),
+    })
+}
+
 /// The 1-based line and column (in characters) of byte `offset`.
 fn position(text: &str, offset: usize) -> (usize, usize) {
     let before = text.get(..offset).unwrap_or(text);
@@ -206,27 +217,25 @@ impl PolicyFile {
     /// Reads and parses the file at `path`; errors start with the path.
     pub fn read(path: impl AsRef<Path>) -> Result<Self, FileError> {
         let path = path.as_ref();
-        let origin = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| FileError {
-            origin: Some(origin.clone()),
-            line: 0,
-            column: 0,
-            field: String::new(),
-            message: format!("cannot read the file: {e}"),
-        })?;
-        Self::parse_from(&text, Some(origin))
+        Self::parse_from(&read_text(path)?, Some(path.display().to_string()))
     }
 
-    pub(super) fn parse_from(text: &str, origin: Option<String>) -> Result<Self, FileError> {
+    fn parse_from(text: &str, origin: Option<String>) -> Result<Self, FileError> {
+        let file = Self::parse_unchecked(text, origin)?;
+        file.check::<()>(|b| b)?;
+        Ok(file)
+    }
+
+    /// Parses `text` and checks its fields, but does not build it (the
+    /// caller checks the build, e.g. with its own customisation).
+    pub(super) fn parse_unchecked(text: &str, origin: Option<String>) -> Result<Self, FileError> {
         let spec: spec::FileSpec =
             toml::from_str(text).map_err(|e| build::serde_error(text, origin.as_deref(), &e))?;
-        let file = Self {
+        Ok(Self {
             spec,
             text: text.to_owned(),
             origin,
-        };
-        file.check::<()>(|b| b)?;
-        Ok(file)
+        })
     }
 
     /// Checks everything a store does not decide by building the file's

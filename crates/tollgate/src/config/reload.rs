@@ -161,13 +161,7 @@ impl<B, St: Store> Reloader<B, St> {
     }
 
     fn try_reload(&self, skip_tried: bool) -> Result<Reloaded, FileError> {
-        let text = std::fs::read_to_string(&self.path).map_err(|e| FileError {
-            origin: Some(self.path.display().to_string()),
-            line: 0,
-            column: 0,
-            field: String::new(),
-            message: format!("cannot read the file: {e}"),
-        });
+        let text = super::read_text(&self.path);
         {
             let mut tried = self.tried.lock().unwrap_or_else(PoisonError::into_inner);
             let seen = match &text {
@@ -179,7 +173,8 @@ impl<B, St: Store> Reloader<B, St> {
             }
             seen.clone_into(&mut tried);
         }
-        let mut file = PolicyFile::parse_from(&text?, Some(self.path.display().to_string()))?;
+        // Parsed here, built once below with the customisation.
+        let mut file = PolicyFile::parse_unchecked(&text?, Some(self.path.display().to_string()))?;
         if let Some(prepare) = &self.prepare {
             file = prepare(file)?;
         }

@@ -140,7 +140,7 @@ fn count_by_route<B, L>(
         };
         metrics::counter!(
             "tollgate_route_requests_total",
-            "rule" => rule.responder.rule.to_string(),
+            "rule" => Arc::clone(&rule.responder.rule),
             "route" => route.to_owned(),
             "outcome" => outcome
         )

@@ -27,7 +27,7 @@ pub(crate) enum Conn {
 }
 
 pub(crate) struct SentinelSlot {
-    client: Arc<tokio::sync::Mutex<SentinelClient>>,
+    client: tokio::sync::Mutex<SentinelClient>,
     /// The connection in use, and its number: a call forgets only the
     /// connection it used, never a newer one.
     conn: std::sync::Mutex<Option<(u64, MultiplexedConnection)>>,
@@ -177,7 +177,7 @@ fn sentinel(
     // The error names the URL's parts, never its password.
     .map_err(|e| bad(&format!("{:?}", e.kind())))?;
     Ok(Some(Conn::Sentinel(Arc::new(SentinelSlot {
-        client: Arc::new(tokio::sync::Mutex::new(client)),
+        client: tokio::sync::Mutex::new(client),
         conn: std::sync::Mutex::new(None),
         connecting: std::sync::atomic::AtomicBool::new(false),
         ready: Notify::new(),

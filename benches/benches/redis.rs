@@ -42,6 +42,42 @@ where
     })
 }
 
+/// `iters` decisions of cost 1 on `key` through `l` over `tasks` tasks,
+/// every one admitted.
+fn decisions<L: Limiter>(
+    rt: &tokio::runtime::Runtime,
+    iters: u64,
+    tasks: u64,
+    l: &L,
+    key: &'static [u8],
+) -> Duration {
+    let l = l.clone();
+    run(rt, iters, tasks, move || {
+        let l = l.clone();
+        async move {
+            assert!(l.decide(key, 1).await.unwrap().is_allowed());
+        }
+    })
+}
+
+/// `iters` `EVALSHA`s of the no-op script over `tasks` tasks.
+fn noop_calls(
+    rt: &tokio::runtime::Runtime,
+    iters: u64,
+    tasks: u64,
+    conn: &ConnectionManager,
+    script: &Arc<redis::Script>,
+) -> Duration {
+    let (conn, script) = (conn.clone(), Arc::clone(script));
+    run(rt, iters, tasks, move || {
+        let (mut c, s) = (conn.clone(), Arc::clone(&script));
+        async move {
+            let one: i64 = s.key("bench:{noop}").invoke_async(&mut c).await.unwrap();
+            assert_eq!(one, 1);
+        }
+    })
+}
+
 fn redis_decide(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -77,30 +113,11 @@ fn redis_decide(c: &mut Criterion) {
 
     let mut g = c.benchmark_group("redis_decide");
     for tasks in [1u64, 64] {
-        let l = limiter.clone();
         g.bench_function(BenchmarkId::new("tollgate_gcra", tasks), |b| {
-            b.iter_custom(|iters| {
-                let l = l.clone();
-                run(&rt, iters, tasks, move || {
-                    let l = l.clone();
-                    async move {
-                        assert!(l.decide(b"bench-key", 1).await.unwrap().is_allowed());
-                    }
-                })
-            })
+            b.iter_custom(|iters| decisions(&rt, iters, tasks, &limiter, b"bench-key"))
         });
-        let (c1, s1) = (conn.clone(), Arc::clone(&noop));
         g.bench_function(BenchmarkId::new("raw_evalsha_noop", tasks), |b| {
-            b.iter_custom(|iters| {
-                let (c1, s1) = (c1.clone(), Arc::clone(&s1));
-                run(&rt, iters, tasks, move || {
-                    let (mut c, s) = (c1.clone(), Arc::clone(&s1));
-                    async move {
-                        let one: i64 = s.key("bench:{noop}").invoke_async(&mut c).await.unwrap();
-                        assert_eq!(one, 1);
-                    }
-                })
-            })
+            b.iter_custom(|iters| noop_calls(&rt, iters, tasks, &conn, &noop))
         });
         let c2 = conn.clone();
         g.bench_function(BenchmarkId::new("raw_incr", tasks), |b| {
@@ -134,39 +151,13 @@ fn redis_decide(c: &mut Criterion) {
     let mut g = c.benchmark_group("redis_hot_key");
     let tasks = 64;
     g.bench_function("per_decision", |b| {
-        b.iter_custom(|iters| {
-            let l = plain.clone();
-            run(&rt, iters, tasks, move || {
-                let l = l.clone();
-                async move {
-                    assert!(l.decide(b"hot-key", 1).await.unwrap().is_allowed());
-                }
-            })
-        })
+        b.iter_custom(|iters| decisions(&rt, iters, tasks, &plain, b"hot-key"))
     });
     g.bench_function("leased", |b| {
-        b.iter_custom(|iters| {
-            let l = hot.clone();
-            run(&rt, iters, tasks, move || {
-                let l = l.clone();
-                async move {
-                    assert!(l.decide(b"hot-key", 1).await.unwrap().is_allowed());
-                }
-            })
-        })
+        b.iter_custom(|iters| decisions(&rt, iters, tasks, &hot, b"hot-key"))
     });
-    let (c1, s1) = (conn.clone(), Arc::clone(&noop));
     g.bench_function("raw_evalsha_noop", |b| {
-        b.iter_custom(|iters| {
-            let (c1, s1) = (c1.clone(), Arc::clone(&s1));
-            run(&rt, iters, tasks, move || {
-                let (mut c, s) = (c1.clone(), Arc::clone(&s1));
-                async move {
-                    let one: i64 = s.key("bench:{noop}").invoke_async(&mut c).await.unwrap();
-                    assert_eq!(one, 1);
-                }
-            })
-        })
+        b.iter_custom(|iters| noop_calls(&rt, iters, tasks, &conn, &noop))
     });
     g.finish();
     let stats = hot.stats();

@@ -188,7 +188,16 @@ where
         .store(store.clone())
         .build()?;
     let watch_limiter = watchers.limiter().clone();
-    let watch = boxed(watchers.layer(WatchHandler(stock.clone())));
+    // `Watch` as an HTTP service, so that the concurrency layer wraps its
+    // response body: the permit lasts as long as the stream.
+    let watch_stock = stock.clone();
+    let watch = boxed(watchers.layer(tower::service_fn(move |req| {
+        let method = Streams(watch_stock.clone());
+        async move {
+            let mut grpc = tonic::server::Grpc::new(tonic_prost::ProstCodec::default());
+            Ok::<_, Infallible>(grpc.server_streaming(method, req).await)
+        }
+    })));
     let costs = ByRoute::new(1).route(None, REPORT, 10);
     let policy = PolicyLayer::builder()
         .rule(
@@ -270,29 +279,6 @@ impl tonic::server::UnaryService<pb::ItemRequest> for Unary {
         let stock = *self.0 .0.borrow();
         let id = request.into_inner().id;
         Box::pin(async move { Ok(Response::new(pb::Item { id, stock })) })
-    }
-}
-
-/// `Watch`, as an HTTP service so that the concurrency layer wraps its
-/// response body: the permit lasts as long as the stream.
-#[derive(Clone)]
-struct WatchHandler(Stock);
-
-impl Service<http::Request<Body>> for WatchHandler {
-    type Response = http::Response<Body>;
-    type Error = Infallible;
-    type Future = BoxFuture<http::Response<Body>, Infallible>;
-
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
-        let method = Streams(self.0.clone());
-        Box::pin(async move {
-            let mut grpc = tonic::server::Grpc::new(tonic_prost::ProstCodec::default());
-            Ok(grpc.server_streaming(method, req).await)
-        })
     }
 }
 

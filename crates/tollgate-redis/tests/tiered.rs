@@ -71,6 +71,14 @@ fn mem(clock: &ManualClock) -> MemoryStore<ManualClock> {
     MemoryStore::builder().clock(clock.clone()).build().unwrap()
 }
 
+/// A far store on `clock`, up or `down`.
+fn far(clock: &ManualClock, down: bool) -> Far {
+    Far {
+        memory: mem(clock),
+        down: Arc::new(AtomicBool::new(down)),
+    }
+}
+
 /// 10 a minute, a burst of 10: no refill during the test.
 fn rule() -> Rule {
     Rule::new("per-org", Limit::gcra(Rate::per_minute(10), 10)).unwrap()
@@ -79,10 +87,7 @@ fn rule() -> Rule {
 #[tokio::test]
 async fn both_tiers_must_admit_and_a_refusal_is_refunded() {
     let clock = ManualClock::starting_at(1);
-    let global = Far {
-        memory: mem(&clock),
-        down: Arc::new(AtomicBool::new(false)),
-    };
+    let global = far(&clock, false);
     // Two regions, each its own regional store, one global store whose
     // limit (the same rule: 10) caps them together.
     let eu = Tiered::new(mem(&clock), global.clone())
@@ -113,10 +118,7 @@ async fn both_tiers_must_admit_and_a_refusal_is_refunded() {
 #[tokio::test]
 async fn without_the_global_store_the_regional_limit_holds() {
     let clock = ManualClock::starting_at(1);
-    let global = Far {
-        memory: mem(&clock),
-        down: Arc::new(AtomicBool::new(false)),
-    };
+    let global = far(&clock, false);
     let eu = Tiered::new(mem(&clock), global.clone())
         .limiter(&rule())
         .unwrap();
@@ -133,10 +135,7 @@ async fn without_the_global_store_the_regional_limit_holds() {
 #[tokio::test]
 async fn a_leased_global_tier_decides_mostly_locally() {
     let clock = ManualClock::starting_at(1);
-    let global = Far {
-        memory: mem(&clock),
-        down: Arc::new(AtomicBool::new(false)),
-    };
+    let global = far(&clock, false);
     let rule = Rule::new("per-org", Limit::gcra(Rate::per_second(1_000), 1_000)).unwrap();
     let leased = HotKeys::new()
         .min_batch(16)
@@ -159,10 +158,7 @@ async fn a_leased_global_tier_decides_mostly_locally() {
 #[tokio::test]
 async fn a_regional_failure_gives_the_global_units_back() {
     let clock = ManualClock::starting_at(1);
-    let regional = Far {
-        memory: mem(&clock),
-        down: Arc::new(AtomicBool::new(true)),
-    };
+    let regional = far(&clock, true);
     let global = mem(&clock);
     let eu = Tiered::new(regional, global.clone())
         .limiter(&rule())

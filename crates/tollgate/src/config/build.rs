@@ -91,24 +91,17 @@ fn field_at(text: &str, offset: usize) -> String {
 }
 
 fn whole(n: i64, value: &Spanned<i64>, field: String, least: u32) -> Result<u32, Problem> {
-    match u32::try_from(n) {
-        Ok(v) if v >= least => Ok(v),
-        _ if n < i64::from(least) => Err(at(value, field, format!("must be at least {least}"))),
-        _ => Err(at(value, field, format!("must be at most {}", u32::MAX))),
-    }
+    plain_whole(n, &value.span(), field, least)
 }
 
+/// `n` as a `u32` of at least `least`; a problem at `span` otherwise.
 fn plain_whole(n: i64, span: &Range<usize>, field: String, least: u32) -> Result<u32, Problem> {
-    u32::try_from(n)
-        .ok()
-        .filter(|v| *v >= least)
-        .ok_or_else(|| {
-            (
-                Some(span.clone()),
-                field,
-                format!("must be from {least} to {}", u32::MAX),
-            )
-        })
+    let message = match u32::try_from(n) {
+        Ok(v) if v >= least => return Ok(v),
+        _ if n < i64::from(least) => format!("must be at least {least}"),
+        _ => format!("must be at most {}", u32::MAX),
+    };
+    Err((Some(span.clone()), field, message))
 }
 
 fn duration(value: &Spanned<String>, field: String) -> Result<Duration, Problem> {

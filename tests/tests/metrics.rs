@@ -123,6 +123,26 @@ async fn the_quickstart_serves_what_its_layers_decided_as_prometheus_text() {
     )
     .is_some());
     assert!(text.contains("tollgate_retry_after_seconds"), "{text}");
+    // What each decision left (25 of the per-key rule's), and what the
+    // day's quota had used at each of its 20: at most 20 of 1,000.
+    assert_eq!(
+        sample(
+            &text,
+            "tollgate_remaining_ratio_count",
+            &[("rule", "per-key")]
+        ),
+        Some(25.0),
+        "{text}"
+    );
+    let used = sample(
+        &text,
+        "tollgate_quota_used_ratio",
+        &[("rule", "daily"), ("period", "day"), ("quantile", "1")],
+    );
+    assert!(
+        used.is_some_and(|u| (0.019..=0.021).contains(&u)),
+        "{used:?}\n{text}"
+    );
     // The dashboard and the alerts use only metrics that exist. The Redis
     // store's register when one is built.
     let redis = tollgate_redis::testing::Server::start();

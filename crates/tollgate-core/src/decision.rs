@@ -108,3 +108,32 @@ pub struct Lease {
     /// How many permits it holds.
     pub permits: u32,
 }
+
+/// A retry budget's answer to a withdrawal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Withdrawal {
+    /// Whether a retry may go (one retry was withdrawn).
+    pub granted: bool,
+    /// The budget's balance after the withdrawal, in thousandths of a
+    /// retry; `None` when the store could not say (its failure policy
+    /// answered).
+    pub balance: Option<u64>,
+}
+
+impl Withdrawal {
+    /// An answer the store computed: `granted`, leaving `balance`.
+    pub fn new(granted: bool, balance: u64) -> Self {
+        Self {
+            granted,
+            balance: Some(balance),
+        }
+    }
+
+    /// An answer without a balance (a failure policy's).
+    pub fn blind(granted: bool) -> Self {
+        Self {
+            granted,
+            balance: None,
+        }
+    }
+}

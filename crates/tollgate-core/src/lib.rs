@@ -76,7 +76,7 @@ pub use config::{
     Algorithm, ConcurrencyRule, ConfigError, EscalationRule, Limit, QuotaRule, Rate,
     RetryBudgetRule, Rule, MAX_RULE_NAME_LEN,
 };
-pub use decision::{Acquire, Decision, Lease, Outcome};
+pub use decision::{Acquire, Decision, Lease, Outcome, Withdrawal};
 pub use store::{
     BoxFuture, ConcurrencyLimiter, EscalationLimiter, Limiter, QuotaLimiter, QuotaStore,
     RetryBudgetLimiter, RetryBudgetStore, Store, StoreError, StoreErrorKind,

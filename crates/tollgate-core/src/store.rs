@@ -23,7 +23,7 @@ use std::sync::Arc;
 use crate::algorithm::Strike;
 use crate::{
     Acquire, ConcurrencyRule, ConfigError, Decision, EscalationRule, Lease, QuotaDecision,
-    QuotaRule, RetryBudgetRule, Rule,
+    QuotaRule, RetryBudgetRule, Rule, Withdrawal,
 };
 
 /// A boxed future, for the object-safe parts of the contract.
@@ -287,8 +287,9 @@ pub trait RetryBudgetStore: Store {
 pub trait RetryBudgetLimiter: Clone + Send + Sync + 'static {
     /// Future of [`deposit`](Self::deposit).
     type DepositFuture: Future<Output = Result<(), StoreError>> + Send + 'static;
-    /// Future of [`withdraw`](Self::withdraw): whether a retry may go.
-    type WithdrawFuture: Future<Output = Result<bool, StoreError>> + Send + 'static;
+    /// Future of [`withdraw`](Self::withdraw): whether a retry may go,
+    /// and the balance left.
+    type WithdrawFuture: Future<Output = Result<Withdrawal, StoreError>> + Send + 'static;
 
     /// The rule this limiter enforces.
     fn rule(&self) -> &RetryBudgetRule;
@@ -310,7 +311,7 @@ pub trait RetryBudgetLimiter: Clone + Send + Sync + 'static {
 
     /// [`withdraw`](Self::withdraw) at once, for stores that need no I/O;
     /// `None` (the default) means "call `withdraw`".
-    fn withdraw_sync(&self, key: &[u8]) -> Option<Result<bool, StoreError>> {
+    fn withdraw_sync(&self, key: &[u8]) -> Option<Result<Withdrawal, StoreError>> {
         let _ = key;
         None
     }

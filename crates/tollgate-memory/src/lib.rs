@@ -88,7 +88,7 @@ use tollgate_core::{
     FixedWindow, Gcra, InFlight, LeakyBucket, Lease, Limiter, Quota, QuotaDecision, QuotaLimiter,
     QuotaRule, QuotaState, QuotaStore, RateAlgorithm, RetryBudget, RetryBudgetLimiter,
     RetryBudgetRule, RetryBudgetStore, Rule, Semaphore, SlidingWindowCounter, SlidingWindowLog,
-    Store, StoreError, SystemClock, TokenBucket,
+    Store, StoreError, SystemClock, TokenBucket, Withdrawal,
 };
 use tollgate_core::{BoxFuture, EscalationLimiter, EscalationRule};
 
@@ -912,10 +912,13 @@ impl<C: Clock> MemoryRetryBudget<C> {
     }
 
     /// [`RetryBudgetLimiter::withdraw`] without the future.
-    pub fn withdraw_now(&self, key: &[u8]) -> bool {
+    pub fn withdraw_now(&self, key: &[u8]) -> Withdrawal {
         let t = &self.table;
         let now = t.now();
-        t.update(key, now, true, |s| t.kind.withdraw(s, now))
+        t.update(key, now, true, |s| {
+            let granted = t.kind.withdraw(s, now);
+            Withdrawal::new(granted, t.kind.balance(s, now))
+        })
     }
 
     /// The balance of `key` in thousandths of a retry.
@@ -928,7 +931,7 @@ impl<C: Clock> MemoryRetryBudget<C> {
 
 impl<C: Clock> RetryBudgetLimiter for MemoryRetryBudget<C> {
     type DepositFuture = Ready<Result<(), StoreError>>;
-    type WithdrawFuture = Ready<Result<bool, StoreError>>;
+    type WithdrawFuture = Ready<Result<Withdrawal, StoreError>>;
 
     fn rule(&self) -> &RetryBudgetRule {
         &self.rule
@@ -948,7 +951,7 @@ impl<C: Clock> RetryBudgetLimiter for MemoryRetryBudget<C> {
         true
     }
 
-    fn withdraw_sync(&self, key: &[u8]) -> Option<Result<bool, StoreError>> {
+    fn withdraw_sync(&self, key: &[u8]) -> Option<Result<Withdrawal, StoreError>> {
         Some(Ok(self.withdraw_now(key)))
     }
 }

@@ -6,7 +6,7 @@
 use tollgate_core::{
     Acquire, ConcurrencyRule, ConfigError, Decision, Lease, Outcome, PeriodStatus, QuotaDecision,
     QuotaRule, QuotaStore as _, RetryBudgetRule, RetryBudgetStore as _, Rule, Store as _,
-    StoreError,
+    StoreError, Withdrawal,
 };
 use tollgate_memory::{
     MemoryConcurrencyLimiter, MemoryLimiter, MemoryQuotaLimiter, MemoryRetryBudget, MemoryStore,
@@ -288,10 +288,10 @@ impl RetryBudgetOnFailure {
     }
 
     /// Whether a retry for `key` may go.
-    pub(crate) fn withdraw(&self, key: &[u8]) -> bool {
+    pub(crate) fn withdraw(&self, key: &[u8]) -> Withdrawal {
         match self {
-            Self::Open => true,
-            Self::Closed => false,
+            Self::Open => Withdrawal::blind(true),
+            Self::Closed => Withdrawal::blind(false),
             Self::Memory(m) => m.withdraw_now(key),
         }
     }

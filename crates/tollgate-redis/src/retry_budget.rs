@@ -11,7 +11,9 @@ use std::fmt;
 use std::sync::Arc;
 
 use tokio::runtime::Handle;
-use tollgate_core::{ConfigError, RetryBudgetLimiter, RetryBudgetRule, StoreError, StoreErrorKind};
+use tollgate_core::{
+    ConfigError, RetryBudgetLimiter, RetryBudgetRule, StoreError, StoreErrorKind, Withdrawal,
+};
 
 use crate::backend::Backend;
 use crate::key;
@@ -159,7 +161,7 @@ fn task_gone() -> StoreError {
 
 impl RetryBudgetLimiter for RedisRetryBudget {
     type DepositFuture = BoxFuture<Result<(), StoreError>>;
-    type WithdrawFuture = BoxFuture<Result<bool, StoreError>>;
+    type WithdrawFuture = BoxFuture<Result<Withdrawal, StoreError>>;
 
     fn rule(&self) -> &RetryBudgetRule {
         &self.bound.rule
@@ -189,7 +191,7 @@ impl RetryBudgetLimiter for RedisRetryBudget {
             // A fault or an unreadable reply: the failure policy answers.
             Ok(
                 match this.call(RetryBudgetMode::Withdraw, &key, &now).await {
-                    Ok((granted, _)) => granted,
+                    Ok((granted, balance)) => Withdrawal::new(granted, balance),
                     Err(_) => this.on_failure.withdraw(&key),
                 },
             )

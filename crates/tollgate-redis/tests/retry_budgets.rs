@@ -106,7 +106,7 @@ async fn two_instances_share_one_budget() {
     let mut asks = tokio::task::JoinSet::new();
     for i in 0..60 {
         let r = if i % 2 == 0 { ra.clone() } else { rb.clone() };
-        asks.spawn(async move { r.withdraw(b"payments").await.unwrap() });
+        asks.spawn(async move { r.withdraw(b"payments").await.unwrap().granted });
     }
     let mut granted = 0;
     while let Some(answer) = asks.join_next().await {
@@ -114,9 +114,9 @@ async fn two_instances_share_one_budget() {
     }
     assert_eq!(granted, 20, "two instances withdrew more than one budget");
     assert_eq!(rb.balance(b"payments").await.unwrap(), 0);
-    assert!(!ra.withdraw(b"payments").await.unwrap());
+    assert!(!ra.withdraw(b"payments").await.unwrap().granted);
     // Another key of the same rule has nothing.
-    assert!(!rb.withdraw(b"orders").await.unwrap());
+    assert!(!rb.withdraw(b"orders").await.unwrap().granted);
     // A deposit made from a thread outside any runtime, its future
     // dropped there, runs on the store's runtime.
     let rc = ra.clone();
@@ -132,7 +132,7 @@ async fn two_instances_share_one_budget() {
         assert!(Instant::now() < deadline, "the deposits never ran");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    assert!(rb.withdraw(b"payments").await.unwrap());
+    assert!(rb.withdraw(b"payments").await.unwrap().granted);
     for s in [&a, &b] {
         let stats = s.stats();
         assert_eq!((stats.errors, stats.timeouts), (0, 0), "{stats:?}");
@@ -166,7 +166,7 @@ async fn retry_budget_keys_expire_with_their_window() {
     // Refused withdrawals write nothing: spend the floor elsewhere first.
     let none = RetryBudgetRule::new("none", 0.5, 0, Duration::from_secs(30)).unwrap();
     let none = store.retry_budget(&none).unwrap();
-    assert!(!none.withdraw(b"tenant").await.unwrap());
+    assert!(!none.withdraw(b"tenant").await.unwrap().granted);
     assert_eq!(
         server
             .cli(&["exists", &format!("{prefix}:{{rb1|none|k:tenant}}")])
@@ -176,7 +176,7 @@ async fn retry_budget_keys_expire_with_their_window() {
     );
     budget.deposit(b"tenant").await.unwrap();
     budget.deposit(b"tenant").await.unwrap();
-    assert!(budget.withdraw(b"tenant").await.unwrap());
+    assert!(budget.withdraw(b"tenant").await.unwrap().granted);
     // Slots of 3 s: index floor(now / 3 s) + 1, at position index % 10.
     let index = UNIX_2026 / 3_000_000_000 + 1;
     let field = (index % 10).to_string();
@@ -269,8 +269,8 @@ async fn unrecognised_retry_budget_state_reads_as_absent() {
             at("balance")
         );
         assert_eq!(
-            budget.withdraw(dirty).await.unwrap(),
-            budget.withdraw(clean).await.unwrap(),
+            budget.withdraw(dirty).await.unwrap().granted,
+            budget.withdraw(clean).await.unwrap().granted,
             "{}",
             at("withdraw")
         );
@@ -280,8 +280,8 @@ async fn unrecognised_retry_budget_state_reads_as_absent() {
         }
         for step in ["first", "second", "third"] {
             assert_eq!(
-                budget.withdraw(dirty).await.unwrap(),
-                budget.withdraw(clean).await.unwrap(),
+                budget.withdraw(dirty).await.unwrap().granted,
+                budget.withdraw(clean).await.unwrap().granted,
                 "{}",
                 at(step)
             );
@@ -332,22 +332,33 @@ async fn retry_budgets_follow_the_failure_policy_when_redis_dies() {
         fallback.retry_budget(&rule).unwrap(),
     );
     for b in [&bo, &bc, &bf] {
-        assert!(!b.withdraw(b"k").await.unwrap(), "no calls, no floor");
+        assert!(
+            !b.withdraw(b"k").await.unwrap().granted,
+            "no calls, no floor"
+        );
         b.deposit(b"k").await.unwrap();
         b.deposit(b"k").await.unwrap();
     }
 
     server.kill();
     for _ in 0..5 {
-        assert!(timed("open withdraw", bo.withdraw(b"k")).await.unwrap());
-        assert!(!timed("closed withdraw", bc.withdraw(b"k")).await.unwrap());
+        // The failure policy answers, and cannot say what is left.
+        let open = timed("open withdraw", bo.withdraw(b"k")).await.unwrap();
+        assert_eq!(open, tollgate_core::Withdrawal::blind(true));
+        let closed = timed("closed withdraw", bc.withdraw(b"k")).await.unwrap();
+        assert_eq!(closed, tollgate_core::Withdrawal::blind(false));
     }
     assert!(timed("open deposit", bo.deposit(b"k")).await.is_err());
     assert!(timed("closed deposit", bc.deposit(b"k")).await.is_err());
     assert!(timed("open balance", bo.balance(b"k")).await.is_err());
     // Fallback: the memory budget starts empty (Redis's deposits are not
     // there); four calls buy two retries.
-    assert!(!timed("fallback withdraw", bf.withdraw(b"k")).await.unwrap());
+    assert!(
+        !timed("fallback withdraw", bf.withdraw(b"k"))
+            .await
+            .unwrap()
+            .granted
+    );
     for _ in 0..4 {
         timed("fallback deposit", bf.deposit(b"k")).await.unwrap();
     }
@@ -357,7 +368,10 @@ async fn retry_budgets_follow_the_failure_policy_when_redis_dies() {
     );
     let mut granted = 0;
     for _ in 0..4 {
-        granted += usize::from(timed("fallback withdraw", bf.withdraw(b"k")).await.unwrap());
+        let w = timed("fallback withdraw", bf.withdraw(b"k")).await.unwrap();
+        granted += usize::from(w.granted);
+        // The memory budget answering knows its balance.
+        assert!(w.balance.is_some());
     }
     assert_eq!(granted, 2);
 
@@ -370,9 +384,9 @@ async fn retry_budgets_follow_the_failure_policy_when_redis_dies() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // Back on Redis (fresh: the restarted server kept nothing).
-    assert!(!bo.withdraw(b"k").await.unwrap());
+    assert!(!bo.withdraw(b"k").await.unwrap().granted);
     bo.deposit(b"k").await.unwrap();
     bo.deposit(b"k").await.unwrap();
-    assert!(bo.withdraw(b"k").await.unwrap());
-    assert!(!bo.withdraw(b"k").await.unwrap());
+    assert!(bo.withdraw(b"k").await.unwrap().granted);
+    assert!(!bo.withdraw(b"k").await.unwrap().granted);
 }

@@ -5,15 +5,18 @@
 //! | metric | kind | labels |
 //! |---|---|---|
 //! | `tollgate_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `shadow_limited` (denied but let through), `missing_key` (rejected), `unkeyed` (let through unlimited), `store_error` (let through); for an access list: `listed_allowed` (on an allow list, unlimited), `denied` (403); for an idempotency marker: `idempotent_repeat`; for a rule with an escalation ladder: `strike`, `blocked`; past a rule's warning share: `warned` |
-//! | `tollgate_route_requests_total` | counter | `rule`, `route` (axum's matched route, a template), `outcome`: `allowed`, `limited`, `too_costly`, `shadow_limited`; a policy's, when [`route_label`](crate::policy::PolicyLayerBuilder::route_label) is on |
+//! | `tollgate_route_requests_total` | counter | `rule`, `route` (axum's matched route, a template), `outcome`: `allowed`, `limited`, `too_costly`, `shadow_limited`; a rate limit's, quota's or policy's, when its `route_label` is on (e.g. [`PolicyLayerBuilder::route_label`](crate::policy::PolicyLayerBuilder::route_label)) |
 //! | `tollgate_config_reloads_total` | counter | `outcome`: `applied`, `unchanged`, `rejected` (a policy file's reloads) |
 //! | `tollgate_retry_after_seconds` | histogram | `rule` (and `plan`, as above) |
+//! | `tollgate_remaining_ratio` | histogram | `rule` (and `plan`): what each rate decision left of the rule's limit, from 0 (spent, or refused) to 1 (untouched); a low quantile near 0 means some clients run at their limit |
 //! | `tollgate_quota_requests_total` | counter | `rule`, `outcome`: as `tollgate_requests_total` |
 //! | `tollgate_quota_warnings_total` | counter | `rule`: responses past the quota's soft limit |
+//! | `tollgate_quota_used_ratio` | histogram | `rule`, `period` (`minute` ... `year`): what the key had used of the period's budget at each decision, from 0 to 1; a high quantile near 1 means some clients are about to exhaust it |
 //! | `tollgate_retry_calls_total` | counter | `rule`: calls through a retry budget layer (first attempts) |
 //! | `tollgate_retries_total` | counter | `rule`: retries made |
 //! | `tollgate_retry_budget_exhausted_total` | counter | `rule`: retries the budget refused |
 //! | `tollgate_retry_throttled_total` | counter | `rule`: calls refused locally by adaptive throttling |
+//! | `tollgate_retry_budget_remaining` | histogram | `rule`: the retries the budget still held after each withdrawal (granted or refused; not recorded when a store's failure policy answered) |
 //! | `tollgate_concurrency_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `queued` (waited, then allowed), `queue_full`, `queue_timeout`, `shadow_limited`, `missing_key`, `unkeyed`, `store_error`, `read_only` (a write refused while degraded) |
 //! | `tollgate_concurrency_in_flight` | gauge | `rule`: permits held through this layer |
 //! | `tollgate_concurrency_limit` | gauge | `rule`: an adaptive limit's current value |
@@ -28,7 +31,8 @@
 //! every metric they use is exported).
 //!
 //! A policy whose rules name plans adds a `plan` label to its rules'
-//! `tollgate_requests_total` and `tollgate_retry_after_seconds` series:
+//! `tollgate_requests_total`, `tollgate_retry_after_seconds` and
+//! `tollgate_remaining_ratio` series:
 //! the plan whose limit applied (`default` for the rule's own limit).
 //!
 //! Labels carry the rule's name, its plan and route, never a client key.
@@ -45,6 +49,9 @@ pub(crate) struct Metrics {
     pub(crate) unkeyed: Counter,
     pub(crate) store_error: Counter,
     pub(crate) retry_after: Histogram,
+    /// What a decision left, as a share of the limit (a rate rule's; a
+    /// no-op for quotas, which count by period).
+    remaining: Histogram,
     /// An access list's verdicts: on its allow list, on its deny list.
     pub(crate) listed_allowed: Counter,
     pub(crate) denied: Counter,
@@ -60,8 +67,10 @@ pub(crate) struct Metrics {
 
 const REQUESTS: &str = "tollgate_requests_total";
 const RETRY_AFTER: &str = "tollgate_retry_after_seconds";
+const REMAINING: &str = "tollgate_remaining_ratio";
 const QUOTA_REQUESTS: &str = "tollgate_quota_requests_total";
 const QUOTA_WARNINGS: &str = "tollgate_quota_warnings_total";
+const QUOTA_USED: &str = "tollgate_quota_used_ratio";
 
 impl Metrics {
     /// Registers the handles of `rule` with the current recorder.
@@ -78,15 +87,27 @@ impl Metrics {
         }
     }
 
-    /// The handles of a quota layer's `rule`.
-    pub(crate) fn register_quota(rule: &str) -> (Self, Counter) {
+    /// The handles of a quota layer's `rule`: its decisions, its soft
+    /// limit's warnings, and each of its `periods`' used share.
+    pub(crate) fn register_quota<'a>(
+        rule: &str,
+        periods: impl Iterator<Item = &'a str>,
+    ) -> (Self, Counter, Vec<Histogram>) {
         metrics::describe_counter!(
             QUOTA_WARNINGS,
             "Responses of a tollgate quota past its soft limit, by rule"
         );
+        metrics::describe_histogram!(
+            QUOTA_USED,
+            "What a key had used of a tollgate quota's period at each decision, from 0 to 1"
+        );
+        let used = periods
+            .map(|p| metrics::histogram!(QUOTA_USED, "rule" => rule.to_owned(), "period" => p.to_owned()))
+            .collect();
         (
             Self::register_as(QUOTA_REQUESTS, rule),
             metrics::counter!(QUOTA_WARNINGS, "rule" => rule.to_owned()),
+            used,
         )
     }
 
@@ -104,6 +125,12 @@ impl Metrics {
             metrics::Unit::Seconds,
             "Retry-After of requests denied for now"
         );
+        if name == REQUESTS {
+            metrics::describe_histogram!(
+                REMAINING,
+                "What a tollgate rate limit left of its limit at each decision, from 0 to 1"
+            );
+        }
         let mut labels = vec![metrics::Label::new("rule", rule.to_owned())];
         if let Some(plan) = plan {
             labels.push(metrics::Label::new("plan", plan.to_owned()));
@@ -121,6 +148,11 @@ impl Metrics {
             missing_key: counter("missing_key"),
             unkeyed: counter("unkeyed"),
             store_error: counter("store_error"),
+            remaining: if name == REQUESTS {
+                metrics::histogram!(REMAINING, labels.clone())
+            } else {
+                Histogram::noop()
+            },
             retry_after: metrics::histogram!(RETRY_AFTER, labels.clone()),
             listed_allowed: counter("listed_allowed"),
             denied: counter("denied"),
@@ -130,6 +162,52 @@ impl Metrics {
             warned: counter("warned"),
         }
     }
+}
+
+impl Metrics {
+    /// Records what `d` left of its limit, as a share (a decision
+    /// without a limit records nothing).
+    pub(crate) fn record_remaining(&self, d: &tollgate_core::Decision) {
+        if d.limit > 0 {
+            #[allow(clippy::cast_precision_loss)] // a metric's value
+            self.remaining
+                .record(d.remaining.min(d.limit) as f64 / d.limit as f64);
+        }
+    }
+}
+
+/// The `outcome` of a decision in `tollgate_route_requests_total` (an
+/// admitted request: `allowed`).
+#[cfg(feature = "axum")]
+pub(crate) fn route_outcome(outcome: tollgate_core::Outcome, shadow: bool) -> &'static str {
+    match outcome {
+        tollgate_core::Outcome::Allow { .. } => "allowed",
+        _ if shadow => "shadow_limited",
+        tollgate_core::Outcome::Never => "too_costly",
+        tollgate_core::Outcome::Deny { .. } => "limited",
+    }
+}
+
+/// Counts one decision of `rule` on `req` under axum's matched route (a
+/// layer's `route_label`): a registry lookup, as the route is only known
+/// per request.
+#[cfg(feature = "axum")]
+pub(crate) fn count_route<B>(
+    rule: &std::sync::Arc<str>,
+    req: &http::Request<B>,
+    outcome: &'static str,
+) {
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or("unmatched", axum::extract::MatchedPath::as_str);
+    metrics::counter!(
+        "tollgate_route_requests_total",
+        "rule" => std::sync::Arc::clone(rule),
+        "route" => route.to_owned(),
+        "outcome" => outcome
+    )
+    .increment(1);
 }
 
 const CONCURRENCY: &str = "tollgate_concurrency_requests_total";
@@ -213,6 +291,8 @@ pub(crate) fn store_fault(layer: &'static str, rule: &str, error: &tollgate_core
     }
 }
 
+const RETRY_BUDGET: &str = "tollgate_retry_budget_remaining";
+
 /// The handles of one retry budget layer (labelled by the budget's name,
 /// which names the upstream).
 #[derive(Debug, Clone)]
@@ -221,6 +301,8 @@ pub(crate) struct RetryMetrics {
     pub(crate) retries: Counter,
     pub(crate) exhausted: Counter,
     pub(crate) throttled: Counter,
+    /// The budget's balance (in retries) after each withdrawal.
+    pub(crate) budget: Histogram,
 }
 
 impl RetryMetrics {
@@ -241,11 +323,16 @@ impl RetryMetrics {
             "tollgate_retry_throttled_total",
             "Calls refused locally by tollgate's adaptive throttling"
         );
+        metrics::describe_histogram!(
+            RETRY_BUDGET,
+            "Retries a tollgate retry budget still held after each withdrawal"
+        );
         Self {
             calls: metrics::counter!("tollgate_retry_calls_total", "rule" => rule.to_owned()),
             retries: metrics::counter!("tollgate_retries_total", "rule" => rule.to_owned()),
             exhausted: metrics::counter!("tollgate_retry_budget_exhausted_total", "rule" => rule.to_owned()),
             throttled: metrics::counter!("tollgate_retry_throttled_total", "rule" => rule.to_owned()),
+            budget: metrics::histogram!(RETRY_BUDGET, "rule" => rule.to_owned()),
         }
     }
 }

@@ -132,8 +132,8 @@ pub async fn retry_deposit<L: RetryBudgetLimiter>(
 }
 
 /// Withdraws for `key` on `limiter` and on `reference` at the clock's
-/// time, asserts they answer alike (`at` says where), and returns the
-/// answer.
+/// time, asserts they answer alike and report the same balance after
+/// (`at` says where), and returns whether the retry was granted.
 pub async fn retry_withdraw<L: RetryBudgetLimiter>(
     limiter: &L,
     reference: &mut RetryBudgetReference,
@@ -147,6 +147,14 @@ pub async fn retry_withdraw<L: RetryBudgetLimiter>(
         .await
         .unwrap_or_else(|e| panic!("withdraw for {key:?}: {e}"));
     let want = reference.withdraw(key, now);
+    let name = String::from_utf8_lossy(key);
+    assert_eq!(
+        got.balance,
+        Some(reference.balance(key, now)),
+        "retry budget {} {at}: the balance after a withdrawal for {name:?} at {now}",
+        limiter.rule().name(),
+    );
+    let got = got.granted;
     assert_eq!(
         got,
         want,
@@ -354,13 +362,22 @@ pub async fn retry_budget_keys_are_independent<S: RetryBudgetStore>(
         .retry_budget(&RetryBudgetRule::new("retry-b", 1.0, 0, ten).unwrap())
         .unwrap();
     a.deposit(b"k1").await.unwrap();
-    assert!(!a.withdraw(b"k2").await.unwrap(), "k2 spent k1's budget");
-    assert!(!b.withdraw(b"k1").await.unwrap(), "rule b spent rule a's");
+    assert!(
+        !a.withdraw(b"k2").await.unwrap().granted,
+        "k2 spent k1's budget"
+    );
+    assert!(
+        !b.withdraw(b"k1").await.unwrap().granted,
+        "rule b spent rule a's"
+    );
     let a2 = store
         .retry_budget(&RetryBudgetRule::new("retry-a", 1.0, 0, ten).unwrap())
         .unwrap();
-    assert!(a2.withdraw(b"k1").await.unwrap(), "the rule bound twice");
-    assert!(!a.withdraw(b"k1").await.unwrap());
+    assert!(
+        a2.withdraw(b"k1").await.unwrap().granted,
+        "the rule bound twice"
+    );
+    assert!(!a.withdraw(b"k1").await.unwrap().granted);
 
     let hostile = store
         .retry_budget(&RetryBudgetRule::new("retry-hostile", 1.0, 0, ten).unwrap())
@@ -386,11 +403,11 @@ pub async fn retry_budget_keys_are_independent<S: RetryBudgetStore>(
     for key in &keys {
         let n = key.len();
         assert!(
-            hostile.withdraw(key).await.unwrap(),
+            hostile.withdraw(key).await.unwrap().granted,
             "key of {n} bytes lost its deposit"
         );
         assert!(
-            !hostile.withdraw(key).await.unwrap(),
+            !hostile.withdraw(key).await.unwrap().granted,
             "key of {n} bytes collided"
         );
     }
@@ -408,12 +425,12 @@ pub async fn retry_budget_deposit_survives_its_future<S: RetryBudgetStore>(
     let mut deposited = false;
     for _ in 0..2_000 {
         // A refused withdrawal changes nothing.
-        if limiter.withdraw(b"k").await.unwrap() {
+        if limiter.withdraw(b"k").await.unwrap().granted {
             deposited = true;
             break;
         }
         std::thread::sleep(Duration::from_millis(1));
     }
     assert!(deposited, "a dropped deposit future cancelled the deposit");
-    assert!(!limiter.withdraw(b"k").await.unwrap());
+    assert!(!limiter.withdraw(b"k").await.unwrap().granted);
 }

@@ -91,6 +91,9 @@ where
             let next = match this.state.as_mut().project() {
                 StateProj::Admitting { admit, waiting } => {
                     let admission = ready!(admit.as_mut().poll(cx));
+                    if let Some(w) = waiting.as_ref() {
+                        responder.count_route(&w.0, &admission);
+                    }
                     match admission {
                         Admission::Go(admitted) => State::Readying {
                             admitted: Some(admitted),

@@ -118,6 +118,7 @@ impl ConcurrencyLayer<PeerIp, Fixed, AllCritical, ()> {
                 read_only: None,
                 is_drop: None,
                 upgrades: false,
+                route_label: false,
             },
         }
     }
@@ -149,6 +150,7 @@ struct Config {
     read_only: Option<ReadOnly>,
     is_drop: Option<DropFn>,
     upgrades: bool,
+    route_label: bool,
 }
 
 /// Builds a [`ConcurrencyLayer`]; see [`ConcurrencyLayer::builder`].
@@ -283,6 +285,17 @@ impl<K, C, P, St> ConcurrencyLayerBuilder<K, C, P, St> {
     /// the permit ends with the `101` response).
     pub fn upgrades(mut self, on: bool) -> Self {
         self.cfg.upgrades = on;
+        self
+    }
+
+    /// Also counts decisions by route: `tollgate_route_requests_total{rule,
+    /// route, outcome}` (outcomes `allowed`, `limited` — a full queue or
+    /// an expired wait included — and `too_costly`), as
+    /// [`PolicyLayerBuilder::route_label`](crate::policy::PolicyLayerBuilder::route_label)
+    /// does (default off: a metrics-registry lookup per request).
+    #[cfg(feature = "axum")]
+    pub fn route_label(mut self, on: bool) -> Self {
+        self.cfg.route_label = on;
         self
     }
 
@@ -462,6 +475,7 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
                     adaptive,
                     name,
                     upgrades: cfg.upgrades,
+                    route_label: cfg.route_label,
                 }),
             }),
         })

@@ -58,7 +58,9 @@ where
     }
 
     fn call(&mut self, mut req: Request<ReqB>) -> Self::Future {
-        let state = match self.shared.start(&req) {
+        let admission = self.shared.start(&req);
+        self.shared.responder.count_route(&req, &admission);
+        let state = match admission {
             Admission::Go(mut admitted) => {
                 if self.shared.responder.upgrades {
                     Holding::attach(&mut admitted.permit, &mut req);

@@ -79,9 +79,33 @@ pub(crate) struct Responder {
     pub(crate) name: Arc<str>,
     /// Offer upgrade requests' permits to their handlers.
     pub(crate) upgrades: bool,
+    /// Whether decisions are also counted by route.
+    #[cfg_attr(not(feature = "axum"), allow(dead_code))]
+    pub(crate) route_label: bool,
 }
 
 impl Responder {
+    /// Counts `admission` of `req` by route, when the layer does: what was
+    /// decided (a deferred admission is counted when it resolves).
+    pub(crate) fn count_route<B>(&self, req: &Request<B>, admission: &Admission) {
+        #[cfg(feature = "axum")]
+        if self.route_label {
+            let outcome = match admission {
+                Admission::Go(_) => "allowed",
+                Admission::Reject(r, _) => match r.reason {
+                    Reason::Limited => "limited",
+                    Reason::TooCostly => "too_costly",
+                    // Not a limit's decision.
+                    _ => return,
+                },
+                Admission::Defer(_) => return,
+            };
+            crate::observe::count_route(&self.name, req, outcome);
+        }
+        #[cfg(not(feature = "axum"))]
+        let _ = (req, admission);
+    }
+
     pub(crate) fn reject(&self, rejected: &Rejected, items: &Items) -> Response<Bytes> {
         let mut res = match &self.rejection {
             Some(f) if !rejected.grpc => f(rejected),

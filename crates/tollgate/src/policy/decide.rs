@@ -89,6 +89,7 @@ pub(super) fn settle<B, L>(shared: &Shared<B, L>, report: &mut Report) -> Verdic
         let shadow = report.shadows(i);
         // The plan's series (a plan the rule does not name: the rule's).
         let m = &rule.at(report.plan).1.metrics;
+        m.record_remaining(d);
         match d.outcome {
             Outcome::Allow { delay: wait } if !shadow => delay = delay.max(wait),
             Outcome::Allow { .. } => {}

@@ -123,28 +123,15 @@ fn count_by_route<B, L>(
     verdict: Verdict,
     req: &Request<B>,
 ) {
-    let route = req
-        .extensions()
-        .get::<axum::extract::MatchedPath>()
-        .map_or("unmatched", axum::extract::MatchedPath::as_str);
     let passed = matches!(verdict, Verdict::Pass { .. });
     for (i, (rule, slot)) in shared.rules.iter().zip(&report.decided).enumerate() {
         let Some((d, _)) = slot else { continue };
-        let outcome = match d.outcome {
-            tollgate_core::Outcome::Allow { .. } if passed => "allowed",
-            // Refunded: another rule refused the request.
-            tollgate_core::Outcome::Allow { .. } => continue,
-            _ if report.shadows(i) => "shadow_limited",
-            tollgate_core::Outcome::Never => "too_costly",
-            tollgate_core::Outcome::Deny { .. } => "limited",
-        };
-        metrics::counter!(
-            "tollgate_route_requests_total",
-            "rule" => Arc::clone(&rule.responder.rule),
-            "route" => route.to_owned(),
-            "outcome" => outcome
-        )
-        .increment(1);
+        // Refunded: another rule refused the request.
+        if d.is_allowed() && !passed {
+            continue;
+        }
+        let outcome = crate::observe::route_outcome(d.outcome, report.shadows(i));
+        crate::observe::count_route(&rule.responder.rule, req, outcome);
     }
 }
 

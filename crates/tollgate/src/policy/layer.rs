@@ -416,6 +416,8 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 rejection: self.rejection.clone(),
                 rendered: Rendered::new(LimitKind::Rate, rule.name(), rule.capacity()),
                 metrics: Metrics::register_plan(rule.name(), plan),
+                // Counted by the policy, rule by rule.
+                route_label: false,
             };
             let default_plan = (!names.is_empty()).then_some("default");
             let mut plans = Vec::with_capacity(names.len());

@@ -85,6 +85,7 @@ impl QuotaLayer<PeerIp, Fixed, ()> {
                 headers: true,
                 missing: MissingKey::default(),
                 rejection: None,
+                route_label: false,
             },
         }
     }
@@ -99,6 +100,7 @@ struct Config {
     headers: bool,
     missing: MissingKey,
     rejection: Option<RejectFn>,
+    route_label: bool,
 }
 
 /// Builds a [`QuotaLayer`]; see [`QuotaLayer::builder`].
@@ -188,6 +190,16 @@ impl<K, C, St> QuotaLayerBuilder<K, C, St> {
         self
     }
 
+    /// Also counts decisions by route: `tollgate_route_requests_total{rule,
+    /// route, outcome}`, as
+    /// [`PolicyLayerBuilder::route_label`](crate::policy::PolicyLayerBuilder::route_label)
+    /// does (default off: a metrics-registry lookup per request).
+    #[cfg(feature = "axum")]
+    pub fn route_label(mut self, on: bool) -> Self {
+        self.cfg.route_label = on;
+        self
+    }
+
     /// What to do with requests that have no key (default: share one
     /// fallback budget).
     pub fn on_missing_key(mut self, missing: MissingKey) -> Self {
@@ -231,7 +243,8 @@ impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
                 .collect()
         };
         let largest = rule.quota().periods().map(|(_, l)| l).max().unwrap_or(0);
-        let (metrics, warnings) = Metrics::register_quota(&cfg.name);
+        let (metrics, warnings, used) =
+            Metrics::register_quota(&cfg.name, rule.quota().periods().map(|(p, _)| p.name()));
         Ok(QuotaLayer {
             shared: Arc::new(Shared {
                 key: self.key,
@@ -249,6 +262,8 @@ impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
                     soft: cfg.soft,
                     metrics,
                     warnings,
+                    used,
+                    route_label: cfg.route_label,
                 }),
             }),
         })

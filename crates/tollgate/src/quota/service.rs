@@ -6,7 +6,7 @@ use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
 use http::{Request, Response};
-use metrics::Counter;
+use metrics::{Counter, Histogram};
 use pin_project_lite::pin_project;
 use tollgate_core::{Outcome, QuotaDecision, QuotaLimiter, StoreError};
 use tower_service::Service;
@@ -33,6 +33,11 @@ pub(crate) struct Responder {
     pub(crate) soft: Option<f64>,
     pub(crate) metrics: Metrics,
     pub(crate) warnings: Counter,
+    /// Each period's used share at decision.
+    pub(crate) used: Vec<Histogram>,
+    /// Whether decisions are also counted by route.
+    #[cfg_attr(not(feature = "axum"), allow(dead_code))]
+    pub(crate) route_label: bool,
 }
 
 impl Responder {
@@ -176,6 +181,17 @@ where
             };
         }
     };
+    for (used, p) in responder.used.iter().zip(d.periods()) {
+        if p.limit > 0 {
+            #[allow(clippy::cast_precision_loss)] // a metric's value
+            used.record(p.limit.saturating_sub(p.remaining) as f64 / p.limit as f64);
+        }
+    }
+    #[cfg(feature = "axum")]
+    if responder.route_label {
+        let outcome = crate::observe::route_outcome(d.outcome, responder.shadow);
+        crate::observe::count_route(&responder.rule, &request, outcome);
+    }
     let reason = match d.outcome {
         Outcome::Allow { .. } => {
             m.allowed.increment(1);

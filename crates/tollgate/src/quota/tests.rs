@@ -216,3 +216,35 @@ fn configuration_errors_name_the_field() {
         "name"
     );
 }
+
+/// Each period's used share is recorded at every decision, by rule and
+/// period, never by key.
+#[tokio::test]
+async fn what_each_period_has_used_is_recorded_at_each_decision() {
+    let recorder = crate::rate_limit::tests::Recorded::default();
+    let clock = ManualClock::at_unix(unix_nanos(2026, 12, 3, 12, 0, 0));
+    let layer = metrics::with_local_recorder(&recorder, || {
+        QuotaLayer::builder("plan")
+            .period(Period::Day, 4)
+            .period(Period::Month, 10)
+            .key(Header::named("x-api-key").unwrap())
+            .cost(HeaderCost::named("x-cost", 1, 100).unwrap())
+            .store(store(&clock))
+            .build()
+            .unwrap()
+    });
+    let svc = layer.layer(service_fn(ok));
+    for (cost, status) in [(1, 200), (2, 200), (2, 429)] {
+        let res = svc.clone().oneshot(req("secret", cost)).await.unwrap();
+        assert_eq!(res.status(), status);
+    }
+    // Admitted: what the charge brought it to; refused: what it stood at.
+    assert_eq!(
+        recorder.samples("tollgate_quota_used_ratio{rule=plan,period=day}"),
+        [0.25, 0.75, 0.75]
+    );
+    assert_eq!(
+        recorder.samples("tollgate_quota_used_ratio{rule=plan,period=month}"),
+        [0.1, 0.3, 0.3]
+    );
+}

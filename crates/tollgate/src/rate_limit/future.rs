@@ -161,6 +161,7 @@ where
         }
     };
     let m = &responder.metrics;
+    m.record_remaining(&decision);
     match decision.outcome {
         Outcome::Allow { .. } => m.allowed.increment(1),
         Outcome::Deny { .. } | Outcome::Never if responder.shadow => m.shadow_limited.increment(1),
@@ -170,6 +171,11 @@ where
                 .record(Duration::from_nanos(retry_after).as_secs_f64());
         }
         Outcome::Never => m.too_costly.increment(1),
+    }
+    #[cfg(feature = "axum")]
+    if responder.route_label {
+        let outcome = crate::observe::route_outcome(decision.outcome, responder.shadow);
+        crate::observe::count_route(&responder.rule, &request, outcome);
     }
     match decision.outcome {
         // Shadow mode decides but never holds a request back, and sends no

@@ -60,16 +60,19 @@ impl RateLimitLayer<PeerIp, Fixed, ()> {
     /// are known, or choose [`MissingKey`]).
     pub fn builder(name: &str, limit: Limit) -> RateLimitLayerBuilder<PeerIp, Fixed, MemoryStore> {
         RateLimitLayerBuilder {
-            name: name.to_owned(),
-            limit,
             key: PeerIp::new(),
             cost: Fixed(1),
             store: MemoryStore::new(),
-            shadow: false,
-            headers: true,
-            legacy_headers: false,
-            missing: MissingKey::default(),
-            rejection: None,
+            cfg: Config {
+                name: name.to_owned(),
+                limit,
+                shadow: false,
+                headers: true,
+                legacy_headers: false,
+                missing: MissingKey::default(),
+                rejection: None,
+                route_label: false,
+            },
         }
     }
 }
@@ -140,26 +143,32 @@ impl<S, K, C, L> Layer<S> for RateLimitErrorLayer<K, C, L> {
 
 /// Builds a [`RateLimitLayer`]; see [`RateLimitLayer::builder`].
 pub struct RateLimitLayerBuilder<K, C, St> {
-    name: String,
-    limit: Limit,
     key: K,
     cost: C,
     store: St,
+    cfg: Config,
+}
+
+/// A builder's settings that do not change its type.
+struct Config {
+    name: String,
+    limit: Limit,
     shadow: bool,
     headers: bool,
     legacy_headers: bool,
     missing: MissingKey,
     rejection: Option<RejectFn>,
+    route_label: bool,
 }
 
 impl<K: fmt::Debug, C: fmt::Debug, St> fmt::Debug for RateLimitLayerBuilder<K, C, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayerBuilder")
-            .field("name", &self.name)
-            .field("limit", &self.limit)
+            .field("name", &self.cfg.name)
+            .field("limit", &self.cfg.limit)
             .field("key", &self.key)
             .field("cost", &self.cost)
-            .field("shadow", &self.shadow)
+            .field("shadow", &self.cfg.shadow)
             .finish_non_exhaustive()
     }
 }
@@ -168,32 +177,20 @@ impl<K, C, St> RateLimitLayerBuilder<K, C, St> {
     /// Who a request counts against (default: [`PeerIp`]).
     pub fn key<K2>(self, key: K2) -> RateLimitLayerBuilder<K2, C, St> {
         RateLimitLayerBuilder {
-            name: self.name,
-            limit: self.limit,
             key,
             cost: self.cost,
             store: self.store,
-            shadow: self.shadow,
-            headers: self.headers,
-            legacy_headers: self.legacy_headers,
-            missing: self.missing,
-            rejection: self.rejection,
+            cfg: self.cfg,
         }
     }
 
     /// What a request costs (default: [`Fixed(1)`](Fixed)).
     pub fn cost<C2>(self, cost: C2) -> RateLimitLayerBuilder<K, C2, St> {
         RateLimitLayerBuilder {
-            name: self.name,
-            limit: self.limit,
             key: self.key,
             cost,
             store: self.store,
-            shadow: self.shadow,
-            headers: self.headers,
-            legacy_headers: self.legacy_headers,
-            missing: self.missing,
-            rejection: self.rejection,
+            cfg: self.cfg,
         }
     }
 
@@ -202,16 +199,10 @@ impl<K, C, St> RateLimitLayerBuilder<K, C, St> {
     /// share limits across a fleet.
     pub fn store<St2: Store>(self, store: St2) -> RateLimitLayerBuilder<K, C, St2> {
         RateLimitLayerBuilder {
-            name: self.name,
-            limit: self.limit,
             key: self.key,
             cost: self.cost,
             store,
-            shadow: self.shadow,
-            headers: self.headers,
-            legacy_headers: self.legacy_headers,
-            missing: self.missing,
-            rejection: self.rejection,
+            cfg: self.cfg,
         }
     }
 
@@ -220,28 +211,28 @@ impl<K, C, St> RateLimitLayerBuilder<K, C, St> {
     /// honours them would back off from a limit that is not enforced). For
     /// trying a limit on live traffic before enforcing it.
     pub fn shadow(mut self, shadow: bool) -> Self {
-        self.shadow = shadow;
+        self.cfg.shadow = shadow;
         self
     }
 
     /// Send `RateLimit-Policy` and `RateLimit` on every limited response
     /// (default: on).
     pub fn headers(mut self, on: bool) -> Self {
-        self.headers = on;
+        self.cfg.headers = on;
         self
     }
 
     /// Also send `X-RateLimit-Limit`, `X-RateLimit-Remaining` and
     /// `X-RateLimit-Reset` (default: off).
     pub fn legacy_headers(mut self, on: bool) -> Self {
-        self.legacy_headers = on;
+        self.cfg.legacy_headers = on;
         self
     }
 
     /// What to do with requests that have no key (default: share one
     /// fallback budget).
     pub fn on_missing_key(mut self, missing: MissingKey) -> Self {
-        self.missing = missing;
+        self.cfg.missing = missing;
         self
     }
 
@@ -251,7 +242,17 @@ impl<K, C, St> RateLimitLayerBuilder<K, C, St> {
     where
         F: Fn(&Rejected) -> Response<Bytes> + Send + Sync + 'static,
     {
-        self.rejection = Some(Arc::new(f));
+        self.cfg.rejection = Some(Arc::new(f));
+        self
+    }
+
+    /// Also counts decisions by route: `tollgate_route_requests_total{rule,
+    /// route, outcome}`, as
+    /// [`PolicyLayerBuilder::route_label`](crate::policy::PolicyLayerBuilder::route_label)
+    /// does (default off: a metrics-registry lookup per request).
+    #[cfg(feature = "axum")]
+    pub fn route_label(mut self, on: bool) -> Self {
+        self.cfg.route_label = on;
         self
     }
 }
@@ -260,20 +261,22 @@ impl<K, C, St: Store> RateLimitLayerBuilder<K, C, St> {
     /// Validates the rule and binds it to the store. Registers the layer's
     /// [metrics](crate::observe) with the recorder installed now.
     pub fn build(self) -> Result<RateLimitLayer<K, C, St::Limiter>, ConfigError> {
-        let rule = Rule::new(&self.name, self.limit)?;
+        let cfg = self.cfg;
+        let rule = Rule::new(&cfg.name, cfg.limit)?;
         let limiter = self.store.limiter(&rule)?;
         Ok(RateLimitLayer {
             shared: Arc::new(Shared {
                 key: self.key,
                 cost: self.cost,
                 limiter,
-                missing: self.missing,
+                missing: cfg.missing,
                 warned_missing: std::sync::atomic::AtomicBool::new(false),
                 responder: Arc::new(Responder {
                     rule: rule.name().into(),
-                    headers: Headers::new(&rule, self.headers, self.legacy_headers),
-                    shadow: self.shadow,
-                    rejection: self.rejection,
+                    headers: Headers::new(&rule, cfg.headers, cfg.legacy_headers),
+                    shadow: cfg.shadow,
+                    rejection: cfg.rejection,
+                    route_label: cfg.route_label,
                     rendered: Rendered::new(LimitKind::Rate, rule.name(), rule.capacity()),
                     metrics: Metrics::register(rule.name()),
                 }),

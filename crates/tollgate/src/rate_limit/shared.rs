@@ -68,6 +68,9 @@ pub(crate) struct Responder {
     pub(crate) rejection: Option<RejectFn>,
     pub(crate) rendered: Rendered,
     pub(crate) metrics: Metrics,
+    /// Whether decisions are also counted by route.
+    #[cfg_attr(not(feature = "axum"), allow(dead_code))]
+    pub(crate) route_label: bool,
 }
 
 impl Responder {

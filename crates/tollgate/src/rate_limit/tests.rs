@@ -463,13 +463,55 @@ fn build_errors_name_the_field() {
     assert_eq!(err.field(), "burst");
 }
 
-/// A recorder that keeps counters by `name{label=value,...}`.
+/// A recorder that keeps counters, gauges and histograms by
+/// `name{label=value,...}`.
 #[derive(Default)]
 pub(crate) struct Recorded(
     pub(crate) std::sync::Mutex<Vec<(String, std::sync::Arc<std::sync::atomic::AtomicU64>)>>,
+    std::sync::Mutex<Vec<(String, std::sync::Arc<Samples>)>>,
 );
 
+/// A histogram's samples, in the order recorded.
+#[derive(Default)]
+struct Samples(std::sync::Mutex<Vec<f64>>);
+
+impl metrics::HistogramFn for Samples {
+    fn record(&self, value: f64) {
+        self.0.lock().unwrap().push(value);
+    }
+}
+
+/// The handle of `key`'s series in `all`: a series registered again (a
+/// per-request lookup) shares its value, as a real registry's does.
+fn shared<T: Default>(
+    all: &std::sync::Mutex<Vec<(String, std::sync::Arc<T>)>>,
+    key: &metrics::Key,
+) -> std::sync::Arc<T> {
+    let labels: Vec<String> = key
+        .labels()
+        .map(|l| format!("{}={}", l.key(), l.value()))
+        .collect();
+    let name = format!("{}{{{}}}", key.name(), labels.join(","));
+    let mut all = all.lock().unwrap();
+    if let Some((_, v)) = all.iter().find(|(n, _)| *n == name) {
+        return std::sync::Arc::clone(v);
+    }
+    let v = std::sync::Arc::new(T::default());
+    all.push((name, std::sync::Arc::clone(&v)));
+    v
+}
+
 impl Recorded {
+    /// A histogram's samples (none if it was never registered).
+    pub(crate) fn samples(&self, name: &str) -> Vec<f64> {
+        self.1
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(n, _)| n == name)
+            .map_or_else(Vec::new, |(_, s)| s.0.lock().unwrap().clone())
+    }
+
     /// A gauge's value.
     pub(crate) fn gauge(&self, name: &str) -> f64 {
         f64::from_bits(self.get(name))
@@ -508,38 +550,18 @@ impl metrics::Recorder for Recorded {
     ) {
     }
     fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
-        let labels: Vec<String> = key
-            .labels()
-            .map(|l| format!("{}={}", l.key(), l.value()))
-            .collect();
-        let name = format!("{}{{{}}}", key.name(), labels.join(","));
-        let counter = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        self.0
-            .lock()
-            .unwrap()
-            .push((name, std::sync::Arc::clone(&counter)));
-        metrics::Counter::from_arc(counter)
+        metrics::Counter::from_arc(shared(&self.0, key))
     }
     /// Gauges are kept too, their `f64` as bits (read with `gauge`).
     fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        let labels: Vec<String> = key
-            .labels()
-            .map(|l| format!("{}={}", l.key(), l.value()))
-            .collect();
-        let name = format!("{}{{{}}}", key.name(), labels.join(","));
-        let gauge = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        self.0
-            .lock()
-            .unwrap()
-            .push((name, std::sync::Arc::clone(&gauge)));
-        metrics::Gauge::from_arc(gauge)
+        metrics::Gauge::from_arc(shared(&self.0, key))
     }
     fn register_histogram(
         &self,
-        _: &metrics::Key,
+        key: &metrics::Key,
         _: &metrics::Metadata<'_>,
     ) -> metrics::Histogram {
-        metrics::Histogram::noop()
+        metrics::Histogram::from_arc(shared(&self.1, key))
     }
 }
 
@@ -563,6 +585,12 @@ async fn decisions_are_counted_by_rule_and_outcome_never_by_key() {
         .unwrap();
     svc.clone().oneshot(huge).await.unwrap();
     let name = |outcome: &str| format!("tollgate_requests_total{{rule=per-key,outcome={outcome}}}");
+    // What each decision left of the limit of 2: one, none, none (the
+    // denial), and the other key's too-costly request spent nothing.
+    assert_eq!(
+        recorder.samples("tollgate_remaining_ratio{rule=per-key}"),
+        [0.5, 0.0, 0.0, 1.0]
+    );
     assert_eq!(recorder.get(&name("allowed")), 2);
     assert_eq!(recorder.get(&name("limited")), 1);
     assert_eq!(recorder.get(&name("too_costly")), 1);
@@ -572,4 +600,89 @@ async fn decisions_are_counted_by_rule_and_outcome_never_by_key() {
         .unwrap()
         .iter()
         .all(|(n, _)| !n.contains("secret")));
+}
+
+/// Each single-rule layer counts its decisions under axum's matched route
+/// when asked, and only then.
+#[cfg(feature = "axum")]
+#[test]
+fn single_rule_layers_count_decisions_by_route() {
+    use axum::routing::get;
+    let recorder = Recorded::default();
+    let clock = ManualClock::at_unix(tollgate_core::calendar::unix_nanos(2026, 12, 3, 12, 0, 0));
+    let key = || Header::named("x-api-key").unwrap();
+    let (rate, quota, concurrency, quiet) = metrics::with_local_recorder(&recorder, || {
+        (
+            per_key(&clock, Limit::fixed_window(3, Duration::from_secs(60)))
+                .route_label(true)
+                .build()
+                .unwrap(),
+            crate::QuotaLayer::builder("daily")
+                .period(tollgate_core::calendar::Period::Day, 2)
+                .key(key())
+                .store(MemoryStore::builder().clock(clock.clone()).build().unwrap())
+                .route_label(true)
+                .build()
+                .unwrap(),
+            crate::ConcurrencyLayer::builder("in-flight", 1)
+                .key(key())
+                .route_label(true)
+                .build()
+                .unwrap(),
+            RateLimitLayer::builder("quiet", Limit::fixed_window(100, Duration::from_secs(1)))
+                .key(key())
+                .build()
+                .unwrap(),
+        )
+    });
+    let app = axum::Router::new()
+        .route("/items/{id}", get(|| async { "item" }))
+        .route("/other", get(|| async { "other" }))
+        // Innermost first: the quota sees only what the rate admitted.
+        .route_layer(quota)
+        .route_layer(rate)
+        .route_layer(concurrency)
+        .route_layer(quiet);
+    let send = |path: &str| {
+        let req = Request::get(path)
+            .header("x-api-key", "k")
+            .body(axum::body::Body::empty())
+            .unwrap();
+        app.clone().oneshot(req)
+    };
+    // The route's counter is looked up per request, so the requests run
+    // with the recorder: on a runtime of this thread.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        rt.block_on(async {
+            for path in ["/items/1", "/items/2", "/other", "/items/3"] {
+                send(path).await.unwrap();
+            }
+        });
+    });
+    let count = |rule: &str, route: &str, outcome: &str| {
+        recorder.get(&format!(
+            "tollgate_route_requests_total{{rule={rule},route={route},outcome={outcome}}}"
+        ))
+    };
+    // The rate admits three and refuses the fourth; the quota admits two
+    // of the three and refuses `/other`; the concurrency limit of 1 admits
+    // all four, one after another.
+    assert_eq!(count("per-key", "/items/{id}", "allowed"), 2);
+    assert_eq!(count("per-key", "/other", "allowed"), 1);
+    assert_eq!(count("per-key", "/items/{id}", "limited"), 1);
+    assert_eq!(count("daily", "/items/{id}", "allowed"), 2);
+    assert_eq!(count("daily", "/other", "limited"), 1);
+    assert_eq!(count("in-flight", "/items/{id}", "allowed"), 3);
+    assert_eq!(count("in-flight", "/other", "allowed"), 1);
+    // A layer that was not asked counts nothing by route.
+    assert!(recorder
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .all(|(n, _)| !(n.starts_with("tollgate_route") && n.contains("rule=quiet"))));
 }

@@ -9,6 +9,7 @@ use bytes::Bytes;
 use http::{HeaderMap, Request, Response};
 use http_body::Body;
 use tokio::time::Instant;
+use tollgate_core::algorithm::RETRY_UNIT;
 use tollgate_core::{ConfigError, RetryBudgetLimiter, RetryBudgetRule, RetryBudgetStore};
 use tollgate_memory::MemoryStore;
 use tower_layer::Layer;
@@ -567,13 +568,17 @@ where
         if deadline.is_some_and(|d| Instant::now().checked_add(wait).is_none_or(|at| at >= d)) {
             return result;
         }
-        let allowed = match shared.budget.withdraw_sync(key.as_bytes()) {
+        let answer = match shared.budget.withdraw_sync(key.as_bytes()) {
             Some(answer) => answer,
             None => shared.budget.withdraw(key.as_bytes()).await,
         };
+        if let Some(balance) = answer.as_ref().ok().and_then(|w| w.balance) {
+            #[allow(clippy::cast_precision_loss)] // a metric's value
+            m.budget.record(balance as f64 / RETRY_UNIT as f64);
+        }
         // A store that fails allows no retry: retrying is never needed to
         // stay up, and a storm is what the budget is for.
-        if !allowed.unwrap_or(false) {
+        if !answer.is_ok_and(|w| w.granted) {
             m.exhausted.increment(1);
             return result;
         }

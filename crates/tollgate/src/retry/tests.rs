@@ -481,3 +481,27 @@ fn configuration_errors_name_the_field() {
     assert_eq!(e(b().adaptive_throttling(0.5)), "adaptive_throttling");
     assert_eq!(e(RetryBudgetLayer::builder("bad name")), "name");
 }
+
+/// What the budget holds after each withdrawal is recorded, in retries.
+#[tokio::test(start_paused = true)]
+async fn the_budget_left_after_each_withdrawal_is_recorded() {
+    let recorder = crate::rate_limit::tests::Recorded::default();
+    let dead = Flaky::new(503, &[]);
+    // Each call deposits half a retry; no floor.
+    let client = metrics::with_local_recorder(&recorder, || {
+        RetryBudgetLayer::builder("half")
+            .budget(0.5, 0, Duration::from_secs(10))
+            .max_attempts(2)
+            .store(store())
+            .build()
+            .unwrap()
+    })
+    .layer(dead.service());
+    calls(&client, 4).await;
+    // Half a retry: refused; one: granted, none left; and again.
+    assert_eq!(
+        recorder.samples("tollgate_retry_budget_remaining{rule=half}"),
+        [0.5, 0.0, 0.5, 0.0]
+    );
+    assert_eq!(dead.attempts(), 6);
+}

@@ -21,6 +21,9 @@
 //! | `tollgate_concurrency_in_flight` | gauge | `rule`: permits held through this layer |
 //! | `tollgate_concurrency_limit` | gauge | `rule`: an adaptive limit's current value |
 //! | `tollgate_concurrency_queue_depth` | gauge | `rule`: requests waiting in the layer's queue now (a cancelled or timed-out waiter leaves it) |
+//! | `tollgate_bandwidth_bytes_total` | counter | `rule`, `direction` (`request`, `response`): body bytes let out through a bandwidth layer's pacer |
+//! | `tollgate_bandwidth_wait_seconds` | histogram | `rule`, `direction`: each wait of a paced body for its byte budget (the sum: time spent throttled) |
+//! | `tollgate_bandwidth_unpaced_total` | counter | `rule`, `direction`: bodies let through unpaced from some point on, because the store failed |
 //! | `tollgate_store_calls_total` | counter | `store="redis"`, `result`: `ok`, `error`, `timeout`, `skipped` (breaker open) |
 //! | `tollgate_store_call_seconds` | histogram | `store="redis"`: each call's time |
 //! | `tollgate_store_breaker_open` | gauge | `store="redis"`, `prefix`: 1 while the circuit breaker is open |
@@ -266,6 +269,48 @@ impl ConcurrencyMetrics {
     /// The gauge of an adaptive limit's current value.
     pub(crate) fn limit(rule: &str) -> metrics::Gauge {
         metrics::gauge!(LIMIT, "rule" => rule.to_owned())
+    }
+}
+
+/// The handles of one direction (`request` or `response` bodies) of a
+/// bandwidth layer.
+#[derive(Debug)]
+pub(crate) struct BandwidthMetrics {
+    /// Bytes let out through a pacer.
+    pub(crate) bytes: Counter,
+    /// Each wait for the byte budget.
+    pub(crate) wait: Histogram,
+    /// Bodies no longer paced: the store failed, or a chunk could never
+    /// fit.
+    pub(crate) unpaced: Counter,
+}
+
+impl BandwidthMetrics {
+    /// Registers the handles of `rule`'s `direction`.
+    pub(crate) fn register(rule: &str, direction: &'static str) -> Self {
+        metrics::describe_counter!(
+            "tollgate_bandwidth_bytes_total",
+            metrics::Unit::Bytes,
+            "Body bytes let out through a tollgate bandwidth limit"
+        );
+        metrics::describe_histogram!(
+            "tollgate_bandwidth_wait_seconds",
+            metrics::Unit::Seconds,
+            "Each wait of a paced body for its byte budget"
+        );
+        metrics::describe_counter!(
+            "tollgate_bandwidth_unpaced_total",
+            "Bodies a tollgate bandwidth limit stopped pacing (store failed)"
+        );
+        let labels = [
+            metrics::Label::new("rule", rule.to_owned()),
+            metrics::Label::new("direction", direction),
+        ];
+        Self {
+            bytes: metrics::counter!("tollgate_bandwidth_bytes_total", labels.iter()),
+            wait: metrics::histogram!("tollgate_bandwidth_wait_seconds", labels.iter()),
+            unpaced: metrics::counter!("tollgate_bandwidth_unpaced_total", labels.iter()),
+        }
     }
 }
 

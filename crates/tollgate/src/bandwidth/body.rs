@@ -4,6 +4,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
@@ -14,6 +15,7 @@ use tokio::time::Sleep;
 use tollgate_core::{Decision, Limiter, Outcome, StoreError};
 
 use crate::key::KeyBytes;
+use crate::observe::BandwidthMetrics;
 
 /// Paces one body against a key's byte budget in the store: it takes
 /// tokens a chunk at a time (one store call per chunk, not per frame),
@@ -22,6 +24,7 @@ use crate::key::KeyBytes;
 /// out, split where the tokens run out.
 pub(crate) struct Pacer<L: Limiter> {
     limiter: L,
+    metrics: Arc<BandwidthMetrics>,
     key: KeyBytes,
     chunk: u32,
     /// Tokens taken from the store and not spent yet.
@@ -33,9 +36,15 @@ pub(crate) struct Pacer<L: Limiter> {
 }
 
 impl<L: Limiter> Pacer<L> {
-    pub(crate) fn new(limiter: L, key: KeyBytes, chunk: u32) -> Self {
+    pub(crate) fn new(
+        limiter: L,
+        metrics: Arc<BandwidthMetrics>,
+        key: KeyBytes,
+        chunk: u32,
+    ) -> Self {
         Self {
             limiter,
+            metrics,
             key,
             chunk,
             credit: 0,
@@ -56,14 +65,20 @@ impl<L: Limiter> Pacer<L> {
                     true
                 }
                 Outcome::Deny { retry_after } => {
+                    let wait = Duration::from_nanos(retry_after);
+                    self.metrics.wait.record(wait.as_secs_f64());
                     self.sleep = Some(Box::pin(tokio::time::sleep(Duration::from_nanos(
                         retry_after,
                     ))));
                     true
                 }
-                Outcome::Never => false,
+                Outcome::Never => {
+                    self.metrics.unpaced.increment(1);
+                    false
+                }
             },
             Err(error) => {
+                self.metrics.unpaced.increment(1);
                 tracing::debug!(target: "tollgate", %error, "bandwidth store failed; body no longer paced");
                 false
             }
@@ -104,6 +119,7 @@ impl<L: Limiter> Pacer<L> {
                     .min(data.len());
                 let out = data.split_to(n);
                 self.credit = self.credit.saturating_sub(n as u64);
+                self.metrics.bytes.increment(n as u64);
                 if data.is_empty() {
                     self.pending = None;
                 }

@@ -14,6 +14,7 @@ use tower_service::Service;
 
 use super::body::{PacedBody, Pacer};
 use crate::key::{KeyBuf, KeyBytes, KeyExtractor, PeerIp};
+use crate::observe::BandwidthMetrics;
 use crate::rate_limit::MissingKey;
 
 /// Which bodies a [`BandwidthLayer`] paces.
@@ -35,6 +36,8 @@ struct Shared<K, L> {
     direction: Direction,
     missing: MissingKey,
     warned_missing: std::sync::atomic::AtomicBool,
+    /// Request bodies' handles, and response bodies'.
+    metrics: (Arc<BandwidthMetrics>, Arc<BandwidthMetrics>),
 }
 
 /// Paces request and/or response bodies to a byte rate per key; see the
@@ -239,6 +242,10 @@ impl<K, St: Store> BandwidthLayerBuilder<K, St> {
                 direction: self.direction,
                 missing: self.missing,
                 warned_missing: std::sync::atomic::AtomicBool::new(false),
+                metrics: (
+                    Arc::new(BandwidthMetrics::register(&self.name, "request")),
+                    Arc::new(BandwidthMetrics::register(&self.name, "response")),
+                ),
             }),
         })
     }
@@ -268,9 +275,20 @@ impl<S: fmt::Debug, K, L> fmt::Debug for Bandwidth<S, K, L> {
 }
 
 impl<K, L: Limiter> Shared<K, L> {
-    fn pacer(&self, key: &Option<KeyBytes>, on: bool) -> Option<Pacer<L>> {
+    /// A pacer for the request body (`response` false) or the response's,
+    /// when the layer paces it and the request has a key.
+    fn pacer(&self, key: &Option<KeyBytes>, on: bool, response: bool) -> Option<Pacer<L>> {
         match (key, on) {
-            (Some(key), true) => Some(Pacer::new(self.limiter.clone(), key.clone(), self.chunk)),
+            (Some(key), true) => Some(Pacer::new(
+                self.limiter.clone(),
+                Arc::clone(if response {
+                    &self.metrics.1
+                } else {
+                    &self.metrics.0
+                }),
+                key.clone(),
+                self.chunk,
+            )),
             _ => None,
         }
     }
@@ -303,9 +321,17 @@ where
             (None, _) => None,
         };
         let d = shared.direction;
-        let upload = shared.pacer(&key, matches!(d, Direction::Requests | Direction::Both));
+        let upload = shared.pacer(
+            &key,
+            matches!(d, Direction::Requests | Direction::Both),
+            false,
+        );
         let req = req.map(|body| PacedBody::new(body, upload));
-        let download = shared.pacer(&key, matches!(d, Direction::Responses | Direction::Both));
+        let download = shared.pacer(
+            &key,
+            matches!(d, Direction::Responses | Direction::Both),
+            true,
+        );
         ResponseFuture {
             future: self.inner.call(req),
             pacer: download,

@@ -81,11 +81,14 @@ where
 #[tokio::test(start_paused = true)]
 async fn a_download_is_paced_to_the_rate_and_never_runs_ahead() {
     // 1 MiB at 100 KiB/s with a 24 KiB burst: 1,000 KiB at the rate, 10 s.
-    let layer = BandwidthLayer::builder("down", 100 << 10, 24 << 10)
-        .key(Header::named("x-api-key").unwrap())
-        .store(store())
-        .build()
-        .unwrap();
+    let recorder = crate::rate_limit::tests::Recorded::default();
+    let layer = metrics::with_local_recorder(&recorder, || {
+        BandwidthLayer::builder("down", 100 << 10, 24 << 10)
+            .key(Header::named("x-api-key").unwrap())
+            .store(store())
+            .build()
+            .unwrap()
+    });
     let svc = layer.layer(service_fn(|_req: Request<PacedBody<String, _>>| async {
         // Frames of 64 KiB: larger than the burst, so they are split.
         Ok::<_, Infallible>(Response::new(Chunks {
@@ -106,7 +109,26 @@ async fn a_download_is_paced_to_the_rate_and_never_runs_ahead() {
     assert_eq!(bytes, 1 << 20);
     assert!(took >= Duration::from_secs(10), "{took:?}");
     // The last tick may wait for a partly used chunk: within a tick.
-    assert!(took <= Duration::from_millis(10_100), "{took:?}");
+    assert!(took <= Duration::from_millis(10_100), "{took:?}"); // Counted: every byte, by direction, and the waits add up to the
+                                                                // time spent throttled.
+    let series = |name: &str, direction: &str| format!("{name}{{rule=down,direction={direction}}}");
+    assert_eq!(
+        recorder.get(&series("tollgate_bandwidth_bytes_total", "response")),
+        1 << 20
+    );
+    assert_eq!(
+        recorder.get(&series("tollgate_bandwidth_bytes_total", "request")),
+        0
+    );
+    assert_eq!(
+        recorder.get(&series("tollgate_bandwidth_unpaced_total", "response")),
+        0
+    );
+    let waited: f64 = recorder
+        .samples(&series("tollgate_bandwidth_wait_seconds", "response"))
+        .iter()
+        .sum();
+    assert!((9.9..=10.1).contains(&waited), "{waited}");
 }
 
 #[tokio::test(start_paused = true)]
@@ -228,7 +250,8 @@ fn a_size_hint_with_a_split_frame_pending_does_not_panic() {
     let limiter = MemoryStore::new().limiter(&rule.unwrap()).unwrap();
     let mut key = crate::key::KeyBuf::new();
     key.push(b"k");
-    let pacer = super::body::Pacer::new(limiter, KeyBytes::new(&mut key), 1 << 10);
+    let metrics = std::sync::Arc::new(crate::observe::BandwidthMetrics::register("h", "response"));
+    let pacer = super::body::Pacer::new(limiter, metrics, KeyBytes::new(&mut key), 1 << 10);
     let mut body = PacedBody::new(Full::new(Bytes::from(vec![b'x'; 4 << 10])), Some(pacer));
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()

@@ -9,43 +9,71 @@ use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
 use std::sync::Arc;
 
-use tokio::sync::{Notify, OnceCell};
+use tokio::sync::Notify;
 use tollgate_core::ConfigError;
 
 use crate::scripts::{Reply, Script};
 
 pub(crate) enum Conn {
     Standalone(ConnectionManager),
-    /// Connected by a background task (retrying with backoff), so a store
-    /// can be built while the cluster is down, and a slow first connect —
-    /// seeds, slot map, every node — is never cut short by a call's
-    /// timeout. Calls wait for it within their own timeout.
-    Cluster(Arc<ClusterSlot>),
+    /// Connected by a background task, so a store can be built while the
+    /// cluster is down, and a slow first connect (seeds, slot map, every
+    /// node) is never cut short by a call's timeout. Replaced when calls
+    /// find a node gone: redis-rs follows `MOVED`, but reconnects a dead
+    /// node's address forever and never asks for the slot map again, so
+    /// after a master fails over only a new connection finds the promoted
+    /// replica.
+    Cluster(Arc<Slot<ClusterConnection>>, Duration),
     /// A master found through Redis Sentinel, found again after a call
     /// fails (a master switch: the old master refuses writes, or is gone).
-    Sentinel(Arc<SentinelSlot>),
+    /// Each with the time a call may take on it: just under the store's
+    /// call timeout, so that the call that finds a node hung says so.
+    Sentinel(Arc<Slot<MultiplexedConnection>>, Duration),
 }
 
-pub(crate) struct SentinelSlot {
-    client: tokio::sync::Mutex<SentinelClient>,
-    /// The connection in use, and its number: a call forgets only the
-    /// connection it used, never a newer one.
-    conn: std::sync::Mutex<Option<(u64, MultiplexedConnection)>>,
+type Connect<C> = Box<dyn Fn() -> tollgate_core::BoxFuture<redis::RedisResult<C>> + Send + Sync>;
+
+/// A connection that is made in the background and replaced when calls
+/// find it broken. A call uses the connection in use while its
+/// replacement is made, so a replacement never holds calls up; only a
+/// call that finds no connection at all waits (within its own timeout).
+/// Connects are one at a time and paced: after a failed one, the next
+/// waits 50 ms, doubling to 2 s; after a successful one, no replacement
+/// comes within a second. So a dead node costs at most one connect a
+/// second, never one per call.
+pub(crate) struct Slot<C> {
+    /// The connection in use, and its number: trouble on a connection
+    /// that was already replaced changes nothing.
+    conn: std::sync::Mutex<Option<(u64, C)>>,
     generation: std::sync::atomic::AtomicU64,
-    timeout: Duration,
-    /// A task is finding the master and connecting: calls wait for it
-    /// within their own timeout, and it goes on past that timeout, so a
-    /// slow first connect is never cut short.
     connecting: std::sync::atomic::AtomicBool,
+    /// When the next connect may start, and the failed connects in a row.
+    pace: std::sync::Mutex<(tokio::time::Instant, u32)>,
     ready: Notify,
+    connect: Connect<C>,
     connect_timeout: Duration,
+    /// What it connects to, for logs.
+    what: &'static str,
 }
 
-impl SentinelSlot {
-    /// The master's connection: the one in use, or a new one to the
-    /// master the sentinels name now.
-    async fn connection(self: &Arc<Self>) -> redis::RedisResult<(u64, MultiplexedConnection)> {
-        use std::sync::atomic::Ordering;
+impl<C: Clone + Send + 'static> Slot<C> {
+    fn new(what: &'static str, connect_timeout: Duration, connect: Connect<C>) -> Arc<Self> {
+        let slot = Arc::new(Self {
+            conn: std::sync::Mutex::new(None),
+            generation: std::sync::atomic::AtomicU64::new(0),
+            connecting: std::sync::atomic::AtomicBool::new(false),
+            pace: std::sync::Mutex::new((tokio::time::Instant::now(), 0)),
+            ready: Notify::new(),
+            connect,
+            connect_timeout,
+            what,
+        });
+        slot.kick();
+        slot
+    }
+
+    /// The connection in use, or (there is none) one made now.
+    async fn connection(self: &Arc<Self>) -> redis::RedisResult<(u64, C)> {
         if let Some(c) = self.current() {
             return Ok(c);
         }
@@ -55,55 +83,104 @@ impl SentinelSlot {
         if let Some(c) = self.current() {
             return Ok(c);
         }
-        if !self.connecting.swap(true, Ordering::AcqRel) {
-            let slot = Arc::clone(self);
-            tokio::spawn(async move {
-                let attempt = async { slot.client.lock().await.get_async_connection().await };
-                match tokio::time::timeout(slot.connect_timeout, attempt).await {
-                    Ok(Ok(conn)) => {
-                        let n = slot.generation.fetch_add(1, Ordering::AcqRel);
-                        *slot
-                            .conn
-                            .lock()
-                            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((n, conn));
-                    }
-                    Ok(Err(error)) => {
-                        tracing::warn!(target: "tollgate::redis", %error, "no master through the sentinels");
-                    }
-                    Err(_) => {
-                        tracing::warn!(target: "tollgate::redis", "no master through the sentinels within the connect timeout");
-                    }
-                }
-                slot.connecting.store(false, Ordering::Release);
-                slot.ready.notify_waiters();
-            });
-        }
+        self.kick();
         notified.await;
         self.current().ok_or_else(|| {
-            redis::RedisError::from((
-                redis::ErrorKind::Io,
-                "no master connection through the sentinels",
-            ))
+            redis::RedisError::from((redis::ErrorKind::Io, "no Redis connection yet"))
         })
     }
 
-    fn current(&self) -> Option<(u64, MultiplexedConnection)> {
+    fn current(&self) -> Option<(u64, C)> {
         self.conn
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone()
     }
 
-    /// Forgets connection `n` (if it is still the one in use): the next
-    /// call asks the sentinels again.
-    pub(crate) fn forget(&self, n: u64) {
-        let mut conn = self
-            .conn
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if conn.as_ref().is_some_and(|(m, _)| *m == n) {
-            *conn = None;
+    /// A call on connection `n` failed as a lost node fails: replace it,
+    /// unless it was replaced already (or a connect is under way).
+    fn trouble(self: &Arc<Self>, n: u64) {
+        if self.current().is_some_and(|(m, _)| m == n) {
+            self.kick();
         }
+    }
+
+    /// Runs `call` on the connection in use, within `limit`; a failure
+    /// that says the node is lost (see [`lost_node`]) has the connection
+    /// replaced.
+    async fn run<T, F, Fut>(self: &Arc<Self>, limit: Duration, call: F) -> redis::RedisResult<T>
+    where
+        F: FnOnce(C) -> Fut,
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        let (n, conn) = self.connection().await?;
+        let result = match tokio::time::timeout(limit, call(conn)).await {
+            Ok(result) => result,
+            Err(_) => Err(redis::RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "no answer from Redis",
+            ))),
+        };
+        if result.as_ref().is_err_and(lost_node) {
+            self.trouble(n);
+        }
+        result
+    }
+
+    /// Starts a connect unless one is under way; it waits for its pace.
+    fn kick(self: &Arc<Self>) {
+        use std::sync::atomic::Ordering;
+        if self.connecting.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let slot = Arc::clone(self);
+        tokio::spawn(async move {
+            let at = slot
+                .pace
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+            tokio::time::sleep_until(at).await;
+            let made = tokio::time::timeout(slot.connect_timeout, (slot.connect)()).await;
+            let now = tokio::time::Instant::now();
+            let mut pace = slot
+                .pace
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            match made {
+                Ok(Ok(conn)) => {
+                    let n = slot.generation.fetch_add(1, Ordering::AcqRel);
+                    *slot
+                        .conn
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((n, conn));
+                    *pace = (now.checked_add(Duration::from_secs(1)).unwrap_or(now), 0);
+                }
+                failed => {
+                    // Said once at warn (a wrong host or password shows),
+                    // then quietly while it keeps failing.
+                    let error = match failed {
+                        Ok(Err(e)) => e.to_string(),
+                        _ => "no connection within the connect timeout".to_owned(),
+                    };
+                    if pace.1 == 0 {
+                        tracing::warn!(target: "tollgate::redis", what = slot.what, %error, "Redis connect failed; retrying in the background");
+                    } else {
+                        tracing::debug!(target: "tollgate::redis", what = slot.what, %error, "Redis connect failed");
+                    }
+                    let wait = Duration::from_millis(50)
+                        .saturating_mul(1 << pace.1.min(6))
+                        .min(Duration::from_secs(2));
+                    *pace = (
+                        now.checked_add(wait).unwrap_or(now),
+                        pace.1.saturating_add(1),
+                    );
+                }
+            }
+            drop(pace);
+            slot.connecting.store(false, Ordering::Release);
+            slot.ready.notify_waiters();
+        });
     }
 }
 
@@ -111,7 +188,7 @@ impl SentinelSlot {
 /// connection broke or hangs, or the server was demoted (`READONLY`) or
 /// lost its master (`MASTERDOWN`). Other errors (a script error, `OOM`)
 /// keep the connection.
-fn lost_master(e: &redis::RedisError) -> bool {
+fn lost_node(e: &redis::RedisError) -> bool {
     e.is_io_error()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
@@ -176,75 +253,18 @@ fn sentinel(
     )
     // The error names the URL's parts, never its password.
     .map_err(|e| bad(&format!("{:?}", e.kind())))?;
-    Ok(Some(Conn::Sentinel(Arc::new(SentinelSlot {
-        client: tokio::sync::Mutex::new(client),
-        conn: std::sync::Mutex::new(None),
-        connecting: std::sync::atomic::AtomicBool::new(false),
-        ready: Notify::new(),
+    let client = Arc::new(tokio::sync::Mutex::new(client));
+    let slot = Slot::new(
+        "sentinel master",
         connect_timeout,
-        generation: std::sync::atomic::AtomicU64::new(0),
-        // Just under the store's call timeout, so that a hung master is
-        // forgotten by the call that found it so.
-        timeout: timeout.mul_f64(0.9),
-    }))))
-}
-
-pub(crate) struct ClusterSlot {
-    conn: OnceCell<ClusterConnection>,
-    ready: Notify,
-}
-
-impl ClusterSlot {
-    fn spawn_connect(client: ClusterClient) -> Arc<Self> {
-        let slot = Arc::new(Self {
-            conn: OnceCell::new(),
-            ready: Notify::new(),
-        });
-        let weak = Arc::downgrade(&slot);
-        tokio::spawn(async move {
-            let mut backoff = Duration::from_millis(50);
-            loop {
-                let result = client.get_async_connection().await;
-                // Stop once the store is gone.
-                let Some(slot) = weak.upgrade() else { return };
-                match result {
-                    Ok(conn) => {
-                        let _ = slot.conn.set(conn);
-                        slot.ready.notify_waiters();
-                        return;
-                    }
-                    Err(error) => {
-                        // Said once at warn (a wrong host or password shows),
-                        // then quietly while it keeps retrying.
-                        if backoff == Duration::from_millis(50) {
-                            tracing::warn!(target: "tollgate::redis", %error, "cluster connect failed; retrying in the background");
-                        } else {
-                            tracing::debug!(target: "tollgate::redis", %error, "cluster connect failed; retrying");
-                        }
-                    }
-                }
-                drop(slot);
-                tokio::time::sleep(backoff).await;
-                backoff = backoff.saturating_mul(2).min(Duration::from_secs(2));
-            }
-        });
-        slot
-    }
-
-    async fn connection(&self) -> ClusterConnection {
-        loop {
-            if let Some(c) = self.conn.get() {
-                return c.clone();
-            }
-            let notified = self.ready.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if let Some(c) = self.conn.get() {
-                return c.clone();
-            }
-            notified.await;
-        }
-    }
+        Box::new(move || {
+            let client = Arc::clone(&client);
+            Box::pin(async move { client.lock().await.get_async_connection().await })
+        }),
+    );
+    // Just under the store's call timeout, so that a hung master is
+    // replaced because of the call that found it so.
+    Ok(Some(Conn::Sentinel(slot, timeout.mul_f64(0.9))))
 }
 
 impl Conn {
@@ -290,7 +310,15 @@ impl Conn {
                 .retries(1)
                 .build()
                 .map_err(bad)?;
-            return Ok(Conn::Cluster(ClusterSlot::spawn_connect(client)));
+            let slot = Slot::new(
+                "cluster",
+                connect_timeout,
+                Box::new(move || {
+                    let client = client.clone();
+                    Box::pin(async move { client.get_async_connection().await })
+                }),
+            );
+            return Ok(Conn::Cluster(slot, timeout.mul_f64(0.9)));
         }
         let client = match tls_root {
             #[cfg(feature = "tls")]
@@ -337,17 +365,21 @@ impl Conn {
         }
         match self {
             Conn::Standalone(manager) => pipe.query_async(&mut manager.clone()).await,
-            Conn::Cluster(slot) => {
-                let mut conn = slot.connection().await;
-                pipe.query_async(&mut conn).await
+            Conn::Cluster(slot, limit) => {
+                let pipe = &pipe;
+                slot.run(
+                    *limit,
+                    |mut c| async move { pipe.query_async(&mut c).await },
+                )
+                .await
             }
-            Conn::Sentinel(slot) => {
-                let (n, mut conn) = slot.connection().await?;
-                let r = pipe.query_async(&mut conn).await;
-                if r.as_ref().is_err_and(lost_master) {
-                    slot.forget(n);
-                }
-                r
+            Conn::Sentinel(slot, limit) => {
+                let pipe = &pipe;
+                slot.run(
+                    *limit,
+                    |mut c| async move { pipe.query_async(&mut c).await },
+                )
+                .await
             }
         }
     }
@@ -367,32 +399,19 @@ impl Conn {
         }
         let reply: Vec<i64> = match self {
             Conn::Standalone(manager) => invocation.invoke_async(&mut manager.clone()).await?,
-            Conn::Cluster(slot) => {
-                let mut conn = slot.connection().await;
-                invocation.invoke_async(&mut conn).await?
+            Conn::Cluster(slot, limit) => {
+                let invocation = &invocation;
+                slot.run(*limit, |mut c| async move {
+                    invocation.invoke_async(&mut c).await
+                })
+                .await?
             }
-            Conn::Sentinel(slot) => {
-                let (n, mut conn) = slot.connection().await?;
-                let call = invocation.invoke_async(&mut conn);
-                match tokio::time::timeout(slot.timeout, call).await {
-                    Ok(Ok(reply)) => reply,
-                    Ok(Err(e)) => {
-                        // READONLY from a demoted master, or a dead one:
-                        // ask the sentinels again next time.
-                        if lost_master(&e) {
-                            slot.forget(n);
-                        }
-                        return Err(e);
-                    }
-                    Err(_) => {
-                        // A master that hangs.
-                        slot.forget(n);
-                        return Err(redis::RedisError::from(std::io::Error::new(
-                            std::io::ErrorKind::TimedOut,
-                            "no answer from the master",
-                        )));
-                    }
-                }
+            Conn::Sentinel(slot, limit) => {
+                let invocation = &invocation;
+                slot.run(*limit, |mut c| async move {
+                    invocation.invoke_async(&mut c).await
+                })
+                .await?
             }
         };
         Ok(Reply(reply))

@@ -100,18 +100,30 @@
 //! one with the scheme `redis+cluster://`, are the seed nodes of a Redis
 //! Cluster. `redis+sentinel://[user:password@]host:port[,host:port]/name`
 //! finds the master `name` through Redis Sentinel (the user and password
-//! are the master's) and follows a failover: a call that fails (a demoted
-//! master refuses writes, a dead one does not answer) or times out makes
-//! the next call ask the sentinels again, and the failure policy answers
-//! meanwhile. A user and password in any URL authenticate (ACL users
-//! included) and never appear in the store's errors or `Debug` output.
+//! are the master's) and follows a failover. On Cluster and Sentinel alike,
+//! a call that finds its node lost (the connection broke or was refused,
+//! a demoted master refuses writes, or no answer came within the call's
+//! time) has the connection replaced in the background: the sentinels
+//! are asked again, or the cluster's slot map is read afresh (redis-rs
+//! follows `MOVED`, but would reconnect a dead master's address forever).
+//! Calls go on meanwhile, and the failure policy answers those that fail.
+//! Replacements are one at a time, at most one a second (and backing off
+//! to one every 2 s while connects fail), so a dead node never costs a
+//! connect per call. A user and password in any URL authenticate (ACL
+//! users included) and never appear in the store's errors or `Debug`
+//! output.
 //!
 //! **Failover and replication lag.** Redis replicates asynchronously, so a
 //! failover loses the writes the replica had not received: the decisions
-//! of the last moments before the switch (typically well under a second
-//! of traffic). Their units come back — a client gets up to that much
-//! extra budget once; nothing is lost for good. The same holds for a
-//! Cluster master failing over to its replica.
+//! of the last moments before the switch, about the key's decision rate
+//! times the replication lag (well under a millisecond on one network;
+//! the test that crashes a Cluster master under 4 writers lost none of
+//! ~2,700 acknowledged units, on loopback). Their units come back — a
+//! client gets up to that much extra budget once; nothing is lost for
+//! good. Between the crash and the promotion (the cluster's node timeout
+//! plus an election: ~4 s with a 2-s node timeout) the failure policy
+//! answers for the keys of the lost master's slots; the other slots are
+//! decided by Redis throughout.
 //!
 //! Redis 5.0 or later (or a compatible server): the scripts write after
 //! reading `TIME`, which needs script effects replication, the default

@@ -154,6 +154,28 @@ impl Server {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// Calls of scripts it has run (`INFO commandstats`: `EVALSHA` and
+    /// `EVAL`), 0 if it does not answer.
+    pub fn script_calls(&self) -> u64 {
+        self.cli(&["INFO", "commandstats"])
+            .lines()
+            .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+            .filter_map(|l| {
+                l.split("calls=")
+                    .nth(1)?
+                    .split(',')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .sum()
+    }
+
+    /// Whether it runs (it was not killed).
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
     /// Suspends the process (a hung Redis: connections stay open, nothing
     /// answers) or resumes it.
     pub fn pause(&self, paused: bool) {
@@ -190,7 +212,8 @@ impl Drop for Server {
     }
 }
 
-/// A 3-master Redis Cluster on free ports.
+/// A 3-master Redis Cluster on free ports (optionally with a replica per
+/// master).
 #[derive(Debug)]
 pub struct Cluster {
     /// Its nodes.
@@ -201,11 +224,29 @@ impl Cluster {
     /// Three masters, slots assigned, `cluster_state:ok`; `None` (skip)
     /// if redis-server is missing.
     pub fn start() -> Option<Self> {
+        Self::start_with(0)
+    }
+
+    /// Three masters, each with a replica in sync, `cluster_state:ok`
+    /// (nodes 0 to 2 are the masters at first); `None` (skip) if
+    /// redis-server is missing.
+    pub fn start_with_replicas() -> Option<Self> {
+        let cluster = Self::start_with(1)?;
+        wait_for(20, "replicas in sync", || {
+            cluster.nodes.iter().all(|n| {
+                let info = n.cli(&["INFO", "replication"]);
+                info.contains("role:master") || info.contains("master_link_status:up")
+            })
+        });
+        Some(cluster)
+    }
+
+    fn start_with(replicas: usize) -> Option<Self> {
         if !available() {
             return None;
         }
         let dir = scratch_dir();
-        let nodes: Vec<Server> = (0..3)
+        let nodes: Vec<Server> = (0..3 * (1 + replicas))
             .map(|_| Server::spawn(free_cluster_port(), dir.clone(), true))
             .collect();
         let addrs: Vec<String> = nodes
@@ -216,7 +257,7 @@ impl Cluster {
             .arg("--cluster")
             .arg("create")
             .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .output()
             .unwrap();
         assert!(
@@ -224,21 +265,29 @@ impl Cluster {
             "cluster create: {}",
             String::from_utf8_lossy(&out.stdout)
         );
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let ok = nodes.iter().all(|n| {
-                Command::new("redis-cli")
-                    .args(["-p", &n.port.to_string(), "cluster", "info"])
-                    .output()
-                    .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("cluster_state:ok"))
-            });
-            if ok {
-                break;
-            }
-            assert!(Instant::now() < deadline, "cluster did not become ok");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Some(Self { nodes })
+        let cluster = Self { nodes };
+        cluster.wait_until_ok();
+        Some(cluster)
+    }
+
+    /// Waits until every live node says `cluster_state:ok`.
+    pub fn wait_until_ok(&self) {
+        wait_for(30, "cluster_state:ok", || {
+            self.nodes
+                .iter()
+                .filter(|n| n.is_running())
+                .all(|n| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"))
+        });
+    }
+
+    /// The index of the live replica of the master at `master`, if any.
+    pub fn replica_of(&self, master: usize) -> Option<usize> {
+        let port = self.nodes.get(master)?.port;
+        self.nodes.iter().position(|n| {
+            n.is_running()
+                && n.cli(&["INFO", "replication"])
+                    .contains(&format!("master_port:{port}"))
+        })
     }
 
     /// The seed-node list, comma-separated.

@@ -9,23 +9,6 @@ use tollgate_core::{Limit, Limiter, Rate, Rule, Store};
 use tollgate_redis::testing::{unique_prefix, Sentinels};
 use tollgate_redis::{FailurePolicy, RedisStore};
 
-/// Calls of the script on the server at `port` (`INFO commandstats`).
-fn script_calls(server: &tollgate_redis::testing::Server) -> u64 {
-    server
-        .cli(&["INFO", "commandstats"])
-        .lines()
-        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-        .filter_map(|l| {
-            l.split("calls=")
-                .nth(1)?
-                .split(',')
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
-        .sum()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_store_follows_a_master_switch() {
     let Some(set) = tokio::task::spawn_blocking(Sentinels::start).await.unwrap() else {
@@ -44,8 +27,8 @@ async fn the_store_follows_a_master_switch() {
     for left in [9, 8, 7] {
         assert_eq!(l.decide(b"k", 1).await.unwrap().remaining, left);
     }
-    assert!(script_calls(&set.master) >= 3);
-    let before = script_calls(&set.replica);
+    assert!(set.master.script_calls() >= 3);
+    let before = set.replica.script_calls();
     let set = tokio::task::spawn_blocking(move || {
         set.failover();
         set
@@ -59,7 +42,7 @@ async fn the_store_follows_a_master_switch() {
     for i in 0.. {
         let d = l.decide(format!("other-{i}").as_bytes(), 1).await.unwrap();
         assert!(d.is_allowed());
-        if script_calls(&set.replica) > before {
+        if set.replica.script_calls() > before {
             break;
         }
         assert!(

@@ -35,16 +35,9 @@ async fn master_holding<F: std::future::Future<Output = ()>>(
     cluster: &Cluster,
     f: impl FnOnce() -> F,
 ) -> Option<usize> {
-    let keys = || -> Vec<String> {
-        cluster.nodes[..3]
-            .iter()
-            .map(|n| n.cli(&["DBSIZE"]))
-            .collect()
-    };
-    let before = keys();
+    let before = cluster.key_counts();
     f().await;
-    let after = keys();
-    (0..3).find(|&i| after[i] != before[i])
+    cluster.changed_since(&before)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

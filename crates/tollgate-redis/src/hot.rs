@@ -61,6 +61,17 @@ use tollgate_core::{
 /// Concurrent decisions for one key on one instance share one store call
 /// (single flight): while a lease is being taken, the others wait for it.
 ///
+/// **When the store fails.** Leases already taken keep answering until
+/// they end; then the store's failure policy answers, per request. A
+/// denial the policy gives (fail-closed: "retry in a second") is cached
+/// like one Redis gave, so after an outage a key may stay refused for up
+/// to [`max_denial`](Self::max_denial) once Redis answers again; with
+/// `FailurePolicy::Fallback`, the memory store's denials are cached the
+/// same way. Tested on a Cluster whose hot key's master hangs: a cached
+/// denial made no store call, the key admitted only what its lease held
+/// (4 of 160 requests), and after the shard resumed it admitted no more
+/// than its rebuilt burst, its rate and one TTL's worth.
+///
 /// ```
 /// use std::time::Duration;
 /// use tollgate_redis::{HotKeys, RedisStore};

@@ -280,6 +280,23 @@ impl Cluster {
         });
     }
 
+    /// How many keys each of the first three nodes (the masters at first)
+    /// holds: compare before and after a write to find its master.
+    pub fn key_counts(&self) -> Vec<u64> {
+        self.nodes
+            .iter()
+            .take(3)
+            .map(|n| n.cli(&["DBSIZE"]).trim().parse().unwrap_or(0))
+            .collect()
+    }
+
+    /// The master (of the first three nodes) whose key count changed
+    /// since `before` (from [`key_counts`](Self::key_counts)).
+    pub fn changed_since(&self, before: &[u64]) -> Option<usize> {
+        let after = self.key_counts();
+        (0..after.len()).find(|&i| before.get(i) != after.get(i))
+    }
+
     /// The index of the live replica of the master at `master`, if any.
     pub fn replica_of(&self, master: usize) -> Option<usize> {
         let port = self.nodes.get(master)?.port;

@@ -1,7 +1,12 @@
 //! Hot-key leases and the denial cache: exact on cold keys, few store
 //! calls on hot ones, never more admitted than the documented bound — on
 //! a memory store (exact, fast) and across three instances on Redis.
-#![allow(missing_docs, clippy::unwrap_used, clippy::arithmetic_side_effects)]
+#![allow(
+    missing_docs,
+    clippy::unwrap_used,
+    clippy::arithmetic_side_effects,
+    clippy::indexing_slicing
+)]
 
 use std::future::Future;
 use std::pin::Pin;
@@ -402,4 +407,133 @@ async fn a_holder_that_dies_mid_lease_costs_its_units_until_they_recover() {
         .limiter(&rule)
         .unwrap();
     assert_eq!(spend(&c).await, 100);
+}
+
+/// Redis Cluster with the hot key's master paused (a hung shard: its
+/// connections stay open, nothing answers). A cached denial keeps
+/// answering locally with no store call; a key's lease keeps admitting
+/// at most what it held; the failure policy (closed) answers the rest;
+/// and when the shard resumes, what the key admits stays within the
+/// rule's bound over the whole run — no burst.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_shard_leaves_leases_and_denials_within_their_bounds() {
+    use tollgate_redis::testing::Cluster;
+    use tollgate_redis::FailurePolicy;
+    let Some(cluster) = tokio::task::spawn_blocking(Cluster::start).await.unwrap() else {
+        return;
+    };
+    let clock = ManualClock::starting_at(1_796_000_000_000_000_000);
+    let redis = RedisStore::builder(&cluster.url())
+        .prefix(&unique_prefix())
+        .client_time(clock.clone())
+        .timeout(Duration::from_millis(100))
+        .failure_policy(FailurePolicy::Closed)
+        .build()
+        .unwrap();
+    // 1,000/s in bursts of 100; a lease holds at most 10 units (10 %).
+    let rule = gcra(1_000, 100);
+    let ttl = Duration::from_millis(50);
+    let hot = HotKeys::new()
+        .ttl(ttl)
+        .over_with_clock(redis, clock.clone())
+        .unwrap();
+    let l = hot.limiter(&rule).unwrap();
+    // The hot key, and a key over its limit, on one master.
+    let before = cluster.key_counts();
+    assert!(l.decide(b"hot", 1).await.unwrap().is_allowed());
+    let master = cluster.changed_since(&before).unwrap();
+    let mut over = None;
+    for i in 0..64 {
+        let key = format!("over-{i}");
+        let before = cluster.key_counts();
+        l.decide(key.as_bytes(), 1).await.unwrap();
+        if cluster.changed_since(&before) == Some(master) {
+            over = Some(key);
+            break;
+        }
+    }
+    let over = over.expect("no second key on the hot key's master");
+    let step = Duration::from_millis(5);
+    let mut admitted = 1u64; // `hot`'s first decision
+                             // `per_round` decisions every 5 ms; returns how many were admitted.
+    let run = |rounds: u32, per_round: u32| {
+        let l = l.clone();
+        let clock = clock.clone();
+        async move {
+            let mut n = 0;
+            for _ in 0..rounds {
+                for _ in 0..per_round {
+                    n += u64::from(l.decide(b"hot", 1).await.unwrap().is_allowed());
+                }
+                clock.advance(step);
+            }
+            n
+        }
+    };
+    // Warm: the key runs hot (800/s, under the limit), on leases.
+    admitted += run(100, 4).await;
+    // Spend `over`'s burst: the store says when it may come back (the
+    // clock stands still until the cached denial has been checked).
+    let mut denied = None;
+    for _ in 0..200 {
+        let d = l.decide(over.as_bytes(), 1).await.unwrap();
+        if let Some(wait) = d.retry_after() {
+            denied = Some(wait);
+            break;
+        }
+    }
+    let wait = denied.expect("`over` was never denied");
+
+    cluster.nodes[master].pause(true);
+    // The cached denial answers locally while it holds: no store call.
+    let calls = l.stats().store_calls;
+    for _ in 0..100 {
+        assert!(!l.decide(over.as_bytes(), 1).await.unwrap().is_allowed());
+    }
+    assert_eq!(
+        l.stats().store_calls,
+        calls,
+        "a cached denial called the store"
+    );
+    assert!(wait > Duration::ZERO);
+    // `hot`: its lease's units (at most 10), then the closed failure
+    // policy: every decision answers.
+    let paused = run(40, 4).await;
+    assert!(paused <= 10, "{paused} admitted while the shard hung");
+    admitted += paused;
+    cluster.nodes[master].pause(false);
+
+    // Recovery: Redis decides again once the breaker's probe gets
+    // through and the closed policy's denial (cached like Redis's, for
+    // its second) has lapsed; the lease lapsed during the pause, so an
+    // admission is Redis's. The clock moves as real time does. Then
+    // demand at 3,200/s: what the key admits from here is the burst it
+    // rebuilt while refused, the rate, and at most one TTL's worth more —
+    // no burst from the outage.
+    let mut resumed = 0;
+    for _ in 0..250 {
+        if l.decide(b"hot", 1).await.unwrap().is_allowed() {
+            resumed = 1;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        clock.advance(Duration::from_millis(20));
+    }
+    assert_eq!(resumed, 1, "Redis never decided again");
+    resumed += run(100, 16).await;
+    admitted += resumed;
+    let rate_part = 1_000 * 500 / 1_000; // 1,000/s over 100 rounds of 5 ms
+    let ceiling = 1 + 100 + rate_part + 1_000 * 50 / 1_000;
+    assert!(resumed <= ceiling, "{resumed} > {ceiling} after resuming");
+    assert!(
+        resumed >= rate_part * 9 / 10,
+        "{resumed} admitted after resuming"
+    );
+    let elapsed = tollgate_core::Clock::now(&clock) - 1_796_000_000_000_000_000;
+    let bound = 100 + 1_000 * elapsed / 1_000_000_000 + 1_000 * 50 / 1_000;
+    assert!(admitted <= bound, "{admitted} > {bound}");
+    println!(
+        "paused: {paused} of 160 admitted (lease units); {resumed} admitted after resuming \
+         (ceiling {ceiling}); {admitted} in all (bound {bound})"
+    );
 }

@@ -75,12 +75,24 @@ async fn a_master_crashing_under_traffic_fails_over_with_no_5xx() {
         Ok::<_, Infallible>(Response::new(String::new()))
     }));
 
-    // The ledger key, and a client key on the same master.
-    let master = master_holding(&cluster, || async {
-        limiter.decide(b"ledger", 1).await.unwrap();
-    })
-    .await
-    .unwrap();
+    // The ledger key (once the stores have connected: until then the
+    // closed policy refuses and nothing is written), and a client key on
+    // the same master.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let master = loop {
+        let on = master_holding(&cluster, || async {
+            limiter.decide(b"ledger", 1).await.unwrap();
+        })
+        .await;
+        if let Some(on) = on {
+            break on;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the ledger's store never connected"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     let mut client = None;
     for i in 0..64 {
         let key = format!("client-{i}");
@@ -194,6 +206,10 @@ async fn a_master_crashing_under_traffic_fails_over_with_no_5xx() {
         "{survived} > {acknowledged} + 4"
     );
     let lost = acknowledged.saturating_sub(survived);
+    assert!(
+        acknowledged > 100,
+        "only {acknowledged} acknowledged before the crash"
+    );
     println!(
         "failover after {gap:?}: {served} requests served, none failed; the ledger had \
          {acknowledged} units acknowledged before the crash, {survived} survived ({lost} lost to \

@@ -37,10 +37,15 @@ type Connect<C> = Box<dyn Fn() -> tollgate_core::BoxFuture<redis::RedisResult<C>
 /// find it broken. A call uses the connection in use while its
 /// replacement is made, so a replacement never holds calls up; only a
 /// call that finds no connection at all waits (within its own timeout).
-/// Connects are one at a time and paced: after a failed one, the next
-/// waits 50 ms, doubling to 2 s; after a successful one, no replacement
-/// comes within a second. So a dead node costs at most one connect a
-/// second, never one per call.
+/// A connection is replaced when a call finds its node gone (refused,
+/// dropped, `READONLY`, `MASTERDOWN`) or after three calls in a row found
+/// it hung (no answer in time): one slow answer is not a lost node.
+/// Connects are one at a time, run on the runtime the store was built
+/// on, and are paced: after a failed one, the next waits 50 ms, doubling
+/// to 2 s; after a successful one, no replacement comes within a second.
+/// So a dead node costs at most a few connects a second, never one per
+/// call. Connects are started by calls (the breaker's probes included):
+/// with no traffic, nothing reconnects until a request comes.
 pub(crate) struct Slot<C> {
     /// The connection in use, and its number: trouble on a connection
     /// that was already replaced changes nothing.
@@ -49,7 +54,11 @@ pub(crate) struct Slot<C> {
     connecting: std::sync::atomic::AtomicBool,
     /// When the next connect may start, and the failed connects in a row.
     pace: std::sync::Mutex<(tokio::time::Instant, u32)>,
+    /// Calls in a row that found the node hung (reset by an answer).
+    hung: std::sync::atomic::AtomicU32,
     ready: Notify,
+    /// Where connects run: the runtime the store was built on.
+    runtime: tokio::runtime::Handle,
     connect: Connect<C>,
     connect_timeout: Duration,
     /// What it connects to, for logs.
@@ -57,13 +66,16 @@ pub(crate) struct Slot<C> {
 }
 
 impl<C: Clone + Send + 'static> Slot<C> {
+    /// Must be called on a Tokio runtime (the store's builder is).
     fn new(what: &'static str, connect_timeout: Duration, connect: Connect<C>) -> Arc<Self> {
         let slot = Arc::new(Self {
             conn: std::sync::Mutex::new(None),
             generation: std::sync::atomic::AtomicU64::new(0),
             connecting: std::sync::atomic::AtomicBool::new(false),
             pace: std::sync::Mutex::new((tokio::time::Instant::now(), 0)),
+            hung: std::sync::atomic::AtomicU32::new(0),
             ready: Notify::new(),
+            runtime: tokio::runtime::Handle::current(),
             connect,
             connect_timeout,
             what,
@@ -121,8 +133,21 @@ impl<C: Clone + Send + 'static> Slot<C> {
                 "no answer from Redis",
             ))),
         };
-        if result.as_ref().is_err_and(lost_node) {
-            self.trouble(n);
+        use std::sync::atomic::Ordering;
+        match &result {
+            Err(e) if e.is_timeout() => {
+                if self.hung.fetch_add(1, Ordering::AcqRel) >= 2 {
+                    self.hung.store(0, Ordering::Release);
+                    self.trouble(n);
+                }
+            }
+            Err(e) if lost_node(e) => self.trouble(n),
+            // An answer, even an error reply: the node is there.
+            _ => {
+                if self.hung.load(Ordering::Relaxed) != 0 {
+                    self.hung.store(0, Ordering::Release);
+                }
+            }
         }
         result
     }
@@ -134,7 +159,10 @@ impl<C: Clone + Send + 'static> Slot<C> {
             return;
         }
         let slot = Arc::clone(self);
-        tokio::spawn(async move {
+        self.runtime.spawn(async move {
+            // However the task ends (a panic, its runtime shutting down),
+            // the next call may connect again, and waiters wake.
+            let _done = Connecting(&slot);
             let at = slot
                 .pace
                 .lock()
@@ -177,10 +205,20 @@ impl<C: Clone + Send + 'static> Slot<C> {
                     );
                 }
             }
-            drop(pace);
-            slot.connecting.store(false, Ordering::Release);
-            slot.ready.notify_waiters();
         });
+    }
+}
+
+/// Ends a connect attempt when dropped: clears the slot's flag and wakes
+/// the calls waiting for a connection.
+struct Connecting<'a, C>(&'a Slot<C>);
+
+impl<C> Drop for Connecting<'_, C> {
+    fn drop(&mut self) {
+        self.0
+            .connecting
+            .store(false, std::sync::atomic::Ordering::Release);
+        self.0.ready.notify_waiters();
     }
 }
 
@@ -283,10 +321,10 @@ impl Conn {
                 "a root certificate of your own is for a standalone rediss:// URL only",
             )
         };
+        if url.trim().starts_with("redis+sentinel://") && tls_root.is_some() {
+            return Err(tls_elsewhere());
+        }
         if let Some(conn) = sentinel(url.trim(), connect_timeout, timeout)? {
-            if tls_root.is_some() {
-                return Err(tls_elsewhere());
-            }
             return Ok(conn);
         }
         let urls: Vec<&str> = url
@@ -310,9 +348,12 @@ impl Conn {
                 .retries(1)
                 .build()
                 .map_err(bad)?;
+            // A cluster connect reaches the seeds (each within the
+            // connect timeout), reads the slot map (a call), then
+            // connects to every node.
             let slot = Slot::new(
                 "cluster",
-                connect_timeout,
+                connect_timeout.saturating_mul(2).saturating_add(timeout),
                 Box::new(move || {
                     let client = client.clone();
                     Box::pin(async move { client.get_async_connection().await })
@@ -365,21 +406,19 @@ impl Conn {
         }
         match self {
             Conn::Standalone(manager) => pipe.query_async(&mut manager.clone()).await,
+            // A batch of up to 256 entries: the writer's own time, at
+            // least a second, bounds it.
             Conn::Cluster(slot, limit) => {
                 let pipe = &pipe;
-                slot.run(
-                    *limit,
-                    |mut c| async move { pipe.query_async(&mut c).await },
-                )
-                .await
+                let limit = (*limit).max(Duration::from_secs(1));
+                slot.run(limit, |mut c| async move { pipe.query_async(&mut c).await })
+                    .await
             }
             Conn::Sentinel(slot, limit) => {
                 let pipe = &pipe;
-                slot.run(
-                    *limit,
-                    |mut c| async move { pipe.query_async(&mut c).await },
-                )
-                .await
+                let limit = (*limit).max(Duration::from_secs(1));
+                slot.run(limit, |mut c| async move { pipe.query_async(&mut c).await })
+                    .await
             }
         }
     }

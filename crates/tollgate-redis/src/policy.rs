@@ -292,7 +292,8 @@ impl RetryBudgetOnFailure {
         match self {
             Self::Open => Withdrawal::blind(true),
             Self::Closed => Withdrawal::blind(false),
-            Self::Memory(m) => m.withdraw_now(key),
+            // The local budget's balance is not the shared one's.
+            Self::Memory(m) => Withdrawal::blind(m.withdraw_now(key).granted),
         }
     }
 

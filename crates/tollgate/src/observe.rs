@@ -8,7 +8,7 @@
 //! | `tollgate_route_requests_total` | counter | `rule`, `route` (axum's matched route, a template), `outcome`: `allowed`, `limited`, `too_costly`, `shadow_limited`; a rate limit's, quota's or policy's, when its `route_label` is on (e.g. [`PolicyLayerBuilder::route_label`](crate::policy::PolicyLayerBuilder::route_label)) |
 //! | `tollgate_config_reloads_total` | counter | `outcome`: `applied`, `unchanged`, `rejected` (a policy file's reloads) |
 //! | `tollgate_retry_after_seconds` | histogram | `rule` (and `plan`, as above) |
-//! | `tollgate_remaining_ratio` | histogram | `rule` (and `plan`): what each rate decision left of the rule's limit, from 0 (spent, or refused) to 1 (untouched); a low quantile near 0 means some clients run at their limit |
+//! | `tollgate_remaining_ratio` | histogram | `rule` (and `plan`): what each rate decision left of the rule's limit, from 0 (spent, or refused for now) to 1 (untouched; a request refused as too costly records what its key still had), before any refund a policy makes when another rule refuses; a low quantile near 0 means some clients run at their limit |
 //! | `tollgate_quota_requests_total` | counter | `rule`, `outcome`: as `tollgate_requests_total` |
 //! | `tollgate_quota_warnings_total` | counter | `rule`: responses past the quota's soft limit |
 //! | `tollgate_quota_used_ratio` | histogram | `rule`, `period` (`minute` ... `year`): what the key had used of the period's budget at each decision, from 0 to 1; a high quantile near 1 means some clients are about to exhaust it |
@@ -23,7 +23,7 @@
 //! | `tollgate_concurrency_queue_depth` | gauge | `rule`: requests waiting in the layer's queue now (a cancelled or timed-out waiter leaves it) |
 //! | `tollgate_bandwidth_bytes_total` | counter | `rule`, `direction` (`request`, `response`): body bytes let out through a bandwidth layer's pacer |
 //! | `tollgate_bandwidth_wait_seconds` | histogram | `rule`, `direction`: each wait of a paced body for its byte budget (the sum: time spent throttled) |
-//! | `tollgate_bandwidth_unpaced_total` | counter | `rule`, `direction`: bodies let through unpaced from some point on, because the store failed |
+//! | `tollgate_bandwidth_unpaced_total` | counter | `rule`, `direction`: bodies let through unpaced from some point on, because the store failed (or a chunk could never fit the budget) |
 //! | `tollgate_store_calls_total` | counter | `store="redis"`, `result`: `ok`, `error`, `timeout`, `skipped` (breaker open) |
 //! | `tollgate_store_call_seconds` | histogram | `store="redis"`: each call's time |
 //! | `tollgate_store_breaker_open` | gauge | `store="redis"`, `prefix`: 1 while the circuit breaker is open |
@@ -193,7 +193,9 @@ pub(crate) fn route_outcome(outcome: tollgate_core::Outcome, shadow: bool) -> &'
 
 /// Counts one decision of `rule` on `req` under axum's matched route (a
 /// layer's `route_label`): a registry lookup, as the route is only known
-/// per request.
+/// per request. The label is a route template, or `unmatched` — always,
+/// for a layer outside the `Router` (use `route_layer`), which sees no
+/// matched route.
 #[cfg(feature = "axum")]
 pub(crate) fn count_route<B>(
     rule: &std::sync::Arc<str>,
@@ -300,7 +302,7 @@ impl BandwidthMetrics {
         );
         metrics::describe_counter!(
             "tollgate_bandwidth_unpaced_total",
-            "Bodies a tollgate bandwidth limit stopped pacing (store failed)"
+            "Bodies a tollgate bandwidth limit stopped pacing (store failed, or a chunk never fits)"
         );
         let labels = [
             metrics::Label::new("rule", rule.to_owned()),

@@ -221,6 +221,7 @@ where
                     // is): out as it came.
                     Ok(data) if data.len() as u64 <= pacer.credit => {
                         pacer.credit = pacer.credit.saturating_sub(data.len() as u64);
+                        pacer.metrics.bytes.increment(data.len() as u64);
                         return Poll::Ready(Some(Ok(Frame::data(data))));
                     }
                     Ok(data) => pacer.pending = Some(data),

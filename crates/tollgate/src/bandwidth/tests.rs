@@ -109,8 +109,9 @@ async fn a_download_is_paced_to_the_rate_and_never_runs_ahead() {
     assert_eq!(bytes, 1 << 20);
     assert!(took >= Duration::from_secs(10), "{took:?}");
     // The last tick may wait for a partly used chunk: within a tick.
-    assert!(took <= Duration::from_millis(10_100), "{took:?}"); // Counted: every byte, by direction, and the waits add up to the
-                                                                // time spent throttled.
+    assert!(took <= Duration::from_millis(10_100), "{took:?}");
+    // Counted: every byte, by direction, and the waits add up to the
+    // time spent throttled.
     let series = |name: &str, direction: &str| format!("{name}{{rule=down,direction={direction}}}");
     assert_eq!(
         recorder.get(&series("tollgate_bandwidth_bytes_total", "response")),
@@ -280,5 +281,36 @@ fn configuration_errors_name_the_field() {
     assert_eq!(
         e(BandwidthLayer::builder("b", u32::MAX, 1)),
         "bytes_per_second"
+    );
+}
+
+/// Frames the credit in hand covers go out as they came, and count too.
+#[tokio::test(start_paused = true)]
+async fn small_frames_are_counted_as_they_go_out() {
+    let recorder = crate::rate_limit::tests::Recorded::default();
+    let layer = metrics::with_local_recorder(&recorder, || {
+        BandwidthLayer::builder("small", 100 << 10, 24 << 10)
+            .key(Header::named("x-api-key").unwrap())
+            .store(store())
+            .build()
+            .unwrap()
+    });
+    let svc = layer.layer(service_fn(|_req: Request<PacedBody<String, _>>| async {
+        // 100 frames of 100 bytes: each fits the 6-KiB chunk's credit.
+        Ok::<_, Infallible>(Response::new(Chunks {
+            left: 10_000,
+            frame: 100,
+        }))
+    }));
+    let req = Request::builder()
+        .header("x-api-key", "k")
+        .body(String::new())
+        .unwrap();
+    let res = svc.oneshot(req).await.unwrap();
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body.len(), 10_000);
+    assert_eq!(
+        recorder.get("tollgate_bandwidth_bytes_total{rule=small,direction=response}"),
+        10_000
     );
 }

@@ -91,6 +91,9 @@ impl Responder {
         #[cfg(feature = "axum")]
         if self.route_label {
             let outcome = match admission {
+                // Let through holding nothing (shadow mode, a store fault,
+                // no key): not the limit's admission.
+                Admission::Go(a) if a.permit.is_none() => return,
                 Admission::Go(_) => "allowed",
                 Admission::Reject(r, _) => match r.reason {
                     Reason::Limited => "limited",

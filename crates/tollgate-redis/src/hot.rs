@@ -98,6 +98,7 @@ pub struct HotKeys {
     max_denial: Duration,
     max_keys: usize,
     rules: Option<Vec<String>>,
+    ahead: bool,
 }
 
 impl Default for HotKeys {
@@ -119,6 +120,7 @@ impl HotKeys {
             max_denial: Duration::from_secs(1),
             max_keys: 100_000,
             rules: None,
+            ahead: false,
         }
     }
 
@@ -157,6 +159,21 @@ impl HotKeys {
     /// The longest a denial is answered locally (0: no denial cache).
     pub fn max_denial(mut self, max: Duration) -> Self {
         self.max_denial = max;
+        self
+    }
+
+    /// Takes a key's next lease before the current one runs out (default
+    /// off): once a hot key's lease is half spent, or half its TTL has
+    /// gone, one background call takes the next, and decisions go on
+    /// spending the current one meanwhile. For a distant store (another
+    /// region, a global tier), so that a hot key's decisions do not wait
+    /// a round trip each time a lease runs out: with a batch that lasts
+    /// longer than two round trips and a TTL well above one, nearly every
+    /// decision is local. The bound is unchanged (each lease's units are
+    /// spent within its own TTL); an instance may hold two leases of a
+    /// key at once, so up to twice [`max_share`](Self::max_share).
+    pub fn refill_ahead(mut self, on: bool) -> Self {
+        self.ahead = on;
         self
     }
 
@@ -303,6 +320,8 @@ impl<S: Store, C: Clock> Store for Hot<S, C> {
                 shards,
                 decisions: AtomicU64::new(0),
                 store_calls: AtomicU64::new(0),
+                waits: AtomicU64::new(0),
+                ahead: self.config.ahead,
             })),
         })
     }
@@ -348,13 +367,20 @@ struct KeyState {
     /// back), and the smallest cost the cached denial refuses.
     spent: u64,
     denied_cost: u64,
-    /// A lease being taken: waiters are woken when it is in.
+    /// A lease being taken (for a decision, or ahead): waiters are woken
+    /// when it is in.
     flight: Option<Arc<Notify>>,
+    /// A lease taken ahead (see `HotKeys::refill_ahead`): its units and
+    /// when it ends, spent once the current one is out or over.
+    next: Option<(u64, u64)>,
 }
 
 impl KeyState {
     fn idle(&self, now: u64) -> bool {
-        self.flight.is_none() && self.expires <= now && self.denied_until <= now
+        self.flight.is_none()
+            && self.expires <= now
+            && self.denied_until <= now
+            && self.next.is_none_or(|(_, end)| end <= now)
     }
 }
 
@@ -374,6 +400,10 @@ struct Local<C> {
     shards: Box<[Mutex<Keys>]>,
     decisions: AtomicU64,
     store_calls: AtomicU64,
+    /// Decisions that waited for the store (their own call or another's).
+    waits: AtomicU64,
+    /// Take leases ahead.
+    ahead: bool,
 }
 
 /// What the local state answers.
@@ -400,12 +430,71 @@ impl<C: Clock> Local<C> {
         }
     }
 
-    /// A local answer, if the lease or the denial cache has one.
-    fn local(&self, key: &[u8], cost: u32, limit: u64) -> Option<Decision> {
+    /// A local answer, if the lease or the denial cache has one, and the
+    /// size of a lease to take ahead, if one is due now (it is marked in
+    /// flight: the caller must take it, see [`refill`](Self::refill)).
+    fn local(&self, key: &[u8], cost: u32, limit: u64) -> Option<(Decision, Option<u64>)> {
         let now = self.clock.now();
         let mut shard = self.shard(key);
         let s = shard.get_mut(key)?;
-        answer(s, now, u64::from(cost), limit)
+        let d = answer(s, now, u64::from(cost), limit)?;
+        let due = self.ahead
+            && d.is_allowed()
+            && s.flight.is_none()
+            && s.next.is_none()
+            && (s.units.saturating_mul(2) < s.batch
+                || s.expires.saturating_sub(now).saturating_mul(2) < self.ttl);
+        if !due {
+            return Some((d, None));
+        }
+        // Hot enough to run a lease half down: a bigger one next.
+        s.batch = s.batch.saturating_mul(2).clamp(1, self.max_batch);
+        s.flight = Some(Arc::new(Notify::new()));
+        Some((d, Some(s.batch)))
+    }
+
+    /// Takes a lease of `batch` units for `key` ahead of need (marked in
+    /// flight by [`local`](Self::local)): it becomes the key's next lease.
+    /// A refusal or a fault takes nothing; the key's next decision that
+    /// finds no units asks the store itself.
+    async fn refill<L: Limiter>(&self, inner: &L, key: &[u8], batch: u64) {
+        let sent = self.clock.now();
+        self.store_calls.fetch_add(1, Ordering::Relaxed);
+        let d = inner
+            .decide(key, u32::try_from(batch).unwrap_or(u32::MAX))
+            .await;
+        let mut shard = self.shard(key);
+        let Some(s) = shard.get_mut(key) else { return };
+        if let Some(flight) = s.flight.take() {
+            flight.notify_waiters();
+        }
+        if let Ok(d) = d {
+            if d.is_allowed() {
+                s.next = Some((batch, self.lease_end(sent, &d)));
+                s.remaining = d.remaining;
+                s.whole_at = sent.saturating_add(d.reset_after);
+            }
+        }
+    }
+
+    /// Ends a lease ahead that could not be taken (no runtime to take it
+    /// on): its waiters wake and ask the store themselves.
+    fn land_nothing(&self, key: &[u8]) {
+        let mut shard = self.shard(key);
+        if let Some(flight) = shard.get_mut(key).and_then(|s| s.flight.take()) {
+            flight.notify_waiters();
+        }
+    }
+
+    /// When a lease counted by the store at `sent` ends: its TTL later, or
+    /// with the store's window (fixed windows).
+    fn lease_end(&self, sent: u64, d: &Decision) -> u64 {
+        let end = sent.saturating_add(self.ttl);
+        if self.windowed {
+            end.min(sent.saturating_add(d.reset_after))
+        } else {
+            end
+        }
     }
 
     /// The next step for a decision that the local state could not answer.
@@ -474,11 +563,7 @@ impl<C: Clock> Local<C> {
                     .units
                     .saturating_add(taken.saturating_sub(u64::from(cost)));
                 s.spent = u64::from(cost);
-                let mut end = now.saturating_add(self.ttl);
-                if self.windowed {
-                    end = end.min(now.saturating_add(d.reset_after));
-                }
-                s.expires = end;
+                s.expires = self.lease_end(now, d);
                 s.remaining = d.remaining;
                 s.whole_at = now.saturating_add(d.reset_after);
             }
@@ -530,13 +615,25 @@ fn answer(s: &mut KeyState, now: u64, cost: u64, limit: u64) -> Option<Decision>
             reset_after: s.whole_at.saturating_sub(now).max(wait),
         });
     }
+    // The current lease is out or over: the one taken ahead, if it is
+    // still on, takes its place (what the current one held lapses).
+    if cost > 0 && (s.units < cost || now >= s.expires) {
+        if let Some((units, end)) = s.next.take() {
+            if now < end {
+                s.units = units;
+                s.expires = end;
+                s.spent = 0;
+            }
+        }
+    }
     if cost > 0 && s.units >= cost && now < s.expires {
         s.units = s.units.saturating_sub(cost);
         s.spent = s.spent.saturating_add(cost);
+        let ahead = s.next.map_or(0, |(units, _)| units);
         return Some(Decision {
             outcome: Outcome::Allow { delay: 0 },
             limit,
-            remaining: s.remaining.saturating_add(s.units),
+            remaining: s.remaining.saturating_add(s.units).saturating_add(ahead),
             reset_after: s.whole_at.saturating_sub(now),
         });
     }
@@ -576,6 +673,9 @@ pub struct HotStats {
     /// Calls to the store they took (leases, refunds of ended leases,
     /// decisions through).
     pub store_calls: u64,
+    /// Decisions that waited for the store — their own call, or another
+    /// decision's lease in flight; the rest were answered with no I/O.
+    pub waits: u64,
 }
 
 impl<L, C> HotLimiter<L, C> {
@@ -587,6 +687,7 @@ impl<L, C> HotLimiter<L, C> {
             .map_or_else(HotStats::default, |l| HotStats {
                 decisions: l.decisions.load(Ordering::Relaxed),
                 store_calls: l.store_calls.load(Ordering::Relaxed),
+                waits: l.waits.load(Ordering::Relaxed),
             })
     }
 
@@ -626,6 +727,32 @@ impl Future for HotFuture {
     }
 }
 
+impl<L: Limiter, C: Clock> HotLimiter<L, C> {
+    /// A decision from the key's lease or cached denial, counted; starts
+    /// the lease ahead when one is due (on the runtime this runs on; with
+    /// none, the key's next decision that runs out asks the store).
+    fn decide_local(
+        &self,
+        local: &Arc<Local<C>>,
+        key: &[u8],
+        cost: u32,
+        limit: u64,
+    ) -> Option<Decision> {
+        let (d, ahead) = local.local(key, cost, limit)?;
+        local.decisions.fetch_add(1, Ordering::Relaxed);
+        if let Some(batch) = ahead {
+            let (inner, local2, key) = (self.inner.clone(), Arc::clone(local), key.to_vec());
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => {
+                    rt.spawn(async move { local2.refill(&inner, &key, batch).await });
+                }
+                Err(_) => local.land_nothing(&key),
+            }
+        }
+        Some(d)
+    }
+}
+
 impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
     type DecideFuture = HotFuture;
     type RefundFuture = Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send>>;
@@ -644,15 +771,20 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
             return HotFuture(Inner::Boxed(Box::pin(self.inner.decide(key, 0))));
         }
         let limit = self.inner.rule().capacity();
-        if let Some(d) = local.local(key, cost, limit) {
-            local.decisions.fetch_add(1, Ordering::Relaxed);
+        if let Some(d) = self.decide_local(local, key, cost, limit) {
             return HotFuture(Inner::Ready(Some(Ok(d))));
         }
         let (inner, local, key) = (self.inner.clone(), Arc::clone(local), key.to_vec());
         HotFuture(Inner::Boxed(Box::pin(async move {
             local.decisions.fetch_add(1, Ordering::Relaxed);
+            let mut waited = false;
             loop {
-                match local.plan(&key, cost, limit) {
+                let step = local.plan(&key, cost, limit);
+                if !waited && !matches!(step, Step::Done(_)) {
+                    waited = true;
+                    local.waits.fetch_add(1, Ordering::Relaxed);
+                }
+                match step {
                     Step::Done(d) => return Ok(d),
                     Step::Through => {
                         local.store_calls.fetch_add(1, Ordering::Relaxed);
@@ -735,8 +867,7 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
         if cost == 0 {
             return None;
         }
-        let d = local.local(key, cost, self.inner.rule().capacity())?;
-        local.decisions.fetch_add(1, Ordering::Relaxed);
+        let d = self.decide_local(local, key, cost, self.inner.rule().capacity())?;
         Some(Ok(d))
     }
 

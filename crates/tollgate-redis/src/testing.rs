@@ -232,6 +232,15 @@ impl Cluster {
     /// redis-server is missing.
     pub fn start_with_replicas() -> Option<Self> {
         let cluster = Self::start_with(1)?;
+        // `redis-cli --cluster create` makes the first nodes listed the
+        // masters; `key_counts` relies on it.
+        for n in cluster.nodes.iter().take(3) {
+            assert!(
+                n.cli(&["ROLE"]).starts_with("master"),
+                "node {} is not a master",
+                n.port
+            );
+        }
         wait_for(20, "replicas in sync", || {
             cluster.nodes.iter().all(|n| {
                 let info = n.cli(&["INFO", "replication"]);
@@ -442,4 +451,79 @@ impl Drop for Sentinels {
             let _ = c.wait();
         }
     }
+}
+
+/// A TCP proxy on a free loopback port that delays every chunk, each way,
+/// by a fixed time (latency without a bandwidth limit, order kept), as a
+/// distant Redis looks: round trips take twice the delay. Runs on the
+/// current Tokio runtime until dropped.
+#[derive(Debug)]
+pub struct Delayed {
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Delayed {
+    /// Proxies to `127.0.0.1:target`, delaying each way by `delay`.
+    pub async fn start(target: u16, delay: Duration) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await else {
+                    continue;
+                };
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                tokio::spawn(delay_one_way(cr, sw, delay));
+                tokio::spawn(delay_one_way(sr, cw, delay));
+            }
+        });
+        Self { port, task }
+    }
+
+    /// Its `redis://` URL.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for Delayed {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Copies `from` to `to`, each chunk `delay` after it was read.
+async fn delay_one_way(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    delay: Duration,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
+    let writer = tokio::spawn(async move {
+        while let Some((at, chunk)) = rx.recv().await {
+            tokio::time::sleep_until(at).await;
+            if to.write_all(&chunk).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                let at = tokio::time::Instant::now() + delay;
+                let chunk = buf.get(..n).unwrap_or_default().to_vec();
+                if tx.send((at, chunk)).is_err() {
+                    break;
+                }
+            }
+        }
+    }
+    drop(tx);
+    let _ = writer.await;
 }

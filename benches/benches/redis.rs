@@ -3,7 +3,12 @@
 //! and a plain `INCR`, on the Redis named by `TOLLGATE_REDIS_URL` (else one
 //! this bench starts on a free port). Each sequentially and with 64
 //! concurrent tasks on one connection; ids `name/tasks`; time per decision.
-#![allow(missing_docs, clippy::unwrap_used, clippy::arithmetic_side_effects)]
+#![allow(
+    missing_docs,
+    clippy::unwrap_used,
+    clippy::arithmetic_side_effects,
+    clippy::indexing_slicing
+)]
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -168,6 +173,60 @@ fn redis_decide(c: &mut Criterion) {
         stats.store_calls, stats.decisions
     );
     over_admission(&rt, &store);
+
+    // Batching different keys into one pipeline: does it pay? 64 calls
+    // in flight on one multiplexed connection (what the store does: the
+    // connection already writes what is queued in one go) against
+    // pipelines of 64 sent one after another (what explicit batching
+    // would do), both of the no-op script, so only the transport differs;
+    // and tollgate's GCRA over 64 keys, for scale.
+    let mut g = c.benchmark_group("redis_batching");
+    g.bench_function("concurrent_64", |b| {
+        b.iter_custom(|iters| noop_calls(&rt, iters, 64, &conn, &noop))
+    });
+    g.bench_function("pipelined_64", |b| {
+        b.iter_custom(|iters| {
+            let mut c = conn.clone();
+            let noop = Arc::clone(&noop);
+            rt.block_on(async move {
+                let start = Instant::now();
+                for _ in 0..iters.div_ceil(64) {
+                    let mut pipe = redis::pipe();
+                    for k in 0..64 {
+                        pipe.cmd("EVALSHA")
+                            .arg(noop.get_hash())
+                            .arg(1)
+                            .arg(format!("bench:{{noop{k}}}"));
+                    }
+                    let ones: Vec<i64> = match pipe.query_async(&mut c).await {
+                        Ok(ones) => ones,
+                        // NOSCRIPT: load it once, then again.
+                        Err(_) => {
+                            let _: i64 = noop.key("bench:{noop}").invoke_async(&mut c).await.unwrap();
+                            pipe.query_async(&mut c).await.unwrap()
+                        }
+                    };
+                    assert_eq!(ones.len(), 64);
+                }
+                start.elapsed()
+            })
+        })
+    });
+    let keys: Arc<Vec<Vec<u8>>> = Arc::new((0..64).map(|k| format!("key-{k}").into_bytes()).collect());
+    g.bench_function("tollgate_gcra_64_keys", |b| {
+        b.iter_custom(|iters| {
+            let (l, keys) = (limiter.clone(), Arc::clone(&keys));
+            let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            run(&rt, iters, 64, move || {
+                let (l, keys, next) = (l.clone(), Arc::clone(&keys), Arc::clone(&next));
+                async move {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 64;
+                    assert!(l.decide(&keys[i], 1).await.unwrap().is_allowed());
+                }
+            })
+        })
+    });
+    g.finish();
 }
 
 /// A 10-s run of 64 tasks on one hot key with a limit they exceed many

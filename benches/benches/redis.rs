@@ -202,7 +202,8 @@ fn redis_decide(c: &mut Criterion) {
                         Ok(ones) => ones,
                         // NOSCRIPT: load it once, then again.
                         Err(_) => {
-                            let _: i64 = noop.key("bench:{noop}").invoke_async(&mut c).await.unwrap();
+                            let _: i64 =
+                                noop.key("bench:{noop}").invoke_async(&mut c).await.unwrap();
                             pipe.query_async(&mut c).await.unwrap()
                         }
                     };
@@ -212,7 +213,8 @@ fn redis_decide(c: &mut Criterion) {
             })
         })
     });
-    let keys: Arc<Vec<Vec<u8>>> = Arc::new((0..64).map(|k| format!("key-{k}").into_bytes()).collect());
+    let keys: Arc<Vec<Vec<u8>>> =
+        Arc::new((0..64).map(|k| format!("key-{k}").into_bytes()).collect());
     g.bench_function("tollgate_gcra_64_keys", |b| {
         b.iter_custom(|iters| {
             let (l, keys) = (limiter.clone(), Arc::clone(&keys));

@@ -305,7 +305,7 @@ impl<S: Store, C: Clock> Store for Hot<S, C> {
         let max_batch = u64::from(self.config.max_batch)
             .min(share_cap.max(1))
             .max(1);
-        let shards: Box<[_]> = (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect();
+        let shards: Box<[_]> = (0..SHARDS).map(|_| Mutex::new(Keys::default())).collect();
         Ok(HotLimiter {
             inner: self.inner.limiter(rule)?,
             local: Some(Arc::new(Local {
@@ -373,6 +373,8 @@ struct KeyState {
     /// A lease taken ahead (see `HotKeys::refill_ahead`): its units and
     /// when it ends, spent once the current one is out or over.
     next: Option<(u64, u64)>,
+    /// The last lease asked for got no answer (the store failed).
+    failed: bool,
 }
 
 impl KeyState {
@@ -385,7 +387,25 @@ impl KeyState {
 }
 
 /// One shard's keys and their leases.
-type Keys = HashMap<Box<[u8]>, KeyState>;
+#[derive(Default)]
+struct Keys {
+    map: HashMap<Box<[u8]>, KeyState>,
+    /// When the shard was last swept for idle keys (local clock).
+    swept: u64,
+}
+
+impl std::ops::Deref for Keys {
+    type Target = HashMap<Box<[u8]>, KeyState>;
+    fn deref(&self) -> &Self::Target {
+        &self.map
+    }
+}
+
+impl std::ops::DerefMut for Keys {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.map
+    }
+}
 
 struct Local<C> {
     clock: Arc<C>,
@@ -502,6 +522,12 @@ impl<C: Clock> Local<C> {
         let now = self.clock.now();
         let mut shard = self.shard(key);
         if !shard.contains_key(key) && shard.len() >= self.per_shard {
+            // Swept at most once a TTL: under a flood of new keys, the
+            // rest go through the store rather than each sweeping.
+            if now.saturating_sub(shard.swept) < self.ttl {
+                return Step::Through;
+            }
+            shard.swept = now;
             shard.retain(|_, s| !s.idle(now));
             if shard.len() >= self.per_shard {
                 return Step::Through;
@@ -555,6 +581,7 @@ impl<C: Clock> Local<C> {
         if let Some(flight) = s.flight.take() {
             flight.notify_waiters();
         }
+        s.failed = d.is_err();
         let Ok(d) = d else { return };
         match d.outcome {
             Outcome::Allow { .. } => {
@@ -805,6 +832,18 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                         };
                         if still_flying {
                             notified.await;
+                        }
+                        // The lease failed (the store did not answer): go
+                        // to the store, whose failure policy answers, side
+                        // by side, rather than each waiter in turn taking
+                        // a lease that times out.
+                        let failed = local
+                            .shard(&key)
+                            .get(key.as_slice())
+                            .is_some_and(|s| s.failed);
+                        if failed {
+                            local.store_calls.fetch_add(1, Ordering::Relaxed);
+                            return inner.decide(&key, cost).await;
                         }
                     }
                     Step::Take { batch, give_back } => {

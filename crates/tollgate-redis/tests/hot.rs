@@ -28,12 +28,15 @@ use tollgate_redis::{HotKeys, RedisStore};
 struct Counted {
     memory: MemoryStore<ManualClock>,
     calls: Arc<AtomicU64>,
+    /// While set, decisions fail after 50 ms (a store that times out).
+    fail: Arc<std::sync::atomic::AtomicBool>,
 }
 
 #[derive(Clone, Debug)]
 struct CountedLimiter {
     inner: MemoryLimiter<ManualClock>,
     calls: Arc<AtomicU64>,
+    fail: Arc<std::sync::atomic::AtomicBool>,
 }
 
 type Boxed<T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send>>;
@@ -49,7 +52,15 @@ impl Limiter for CountedLimiter {
     fn decide(&self, key: &[u8], cost: u32) -> Self::DecideFuture {
         self.calls.fetch_add(1, Ordering::Relaxed);
         let (inner, key) = (self.inner.clone(), key.to_vec());
+        let fail = self.fail.load(Ordering::Relaxed);
         Box::pin(async move {
+            if fail {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                return Err(StoreError::new(
+                    tollgate_core::StoreErrorKind::Timeout,
+                    "no answer",
+                ));
+            }
             tokio::task::yield_now().await;
             Ok(inner.decide_now(&key, cost))
         })
@@ -70,6 +81,7 @@ impl Store for Counted {
         Ok(CountedLimiter {
             inner: self.memory.limiter(rule)?,
             calls: Arc::clone(&self.calls),
+            fail: Arc::clone(&self.fail),
         })
     }
 
@@ -85,6 +97,7 @@ fn counted(clock: &ManualClock) -> Counted {
     Counted {
         memory: MemoryStore::builder().clock(clock.clone()).build().unwrap(),
         calls: Arc::new(AtomicU64::new(0)),
+        fail: Arc::default(),
     }
 }
 
@@ -259,6 +272,31 @@ async fn concurrent_decisions_share_one_lease_call() {
     assert_eq!(stats.decisions, 6_400);
     // Without the single flight, each of 64 tasks would lease on its own.
     assert!(stats.store_calls <= 6_400 / 32, "{stats:?}");
+}
+
+/// A lease that fails (the store timed out) sends the decisions that
+/// waited for it to the store side by side, not one lease attempt after
+/// another, each timing out in turn.
+#[tokio::test(start_paused = true)]
+async fn waiters_on_a_failed_lease_do_not_queue_behind_each_other() {
+    let (_, store, l) = leased(HotKeys::new(), &gcra(1_000, 100));
+    store.fail.store(true, Ordering::Relaxed);
+    let start = tokio::time::Instant::now();
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..16 {
+        let l = l.clone();
+        set.spawn(async move { l.decide(b"k", 1).await.is_err() });
+    }
+    let mut failed = 0;
+    while let Some(r) = set.join_next().await {
+        failed += usize::from(r.unwrap());
+    }
+    assert_eq!(failed, 16);
+    // One failed lease (50 ms), then the waiters' calls at once (50 ms);
+    // one after another they would take 16 × 50 ms.
+    let took = start.elapsed();
+    assert!(took <= Duration::from_millis(150), "{took:?}");
+    assert_eq!(store.calls.load(Ordering::Relaxed), 16);
 }
 
 #[test]

@@ -856,7 +856,18 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                             local.store_calls.fetch_add(1, Ordering::Relaxed);
                             let units = u32::try_from(give_back).unwrap_or(u32::MAX);
                             // A failed give-back only means the units lapse.
-                            let _ = inner.refund(&key, units).await;
+                            // On a task of its own, so that a cancelled
+                            // request still gives them back; awaited, so
+                            // that the lease below can count them.
+                            let refund = inner.refund(&key, units);
+                            match tokio::runtime::Handle::try_current() {
+                                Ok(rt) => {
+                                    let _ = rt.spawn(refund).await;
+                                }
+                                Err(_) => {
+                                    let _ = refund.await;
+                                }
+                            }
                         }
                         let batch32 = u32::try_from(batch).unwrap_or(u32::MAX);
                         let sent = local.clock.now();

@@ -375,6 +375,9 @@ struct KeyState {
     next: Option<(u64, u64)>,
     /// The last lease asked for got no answer (the store failed).
     failed: bool,
+    /// Units of leases taken ahead that ended unspent or were replaced:
+    /// given back with the next lease a decision takes.
+    lapsed: u64,
 }
 
 impl KeyState {
@@ -458,12 +461,15 @@ impl<C: Clock> Local<C> {
         let mut shard = self.shard(key);
         let s = shard.get_mut(key)?;
         let d = answer(s, now, u64::from(cost), limit)?;
+        // Due once the lease is half spent (a key that spends less within
+        // a TTL is not hot: its next lease is taken when it needs one),
+        // and only where a task can take it.
         let due = self.ahead
             && d.is_allowed()
             && s.flight.is_none()
             && s.next.is_none()
-            && (s.units.saturating_mul(2) < s.batch
-                || s.expires.saturating_sub(now).saturating_mul(2) < self.ttl);
+            && s.units.saturating_mul(2) < s.batch
+            && tokio::runtime::Handle::try_current().is_ok();
         if !due {
             return Some((d, None));
         }
@@ -478,16 +484,26 @@ impl<C: Clock> Local<C> {
     /// A refusal or a fault takes nothing; the key's next decision that
     /// finds no units asks the store itself.
     async fn refill<L: Limiter>(&self, inner: &L, key: &[u8], batch: u64) {
+        // However the task ends (dropped with its runtime, a panic), the
+        // flight ends and its waiters wake.
+        let guard = Flight {
+            local: self,
+            key,
+            done: false,
+        };
         let sent = self.clock.now();
         self.store_calls.fetch_add(1, Ordering::Relaxed);
         let d = inner
             .decide(key, u32::try_from(batch).unwrap_or(u32::MAX))
             .await;
+        let mut guard = guard;
+        guard.done = true;
         let mut shard = self.shard(key);
         let Some(s) = shard.get_mut(key) else { return };
         if let Some(flight) = s.flight.take() {
             flight.notify_waiters();
         }
+        s.failed = d.is_err();
         if let Ok(d) = d {
             if d.is_allowed() {
                 s.next = Some((batch, self.lease_end(sent, &d)));
@@ -546,7 +562,7 @@ impl<C: Clock> Local<C> {
         // or too little for this cost) goes back to the store, which
         // ignores it if its window has passed.
         let ended = s.expires <= now;
-        let give_back = std::mem::take(&mut s.units);
+        let give_back = std::mem::take(&mut s.units).saturating_add(std::mem::take(&mut s.lapsed));
         s.spent = 0;
         if s.batch == 0 {
             s.batch = self.min_batch;
@@ -607,8 +623,10 @@ impl<C: Clock> Local<C> {
     }
 
     /// Gives `units` back to the local lease, if it is still on and they
-    /// were spent from it (an older charge goes back to the store, which
-    /// caps it as its algorithm does).
+    /// were spent from it — counted as its latest spends, since a refund
+    /// follows its charge within one request. A charge from a lease that
+    /// has since been replaced goes back to the store, which caps it as
+    /// its algorithm does.
     fn refund_local(&self, key: &[u8], units: u32) -> bool {
         let now = self.clock.now();
         let units = u64::from(units);
@@ -647,9 +665,13 @@ fn answer(s: &mut KeyState, now: u64, cost: u64, limit: u64) -> Option<Decision>
     if cost > 0 && (s.units < cost || now >= s.expires) {
         if let Some((units, end)) = s.next.take() {
             if now < end {
+                // What the current lease still holds goes back later.
+                s.lapsed = s.lapsed.saturating_add(std::mem::take(&mut s.units));
+                s.spent = 0;
                 s.units = units;
                 s.expires = end;
-                s.spent = 0;
+            } else {
+                s.lapsed = s.lapsed.saturating_add(units);
             }
         }
     }
@@ -701,7 +723,8 @@ pub struct HotStats {
     /// decisions through).
     pub store_calls: u64,
     /// Decisions that waited for the store — their own call, or another
-    /// decision's lease in flight; the rest were answered with no I/O.
+    /// decision's lease in flight; the rest were answered without waiting
+    /// for I/O (a lease taken ahead is taken in the background).
     pub waits: u64,
 }
 
@@ -807,7 +830,7 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
             let mut waited = false;
             loop {
                 let step = local.plan(&key, cost, limit);
-                if !waited && !matches!(step, Step::Done(_)) {
+                if !waited && matches!(step, Step::Through | Step::Take { .. }) {
                     waited = true;
                     local.waits.fetch_add(1, Ordering::Relaxed);
                 }
@@ -831,6 +854,10 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                                 .unwrap_or(false)
                         };
                         if still_flying {
+                            if !waited {
+                                waited = true;
+                                local.waits.fetch_add(1, Ordering::Relaxed);
+                            }
                             notified.await;
                         }
                         // The lease failed (the store did not answer): go

@@ -470,14 +470,24 @@ impl Delayed {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let task = tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
+            // The connections' tasks end with the proxy's.
+            let mut conns = tokio::task::JoinSet::new();
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    // Out of descriptors, say: try again shortly.
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                };
                 let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await else {
                     continue;
                 };
+                // No Nagle: the delay is the one configured.
+                let _ = client.set_nodelay(true);
+                let _ = server.set_nodelay(true);
                 let (cr, cw) = client.into_split();
                 let (sr, sw) = server.into_split();
-                tokio::spawn(delay_one_way(cr, sw, delay));
-                tokio::spawn(delay_one_way(sr, cw, delay));
+                conns.spawn(delay_one_way(cr, sw, delay));
+                conns.spawn(delay_one_way(sr, cw, delay));
             }
         });
         Self { port, task }

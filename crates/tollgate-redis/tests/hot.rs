@@ -299,6 +299,41 @@ async fn waiters_on_a_failed_lease_do_not_queue_behind_each_other() {
     assert_eq!(store.calls.load(Ordering::Relaxed), 16);
 }
 
+/// Leases taken ahead, on a manual clock (the lease ahead is a task:
+/// each step lets it run): a key well under its limit is never refused,
+/// and a key far over it admits no more than the bound.
+#[tokio::test]
+async fn leases_taken_ahead_keep_to_the_limit_both_ways() {
+    async fn settle() {
+        for _ in 0..8 {
+            tokio::task::yield_now().await;
+        }
+    }
+    // 40 a second against 100 a second (leases of at most 10): all in.
+    let (clock, _, l) = leased(HotKeys::new().refill_ahead(true), &gcra(100, 100));
+    for i in 0..200 {
+        assert!(
+            l.decide(b"k", 1).await.unwrap().is_allowed(),
+            "refused at {i}"
+        );
+        settle().await;
+        clock.advance(Duration::from_millis(25));
+    }
+    // 20,000 a second against 1,000 (bursts of 100) for 1 s: at most the
+    // burst, the rate and one TTL (50 ms) of it.
+    let (clock, _, l) = leased(HotKeys::new().refill_ahead(true), &gcra(1_000, 100));
+    let mut admitted = 0;
+    for _ in 0..1_000 {
+        for _ in 0..20 {
+            admitted += u32::from(l.decide(b"k", 1).await.unwrap().is_allowed());
+        }
+        settle().await;
+        clock.advance(Duration::from_millis(1));
+    }
+    assert!(admitted <= 100 + 1_000 + 50, "{admitted}");
+    assert!(admitted >= 900, "{admitted}");
+}
+
 #[test]
 fn rules_that_cannot_be_leased_are_refused() {
     let clock = ManualClock::new();

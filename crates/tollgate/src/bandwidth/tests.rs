@@ -78,33 +78,41 @@ where
     (total as usize, start.elapsed())
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_download_is_paced_to_the_rate_and_never_runs_ahead() {
-    // 1 MiB at 100 KiB/s with a 24 KiB burst: 1,000 KiB at the rate, 10 s.
+/// A response of `len` bytes in frames of `frame`, through a layer of
+/// 100 KiB/s with 24-KiB bursts named `rule`, its metrics recorded.
+async fn download(
+    rule: &str,
+    len: usize,
+    frame: usize,
+) -> (
+    crate::rate_limit::tests::Recorded,
+    Response<PacedBody<Chunks, impl tollgate_core::Limiter>>,
+) {
     let recorder = crate::rate_limit::tests::Recorded::default();
     let layer = metrics::with_local_recorder(&recorder, || {
-        BandwidthLayer::builder("down", 100 << 10, 24 << 10)
+        BandwidthLayer::builder(rule, 100 << 10, 24 << 10)
             .key(Header::named("x-api-key").unwrap())
             .store(store())
             .build()
             .unwrap()
     });
-    let svc = layer.layer(service_fn(|_req: Request<PacedBody<String, _>>| async {
-        // Frames of 64 KiB: larger than the burst, so they are split.
-        Ok::<_, Infallible>(Response::new(Chunks {
-            left: 1 << 20,
-            frame: 64 * KIB,
-        }))
-    }));
-    let res = svc
-        .oneshot(
-            Request::builder()
-                .header("x-api-key", "k")
-                .body(String::new())
-                .unwrap(),
-        )
-        .await
+    let svc = layer.layer(service_fn(
+        move |_req: Request<PacedBody<String, _>>| async move {
+            Ok::<_, Infallible>(Response::new(Chunks { left: len, frame }))
+        },
+    ));
+    let req = Request::builder()
+        .header("x-api-key", "k")
+        .body(String::new())
         .unwrap();
+    (recorder, svc.oneshot(req).await.unwrap())
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_download_is_paced_to_the_rate_and_never_runs_ahead() {
+    // 1 MiB at 100 KiB/s with a 24 KiB burst: 1,000 KiB at the rate, 10 s.
+    // Frames of 64 KiB: larger than the burst, so they are split.
+    let (recorder, res) = download("down", 1 << 20, 64 * KIB).await;
     let (bytes, took) = drain(res.into_body(), 100 << 10, 24 << 10).await;
     assert_eq!(bytes, 1 << 20);
     assert!(took >= Duration::from_secs(10), "{took:?}");
@@ -287,26 +295,8 @@ fn configuration_errors_name_the_field() {
 /// Frames the credit in hand covers go out as they came, and count too.
 #[tokio::test(start_paused = true)]
 async fn small_frames_are_counted_as_they_go_out() {
-    let recorder = crate::rate_limit::tests::Recorded::default();
-    let layer = metrics::with_local_recorder(&recorder, || {
-        BandwidthLayer::builder("small", 100 << 10, 24 << 10)
-            .key(Header::named("x-api-key").unwrap())
-            .store(store())
-            .build()
-            .unwrap()
-    });
-    let svc = layer.layer(service_fn(|_req: Request<PacedBody<String, _>>| async {
-        // 100 frames of 100 bytes: each fits the 6-KiB chunk's credit.
-        Ok::<_, Infallible>(Response::new(Chunks {
-            left: 10_000,
-            frame: 100,
-        }))
-    }));
-    let req = Request::builder()
-        .header("x-api-key", "k")
-        .body(String::new())
-        .unwrap();
-    let res = svc.oneshot(req).await.unwrap();
+    // 100 frames of 100 bytes: each fits the 6-KiB chunk's credit.
+    let (recorder, res) = download("small", 10_000, 100).await;
     let body = res.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(body.len(), 10_000);
     assert_eq!(

@@ -798,7 +798,13 @@ impl<C: Clock> MemoryQuotaLimiter<C> {
     pub fn consume_now(&self, key: &[u8], cost: u32) -> QuotaDecision {
         let t = &self.table;
         let now = t.now();
-        t.update(key, now, cost > 0, |s| t.kind.decide(s, now, cost))
+        // Written in place: the decision is ~260 bytes, and returning it
+        // through the lock's closure and the table copied it twice.
+        let mut out = QuotaDecision::EMPTY;
+        t.update(key, now, cost > 0, |s| {
+            t.kind.decide_into(s, now, cost, &mut out)
+        });
+        out
     }
 
     /// [`QuotaLimiter::refund`] without the future.

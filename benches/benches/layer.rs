@@ -1,7 +1,8 @@
 //! What the layer adds to a request: an axum `Router` with one handler,
 //! driven by `oneshot`, bare and behind each limiter (in-memory GCRA, key
 //! from the `x-api-key` header, headers on), for allowed requests and for a
-//! key that is over its limit (every call a 429). One run, group
+//! key that is over its limit (every call a 429), and the allowed stack
+//! again with a Prometheus recorder installed. One run, group
 //! `layer_overhead`.
 #![allow(missing_docs, clippy::unwrap_used)]
 
@@ -55,6 +56,19 @@ fn layer_overhead(c: &mut Criterion) {
         layer::governor_denying(),
         StatusCode::TOO_MANY_REQUESTS,
     );
+    // The same allowed stack with its metrics recorded by a Prometheus
+    // recorder (the layers above were built before it was installed, so
+    // theirs go nowhere): what the metrics cost per request.
+    let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .unwrap();
+    run(
+        &mut g,
+        "tollgate_prometheus",
+        layer::tollgate_allowing(),
+        StatusCode::OK,
+    );
+    assert!(handle.render().contains("tollgate_remaining_ratio"));
     g.finish();
 }
 

@@ -102,16 +102,17 @@
 //! finds the master `name` through Redis Sentinel (the user and password
 //! are the master's) and follows a failover. On Cluster and Sentinel alike,
 //! a call that finds its node lost (the connection broke or was refused,
-//! a demoted master refuses writes, or no answer came within the call's
-//! time) has the connection replaced in the background: the sentinels
-//! are asked again, or the cluster's slot map is read afresh (redis-rs
-//! follows `MOVED`, but would reconnect a dead master's address forever).
-//! Calls go on meanwhile, and the failure policy answers those that fail.
-//! Replacements are one at a time, at most one a second (and backing off
-//! to one every 2 s while connects fail), so a dead node never costs a
-//! connect per call. A user and password in any URL authenticate (ACL
-//! users included) and never appear in the store's errors or `Debug`
-//! output.
+//! a demoted master refuses writes, or — three calls in a row — no answer
+//! came within the call's time) has the connection replaced in the
+//! background: the sentinels are asked again, or the cluster's slot map
+//! is read afresh (redis-rs follows `MOVED`, but would reconnect a dead
+//! master's address forever). Calls go on meanwhile, and the failure
+//! policy answers those that fail. Connects are one at a time: after one
+//! that worked, no replacement for a second; while they fail, the next
+//! waits 50 ms, doubling up to 2 s. They are started by calls (the
+//! breaker's probes included), so a dead node never costs a connect per
+//! call. A user and password in any URL authenticate (ACL users
+//! included) and never appear in the store's errors or `Debug` output.
 //!
 //! **Failover and replication lag.** Redis replicates asynchronously, so a
 //! failover loses the writes the replica had not received: the decisions

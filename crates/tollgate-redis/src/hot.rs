@@ -163,8 +163,8 @@ impl HotKeys {
     }
 
     /// Takes a key's next lease before the current one runs out (default
-    /// off): once a hot key's lease is half spent, or half its TTL has
-    /// gone, one background call takes the next, and decisions go on
+    /// off): once a hot key's lease is half spent, one background call
+    /// takes the next, and decisions go on
     /// spending the current one meanwhile. For a distant store (another
     /// region, a global tier), so that a hot key's decisions do not wait
     /// a round trip each time a lease runs out: with a batch that lasts
@@ -375,9 +375,6 @@ struct KeyState {
     next: Option<(u64, u64)>,
     /// The last lease asked for got no answer (the store failed).
     failed: bool,
-    /// Units of leases taken ahead that ended unspent or were replaced:
-    /// given back with the next lease a decision takes.
-    lapsed: u64,
 }
 
 impl KeyState {
@@ -429,6 +426,9 @@ struct Local<C> {
     ahead: bool,
 }
 
+/// A lease ahead that is due: its size, and its flight (set).
+type AheadDue = (u64, Arc<Notify>);
+
 /// What the local state answers.
 enum Step {
     /// Decided here.
@@ -456,7 +456,7 @@ impl<C: Clock> Local<C> {
     /// A local answer, if the lease or the denial cache has one, and the
     /// size of a lease to take ahead, if one is due now (it is marked in
     /// flight: the caller must take it, see [`refill`](Self::refill)).
-    fn local(&self, key: &[u8], cost: u32, limit: u64) -> Option<(Decision, Option<u64>)> {
+    fn local(&self, key: &[u8], cost: u32, limit: u64) -> Option<(Decision, Option<AheadDue>)> {
         let now = self.clock.now();
         let mut shard = self.shard(key);
         let s = shard.get_mut(key)?;
@@ -475,50 +475,53 @@ impl<C: Clock> Local<C> {
         }
         // Hot enough to run a lease half down: a bigger one next.
         s.batch = s.batch.saturating_mul(2).clamp(1, self.max_batch);
-        s.flight = Some(Arc::new(Notify::new()));
-        Some((d, Some(s.batch)))
+        let flight = Arc::new(Notify::new());
+        s.flight = Some(Arc::clone(&flight));
+        s.failed = false;
+        Some((d, Some((s.batch, flight))))
     }
 
     /// Takes a lease of `batch` units for `key` ahead of need (marked in
     /// flight by [`local`](Self::local)): it becomes the key's next lease.
     /// A refusal or a fault takes nothing; the key's next decision that
     /// finds no units asks the store itself.
-    async fn refill<L: Limiter>(&self, inner: &L, key: &[u8], batch: u64) {
-        // However the task ends (dropped with its runtime, a panic), the
-        // flight ends and its waiters wake.
-        let guard = Flight {
-            local: self,
-            key,
-            done: false,
-        };
+    async fn refill<L: Limiter>(&self, inner: &L, key: &[u8], batch: u64, flight: &Arc<Notify>) {
         let sent = self.clock.now();
         self.store_calls.fetch_add(1, Ordering::Relaxed);
         let d = inner
             .decide(key, u32::try_from(batch).unwrap_or(u32::MAX))
             .await;
-        let mut guard = guard;
-        guard.done = true;
         let mut shard = self.shard(key);
         let Some(s) = shard.get_mut(key) else { return };
-        if let Some(flight) = s.flight.take() {
-            flight.notify_waiters();
+        if !s.flight.as_ref().is_some_and(|f| Arc::ptr_eq(f, flight)) {
+            // Not this lease's flight any more: nothing to land on.
+            return;
         }
+        s.flight = None;
+        flight.notify_waiters();
         s.failed = d.is_err();
-        if let Ok(d) = d {
-            if d.is_allowed() {
+        match d {
+            Ok(d) if d.is_allowed() => {
                 s.next = Some((batch, self.lease_end(sent, &d)));
                 s.remaining = d.remaining;
                 s.whole_at = sent.saturating_add(d.reset_after);
             }
+            // Not that much left: the key runs near its limit, and its
+            // next lease starts small again.
+            Ok(_) => s.batch = self.min_batch,
+            Err(_) => {}
         }
     }
 
-    /// Ends a lease ahead that could not be taken (no runtime to take it
-    /// on): its waiters wake and ask the store themselves.
-    fn land_nothing(&self, key: &[u8]) {
+    /// Ends the lease ahead's `flight`, if it is still the key's (the
+    /// lease did not land): its waiters wake and ask the store themselves.
+    fn land_nothing(&self, key: &[u8], flight: &Arc<Notify>) {
         let mut shard = self.shard(key);
-        if let Some(flight) = shard.get_mut(key).and_then(|s| s.flight.take()) {
-            flight.notify_waiters();
+        if let Some(s) = shard.get_mut(key) {
+            if s.flight.as_ref().is_some_and(|f| Arc::ptr_eq(f, flight)) {
+                s.flight = None;
+                flight.notify_waiters();
+            }
         }
     }
 
@@ -562,7 +565,7 @@ impl<C: Clock> Local<C> {
         // or too little for this cost) goes back to the store, which
         // ignores it if its window has passed.
         let ended = s.expires <= now;
-        let give_back = std::mem::take(&mut s.units).saturating_add(std::mem::take(&mut s.lapsed));
+        let give_back = std::mem::take(&mut s.units);
         s.spent = 0;
         if s.batch == 0 {
             s.batch = self.min_batch;
@@ -572,6 +575,7 @@ impl<C: Clock> Local<C> {
             s.batch = (s.batch / 2).max(self.min_batch);
         }
         s.flight = Some(Arc::new(Notify::new()));
+        s.failed = false;
         Step::Take {
             batch: s.batch.max(u64::from(cost)),
             give_back,
@@ -601,7 +605,6 @@ impl<C: Clock> Local<C> {
         let Ok(d) = d else { return };
         match d.outcome {
             Outcome::Allow { .. } => {
-                // (Units refunded into the lease during the call stay.)
                 s.units = s
                     .units
                     .saturating_add(taken.saturating_sub(u64::from(cost)));
@@ -664,14 +667,13 @@ fn answer(s: &mut KeyState, now: u64, cost: u64, limit: u64) -> Option<Decision>
     // still on, takes its place (what the current one held lapses).
     if cost > 0 && (s.units < cost || now >= s.expires) {
         if let Some((units, end)) = s.next.take() {
+            // What the replaced lease still holds lapses (fewer than this
+            // cost, or its time is over): given back later, it could
+            // credit a later window than the one that counted it.
             if now < end {
-                // What the current lease still holds goes back later.
-                s.lapsed = s.lapsed.saturating_add(std::mem::take(&mut s.units));
                 s.spent = 0;
                 s.units = units;
                 s.expires = end;
-            } else {
-                s.lapsed = s.lapsed.saturating_add(units);
             }
         }
     }
@@ -790,13 +792,26 @@ impl<L: Limiter, C: Clock> HotLimiter<L, C> {
     ) -> Option<Decision> {
         let (d, ahead) = local.local(key, cost, limit)?;
         local.decisions.fetch_add(1, Ordering::Relaxed);
-        if let Some(batch) = ahead {
-            let (inner, local2, key) = (self.inner.clone(), Arc::clone(local), key.to_vec());
+        if let Some((batch, flight)) = ahead {
+            // Built before the task: however it ends — never polled (its
+            // runtime shut down), dropped, a panic — the flight ends with
+            // it and its waiters wake.
+            let guard = Ahead {
+                local: Arc::clone(local),
+                key: key.to_vec(),
+                flight,
+            };
+            let inner = self.inner.clone();
             match tokio::runtime::Handle::try_current() {
                 Ok(rt) => {
-                    rt.spawn(async move { local2.refill(&inner, &key, batch).await });
+                    rt.spawn(async move {
+                        guard
+                            .local
+                            .refill(&inner, &guard.key, batch, &guard.flight)
+                            .await;
+                    });
                 }
-                Err(_) => local.land_nothing(&key),
+                Err(_) => drop(guard),
             }
         }
         Some(d)
@@ -869,6 +884,9 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                             .get(key.as_slice())
                             .is_some_and(|s| s.failed);
                         if failed {
+                            if !waited {
+                                local.waits.fetch_add(1, Ordering::Relaxed);
+                            }
                             local.store_calls.fetch_add(1, Ordering::Relaxed);
                             return inner.decide(&key, cost).await;
                         }
@@ -957,6 +975,21 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
             }
         }
         Box::pin(self.inner.refund(key, cost))
+    }
+}
+
+/// A lease taken ahead, in its task: when the task ends (however it
+/// does), a flight still set — it did not land — ends, and its waiters
+/// wake and ask the store themselves.
+struct Ahead<C: Clock> {
+    local: Arc<Local<C>>,
+    key: Vec<u8>,
+    flight: Arc<Notify>,
+}
+
+impl<C: Clock> Drop for Ahead<C> {
+    fn drop(&mut self) {
+        self.local.land_nothing(&self.key, &self.flight);
     }
 }
 

@@ -334,6 +334,42 @@ async fn leases_taken_ahead_keep_to_the_limit_both_ways() {
     assert!(admitted >= 900, "{admitted}");
 }
 
+/// A lease ahead whose task never runs (its runtime went away first)
+/// leaves no flight behind: the key's next decision that needs the store
+/// takes a lease, instead of waiting for one that will never land.
+#[test]
+fn a_lease_ahead_that_never_ran_leaves_no_flight_behind() {
+    let (_, _, l) = leased(
+        HotKeys::new().min_batch(8).refill_ahead(true),
+        &gcra(1_000, 1_000),
+    );
+    let first = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    // A lease of 8, then local decisions until it is half spent: the
+    // lease ahead is spawned on `first`, which never runs it.
+    assert!(first.block_on(l.decide(b"k", 1)).unwrap().is_allowed());
+    {
+        let _in = first.enter();
+        for _ in 0..4 {
+            assert!(l.decide_sync(b"k", 1).unwrap().unwrap().is_allowed());
+        }
+    }
+    drop(first);
+    let second = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    second.block_on(async {
+        for i in 0..16 {
+            let d = tokio::time::timeout(Duration::from_secs(5), l.decide(b"k", 1))
+                .await
+                .unwrap_or_else(|_| panic!("decision {i} waited for a lease that never lands"));
+            assert!(d.unwrap().is_allowed());
+        }
+    });
+}
+
 #[test]
 fn rules_that_cannot_be_leased_are_refused() {
     let clock = ManualClock::new();

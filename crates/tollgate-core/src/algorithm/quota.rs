@@ -282,6 +282,13 @@ impl Quota {
     ) {
         let cost = u64::from(cost);
         let mut windows = [Window::default(); MAX_PERIODS];
+        // A decision written over one with more periods: none of its
+        // periods may stay past ours (equality and hashing see them all).
+        if out.len > self.len {
+            for p in out.periods.iter_mut().skip(self.len) {
+                *p = EMPTY;
+            }
+        }
         let periods = &mut out.periods;
         let (mut never, mut wait) = (false, None::<u64>);
         for (i, (period, limit)) in self.periods().enumerate() {
@@ -366,6 +373,30 @@ mod tests {
     use crate::calendar::unix_nanos;
 
     const S: u64 = 1_000_000_000;
+
+    #[test]
+    fn a_decision_written_in_place_equals_one_returned() {
+        let noon = unix_nanos(2026, 12, 3, 12, 0, 0);
+        let three = Quota::new(
+            &[
+                (Period::Hour, 10),
+                (Period::Day, 100),
+                (Period::Month, 1_000),
+            ],
+            Offset::UTC,
+        )
+        .unwrap();
+        let one = Quota::new(&[(Period::Day, 5)], Offset::UTC).unwrap();
+        // `out` held three periods; written over by a one-period quota it
+        // keeps none of them.
+        let mut out = QuotaDecision::EMPTY;
+        three.decide_into(&mut QuotaState::default(), noon, 1, &mut out);
+        assert_eq!(out.periods().len(), 3);
+        one.decide_into(&mut QuotaState::default(), noon, 2, &mut out);
+        assert_eq!(out, one.decide(&mut QuotaState::default(), noon, 2));
+        assert_eq!(out.periods().len(), 1);
+        assert_eq!(out.periods()[0].remaining, 3);
+    }
 
     #[test]
     fn every_period_is_charged_or_none() {

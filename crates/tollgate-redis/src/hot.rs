@@ -28,8 +28,11 @@ use tollgate_core::{
 /// lease is spent before it ends (the key is hot), up to
 /// [`max_batch`](Self::max_batch) and to [`max_share`](Self::max_share)
 /// of the rule's capacity, and halves when a lease ends with units left.
-/// Units left when a lease ends go back to the store (a refund) on the
-/// key's next decision, or lapse. A holder that dies mid-lease simply
+/// Units left when a lease ends go back to the store (a refund) with the
+/// key's next lease if that comes within a TTL of the end (a fixed
+/// window's: within its window); otherwise they lapse, since a late refund
+/// would credit capacity long after the time that counted it. A holder
+/// that dies mid-lease simply
 /// spent its units: the budget recovers from them at its rate, so nothing
 /// is lost or gained for good.
 ///
@@ -562,16 +565,24 @@ impl<C: Clock> Local<C> {
         // Adapt: a lease spent before its end means a hot key; one that
         // ended with units left, a cooler one.
         // A new lease replaces the old one: what the old one holds (ended,
-        // or too little for this cost) goes back to the store, which
-        // ignores it if its window has passed.
+        // or too little for this cost) goes back to the store — while it
+        // is on, or within a TTL of its end (a window's lease, only while
+        // its window is): later, a refund could credit capacity well past
+        // the time that counted it, so those units lapse.
         let ended = s.expires <= now;
-        let give_back = std::mem::take(&mut s.units);
+        let recent = if self.windowed {
+            !ended
+        } else {
+            now <= s.expires.saturating_add(self.ttl)
+        };
+        let left = std::mem::take(&mut s.units);
+        let give_back = if recent { left } else { 0 };
         s.spent = 0;
         if s.batch == 0 {
             s.batch = self.min_batch;
         } else if !ended {
             s.batch = s.batch.saturating_mul(2).min(self.max_batch);
-        } else if give_back > 0 {
+        } else if left > 0 {
             s.batch = (s.batch / 2).max(self.min_batch);
         }
         s.flight = Some(Arc::new(Notify::new()));

@@ -30,9 +30,11 @@ use tollgate_core::{
 /// of the rule's capacity, and halves when a lease ends with units left.
 /// Units left when a lease ends go back to the store (a refund) with the
 /// key's next lease if that comes within a TTL of the end (a fixed
-/// window's: within its window); otherwise they lapse, since a late refund
-/// would credit capacity long after the time that counted it. A holder
-/// that dies mid-lease simply
+/// window's: while its window lasts); otherwise they lapse, since a late
+/// refund would credit capacity long after the time that counted it.
+/// With [`refill_ahead`](Self::refill_ahead), what a lease still holds
+/// when the lease taken ahead replaces it lapses. A holder that dies
+/// mid-lease simply
 /// spent its units: the budget recovers from them at its rate, so nothing
 /// is lost or gained for good.
 ///
@@ -571,7 +573,8 @@ impl<C: Clock> Local<C> {
         // the time that counted it, so those units lapse.
         let ended = s.expires <= now;
         let recent = if self.windowed {
-            !ended
+            // The lease's window is still the store's.
+            now < s.whole_at
         } else {
             now <= s.expires.saturating_add(self.ttl)
         };

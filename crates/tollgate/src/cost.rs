@@ -86,6 +86,20 @@ impl ByMethod {
             table: table.into(),
         }
     }
+
+    /// The costliest entry: its cost and what it is (for a check that a
+    /// limit can ever admit it).
+    pub(crate) fn costliest(&self) -> (u32, String) {
+        self.table
+            .iter()
+            .fold((self.default, "the default".to_owned()), |best, (m, c)| {
+                if *c > best.0 {
+                    (*c, format!("method {m}"))
+                } else {
+                    best
+                }
+            })
+    }
 }
 
 impl<B> Cost<B> for ByMethod {
@@ -126,6 +140,23 @@ impl ByRoute {
             default: self.default,
             routes: routes.into(),
         }
+    }
+
+    /// The costliest entry: its cost and what it is.
+    pub(crate) fn costliest(&self) -> (u32, String) {
+        self.routes.iter().fold(
+            (self.default, "the default".to_owned()),
+            |best, (m, path, c)| {
+                if *c <= best.0 {
+                    return best;
+                }
+                let what = match m {
+                    Some(m) => format!("route {m} {path}"),
+                    None => format!("route {path}"),
+                };
+                (*c, what)
+            },
+        )
     }
 }
 

@@ -493,7 +493,10 @@ fn rule(
         .map_err(|e| at(&r.name, field("name"), e.message().to_owned()))?;
     let key = FileKey::parse(r.key.get_ref(), client, v6_prefix)
         .map_err(|m| at(&r.key, field("key"), m))?;
-    let mut rule = RateRule::new(r.name.get_ref(), lim, key).cost(rule_cost(file, r, &path)?);
+    let file_cost = rule_cost(file, r, &path)?;
+    let costliest = file_cost.costliest();
+    let mut rule = RateRule::new(r.name.get_ref(), lim, key).cost(file_cost);
+    let mut capacity = capacity_of(r.name.get_ref(), lim);
     if let Some(m) = &r.missing_key {
         rule = rule.on_missing_key(match m.get_ref().as_str() {
             "reject" => MissingKey::Reject,
@@ -588,9 +591,29 @@ fn rule(
             &format!("{path}.plans.{plan}"),
             &p.span(),
         )?;
+        capacity = capacity.max(capacity_of(r.name.get_ref(), lim));
         rule = rule.plan(plan, lim);
     }
+    // A cost known at load above every plan's capacity: such a request
+    // could never pass (always 429). Surely a mistake; say so now.
+    if let (Some((cost, what)), Some(c)) = (costliest, &r.cost) {
+        if u64::from(cost) > capacity {
+            return Err(at(
+                c,
+                field("cost"),
+                format!(
+                    "{what} costs {cost}, more than this rule ever admits at once ({capacity}, every plan included): such a request could never pass"
+                ),
+            ));
+        }
+    }
     Ok(rule)
+}
+
+/// How many units `lim` admits at once (0 if it is not a valid rule; its
+/// own check reports that).
+fn capacity_of(name: &str, lim: tollgate_core::Limit) -> u64 {
+    tollgate_core::Rule::new(name, lim).map_or(0, |r| r.capacity())
 }
 
 fn access(a: &Spanned<super::spec::AccessSpec>, client: &ClientIp) -> Result<AccessList, Problem> {

@@ -129,6 +129,20 @@ pub enum FileCost {
     Routes(ByRoute),
 }
 
+impl FileCost {
+    /// The largest cost known at load (a fixed one, a method's, a
+    /// route's) and what it is; `None` for costs read from the request
+    /// (their `max` may well exceed a limit: such a request is refused).
+    pub(crate) fn costliest(&self) -> Option<(u32, String)> {
+        match self {
+            FileCost::Fixed(c) => Some((c.0, "every request".to_owned())),
+            FileCost::Methods(c) => Some(c.costliest()),
+            FileCost::Routes(c) => Some(c.costliest()),
+            FileCost::Header(_) | FileCost::Query(_) | FileCost::Body(_) => None,
+        }
+    }
+}
+
 impl<B> Cost<B> for FileCost {
     fn cost(&self, req: &Request<B>) -> u32 {
         match self {

@@ -542,3 +542,39 @@ async fn a_reload_prepares_every_file_and_a_bad_one_rebinds_nothing() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A cost known at load that no plan of the rule could ever admit is a
+/// mistake the load reports; one some plan admits, or one read from the
+/// request, is not.
+#[test]
+fn a_cost_no_plan_could_ever_admit_is_refused_at_load() {
+    let rule = |cost: &str, plans: &str| {
+        format!("[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"10/s\"\nburst = 20\ncost = {cost}\n{plans}\n")
+    };
+    assert_eq!(
+        error(&rule("30", "")),
+        "6:8: rules[0].cost: every request costs 30, more than this rule ever admits at once (20, every plan included): such a request could never pass"
+    );
+    let routes =
+        "{ default = 1, routes = [{ method = \"POST\", path = \"/api/reports\", cost = 50 }] }";
+    assert!(error(&rule(routes, "")).starts_with(
+        "6:8: rules[0].cost: route POST /api/reports costs 50, more than this rule ever admits at once (20,"
+    ));
+    let methods = "{ default = 1, methods = { DELETE = 21 } }";
+    assert!(error(&rule(methods, "")).contains("method DELETE costs 21"));
+    // The pro plan admits a report: free clients cannot make one (their
+    // requests are refused), which may be the point.
+    assert!(PolicyFile::parse(&rule(
+        routes,
+        "plans.pro = { rate = \"100/s\", burst = 200 }"
+    ))
+    .is_ok());
+    // Read from the request: its max may exceed the burst.
+    assert!(PolicyFile::parse(&rule(
+        "{ header = \"x-cost\", default = 1, max = 1000 }",
+        ""
+    ))
+    .is_ok());
+    // At the capacity exactly: admitted when the bucket is full.
+    assert!(PolicyFile::parse(&rule("20", "")).is_ok());
+}

@@ -30,16 +30,6 @@ fn limit() -> Limit {
     Limit::fixed_window(1_000_000, Duration::from_secs(3_600))
 }
 
-/// The master (of nodes 0 to 2) that holds the key `f` writes first.
-async fn master_holding<F: std::future::Future<Output = ()>>(
-    cluster: &Cluster,
-    f: impl FnOnce() -> F,
-) -> Option<usize> {
-    let before = cluster.key_counts();
-    f().await;
-    cluster.changed_since(&before)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_master_crashing_under_traffic_fails_over_with_no_5xx() {
     let Some(mut cluster) = tokio::task::spawn_blocking(Cluster::start_with_replicas)
@@ -80,10 +70,11 @@ async fn a_master_crashing_under_traffic_fails_over_with_no_5xx() {
     // the same master.
     let deadline = Instant::now() + Duration::from_secs(10);
     let master = loop {
-        let on = master_holding(&cluster, || async {
-            limiter.decide(b"ledger", 1).await.unwrap();
-        })
-        .await;
+        let on = cluster
+            .master_holding(|| async {
+                limiter.decide(b"ledger", 1).await.unwrap();
+            })
+            .await;
         if let Some(on) = on {
             break on;
         }
@@ -96,14 +87,15 @@ async fn a_master_crashing_under_traffic_fails_over_with_no_5xx() {
     let mut client = None;
     for i in 0..64 {
         let key = format!("client-{i}");
-        let on = master_holding(&cluster, || async {
-            let req = Request::get("/")
-                .header("x-api-key", &key)
-                .body(String::new())
-                .unwrap();
-            assert_eq!(svc.clone().oneshot(req).await.unwrap().status(), 200);
-        })
-        .await;
+        let on = cluster
+            .master_holding(|| async {
+                let req = Request::get("/")
+                    .header("x-api-key", &key)
+                    .body(String::new())
+                    .unwrap();
+                assert_eq!(svc.clone().oneshot(req).await.unwrap().status(), 200);
+            })
+            .await;
         if on == Some(master) {
             client = Some(key);
             break;

@@ -223,14 +223,14 @@ impl<C> Drop for Connecting<'_, C> {
 }
 
 /// Whether `e` says the connection is no longer to a working master: the
-/// connection broke or hangs, or the server was demoted (`READONLY`) or
-/// lost its master (`MASTERDOWN`). Other errors (a script error, `OOM`)
-/// keep the connection.
+/// connection broke or was refused, or the server was demoted
+/// (`READONLY`) or lost its master (`MASTERDOWN`). Other errors (a script
+/// error, `OOM`) keep the connection. (A hung node — timeouts — is
+/// counted apart, in [`Slot::run`].)
 fn lost_node(e: &redis::RedisError) -> bool {
     e.is_io_error()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
-        || e.is_timeout()
         || matches!(e.code(), Some("READONLY" | "MASTERDOWN"))
 }
 

@@ -498,12 +498,10 @@ impl<C: Clock> Local<C> {
             .await;
         let mut shard = self.shard(key);
         let Some(s) = shard.get_mut(key) else { return };
-        if !s.flight.as_ref().is_some_and(|f| Arc::ptr_eq(f, flight)) {
+        if !end_flight(s, flight) {
             // Not this lease's flight any more: nothing to land on.
             return;
         }
-        s.flight = None;
-        flight.notify_waiters();
         s.failed = d.is_err();
         match d {
             Ok(d) if d.is_allowed() => {
@@ -523,10 +521,7 @@ impl<C: Clock> Local<C> {
     fn land_nothing(&self, key: &[u8], flight: &Arc<Notify>) {
         let mut shard = self.shard(key);
         if let Some(s) = shard.get_mut(key) {
-            if s.flight.as_ref().is_some_and(|f| Arc::ptr_eq(f, flight)) {
-                s.flight = None;
-                flight.notify_waiters();
-            }
+            end_flight(s, flight);
         }
     }
 
@@ -657,6 +652,17 @@ impl<C: Clock> Local<C> {
             _ => false,
         }
     }
+}
+
+/// Ends `flight` if it is still `s`'s, waking its waiters; `false` when
+/// the key has another flight, or none.
+fn end_flight(s: &mut KeyState, flight: &Arc<Notify>) -> bool {
+    if !s.flight.as_ref().is_some_and(|f| Arc::ptr_eq(f, flight)) {
+        return false;
+    }
+    s.flight = None;
+    flight.notify_waiters();
+    true
 }
 
 #[allow(clippy::panic)]

@@ -233,7 +233,7 @@ impl Cluster {
     pub fn start_with_replicas() -> Option<Self> {
         let cluster = Self::start_with(1)?;
         // `redis-cli --cluster create` makes the first nodes listed the
-        // masters; `key_counts` relies on it.
+        // masters; `master_holding` relies on it.
         for n in cluster.nodes.iter().take(3) {
             assert!(
                 n.cli(&["ROLE"]).starts_with("master"),
@@ -290,8 +290,8 @@ impl Cluster {
     }
 
     /// How many keys each of the first three nodes (the masters at first)
-    /// holds: compare before and after a write to find its master.
-    pub fn key_counts(&self) -> Vec<u64> {
+    /// holds.
+    fn key_counts(&self) -> Vec<u64> {
         self.nodes
             .iter()
             .take(3)
@@ -299,9 +299,14 @@ impl Cluster {
             .collect()
     }
 
-    /// The master (of the first three nodes) whose key count changed
-    /// since `before` (from [`key_counts`](Self::key_counts)).
-    pub fn changed_since(&self, before: &[u64]) -> Option<usize> {
+    /// The master (of the first three nodes) that holds the key `write`
+    /// writes first (its key count changes): `None` if none changed.
+    pub async fn master_holding<F: std::future::Future<Output = ()>>(
+        &self,
+        write: impl FnOnce() -> F,
+    ) -> Option<usize> {
+        let before = self.key_counts();
+        write().await;
         let after = self.key_counts();
         (0..after.len()).find(|&i| before.get(i) != after.get(i))
     }

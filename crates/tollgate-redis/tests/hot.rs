@@ -562,15 +562,21 @@ async fn a_paused_shard_leaves_leases_and_denials_within_their_bounds() {
         .unwrap();
     let l = hot.limiter(&rule).unwrap();
     // The hot key, and a key over its limit, on one master.
-    let before = cluster.key_counts();
-    assert!(l.decide(b"hot", 1).await.unwrap().is_allowed());
-    let master = cluster.changed_since(&before).unwrap();
+    let master = cluster
+        .master_holding(|| async {
+            assert!(l.decide(b"hot", 1).await.unwrap().is_allowed());
+        })
+        .await
+        .unwrap();
     let mut over = None;
     for i in 0..64 {
         let key = format!("over-{i}");
-        let before = cluster.key_counts();
-        l.decide(key.as_bytes(), 1).await.unwrap();
-        if cluster.changed_since(&before) == Some(master) {
+        let on = cluster
+            .master_holding(|| async {
+                l.decide(key.as_bytes(), 1).await.unwrap();
+            })
+            .await;
+        if on == Some(master) {
             over = Some(key);
             break;
         }

@@ -489,14 +489,14 @@ fn rule(
         &path,
         &spanned.span(),
     )?;
-    tollgate_core::Rule::new(r.name.get_ref(), lim)
+    let base = tollgate_core::Rule::new(r.name.get_ref(), lim)
         .map_err(|e| at(&r.name, field("name"), e.message().to_owned()))?;
     let key = FileKey::parse(r.key.get_ref(), client, v6_prefix)
         .map_err(|m| at(&r.key, field("key"), m))?;
     let file_cost = rule_cost(file, r, &path)?;
     let costliest = file_cost.costliest();
     let mut rule = RateRule::new(r.name.get_ref(), lim, key).cost(file_cost);
-    let mut capacity = capacity_of(r.name.get_ref(), lim);
+    let mut capacity = base.capacity();
     if let Some(m) = &r.missing_key {
         rule = rule.on_missing_key(match m.get_ref().as_str() {
             "reject" => MissingKey::Reject,
@@ -591,7 +591,9 @@ fn rule(
             &format!("{path}.plans.{plan}"),
             &p.span(),
         )?;
-        capacity = capacity.max(capacity_of(r.name.get_ref(), lim));
+        // (An invalid plan limit is reported when the policy is built.)
+        let plan_capacity = tollgate_core::Algorithm::new(lim).map_or(0, |a| a.capacity());
+        capacity = capacity.max(plan_capacity);
         rule = rule.plan(plan, lim);
     }
     // A cost known at load above every plan's capacity: such a request
@@ -608,12 +610,6 @@ fn rule(
         }
     }
     Ok(rule)
-}
-
-/// How many units `lim` admits at once (0 if it is not a valid rule; its
-/// own check reports that).
-fn capacity_of(name: &str, lim: tollgate_core::Limit) -> u64 {
-    tollgate_core::Rule::new(name, lim).map_or(0, |r| r.capacity())
 }
 
 fn access(a: &Spanned<super::spec::AccessSpec>, client: &ClientIp) -> Result<AccessList, Problem> {

@@ -162,7 +162,15 @@ const TABLE: &[Row] = &[
     ),
 ];
 
-async fn run_table<S: Store>(store: S, clock: &ManualClock) {
+/// Runs the table; with `script_calls` (a standalone Redis's count), also
+/// checks that each request after the first (which loads the script) is
+/// one script call for all three rules: no call per rule, and no refund
+/// call after a denial, since the joint decision wrote nothing.
+async fn run_table<S: Store>(
+    store: S,
+    clock: &ManualClock,
+    script_calls: Option<&dyn Fn() -> u64>,
+) {
     let layer = PolicyLayer::builder()
         .rule(
             RateRule::new(
@@ -198,7 +206,11 @@ async fn run_table<S: Store>(store: S, clock: &ManualClock) {
             .header("x-cost", r.cost.to_string())
             .body(String::new())
             .unwrap();
+        let before = script_calls.map(|calls| calls());
         let res = svc.clone().oneshot(req).await.unwrap();
+        if let (Some(calls), Some(before), true) = (script_calls, before, i > 0) {
+            assert_eq!(calls() - before, 1, "row {i}: script calls");
+        }
         assert_eq!(res.status(), r.status, "row {i}");
         assert_eq!(res.headers()["ratelimit-policy"], POLICY, "row {i}");
         assert_eq!(res.headers()["ratelimit"], r.ratelimit, "row {i}");
@@ -216,7 +228,7 @@ async fn run_table<S: Store>(store: S, clock: &ManualClock) {
 async fn memory() {
     let clock = ManualClock::starting_at(60_000_000_000); // a whole minute: windows align
     let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
-    run_table(store, &clock).await;
+    run_table(store, &clock, None).await;
 }
 
 fn redis_store(url: &str, clock: &ManualClock) -> RedisStore {
@@ -232,7 +244,8 @@ fn redis_store(url: &str, clock: &ManualClock) -> RedisStore {
 async fn redis() {
     let Some(redis) = Server::start() else { return };
     let clock = ManualClock::starting_at(1_796_000_040_000_000_000); // a whole minute
-    run_table(redis_store(&redis.url(), &clock), &clock).await;
+    let calls = || redis.script_calls();
+    run_table(redis_store(&redis.url(), &clock), &clock, Some(&calls)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -241,7 +254,7 @@ async fn redis_cluster() {
         return;
     };
     let clock = ManualClock::starting_at(1_796_000_040_000_000_000); // a whole minute
-    run_table(redis_store(&cluster.url(), &clock), &clock).await;
+    run_table(redis_store(&cluster.url(), &clock), &clock, None).await;
 }
 
 /// A policy of one per-key fixed window of `limit` an hour, with

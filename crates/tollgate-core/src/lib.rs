@@ -78,6 +78,7 @@ pub use config::{
 };
 pub use decision::{Acquire, Decision, Lease, Outcome, Withdrawal};
 pub use store::{
-    BoxFuture, ConcurrencyLimiter, EscalationLimiter, Limiter, QuotaLimiter, QuotaStore,
-    RetryBudgetLimiter, RetryBudgetStore, Store, StoreError, StoreErrorKind,
+    join_all, BoxFuture, ConcurrencyLimiter, EscalationLimiter, JointDecision, JointPart, Limiter,
+    QuotaLimiter, QuotaStore, RetryBudgetLimiter, RetryBudgetStore, Store, StoreError,
+    StoreErrorKind,
 };

@@ -174,6 +174,83 @@ pub trait Limiter: Clone + Send + Sync + 'static {
         let _ = (key, cost);
         None
     }
+
+    /// Decides one request under several rules of this store together,
+    /// in fewer round trips than one per rule where the store can, and
+    /// atomically where it can: the rules it decides in one step either
+    /// all consume their cost (no enforced rule among them denies) or
+    /// none does, so no other request ever sees a charge that is refunded
+    /// a moment later. Each answer says whether its cost was consumed;
+    /// whoever refunds on a denial refunds only those.
+    ///
+    /// `Some` resolves to one answer per part, in order. `None` (the
+    /// default) means the store has no such step: decide each rule with
+    /// [`decide`](Self::decide).
+    fn decide_joint(parts: &[JointPart<'_, Self>]) -> Option<BoxFuture<Vec<JointDecision>>> {
+        let _ = parts;
+        None
+    }
+}
+
+/// One rule's part in a joint decision ([`Limiter::decide_joint`]).
+#[derive(Debug)]
+pub struct JointPart<'a, L> {
+    /// The rule, bound to the store.
+    pub limiter: &'a L,
+    /// The request's key under this rule.
+    pub key: &'a [u8],
+    /// The request's cost under this rule (0 peeks).
+    pub cost: u32,
+    /// Whether this rule's denial denies the request; `false` for a rule
+    /// that only watches (shadow), whose decision is recorded but never
+    /// holds the others back.
+    pub enforced: bool,
+}
+
+impl<L> Clone for JointPart<'_, L> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<L> Copy for JointPart<'_, L> {}
+
+/// One rule's answer in a joint decision ([`Limiter::decide_joint`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JointDecision {
+    /// What the rule decided. A rule decided together with an enforced
+    /// rule that denied shows what it would have left had the request
+    /// been admitted, as a decision that is then refunded does.
+    pub decision: Result<Decision, StoreError>,
+    /// Whether the rule's cost was consumed: `false` when it denied, when
+    /// a rule decided in the same step denied (nothing was written), or
+    /// when a failure policy answered without counting anything.
+    pub consumed: bool,
+}
+
+/// Awaits `futures` side by side, in the caller's task; their outputs in
+/// order. What layers and stores use to make a request's store calls
+/// together without a dependency for it.
+pub async fn join_all<F: Future + Unpin>(futures: Vec<F>) -> Vec<F::Output> {
+    let mut slots: Vec<(F, Option<F::Output>)> = futures.into_iter().map(|f| (f, None)).collect();
+    std::future::poll_fn(|cx| {
+        let mut waiting = false;
+        for (future, out) in &mut slots {
+            if out.is_none() {
+                match Pin::new(future).poll(cx) {
+                    std::task::Poll::Ready(v) => *out = Some(v),
+                    std::task::Poll::Pending => waiting = true,
+                }
+            }
+        }
+        if waiting {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    slots.into_iter().filter_map(|(_, out)| out).collect()
 }
 
 /// One concurrency rule bound to a store: acquire and release leases.

@@ -306,6 +306,15 @@ fn sentinel(
 }
 
 impl Conn {
+    /// The Cluster slot of `key`, or `None` where every key is on one
+    /// server (standalone, Sentinel).
+    pub(crate) fn slot_of(&self, key: &str) -> Option<redis::cluster_routing::Slot> {
+        match self {
+            Self::Cluster(..) => Some(redis::cluster_routing::Slot::for_key(key)),
+            Self::Standalone(_) | Self::Sentinel(..) => None,
+        }
+    }
+
     /// `connect_timeout` bounds each attempt to connect, `timeout` each
     /// command's response.
     pub(crate) fn new(

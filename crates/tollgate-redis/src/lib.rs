@@ -29,6 +29,13 @@
 //!   share a Cluster slot; a TTL of the rule's window plus a margin on
 //!   every write, so idle keys vanish; long, binary or odd client keys
 //!   hashed to a fixed length.
+//! - **Several rate rules on one request** (a policy) are decided in one
+//!   script call per hash slot ([`Limiter::decide_joint`](tollgate_core::Limiter::decide_joint)):
+//!   on a standalone or Sentinel store one call for all the rules, which
+//!   charges every rule or — an enforced rule denies — none, so there is
+//!   nothing to refund. On Cluster, rules in one slot share a call; rules
+//!   in other slots are decided side by side and refunded by the caller
+//!   on a denial.
 //! - **Concurrency permits are leases** with an expiry (the core's
 //!   [`Semaphore`](tollgate_core::Semaphore)): per client key, a sorted set
 //!   of leases by expiry and a hash counting the permits they hold, so

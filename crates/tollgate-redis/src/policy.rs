@@ -98,6 +98,11 @@ impl RateOnFailure {
         }
     }
 
+    /// Whether an admitting answer consumed anything: only memory counts.
+    pub(crate) fn consumes(&self) -> bool {
+        matches!(self, Self::Memory(_))
+    }
+
     /// Refunds in memory; `false` if there is no memory to refund to.
     pub(crate) fn refund(&self, key: &[u8], cost: u32) -> bool {
         match self {

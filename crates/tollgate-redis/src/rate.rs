@@ -1,9 +1,10 @@
-//! Rate rules on Redis: one script call per decision.
+//! Rate rules on Redis: one script call per decision, and one per hash
+//! slot for the rules that decide a request together.
 
 use std::fmt;
 use std::sync::Arc;
 
-use tollgate_core::{Decision, Limiter, Rule, StoreError};
+use tollgate_core::{Decision, JointDecision, JointPart, Limiter, Rule, StoreError};
 
 use crate::backend::Backend;
 use crate::key;
@@ -23,6 +24,8 @@ struct BoundRate {
     rule: Rule,
     format: key::Format,
     script: &'static Script,
+    /// The algorithm's name in the joint script.
+    name: &'static str,
     params: Vec<String>,
     ttl: String,
     on_failure: RateOnFailure,
@@ -43,7 +46,7 @@ impl RedisLimiter {
         rebinding: bool,
     ) -> Result<Self, tollgate_core::ConfigError> {
         crate::scripts::check_spans(rule.algorithm())?;
-        let (script, params) = crate::scripts::for_algorithm(rule.algorithm());
+        let script = crate::scripts::for_algorithm(rule.algorithm());
         let on_failure = RateOnFailure::new(&backend.policy.binding(rebinding), rule)?;
         Ok(Self {
             bound: Arc::new(BoundRate {
@@ -52,8 +55,9 @@ impl RedisLimiter {
                 backend,
                 rule: rule.clone(),
                 format: key::Format::of(rule.algorithm()),
-                script,
-                params,
+                script: script.script,
+                name: script.name,
+                params: script.params,
                 on_failure,
             }),
         })
@@ -61,15 +65,107 @@ impl RedisLimiter {
 }
 
 impl BoundRate {
+    fn redis_key(&self, key: &[u8]) -> String {
+        key::redis_key(&self.backend.prefix, self.format, self.rule.name(), key)
+    }
+
     /// Runs this rule's script in `mode` for `key`.
     async fn call(&self, mode: RateMode, key: &[u8], cost: u32) -> Result<Reply, StoreError> {
-        let rkey = key::redis_key(&self.backend.prefix, self.format, self.rule.name(), key);
+        let rkey = self.redis_key(key);
         let cost = cost.to_string();
         let now = self.backend.now_arg();
         let mut args: Vec<&str> = Vec::with_capacity(self.params.len().saturating_add(4));
         args.extend([mode.arg(), cost.as_str(), now.as_str(), self.ttl.as_str()]);
         args.extend(self.params.iter().map(String::as_str));
         self.backend.run(self.script, &[&rkey], &args).await
+    }
+
+    /// What the failure policy answers for `key` at `cost`, and whether it
+    /// consumed it.
+    fn failed(&self, key: &[u8], cost: u32) -> JointDecision {
+        let decision = self.on_failure.decide(&self.rule, key, cost);
+        JointDecision {
+            consumed: decision.is_allowed() && self.on_failure.consumes(),
+            decision: Ok(decision),
+        }
+    }
+}
+
+/// One rule of a joint decision, owned for its script call.
+struct Part {
+    bound: Arc<BoundRate>,
+    rkey: String,
+    key: Vec<u8>,
+    cost: u32,
+    enforced: bool,
+}
+
+/// Which parts share a script call: on Cluster those whose keys share a
+/// hash slot, elsewhere all of them. A key met twice (one rule given
+/// twice) goes to another call, since a joint decision reads each key
+/// once.
+fn calls(backend: &Backend, parts: &[Part]) -> Vec<Vec<usize>> {
+    let mut calls: Vec<(Option<redis::cluster_routing::Slot>, Vec<usize>)> = Vec::new();
+    for (i, part) in parts.iter().enumerate() {
+        let slot = backend.conn().slot_of(&part.rkey);
+        let joins = calls.iter_mut().find(|(s, members)| {
+            *s == slot
+                && !members
+                    .iter()
+                    .any(|&j| parts.get(j).is_some_and(|p| p.rkey == part.rkey))
+        });
+        match joins {
+            Some((_, members)) => members.push(i),
+            None => calls.push((slot, vec![i])),
+        }
+    }
+    calls.into_iter().map(|(_, members)| members).collect()
+}
+
+/// Decides `members` of `parts` in one script call: all of them consume,
+/// or (an enforced one denies) none does. A fault or an unreadable reply:
+/// each rule's failure policy answers.
+async fn decide_together(
+    backend: &Backend,
+    parts: &[Part],
+    members: &[usize],
+) -> Vec<JointDecision> {
+    let chosen: Vec<&Part> = members.iter().filter_map(|&i| parts.get(i)).collect();
+    if let [one] = chosen.as_slice() {
+        let reply = one.bound.call(RateMode::Decide, &one.key, one.cost).await;
+        return vec![match reply.ok().and_then(|r| r.decision()) {
+            Some(d) => JointDecision {
+                consumed: d.is_allowed() && one.cost > 0,
+                decision: Ok(d),
+            },
+            None => one.bound.failed(&one.key, one.cost),
+        }];
+    }
+    let now = backend.now_arg();
+    let costs: Vec<String> = chosen.iter().map(|p| p.cost.to_string()).collect();
+    let keys: Vec<&str> = chosen.iter().map(|p| p.rkey.as_str()).collect();
+    let mut args: Vec<&str> = Vec::with_capacity(chosen.len().saturating_mul(7).saturating_add(4));
+    args.extend(["decide", "0", now.as_str(), "0"]);
+    for (p, cost) in chosen.iter().zip(&costs) {
+        let enforced = if p.enforced { "1" } else { "0" };
+        args.extend([p.bound.name, cost.as_str(), p.bound.ttl.as_str(), enforced]);
+        let params = p.bound.params.iter().map(String::as_str);
+        args.extend(params.chain(std::iter::repeat("")).take(3));
+    }
+    let reply = backend.run(&crate::scripts::JOINT, &keys, &args).await;
+    match reply.ok().and_then(|r| r.joint(chosen.len())) {
+        Some((applied, decisions)) => decisions
+            .into_iter()
+            .zip(&chosen)
+            .map(|(d, p)| JointDecision {
+                consumed: applied && d.is_allowed() && p.cost > 0,
+                decision: Ok(d),
+            })
+            .collect(),
+        None => chosen
+            .iter()
+            .map(|p| p.bound.failed(&p.key, p.cost))
+            .collect(),
     }
 }
 
@@ -104,5 +200,52 @@ impl Limiter for RedisLimiter {
                 Err(e) => Err(e),
             }
         })
+    }
+
+    /// One script call for the rules whose keys share a Cluster slot —
+    /// on a standalone or Sentinel store, for all of them — which either
+    /// consumes every rule's cost or none; the calls for different slots
+    /// run side by side, and what one consumed is refunded by the caller
+    /// when another denies. Rules of other stores are not joined.
+    fn decide_joint(parts: &[JointPart<'_, Self>]) -> Option<BoxFuture<Vec<JointDecision>>> {
+        let backend = Arc::clone(&parts.first()?.limiter.bound.backend);
+        let one_store = parts
+            .iter()
+            .all(|p| Arc::ptr_eq(&p.limiter.bound.backend, &backend));
+        if parts.len() < 2 || !one_store {
+            return None;
+        }
+        let parts: Vec<Part> = parts
+            .iter()
+            .map(|p| Part {
+                rkey: p.limiter.bound.redis_key(p.key),
+                bound: Arc::clone(&p.limiter.bound),
+                key: p.key.to_vec(),
+                cost: p.cost,
+                enforced: p.enforced,
+            })
+            .collect();
+        Some(Box::pin(async move {
+            let calls = calls(&backend, &parts);
+            let answers = tollgate_core::join_all(
+                calls
+                    .iter()
+                    .map(|members| Box::pin(decide_together(&backend, &parts, members)))
+                    .collect(),
+            )
+            .await;
+            let mut out: Vec<Option<JointDecision>> = parts.iter().map(|_| None).collect();
+            for (members, answers) in calls.iter().zip(answers) {
+                for (&i, answer) in members.iter().zip(answers) {
+                    if let Some(slot) = out.get_mut(i) {
+                        *slot = Some(answer);
+                    }
+                }
+            }
+            out.into_iter()
+                .zip(&parts)
+                .map(|(answer, p)| answer.unwrap_or_else(|| p.bound.failed(&p.key, p.cost)))
+                .collect()
+        }))
     }
 }

@@ -20,12 +20,55 @@ macro_rules! script {
     };
 }
 
-script!(GCRA, "gcra.lua");
-script!(TOKEN_BUCKET, "token_bucket.lua");
-script!(FIXED_WINDOW, "fixed_window.lua");
-script!(SLIDING_COUNTER, "sliding_window_counter.lua");
-script!(SLIDING_LOG, "sliding_window_log.lua");
-script!(LEAKY_BUCKET, "leaky_bucket.lua");
+/// A rate algorithm's file (`<name>.lua`), scoped to itself: it
+/// defines `RATE.<name>`.
+macro_rules! algorithm {
+    ($name:literal) => {
+        concat!(
+            "do\n",
+            include_str!(concat!("scripts/", $name, ".lua")),
+            "end\n"
+        )
+    };
+}
+
+/// The script of one rate algorithm: its function, called on `KEYS[1]`
+/// with the prelude's arguments.
+macro_rules! rate_script {
+    ($name:ident, $algorithm:literal) => {
+        pub(crate) static $name: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
+            redis::Script::new(concat!(
+                include_str!("scripts/prelude.lua"),
+                algorithm!($algorithm),
+                "return RATE.",
+                $algorithm,
+                "(KEYS[1], mode, cost, ttl, {ARGV[5], ARGV[6], ARGV[7]})\n"
+            ))
+        });
+    };
+}
+
+rate_script!(GCRA, "gcra");
+rate_script!(TOKEN_BUCKET, "token_bucket");
+rate_script!(FIXED_WINDOW, "fixed_window");
+rate_script!(SLIDING_COUNTER, "sliding_window_counter");
+rate_script!(SLIDING_LOG, "sliding_window_log");
+rate_script!(LEAKY_BUCKET, "leaky_bucket");
+
+/// Several rate rules deciding one request together (`joint.lua`): every
+/// algorithm, and the joint decision.
+pub(crate) static JOINT: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(concat!(
+        include_str!("scripts/prelude.lua"),
+        algorithm!("gcra"),
+        algorithm!("token_bucket"),
+        algorithm!("fixed_window"),
+        algorithm!("sliding_window_counter"),
+        algorithm!("sliding_window_log"),
+        algorithm!("leaky_bucket"),
+        include_str!("scripts/joint.lua")
+    ))
+});
 script!(SEMAPHORE, "semaphore.lua");
 script!(QUOTA, "quota.lua");
 script!(RETRY_BUDGET, "retry_budget.lua");
@@ -136,15 +179,25 @@ impl EscalationMode {
     }
 }
 
-/// The script for `algorithm` and its parameters (`ARGV[5..]`).
-pub(crate) fn for_algorithm(algorithm: &Algorithm) -> (&'static Script, Vec<String>) {
-    match algorithm {
+/// A rate rule's script: the algorithm's own, its name in `RATE` (for
+/// [`JOINT`]), and its parameters (`ARGV[5..]`).
+pub(crate) struct RateScript {
+    pub(crate) script: &'static Script,
+    pub(crate) name: &'static str,
+    pub(crate) params: Vec<String>,
+}
+
+/// The script for `algorithm`.
+pub(crate) fn for_algorithm(algorithm: &Algorithm) -> RateScript {
+    let (script, name, params) = match algorithm {
         Algorithm::Gcra(a) => (
             &GCRA,
+            "gcra",
             vec![a.interval().to_string(), a.capacity().to_string()],
         ),
         Algorithm::TokenBucket(a) => (
             &TOKEN_BUCKET,
+            "token_bucket",
             vec![
                 a.capacity().to_string(),
                 a.refill().to_string(),
@@ -153,20 +206,29 @@ pub(crate) fn for_algorithm(algorithm: &Algorithm) -> (&'static Script, Vec<Stri
         ),
         Algorithm::FixedWindow(a) => (
             &FIXED_WINDOW,
+            "fixed_window",
             vec![a.capacity().to_string(), a.window().to_string()],
         ),
         Algorithm::SlidingWindowCounter(a) => (
             &SLIDING_COUNTER,
+            "sliding_window_counter",
             vec![a.capacity().to_string(), a.window().to_string()],
         ),
         Algorithm::SlidingWindowLog(a) => (
             &SLIDING_LOG,
+            "sliding_window_log",
             vec![a.capacity().to_string(), a.window().to_string()],
         ),
         Algorithm::LeakyBucket(a) => (
             &LEAKY_BUCKET,
+            "leaky_bucket",
             vec![a.interval().to_string(), a.max_delay().to_string()],
         ),
+    };
+    RateScript {
+        script,
+        name,
+        params,
     }
 }
 
@@ -275,6 +337,23 @@ impl Reply {
             remaining: nonneg(*remaining),
             reset_after: nonneg(*reset),
         })
+    }
+
+    /// `{applied, then five numbers per rule}` (see `joint.lua`) for `n`
+    /// rules: whether the writes were made, and each rule's decision.
+    /// `None` if malformed.
+    pub(crate) fn joint(&self, n: usize) -> Option<(bool, Vec<Decision>)> {
+        let [applied @ (0 | 1), rest @ ..] = self.0.as_slice() else {
+            return None;
+        };
+        if rest.len() != n.checked_mul(5)? {
+            return None;
+        }
+        let decisions = rest
+            .chunks_exact(5)
+            .map(|row| Reply(row.to_vec()).decision())
+            .collect::<Option<Vec<_>>>()?;
+        Some((*applied == 1, decisions))
     }
 
     /// The answer to an acquire of `permits` under the lease id `id`: a

@@ -18,7 +18,8 @@ use tollgate_core::{
     testing, Clock, ConcurrencyLimiter, ConcurrencyRule, Lease, Limit, ManualClock, Rate, Rule,
     SemaphoreState, Store,
 };
-use tollgate_redis::RedisStore;
+use tollgate_core::{JointPart, Limiter};
+use tollgate_redis::{RedisLimiter, RedisStore};
 
 fn factory(url: String) -> impl Fn(ManualClock) -> RedisStore {
     renewing_factory(url, true)
@@ -54,6 +55,20 @@ async fn standalone_redis_passes_the_conformance_suite_at_todays_unix_time() {
     testing::run_at(factory(server.url()), UNIX_2026).await;
 }
 
+/// Rules decided together: on one server, one script call that writes
+/// for all of them or for none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn joint_decisions_match_the_reference() {
+    let Some(server) = support::Server::start() else {
+        return;
+    };
+    for (start, seed) in [(START, 1), (UNIX_2026, 2), (UNIX_2026, 3)] {
+        let clock = ManualClock::starting_at(start);
+        let store = factory(server.url())(clock.clone());
+        testing::joint_random_trace(&store, &clock, seed, true).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster_passes_the_conformance_suite() {
     let Some(cluster) = support::Cluster::start() else {
@@ -65,7 +80,76 @@ async fn redis_cluster_passes_the_conformance_suite() {
         testing::run_at(factory(cluster.url()), start).await;
         let clock = ManualClock::starting_at(start);
         testing::lease_expiry(&make(clock.clone()), &clock).await;
+        // Rules in different slots: one call each, side by side.
+        let clock = ManualClock::starting_at(start);
+        let store = factory(cluster.url())(clock.clone());
+        testing::joint_random_trace(&store, &clock, 4, false).await;
     }
+    rules_sharing_a_slot_share_a_call(&cluster).await;
+}
+
+/// On Cluster, rules whose keys share a hash slot are decided in one
+/// script call, all or nothing; a rule in another slot in a call of its
+/// own, whose charge the caller refunds when the request is denied.
+async fn rules_sharing_a_slot_share_a_call(cluster: &support::Cluster) {
+    let prefix = support::unique_prefix();
+    let store = RedisStore::builder(&cluster.url())
+        .prefix(&prefix)
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    // The keys' format is checked in the store's own tests.
+    let slot =
+        |name: &str| redis::cluster_routing::Slot::for_key(format!("{prefix}:{{fw1|{name}|k:k}}"));
+    let names = (0..).map(|i| format!("r{i}"));
+    let mate = names.clone().find(|n| slot(n) == slot("first")).unwrap();
+    let other = names.clone().find(|n| slot(n) != slot("first")).unwrap();
+    let hourly = |name: &str, limit| {
+        let rule = Rule::new(name, Limit::fixed_window(limit, Duration::from_secs(3_600)));
+        store.limiter(&rule.unwrap()).unwrap()
+    };
+    let limiters = [hourly("first", 1), hourly(&mate, 10), hourly(&other, 10)];
+    let decide = |cost: u32| {
+        let parts: Vec<JointPart<'_, RedisLimiter>> = limiters
+            .iter()
+            .map(|limiter| JointPart {
+                limiter,
+                key: b"k",
+                cost,
+                enforced: true,
+            })
+            .collect();
+        RedisLimiter::decide_joint(&parts).unwrap()
+    };
+    let calls = || {
+        cluster
+            .nodes
+            .iter()
+            .map(support::Server::script_calls)
+            .sum::<u64>()
+    };
+    // Peeks load the scripts where they run, and consume nothing.
+    decide(0).await;
+    let before = calls();
+    let first = decide(1).await;
+    assert_eq!(
+        calls() - before,
+        2,
+        "one call for the shared slot, one for the other"
+    );
+    assert!(first.iter().all(|a| a.consumed), "{first:?}");
+    // "first" is spent: its slot's call writes nothing; the other slot's
+    // call consumed, for the caller to refund.
+    let second = decide(1).await;
+    let consumed: Vec<bool> = second.iter().map(|a| a.consumed).collect();
+    assert_eq!(consumed, [false, false, true], "{second:?}");
+    assert!(!second[0].decision.as_ref().unwrap().is_allowed());
+    let left: Vec<u64> = decide(0)
+        .await
+        .iter()
+        .map(|a| a.decision.as_ref().unwrap().remaining)
+        .collect();
+    assert_eq!(left, [0, 9, 8]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

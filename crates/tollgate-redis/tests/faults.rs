@@ -12,12 +12,12 @@ use std::time::{Duration, Instant};
 
 use tollgate_core::calendar::{Offset, Period};
 use tollgate_core::{
-    ConcurrencyLimiter, ConcurrencyRule, Limit, Limiter, Outcome, QuotaLimiter, QuotaRule,
-    QuotaStore, Rate, Rule, Store,
+    ConcurrencyLimiter, ConcurrencyRule, JointPart, Limit, Limiter, Outcome, QuotaLimiter,
+    QuotaRule, QuotaStore, Rate, Rule, Store,
 };
 use tollgate_memory::MemoryStore;
 use tollgate_redis::testing::{unique_prefix, Server};
-use tollgate_redis::{FailurePolicy, RedisStore};
+use tollgate_redis::{FailurePolicy, RedisLimiter, RedisStore};
 
 const TIMEOUT: Duration = Duration::from_millis(50);
 /// Scheduling slack on a loaded 2-core CI machine: a call may overrun the
@@ -105,6 +105,25 @@ async fn fail_open_admits_fail_closed_denies_fallback_limits_locally() {
         "the breaker stops calling a dead Redis"
     );
     assert!(open.stats().skipped > 0, "{:?}", open.stats());
+    // Rules decided together follow the same policies, and say what they
+    // consumed (what a denial elsewhere refunds): fail open and fail
+    // closed nothing, the fallback its memory's units.
+    let joint = |limiter: &RedisLimiter| {
+        let parts = [b"j1", b"j2"].map(|key| JointPart {
+            limiter,
+            key,
+            cost: 1,
+            enforced: true,
+        });
+        RedisLimiter::decide_joint(&parts).unwrap()
+    };
+    for (limiter, allowed, consumed) in [(&lo, true, false), (&lc, false, false), (&lf, true, true)]
+    {
+        for answer in joint(limiter).await {
+            assert_eq!(answer.decision.unwrap().is_allowed(), allowed);
+            assert_eq!(answer.consumed, consumed);
+        }
+    }
 
     server.restart();
     for (s, l) in [(&open, &lo), (&closed, &lc), (&fallback, &lf)] {

@@ -89,6 +89,7 @@ impl ByMethod {
 
     /// The costliest entry: its cost and what it is (for a check that a
     /// limit can ever admit it).
+    #[cfg(feature = "config")]
     pub(crate) fn costliest(&self) -> (u32, String) {
         self.table
             .iter()
@@ -143,6 +144,7 @@ impl ByRoute {
     }
 
     /// The costliest entry: its cost and what it is.
+    #[cfg(feature = "config")]
     pub(crate) fn costliest(&self) -> (u32, String) {
         self.routes.iter().fold(
             (self.default, "the default".to_owned()),

@@ -158,6 +158,20 @@ impl Reference {
         }
     }
 
+    /// What the pure algorithm would decide for `key` at `now`, changing
+    /// nothing.
+    pub fn peek(&self, key: &[u8], now: u64, cost: u32) -> crate::Decision {
+        let mut s = self.states.get(key).cloned().unwrap_or_default();
+        match &self.algorithm {
+            Algorithm::Gcra(a) => a.decide(&mut s.word, now, cost),
+            Algorithm::TokenBucket(a) => a.decide(&mut s.word, now, cost),
+            Algorithm::FixedWindow(a) => a.decide(&mut s.word, now, cost),
+            Algorithm::LeakyBucket(a) => a.decide(&mut s.word, now, cost),
+            Algorithm::SlidingWindowCounter(a) => a.decide(&mut s.counter, now, cost),
+            Algorithm::SlidingWindowLog(a) => a.decide(&mut s.log, now, cost),
+        }
+    }
+
     /// What the pure algorithm's refund does to `key` at `now`.
     pub fn refund(&mut self, key: &[u8], now: u64, cost: u32) {
         let s = self.states.entry(key.to_vec()).or_default();
@@ -250,6 +264,93 @@ pub async fn random_trace<S: Store>(store: &S, clock: &ManualClock, rule: &Rule,
             String::from_utf8_lossy(key),
             now - origin
         );
+    }
+}
+
+/// For stores that decide rules jointly ([`Limiter::decide_joint`]
+/// answers): 400 random requests, each decided by a random choice of the
+/// rules of [`rules`] at once — random keys and costs, some rules only
+/// watching, the clock moving in ms and now and then back. Every rule
+/// answers as the pure algorithm does on the state before the request;
+/// when no enforced rule denies, every admitting rule consumes. When one
+/// does, an `atomic` store (one that decides all the rules in one step)
+/// consumes nothing; any other may have consumed for some rules, which
+/// the trace then refunds, as a caller does.
+pub async fn joint_random_trace<S: Store>(store: &S, clock: &ManualClock, seed: u64, atomic: bool) {
+    let rules = rules();
+    let limiters: Vec<S::Limiter> = rules.iter().map(|r| store.limiter(r).unwrap()).collect();
+    let mut references: Vec<Reference> = rules.iter().map(Reference::new).collect();
+    let mut rng = Lcg(seed);
+    let keys: [&[u8]; 3] = [b"alice", b"bob", b"carol"];
+    let origin = crate::Clock::now(clock);
+    for step in 0..400 {
+        move_clock(clock, &mut rng, MS, Some(origin));
+        let now = crate::Clock::now(clock);
+        // Two or more rules, in a random order, each with its key and cost.
+        let mut chosen: Vec<usize> = (0..rules.len()).filter(|_| rng.below(3) != 0).collect();
+        while chosen.len() < 2 {
+            chosen.push(rng.below(rules.len() as u64) as usize);
+            chosen.dedup();
+        }
+        let shift = rng.below(chosen.len() as u64) as usize;
+        chosen.rotate_left(shift);
+        let asks: Vec<(usize, &[u8], u32, bool)> = chosen
+            .iter()
+            .map(|&r| {
+                let cost = rng.below(rules[r].capacity() + 2) as u32;
+                (r, keys[rng.below(3) as usize], cost, rng.below(5) != 0)
+            })
+            .collect();
+        let parts: Vec<crate::JointPart<'_, S::Limiter>> = asks
+            .iter()
+            .map(|&(r, key, cost, enforced)| crate::JointPart {
+                limiter: &limiters[r],
+                key,
+                cost,
+                enforced,
+            })
+            .collect();
+        let got = S::Limiter::decide_joint(&parts)
+            .expect("the store decides rules jointly")
+            .await;
+        assert_eq!(got.len(), asks.len(), "step {step}");
+        let want: Vec<crate::Decision> = asks
+            .iter()
+            .map(|&(r, key, cost, _)| references[r].peek(key, now, cost))
+            .collect();
+        let denied = asks
+            .iter()
+            .zip(&want)
+            .any(|(&(.., enforced), d)| enforced && !d.is_allowed());
+        for (i, ((&(r, key, cost, _), d), answer)) in asks.iter().zip(&want).zip(&got).enumerate() {
+            let context = || {
+                format!(
+                    "step {step}, part {i}: rule {} key {:?} cost {cost} at +{} ns",
+                    rules[r].name(),
+                    String::from_utf8_lossy(key),
+                    now - origin
+                )
+            };
+            assert_eq!(answer.decision.as_ref().ok(), Some(d), "{}", context());
+            let may_consume = d.is_allowed() && cost > 0;
+            if !denied || atomic {
+                assert_eq!(answer.consumed, may_consume && !denied, "{}", context());
+            } else {
+                assert!(!answer.consumed || may_consume, "{}", context());
+            }
+            if answer.consumed {
+                references[r].decide(key, now, cost);
+                if denied {
+                    limiters[r].refund(key, cost).await.unwrap();
+                    references[r].refund(key, now, cost);
+                }
+            } else {
+                // Nothing consumed, yet the rule looked, as a peek does: a
+                // sliding log drops the entries that left its window
+                // (which counts once the clock goes back).
+                references[r].decide(key, now, 0);
+            }
+        }
     }
 }
 

@@ -2,7 +2,15 @@
 -- ARGV[1] the mode ('decide' or 'refund' for rate rules; the semaphore's
 -- are in semaphore.lua), ARGV[2] the cost (or permits), ARGV[3] the time:
 -- ns since the Unix epoch, in decimal ('' = Redis's own TIME), ARGV[4] the
--- key's TTL in ms, ARGV[5..] the rule's parameters.
+-- key's TTL in ms, ARGV[5..] the rule's parameters. (A joint decision of
+-- several rate rules, joint.lua, lays out its rules after ARGV[4].)
+--
+-- A rate algorithm is a function RATE.<name>(key, mode, cost, ttl, p), p
+-- its parameters, that returns its reply; it makes the writes that admit
+-- a request through write(), so that a joint decision can hold them until
+-- every rule has decided (other writes, such as dropping expired entries
+-- or state it does not recognise, leave the decision unchanged and are
+-- made at once).
 --
 -- Exact arithmetic. Lua's numbers are doubles, exact for integers up to
 -- 2^53; a Unix time in ns is about 1.8e18, where a double resolves 256 ns.
@@ -94,16 +102,24 @@ local function get(key)
   return v or nil
 end
 -- For state read piece by piece: corrupt() says it holds something these
--- scripts did not write; guarded(main) then deletes the script's keys and
--- runs main again, on absent state. Any other error passes through.
+-- scripts did not write; guarded(main, keys) then deletes `keys` (the
+-- script's KEYS when nil) and runs main again, on absent state. Any other
+-- error passes through.
 local CORRUPT = {}
 local function corrupt() error(CORRUPT) end
-local function guarded(main)
+local function guarded(main, keys)
   local ok, reply = pcall(main)
   if ok then return reply end
   if reply ~= CORRUPT then error(reply, 0) end
-  for _, k in ipairs(KEYS) do redis.call('DEL', k) end
+  for _, k in ipairs(keys or KEYS) do redis.call('DEL', k) end
   return main()
+end
+-- The rate algorithms, by name, and where their admitting writes go: made
+-- at once, or into `held` while a joint decision runs.
+local RATE = {}
+local held = nil
+local function write(f)
+  if held then held[#held + 1] = f else f() end
 end
 local mode = ARGV[1]
 local cost = tonumber(ARGV[2])

@@ -18,8 +18,18 @@ pub(super) struct Report {
     /// Bit `i`: rule `i` only watches this request (shadow, or a canary
     /// that leaves its key out).
     pub(super) shadow: u16,
+    /// Bit `i`: rule `i` admitted without consuming its cost (a joint
+    /// decision that another rule denied wrote nothing, or a failure
+    /// policy counted nothing), so there is nothing to refund.
+    unconsumed: u16,
     /// The request's plan (0: the default).
     pub(super) plan: u8,
+}
+
+/// Rule `i`'s bit in a [`Report`]'s masks (none past the 16th).
+fn bit(i: usize) -> u16 {
+    1u16.checked_shl(u32::try_from(i).unwrap_or(u32::MAX))
+        .unwrap_or(0)
 }
 
 impl Report {
@@ -27,6 +37,7 @@ impl Report {
         Self {
             decided: [None; MAX_RULES],
             shadow: 0,
+            unconsumed: 0,
             plan: 0,
         }
     }
@@ -37,18 +48,24 @@ impl Report {
             *slot = Some((d, cost));
         }
         if shadow {
-            self.shadow |= 1u16
-                .checked_shl(u32::try_from(i).unwrap_or(u32::MAX))
-                .unwrap_or(0);
+            self.shadow |= bit(i);
         }
+    }
+
+    /// Rule `i`'s admitting decision consumed nothing.
+    pub(super) fn set_unconsumed(&mut self, i: usize) {
+        self.unconsumed |= bit(i);
     }
 
     /// Whether rule `i` only watches this request.
     pub(super) fn shadows(&self, i: usize) -> bool {
-        let bit = 1u16
-            .checked_shl(u32::try_from(i).unwrap_or(u32::MAX))
-            .unwrap_or(0);
-        self.shadow & bit != 0
+        self.shadow & bit(i) != 0
+    }
+
+    /// Rule `i`'s decision and cost, if it consumed a cost to refund.
+    fn consumed(&self, i: usize) -> Option<(Decision, u32)> {
+        let (d, cost) = (*self.decided.get(i)?)?;
+        (d.is_allowed() && cost > 0 && self.unconsumed & bit(i) == 0).then_some((d, cost))
     }
 }
 
@@ -144,13 +161,11 @@ pub(super) fn refund_consumed<B, L: Limiter>(
     report: &Report,
     mut key: impl FnMut(usize, &mut dyn FnMut(&[u8])),
 ) {
-    for (i, (rule, slot)) in shared.rules.iter().zip(&report.decided).enumerate() {
-        if let Some((d, cost)) = slot {
-            if d.is_allowed() && *cost > 0 {
-                key(i, &mut |k| {
-                    crate::task::finish(rule.at(report.plan).0.refund(k, *cost));
-                });
-            }
+    for (i, rule) in shared.rules.iter().enumerate() {
+        if let Some((_, cost)) = report.consumed(i) {
+            key(i, &mut |k| {
+                crate::task::finish(rule.at(report.plan).0.refund(k, cost));
+            });
         }
     }
 }
@@ -223,12 +238,12 @@ pub(super) fn settle_response<B, L: Limiter>(
         let Some(count_if) = &rule.count_if else {
             continue;
         };
+        if report.consumed(*i).is_none() || count_if(status) {
+            continue;
+        }
         let Some(Some((d, cost))) = report.decided.get_mut(*i) else {
             continue;
         };
-        if !d.is_allowed() || *cost == 0 || count_if(status) {
-            continue;
-        }
         crate::task::finish(rule.at(plan).0.refund(key.as_bytes(), *cost));
         shown_refunded(d, *cost);
     }

@@ -69,15 +69,23 @@
 //!   (the same on every instance), and shadows it for the rest.
 //! - **Stores**: the in-memory store decides every rule in `call`, with no
 //!   allocation for the decisions of up to [`MAX_RULES`] rules (the header
-//!   values are allocated, as for one rule). A networked store decides the
-//!   rules concurrently, one call each, then refunds on a denial; a
-//!   request cancelled during that call keeps what it was charged, as a
-//!   single rule's does.
-//!   Between a rule's charge and its refund, another request of the same
-//!   key may see that rule's budget lower than it ends up: rules are not
-//!   one atomic transaction across keys (on Redis Cluster, keys of
-//!   different rules live on different nodes), and a denied request can
-//!   briefly hold back a concurrent one, never let one more through.
+//!   values are allocated, as for one rule), and refunds at once on a
+//!   denial. A networked store decides the rules together
+//!   ([`Limiter::decide_joint`](tollgate_core::Limiter::decide_joint)):
+//!   - **Redis, standalone or Sentinel**: one script call for all the
+//!     rules, atomic. Either every rule is charged, or — an enforced rule
+//!     denies — none is, so there is nothing to refund and no other
+//!     request ever sees a charge that is taken back.
+//!   - **Redis Cluster**: rules whose keys share a hash slot are one call,
+//!     atomic as above; the others (each rule's key carries its own hash
+//!     tag, so rules usually live on different nodes) are decided side by
+//!     side, one call per slot, and what they charged is refunded on a
+//!     denial. Between that charge and its refund, another request of the
+//!     same key may see the rule's budget lower than it ends up: a denied
+//!     request can briefly hold back a concurrent one, never let one more
+//!     through.
+//!   - A request cancelled during the call keeps what it was charged, as a
+//!     single rule's does.
 //! - A refund gives back what the rule's algorithm can give back: exact
 //!   for GCRA, token bucket, fixed window, leaky bucket and sliding window
 //!   counter; the sliding window log gives back its oldest units (see

@@ -1,12 +1,11 @@
 //! The policy service: keys, costs and decisions in `call`.
 
 use std::fmt;
-use std::future::{poll_fn, Future};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
-use tollgate_core::{Decision, Limiter, StoreError};
+use tollgate_core::{JointDecision, JointPart, Limiter, StoreError};
 use tower_service::Service;
 
 use super::access::Access;
@@ -536,44 +535,55 @@ where
                     refund_consumed(&shared, report, listed_key(keys));
                 };
                 // Created here, after the marker: no rule is charged for a
-                // repeat.
-                let mut futures: Vec<_> = pending
+                // repeat. Together where the store can (one call, all or
+                // nothing), else one call per rule, side by side.
+                let parts: Vec<_> = pending
                     .iter()
-                    .map(|(i, cost, _, k)| {
+                    .filter_map(|(i, cost, shadow, k)| {
                         let key = keys.get(*k).map_or(&[][..], |(_, key)| key.as_bytes());
-                        shared
-                            .rules
-                            .get(*i)
-                            .map(|rule| Box::pin(rule.at(report.plan).0.decide(key, *cost)))
+                        let limiter = shared.rules.get(*i)?.at(report.plan).0;
+                        Some((
+                            *i,
+                            *shadow,
+                            JointPart {
+                                limiter,
+                                key,
+                                cost: *cost,
+                                enforced: !*shadow,
+                            },
+                        ))
                     })
                     .collect();
-                let mut results: Vec<Option<Result<Decision, StoreError>>> =
-                    pending.iter().map(|_| None).collect();
-                poll_fn(|cx| {
-                    let mut waiting = false;
-                    for (fut, result) in futures.iter_mut().zip(results.iter_mut()) {
-                        if let (Some(fut), None) = (fut.as_mut(), result.as_ref()) {
-                            match fut.as_mut().poll(cx) {
-                                Poll::Ready(r) => *result = Some(r),
-                                Poll::Pending => waiting = true,
-                            }
-                        }
+                let joint: Vec<_> = parts.iter().map(|(_, _, part)| *part).collect();
+                let answers: Vec<JointDecision> = match L::decide_joint(&joint) {
+                    Some(together) => together.await,
+                    None => {
+                        let each = joint
+                            .iter()
+                            .map(|p| Box::pin(p.limiter.decide(p.key, p.cost)))
+                            .collect();
+                        tollgate_core::join_all(each)
+                            .await
+                            .into_iter()
+                            .map(|decision| JointDecision {
+                                consumed: true,
+                                decision,
+                            })
+                            .collect()
                     }
-                    if waiting {
-                        Poll::Pending
-                    } else {
-                        Poll::Ready(())
-                    }
-                })
-                .await;
-                for ((i, cost, shadow, _), result) in pending.iter().zip(results) {
+                };
+                for ((i, shadow, part), answer) in parts.iter().zip(answers) {
                     let Some(rule) = shared.rules.get(*i) else {
                         continue;
                     };
-                    match result {
-                        Some(Ok(d)) => report.set(*i, d, *cost, *shadow),
-                        Some(Err(e)) => store_failed(rule, &e),
-                        None => {}
+                    match answer.decision {
+                        Ok(d) => {
+                            report.set(*i, d, part.cost, *shadow);
+                            if !answer.consumed {
+                                report.set_unconsumed(*i);
+                            }
+                        }
+                        Err(e) => store_failed(rule, &e),
                     }
                 }
                 let mut verdict = settle(&shared, &mut report);

@@ -3,6 +3,8 @@
 //! and a plain `INCR`, on the Redis named by `TOLLGATE_REDIS_URL` (else one
 //! this bench starts on a free port). Each sequentially and with 64
 //! concurrent tasks on one connection; ids `name/tasks`; time per decision.
+//! Also hot keys, batching, and three rules decided jointly
+//! (`redis_multi_rule`).
 #![allow(
     missing_docs,
     clippy::unwrap_used,
@@ -15,9 +17,9 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use redis::aio::ConnectionManager;
-use tollgate_core::{Limit, Limiter, Rate, Rule, Store};
+use tollgate_core::{JointPart, Limit, Limiter, Rate, Rule, Store};
 use tollgate_redis::testing::Server;
-use tollgate_redis::{HotKeys, RedisStore};
+use tollgate_redis::{HotKeys, RedisLimiter, RedisStore};
 
 /// Runs `op` `iters` times split over `tasks` concurrent tasks; returns the
 /// wall time.
@@ -228,6 +230,84 @@ fn redis_decide(c: &mut Criterion) {
             })
         })
     });
+    g.finish();
+
+    multi_rule(c, &rt, &store, &conn, &noop);
+}
+
+/// Three rate rules (GCRA, fixed window, sliding window counter, limits
+/// that admit every request) on one request: decided jointly, in one
+/// script call (what a policy does now), against one call per rule side
+/// by side (what it did before), one rule alone, and the no-op `EVALSHA`;
+/// 1 and 64 concurrent requests; time per request.
+fn multi_rule(
+    c: &mut Criterion,
+    rt: &tokio::runtime::Runtime,
+    store: &RedisStore,
+    conn: &ConnectionManager,
+    noop: &Arc<redis::Script>,
+) {
+    let huge = 1_000_000_000;
+    let limits = [
+        Limit::gcra(Rate::per_second(huge), huge),
+        Limit::fixed_window(huge, Duration::from_secs(60)),
+        Limit::sliding_window_counter(huge, Duration::from_secs(60)),
+    ];
+    let limiters: Arc<Vec<_>> = Arc::new(
+        limits
+            .into_iter()
+            .enumerate()
+            .map(|(i, limit)| {
+                let rule = Rule::new(format!("multi-{i}"), limit).unwrap();
+                store.limiter(&rule).unwrap()
+            })
+            .collect(),
+    );
+    let mut g = c.benchmark_group("redis_multi_rule");
+    for tasks in [1u64, 64] {
+        let ls = Arc::clone(&limiters);
+        g.bench_function(BenchmarkId::new("joint_3", tasks), |b| {
+            b.iter_custom(|iters| {
+                let ls = Arc::clone(&ls);
+                run(rt, iters, tasks, move || {
+                    let ls = Arc::clone(&ls);
+                    async move {
+                        let parts: Vec<JointPart<'_, RedisLimiter>> = ls
+                            .iter()
+                            .map(|limiter| JointPart {
+                                limiter,
+                                key: b"multi-key",
+                                cost: 1,
+                                enforced: true,
+                            })
+                            .collect();
+                        let answers = RedisLimiter::decide_joint(&parts).unwrap().await;
+                        assert!(answers.iter().all(|a| a.consumed));
+                    }
+                })
+            })
+        });
+        let ls = Arc::clone(&limiters);
+        g.bench_function(BenchmarkId::new("separate_3", tasks), |b| {
+            b.iter_custom(|iters| {
+                let ls = Arc::clone(&ls);
+                run(rt, iters, tasks, move || {
+                    let ls = Arc::clone(&ls);
+                    async move {
+                        let each = ls.iter().map(|l| l.decide(b"multi-key", 1)).collect();
+                        let answers = tollgate_core::join_all(each).await;
+                        assert!(answers.iter().all(|a| a.as_ref().unwrap().is_allowed()));
+                    }
+                })
+            })
+        });
+        g.bench_function(BenchmarkId::new("one_rule", tasks), |b| {
+            b.iter_custom(|iters| decisions(rt, iters, tasks, &limiters[0], b"multi-key"))
+        });
+        g.bench_function(BenchmarkId::new("raw_evalsha_noop", tasks), |b| {
+            b.iter_custom(|iters| noop_calls(rt, iters, tasks, conn, noop))
+        });
+    }
     g.finish();
 }
 

@@ -5,10 +5,16 @@ use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
+use http::header::HeaderName;
 use http::{HeaderMap, Method, StatusCode};
 
 use super::{DeadlineExceeded, Throttled};
 use crate::BoxError;
+
+/// Header names read on every answer, parsed once.
+static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+static GRPC_PUSHBACK: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");
+static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
 /// How an attempt ended, as a retry classifier sees it.
 #[derive(Debug)]
@@ -47,7 +53,7 @@ impl Attempt<'_> {
             Attempt::Response { status, headers } => {
                 matches!(status.as_u16(), 429 | 502 | 503 | 504)
                     || matches!(
-                        headers.get("grpc-status").map(|v| v.as_bytes()),
+                        headers.get(&GRPC_STATUS).map(|v| v.as_bytes()),
                         Some(b"14" | b"8")
                     )
             }
@@ -61,7 +67,7 @@ impl Attempt<'_> {
 /// server that wants a retry says when; tollgate's own "this request can
 /// never fit" answers have none).
 pub(crate) fn server_hint(status: StatusCode, headers: &HeaderMap) -> Option<Duration> {
-    if let Some(v) = headers.get("grpc-retry-pushback-ms") {
+    if let Some(v) = headers.get(&GRPC_PUSHBACK) {
         let ms = std::str::from_utf8(v.as_bytes())
             .ok()
             .and_then(|s| s.trim().parse::<i64>().ok())?;
@@ -89,7 +95,7 @@ pub(crate) fn is_idempotent(method: &Method, headers: &HeaderMap) -> bool {
     matches!(
         *method,
         Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE | Method::PUT | Method::DELETE
-    ) || headers.contains_key("idempotency-key")
+    ) || headers.contains_key(&IDEMPOTENCY_KEY)
 }
 
 /// Exponential backoff with full jitter: a random wait from zero to

@@ -12,7 +12,7 @@ use tower_layer::Layer;
 
 use super::access::AccessList;
 use super::idempotency::Idempotency;
-use super::plan::{Plan, Plans, Source};
+use super::plan::{Named, Plan, Plans, Source};
 use super::rule::{DynRule, Erased, RateRule};
 use super::service::Policy;
 use super::shared::{canary, Bound, Current, RejectFn, Shared, MAX_RULES};
@@ -248,7 +248,7 @@ impl<B, St> PolicyLayerBuilder<B, St> {
     /// Reads a request's plan from its [`Plan`] extension, set by
     /// authentication middleware: the way to choose plans in production.
     pub fn plan_from_extension(mut self) -> Self {
-        self.plan_source = Some(Source::Extension);
+        self.plan_source = Some(Source::Named(Named::Extension));
         self
     }
 
@@ -256,7 +256,7 @@ impl<B, St> PolicyLayerBuilder<B, St> {
     /// trusted internal callers: a client that sets the header chooses its
     /// own plan. Errors name the field `header`.
     pub fn plan_from_header(mut self, name: &str) -> Result<Self, ConfigError> {
-        self.plan_source = Some(Source::Header(crate::key::header_name(name)?));
+        self.plan_source = Some(Source::Named(Named::Header(crate::key::header_name(name)?)));
         Ok(self)
     }
 

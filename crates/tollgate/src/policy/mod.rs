@@ -137,7 +137,7 @@ mod decide;
 mod future;
 mod idempotency;
 mod layer;
-mod plan;
+pub(crate) mod plan;
 mod rule;
 mod service;
 mod shared;

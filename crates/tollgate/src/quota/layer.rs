@@ -14,6 +14,7 @@ use crate::cost::Fixed;
 use crate::headers::QuotaHeaders;
 use crate::key::PeerIp;
 use crate::observe::Metrics;
+use crate::policy::plan::{Named, PlanSet};
 use crate::rate_limit::MissingKey;
 use crate::rejection::{LimitKind, Rejected, Rendered};
 
@@ -38,7 +39,7 @@ impl<K, C, L> Clone for QuotaLayer<K, C, L> {
 impl<K, C, L> fmt::Debug for QuotaLayer<K, C, L> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("QuotaLayer")
-            .field("rule", &self.shared.responder.rule)
+            .field("rule", &self.shared.responder().rule)
             .finish_non_exhaustive()
     }
 }
@@ -54,7 +55,7 @@ impl<S, K, C, L> Layer<S> for QuotaLayer<K, C, L> {
 impl<K, C, L: QuotaLimiter> QuotaLayer<K, C, L> {
     /// The quota's name.
     pub fn rule_name(&self) -> &str {
-        &self.shared.responder.rule
+        &self.shared.responder().rule
     }
 
     /// The store's handle of this quota, for administration: read a key's
@@ -62,7 +63,17 @@ impl<K, C, L: QuotaLimiter> QuotaLayer<K, C, L> {
     /// are as the layer's key extractor builds them
     /// ([`KeyBuf`](crate::key::KeyBuf)).
     pub fn limiter(&self) -> &L {
-        &self.shared.limiter
+        &self.shared.plans.default.0
+    }
+
+    /// The store's handle of plan `plan`'s quota (its own usage, under
+    /// the store name `<quota>:<plan>`), for administration as with
+    /// [`limiter`](Self::limiter); `None` for a plan the layer does not
+    /// know.
+    pub fn plan_limiter(&self, plan: &str) -> Option<&L> {
+        let plans = &self.shared.plans;
+        let i = plans.names.iter().position(|n| **n == *plan)?;
+        plans.plans.get(i).map(|(l, _)| l)
     }
 }
 
@@ -86,6 +97,8 @@ impl QuotaLayer<PeerIp, Fixed, ()> {
                 missing: MissingKey::default(),
                 rejection: None,
                 route_label: false,
+                plans: Vec::new(),
+                plan_source: None,
             },
         }
     }
@@ -101,6 +114,8 @@ struct Config {
     missing: MissingKey,
     rejection: Option<RejectFn>,
     route_label: bool,
+    plans: Vec<(String, Vec<(Period, u64)>)>,
+    plan_source: Option<Named>,
 }
 
 /// Builds a [`QuotaLayer`]; see [`QuotaLayer::builder`].
@@ -159,6 +174,38 @@ impl<K, C, St> QuotaLayerBuilder<K, C, St> {
     pub fn period(mut self, period: Period, limit: u64) -> Self {
         self.cfg.periods.push((period, limit));
         self
+    }
+
+    /// Gives plan `plan` (pro, enterprise, ...) budgets of its own, in
+    /// place of the [`period`](Self::period)s, which are the default
+    /// plan's: a request on this plan is charged to the plan's budgets,
+    /// kept under the store name `<quota>:<plan>`, and its headers show
+    /// them. A request on no plan, or one the layer does not know, is on
+    /// the default plan; a key's plan change takes effect at its next
+    /// request. Set where plans come from with
+    /// [`plan_from_extension`](Self::plan_from_extension) or
+    /// [`plan_from_header`](Self::plan_from_header); errors name the field
+    /// `plans`.
+    pub fn plan(mut self, plan: &str, periods: &[(Period, u64)]) -> Self {
+        self.cfg.plans.push((plan.to_owned(), periods.to_vec()));
+        self
+    }
+
+    /// Reads a request's plan from its [`Plan`](crate::policy::Plan)
+    /// extension, set by authentication middleware: the way to choose
+    /// plans in production (a middleware of your own can set it from
+    /// anything else).
+    pub fn plan_from_extension(mut self) -> Self {
+        self.cfg.plan_source = Some(Named::Extension);
+        self
+    }
+
+    /// Reads a request's plan from header `name`. Only for demos and
+    /// trusted internal callers: a client must never choose its own plan.
+    /// Errors name the field `header`.
+    pub fn plan_from_header(mut self, name: &str) -> Result<Self, ConfigError> {
+        self.cfg.plan_source = Some(Named::Header(crate::key::header_name(name)?));
+        Ok(self)
     }
 
     /// Aligns periods to `offset` from UTC (default UTC): with +09:00 a
@@ -223,7 +270,6 @@ impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
     /// its field.
     pub fn build(self) -> Result<QuotaLayer<K, C, St::QuotaLimiter>, ConfigError> {
         let cfg = self.cfg;
-        let rule = QuotaRule::new(&cfg.name, &cfg.periods, cfg.offset)?;
         if let Some(soft) = cfg.soft {
             if !(soft > 0.0 && soft <= 1.0) {
                 return Err(ConfigError::new(
@@ -232,39 +278,62 @@ impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
                 ));
             }
         }
-        let limiter = self.store.quota_limiter(&rule)?;
-        // One period: its item is the quota's name; several: name-period.
-        let names: Vec<String> = if cfg.periods.len() == 1 {
-            vec![cfg.name.clone()]
-        } else {
-            rule.quota()
-                .periods()
-                .map(|(p, _)| format!("{}-{}", cfg.name, p.name()))
-                .collect()
-        };
-        let largest = rule.quota().periods().map(|(_, l)| l).max().unwrap_or(0);
         let (metrics, warnings, used) =
-            Metrics::register_quota(&cfg.name, rule.quota().periods().map(|(p, _)| p.name()));
+            Metrics::register_quota(&cfg.name, cfg.periods.iter().map(|(p, _)| p.name()));
+        // A plan's quota is a rule of its own in the store; its headers,
+        // items and rejection show its budgets under the quota's name.
+        let bind = |store_name: &str, periods: &[(Period, u64)]| {
+            let rule = QuotaRule::new(store_name, periods, cfg.offset)?;
+            let limiter = self.store.quota_limiter(&rule)?;
+            // One period: its item is the quota's name; several: name-period.
+            let names: Vec<String> = if periods.len() == 1 {
+                vec![cfg.name.clone()]
+            } else {
+                rule.quota()
+                    .periods()
+                    .map(|(p, _)| format!("{}-{}", cfg.name, p.name()))
+                    .collect()
+            };
+            let largest = rule.quota().periods().map(|(_, l)| l).max().unwrap_or(0);
+            let responder = Responder {
+                rule: cfg.name.as_str().into(),
+                headers: QuotaHeaders::new(&names, cfg.headers && !cfg.shadow),
+                items: names.into_iter().map(Into::into).collect(),
+                shadow: cfg.shadow,
+                rejection: cfg.rejection.clone(),
+                rendered: Rendered::new(LimitKind::Quota, &cfg.name, largest),
+                soft: cfg.soft,
+                metrics: metrics.clone(),
+                warnings: warnings.clone(),
+                used: used.clone(),
+                route_label: cfg.route_label,
+            };
+            Ok::<_, ConfigError>((limiter, Arc::new(responder)))
+        };
+        let default = bind(&cfg.name, &cfg.periods)?;
+        let plans = crate::policy::plan::named_plans(
+            cfg.plans.iter().map(|(plan, _)| plan.as_str()),
+            cfg.plan_source.is_some(),
+        )?;
+        let mut bound = Vec::with_capacity(cfg.plans.len());
+        for (plan, periods) in &cfg.plans {
+            let store_name = format!("{}:{plan}", cfg.name);
+            let b = bind(&store_name, periods)
+                .map_err(|e| ConfigError::new("plans", format!("plan {plan:?}: {e}")))?;
+            bound.push(b);
+        }
         Ok(QuotaLayer {
             shared: Arc::new(Shared {
                 key: self.key,
                 cost: self.cost,
-                limiter,
+                plans: PlanSet {
+                    names: plans,
+                    source: cfg.plan_source,
+                    default,
+                    plans: bound,
+                },
                 missing: cfg.missing,
                 warned_missing: AtomicBool::new(false),
-                responder: Arc::new(Responder {
-                    rule: cfg.name.as_str().into(),
-                    headers: QuotaHeaders::new(&names, cfg.headers && !cfg.shadow),
-                    items: names.into_iter().map(Into::into).collect(),
-                    shadow: cfg.shadow,
-                    rejection: cfg.rejection,
-                    rendered: Rendered::new(LimitKind::Quota, &cfg.name, largest),
-                    soft: cfg.soft,
-                    metrics,
-                    warnings,
-                    used,
-                    route_label: cfg.route_label,
-                }),
             }),
         })
     }

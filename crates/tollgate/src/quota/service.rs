@@ -16,6 +16,7 @@ use crate::cost::Cost;
 use crate::headers::{Buf, QuotaHeaders, QUOTA_WARNING};
 use crate::key::{KeyBuf, KeyExtractor};
 use crate::observe::Metrics;
+use crate::policy::plan::PlanSet;
 use crate::rate_limit::MissingKey;
 use crate::rejection::{is_grpc, LimitKind, Reason, Rejected, Rendered};
 
@@ -77,10 +78,17 @@ impl Responder {
 pub(crate) struct Shared<K, C, L> {
     pub(crate) key: K,
     pub(crate) cost: C,
-    pub(crate) limiter: L,
+    /// Each plan's limiter and responder (the default's when no plans).
+    pub(crate) plans: PlanSet<(L, Arc<Responder>)>,
     pub(crate) missing: MissingKey,
     pub(crate) warned_missing: AtomicBool,
-    pub(crate) responder: Arc<Responder>,
+}
+
+impl<K, C, L> Shared<K, C, L> {
+    /// The default plan's responder.
+    pub(crate) fn responder(&self) -> &Arc<Responder> {
+        &self.plans.default.1
+    }
 }
 
 /// The service of [`QuotaLayer`](super::QuotaLayer).
@@ -102,7 +110,7 @@ impl<S: std::fmt::Debug, K, C, L> std::fmt::Debug for QuotaLimit<S, K, C, L> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("QuotaLimit")
             .field("inner", &self.inner)
-            .field("rule", &self.shared.responder.rule)
+            .field("rule", &self.shared.responder().rule)
             .finish_non_exhaustive()
     }
 }
@@ -249,7 +257,8 @@ where
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
         let shared = &self.shared;
-        let responder = Arc::clone(&shared.responder);
+        let (limiter, responder) = shared.plans.of(&req);
+        let responder = Arc::clone(responder);
         let mut key = KeyBuf::new();
         if shared.key.extract(&req, &mut key).is_none() {
             match &shared.missing {
@@ -282,7 +291,7 @@ where
             }
         }
         let cost = shared.cost.cost(&req);
-        let state = match shared.limiter.consume_sync(key.as_bytes(), cost) {
+        let state = match limiter.consume_sync(key.as_bytes(), cost) {
             Some(result) => decided(result, req, &mut self.inner, &responder),
             None => {
                 // The clone-and-swap dance: the service polled ready serves
@@ -290,7 +299,7 @@ where
                 let clone = self.inner.clone();
                 let ready = std::mem::replace(&mut self.inner, clone);
                 State::Deciding {
-                    decide: shared.limiter.consume(key.as_bytes(), cost),
+                    decide: limiter.consume(key.as_bytes(), cost),
                     waiting: Some(Box::new((req, ready))),
                 }
             }

@@ -215,6 +215,107 @@ fn configuration_errors_name_the_field() {
         e(QuotaLayer::builder("bad name").period(Period::Day, 1)),
         "name"
     );
+    let day = QuotaLayer::builder("q").period(Period::Day, 1);
+    // Plans: a source is needed, names are unique, budgets valid.
+    assert_eq!(e(day.plan("pro", &[(Period::Day, 10)])), "plans");
+    let day = || {
+        QuotaLayer::builder("q")
+            .period(Period::Day, 1)
+            .plan_from_extension()
+    };
+    assert_eq!(
+        e(day()
+            .plan("pro", &[(Period::Day, 10)])
+            .plan("pro", &[(Period::Day, 20)])),
+        "plans"
+    );
+    assert_eq!(e(day().plan("pro", &[(Period::Day, 0)])), "plans");
+    assert_eq!(e(day().plan("pro", &[])), "plans");
+    assert_eq!(e(day().plan("", &[(Period::Day, 10)])), "plans");
+}
+
+/// Each plan has budgets of its own, kept apart from the default's; an
+/// unknown plan is the default; a key's plan change applies at its next
+/// request; support staff reach a plan's usage through its limiter.
+#[tokio::test]
+async fn each_plan_has_its_own_budgets() {
+    let clock = ManualClock::at_unix(unix_nanos(2026, 12, 2, 12, 0, 0));
+    let layer = QuotaLayer::builder("daily")
+        .period(Period::Day, 2)
+        .plan("pro", &[(Period::Day, 5), (Period::Month, 100)])
+        .plan_from_extension()
+        .key(Header::named("x-api-key").unwrap())
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    let on = |k: &str, plan: Option<&str>| {
+        let mut r = req(k, 1);
+        if let Some(p) = plan {
+            r.extensions_mut().insert(crate::policy::Plan::new(p));
+        }
+        r
+    };
+    // Free (no plan, or an unknown one): 2 a day.
+    for plan in [None, Some("gold")] {
+        let res = svc.clone().oneshot(on("a", plan)).await.unwrap();
+        assert_eq!(res.status(), 200);
+        assert_eq!(res.headers()["ratelimit-policy"], "\"daily\";q=2;w=86400");
+    }
+    assert_eq!(
+        svc.clone().oneshot(on("a", None)).await.unwrap().status(),
+        429
+    );
+    // The same key on pro: the pro budgets, whole (the free ones are
+    // kept apart), shown in the headers.
+    let res = svc.clone().oneshot(on("a", Some("pro"))).await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(
+        res.headers()["ratelimit-policy"],
+        "\"daily-day\";q=5;w=86400, \"daily-month\";q=100;w=2678400"
+    );
+    assert_eq!(
+        res.headers()["ratelimit"],
+        "\"daily-day\";r=4;t=43200, \"daily-month\";r=99;t=2548800"
+    );
+    for _ in 0..4 {
+        let res = svc.clone().oneshot(on("a", Some("pro"))).await.unwrap();
+        assert_eq!(res.status(), 200);
+    }
+    let res = svc.clone().oneshot(on("a", Some("pro"))).await.unwrap();
+    assert_eq!(res.status(), 429);
+    assert_eq!(res.headers()["retry-after"], "43200");
+    // Back on free: still spent.
+    assert_eq!(
+        svc.clone().oneshot(on("a", None)).await.unwrap().status(),
+        429
+    );
+    // Administration per plan.
+    let pro = layer.plan_limiter("pro").unwrap();
+    assert_eq!(
+        pro.consume(&key("a"), 0).await.unwrap().periods()[0].remaining,
+        0
+    );
+    assert_eq!(
+        layer
+            .limiter()
+            .consume(&key("a"), 0)
+            .await
+            .unwrap()
+            .periods()[0]
+            .remaining,
+        0
+    );
+    pro.grant(&key("a"), 1).await.unwrap();
+    assert_eq!(
+        svc.clone()
+            .oneshot(on("a", Some("pro")))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert!(layer.plan_limiter("gold").is_none());
 }
 
 /// Each period's used share is recorded at every decision, by rule and

@@ -32,10 +32,13 @@
 //! - **Several rate rules on one request** (a policy) are decided in one
 //!   script call per hash slot ([`Limiter::decide_joint`](tollgate_core::Limiter::decide_joint)):
 //!   on a standalone or Sentinel store one call for all the rules, which
-//!   charges every rule or — an enforced rule denies — none, so there is
-//!   nothing to refund. On Cluster, rules in one slot share a call; rules
-//!   in other slots are decided side by side and refunded by the caller
-//!   on a denial.
+//!   charges every rule or — an enforced rule denies — none, so a denial
+//!   needs no refund. On Cluster, rules in one slot share a call; since
+//!   each rule's key has its own hash tag, that is seldom, and rules in
+//!   other slots are decided side by side and refunded by the caller on a
+//!   denial. Where the failure policy's memory answered, a denial's
+//!   refund goes to that memory. (`HotKeys` and the tiered store decide
+//!   rule by rule.)
 //! - **Concurrency permits are leases** with an expiry (the core's
 //!   [`Semaphore`](tollgate_core::Semaphore)): per client key, a sorted set
 //!   of leases by expiry and a hash counting the permits they hold, so

@@ -91,6 +91,10 @@ impl BoundRate {
     }
 }
 
+/// The parameters of each rule in `joint.lua`'s arguments (its stride is
+/// four more): as many as the algorithm with the most takes.
+const JOINT_PARAMS: usize = 3;
+
 /// One rule of a joint decision, owned for its script call.
 struct Part {
     bound: Arc<BoundRate>,
@@ -124,21 +128,25 @@ fn calls(backend: &Backend, parts: &[Part]) -> Vec<Vec<usize>> {
 
 /// Decides `members` of `parts` in one script call: all of them consume,
 /// or (an enforced one denies) none does. A fault or an unreadable reply:
-/// each rule's failure policy answers.
+/// each rule's failure policy answers. Each answer says whether the
+/// failure policy gave it.
 async fn decide_together(
     backend: &Backend,
     parts: &[Part],
     members: &[usize],
-) -> Vec<JointDecision> {
+) -> Vec<(JointDecision, bool)> {
     let chosen: Vec<&Part> = members.iter().filter_map(|&i| parts.get(i)).collect();
     if let [one] = chosen.as_slice() {
         let reply = one.bound.call(RateMode::Decide, &one.key, one.cost).await;
         return vec![match reply.ok().and_then(|r| r.decision()) {
-            Some(d) => JointDecision {
-                consumed: d.is_allowed() && one.cost > 0,
-                decision: Ok(d),
-            },
-            None => one.bound.failed(&one.key, one.cost),
+            Some(d) => (
+                JointDecision {
+                    consumed: d.is_allowed() && one.cost > 0,
+                    decision: Ok(d),
+                },
+                false,
+            ),
+            None => (one.bound.failed(&one.key, one.cost), true),
         }];
     }
     let now = backend.now_arg();
@@ -149,22 +157,26 @@ async fn decide_together(
     for (p, cost) in chosen.iter().zip(&costs) {
         let enforced = if p.enforced { "1" } else { "0" };
         args.extend([p.bound.name, cost.as_str(), p.bound.ttl.as_str(), enforced]);
+        debug_assert!(p.bound.params.len() <= JOINT_PARAMS);
         let params = p.bound.params.iter().map(String::as_str);
-        args.extend(params.chain(std::iter::repeat("")).take(3));
+        args.extend(params.chain(std::iter::repeat("")).take(JOINT_PARAMS));
     }
     let reply = backend.run(&crate::scripts::JOINT, &keys, &args).await;
     match reply.ok().and_then(|r| r.joint(chosen.len())) {
         Some((applied, decisions)) => decisions
             .into_iter()
             .zip(&chosen)
-            .map(|(d, p)| JointDecision {
-                consumed: applied && d.is_allowed() && p.cost > 0,
-                decision: Ok(d),
+            .map(|(d, p)| {
+                let answer = JointDecision {
+                    consumed: applied && d.is_allowed() && p.cost > 0,
+                    decision: Ok(d),
+                };
+                (answer, false)
             })
             .collect(),
         None => chosen
             .iter()
-            .map(|p| p.bound.failed(&p.key, p.cost))
+            .map(|p| (p.bound.failed(&p.key, p.cost), true))
             .collect(),
     }
 }
@@ -206,7 +218,10 @@ impl Limiter for RedisLimiter {
     /// on a standalone or Sentinel store, for all of them — which either
     /// consumes every rule's cost or none; the calls for different slots
     /// run side by side, and what one consumed is refunded by the caller
-    /// when another denies. Rules of other stores are not joined.
+    /// when another denies. (On Cluster each rule's key carries its own
+    /// hash tag, so rules seldom share a slot.) A key given twice (one
+    /// rule asked twice for one key) goes to a call of its own. `None`
+    /// for a single part, or parts of more than one store.
     fn decide_joint(parts: &[JointPart<'_, Self>]) -> Option<BoxFuture<Vec<JointDecision>>> {
         let backend = Arc::clone(&parts.first()?.limiter.bound.backend);
         let one_store = parts
@@ -234,7 +249,7 @@ impl Limiter for RedisLimiter {
                     .collect(),
             )
             .await;
-            let mut out: Vec<Option<JointDecision>> = parts.iter().map(|_| None).collect();
+            let mut out: Vec<Option<(JointDecision, bool)>> = parts.iter().map(|_| None).collect();
             for (members, answers) in calls.iter().zip(answers) {
                 for (&i, answer) in members.iter().zip(answers) {
                     if let Some(slot) = out.get_mut(i) {
@@ -242,10 +257,26 @@ impl Limiter for RedisLimiter {
                     }
                 }
             }
-            out.into_iter()
+            let mut answers: Vec<(JointDecision, bool)> = out
+                .into_iter()
                 .zip(&parts)
-                .map(|(answer, p)| answer.unwrap_or_else(|| p.bound.failed(&p.key, p.cost)))
-                .collect()
+                .map(|(answer, p)| answer.unwrap_or_else(|| (p.bound.failed(&p.key, p.cost), true)))
+                .collect();
+            // A denial refunds what the failure policy's memory charged
+            // here, to that memory: the caller's refund would go to Redis,
+            // which never saw the charge.
+            let denied = answers.iter().zip(&parts).any(|((a, _), p)| {
+                p.enforced && a.decision.as_ref().is_ok_and(|d| !d.is_allowed())
+            });
+            if denied {
+                for ((answer, from_policy), p) in answers.iter_mut().zip(&parts) {
+                    if *from_policy && answer.consumed {
+                        p.bound.on_failure.refund(&p.key, p.cost);
+                        answer.consumed = false;
+                    }
+                }
+            }
+            answers.into_iter().map(|(answer, _)| answer).collect()
         }))
     }
 }

@@ -67,6 +67,21 @@ async fn joint_decisions_match_the_reference() {
         let store = factory(server.url())(clock.clone());
         testing::joint_random_trace(&store, &clock, seed, true).await;
     }
+    // One rule asked twice for one key: two calls (a joint call reads
+    // each key once, before any write), so both count against the key.
+    let clock = ManualClock::starting_at(START);
+    let store = factory(server.url())(clock.clone());
+    let hourly = Rule::new("once", Limit::fixed_window(1, Duration::from_secs(3_600)));
+    let limiter = store.limiter(&hourly.unwrap()).unwrap();
+    let part = JointPart {
+        limiter: &limiter,
+        key: b"k",
+        cost: 1,
+        enforced: false,
+    };
+    let answers = RedisLimiter::decide_joint(&[part, part]).unwrap().await;
+    let admitted = answers.iter().filter(|a| a.consumed).count();
+    assert_eq!(admitted, 1, "{answers:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -124,6 +124,24 @@ async fn fail_open_admits_fail_closed_denies_fallback_limits_locally() {
             assert_eq!(answer.consumed, consumed);
         }
     }
+    // When one rule denies, what the fallback's memory charged for the
+    // others goes back to that memory (a refund sent to Redis later would
+    // credit a store that never saw the charge).
+    let parts = [&b"fresh"[..], &b"k"[..]].map(|key| JointPart {
+        limiter: &lf,
+        key,
+        cost: 1,
+        enforced: true,
+    });
+    let answers = RedisLimiter::decide_joint(&parts).unwrap().await;
+    assert!(answers[0].decision.as_ref().unwrap().is_allowed());
+    assert!(
+        !answers[1].decision.as_ref().unwrap().is_allowed(),
+        "k is spent"
+    );
+    assert!(answers.iter().all(|a| !a.consumed), "{answers:?}");
+    let left = lf.decide(b"fresh", 0).await.unwrap().remaining;
+    assert_eq!(left, 3, "refunded in memory");
 
     server.restart();
     for (s, l) in [(&open, &lo), (&closed, &lc), (&fallback, &lf)] {

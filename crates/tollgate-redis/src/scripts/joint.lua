@@ -11,6 +11,13 @@
 -- consumed. The reply: 1 if the writes were made, else 0, then each
 -- rule's five numbers.
 held = {}
+-- A key given twice would be read twice before either write: refused
+-- (the store never sends one).
+local seen = {}
+for _, key in ipairs(KEYS) do
+  if seen[key] then return redis.error_reply('tollgate: a key given twice') end
+  seen[key] = true
+end
 local replies, deny = {}, false
 for i, key in ipairs(KEYS) do
   local at = 5 + (i - 1) * 7

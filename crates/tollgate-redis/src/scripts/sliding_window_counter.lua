@@ -11,10 +11,10 @@ RATE.sliding_window_counter = function(key, mode, cost, ttl, p)
   -- large limit over a long window), by long multiplication that keeps
   -- every intermediate below d.
   local function muldiv(x, y, d)
-    local p = x * y
-    if p < TWO53 then
-      local q = idiv(p, d)
-      return q, p - q * d
+    local prod = x * y
+    if prod < TWO53 then
+      local q = idiv(prod, d)
+      return q, prod - q * d
     end
     local yq = idiv(y, d)
     local yr = y - yq * d
@@ -38,10 +38,10 @@ RATE.sliding_window_counter = function(key, mode, cost, ttl, p)
   if h.err then
     redis.call('DEL', key)
   else
-    local at, c, p = since(h[1]), count_of(h[2]), count_of(h[3])
-    if at and c and p then
+    local at, c, prev = since(h[1]), count_of(h[2]), count_of(h[3])
+    if at and c and prev then
       -- Both are window starts: an exact multiple of the window apart.
-      shift, current, previous, start = idiv(-phase - at, window), c, p, h[1]
+      shift, current, previous, start = idiv(-phase - at, window), c, prev, h[1]
     elseif h[1] or h[2] or h[3] then
       redis.call('DEL', key)
     end

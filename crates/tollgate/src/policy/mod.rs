@@ -70,17 +70,20 @@
 //! - **Stores**: the in-memory store decides every rule in `call`, with no
 //!   allocation for the decisions of up to [`MAX_RULES`] rules (the header
 //!   values are allocated, as for one rule), and refunds at once on a
-//!   denial. A networked store decides the rules together
-//!   ([`Limiter::decide_joint`](tollgate_core::Limiter::decide_joint)):
+//!   denial. The Redis store decides the rules together
+//!   ([`Limiter::decide_joint`](tollgate_core::Limiter::decide_joint);
+//!   other networked stores, `HotKeys` and the tiered store among them,
+//!   decide them side by side, one call each, then refund on a denial):
 //!   - **Redis, standalone or Sentinel**: one script call for all the
 //!     rules, atomic. Either every rule is charged, or — an enforced rule
-//!     denies — none is, so there is nothing to refund and no other
-//!     request ever sees a charge that is taken back.
+//!     denies — none is, so a denial needs no refund and no other request
+//!     ever sees a charge that is taken back. (Refunds remain for a paced
+//!     request cancelled while it waits, and for response-aware rules.)
 //!   - **Redis Cluster**: rules whose keys share a hash slot are one call,
-//!     atomic as above; the others (each rule's key carries its own hash
-//!     tag, so rules usually live on different nodes) are decided side by
-//!     side, one call per slot, and what they charged is refunded on a
-//!     denial. Between that charge and its refund, another request of the
+//!     atomic as above. Each rule's key carries its own hash tag, so rules
+//!     seldom share a slot (about one pair in 16,384): on Cluster the rules
+//!     are in practice decided side by side, one call each, and what they
+//!     charged is refunded on a denial. Between that charge and its refund, another request of the
 //!     same key may see the rule's budget lower than it ends up: a denied
 //!     request can briefly hold back a concurrent one, never let one more
 //!     through.

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
-use tollgate_core::{JointDecision, JointPart, Limiter, StoreError};
+use tollgate_core::{Decision, JointDecision, JointPart, Limiter, StoreError};
 use tower_service::Service;
 
 use super::access::Access;
@@ -565,8 +565,10 @@ where
                         tollgate_core::join_all(each)
                             .await
                             .into_iter()
-                            .map(|decision| JointDecision {
-                                consumed: true,
+                            .zip(&joint)
+                            .map(|(decision, p)| JointDecision {
+                                consumed: p.cost > 0
+                                    && decision.as_ref().is_ok_and(Decision::is_allowed),
                                 decision,
                             })
                             .collect()

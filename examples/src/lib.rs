@@ -101,7 +101,11 @@ pub fn quickstart_app_with<S: QuotaStore>(
 ) -> Result<(Router, PolicyLayer<Body, S::Limiter>), Error> {
     let client = Header::named("x-api-key")?.or(ClientIp::trusting(trusted_proxies)?);
     let store_for_login = store.clone();
+    // Plans: `x-plan: pro` (a demo; in production the plan comes from
+    // authentication, as a `Plan` extension) gets more of every limit.
     let downloads = ConcurrencyLayer::builder("downloads", 2)
+        .plan("pro", 4)
+        .plan_from_header("x-plan")?
         .key(client.clone())
         .store(store.clone())
         .build()?;
@@ -123,6 +127,8 @@ pub fn quickstart_app_with<S: QuotaStore>(
         .route(Some(Method::POST), "/api/reports", 10);
     let daily = QuotaLayer::builder("daily")
         .period(Period::Day, 1_000)
+        .plan("pro", &[(Period::Day, 10_000)])
+        .plan_from_header("x-plan")?
         .soft_limit(0.8)
         .key(client.clone())
         .cost(costs)

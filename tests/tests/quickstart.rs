@@ -143,16 +143,26 @@ async fn the_pro_plan_gets_ten_times_the_rate() {
         r.item("ratelimit-policy", "per-key"),
         "\"per-key\";q=200;w=2"
     );
+    // Ten times the daily quota too, kept apart from the free plan's.
+    assert_eq!(
+        r.item("ratelimit-policy", "daily"),
+        "\"daily\";q=10000;w=86400"
+    );
     for i in 1..200 {
         let r = send(addr, pro()).await.unwrap();
         assert_eq!(r.status, 200, "request {i}");
     }
     assert_eq!(send(addr, pro()).await.unwrap().status, 429);
     // The same key on the free plan has its own, smaller budget.
+    let free = hello(addr, "paying").await;
+    assert_eq!(free.item("ratelimit", "per-key"), "\"per-key\";r=19;t=1");
     assert_eq!(
-        hello(addr, "paying").await.item("ratelimit", "per-key"),
-        "\"per-key\";r=19;t=1"
+        free.item("ratelimit-policy", "daily"),
+        "\"daily\";q=1000;w=86400"
     );
+    assert!(free
+        .item("ratelimit", "daily")
+        .starts_with("\"daily\";r=999;"));
 }
 
 #[tokio::test]
@@ -222,6 +232,18 @@ async fn start_download(
     http::Response<hyper::body::Incoming>,
     hyper::client::conn::http1::SendRequest<http_body_util::Empty<Bytes>>,
 ) {
+    start_download_on(addr, key, "free").await
+}
+
+/// [`start_download`] on plan `plan`.
+async fn start_download_on(
+    addr: std::net::SocketAddr,
+    key: &str,
+    plan: &str,
+) -> (
+    http::Response<hyper::body::Incoming>,
+    hyper::client::conn::http1::SendRequest<http_body_util::Empty<Bytes>>,
+) {
     let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
     let (mut sender, conn) =
         hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
@@ -230,6 +252,7 @@ async fn start_download(
     tokio::spawn(conn);
     let req = Request::get("/api/download")
         .header("x-api-key", key)
+        .header("x-plan", plan)
         .header("host", "localhost")
         .body(http_body_util::Empty::new())
         .unwrap();
@@ -239,6 +262,34 @@ async fn start_download(
     let first = res.body_mut().frame().await.unwrap().unwrap();
     assert!(!first.into_data().unwrap().is_empty());
     (res, sender)
+}
+
+#[tokio::test]
+async fn the_pro_plan_downloads_four_at_once() {
+    let (addr, clock) = quickstart(&[]).await;
+    let mut open = Vec::new();
+    for _ in 0..4 {
+        open.push(start_download_on(addr, "gina", "pro").await);
+        // Paced on the manual clock: a second refills the burst.
+        clock.advance(Duration::from_secs(1));
+    }
+    let items = open.last().unwrap().0.headers()["ratelimit"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert!(items.contains("\"downloads\";r=0"), "{items}");
+    let fifth = Request::get("/api/download")
+        .header("x-api-key", "gina")
+        .header("x-plan", "pro")
+        .body(Bytes::new())
+        .unwrap();
+    let r = send(addr, fifth).await.unwrap();
+    assert_eq!(r.status, 429, "{r:?}");
+    assert_eq!(
+        r.item("ratelimit-policy", "downloads"),
+        "\"downloads\";q=4;qu=\"concurrent-requests\""
+    );
+    drop(open);
 }
 
 #[tokio::test]

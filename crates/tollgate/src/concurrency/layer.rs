@@ -13,11 +13,12 @@ use tower_layer::Layer;
 use super::adaptive::{non_critical_ceiling, Adaptive, Completion, DropFn, ReadOnly};
 use super::queue::Queue;
 use super::service::ConcurrencyLimit;
-use super::shared::{AllCritical, RejectFn, Responder, ServiceLimit, Shared, Slot};
+use super::shared::{AllCritical, PlanLimit, RejectFn, Responder, ServiceLimit, Shared, Slot};
 use crate::cost::Fixed;
 use crate::headers::ConcurrencyHeaders;
 use crate::key::PeerIp;
 use crate::observe::ConcurrencyMetrics;
+use crate::policy::plan::{Named, PlanSet};
 use crate::rate_limit::MissingKey;
 use crate::rejection::{LimitKind, Rejected, Rendered};
 
@@ -119,6 +120,8 @@ impl ConcurrencyLayer<PeerIp, Fixed, AllCritical, ()> {
                 is_drop: None,
                 upgrades: false,
                 route_label: false,
+                plans: Vec::new(),
+                plan_source: None,
             },
         }
     }
@@ -151,6 +154,8 @@ struct Config {
     is_drop: Option<DropFn>,
     upgrades: bool,
     route_label: bool,
+    plans: Vec<(String, u32)>,
+    plan_source: Option<Named>,
 }
 
 /// Builds a [`ConcurrencyLayer`]; see [`ConcurrencyLayer::builder`].
@@ -230,6 +235,39 @@ impl<K, C, P, St> ConcurrencyLayerBuilder<K, C, P, St> {
             store: self.store,
             cfg,
         }
+    }
+
+    /// Gives plan `plan` (pro, enterprise, ...) a per-key limit of its own,
+    /// `max_in_flight` permits in place of the builder's, which is the
+    /// default plan's. A key's permits count against the plan of each
+    /// request as it comes (a plan change takes effect at the key's next
+    /// request), and the headers and rejections show the plan's limit.
+    /// A request on no plan, or one the layer does not know, is on the
+    /// default plan. The service limit and the non-critical share apply
+    /// as before (the share of each plan's own max). Set where plans come
+    /// from with [`plan_from_extension`](Self::plan_from_extension) or
+    /// [`plan_from_header`](Self::plan_from_header); errors name the field
+    /// `plans`.
+    pub fn plan(mut self, plan: &str, max_in_flight: u32) -> Self {
+        self.cfg.plans.push((plan.to_owned(), max_in_flight));
+        self
+    }
+
+    /// Reads a request's plan from its [`Plan`](crate::policy::Plan)
+    /// extension, set by authentication middleware: the way to choose
+    /// plans in production (a middleware of your own can set it from
+    /// anything else).
+    pub fn plan_from_extension(mut self) -> Self {
+        self.cfg.plan_source = Some(Named::Extension);
+        self
+    }
+
+    /// Reads a request's plan from header `name`. Only for demos and
+    /// trusted internal callers: a client must never choose its own plan.
+    /// Errors name the field `header`.
+    pub fn plan_from_header(mut self, name: &str) -> Result<Self, ConfigError> {
+        self.cfg.plan_source = Some(Named::Header(crate::key::header_name(name)?));
+        Ok(self)
     }
 
     /// Lets a request that finds its key's limit full wait for a permit
@@ -354,7 +392,22 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
         let rule = |name: &str, max| {
             ConcurrencyRule::new(name, max, cfg.lease_ttl)?.with_retry_after(cfg.retry_after)
         };
-        let per_key_rule = rule(&cfg.name, cfg.max)?;
+        let plan_names = crate::policy::plan::named_plans(
+            cfg.plans.iter().map(|(plan, _)| plan.as_str()),
+            cfg.plan_source.is_some(),
+        )?;
+        if cfg.plans.iter().any(|(_, max)| *max == 0) {
+            return Err(ConfigError::new("plans", "a plan's max must be at least 1"));
+        }
+        // One store rule for every plan, as large as the largest; each
+        // plan's max is a ceiling under it, so a key's permits count
+        // against whatever plan its next request is on.
+        let largest = cfg
+            .plans
+            .iter()
+            .map(|(_, max)| *max)
+            .fold(cfg.max, u32::max);
+        let per_key_rule = rule(&cfg.name, largest)?;
         if let Some(share) = cfg.share {
             if !(share > 0.0 && share <= 1.0) {
                 return Err(ConfigError::new(
@@ -383,7 +436,8 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
         let per_key = Slot {
             limiter: self.store.concurrency_limiter(&per_key_rule)?,
             name: Arc::clone(&name),
-            share: share_of(cfg.max),
+            // (Each plan has its own share.)
+            share: u32::MAX,
         };
         if cfg.read_only.is_some() && !matches!(cfg.service, Some(ServiceConfig::Adaptive(..))) {
             return Err(ConfigError::new(
@@ -442,22 +496,47 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
             Some(ServiceLimit::Adaptive(a)) => (Some(Arc::clone(&a.name)), None, a.max()),
             None => (None, None, 0),
         };
-        let mut limits = vec![(&*name, Some(u64::from(cfg.max)))];
-        if let Some(n) = &service_name {
-            limits.push((n, service_q));
-        }
-        let headers = ConcurrencyHeaders::new(&limits, cfg.headers && !cfg.shadow);
-        let service_rendered = Rendered::new(
-            LimitKind::Concurrency,
-            service_name.as_deref().unwrap_or(&name),
-            u64::from(service_max),
-        );
+        let responder = |max: u32| {
+            let mut limits = vec![(&*name, Some(u64::from(max)))];
+            if let Some(n) = &service_name {
+                limits.push((n, service_q));
+            }
+            let service_rendered = Rendered::new(
+                LimitKind::Concurrency,
+                service_name.as_deref().unwrap_or(&name),
+                u64::from(service_max),
+            );
+            let responder = Responder {
+                headers: ConcurrencyHeaders::new(&limits, cfg.headers && !cfg.shadow),
+                rejection: cfg.rejection.clone(),
+                rendered: [
+                    Rendered::new(LimitKind::Concurrency, &name, u64::from(max)),
+                    service_rendered,
+                ],
+                adaptive: adaptive.clone(),
+                name: Arc::clone(&name),
+                upgrades: cfg.upgrades,
+                route_label: cfg.route_label,
+            };
+            PlanLimit {
+                max,
+                share: share_of(max),
+                responder: Arc::new(responder),
+            }
+        };
+        let plans = PlanSet {
+            names: plan_names,
+            source: cfg.plan_source.clone(),
+            default: responder(cfg.max),
+            plans: cfg.plans.iter().map(|(_, max)| responder(*max)).collect(),
+        };
         Ok(ConcurrencyLayer {
             shared: Arc::new(Shared {
                 key: self.key,
                 cost: self.cost,
                 critical: self.critical,
                 per_key,
+                plans,
                 service,
                 queue,
                 missing: cfg.missing,
@@ -465,18 +544,6 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
                 shadow: cfg.shadow,
                 metrics: ConcurrencyMetrics::register(&name),
                 share: cfg.share,
-                responder: Arc::new(Responder {
-                    headers,
-                    rejection: cfg.rejection,
-                    rendered: [
-                        Rendered::new(LimitKind::Concurrency, &name, u64::from(cfg.max)),
-                        service_rendered,
-                    ],
-                    adaptive,
-                    name,
-                    upgrades: cfg.upgrades,
-                    route_label: cfg.route_label,
-                }),
             }),
         })
     }

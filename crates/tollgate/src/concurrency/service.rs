@@ -58,11 +58,13 @@ where
     }
 
     fn call(&mut self, mut req: Request<ReqB>) -> Self::Future {
-        let admission = self.shared.start(&req);
-        self.shared.responder.count_route(&req, &admission);
+        let plan = self.shared.plans.index(&req);
+        let responder = Arc::clone(&self.shared.plans.get(plan).responder);
+        let admission = self.shared.start(&req, plan);
+        responder.count_route(&req, &admission);
         let state = match admission {
             Admission::Go(mut admitted) => {
-                if self.shared.responder.upgrades {
+                if responder.upgrades {
                     Holding::attach(&mut admitted.permit, &mut req);
                 }
                 State::Calling {
@@ -86,6 +88,6 @@ where
                 }
             }
         };
-        ResponseFuture::new(state, Arc::clone(&self.shared.responder))
+        ResponseFuture::new(state, responder)
     }
 }

@@ -18,6 +18,7 @@ use crate::cost::Cost;
 use crate::headers::{ConcurrencyHeaders, Item};
 use crate::key::{KeyBuf, KeyBytes, KeyExtractor};
 use crate::observe::ConcurrencyMetrics;
+use crate::policy::plan::PlanSet;
 use crate::rate_limit::MissingKey;
 use crate::rejection::{is_grpc, LimitKind, Reason, Rejected, Rendered};
 
@@ -55,6 +56,25 @@ pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
 /// The key every request shares under the service-wide limit.
 pub(crate) const SERVICE_KEY: &[u8] = b"\x00service";
+
+/// What a plan sets of the per-key limit: its most permits (a ceiling
+/// under the rule's max, which is the largest plan's), the ceiling of its
+/// non-critical requests, and its headers and rejection.
+pub(crate) struct PlanLimit {
+    pub(crate) max: u32,
+    pub(crate) share: u32,
+    pub(crate) responder: Arc<Responder>,
+}
+
+impl PlanLimit {
+    fn ceiling(&self, critical: bool) -> u32 {
+        if critical {
+            self.max
+        } else {
+            self.share
+        }
+    }
+}
 
 /// A limit kept in the store.
 pub(crate) struct Slot<L> {
@@ -184,6 +204,8 @@ pub(crate) struct Deferred {
     grpc: bool,
     /// Join the key's queue first (others wait, or the limit is full).
     queued: bool,
+    /// The request's plan ([`PlanSet::index`]).
+    plan: u8,
     /// Whether the per-key limit applies (a keyless request skips it).
     keyed: bool,
 }
@@ -216,13 +238,15 @@ pub(crate) struct Shared<K, C, P, L> {
     pub(crate) key: K,
     pub(crate) cost: C,
     pub(crate) critical: P,
+    /// The per-key limit's store binding; its max is the largest plan's,
+    /// and each plan's max is a ceiling under it.
     pub(crate) per_key: Slot<L>,
+    pub(crate) plans: PlanSet<PlanLimit>,
     pub(crate) service: Option<ServiceLimit<L>>,
     pub(crate) queue: Option<Arc<Queue>>,
     pub(crate) missing: MissingKey,
     pub(crate) warned_missing: AtomicBool,
     pub(crate) shadow: bool,
-    pub(crate) responder: Arc<Responder>,
     pub(crate) metrics: ConcurrencyMetrics,
     /// The share of non-critical traffic, for the adaptive limit.
     pub(crate) share: Option<f64>,
@@ -236,18 +260,14 @@ impl<K, C, P, L> Shared<K, C, P, L>
 where
     L: ConcurrencyLimiter,
 {
-    fn items(&self) -> Items {
+    fn items(&self, plan: &PlanLimit) -> Items {
         let mut items = Items::new(if self.service.is_some() { 2 } else { 1 });
-        items.set(0, self.max(), None);
+        items.set(0, u64::from(plan.max), None);
         if let Some(ServiceLimit::Adaptive(a)) = &self.service {
             // Its `q` is in the policy even when it is not decided.
             items.set(1, u64::from(a.limit()), None);
         }
         items
-    }
-
-    fn max(&self) -> u64 {
-        u64::from(self.per_key.limiter.rule().semaphore().max())
     }
 
     fn rejected(
@@ -313,7 +333,7 @@ where
 {
     /// Admits `req` without waiting when the store needs no I/O and the
     /// request need not queue; otherwise defers.
-    pub(crate) fn start<B>(self: &Arc<Self>, req: &Request<B>) -> Admission
+    pub(crate) fn start<B>(self: &Arc<Self>, req: &Request<B>, plan: u8) -> Admission
     where
         K: KeyExtractor<B>,
         C: Cost<B>,
@@ -370,6 +390,7 @@ where
                 critical,
                 grpc: is_grpc(req),
                 queued,
+                plan,
                 keyed,
             })
         };
@@ -381,7 +402,7 @@ where
                     return deferred(key, true);
                 }
             }
-            let ceiling = self.ceiling(&self.per_key, critical);
+            let ceiling = self.plans.get(plan).ceiling(critical);
             let Some(result) = self
                 .per_key
                 .limiter
@@ -416,7 +437,7 @@ where
         };
         let guard = self.guard(key, &step);
         // Whether the request is gRPC matters only to a rejection.
-        match self.finish(guard, step, service, permits, critical, false) {
+        match self.finish(guard, step, service, (permits, critical, plan), false) {
             Admission::Reject(mut r, items) => {
                 r.grpc = is_grpc(req);
                 Admission::Reject(r, items)
@@ -453,12 +474,12 @@ where
         mut guard: Permit,
         step: Step,
         service: Option<Result<Acquire, StoreError>>,
-        permits: u32,
-        critical: bool,
+        (permits, critical, plan): (u32, bool, u8),
         grpc: bool,
     ) -> Admission {
-        let mut items = self.items();
-        items.set(0, self.max(), step.decision());
+        let limit = self.plans.get(plan);
+        let mut items = self.items(limit);
+        items.set(0, u64::from(limit.max), step.decision());
         match step {
             Step::Granted(..) | Step::Pass(_) => {}
             Step::Reject(reason, d) => {
@@ -526,7 +547,7 @@ where
     }
 
     fn started(&self) -> Option<Instant> {
-        self.responder.adaptive.as_ref().map(|_| Instant::now())
+        matches!(self.service, Some(ServiceLimit::Adaptive(_))).then(Instant::now)
     }
 
     /// Admits a deferred request: acquires through the store's futures and
@@ -538,13 +559,16 @@ where
             critical,
             grpc,
             queued,
+            plan,
             keyed,
         } = d;
-        let ceiling = self.ceiling(&self.per_key, critical);
+        let limit = self.plans.get(plan);
+        let ceiling = limit.ceiling(critical);
         let step = if !keyed {
             Step::Pass(None)
         } else if queued {
-            self.wait_turn(&mut key, permits, ceiling, critical).await
+            self.wait_turn(&mut key, permits, (ceiling, limit.max), critical)
+                .await
         } else {
             let first = self
                 .per_key
@@ -552,7 +576,10 @@ where
                 .acquire(key.as_bytes(), permits, ceiling)
                 .await;
             match self.step(first, true) {
-                Step::Wait(_) => self.wait_turn(&mut key, permits, ceiling, critical).await,
+                Step::Wait(_) => {
+                    self.wait_turn(&mut key, permits, (ceiling, limit.max), critical)
+                        .await
+                }
                 step => step,
             }
         };
@@ -565,7 +592,7 @@ where
             ),
             _ => None,
         };
-        self.finish(guard, step, service, permits, critical, grpc)
+        self.finish(guard, step, service, (permits, critical, plan), grpc)
     }
 
     /// Waits in `key`'s queue until the head of it gets a permit, the wait
@@ -576,7 +603,7 @@ where
         &self,
         key: &mut KeyBuf,
         permits: u32,
-        ceiling: u32,
+        (ceiling, max): (u32, u32),
         critical: bool,
     ) -> Step {
         let Some(queue) = &self.queue else {
@@ -587,7 +614,7 @@ where
         let refused = |last: Option<Decision>| {
             let d = last.unwrap_or(Decision {
                 outcome: Outcome::Deny { retry_after: 0 },
-                limit: self.max(),
+                limit: u64::from(max),
                 remaining: 0,
                 reset_after: 0,
             });

@@ -441,10 +441,91 @@ async fn config_errors_name_the_field() {
             ConcurrencyLayer::builder("bad name", 1).build().map(drop),
             "name",
         ),
+        (builder(1).plan("pro", 3).build().map(drop), "plans"),
+        (
+            builder(1)
+                .plan("pro", 0)
+                .plan_from_extension()
+                .build()
+                .map(drop),
+            "plans",
+        ),
+        (
+            builder(1)
+                .plan("pro", 3)
+                .plan("pro", 4)
+                .plan_from_extension()
+                .build()
+                .map(drop),
+            "plans",
+        ),
+        (
+            builder(1)
+                .plan("pro", 2_000_000)
+                .plan_from_extension()
+                .build()
+                .map(drop),
+            "max",
+        ),
     ];
     for (result, field) in cases {
         assert_eq!(result.unwrap_err().field(), field);
     }
+}
+
+/// Each plan has its own number of permits per key, shown in its headers;
+/// a key's permits count against the plan of each request as it comes,
+/// and an unknown plan is the default.
+#[tokio::test]
+async fn each_plan_has_its_own_limit() {
+    let layer = builder(1)
+        .plan("pro", 3)
+        .plan_from_header("x-plan")
+        .unwrap()
+        .build()
+        .unwrap();
+    let (svc, mut feeds) = streaming();
+    let svc = layer.layer(svc);
+    let on = |plan: Option<&str>| {
+        let mut r = req("a");
+        if let Some(p) = plan {
+            r.headers_mut().insert("x-plan", p.parse().unwrap());
+        }
+        r
+    };
+    let mut bodies = Vec::new();
+    // Free: one at a time.
+    let res = svc.clone().oneshot(on(None)).await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(
+        res.headers()["ratelimit-policy"],
+        "\"per-key\";q=1;qu=\"concurrent-requests\""
+    );
+    bodies.push((res, feeds.recv().await.unwrap()));
+    let res = svc.clone().oneshot(on(Some("gold"))).await.unwrap();
+    assert_eq!(res.status(), 429, "an unknown plan is the default");
+    // Pro: three, counting the one free already holds.
+    for _ in 0..2 {
+        let res = svc.clone().oneshot(on(Some("pro"))).await.unwrap();
+        assert_eq!(res.status(), 200);
+        bodies.push((res, feeds.recv().await.unwrap()));
+    }
+    let res = svc.clone().oneshot(on(Some("pro"))).await.unwrap();
+    assert_eq!(res.status(), 429);
+    assert_eq!(
+        res.headers()["ratelimit-policy"],
+        "\"per-key\";q=3;qu=\"concurrent-requests\""
+    );
+    assert_eq!(res.headers()["ratelimit"], "\"per-key\";r=0;t=1");
+    assert_eq!(held(&layer, "a").await, 3);
+    // Finished downloads give their permits back, whatever the plan.
+    for (res, feed) in bodies.drain(..) {
+        drop(feed);
+        res.into_body().collect().await.unwrap();
+    }
+    assert_eq!(held(&layer, "a").await, 0);
+    let res = svc.clone().oneshot(on(None)).await.unwrap();
+    assert_eq!(res.status(), 200);
 }
 
 #[tokio::test(start_paused = true)]

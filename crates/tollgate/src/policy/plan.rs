@@ -116,7 +116,17 @@ impl<T> PlanSet<T> {
     /// What `req`'s plan is bound to (the default's for none or an
     /// unknown one).
     pub(crate) fn of<B>(&self, req: &Request<B>) -> &T {
-        let i = self.source.as_ref().map_or(0, |s| s.of(&self.names, req));
+        self.get(self.index(req))
+    }
+
+    /// `req`'s plan: 0 the default (none, or one the layer does not
+    /// know), `i` plan `names[i - 1]`.
+    pub(crate) fn index<B>(&self, req: &Request<B>) -> u8 {
+        self.source.as_ref().map_or(0, |s| s.of(&self.names, req))
+    }
+
+    /// What plan `i` (as [`index`](Self::index) gives it) is bound to.
+    pub(crate) fn get(&self, i: u8) -> &T {
         usize::from(i)
             .checked_sub(1)
             .and_then(|i| self.plans.get(i))

@@ -165,8 +165,25 @@ pub fn quickstart_app_with<S: QuotaStore>(
         .merge(login::routes(
             store_for_login,
             ClientIp::trusting(trusted_proxies)?,
+            &challenge_secret(),
         )?);
     Ok((router, limit))
+}
+
+/// The secret the login challenges are signed with:
+/// `TOLLGATE_CHALLENGE_SECRET` (16 to 64 bytes; what every instance of a
+/// fleet must share), else one made for this process.
+fn challenge_secret() -> Vec<u8> {
+    use std::hash::BuildHasher;
+    match std::env::var("TOLLGATE_CHALLENGE_SECRET") {
+        Ok(s) if (16..=64).contains(&s.len()) => s.into_bytes(),
+        _ => {
+            let seed = std::collections::hash_map::RandomState::new();
+            (0u64..4)
+                .flat_map(|i| seed.hash_one(i).to_le_bytes())
+                .collect()
+        }
+    }
 }
 
 /// Logs to stderr through `tracing` (a reload, a rejected policy file,

@@ -13,7 +13,7 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use tollgate::core::Store;
 use tollgate::key::{ClientIp, KeyBuf};
-use tollgate::policy::{PolicyLayer, RateRule};
+use tollgate::policy::{PolicyLayer, ProofOfWork, RateRule};
 use tollgate::{ConfigError, Limit, MissingKey};
 
 /// Failed logins one account may have in [`LOGIN_WINDOW`].
@@ -28,6 +28,9 @@ pub const LOGIN_WINDOW: Duration = Duration::from_secs(15 * 60);
 pub const STRIKES: u32 = 3;
 /// The longest block: a day.
 pub const MAX_BLOCK: Duration = Duration::from_secs(24 * 60 * 60);
+/// The challenge's difficulty: 16 bits, ~65,000 SHA-256 hashes on
+/// average (milliseconds in a browser).
+pub const CHALLENGE_BITS: u8 = 16;
 /// The largest login body read.
 const MAX_BODY: usize = 4 << 10;
 
@@ -80,8 +83,18 @@ async fn login(Json(c): Json<Credentials>) -> (StatusCode, String) {
 /// "failed-logins-user";used=60`). Who keeps trying while locked climbs
 /// an escalation ladder: [`STRIKES`]
 /// refused logins within 15 minutes block the account (or address) for
-/// 15 minutes, the next block 30, then an hour, ... up to a day.
-pub fn routes<S: Store>(store: S, client_ip: ClientIp) -> Result<Router, ConfigError> {
+/// 15 minutes, the next block 30, then an hour, ... up to a day. Before
+/// the block, a locked account's 429 carries a proof-of-work challenge
+/// ([`CHALLENGE_BITS`]): a login that sends its solution back passes the
+/// per-account limit once (the per-address one still counts), so the
+/// account's owner can still log in while someone else locked it.
+/// `secret` signs the challenges: the same on every instance of a fleet.
+pub fn routes<S: Store>(
+    store: S,
+    client_ip: ClientIp,
+    secret: &[u8],
+) -> Result<Router, ConfigError> {
+    let challenge = ProofOfWork::new(secret, CHALLENGE_BITS, Duration::from_secs(300))?;
     let user = |req: &axum::http::Request<Body>, key: &mut KeyBuf| {
         key.push(req.extensions().get::<LoginUser>()?.0.as_bytes());
         Some(())
@@ -99,6 +112,7 @@ pub fn routes<S: Store>(store: S, client_ip: ClientIp) -> Result<Router, ConfigE
             // fifth, then blocks that grow.
             .warn_at(0.6)
             .escalate(STRIKES, LOGIN_WINDOW, LOGIN_WINDOW, MAX_BLOCK)
+            .challenge(challenge)
             // A body without a user is the handler's to refuse.
             .on_missing_key(MissingKey::Skip),
         )

@@ -559,3 +559,69 @@ async fn a_reload_goes_on_from_state_on_redis_with_a_fallback() {
         .unwrap();
     reload_on(store, &clock).await;
 }
+
+/// The challenge step across a fleet: two instances on one Redis (the
+/// same prefix and secret): a challenge one issues, the other accepts,
+/// and a solution used on one is refused on the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_solved_challenge_passes_once_across_a_fleet() {
+    use tollgate::policy::{ProofOfWork, CHALLENGE_HEADER, SOLUTION_HEADER};
+    let Some(redis) = Server::start() else { return };
+    let clock = ManualClock::starting_at(1_796_000_040_000_000_000);
+    let prefix = unique_prefix();
+    let instance = || {
+        let store = RedisStore::builder(&redis.url())
+            .prefix(&prefix)
+            .client_time(clock.clone())
+            .timeout(Duration::from_secs(2))
+            .build()
+            .unwrap();
+        let pow = ProofOfWork::new(
+            b"one secret, every instance.....",
+            8,
+            Duration::from_secs(60),
+        )
+        .unwrap()
+        .clock(clock.clone());
+        let layer = PolicyLayer::builder()
+            .rule(
+                RateRule::new(
+                    "login",
+                    Limit::fixed_window(1, Duration::from_secs(60)),
+                    Header::named("x-api-key").unwrap(),
+                )
+                .challenge(pow),
+            )
+            .store(store)
+            .build()
+            .unwrap();
+        layer.layer(service_fn(|_req: Request<String>| async {
+            Ok::<_, Infallible>(Response::new(String::new()))
+        }))
+    };
+    let (a, b) = (instance(), instance());
+    let req = |solution: Option<&str>| {
+        let mut r = Request::get("/login")
+            .header("x-api-key", "alice")
+            .body(String::new())
+            .unwrap();
+        if let Some(s) = solution {
+            r.headers_mut().insert(SOLUTION_HEADER, s.parse().unwrap());
+        }
+        r
+    };
+    assert_eq!(a.clone().oneshot(req(None)).await.unwrap().status(), 200);
+    let res = b.clone().oneshot(req(None)).await.unwrap();
+    assert_eq!(res.status(), 429);
+    let challenge = res.headers()[CHALLENGE_HEADER].to_str().unwrap().to_owned();
+    let solution = (0u64..)
+        .map(|n| format!("{challenge}.{n}"))
+        .find(|s| ProofOfWork::leading_zero_bits(s.as_bytes()) >= 8)
+        .unwrap();
+    // Issued by b, accepted by a; then refused by b as a replay.
+    let res = a.clone().oneshot(req(Some(&solution))).await.unwrap();
+    assert_eq!(res.status(), 200);
+    let res = b.clone().oneshot(req(Some(&solution))).await.unwrap();
+    assert_eq!(res.status(), 429);
+    assert!(res.headers().contains_key(CHALLENGE_HEADER));
+}

@@ -372,6 +372,34 @@ async fn five_failed_logins_lock_the_account_for_the_rest_of_the_window() {
     assert_eq!(send(addr, login("ann", "demo")).await.unwrap().status, 200);
 }
 
+/// A locked account's 429 carries a proof-of-work challenge: its owner
+/// solves it and logs in once; a replay of the solution is refused.
+#[tokio::test]
+async fn a_locked_out_owner_gets_in_by_solving_the_challenge() {
+    let (addr, _clock) = quickstart(&[]).await;
+    for _ in 0..5 {
+        assert_eq!(send(addr, login("cat", "guess")).await.unwrap().status, 401);
+    }
+    let r = send(addr, login("cat", "demo")).await.unwrap();
+    assert_eq!(r.status, 429, "{r:?}");
+    let challenge = r.header("tollgate-challenge").to_owned();
+    assert!(challenge.starts_with("pow1."), "{r:?}");
+    let solution = (0u64..)
+        .map(|n| format!("{challenge}.{n}"))
+        .find(|s| tollgate::policy::ProofOfWork::leading_zero_bits(s.as_bytes()) >= 16)
+        .unwrap();
+    let solved = || {
+        let mut req = login("cat", "demo");
+        req.headers_mut()
+            .insert("tollgate-solution", solution.parse().unwrap());
+        req
+    };
+    let r = send(addr, solved()).await.unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.body, "Welcome, cat.\n");
+    assert_eq!(send(addr, solved()).await.unwrap().status, 429);
+}
+
 #[tokio::test]
 async fn twenty_failed_logins_from_one_address_lock_every_account_there() {
     let (addr, _clock) = quickstart(&[]).await;

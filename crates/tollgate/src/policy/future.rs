@@ -14,7 +14,7 @@ use tokio::time::Sleep;
 use tollgate_core::{Decision, Limiter, Outcome};
 use tower_service::Service;
 
-use super::decide::{pacing_refund, settle_response, Report, Verdict};
+use super::decide::{listed_key, pacing_refund, settle_response, Report, Verdict};
 use super::shared::{Shared, MAX_RULES};
 use crate::body::ResponseBody;
 use crate::headers::apply_set;
@@ -63,6 +63,8 @@ pin_project! {
         pub(super) shared: Arc<Shared<B, L>>,
         // The keys of response-aware rules, kept until the response.
         pub(super) after: Option<Vec<(usize, KeyBytes)>>,
+        // A refusal's challenge, for the rule's key.
+        pub(super) challenge: Option<http::HeaderValue>,
     }
 }
 
@@ -150,6 +152,8 @@ where
                 StateProj::Deciding { decide, waiting } => {
                     let (report, verdict, keys) = ready!(decide.as_mut().poll(cx));
                     *this.report = report;
+                    *this.challenge =
+                        super::challenge::for_verdict(this.shared, verdict, listed_key(&keys));
                     if this.shared.response_aware && matches!(verdict, Verdict::Pass { .. }) {
                         *this.after = Some(keys.clone());
                     }
@@ -185,7 +189,8 @@ where
                     return Poll::Ready(Ok(response));
                 }
                 StateProj::Rejected { verdict } => {
-                    let response = reject(this.shared, this.report, *verdict, *this.grpc);
+                    let mut response = reject(this.shared, this.report, *verdict, *this.grpc);
+                    super::challenge::attach(response.headers_mut(), this.challenge.as_ref());
                     return Poll::Ready(Ok(response.map(ResponseBody::full)));
                 }
             };

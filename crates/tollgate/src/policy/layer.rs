@@ -129,6 +129,7 @@ struct Unbound<B> {
     plans: Vec<(String, tollgate_core::Limit)>,
     count_if: Option<super::rule::CountIf>,
     ladder: Option<super::rule::Ladder>,
+    challenge: Option<Arc<dyn super::Challenge>>,
     warn_at: Option<f64>,
 }
 
@@ -180,6 +181,7 @@ impl<B, St> PolicyLayerBuilder<B, St> {
             plans: rule.plans,
             count_if: rule.count_if,
             ladder: rule.ladder,
+            challenge: rule.challenge,
             warn_at: rule.warn_at,
         });
         self
@@ -362,6 +364,11 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
         for (i, r) in self.rules.iter().enumerate() {
             let plan_names = r.plans.iter().map(|(p, _)| format!("{}:{p}", r.name));
             let plan_names = plan_names.chain(r.ladder.map(|_| format!("{}:ladder", r.name)));
+            let plan_names = plan_names.chain(
+                r.challenge
+                    .as_ref()
+                    .map(|_| format!("{}:challenge", r.name)),
+            );
             for name in std::iter::once(r.name.clone()).chain(plan_names) {
                 if !stored.insert(name.clone()) {
                     return Err(ConfigError::new(
@@ -453,8 +460,19 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                     Some(self.store.escalation(&ladder)?)
                 }
             };
+            // Solutions used, each remembered for its challenge's lifetime.
+            let challenge = match r.challenge {
+                None => None,
+                Some(c) => {
+                    let once =
+                        tollgate_core::Limit::gcra(tollgate_core::Rate::new(1, c.lifetime()), 1);
+                    let used = Rule::new(format!("{}:challenge", rule.name()), once)?;
+                    Some((c, self.store.limiter(&used)?))
+                }
+            };
             bound.push(Bound {
                 rule: r.rule,
+                challenge,
                 limiter,
                 missing: r.missing,
                 canary,

@@ -48,6 +48,12 @@
 //!   for a time that doubles per block up to a cap, and a key out of
 //!   trouble long enough starts over. The ladder lives in the store, so
 //!   a fleet on Redis escalates together.
+//! - **Challenges** ([`RateRule::challenge`]), the step between a refusal
+//!   and a block: past the limit, the 429 carries a challenge bound to the
+//!   rule, the key and a time window — a [`ProofOfWork`], or any
+//!   [`Challenge`] — and a request with its solution passes the rule once
+//!   (the store remembers used solutions, fleet-wide). Unsolved refusals
+//!   still strike toward the block.
 //! - **Decision logs** ([`decision_log`](PolicyLayerBuilder::decision_log)):
 //!   a sampled `tracing` event per rule (target `tollgate::decision`):
 //!   rule, outcome, remaining, reason, and a keyed hash of the key.
@@ -136,6 +142,7 @@
 //! ```
 
 mod access;
+mod challenge;
 mod decide;
 mod future;
 mod idempotency;
@@ -148,6 +155,7 @@ mod shared;
 mod tests;
 
 pub use access::{Access, AccessList};
+pub use challenge::{Challenge, ProofOfWork, CHALLENGE_HEADER, SOLUTION_HEADER};
 pub use future::PolicyFuture;
 pub use layer::{PolicyLayer, PolicyLayerBuilder};
 pub use plan::Plan;

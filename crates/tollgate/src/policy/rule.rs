@@ -24,6 +24,7 @@ pub struct RateRule<K, C = Fixed> {
     pub(crate) plans: Vec<(String, Limit)>,
     pub(crate) count_if: Option<CountIf>,
     pub(crate) ladder: Option<Ladder>,
+    pub(crate) challenge: Option<Arc<dyn super::Challenge>>,
     pub(crate) warn_at: Option<f64>,
 }
 
@@ -67,6 +68,7 @@ impl<K> RateRule<K, Fixed> {
             plans: Vec::new(),
             count_if: None,
             ladder: None,
+            challenge: None,
             warn_at: None,
         }
     }
@@ -86,6 +88,7 @@ impl<K, C> RateRule<K, C> {
             plans: self.plans,
             count_if: self.count_if,
             ladder: self.ladder,
+            challenge: self.challenge,
             warn_at: self.warn_at,
         }
     }
@@ -126,6 +129,24 @@ impl<K, C> RateRule<K, C> {
         max_block: std::time::Duration,
     ) -> Self {
         self.ladder = Some((strikes, period, block, max_block));
+        self
+    }
+
+    /// A challenge step, between this rule's refusal and a block: past
+    /// the limit, a refusal carries a challenge (header
+    /// `Tollgate-Challenge`) bound to this rule, the client's key and a
+    /// time window, e.g. a [`ProofOfWork`](super::ProofOfWork). A request
+    /// that carries a solution (header `Tollgate-Solution`) passes this
+    /// rule without being counted by it — the other rules still decide —
+    /// and a solution is good once: its use is remembered in the policy's
+    /// store (a rule named `"<name>:challenge"`) for the challenge's
+    /// lifetime, so a fleet refuses a replay too. A request without one
+    /// is refused as before and, with a ladder, strikes toward the block;
+    /// a blocked key gets no challenge. So a real user caught by a
+    /// lockout can go on by paying some CPU, while a script pays it for
+    /// every guess.
+    pub fn challenge(mut self, challenge: impl super::Challenge) -> Self {
+        self.challenge = Some(Arc::new(challenge));
         self
     }
 

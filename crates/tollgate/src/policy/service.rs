@@ -9,6 +9,7 @@ use tollgate_core::{Decision, JointDecision, JointPart, Limiter, StoreError};
 use tower_service::Service;
 
 use super::access::Access;
+use super::challenge;
 use super::decide::{
     audit, listed_key, log_decisions, refund_consumed, settle, store_failed, strike_sync, KeyOf,
     Report, Verdict, MARKER,
@@ -215,6 +216,23 @@ where
                     );
                 }
             }
+            // A solution to the rule's challenge, used for the first
+            // time, passes the rule.
+            if let (Some(id), Some((_, used))) = (
+                challenge::solved(rule, &req, key.as_bytes()),
+                &rule.challenge,
+            ) {
+                match used.decide_sync(&id, 1) {
+                    Some(answer) => {
+                        if challenge::first_use(rule, answer) {
+                            continue;
+                        }
+                    }
+                    None => {
+                        return self.decide_async(Arc::clone(shared), req, report, i, grpc, marker)
+                    }
+                }
+            }
             let cost = rule.rule.cost(&req);
             match rule.at(report.plan).0.decide_sync(key.as_bytes(), cost) {
                 Some(Ok(d)) => report.set(i, d, cost, rule.shadows(key.as_bytes())),
@@ -259,6 +277,16 @@ where
             _ => {}
         }
         observe_by_request(shared, &report, verdict, &req);
+        let challenge = challenge::for_verdict(shared, verdict, |j, f| {
+            let mut k = KeyBuf::new();
+            if shared
+                .rules
+                .get(j)
+                .is_some_and(|r| r.key_again(&req, &mut k))
+            {
+                f(k.as_bytes());
+            }
+        });
         // Response-aware rules need their keys once the response is in.
         let after = (shared.response_aware && matches!(verdict, Verdict::Pass { .. }))
             .then(|| owned_keys(shared, &report, &req, true));
@@ -276,6 +304,7 @@ where
         );
         let mut future = Self::finish(Arc::clone(shared), state, report, grpc);
         future.after = after;
+        future.challenge = challenge;
         future
     }
 }
@@ -392,6 +421,7 @@ where
             grpc,
             shared,
             after: None,
+            challenge: None,
         }
     }
 
@@ -481,6 +511,16 @@ where
                 Some((*i, rule.rule.cost(&req), rule.shadows(key.as_bytes()), k))
             })
             .collect();
+        // Solutions to rules' challenges, verified here; whether each is
+        // used for the first time is the store's to say.
+        let solutions: Vec<(usize, [u8; 16])> = pending
+            .iter()
+            .filter_map(|(i, _, _, k)| {
+                let (_, key) = keys.get(*k)?;
+                let id = challenge::solved(shared.rules.get(*i)?, &req, key.as_bytes())?;
+                Some((*i, id))
+            })
+            .collect();
         let decide = Box::pin({
             let shared = Arc::clone(&shared);
             async move {
@@ -534,6 +574,19 @@ where
                 let refund = |report: &Report, keys: &[(usize, KeyBytes)]| {
                     refund_consumed(&shared, report, listed_key(keys));
                 };
+                // A solution used for the first time passes its rule.
+                let mut pending = pending;
+                for (i, id) in &solutions {
+                    let Some(rule) = shared.rules.get(*i) else {
+                        continue;
+                    };
+                    let Some((_, used)) = &rule.challenge else {
+                        continue;
+                    };
+                    if challenge::first_use(rule, used.decide(id, 1).await) {
+                        pending.retain(|(j, ..)| j != i);
+                    }
+                }
                 // Created here, after the marker: no rule is charged for a
                 // repeat. Together where the store can (one call, all or
                 // nothing), else one call per rule, side by side.

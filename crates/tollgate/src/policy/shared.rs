@@ -29,6 +29,9 @@ pub(super) struct Bound<B, L> {
     pub(super) plans: Box<[Option<(L, Responder)>]>,
     /// A response-aware rule's test of which responses count.
     pub(super) count_if: Option<super::rule::CountIf>,
+    /// The rule's challenge, and the limiter that remembers the
+    /// solutions used.
+    pub(super) challenge: Option<(Arc<dyn super::Challenge>, L)>,
     /// The rule's escalation ladder, per key.
     pub(super) ladder: Option<Arc<dyn tollgate_core::EscalationLimiter>>,
     /// The share of capacity past which admitted responses warn.

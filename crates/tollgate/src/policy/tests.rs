@@ -1049,6 +1049,69 @@ async fn repeated_refusals_climb_the_escalation_ladder<S: Store>(store: S, clock
 }
 on_both_paths!(escalation, repeated_refusals_climb_the_escalation_ladder);
 
+/// The challenge step: past the limit, a refusal carries a challenge;
+/// its solution passes the rule once (the other rules still decide), a
+/// replay or another key's solution does not, and unsolved refusals
+/// still climb the ladder to a block, which carries no challenge.
+async fn a_solved_challenge_passes_the_rule_once<S: Store>(store: S, clock: ManualClock) {
+    let pow = ProofOfWork::new(&[9; 32], 8, Duration::from_secs(60))
+        .unwrap()
+        .clock(clock.clone());
+    let hour = Duration::from_secs(3_600);
+    let layer = PolicyLayer::builder()
+        .rule(
+            per_key(Limit::fixed_window(1, Duration::from_secs(10)))
+                .escalate(2, Duration::from_secs(60), Duration::from_secs(30), hour)
+                .challenge(pow),
+        )
+        .rule(RateRule::new(
+            "global",
+            Limit::fixed_window(1_000, hour),
+            Global,
+        ))
+        .store(store)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    let send = |key: &str, solution: Option<&str>| {
+        let mut r = req(key, "ip");
+        if let Some(s) = solution {
+            r.headers_mut().insert(SOLUTION_HEADER, s.parse().unwrap());
+        }
+        svc.clone().oneshot(r)
+    };
+    assert_eq!(send("m", None).await.unwrap().status(), 200);
+    assert_eq!(send("n", None).await.unwrap().status(), 200);
+    // Over the limit: refused, with a challenge (and a strike).
+    let res = send("m", None).await.unwrap();
+    assert_eq!(res.status(), 429);
+    let challenge = res.headers()[CHALLENGE_HEADER].to_str().unwrap().to_owned();
+    assert!(challenge.starts_with("pow1."), "{challenge}");
+    let solution = (0u64..)
+        .map(|n| format!("{challenge}.{n}"))
+        .find(|s| ProofOfWork::leading_zero_bits(s.as_bytes()) >= 8)
+        .unwrap();
+    // Another key cannot use m's solution (n is over its limit too).
+    let res = send("n", Some(&solution)).await.unwrap();
+    assert_eq!(res.status(), 429);
+    // Solved: past the rule, counted by the global rule.
+    let res = send("m", Some(&solution)).await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert!(res.headers().get(CHALLENGE_HEADER).is_none());
+    // Once only: the replay is refused, the second strike blocks.
+    let res = send("m", Some(&solution)).await.unwrap();
+    assert_eq!(res.status(), 429);
+    assert_eq!(res.headers()["retry-after"], "30");
+    assert!(
+        res.headers().get(CHALLENGE_HEADER).is_none(),
+        "a block has none"
+    );
+    // Two admitted by the global rule (m's first and its solved one) and
+    // n's first; refusals were refunded.
+    assert_eq!(remaining(&layer, 1, "any").await, 1_000 - 3);
+}
+on_both_paths!(challenge, a_solved_challenge_passes_the_rule_once);
+
 #[test]
 fn a_store_without_ladders_refuses_one_at_build() {
     struct NoLadders(MemoryStore);

@@ -249,6 +249,11 @@ pub(super) fn solved<B, L>(
     let id = challenge.verify(&scope(&rule.responder.rule, key), answer.as_bytes());
     if id.is_none() {
         rule.responder.metrics.challenge_failed.increment(1);
+        tracing::debug!(
+            target: "tollgate",
+            rule = %rule.responder.rule,
+            "a challenge's solution did not verify (wrong, expired, or for another key)"
+        );
     }
     id
 }
@@ -267,6 +272,12 @@ pub(super) fn first_use<B, L>(
     } else {
         m.challenge_failed.increment(1);
     }
+    tracing::debug!(
+        target: "tollgate",
+        rule = %rule.responder.rule,
+        passed = first,
+        "a solved challenge (passed: its first use)"
+    );
     first
 }
 

@@ -374,8 +374,103 @@ impl<S: fmt::Debug, K, L> fmt::Debug for Retry<S, K, L> {
     }
 }
 
-/// The future of [`Retry`]: attempts, waits and budget calls.
-pub type ResponseFuture<T> = Pin<Box<dyn Future<Output = Result<T, BoxError>> + Send>>;
+pin_project_lite::pin_project! {
+    /// The future of [`Retry`]. The common call — no deadline, nothing to
+    /// read of the body first — makes its first attempt in place, with no
+    /// allocation; a retry, a deadline or a body to buffer continue in a
+    /// boxed future of attempts, waits and budget calls.
+    pub struct ResponseFuture<S, K, L, B>
+    where
+        S: Service<Request<ReplayBody<B>>>,
+    {
+        #[pin]
+        state: Call<S, K, L, B>,
+    }
+}
+
+type Boxed<T> = Pin<Box<dyn Future<Output = Result<T, BoxError>> + Send>>;
+
+pin_project_lite::pin_project! {
+    #[project = CallProj]
+    enum Call<S, K, L, B>
+    where
+        S: Service<Request<ReplayBody<B>>>,
+    {
+        First {
+            #[pin]
+            attempt: S::Future,
+            // What a retry needs (none for a request that is sent once).
+            resume: Option<Resume<S>>,
+            shared: Arc<Shared<K, L>>,
+        },
+        Boxed {
+            future: Boxed<S::Response>,
+        },
+        Refused {
+            error: Option<BoxError>,
+        },
+    }
+}
+
+impl<S, K, L, B> fmt::Debug for ResponseFuture<S, K, L, B>
+where
+    S: Service<Request<ReplayBody<B>>>,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+/// What a call needs to send its request again: the service, the
+/// request's head and buffered body, and the budget's key.
+struct Resume<S> {
+    inner: S,
+    parts: http::request::Parts,
+    buffered: Buffered,
+    key: KeyBytes,
+}
+
+impl<S, K, L, B, ResB> Future for ResponseFuture<S, K, L, B>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send,
+    S::Error: Into<BoxError>,
+    B: Send + 'static,
+    K: Send + Sync + 'static,
+    L: RetryBudgetLimiter,
+    ResB: Send + 'static,
+{
+    type Output = Result<Response<ResB>, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            match this.state.as_mut().project() {
+                CallProj::First {
+                    attempt,
+                    resume,
+                    shared,
+                } => {
+                    let result = std::task::ready!(attempt.poll(cx)).map_err(Into::into);
+                    let Some(wait) = after_attempt(shared, &result, 1, resume.is_some(), None)
+                    else {
+                        return Poll::Ready(result);
+                    };
+                    let Some(resume) = resume.take() else {
+                        return Poll::Ready(result);
+                    };
+                    let future = Box::pin(retries(Arc::clone(shared), resume, result, wait, None));
+                    this.state.set(Call::Boxed { future });
+                }
+                CallProj::Boxed { future } => return future.as_mut().poll(cx),
+                CallProj::Refused { error } => {
+                    let error = error.take().unwrap_or_else(|| "polled after it answered".into());
+                    return Poll::Ready(Err(error));
+                }
+            }
+        }
+    }
+}
 
 impl<S, K, L, B, ResB> Service<Request<B>> for Retry<S, K, L>
 where
@@ -390,7 +485,7 @@ where
 {
     type Response = Response<ResB>;
     type Error = BoxError;
-    type Future = ResponseFuture<Response<ResB>>;
+    type Future = ResponseFuture<S, K, L, B>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         self.inner.poll_ready(cx).map_err(Into::into)
@@ -400,19 +495,95 @@ where
         // The service polled ready makes the first attempt; a clone waits
         // for the next caller's poll_ready.
         let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
+        let mut inner = std::mem::replace(&mut self.inner, clone);
         let shared = Arc::clone(&self.shared);
-        // A call without a deadline carries no timer.
-        match shared.deadline.and_then(|d| Instant::now().checked_add(d)) {
-            None => Box::pin(run(shared, inner, req, None)),
-            Some(at) => Box::pin(async move {
+        let boxed = |future: Boxed<Response<ResB>>| ResponseFuture {
+            state: Call::Boxed { future },
+        };
+        // A call with a deadline runs under its timer.
+        if let Some(at) = shared.deadline.and_then(|d| Instant::now().checked_add(d)) {
+            return boxed(Box::pin(async move {
                 match tokio::time::timeout_at(at, run(shared, inner, req, Some(at))).await {
                     Ok(result) => result,
                     Err(_) => Err(Box::new(DeadlineExceeded) as BoxError),
                 }
-            }),
+            }));
+        }
+        let replayable = is_replayable(&shared, &req);
+        // A body to read before the first attempt: in the boxed future.
+        if replayable && !req.body().is_end_stream() {
+            return boxed(Box::pin(run(shared, inner, req, None)));
+        }
+        let key = match start(&shared, &req) {
+            Ok(key) => key,
+            Err(error) => {
+                return ResponseFuture {
+                    state: Call::Refused { error: Some(error) },
+                }
+            }
+        };
+        let (parts, body) = req.into_parts();
+        let (first, resume) = if replayable {
+            let buffered = (Bytes::new(), None);
+            let first = Request::from_parts(parts.clone(), ReplayBody::replay(Bytes::new(), None));
+            (first, Some((parts, buffered)))
+        } else {
+            (Request::from_parts(parts, ReplayBody::inner(body)), None)
+        };
+        let attempt = inner.call(first);
+        let resume = resume.map(|(parts, buffered)| Resume {
+            inner,
+            parts,
+            buffered,
+            key,
+        });
+        ResponseFuture {
+            state: Call::First {
+                attempt,
+                resume,
+                shared,
+            },
         }
     }
+}
+
+/// Whether `req` may be sent more than once: retries are configured, and
+/// it is idempotent (or every method may be retried).
+fn is_replayable<K, L, B>(shared: &Shared<K, L>, req: &Request<B>) -> bool {
+    shared.max_attempts > 1 && (shared.any_method || is_idempotent(req.method(), req.headers()))
+}
+
+/// The start of a call: its budget key, adaptive throttling's verdict
+/// (`Err`: refused locally), and the call's deposit in the budget.
+fn start<K, L, B>(shared: &Shared<K, L>, req: &Request<B>) -> Result<KeyBytes, BoxError>
+where
+    K: KeyExtractor<B>,
+    L: RetryBudgetLimiter,
+{
+    // The key, compact; the builder is dropped here, not carried in a
+    // future across its awaits.
+    let key = {
+        let mut buf = KeyBuf::new();
+        if shared.key.extract(req, &mut buf).is_none() {
+            buf = KeyBuf::new();
+            buf.push(b"\x02unkeyed");
+        }
+        KeyBytes::new(&mut buf)
+    };
+    if let Some(throttle) = &shared.throttle {
+        if throttle.refuse(shared.backoff.random()) {
+            // A request the application made, not accepted (SRE book).
+            throttle.record(false);
+            shared.metrics.throttled.increment(1);
+            return Err(Box::new(Throttled));
+        }
+    }
+    shared.metrics.calls.increment(1);
+    // In memory at once; a networked store's deposit runs on its own.
+    if !shared.budget.deposit_sync(key.as_bytes()) {
+        crate::task::finish(shared.budget.deposit(key.as_bytes()));
+    }
+    Ok(key)
 }
 
 /// A body read in full: its bytes and its trailers, if any.
@@ -462,9 +633,9 @@ fn classify<K, L>(shared: &Shared<K, L>, attempt: Attempt<'_>) -> bool {
     }
 }
 
-/// The call: budget, attempts and waits. `deadline`, when set, is when
-/// the caller's timer cuts it off; no retry is started that would wait
-/// past it.
+/// The call, when it has a deadline or a body to read first: budget,
+/// attempts and waits. `deadline`, when set, is when the caller's timer
+/// cuts it off; no retry is started that would wait past it.
 async fn run<S, K, L, B, ResB>(
     shared: Arc<Shared<K, L>>,
     mut inner: S,
@@ -479,29 +650,10 @@ where
     K: KeyExtractor<B>,
     L: RetryBudgetLimiter,
 {
-    let m = &shared.metrics;
-    // The key, compact; the builder is dropped here, not carried in the
-    // future across its awaits.
-    let key = {
-        let mut buf = KeyBuf::new();
-        if shared.key.extract(&req, &mut buf).is_none() {
-            buf = KeyBuf::new();
-            buf.push(b"\x02unkeyed");
-        }
-        KeyBytes::new(&mut buf)
-    };
-    if let Some(throttle) = &shared.throttle {
-        if throttle.refuse(shared.backoff.random()) {
-            // A request the application made, not accepted (SRE book).
-            throttle.record(false);
-            m.throttled.increment(1);
-            return Err(Box::new(Throttled));
-        }
-    }
+    let key = start(&shared, &req)?;
+    let replayable = is_replayable(&shared, &req);
     let (parts, body) = req.into_parts();
-    let replayable = shared.max_attempts > 1
-        && (shared.any_method || is_idempotent(&parts.method, &parts.headers));
-    let (buffered, mut stream) = if replayable {
+    let (buffered, stream) = if replayable {
         match buffer(body, shared.buffer_limit).await? {
             Ok(data) => (Some(data), None),
             Err(body) => (None, Some(body)),
@@ -509,68 +661,110 @@ where
     } else {
         (None, Some(body))
     };
-    m.calls.increment(1);
-    // In memory at once; a networked store's deposit runs on its own.
-    if !shared.budget.deposit_sync(key.as_bytes()) {
-        crate::task::finish(shared.budget.deposit(key.as_bytes()));
-    }
-    let mut attempt: u32 = 0;
-    loop {
-        let body = match (&buffered, stream.take()) {
-            (Some((data, trailers)), _) => ReplayBody::replay(data.clone(), trailers.clone()),
-            (None, Some(body)) => ReplayBody::inner(body),
-            // Sent once already: nothing to send again.
-            (None, None) => return Err("a streamed request body cannot be sent twice".into()),
-        };
-        let request = Request::from_parts(parts.clone(), body);
-        poll_fn(|cx| inner.poll_ready(cx))
-            .await
-            .map_err(Into::into)?;
-        let result = inner.call(request).await.map_err(Into::into);
-        attempt = attempt.saturating_add(1);
-        let (retryable, hint) = match &result {
-            Ok(res) => {
-                let (status, headers) = (res.status(), res.headers());
-                if let Some(t) = &shared.throttle {
-                    // Refused for overload: not an accept.
-                    t.record(!matches!(status.as_u16(), 429 | 503));
-                }
-                let retryable = classify(&shared, Attempt::Response { status, headers });
-                // What the server says about when: read only for a retry.
-                let hint = if retryable {
-                    server_hint(status, headers)
-                } else {
-                    None
-                };
-                (retryable, hint)
+    let first = match (&buffered, stream) {
+        (Some((data, trailers)), _) => ReplayBody::replay(data.clone(), trailers.clone()),
+        (_, Some(body)) => ReplayBody::inner(body),
+        (None, None) => return Err("a request without a body".into()),
+    };
+    let result = attempt(&mut inner, Request::from_parts(parts.clone(), first)).await;
+    let Some(wait) = after_attempt(&shared, &result, 1, buffered.is_some(), deadline) else {
+        return result;
+    };
+    let Some(buffered) = buffered else {
+        return result;
+    };
+    let resume = Resume {
+        inner,
+        parts,
+        buffered,
+        key,
+    };
+    retries(shared, resume, result, wait, deadline).await
+}
+
+/// One attempt: the service made ready, then called.
+async fn attempt<S, B, ResB>(
+    inner: &mut S,
+    request: Request<ReplayBody<B>>,
+) -> Result<Response<ResB>, BoxError>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>>,
+    S::Error: Into<BoxError>,
+{
+    poll_fn(|cx| inner.poll_ready(cx))
+        .await
+        .map_err(Into::into)?;
+    inner.call(request).await.map_err(Into::into)
+}
+
+/// What follows attempt number `attempt`, which ended in `result`: the
+/// wait before a retry, or `None` when the result is the answer — not
+/// worth a retry, not possible (`replayable` false, attempts used up),
+/// the server says it cannot help, or asks for a longer wait than the
+/// caller gives, or the wait would pass the `deadline`. Records the
+/// outcome for adaptive throttling.
+fn after_attempt<K, L, ResB>(
+    shared: &Shared<K, L>,
+    result: &Result<Response<ResB>, BoxError>,
+    attempt: u32,
+    replayable: bool,
+    deadline: Option<Instant>,
+) -> Option<Duration> {
+    let (retryable, hint) = match result {
+        Ok(res) => {
+            let (status, headers) = (res.status(), res.headers());
+            if let Some(t) = &shared.throttle {
+                // Refused for overload: not an accept.
+                t.record(!matches!(status.as_u16(), 429 | 503));
             }
-            Err(error) => {
-                if let Some(t) = &shared.throttle {
-                    t.record(false);
-                }
-                (
-                    classify(&shared, Attempt::Error(error)),
-                    Some(Duration::ZERO),
-                )
-            }
-        };
-        // Not worth it, not possible, the server says it cannot help, or it
-        // asks for a longer wait than the caller wants to give.
-        let Some(hint) = hint.filter(|hint| {
-            retryable
-                && buffered.is_some()
-                && attempt < shared.max_attempts
-                && *hint <= shared.max_server_wait
-        }) else {
-            return result;
-        };
-        let wait = hint.max(shared.backoff.wait(attempt.saturating_sub(1)));
-        if deadline.is_some_and(|d| Instant::now().checked_add(wait).is_none_or(|at| at >= d)) {
-            return result;
+            let retryable = classify(shared, Attempt::Response { status, headers });
+            // What the server says about when: read only for a retry.
+            let hint = if retryable {
+                server_hint(status, headers)
+            } else {
+                None
+            };
+            (retryable, hint)
         }
-        let answer = match shared.budget.withdraw_sync(key.as_bytes()) {
+        Err(error) => {
+            if let Some(t) = &shared.throttle {
+                t.record(false);
+            }
+            (classify(shared, Attempt::Error(error)), Some(Duration::ZERO))
+        }
+    };
+    let hint = hint.filter(|hint| {
+        retryable && replayable && attempt < shared.max_attempts && *hint <= shared.max_server_wait
+    })?;
+    let wait = hint.max(shared.backoff.wait(attempt.saturating_sub(1)));
+    if deadline.is_some_and(|d| Instant::now().checked_add(wait).is_none_or(|at| at >= d)) {
+        return None;
+    }
+    Some(wait)
+}
+
+/// The retries after a first attempt that ended in `result` and asked for
+/// `wait`: the budget's withdrawal, the wait, the attempt, again while
+/// the budget and the attempts allow.
+async fn retries<S, K, L, B, ResB>(
+    shared: Arc<Shared<K, L>>,
+    mut resume: Resume<S>,
+    mut result: Result<Response<ResB>, BoxError>,
+    mut wait: Duration,
+    deadline: Option<Instant>,
+) -> Result<Response<ResB>, BoxError>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>>,
+    S::Error: Into<BoxError>,
+    L: RetryBudgetLimiter,
+{
+    let m = &shared.metrics;
+    let key = resume.key.as_bytes().to_vec();
+    let mut attempts: u32 = 1;
+    loop {
+        let answer = match shared.budget.withdraw_sync(&key) {
             Some(answer) => answer,
-            None => shared.budget.withdraw(key.as_bytes()).await,
+            None => shared.budget.withdraw(&key).await,
         };
         if let Some(balance) = answer.as_ref().ok().and_then(|w| w.balance) {
             #[allow(clippy::cast_precision_loss)] // a metric's value
@@ -585,5 +779,14 @@ where
         drop(result);
         m.retries.increment(1);
         tokio::time::sleep(wait).await;
+        let (data, trailers) = &resume.buffered;
+        let body = ReplayBody::replay(data.clone(), trailers.clone());
+        let request = Request::from_parts(resume.parts.clone(), body);
+        result = attempt(&mut resume.inner, request).await;
+        attempts = attempts.saturating_add(1);
+        match after_attempt(&shared, &result, attempts, true, deadline) {
+            Some(next) => wait = next,
+            None => return result,
+        }
     }
 }

@@ -24,7 +24,7 @@ use tollgate::core::QuotaStore;
 use tollgate::cost::ByRoute;
 use tollgate::key::{ClientIp, Header, KeyExtractorExt};
 use tollgate::policy::PolicyLayer;
-use tollgate::QuotaLayer;
+use tollgate::{ConfigError, QuotaLayer};
 
 /// The size of `GET /api/download`'s body.
 pub const DOWNLOAD_BYTES: usize = 1 << 20;
@@ -165,23 +165,28 @@ pub fn quickstart_app_with<S: QuotaStore>(
         .merge(login::routes(
             store_for_login,
             ClientIp::trusting(trusted_proxies)?,
-            &challenge_secret(),
+            &challenge_secret()?,
         )?);
     Ok((router, limit))
 }
 
 /// The secret the login challenges are signed with:
 /// `TOLLGATE_CHALLENGE_SECRET` (16 to 64 bytes; what every instance of a
-/// fleet must share), else one made for this process.
-fn challenge_secret() -> Vec<u8> {
+/// fleet must share), else one made for this process. A secret of
+/// another length is an error, not a silent per-process one.
+fn challenge_secret() -> Result<Vec<u8>, ConfigError> {
     use std::hash::BuildHasher;
     match std::env::var("TOLLGATE_CHALLENGE_SECRET") {
-        Ok(s) if (16..=64).contains(&s.len()) => s.into_bytes(),
-        _ => {
+        Ok(s) if (16..=64).contains(&s.len()) => Ok(s.into_bytes()),
+        Ok(_) => Err(ConfigError::new(
+            "TOLLGATE_CHALLENGE_SECRET",
+            "must be 16 to 64 bytes",
+        )),
+        Err(_) => {
             let seed = std::collections::hash_map::RandomState::new();
-            (0u64..4)
+            Ok((0u64..4)
                 .flat_map(|i| seed.hash_one(i).to_le_bytes())
-                .collect()
+                .collect())
         }
     }
 }

@@ -396,8 +396,11 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
             cfg.plans.iter().map(|(plan, _)| plan.as_str()),
             cfg.plan_source.is_some(),
         )?;
-        if cfg.plans.iter().any(|(_, max)| *max == 0) {
-            return Err(ConfigError::new("plans", "a plan's max must be at least 1"));
+        // The default plan's max, and each plan's, as a rule's would be.
+        rule(&cfg.name, cfg.max)?;
+        for (plan, max) in &cfg.plans {
+            rule(&cfg.name, *max)
+                .map_err(|e| ConfigError::new("plans", format!("plan {plan:?}: {e}")))?;
         }
         // One store rule for every plan, as large as the largest; each
         // plan's max is a ceiling under it, so a key's permits count

@@ -484,11 +484,20 @@ where
             Step::Granted(..) | Step::Pass(_) => {}
             Step::Reject(reason, d) => {
                 self.count(reason);
+                // The plan's limit (the store rule's is the largest plan's).
+                let d = Decision {
+                    limit: u64::from(limit.max),
+                    ..d
+                };
                 let r = self.rejected(&self.per_key.name, reason, grpc, Some(d));
                 return Admission::Reject(r, items);
             }
             Step::Wait(d) => {
                 self.count(Reason::Limited);
+                let d = Decision {
+                    limit: u64::from(limit.max),
+                    ..d
+                };
                 let r = self.rejected(&self.per_key.name, Reason::Limited, grpc, Some(d));
                 return Admission::Reject(r, items);
             }

@@ -460,12 +460,20 @@ async fn config_errors_name_the_field() {
             "plans",
         ),
         (
+            builder(0)
+                .plan("pro", 3)
+                .plan_from_extension()
+                .build()
+                .map(drop),
+            "max",
+        ),
+        (
             builder(1)
                 .plan("pro", 2_000_000)
                 .plan_from_extension()
                 .build()
                 .map(drop),
-            "max",
+            "plans",
         ),
     ];
     for (result, field) in cases {

@@ -27,14 +27,15 @@ pub trait Challenge: Send + Sync + 'static {
     /// `Tollgate-Challenge` header carries it (visible ASCII).
     fn issue(&self, scope: &[u8]) -> String;
 
-    /// Whether `solution` (the client's `Tollgate-Solution` header) solves
-    /// a challenge issued for `scope` that is still good: an id of the
-    /// solution (the same for the same solution, for the policy's
-    /// once-only check), or `None`.
+    /// Whether `solution` (a `Tollgate-Solution` header of the client's)
+    /// solves a challenge issued for `scope` that is still good: an id of
+    /// the challenge it solves — the same for every solution of one
+    /// challenge, so that the policy lets each challenge pass once, however
+    /// many solutions a client finds — or `None`.
     fn verify(&self, scope: &[u8], solution: &[u8]) -> Option<[u8; 16]>;
 
-    /// How long a solution can stay good: the policy remembers a used one
-    /// this long.
+    /// How long a challenge can stay good, clocks' skew included: the
+    /// policy remembers a used one this long.
     fn lifetime(&self) -> Duration;
 }
 
@@ -48,7 +49,9 @@ pub trait Challenge: Send + Sync + 'static {
 /// SHA-256 starts with `difficulty` zero bits; a client finds one by
 /// trying nonces, about 2^difficulty hashes on average (16 bits: ~65,000
 /// hashes, some milliseconds in a browser's WebCrypto; each bit doubles
-/// it). A challenge is good in its window and the next.
+/// it). A challenge is good in its window and the next, and passes once
+/// (a policy remembers it): one pass per rule, key and window, however
+/// many nonces a client finds.
 ///
 /// ```
 /// use std::time::Duration;
@@ -218,7 +221,8 @@ impl Challenge for ProofOfWork {
         if !same || Self::leading_zero_bits(solution) < u32::from(self.difficulty) {
             return None;
         }
-        let digest = Sha256::digest(solution);
+        // The challenge's id: one pass per challenge, not per nonce.
+        let digest = Sha256::digest(challenge.as_bytes());
         let mut id = [0u8; 16];
         for (i, b) in id.iter_mut().zip(digest.iter()) {
             *i = *b;
@@ -227,7 +231,9 @@ impl Challenge for ProofOfWork {
     }
 
     fn lifetime(&self) -> Duration {
-        Duration::from_secs(self.window.saturating_mul(2))
+        // Good in its window and the next; one more for the skew between
+        // the instances' clocks and the store's.
+        Duration::from_secs(self.window.saturating_mul(3))
     }
 }
 
@@ -244,9 +250,9 @@ pub(super) fn solved<B, L>(
     req: &http::Request<B>,
     key: &[u8],
 ) -> Option<[u8; 16]> {
-    let (challenge, _) = rule.challenge.as_ref()?;
-    let answer = req.headers().get(&SOLUTION)?;
-    let id = challenge.verify(&scope(&rule.responder.rule, key), answer.as_bytes());
+    rule.challenge.as_ref()?;
+    req.headers().get(&SOLUTION)?;
+    let id = verified(rule, req, key);
     if id.is_none() {
         rule.responder.metrics.challenge_failed.increment(1);
         tracing::debug!(
@@ -256,6 +262,60 @@ pub(super) fn solved<B, L>(
         );
     }
     id
+}
+
+/// The id of the challenge a solution of `req`'s solves for rule `rule`
+/// and `key`, if one does. (A client over two challenged rules sends a
+/// solution for each.)
+fn verified<B, L>(
+    rule: &super::shared::Bound<B, L>,
+    req: &http::Request<B>,
+    key: &[u8],
+) -> Option<[u8; 16]> {
+    let (challenge, _) = rule.challenge.as_ref()?;
+    let scope = scope(&rule.responder.rule, key);
+    req.headers()
+        .get_all(&SOLUTION)
+        .iter()
+        .find_map(|answer| challenge.verify(&scope, answer.as_bytes()))
+}
+
+/// The challenges' ids of the rules a solution passed `req` past
+/// (`key(i, f)` hands rule `i`'s key to `f`), to give back should it be
+/// refused.
+pub(super) fn cleared_ids<B, L>(
+    shared: &super::shared::Shared<B, L>,
+    report: &super::decide::Report,
+    req: &http::Request<B>,
+    key: impl super::decide::KeyOf,
+) -> Vec<(usize, [u8; 16])> {
+    let mut ids = Vec::new();
+    for (i, rule) in shared.rules.iter().enumerate() {
+        if report.cleared(i) {
+            key(i, &mut |k| {
+                ids.extend(verified(rule, req, k).map(|id| (i, id)))
+            });
+        }
+    }
+    ids
+}
+
+/// A refused request was not served: gives back the passes of the
+/// challenges it used (those of `ids` whose rule the report says a
+/// solution passed), so that the client may use them again.
+pub(super) fn give_back_cleared<B, L: tollgate_core::Limiter>(
+    shared: &super::shared::Shared<B, L>,
+    report: &super::decide::Report,
+    ids: &[(usize, [u8; 16])],
+) {
+    for (i, id) in ids {
+        if !report.cleared(*i) {
+            continue;
+        }
+        if let Some((_, used)) = shared.rules.get(*i).and_then(|r| r.challenge.as_ref()) {
+            crate::task::finish(used.refund(id, 1));
+        }
+    }
 }
 
 /// Whether a verified solution `id` is used for the first time, by the
@@ -347,6 +407,12 @@ mod tests {
         let s = solve(&c, 10);
         let id = pow.verify(b"r\0k", s.as_bytes()).unwrap();
         assert_eq!(pow.verify(b"r\0k", s.as_bytes()), Some(id));
+        // Another nonce for the same challenge: the same challenge's id.
+        let other_nonce = (0u64..)
+            .map(|n| format!("{c}.x{n}"))
+            .find(|s| ProofOfWork::leading_zero_bits(s.as_bytes()) >= 10)
+            .unwrap();
+        assert_eq!(pow.verify(b"r\0k", other_nonce.as_bytes()), Some(id));
         assert!(pow.verify(b"r\0x", s.as_bytes()).is_none(), "another key");
         // Not enough work: a nonce whose hash falls short.
         let weak = (0u64..)

@@ -22,6 +22,9 @@ pub(super) struct Report {
     /// decision that another rule denied wrote nothing, or a failure
     /// policy counted nothing), so there is nothing to refund.
     unconsumed: u16,
+    /// Bit `i`: a solution to rule `i`'s challenge passed the request
+    /// past it (the challenge's pass is given back if it is refused).
+    cleared: u16,
     /// The request's plan (0: the default).
     pub(super) plan: u8,
 }
@@ -38,6 +41,7 @@ impl Report {
             decided: [None; MAX_RULES],
             shadow: 0,
             unconsumed: 0,
+            cleared: 0,
             plan: 0,
         }
     }
@@ -55,6 +59,16 @@ impl Report {
     /// Rule `i`'s admitting decision consumed nothing.
     pub(super) fn set_unconsumed(&mut self, i: usize) {
         self.unconsumed |= bit(i);
+    }
+
+    /// A solution to rule `i`'s challenge passed the request past it.
+    pub(super) fn set_cleared(&mut self, i: usize) {
+        self.cleared |= bit(i);
+    }
+
+    /// Whether a solution passed the request past rule `i`.
+    pub(super) fn cleared(&self, i: usize) -> bool {
+        self.cleared & bit(i) != 0
     }
 
     /// Whether rule `i` only watches this request.

@@ -136,15 +136,20 @@ impl<K, C> RateRule<K, C> {
     /// the limit, a refusal carries a challenge (header
     /// `Tollgate-Challenge`) bound to this rule, the client's key and a
     /// time window, e.g. a [`ProofOfWork`](super::ProofOfWork). A request
-    /// that carries a solution (header `Tollgate-Solution`) passes this
-    /// rule without being counted by it — the other rules still decide —
-    /// and a solution is good once: its use is remembered in the policy's
-    /// store (a rule named `"<name>:challenge"`) for the challenge's
-    /// lifetime, so a fleet refuses a replay too. A request without one
-    /// is refused as before and, with a ladder, strikes toward the block;
-    /// a blocked key gets no challenge. So a real user caught by a
-    /// lockout can go on by paying some CPU, while a script pays it for
-    /// every guess.
+    /// that carries a solution (header `Tollgate-Solution`; one per
+    /// challenged rule) passes this rule without being counted by it —
+    /// the other rules still decide — and a challenge passes once: its
+    /// use is remembered in the policy's store (a rule named
+    /// `"<name>:challenge"`) for the challenge's lifetime, so a fleet
+    /// refuses a replay too, and given back if another rule refuses the
+    /// request. A request without one is refused as before and, with a
+    /// ladder, strikes toward the block; a blocked key gets no challenge,
+    /// and no solution passes a block. So a real user caught by a limit
+    /// can go on before the block by paying some CPU, while a script gets
+    /// one more try per challenge (a [`ProofOfWork`](super::ProofOfWork)
+    /// issues one per key and window). If the store cannot record a use
+    /// (it fails, or a full memory store pools new keys), the solution
+    /// passes no rule: the rule decides as without one.
     pub fn challenge(mut self, challenge: impl super::Challenge) -> Self {
         self.challenge = Some(Arc::new(challenge));
         self

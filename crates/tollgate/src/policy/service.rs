@@ -205,6 +205,9 @@ where
                 Keyed::Skip => continue,
                 Keyed::Reject => {
                     refund_by_request(shared, &report, &req);
+                    let ids =
+                        challenge::cleared_ids(shared, &report, &req, request_key(shared, &req));
+                    challenge::give_back_cleared(shared, &report, &ids);
                     observe_by_request(shared, &report, Verdict::MissingKey { rule: i }, &req);
                     return Self::finish(
                         Arc::clone(shared),
@@ -225,6 +228,7 @@ where
                 match used.decide_sync(&id, 1) {
                     Some(answer) => {
                         if challenge::first_use(rule, answer) {
+                            report.set_cleared(i);
                             continue;
                         }
                     }
@@ -277,16 +281,11 @@ where
             _ => {}
         }
         observe_by_request(shared, &report, verdict, &req);
-        let challenge = challenge::for_verdict(shared, verdict, |j, f| {
-            let mut k = KeyBuf::new();
-            if shared
-                .rules
-                .get(j)
-                .is_some_and(|r| r.key_again(&req, &mut k))
-            {
-                f(k.as_bytes());
-            }
-        });
+        if !matches!(verdict, Verdict::Pass { .. } | Verdict::Repeat) {
+            let ids = challenge::cleared_ids(shared, &report, &req, request_key(shared, &req));
+            challenge::give_back_cleared(shared, &report, &ids);
+        }
+        let challenge = challenge::for_verdict(shared, verdict, request_key(shared, &req));
         // Response-aware rules need their keys once the response is in.
         let after = (shared.response_aware && matches!(verdict, Verdict::Pass { .. }))
             .then(|| owned_keys(shared, &report, &req, true));
@@ -511,9 +510,10 @@ where
                 Some((*i, rule.rule.cost(&req), rule.shadows(key.as_bytes()), k))
             })
             .collect();
-        // Solutions to rules' challenges, verified here; whether each is
-        // used for the first time is the store's to say.
-        let solutions: Vec<(usize, [u8; 16])> = pending
+        // Solutions to rules' challenges, verified here (whether each is
+        // used for the first time is the store's to say), and those of
+        // rules a solution passed already, to give back on a refusal.
+        let mut solutions: Vec<(usize, [u8; 16])> = pending
             .iter()
             .filter_map(|(i, _, _, k)| {
                 let (_, key) = keys.get(*k)?;
@@ -521,6 +521,12 @@ where
                 Some((*i, id))
             })
             .collect();
+        solutions.extend(challenge::cleared_ids(
+            &shared,
+            &report,
+            &req,
+            listed_key(&keys),
+        ));
         let decide = Box::pin({
             let shared = Arc::clone(&shared);
             async move {
@@ -565,6 +571,8 @@ where
                     },
                 };
                 if let Some(rule) = missing {
+                    // Passes a solution won on the synchronous path go back.
+                    challenge::give_back_cleared(&shared, &report, &solutions);
                     let verdict = Verdict::MissingKey { rule };
                     let key = listed_key(&keys);
                     log_decisions(&shared, &report, verdict, key);
@@ -583,7 +591,11 @@ where
                     let Some((_, used)) = &rule.challenge else {
                         continue;
                     };
+                    if report.cleared(*i) {
+                        continue;
+                    }
                     if challenge::first_use(rule, used.decide(id, 1).await) {
+                        report.set_cleared(*i);
                         pending.retain(|(j, ..)| j != i);
                     }
                 }
@@ -704,6 +716,9 @@ where
                     let key = listed_key(&keys);
                     log_decisions(&shared, &report, verdict, key);
                     audit(&shared, &report, verdict, key);
+                }
+                if !matches!(verdict, Verdict::Pass { .. } | Verdict::Repeat) {
+                    challenge::give_back_cleared(&shared, &report, &solutions);
                 }
                 (report, verdict, keys)
             }

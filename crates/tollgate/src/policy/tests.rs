@@ -1098,7 +1098,14 @@ async fn a_solved_challenge_passes_the_rule_once<S: Store>(store: S, clock: Manu
     let res = send("m", Some(&solution)).await.unwrap();
     assert_eq!(res.status(), 200);
     assert!(res.headers().get(CHALLENGE_HEADER).is_none());
-    // Once only: the replay is refused, the second strike blocks.
+    // Once per challenge: another nonce for it is refused too (a strike).
+    let another = (0u64..)
+        .map(|n| format!("{challenge}.y{n}"))
+        .find(|s| ProofOfWork::leading_zero_bits(s.as_bytes()) >= 8)
+        .unwrap();
+    let res = send("m", Some(&another)).await.unwrap();
+    assert_eq!(res.status(), 429);
+    // The replay is refused, and the ladder blocks.
     let res = send("m", Some(&solution)).await.unwrap();
     assert_eq!(res.status(), 429);
     assert_eq!(res.headers()["retry-after"], "30");
@@ -1111,6 +1118,48 @@ async fn a_solved_challenge_passes_the_rule_once<S: Store>(store: S, clock: Manu
     assert_eq!(remaining(&layer, 1, "any").await, 1_000 - 3);
 }
 on_both_paths!(challenge, a_solved_challenge_passes_the_rule_once);
+
+/// A request a solution passed past its rule, but another rule refused,
+/// was not served: its challenge's pass is given back.
+async fn a_refused_request_gives_its_pass_back<S: Store>(store: S, clock: ManualClock) {
+    let pow = ProofOfWork::new(&[3; 16], 8, Duration::from_secs(60))
+        .unwrap()
+        .clock(clock.clone());
+    let ten = Duration::from_secs(10);
+    let layer = PolicyLayer::builder()
+        .rule(per_key(Limit::fixed_window(1, ten)).challenge(pow))
+        .rule(per_ip(Limit::fixed_window(1, ten)))
+        .store(store)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    let send = |ip: &str, solution: Option<&str>| {
+        let mut r = req("m", ip);
+        if let Some(s) = solution {
+            r.headers_mut().insert(SOLUTION_HEADER, s.parse().unwrap());
+        }
+        svc.clone().oneshot(r)
+    };
+    assert_eq!(send("1", None).await.unwrap().status(), 200);
+    let res = send("2", None).await.unwrap();
+    assert_eq!(res.status(), 429);
+    let challenge = res.headers()[CHALLENGE_HEADER].to_str().unwrap().to_owned();
+    let solution = (0u64..)
+        .map(|n| format!("{challenge}.{n}"))
+        .find(|s| ProofOfWork::leading_zero_bits(s.as_bytes()) >= 8)
+        .unwrap();
+    // Past per-key, but address 1 is spent: refused, the pass given back.
+    let res = send("1", Some(&solution)).await.unwrap();
+    assert_eq!(res.status(), 429);
+    assert!(
+        res.headers().get(CHALLENGE_HEADER).is_none(),
+        "per-ip has none"
+    );
+    let res = send("3", Some(&solution)).await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(send("4", Some(&solution)).await.unwrap().status(), 429);
+}
+on_both_paths!(challenge_given_back, a_refused_request_gives_its_pass_back);
 
 #[test]
 fn a_store_without_ladders_refuses_one_at_build() {

@@ -278,8 +278,7 @@ impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
                 ));
             }
         }
-        let (metrics, warnings, used) =
-            Metrics::register_quota(&cfg.name, cfg.periods.iter().map(|(p, _)| p.name()));
+        let (metrics, warnings, _) = Metrics::register_quota(&cfg.name, std::iter::empty());
         // A plan's quota is a rule of its own in the store; its headers,
         // items and rejection show its budgets under the quota's name.
         let bind = |store_name: &str, periods: &[(Period, u64)]| {
@@ -295,6 +294,9 @@ impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
                     .collect()
             };
             let largest = rule.quota().periods().map(|(_, l)| l).max().unwrap_or(0);
+            // Each period's used share, in the order decisions list them.
+            let (_, _, used) =
+                Metrics::register_quota(&cfg.name, rule.quota().periods().map(|(p, _)| p.name()));
             let responder = Responder {
                 rule: cfg.name.as_str().into(),
                 headers: QuotaHeaders::new(&names, cfg.headers && !cfg.shadow),
@@ -305,7 +307,7 @@ impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
                 soft: cfg.soft,
                 metrics: metrics.clone(),
                 warnings: warnings.clone(),
-                used: used.clone(),
+                used,
                 route_label: cfg.route_label,
             };
             Ok::<_, ConfigError>((limiter, Arc::new(responder)))

@@ -464,7 +464,9 @@ where
                 }
                 CallProj::Boxed { future } => return future.as_mut().poll(cx),
                 CallProj::Refused { error } => {
-                    let error = error.take().unwrap_or_else(|| "polled after it answered".into());
+                    let error = error
+                        .take()
+                        .unwrap_or_else(|| "polled after it answered".into());
                     return Poll::Ready(Err(error));
                 }
             }
@@ -730,7 +732,10 @@ fn after_attempt<K, L, ResB>(
             if let Some(t) = &shared.throttle {
                 t.record(false);
             }
-            (classify(shared, Attempt::Error(error)), Some(Duration::ZERO))
+            (
+                classify(shared, Attempt::Error(error)),
+                Some(Duration::ZERO),
+            )
         }
     };
     let hint = hint.filter(|hint| {

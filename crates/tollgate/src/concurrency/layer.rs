@@ -18,7 +18,9 @@ use crate::cost::Fixed;
 use crate::headers::ConcurrencyHeaders;
 use crate::key::PeerIp;
 use crate::observe::ConcurrencyMetrics;
+use crate::policy::access::Listed;
 use crate::policy::plan::{Named, PlanSet};
+use crate::policy::AccessList;
 use crate::rate_limit::MissingKey;
 use crate::rejection::{LimitKind, Rejected, Rendered};
 
@@ -122,6 +124,7 @@ impl ConcurrencyLayer<PeerIp, Fixed, AllCritical, ()> {
                 route_label: false,
                 plans: Vec::new(),
                 plan_source: None,
+                access: None,
             },
         }
     }
@@ -156,6 +159,7 @@ struct Config {
     route_label: bool,
     plans: Vec<(String, u32)>,
     plan_source: Option<Named>,
+    access: Option<AccessList>,
 }
 
 /// Builds a [`ConcurrencyLayer`]; see [`ConcurrencyLayer::builder`].
@@ -268,6 +272,16 @@ impl<K, C, P, St> ConcurrencyLayerBuilder<K, C, P, St> {
     pub fn plan_from_header(mut self, name: &str) -> Result<Self, ConfigError> {
         self.cfg.plan_source = Some(Named::Header(crate::key::header_name(name)?));
         Ok(self)
+    }
+
+    /// Allow and deny lists, as a policy's
+    /// ([`PolicyLayerBuilder::access`](crate::policy::PolicyLayerBuilder::access)):
+    /// a listed-allowed key or network takes no permit (of the per-key
+    /// limit or the service's), a denied one gets 403 at once (gRPC
+    /// `PERMISSION_DENIED`). Errors name the field `access`.
+    pub fn access(mut self, list: AccessList) -> Self {
+        self.cfg.access = Some(list);
+        self
     }
 
     /// Lets a request that finds its key's limit full wait for a permit
@@ -547,6 +561,7 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
                 shadow: cfg.shadow,
                 metrics: ConcurrencyMetrics::register(&name),
                 share: cfg.share,
+                access: cfg.access.map(Listed::new).transpose()?,
             }),
         })
     }

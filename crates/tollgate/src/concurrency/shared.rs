@@ -18,7 +18,9 @@ use crate::cost::Cost;
 use crate::headers::{ConcurrencyHeaders, Item};
 use crate::key::{KeyBuf, KeyBytes, KeyExtractor};
 use crate::observe::ConcurrencyMetrics;
+use crate::policy::access::Listed;
 use crate::policy::plan::PlanSet;
+use crate::policy::Access;
 use crate::rate_limit::MissingKey;
 use crate::rejection::{is_grpc, LimitKind, Reason, Rejected, Rendered};
 
@@ -250,6 +252,7 @@ pub(crate) struct Shared<K, C, P, L> {
     pub(crate) metrics: ConcurrencyMetrics,
     /// The share of non-critical traffic, for the adaptive limit.
     pub(crate) share: Option<f64>,
+    pub(crate) access: Option<Listed>,
 }
 
 fn is_safe(method: &Method) -> bool {
@@ -339,6 +342,22 @@ where
         C: Cost<B>,
         P: Critical<B>,
     {
+        if let Some(listed) = &self.access {
+            match listed.check(req) {
+                Access::Unlisted => {}
+                Access::Allowed => {
+                    return Admission::Go(Admitted {
+                        permit: None,
+                        items: Items::new(0),
+                        started: None,
+                    })
+                }
+                Access::Denied => {
+                    let r = listed.denied(LimitKind::Concurrency, is_grpc(req));
+                    return Admission::Reject(r, Items::new(0));
+                }
+            }
+        }
         let mut key = KeyBuf::new();
         // A keyless request let through skips the per-key limit only: the
         // service limit and read-only mode still apply.

@@ -481,6 +481,33 @@ async fn config_errors_name_the_field() {
     }
 }
 
+/// Access lists, as a policy's: an allowed key takes no permit, a denied
+/// one is refused at once with 403.
+#[tokio::test]
+async fn access_lists_skip_or_refuse_before_the_limit() {
+    let list = crate::policy::AccessList::new("access")
+        .keys_from("x-api-key")
+        .unwrap()
+        .allow_keys(["internal"])
+        .deny_keys(["banned"]);
+    let layer = builder(1).access(list).build().unwrap();
+    let (svc, mut feeds) = streaming();
+    let svc = layer.layer(svc);
+    let mut open = Vec::new();
+    for _ in 0..3 {
+        let res = svc.clone().oneshot(req("internal")).await.unwrap();
+        assert_eq!(res.status(), 200);
+        open.push((res, feeds.recv().await.unwrap()));
+    }
+    assert_eq!(held(&layer, "internal").await, 0);
+    let res = svc.clone().oneshot(req("banned")).await.unwrap();
+    assert_eq!(res.status(), 403);
+    let res = svc.clone().oneshot(req("a")).await.unwrap();
+    assert_eq!(res.status(), 200);
+    open.push((res, feeds.recv().await.unwrap()));
+    assert_eq!(svc.clone().oneshot(req("a")).await.unwrap().status(), 429);
+}
+
 /// Each plan has its own number of permits per key, shown in its headers;
 /// a key's permits count against the plan of each request as it comes,
 /// and an unknown plan is the default.

@@ -200,3 +200,55 @@ impl AccessList {
         }
     }
 }
+
+/// An access list in a layer of one limit (quota, concurrency): the list,
+/// its counters, its name.
+pub(crate) struct Listed {
+    list: AccessList,
+    metrics: crate::observe::Metrics,
+    name: std::sync::Arc<str>,
+}
+
+impl Listed {
+    /// Checks the list as a policy does; errors name the field `access`.
+    pub(crate) fn new(list: AccessList) -> Result<Self, tollgate_core::ConfigError> {
+        if list.keys_unread() {
+            return Err(tollgate_core::ConfigError::new(
+                "access",
+                "key lists need keys_from (the header that carries the key)",
+            ));
+        }
+        Ok(Self {
+            metrics: crate::observe::Metrics::register(&list.name),
+            name: list.name.as_str().into(),
+            list,
+        })
+    }
+
+    /// What the lists say of `req`, counted: `Allowed` skips the limit,
+    /// `Denied` is refused with [`denied`](Self::denied).
+    pub(crate) fn check<B>(&self, req: &Request<B>) -> Access {
+        let access = self.list.check(req);
+        match access {
+            Access::Allowed => self.metrics.listed_allowed.increment(1),
+            Access::Denied => self.metrics.denied.increment(1),
+            Access::Unlisted => {}
+        }
+        access
+    }
+
+    /// The refusal of a denied request (403, or gRPC `PERMISSION_DENIED`).
+    pub(crate) fn denied(
+        &self,
+        kind: crate::rejection::LimitKind,
+        grpc: bool,
+    ) -> crate::rejection::Rejected {
+        crate::rejection::Rejected {
+            rule: std::sync::Arc::clone(&self.name),
+            kind,
+            reason: crate::rejection::Reason::Denied,
+            decision: None,
+            grpc,
+        }
+    }
+}

@@ -141,7 +141,7 @@
 //! # }
 //! ```
 
-mod access;
+pub(crate) mod access;
 mod challenge;
 mod decide;
 mod future;

@@ -14,7 +14,9 @@ use crate::cost::Fixed;
 use crate::headers::QuotaHeaders;
 use crate::key::PeerIp;
 use crate::observe::Metrics;
+use crate::policy::access::Listed;
 use crate::policy::plan::{Named, PlanSet};
+use crate::policy::AccessList;
 use crate::rate_limit::MissingKey;
 use crate::rejection::{LimitKind, Rejected, Rendered};
 
@@ -99,6 +101,7 @@ impl QuotaLayer<PeerIp, Fixed, ()> {
                 route_label: false,
                 plans: Vec::new(),
                 plan_source: None,
+                access: None,
             },
         }
     }
@@ -116,6 +119,7 @@ struct Config {
     route_label: bool,
     plans: Vec<(String, Vec<(Period, u64)>)>,
     plan_source: Option<Named>,
+    access: Option<AccessList>,
 }
 
 /// Builds a [`QuotaLayer`]; see [`QuotaLayer::builder`].
@@ -206,6 +210,16 @@ impl<K, C, St> QuotaLayerBuilder<K, C, St> {
     pub fn plan_from_header(mut self, name: &str) -> Result<Self, ConfigError> {
         self.cfg.plan_source = Some(Named::Header(crate::key::header_name(name)?));
         Ok(self)
+    }
+
+    /// Allow and deny lists, as a policy's
+    /// ([`PolicyLayerBuilder::access`](crate::policy::PolicyLayerBuilder::access)):
+    /// a listed-allowed key or network is not charged, a denied one gets
+    /// 403 at once (gRPC `PERMISSION_DENIED`). Errors name the field
+    /// `access`.
+    pub fn access(mut self, list: AccessList) -> Self {
+        self.cfg.access = Some(list);
+        self
     }
 
     /// Aligns periods to `offset` from UTC (default UTC): with +09:00 a
@@ -336,6 +350,7 @@ impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
                 },
                 missing: cfg.missing,
                 warned_missing: AtomicBool::new(false),
+                access: cfg.access.map(Listed::new).transpose()?,
             }),
         })
     }

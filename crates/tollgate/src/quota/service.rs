@@ -16,7 +16,9 @@ use crate::cost::Cost;
 use crate::headers::{Buf, QuotaHeaders, QUOTA_WARNING};
 use crate::key::{KeyBuf, KeyExtractor};
 use crate::observe::Metrics;
+use crate::policy::access::Listed;
 use crate::policy::plan::PlanSet;
+use crate::policy::Access;
 use crate::rate_limit::MissingKey;
 use crate::rejection::{is_grpc, LimitKind, Reason, Rejected, Rendered};
 
@@ -82,6 +84,7 @@ pub(crate) struct Shared<K, C, L> {
     pub(crate) plans: PlanSet<(L, Arc<Responder>)>,
     pub(crate) missing: MissingKey,
     pub(crate) warned_missing: AtomicBool,
+    pub(crate) access: Option<Listed>,
 }
 
 impl<K, C, L> Shared<K, C, L> {
@@ -259,6 +262,25 @@ where
         let shared = &self.shared;
         let (limiter, responder) = shared.plans.of(&req);
         let responder = Arc::clone(responder);
+        if let Some(listed) = &shared.access {
+            match listed.check(&req) {
+                Access::Unlisted => {}
+                Access::Allowed => {
+                    let state = State::Calling {
+                        future: self.inner.call(req),
+                        decision: None,
+                    };
+                    return ResponseFuture { state, responder };
+                }
+                Access::Denied => {
+                    let rejected = listed.denied(LimitKind::Quota, is_grpc(&req));
+                    let state = State::Rejected {
+                        rejected: Some((rejected, None)),
+                    };
+                    return ResponseFuture { state, responder };
+                }
+            }
+        }
         let mut key = KeyBuf::new();
         if shared.key.extract(&req, &mut key).is_none() {
             match &shared.missing {

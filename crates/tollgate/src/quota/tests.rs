@@ -234,6 +234,52 @@ fn configuration_errors_name_the_field() {
     assert_eq!(e(day().plan("", &[(Period::Day, 10)])), "plans");
 }
 
+/// Access lists, as a policy's: an allowed key is not charged, a denied
+/// one is refused at once with 403.
+#[tokio::test]
+async fn access_lists_skip_or_refuse_before_the_quota() {
+    let clock = ManualClock::at_unix(unix_nanos(2026, 12, 2, 12, 0, 0));
+    let list = crate::policy::AccessList::new("access")
+        .keys_from("x-api-key")
+        .unwrap()
+        .allow_keys(["internal"])
+        .deny_keys(["banned"]);
+    let layer = QuotaLayer::builder("daily")
+        .period(Period::Day, 1)
+        .key(Header::named("x-api-key").unwrap())
+        .access(list)
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    for _ in 0..3 {
+        let res = svc.clone().oneshot(req("internal", 1)).await.unwrap();
+        assert_eq!(res.status(), 200);
+        assert!(res.headers().get("ratelimit").is_none());
+    }
+    let used = layer.limiter().consume(&key("internal"), 0).await.unwrap();
+    assert_eq!(used.periods()[0].remaining, 1, "never charged");
+    let res = svc.clone().oneshot(req("banned", 1)).await.unwrap();
+    assert_eq!(res.status(), 403);
+    assert_eq!(
+        svc.clone().oneshot(req("a", 1)).await.unwrap().status(),
+        200
+    );
+    assert_eq!(
+        svc.clone().oneshot(req("a", 1)).await.unwrap().status(),
+        429
+    );
+    // A key list with no header to read keys from is an error.
+    let unread = crate::policy::AccessList::new("a").allow_keys(["k"]);
+    let e = QuotaLayer::builder("q")
+        .period(Period::Day, 1)
+        .access(unread)
+        .build()
+        .map(drop)
+        .unwrap_err();
+    assert_eq!(e.field(), "access");
+}
+
 /// Each plan has budgets of its own, kept apart from the default's; an
 /// unknown plan is the default; a key's plan change applies at its next
 /// request; support staff reach a plan's usage through its limiter.

@@ -7,52 +7,16 @@
 #![allow(missing_docs, clippy::unwrap_used)]
 
 use std::convert::Infallible;
-use std::future::{ready, Ready};
 use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use http::{Request, Response, StatusCode};
 use tollgate::retry::{ReplayBody, RetryBudgetLayer};
-use tower::retry::budget::{Budget, TpsBudget};
-use tower::retry::{Policy, RetryLayer};
+use tollgate_benches::retry::{request, Tps};
+use tower::retry::budget::TpsBudget;
+use tower::retry::RetryLayer;
 use tower::{service_fn, Layer, ServiceExt};
-
-/// tower's retry policy: retry 5xx while the budget allows.
-#[derive(Clone)]
-struct Tps(Arc<TpsBudget>);
-
-impl<E> Policy<Request<String>, Response<String>, E> for Tps {
-    type Future = Ready<()>;
-
-    fn retry(
-        &mut self,
-        _req: &mut Request<String>,
-        result: &mut Result<Response<String>, E>,
-    ) -> Option<Self::Future> {
-        match result {
-            Ok(res) if !res.status().is_server_error() => {
-                self.0.deposit();
-                None
-            }
-            _ => self.0.withdraw().then(|| ready(())),
-        }
-    }
-
-    fn clone_request(&mut self, req: &Request<String>) -> Option<Request<String>> {
-        let mut clone = Request::new(req.body().clone());
-        *clone.method_mut() = req.method().clone();
-        *clone.uri_mut() = req.uri().clone();
-        *clone.headers_mut() = req.headers().clone();
-        Some(clone)
-    }
-}
-
-fn request() -> Request<String> {
-    Request::get("http://upstream.bench/items")
-        .body(String::new())
-        .unwrap()
-}
 
 fn retry_overhead(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_current_thread()

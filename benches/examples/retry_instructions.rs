@@ -4,51 +4,15 @@
 //! 30,000 and divide by 20,000; less `bare`'s, what the layer adds.
 #![allow(missing_docs, clippy::unwrap_used, clippy::panic)]
 use std::convert::Infallible;
-use std::future::{ready, Ready};
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::{Request, Response, StatusCode};
 use tollgate::retry::{ReplayBody, RetryBudgetLayer};
-use tower::retry::budget::{Budget, TpsBudget};
-use tower::retry::{Policy, RetryLayer};
+use tollgate_benches::retry::{request, Tps};
+use tower::retry::budget::TpsBudget;
+use tower::retry::RetryLayer;
 use tower::{service_fn, Layer, ServiceExt};
-
-/// tower's retry policy, as in the bench.
-#[derive(Clone)]
-struct Tps(Arc<TpsBudget>);
-
-impl<E> Policy<Request<String>, Response<String>, E> for Tps {
-    type Future = Ready<()>;
-
-    fn retry(
-        &mut self,
-        _req: &mut Request<String>,
-        result: &mut Result<Response<String>, E>,
-    ) -> Option<Self::Future> {
-        match result {
-            Ok(res) if !res.status().is_server_error() => {
-                self.0.deposit();
-                None
-            }
-            _ => self.0.withdraw().then(|| ready(())),
-        }
-    }
-
-    fn clone_request(&mut self, req: &Request<String>) -> Option<Request<String>> {
-        let mut clone = Request::new(req.body().clone());
-        *clone.method_mut() = req.method().clone();
-        *clone.uri_mut() = req.uri().clone();
-        *clone.headers_mut() = req.headers().clone();
-        Some(clone)
-    }
-}
-
-fn request() -> Request<String> {
-    Request::get("http://upstream.bench/items")
-        .body(String::new())
-        .unwrap()
-}
 
 fn main() {
     let which = std::env::args().nth(1).unwrap();

@@ -151,3 +151,53 @@ pub mod concurrency {
         )
     }
 }
+
+/// The `retry_overhead` group's peer, shared by the bench and the
+/// `retry_instructions` example: tower's `Retry` with a `TpsBudget`, and
+/// the request every stack is called with.
+pub mod retry {
+    use std::future::{ready, Ready};
+    use std::sync::Arc;
+
+    use axum::http::{Request, Response};
+    use tower::retry::budget::{Budget, TpsBudget};
+    use tower::retry::Policy;
+
+    /// tower's retry policy: retry 5xx while the budget allows; deposit
+    /// on success.
+    #[derive(Debug, Clone)]
+    pub struct Tps(pub Arc<TpsBudget>);
+
+    impl<E> Policy<Request<String>, Response<String>, E> for Tps {
+        type Future = Ready<()>;
+
+        fn retry(
+            &mut self,
+            _req: &mut Request<String>,
+            result: &mut Result<Response<String>, E>,
+        ) -> Option<Self::Future> {
+            match result {
+                Ok(res) if !res.status().is_server_error() => {
+                    self.0.deposit();
+                    None
+                }
+                _ => self.0.withdraw().then(|| ready(())),
+            }
+        }
+
+        fn clone_request(&mut self, req: &Request<String>) -> Option<Request<String>> {
+            let mut clone = Request::new(req.body().clone());
+            *clone.method_mut() = req.method().clone();
+            *clone.uri_mut() = req.uri().clone();
+            *clone.headers_mut() = req.headers().clone();
+            Some(clone)
+        }
+    }
+
+    /// A small GET to an upstream.
+    pub fn request() -> Request<String> {
+        Request::get("http://upstream.bench/items")
+            .body(String::new())
+            .unwrap_or_default()
+    }
+}

@@ -148,28 +148,14 @@ impl Reference {
     /// What the pure algorithm decides for `key` at `now`.
     pub fn decide(&mut self, key: &[u8], now: u64, cost: u32) -> crate::Decision {
         let s = self.states.entry(key.to_vec()).or_default();
-        match &self.algorithm {
-            Algorithm::Gcra(a) => a.decide(&mut s.word, now, cost),
-            Algorithm::TokenBucket(a) => a.decide(&mut s.word, now, cost),
-            Algorithm::FixedWindow(a) => a.decide(&mut s.word, now, cost),
-            Algorithm::LeakyBucket(a) => a.decide(&mut s.word, now, cost),
-            Algorithm::SlidingWindowCounter(a) => a.decide(&mut s.counter, now, cost),
-            Algorithm::SlidingWindowLog(a) => a.decide(&mut s.log, now, cost),
-        }
+        decide_on(&self.algorithm, s, now, cost)
     }
 
     /// What the pure algorithm would decide for `key` at `now`, changing
     /// nothing.
     pub fn peek(&self, key: &[u8], now: u64, cost: u32) -> crate::Decision {
         let mut s = self.states.get(key).cloned().unwrap_or_default();
-        match &self.algorithm {
-            Algorithm::Gcra(a) => a.decide(&mut s.word, now, cost),
-            Algorithm::TokenBucket(a) => a.decide(&mut s.word, now, cost),
-            Algorithm::FixedWindow(a) => a.decide(&mut s.word, now, cost),
-            Algorithm::LeakyBucket(a) => a.decide(&mut s.word, now, cost),
-            Algorithm::SlidingWindowCounter(a) => a.decide(&mut s.counter, now, cost),
-            Algorithm::SlidingWindowLog(a) => a.decide(&mut s.log, now, cost),
-        }
+        decide_on(&self.algorithm, &mut s, now, cost)
     }
 
     /// What the pure algorithm's refund does to `key` at `now`.
@@ -183,6 +169,18 @@ impl Reference {
             Algorithm::SlidingWindowCounter(a) => a.refund(&mut s.counter, now, cost),
             Algorithm::SlidingWindowLog(a) => a.refund(&mut s.log, now, cost),
         }
+    }
+}
+
+/// `algorithm`'s decision on the state `s`.
+fn decide_on(algorithm: &Algorithm, s: &mut RefState, now: u64, cost: u32) -> crate::Decision {
+    match algorithm {
+        Algorithm::Gcra(a) => a.decide(&mut s.word, now, cost),
+        Algorithm::TokenBucket(a) => a.decide(&mut s.word, now, cost),
+        Algorithm::FixedWindow(a) => a.decide(&mut s.word, now, cost),
+        Algorithm::LeakyBucket(a) => a.decide(&mut s.word, now, cost),
+        Algorithm::SlidingWindowCounter(a) => a.decide(&mut s.counter, now, cost),
+        Algorithm::SlidingWindowLog(a) => a.decide(&mut s.log, now, cost),
     }
 }
 

@@ -60,10 +60,7 @@ pub trait Challenge: Send + Sync + 'static {
 /// let pow = ProofOfWork::new(b"a secret every instance shares!!", 8, Duration::from_secs(60))?;
 /// let challenge = pow.issue(b"login\0alice");
 /// // The client's work:
-/// let solution = (0u64..)
-///     .map(|n| format!("{challenge}.{n}"))
-///     .find(|s| ProofOfWork::leading_zero_bits(s.as_bytes()) >= 8)
-///     .unwrap();
+/// let solution = ProofOfWork::solve(&challenge).unwrap();
 /// assert!(pow.verify(b"login\0alice", solution.as_bytes()).is_some());
 /// assert!(pow.verify(b"login\0mallory", solution.as_bytes()).is_none());
 /// # Ok::<(), tollgate::core::ConfigError>(())
@@ -122,6 +119,21 @@ impl ProofOfWork {
     pub fn clock(mut self, clock: impl Clock) -> Self {
         self.clock = Arc::new(clock);
         self
+    }
+
+    /// Solves a `pow1` challenge as a client does — for Rust clients and
+    /// tests: tries nonces until SHA-256 of the solution starts with the
+    /// challenge's difficulty in zero bits (about 2^difficulty hashes) and
+    /// returns the solution, the `Tollgate-Solution` header's value.
+    /// `None` for a challenge that is not one.
+    pub fn solve(challenge: &str) -> Option<String> {
+        let bits: u32 = challenge.split('.').nth(2)?.parse().ok()?;
+        if !challenge.starts_with("pow1.") || bits > 32 {
+            return None;
+        }
+        (0u64..)
+            .map(|n| format!("{challenge}.{n}"))
+            .find(|s| Self::leading_zero_bits(s.as_bytes()) >= bits)
     }
 
     /// How many zero bits SHA-256 of `bytes` starts with: what a solution
@@ -389,13 +401,6 @@ mod tests {
     use super::*;
     use tollgate_core::ManualClock;
 
-    fn solve(challenge: &str, bits: u32) -> String {
-        (0u64..)
-            .map(|n| format!("{challenge}.{n}"))
-            .find(|s| ProofOfWork::leading_zero_bits(s.as_bytes()) >= bits)
-            .unwrap_or_default()
-    }
-
     #[test]
     fn a_solution_is_good_for_its_scope_and_two_windows() {
         let clock = ManualClock::at_unix(1_800_000_000_000_000_000);
@@ -404,7 +409,8 @@ mod tests {
             .clock(clock.clone());
         let c = pow.issue(b"r\0k");
         assert!(c.starts_with("pow1.30000000.10."), "{c}");
-        let s = solve(&c, 10);
+        let s = ProofOfWork::solve(&c).unwrap();
+        assert!(ProofOfWork::solve("pow2.1.8.00").is_none());
         let id = pow.verify(b"r\0k", s.as_bytes()).unwrap();
         assert_eq!(pow.verify(b"r\0k", s.as_bytes()), Some(id));
         // Another nonce for the same challenge: the same challenge's id.

@@ -15,12 +15,7 @@ RATE.gcra = function(key, mode, cost, ttl, p)
     if t >= tau then return 0 end
     return idiv(tau - t, interval)
   end
-  if mode == 'refund' then
-    if tat > 0 then
-      redis.call('SET', key, stamp(math.max(0, tat - interval * cost)), 'PX', ttl)
-    end
-    return {3, 0, 0, 0, 0}
-  end
+  if mode == 'refund' then return refund_tat(key, tat, interval * cost, ttl) end
   if cost == 0 then return {0, 0, burst, remaining(start), start} end
   if cost > burst then return {2, 0, burst, remaining(start), start} end
   -- cost <= burst: at most tau, and start is at most FAR.

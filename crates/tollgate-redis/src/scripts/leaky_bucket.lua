@@ -17,12 +17,7 @@ RATE.leaky_bucket = function(key, mode, cost, ttl, p)
     if t > max_delay then return 0 end
     return idiv(max_delay - t, interval) + 1
   end
-  if mode == 'refund' then
-    if tat > 0 then
-      redis.call('SET', key, stamp(math.max(0, tat - interval * cost)), 'PX', ttl)
-    end
-    return {3, 0, 0, 0, 0}
-  end
+  if mode == 'refund' then return refund_tat(key, tat, interval * cost, ttl) end
   if cost == 0 then return {0, 0, limit, remaining(start), reset} end
   -- The wait of the request's own units (past 2^53 it is still > max_delay).
   local own = interval * (cost - 1)

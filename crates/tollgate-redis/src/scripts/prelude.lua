@@ -114,6 +114,15 @@ local function guarded(main, keys)
   for _, k in ipairs(keys or KEYS) do redis.call('DEL', k) end
   return main()
 end
+-- A refund to a state kept as a time ns after now (GCRA's TAT, a leaky
+-- bucket's tail): `back` ns earlier, never before now; none to a state
+-- already in the past.
+local function refund_tat(key, tat, back, ttl)
+  if tat > 0 then
+    redis.call('SET', key, stamp(math.max(0, tat - back)), 'PX', ttl)
+  end
+  return {3, 0, 0, 0, 0}
+end
 -- The rate algorithms, by name, and where their admitting writes go: made
 -- at once, or into `held` while a joint decision runs.
 local RATE = {}

@@ -614,7 +614,7 @@ async fn a_solved_challenge_passes_once_across_a_fleet() {
     let res = b.clone().oneshot(req(None)).await.unwrap();
     assert_eq!(res.status(), 429);
     let challenge = res.headers()[CHALLENGE_HEADER].to_str().unwrap().to_owned();
-    let solution = tollgate::policy::ProofOfWork::solve(&challenge).unwrap();
+    let solution = tollgate::policy::ProofOfWork::solve(&challenge, 20).unwrap();
     // Issued by b, accepted by a; then refused by b as a replay.
     let res = a.clone().oneshot(req(Some(&solution))).await.unwrap();
     assert_eq!(res.status(), 200);

@@ -384,7 +384,7 @@ async fn a_locked_out_owner_gets_in_by_solving_the_challenge() {
     assert_eq!(r.status, 429, "{r:?}");
     let challenge = r.header("tollgate-challenge").to_owned();
     assert!(challenge.starts_with("pow1."), "{r:?}");
-    let solution = tollgate::policy::ProofOfWork::solve(&challenge).unwrap();
+    let solution = tollgate::policy::ProofOfWork::solve(&challenge, 20).unwrap();
     let solved = || {
         let mut req = login("cat", "demo");
         req.headers_mut()

@@ -9,7 +9,7 @@
 //! | `tollgate_config_reloads_total` | counter | `outcome`: `applied`, `unchanged`, `rejected` (a policy file's reloads) |
 //! | `tollgate_retry_after_seconds` | histogram | `rule` (and `plan`, as above) |
 //! | `tollgate_remaining_ratio` | histogram | `rule` (and `plan`): what each rate decision left of the rule's limit, from 0 (spent, or refused for now) to 1 (untouched; a request refused as too costly records what its key still had), before any refund a policy makes when another rule refuses; a low quantile near 0 means some clients run at their limit |
-//! | `tollgate_quota_requests_total` | counter | `rule`, `outcome`: as `tollgate_requests_total` |
+//! | `tollgate_quota_requests_total` | counter | `rule`, `outcome`: as `tollgate_requests_total` (an access list's `listed_allowed` and `denied` under its name) |
 //! | `tollgate_quota_warnings_total` | counter | `rule`: responses past the quota's soft limit |
 //! | `tollgate_quota_used_ratio` | histogram | `rule`, `period` (`minute` ... `year`): what the key had used of the period's budget at each decision, from 0 to 1; a high quantile near 1 means some clients are about to exhaust it |
 //! | `tollgate_retry_calls_total` | counter | `rule`: calls through a retry budget layer (first attempts) |
@@ -17,7 +17,7 @@
 //! | `tollgate_retry_budget_exhausted_total` | counter | `rule`: retries the budget refused |
 //! | `tollgate_retry_throttled_total` | counter | `rule`: calls refused locally by adaptive throttling |
 //! | `tollgate_retry_budget_remaining` | histogram | `rule`: the retries the budget still held after each withdrawal (granted or refused; not recorded when a store's failure policy answered) |
-//! | `tollgate_concurrency_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `queued` (waited, then allowed), `queue_full`, `queue_timeout`, `shadow_limited`, `missing_key`, `unkeyed`, `store_error`, `read_only` (a write refused while degraded) |
+//! | `tollgate_concurrency_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `queued` (waited, then allowed), `queue_full`, `queue_timeout`, `shadow_limited`, `missing_key`, `unkeyed`, `store_error`, `read_only` (a write refused while degraded); for an access list (its name as `rule`): `listed_allowed`, `denied` |
 //! | `tollgate_concurrency_in_flight` | gauge | `rule`: permits held through this layer |
 //! | `tollgate_concurrency_limit` | gauge | `rule`: an adaptive limit's current value |
 //! | `tollgate_concurrency_queue_depth` | gauge | `rule`: requests waiting in the layer's queue now (a cancelled or timed-out waiter leaves it) |
@@ -75,7 +75,7 @@ pub(crate) struct Metrics {
 const REQUESTS: &str = "tollgate_requests_total";
 const RETRY_AFTER: &str = "tollgate_retry_after_seconds";
 const REMAINING: &str = "tollgate_remaining_ratio";
-const QUOTA_REQUESTS: &str = "tollgate_quota_requests_total";
+pub(crate) const QUOTA_REQUESTS: &str = "tollgate_quota_requests_total";
 const QUOTA_WARNINGS: &str = "tollgate_quota_warnings_total";
 const QUOTA_USED: &str = "tollgate_quota_used_ratio";
 
@@ -221,7 +221,7 @@ pub(crate) fn count_route<B>(
     .increment(1);
 }
 
-const CONCURRENCY: &str = "tollgate_concurrency_requests_total";
+pub(crate) const CONCURRENCY: &str = "tollgate_concurrency_requests_total";
 const IN_FLIGHT: &str = "tollgate_concurrency_in_flight";
 const LIMIT: &str = "tollgate_concurrency_limit";
 

@@ -276,9 +276,11 @@ impl<K, C, P, St> ConcurrencyLayerBuilder<K, C, P, St> {
 
     /// Allow and deny lists, as a policy's
     /// ([`PolicyLayerBuilder::access`](crate::policy::PolicyLayerBuilder::access)):
-    /// a listed-allowed key or network takes no permit (of the per-key
-    /// limit or the service's), a denied one gets 403 at once (gRPC
-    /// `PERMISSION_DENIED`). Errors name the field `access`.
+    /// a listed-allowed key or network skips the per-key limit (the
+    /// service-wide limit and read-only mode still apply: they protect the
+    /// service), a denied one gets 403 at once (gRPC
+    /// `PERMISSION_DENIED`), in shadow mode too. Errors name the field
+    /// `access`.
     pub fn access(mut self, list: AccessList) -> Self {
         self.cfg.access = Some(list);
         self
@@ -561,7 +563,10 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
                 shadow: cfg.shadow,
                 metrics: ConcurrencyMetrics::register(&name),
                 share: cfg.share,
-                access: cfg.access.map(Listed::new).transpose()?,
+                access: cfg
+                    .access
+                    .map(|l| Listed::new(l, crate::observe::CONCURRENCY))
+                    .transpose()?,
             }),
         })
     }

@@ -342,16 +342,14 @@ where
         C: Cost<B>,
         P: Critical<B>,
     {
+        // A keyless request let through, or one on an allow list, skips
+        // the per-key limit only: the service limit and read-only mode
+        // still apply.
+        let mut keyed = true;
         if let Some(listed) = &self.access {
             match listed.check(req) {
                 Access::Unlisted => {}
-                Access::Allowed => {
-                    return Admission::Go(Admitted {
-                        permit: None,
-                        items: Items::new(0),
-                        started: None,
-                    })
-                }
+                Access::Allowed => keyed = false,
                 Access::Denied => {
                     let r = listed.denied(LimitKind::Concurrency, is_grpc(req));
                     return Admission::Reject(r, Items::new(0));
@@ -359,10 +357,7 @@ where
             }
         }
         let mut key = KeyBuf::new();
-        // A keyless request let through skips the per-key limit only: the
-        // service limit and read-only mode still apply.
-        let mut keyed = true;
-        if self.key.extract(req, &mut key).is_none() {
+        if keyed && self.key.extract(req, &mut key).is_none() {
             match &self.missing {
                 MissingKey::Skip => {
                     self.metrics.unkeyed.increment(1);

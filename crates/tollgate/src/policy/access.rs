@@ -205,21 +205,29 @@ impl AccessList {
 /// its counters, its name.
 pub(crate) struct Listed {
     list: AccessList,
-    metrics: crate::observe::Metrics,
+    allowed: metrics::Counter,
+    denied: metrics::Counter,
     name: std::sync::Arc<str>,
 }
 
 impl Listed {
     /// Checks the list as a policy does; errors name the field `access`.
-    pub(crate) fn new(list: AccessList) -> Result<Self, tollgate_core::ConfigError> {
+    /// Its outcomes are counted in the layer's series `metric`, under the
+    /// list's name.
+    pub(crate) fn new(
+        list: AccessList,
+        metric: &'static str,
+    ) -> Result<Self, tollgate_core::ConfigError> {
         if list.keys_unread() {
             return Err(tollgate_core::ConfigError::new(
                 "access",
                 "key lists need keys_from (the header that carries the key)",
             ));
         }
+        let counter = |outcome: &'static str| metrics::counter!(metric, "rule" => list.name.clone(), "outcome" => outcome);
         Ok(Self {
-            metrics: crate::observe::Metrics::register(&list.name),
+            allowed: counter("listed_allowed"),
+            denied: counter("denied"),
             name: list.name.as_str().into(),
             list,
         })
@@ -230,8 +238,8 @@ impl Listed {
     pub(crate) fn check<B>(&self, req: &Request<B>) -> Access {
         let access = self.list.check(req);
         match access {
-            Access::Allowed => self.metrics.listed_allowed.increment(1),
-            Access::Denied => self.metrics.denied.increment(1),
+            Access::Allowed => self.allowed.increment(1),
+            Access::Denied => self.denied.increment(1),
             Access::Unlisted => {}
         }
         access

@@ -60,7 +60,7 @@ pub trait Challenge: Send + Sync + 'static {
 /// let pow = ProofOfWork::new(b"a secret every instance shares!!", 8, Duration::from_secs(60))?;
 /// let challenge = pow.issue(b"login\0alice");
 /// // The client's work:
-/// let solution = ProofOfWork::solve(&challenge).unwrap();
+/// let solution = ProofOfWork::solve(&challenge, 20).unwrap();
 /// assert!(pow.verify(b"login\0alice", solution.as_bytes()).is_some());
 /// assert!(pow.verify(b"login\0mallory", solution.as_bytes()).is_none());
 /// # Ok::<(), tollgate::core::ConfigError>(())
@@ -125,30 +125,28 @@ impl ProofOfWork {
     /// tests: tries nonces until SHA-256 of the solution starts with the
     /// challenge's difficulty in zero bits (about 2^difficulty hashes) and
     /// returns the solution, the `Tollgate-Solution` header's value.
-    /// `None` for a challenge that is not one.
-    pub fn solve(challenge: &str) -> Option<String> {
+    /// `None` for a challenge that is not one, or one harder than
+    /// `max_bits` (the server chooses the difficulty: bound the work you
+    /// accept). It blocks while it works: in async code, run it with
+    /// `tokio::task::spawn_blocking`.
+    pub fn solve(challenge: &str, max_bits: u32) -> Option<String> {
         let bits: u32 = challenge.split('.').nth(2)?.parse().ok()?;
-        if !challenge.starts_with("pow1.") || bits > 32 {
+        if !challenge.starts_with("pow1.") || bits > max_bits.min(32) {
             return None;
         }
-        (0u64..)
-            .map(|n| format!("{challenge}.{n}"))
-            .find(|s| Self::leading_zero_bits(s.as_bytes()) >= bits)
+        let mut prefix = Sha256::new();
+        prefix.update(challenge.as_bytes());
+        prefix.update(b".");
+        (0u64..).map(|n| n.to_string()).find_map(|nonce| {
+            let digest = prefix.clone().chain_update(nonce.as_bytes()).finalize();
+            (zero_bits(&digest) >= bits).then(|| format!("{challenge}.{nonce}"))
+        })
     }
 
     /// How many zero bits SHA-256 of `bytes` starts with: what a solution
     /// must reach.
     pub fn leading_zero_bits(bytes: &[u8]) -> u32 {
-        let digest = Sha256::digest(bytes);
-        let mut bits: u32 = 0;
-        for b in digest {
-            if b == 0 {
-                bits = bits.saturating_add(8);
-            } else {
-                return bits.saturating_add(b.leading_zeros());
-            }
-        }
-        bits
+        zero_bits(&Sha256::digest(bytes))
     }
 
     fn window_now(&self) -> u64 {
@@ -249,6 +247,19 @@ impl Challenge for ProofOfWork {
     }
 }
 
+/// How many zero bits `digest` starts with.
+fn zero_bits(digest: &[u8]) -> u32 {
+    let mut bits: u32 = 0;
+    for b in digest {
+        if *b == 0 {
+            bits = bits.saturating_add(8);
+        } else {
+            return bits.saturating_add(b.leading_zeros());
+        }
+    }
+    bits
+}
+
 /// The header names, parsed once.
 static SOLUTION: http::HeaderName = http::HeaderName::from_static(SOLUTION_HEADER);
 static CHALLENGE: http::HeaderName = http::HeaderName::from_static(CHALLENGE_HEADER);
@@ -279,7 +290,7 @@ pub(super) fn solved<B, L>(
 /// The id of the challenge a solution of `req`'s solves for rule `rule`
 /// and `key`, if one does. (A client over two challenged rules sends a
 /// solution for each.)
-fn verified<B, L>(
+pub(super) fn verified<B, L>(
     rule: &super::shared::Bound<B, L>,
     req: &http::Request<B>,
     key: &[u8],
@@ -409,8 +420,12 @@ mod tests {
             .clock(clock.clone());
         let c = pow.issue(b"r\0k");
         assert!(c.starts_with("pow1.30000000.10."), "{c}");
-        let s = ProofOfWork::solve(&c).unwrap();
-        assert!(ProofOfWork::solve("pow2.1.8.00").is_none());
+        let s = ProofOfWork::solve(&c, 16).unwrap();
+        assert!(ProofOfWork::solve("pow2.1.8.00", 16).is_none());
+        assert!(
+            ProofOfWork::solve(&c, 9).is_none(),
+            "harder than the client accepts"
+        );
         let id = pow.verify(b"r\0k", s.as_bytes()).unwrap();
         assert_eq!(pow.verify(b"r\0k", s.as_bytes()), Some(id));
         // Another nonce for the same challenge: the same challenge's id.

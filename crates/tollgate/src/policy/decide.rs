@@ -25,6 +25,9 @@ pub(super) struct Report {
     /// Bit `i`: a solution to rule `i`'s challenge passed the request
     /// past it (the challenge's pass is given back if it is refused).
     cleared: u16,
+    /// Bit `i`: rule `i`'s challenge solutions were checked (and counted)
+    /// already, on the synchronous path.
+    checked: u16,
     /// The request's plan (0: the default).
     pub(super) plan: u8,
 }
@@ -42,6 +45,7 @@ impl Report {
             shadow: 0,
             unconsumed: 0,
             cleared: 0,
+            checked: 0,
             plan: 0,
         }
     }
@@ -69,6 +73,16 @@ impl Report {
     /// Whether a solution passed the request past rule `i`.
     pub(super) fn cleared(&self, i: usize) -> bool {
         self.cleared & bit(i) != 0
+    }
+
+    /// Rule `i`'s challenge solutions were checked on the synchronous path.
+    pub(super) fn set_checked(&mut self, i: usize) {
+        self.checked |= bit(i);
+    }
+
+    /// Whether rule `i`'s challenge solutions were checked already.
+    pub(super) fn checked(&self, i: usize) -> bool {
+        self.checked & bit(i) != 0
     }
 
     /// Whether rule `i` only watches this request.

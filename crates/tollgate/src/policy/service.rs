@@ -221,6 +221,9 @@ where
             }
             // A solution to the rule's challenge, used for the first
             // time, passes the rule.
+            if rule.challenge.is_some() {
+                report.set_checked(i);
+            }
             if let (Some(id), Some((_, used))) = (
                 challenge::solved(rule, &req, key.as_bytes()),
                 &rule.challenge,
@@ -484,6 +487,8 @@ where
                     Keyed::Reject => {
                         // Refund the rules answered at once, and refuse.
                         refund_consumed(&shared, &report, listed_key(&keys));
+                        let ids = challenge::cleared_ids(&shared, &report, &req, listed_key(&keys));
+                        challenge::give_back_cleared(&shared, &report, &ids);
                         observe_by_request(&shared, &report, Verdict::MissingKey { rule: i }, &req);
                         return Self::finish(
                             Arc::clone(&shared),
@@ -517,7 +522,13 @@ where
             .iter()
             .filter_map(|(i, _, _, k)| {
                 let (_, key) = keys.get(*k)?;
-                let id = challenge::solved(shared.rules.get(*i)?, &req, key.as_bytes())?;
+                let rule = shared.rules.get(*i)?;
+                // (A rule the synchronous path checked is not counted twice.)
+                let id = if report.checked(*i) {
+                    challenge::verified(rule, &req, key.as_bytes())?
+                } else {
+                    challenge::solved(rule, &req, key.as_bytes())?
+                };
                 Some((*i, id))
             })
             .collect();

@@ -1087,7 +1087,7 @@ async fn a_solved_challenge_passes_the_rule_once<S: Store>(store: S, clock: Manu
     assert_eq!(res.status(), 429);
     let challenge = res.headers()[CHALLENGE_HEADER].to_str().unwrap().to_owned();
     assert!(challenge.starts_with("pow1."), "{challenge}");
-    let solution = ProofOfWork::solve(&challenge).unwrap();
+    let solution = ProofOfWork::solve(&challenge, 20).unwrap();
     // Another key cannot use m's solution (n is over its limit too).
     let res = send("n", Some(&solution)).await.unwrap();
     assert_eq!(res.status(), 429);
@@ -1141,7 +1141,7 @@ async fn a_refused_request_gives_its_pass_back<S: Store>(store: S, clock: Manual
     let res = send("2", None).await.unwrap();
     assert_eq!(res.status(), 429);
     let challenge = res.headers()[CHALLENGE_HEADER].to_str().unwrap().to_owned();
-    let solution = ProofOfWork::solve(&challenge).unwrap();
+    let solution = ProofOfWork::solve(&challenge, 20).unwrap();
     // Past per-key, but address 1 is spent: refused, the pass given back.
     let res = send("1", Some(&solution)).await.unwrap();
     assert_eq!(res.status(), 429);

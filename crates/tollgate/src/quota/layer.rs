@@ -215,8 +215,8 @@ impl<K, C, St> QuotaLayerBuilder<K, C, St> {
     /// Allow and deny lists, as a policy's
     /// ([`PolicyLayerBuilder::access`](crate::policy::PolicyLayerBuilder::access)):
     /// a listed-allowed key or network is not charged, a denied one gets
-    /// 403 at once (gRPC `PERMISSION_DENIED`). Errors name the field
-    /// `access`.
+    /// 403 at once (gRPC `PERMISSION_DENIED`), in shadow mode too. Errors
+    /// name the field `access`.
     pub fn access(mut self, list: AccessList) -> Self {
         self.cfg.access = Some(list);
         self
@@ -350,7 +350,10 @@ impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
                 },
                 missing: cfg.missing,
                 warned_missing: AtomicBool::new(false),
-                access: cfg.access.map(Listed::new).transpose()?,
+                access: cfg
+                    .access
+                    .map(|l| Listed::new(l, crate::observe::QUOTA_REQUESTS))
+                    .transpose()?,
             }),
         })
     }

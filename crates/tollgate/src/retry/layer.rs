@@ -452,11 +452,12 @@ where
                     shared,
                 } => {
                     let result = std::task::ready!(attempt.poll(cx)).map_err(Into::into);
-                    let Some(wait) = after_attempt(shared, &result, 1, resume.is_some(), None)
-                    else {
-                        return Poll::Ready(result);
-                    };
-                    let Some(resume) = resume.take() else {
+                    let retry = after_attempt(shared, &result, 1, resume.is_some(), None)
+                        .and_then(|wait| Some((wait, resume.take()?)));
+                    let Some((wait, resume)) = retry else {
+                        // Answered: a later poll gets an error, never the
+                        // inner future again.
+                        this.state.set(Call::Refused { error: None });
                         return Poll::Ready(result);
                     };
                     let future = Box::pin(retries(Arc::clone(shared), resume, result, wait, None));
@@ -524,6 +525,7 @@ where
                 }
             }
         };
+        deposit(&shared, &key);
         let (parts, body) = req.into_parts();
         let (first, resume) = if replayable {
             let buffered = (Bytes::new(), None);
@@ -555,8 +557,8 @@ fn is_replayable<K, L, B>(shared: &Shared<K, L>, req: &Request<B>) -> bool {
     shared.max_attempts > 1 && (shared.any_method || is_idempotent(req.method(), req.headers()))
 }
 
-/// The start of a call: its budget key, adaptive throttling's verdict
-/// (`Err`: refused locally), and the call's deposit in the budget.
+/// The start of a call: its budget key, and adaptive throttling's verdict
+/// (`Err`: refused locally). The call is made: [`deposit`] follows.
 fn start<K, L, B>(shared: &Shared<K, L>, req: &Request<B>) -> Result<KeyBytes, BoxError>
 where
     K: KeyExtractor<B>,
@@ -580,12 +582,16 @@ where
             return Err(Box::new(Throttled));
         }
     }
+    Ok(key)
+}
+
+/// A first attempt is made: counted, and deposited in the budget (in
+/// memory at once; a networked store's deposit runs on its own).
+fn deposit<K, L: RetryBudgetLimiter>(shared: &Shared<K, L>, key: &KeyBytes) {
     shared.metrics.calls.increment(1);
-    // In memory at once; a networked store's deposit runs on its own.
     if !shared.budget.deposit_sync(key.as_bytes()) {
         crate::task::finish(shared.budget.deposit(key.as_bytes()));
     }
-    Ok(key)
 }
 
 /// A body read in full: its bytes and its trailers, if any.
@@ -663,6 +669,7 @@ where
     } else {
         (None, Some(body))
     };
+    deposit(&shared, &key);
     let first = match (&buffered, stream) {
         (Some((data, trailers)), _) => ReplayBody::replay(data.clone(), trailers.clone()),
         (_, Some(body)) => ReplayBody::inner(body),
@@ -764,12 +771,11 @@ where
     L: RetryBudgetLimiter,
 {
     let m = &shared.metrics;
-    let key = resume.key.as_bytes().to_vec();
     let mut attempts: u32 = 1;
     loop {
-        let answer = match shared.budget.withdraw_sync(&key) {
+        let answer = match shared.budget.withdraw_sync(resume.key.as_bytes()) {
             Some(answer) => answer,
-            None => shared.budget.withdraw(&key).await,
+            None => shared.budget.withdraw(resume.key.as_bytes()).await,
         };
         if let Some(balance) = answer.as_ref().ok().and_then(|w| w.balance) {
             #[allow(clippy::cast_precision_loss)] // a metric's value

@@ -196,6 +196,34 @@ async fn servers_are_heard_on_when_and_whether_to_retry() {
     assert_eq!(gone.attempts(), 1);
 }
 
+/// The first attempt goes to the service that was polled ready, and each
+/// retry polls it ready again: tower's `ConcurrencyLimit` (one permit)
+/// panics on a call that was not. With a deadline (the boxed path) too,
+/// where a POST is sent once.
+#[tokio::test(start_paused = true)]
+async fn attempts_go_to_a_ready_service() {
+    for deadline in [None, Some(Duration::from_secs(60))] {
+        let flaky = Flaky::new(503, &[]);
+        let mut builder = RetryBudgetLayer::builder("ready")
+            .max_attempts(3)
+            .store(store());
+        if let Some(d) = deadline {
+            builder = builder.deadline(d);
+        }
+        let layer = builder.build().unwrap();
+        let limited = tower::limit::ConcurrencyLimitLayer::new(1).layer(flaky.service());
+        let client = layer.layer(limited);
+        let res = client.clone().oneshot(get()).await.unwrap();
+        assert_eq!(res.status(), 503);
+        assert_eq!(flaky.attempts(), 3, "{deadline:?}");
+        let post = Request::post("http://upstream.test/orders")
+            .body(String::new())
+            .unwrap();
+        client.oneshot(post).await.unwrap();
+        assert_eq!(flaky.attempts(), 4, "a POST is sent once ({deadline:?})");
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn only_idempotent_requests_are_retried_and_bodies_replay_exactly() {
     let dead = Flaky::new(503, &[]);

@@ -171,3 +171,30 @@ pub(crate) fn named_plans<'a>(
     }
     Ok(out)
 }
+
+/// The plan-source methods of a layer builder of one limit, whose
+/// `cfg.plan_source` holds a [`Named`] source: written once for the
+/// quota and concurrency builders.
+macro_rules! plan_source_methods {
+    () => {
+        /// Reads a request's plan from its [`Plan`](crate::policy::Plan)
+        /// extension, set by authentication middleware: the way to choose
+        /// plans in production (a middleware of your own can set it from
+        /// anything else).
+        pub fn plan_from_extension(mut self) -> Self {
+            self.cfg.plan_source = Some($crate::policy::plan::Named::Extension);
+            self
+        }
+
+        /// Reads a request's plan from header `name`. Only for demos and
+        /// trusted internal callers: a client must never choose its own
+        /// plan. Errors name the field `header`.
+        pub fn plan_from_header(mut self, name: &str) -> Result<Self, tollgate_core::ConfigError> {
+            self.cfg.plan_source = Some($crate::policy::plan::Named::Header(
+                $crate::key::header_name(name)?,
+            ));
+            Ok(self)
+        }
+    };
+}
+pub(crate) use plan_source_methods;

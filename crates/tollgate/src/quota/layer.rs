@@ -195,22 +195,7 @@ impl<K, C, St> QuotaLayerBuilder<K, C, St> {
         self
     }
 
-    /// Reads a request's plan from its [`Plan`](crate::policy::Plan)
-    /// extension, set by authentication middleware: the way to choose
-    /// plans in production (a middleware of your own can set it from
-    /// anything else).
-    pub fn plan_from_extension(mut self) -> Self {
-        self.cfg.plan_source = Some(Named::Extension);
-        self
-    }
-
-    /// Reads a request's plan from header `name`. Only for demos and
-    /// trusted internal callers: a client must never choose its own plan.
-    /// Errors name the field `header`.
-    pub fn plan_from_header(mut self, name: &str) -> Result<Self, ConfigError> {
-        self.cfg.plan_source = Some(Named::Header(crate::key::header_name(name)?));
-        Ok(self)
-    }
+    crate::policy::plan::plan_source_methods!();
 
     /// Allow and deny lists, as a policy's
     /// ([`PolicyLayerBuilder::access`](crate::policy::PolicyLayerBuilder::access)):

@@ -47,9 +47,13 @@ fuzz_target!(|input: Input| {
     // solution of the same challenge (a nonce byte), never another one's.
     let challenge = pow.issue(&input.scope);
     let solution = ProofOfWork::solve(&challenge, 8).expect("solvable");
-    let id = pow.verify(&input.scope, solution.as_bytes()).expect("its own solution");
+    let id = pow
+        .verify(&input.scope, solution.as_bytes())
+        .expect("its own solution");
     if input.other_scope != input.scope {
-        assert!(pow.verify(&input.other_scope, solution.as_bytes()).is_none());
+        assert!(pow
+            .verify(&input.other_scope, solution.as_bytes())
+            .is_none());
     }
     let mut flipped = solution.clone().into_bytes();
     let at = usize::from(input.flip.0) % flipped.len();

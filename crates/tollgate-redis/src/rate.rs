@@ -80,6 +80,23 @@ impl BoundRate {
         self.backend.run(self.script, &[&rkey], &args).await
     }
 
+    /// Decides `key` at `cost` alone: Redis's answer, or (a fault or an
+    /// unreadable reply) the failure policy's; and whether the failure
+    /// policy gave it.
+    async fn decide(&self, key: &[u8], cost: u32) -> (JointDecision, bool) {
+        let reply = self.call(RateMode::Decide, key, cost).await;
+        match reply.ok().and_then(|r| r.decision()) {
+            Some(d) => (
+                JointDecision {
+                    consumed: d.is_allowed() && cost > 0,
+                    decision: Ok(d),
+                },
+                false,
+            ),
+            None => (self.failed(key, cost), true),
+        }
+    }
+
     /// What the failure policy answers for `key` at `cost`, and whether it
     /// consumed it.
     fn failed(&self, key: &[u8], cost: u32) -> JointDecision {
@@ -137,17 +154,7 @@ async fn decide_together(
 ) -> Vec<(JointDecision, bool)> {
     let chosen: Vec<&Part> = members.iter().filter_map(|&i| parts.get(i)).collect();
     if let [one] = chosen.as_slice() {
-        let reply = one.bound.call(RateMode::Decide, &one.key, one.cost).await;
-        return vec![match reply.ok().and_then(|r| r.decision()) {
-            Some(d) => (
-                JointDecision {
-                    consumed: d.is_allowed() && one.cost > 0,
-                    decision: Ok(d),
-                },
-                false,
-            ),
-            None => (one.bound.failed(&one.key, one.cost), true),
-        }];
+        return vec![one.bound.decide(&one.key, one.cost).await];
     }
     let now = backend.now_arg();
     let costs: Vec<String> = chosen.iter().map(|p| p.cost.to_string()).collect();
@@ -192,14 +199,7 @@ impl Limiter for RedisLimiter {
     fn decide(&self, key: &[u8], cost: u32) -> Self::DecideFuture {
         let this = Arc::clone(&self.bound);
         let key = key.to_vec();
-        Box::pin(async move {
-            let reply = this.call(RateMode::Decide, &key, cost).await;
-            // A fault or an unreadable reply: the failure policy answers.
-            Ok(reply
-                .ok()
-                .and_then(|r| r.decision())
-                .unwrap_or_else(|| this.on_failure.decide(&this.rule, &key, cost)))
-        })
+        Box::pin(async move { this.decide(&key, cost).await.0.decision })
     }
 
     fn refund(&self, key: &[u8], cost: u32) -> Self::RefundFuture {

@@ -308,6 +308,28 @@ pub(crate) enum Acquired {
     IdTaken,
 }
 
+/// `{kind, a, limit, remaining, reset}` as a decision (see
+/// [`Reply::decision`]); `None` if malformed.
+fn decision_of(row: &[i64]) -> Option<Decision> {
+    let [kind, a, limit, remaining, reset, ..] = row else {
+        return None;
+    };
+    let outcome = match kind {
+        0 => Outcome::Allow { delay: nonneg(*a) },
+        1 => Outcome::Deny {
+            retry_after: nonneg(*a),
+        },
+        2 => Outcome::Never,
+        _ => return None,
+    };
+    Some(Decision {
+        outcome,
+        limit: nonneg(*limit),
+        remaining: nonneg(*remaining),
+        reset_after: nonneg(*reset),
+    })
+}
+
 /// A script's reply: integers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Reply(pub(crate) Vec<i64>);
@@ -320,23 +342,7 @@ impl Reply {
     /// `{kind, a, limit, remaining, reset}`: kind 0 allow (a = delay),
     /// 1 deny (a = retry after), 2 never. `None` if malformed.
     pub(crate) fn decision(&self) -> Option<Decision> {
-        let [kind, a, limit, remaining, reset, ..] = self.0.as_slice() else {
-            return None;
-        };
-        let outcome = match kind {
-            0 => Outcome::Allow { delay: nonneg(*a) },
-            1 => Outcome::Deny {
-                retry_after: nonneg(*a),
-            },
-            2 => Outcome::Never,
-            _ => return None,
-        };
-        Some(Decision {
-            outcome,
-            limit: nonneg(*limit),
-            remaining: nonneg(*remaining),
-            reset_after: nonneg(*reset),
-        })
+        decision_of(&self.0)
     }
 
     /// `{applied, then five numbers per rule}` (see `joint.lua`) for `n`
@@ -351,7 +357,7 @@ impl Reply {
         }
         let decisions = rest
             .chunks_exact(5)
-            .map(|row| Reply(row.to_vec()).decision())
+            .map(decision_of)
             .collect::<Option<Vec<_>>>()?;
         Some((*applied == 1, decisions))
     }

@@ -55,9 +55,6 @@ pub(crate) struct Metrics {
     /// What a decision left, as a share of the limit (a rate rule's; a
     /// no-op for quotas, which count by period).
     remaining: Histogram,
-    /// An access list's verdicts: on its allow list, on its deny list.
-    pub(crate) listed_allowed: Counter,
-    pub(crate) denied: Counter,
     /// An idempotent repeat let through uncharged.
     pub(crate) repeat: Counter,
     /// An escalation ladder's steps: a strike counted, a request refused
@@ -72,7 +69,7 @@ pub(crate) struct Metrics {
     pub(crate) warned: Counter,
 }
 
-const REQUESTS: &str = "tollgate_requests_total";
+pub(crate) const REQUESTS: &str = "tollgate_requests_total";
 const RETRY_AFTER: &str = "tollgate_retry_after_seconds";
 const REMAINING: &str = "tollgate_remaining_ratio";
 pub(crate) const QUOTA_REQUESTS: &str = "tollgate_quota_requests_total";
@@ -161,8 +158,6 @@ impl Metrics {
                 Histogram::noop()
             },
             retry_after: metrics::histogram!(RETRY_AFTER, labels.clone()),
-            listed_allowed: counter("listed_allowed"),
-            denied: counter("denied"),
             repeat: counter("idempotent_repeat"),
             strike: counter("strike"),
             blocked: counter("blocked"),

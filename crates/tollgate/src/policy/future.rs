@@ -324,17 +324,10 @@ fn reject<B, L>(
         Verdict::MissingKey { rule } => (rule, Reason::MissingKey),
         Verdict::Pass { .. } | Verdict::Repeat => (0, Reason::Limited),
         Verdict::Denied => {
-            let name = shared
-                .access
-                .as_ref()
-                .map_or_else(|| Arc::from("access"), |(_, _, name)| Arc::clone(name));
-            let rejected = Rejected {
-                rule: name,
-                kind: LimitKind::Rate,
-                reason: Reason::Denied,
-                decision: None,
-                grpc,
+            let Some(listed) = &shared.access else {
+                return Response::new(Bytes::new());
             };
+            let rejected = listed.denied(LimitKind::Rate, grpc);
             return match shared.rules.first().map(|r| &r.responder.rejection) {
                 Some(Some(f)) if !grpc => f(&rejected),
                 _ if grpc => rejected.to_grpc_response(),

@@ -10,7 +10,7 @@ use tollgate_core::{ConfigError, EscalationRule, Limiter, Rule, Store};
 use tollgate_memory::MemoryStore;
 use tower_layer::Layer;
 
-use super::access::AccessList;
+use super::access::{AccessList, Listed};
 use super::idempotency::Idempotency;
 use super::plan::{Named, Plan, Plans, Source};
 use super::rule::{DynRule, Erased, RateRule};
@@ -352,12 +352,10 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 "rules name plans, but no plan source is set (plan_from_extension, plan_from_header or plan_from)",
             ));
         }
-        if self.access.as_ref().is_some_and(AccessList::keys_unread) {
-            return Err(ConfigError::new(
-                "access",
-                "key lists need keys_from (the header that carries the key)",
-            ));
-        }
+        let access = self
+            .access
+            .map(|list| Listed::new(list, crate::observe::REQUESTS))
+            .transpose()?;
         // Every name the store will hold must be unique: a rule `api:pro`
         // next to rule `api`'s plan `pro` would share one budget.
         let mut stored = std::collections::HashSet::new();
@@ -555,11 +553,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 route_label: self.route_label,
                 audit,
                 idempotency,
-                access: self.access.map(|list| {
-                    let metrics = Metrics::register(&list.name);
-                    let name = Arc::from(list.name.as_str());
-                    (list, metrics, name)
-                }),
+                access,
             })),
         })
     }

@@ -123,18 +123,16 @@ where
         let grpc = is_grpc(&req);
         let mut report = Report::new();
         report.plan = shared.plans.of(&req);
-        if let Some((list, metrics, _)) = &shared.access {
-            match list.check(&req) {
+        if let Some(listed) = &shared.access {
+            match listed.check(&req) {
                 Access::Unlisted => {}
                 Access::Denied => {
-                    metrics.denied.increment(1);
                     let state = State::Rejected {
                         verdict: Verdict::Denied,
                     };
                     return Self::finish(Arc::clone(shared), state, report, grpc);
                 }
                 Access::Allowed => {
-                    metrics.listed_allowed.increment(1);
                     let future = self.inner.call(req);
                     return Self::finish(
                         Arc::clone(shared),

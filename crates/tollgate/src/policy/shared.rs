@@ -140,7 +140,7 @@ pub(super) struct Shared<B, L> {
     pub(super) idempotency: Option<super::idempotency::Idempotency<B, L>>,
     /// Allow and deny lists, checked before any rule, and their metrics
     /// (`rule` = the list's name).
-    pub(super) access: Option<(super::AccessList, crate::observe::Metrics, Arc<str>)>,
+    pub(super) access: Option<super::access::Listed>,
 }
 
 /// The policy a layer and its services decide by: replaced as a whole on

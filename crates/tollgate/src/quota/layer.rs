@@ -277,7 +277,6 @@ impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
                 ));
             }
         }
-        let (metrics, warnings, _) = Metrics::register_quota(&cfg.name, std::iter::empty());
         // A plan's quota is a rule of its own in the store; its headers,
         // items and rejection show its budgets under the quota's name.
         let bind = |store_name: &str, periods: &[(Period, u64)]| {
@@ -293,8 +292,10 @@ impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
                     .collect()
             };
             let largest = rule.quota().periods().map(|(_, l)| l).max().unwrap_or(0);
-            // Each period's used share, in the order decisions list them.
-            let (_, _, used) =
+            // The quota's series (every plan's decisions count under its
+            // name), and each period's used share in the order decisions
+            // list them.
+            let (metrics, warnings, used) =
                 Metrics::register_quota(&cfg.name, rule.quota().periods().map(|(p, _)| p.name()));
             let responder = Responder {
                 rule: cfg.name.as_str().into(),
@@ -304,8 +305,8 @@ impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
                 rejection: cfg.rejection.clone(),
                 rendered: Rendered::new(LimitKind::Quota, &cfg.name, largest),
                 soft: cfg.soft,
-                metrics: metrics.clone(),
-                warnings: warnings.clone(),
+                metrics,
+                warnings,
                 used,
                 route_label: cfg.route_label,
             };

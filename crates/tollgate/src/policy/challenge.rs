@@ -324,6 +324,18 @@ pub(super) fn cleared_ids<B, L>(
 }
 
 /// A refused request was not served: gives back the passes of the
+/// challenges it used, found again from `req` (`key(i, f)` hands rule
+/// `i`'s key to `f`).
+pub(super) fn give_back<B, L: tollgate_core::Limiter>(
+    shared: &super::shared::Shared<B, L>,
+    report: &super::decide::Report,
+    req: &http::Request<B>,
+    key: impl super::decide::KeyOf,
+) {
+    give_back_cleared(shared, report, &cleared_ids(shared, report, req, key));
+}
+
+/// A refused request was not served: gives back the passes of the
 /// challenges it used (those of `ids` whose rule the report says a
 /// solution passed), so that the client may use them again.
 pub(super) fn give_back_cleared<B, L: tollgate_core::Limiter>(

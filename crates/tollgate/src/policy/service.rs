@@ -203,9 +203,7 @@ where
                 Keyed::Skip => continue,
                 Keyed::Reject => {
                     refund_by_request(shared, &report, &req);
-                    let ids =
-                        challenge::cleared_ids(shared, &report, &req, request_key(shared, &req));
-                    challenge::give_back_cleared(shared, &report, &ids);
+                    challenge::give_back(shared, &report, &req, request_key(shared, &req));
                     observe_by_request(shared, &report, Verdict::MissingKey { rule: i }, &req);
                     return Self::finish(
                         Arc::clone(shared),
@@ -283,8 +281,7 @@ where
         }
         observe_by_request(shared, &report, verdict, &req);
         if !matches!(verdict, Verdict::Pass { .. } | Verdict::Repeat) {
-            let ids = challenge::cleared_ids(shared, &report, &req, request_key(shared, &req));
-            challenge::give_back_cleared(shared, &report, &ids);
+            challenge::give_back(shared, &report, &req, request_key(shared, &req));
         }
         let challenge = challenge::for_verdict(shared, verdict, request_key(shared, &req));
         // Response-aware rules need their keys once the response is in.
@@ -485,8 +482,7 @@ where
                     Keyed::Reject => {
                         // Refund the rules answered at once, and refuse.
                         refund_consumed(&shared, &report, listed_key(&keys));
-                        let ids = challenge::cleared_ids(&shared, &report, &req, listed_key(&keys));
-                        challenge::give_back_cleared(&shared, &report, &ids);
+                        challenge::give_back(&shared, &report, &req, listed_key(&keys));
                         observe_by_request(&shared, &report, Verdict::MissingKey { rule: i }, &req);
                         return Self::finish(
                             Arc::clone(&shared),

@@ -280,6 +280,22 @@ impl Quota {
         cost: u32,
         out: &mut QuotaDecision,
     ) {
+        if grant == 0 && self.decide_current(state, now, u64::from(cost), out) {
+            return;
+        }
+        self.apply_general(state, now, grant, cost, out);
+    }
+
+    /// [`apply_into`](Self::apply_into) for any state: windows that roll
+    /// over, grants.
+    fn apply_general(
+        &self,
+        state: &mut QuotaState,
+        now: u64,
+        grant: u64,
+        cost: u32,
+        out: &mut QuotaDecision,
+    ) {
         let cost = u64::from(cost);
         let mut windows = [Window::default(); MAX_PERIODS];
         // A decision written over one with more periods: none of its
@@ -346,6 +362,79 @@ impl Quota {
         out.len = self.len;
     }
 
+    /// A decision when every window is the current one, which is all of
+    /// them but once a period per key: in place, with no calendar
+    /// arithmetic and no copy of the windows. Returns false, having
+    /// written nothing, when a window must roll over (or was never used);
+    /// the general path then decides. The same answer and the same writes
+    /// as that path (a property test compares them).
+    #[inline]
+    fn decide_current(
+        &self,
+        state: &mut QuotaState,
+        now: u64,
+        cost: u64,
+        out: &mut QuotaDecision,
+    ) -> bool {
+        let n = self.len;
+        let (Some(config), Some(windows)) = (self.periods.get(..n), state.windows.get_mut(..n))
+        else {
+            return false;
+        };
+        if !windows
+            .iter()
+            .all(|w| w.end != 0 && w.start <= now && now < w.end)
+        {
+            return false;
+        }
+        if out.len > n {
+            for p in out.periods.iter_mut().skip(n) {
+                *p = EMPTY;
+            }
+        }
+        let (mut never, mut wait) = (false, 0u64);
+        for ((c, w), status) in config
+            .iter()
+            .zip(windows.iter())
+            .zip(out.periods.iter_mut())
+        {
+            let Some((period, limit)) = *c else {
+                return false;
+            };
+            let budget = limit.saturating_add(w.bonus.min(Self::MAX_LIMIT));
+            let remaining = budget.saturating_sub(w.used);
+            let reset_after = w.end.saturating_sub(now);
+            if cost > budget {
+                never = true;
+            } else if cost > remaining {
+                wait = wait.max(reset_after);
+            }
+            *status = PeriodStatus {
+                period,
+                limit: budget,
+                remaining,
+                reset_after,
+                length: w.end.saturating_sub(w.start),
+            };
+        }
+        out.len = n;
+        out.outcome = if never {
+            Outcome::Never
+        } else if wait > 0 {
+            Outcome::Deny { retry_after: wait }
+        } else {
+            if cost > 0 {
+                for (w, status) in windows.iter_mut().zip(out.periods.iter_mut()) {
+                    w.bonus = w.bonus.min(Self::MAX_LIMIT);
+                    w.used = w.used.saturating_add(cost);
+                    status.remaining = status.remaining.saturating_sub(cost);
+                }
+            }
+            Outcome::Allow { delay: 0 }
+        };
+        true
+    }
+
     /// Whether `state` counts nothing at `now`: every window is of a past
     /// period or holds neither usage nor a grant.
     pub fn is_idle(&self, state: &QuotaState, now: u64) -> bool {
@@ -371,8 +460,65 @@ impl Quota {
 mod tests {
     use super::*;
     use crate::calendar::unix_nanos;
+    use proptest::prelude::*;
 
     const S: u64 = 1_000_000_000;
+
+    proptest! {
+        /// The shortcut for current windows answers and writes exactly what
+        /// the general path does, on states made by random histories
+        /// (grants, the clock going back, costs above the budget).
+        #[test]
+        fn the_shortcut_equals_the_general_path(
+            kinds in proptest::sample::subsequence(
+                vec![Period::Minute, Period::Hour, Period::Day, Period::Week, Period::Month, Period::Year],
+                1..=4,
+            ),
+            limits in proptest::collection::vec(1u64..50, 4),
+            steps in proptest::collection::vec((0u64..2 * 3_600 * S, any::<bool>(), 0u32..60, 0u64..8), 1..80),
+        ) {
+            let periods: Vec<(Period, u64)> = kinds.iter().copied().zip(limits).collect();
+            let quota = Quota::new(&periods, Offset::from_seconds(9 * 3_600).unwrap()).unwrap();
+            // Across a month's end and a leap-free February.
+            let mut now = unix_nanos(2026, 2, 27, 23, 58, 0);
+            let mut state = QuotaState::default();
+            for (step, back, cost, op) in steps {
+                // Mostly forward, sometimes back.
+                now = if back && op == 0 { now - step / 4 } else { now + step / 64 };
+                if op == 7 {
+                    quota.grant(&mut state, now, u64::from(cost) * 1_000_000_000_000_000);
+                    continue;
+                }
+                let (mut fast, mut general) = (state, state);
+                let (mut a, mut b) = (QuotaDecision::EMPTY, QuotaDecision::EMPTY);
+                if quota.decide_current(&mut fast, now, u64::from(cost), &mut a) {
+                    quota.apply_general(&mut general, now, 0, cost, &mut b);
+                    prop_assert_eq!(a, b);
+                    prop_assert_eq!(fast, general);
+                } else {
+                    prop_assert_eq!(fast, state);
+                }
+                quota.decide(&mut state, now, cost);
+            }
+        }
+    }
+
+    #[test]
+    fn a_decision_in_current_windows_takes_the_shortcut() {
+        let noon = unix_nanos(2026, 12, 3, 12, 0, 0);
+        let q = Quota::new(&[(Period::Day, 10), (Period::Month, 100)], Offset::UTC).unwrap();
+        let mut s = QuotaState::default();
+        let mut out = QuotaDecision::EMPTY;
+        // A fresh state has no windows yet; a peek does not make them.
+        assert!(!q.decide_current(&mut s, noon, 0, &mut out));
+        q.decide(&mut s, noon, 1);
+        assert!(q.decide_current(&mut s, noon + S, 4, &mut out));
+        assert_eq!(out.periods()[0].remaining, 5);
+        assert_eq!(s.windows[1].used, 5);
+        // Past midnight the day must roll over: the general path's job.
+        assert!(!q.decide_current(&mut s, unix_nanos(2026, 12, 4, 0, 0, 0), 1, &mut out));
+        assert_eq!(s.windows[0].used, 5);
+    }
 
     #[test]
     fn a_decision_written_in_place_equals_one_returned() {

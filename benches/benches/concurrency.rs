@@ -19,6 +19,10 @@ fn concurrency_overhead(c: &mut Criterion) {
         .unwrap();
     let mut g = c.benchmark_group("concurrency_overhead");
     let mut run = |name: &str, app: Router| {
+        // Routes made once, as `axum::serve` does for each connection
+        // (`Router::with_state`); else axum would apply every layer again
+        // on each request.
+        let app = app.with_state(());
         g.bench_function(name, |b| {
             b.to_async(&rt).iter(|| {
                 let app = app.clone();

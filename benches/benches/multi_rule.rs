@@ -54,6 +54,10 @@ fn multi_rule(c: &mut Criterion) {
         .unwrap();
     let mut g = c.benchmark_group("multi_rule");
     let mut run = |name: &str, app: Router| {
+        // Routes made once, as `axum::serve` does for each connection
+        // (`Router::with_state`); else axum would apply every layer again
+        // on each request.
+        let app = app.with_state(());
         g.bench_function(name, |b| {
             b.to_async(&rt).iter(|| {
                 let app = app.clone();

@@ -27,6 +27,8 @@ fn main() {
         "conc_tower" => (concurrency::tower(64), StatusCode::OK),
         other => panic!("unknown stack {other:?}"),
     };
+    // Routes made once, as `axum::serve` does for each connection.
+    let app = app.with_state(());
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();

@@ -155,21 +155,25 @@ pub(crate) fn add_items(headers: &mut HeaderMap, name: &HeaderName, value: Heade
     if value.is_empty() {
         return;
     }
-    // One hash of the name: the common case is a vacant entry.
-    match headers.entry(name) {
-        http::header::Entry::Vacant(vacant) => {
-            vacant.insert(value);
-        }
-        http::header::Entry::Occupied(mut occupied) => {
-            // Every field line the inner limiter sent (a list may span
-            // several).
-            let mut joined = value.as_bytes().to_vec();
-            for inner in occupied.iter().filter(|v| !v.is_empty()) {
-                joined.extend_from_slice(b", ");
-                joined.extend_from_slice(inner.as_bytes());
-            }
-            occupied.insert(HeaderValue::from_bytes(&joined).unwrap_or(value));
-        }
+    // One hash of the name and one insert: the common case is a field
+    // nobody set (a full map drops ours; it never panics).
+    if !matches!(headers.try_append(name, value), Ok(true)) {
+        return;
+    }
+    // An inner limiter sent items already (its field lines, then ours,
+    // appended last): ours first, then every line of theirs, one line.
+    let lines: Vec<&HeaderValue> = headers.get_all(name).iter().collect();
+    let Some((ours, theirs)) = lines.split_last() else {
+        return;
+    };
+    let mut joined = ours.as_bytes().to_vec();
+    for inner in theirs.iter().filter(|v| !v.is_empty()) {
+        joined.extend_from_slice(b", ");
+        joined.extend_from_slice(inner.as_bytes());
+    }
+    // Handed over without another copy.
+    if let Ok(joined) = HeaderValue::from_maybe_shared(bytes::Bytes::from(joined)) {
+        let _ = headers.try_insert(name, joined);
     }
 }
 
@@ -271,6 +275,9 @@ fn number(n: u64) -> Option<HeaderValue> {
 /// Which headers to send, precomputed per layer.
 #[derive(Debug, Clone)]
 pub(crate) struct Headers {
+    /// Tells this rule's `RateLimit` values from other rules' in the
+    /// per-thread cache ([`Recent`]); unique in the process.
+    id: u64,
     /// `"name";r=`, the start of every `RateLimit` value.
     prefix: Box<[u8]>,
     policy: Option<HeaderValue>,
@@ -286,7 +293,9 @@ impl Headers {
         let policy = write!(policy, "\"{}\";q={};w={w}", rule.name(), rule.capacity())
             .ok()
             .and_then(|()| policy.value());
+        static IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         Self {
+            id: IDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             prefix: format!("\"{}\";r=", rule.name()).into_bytes().into(),
             policy,
             limit: number(rule.capacity()),
@@ -309,18 +318,28 @@ impl Headers {
             if let Some(p) = &self.policy {
                 add_items(headers, &RATELIMIT_POLICY, p.clone());
             }
-            let mut b = Buf::new();
-            b.push(&self.prefix);
-            b.push_u64(d.remaining);
-            b.push(b";t=");
-            b.push_u64(t);
-            if let Some(v) = b.value() {
+            if let Some(v) = self.rate_limit(d.remaining, t) {
                 add_items(headers, &RATELIMIT, v);
             }
         }
         if self.legacy {
             self.apply_legacy(headers, d);
         }
+    }
+
+    /// The `RateLimit` value `"name";r=<r>;t=<t>`: a shared copy of one
+    /// this thread rendered lately when there is one (most responses of a
+    /// rule carry one of a few values: a key's first request, a key at its
+    /// limit), else rendered and remembered.
+    fn rate_limit(&self, r: u64, t: u64) -> Option<HeaderValue> {
+        Recent::get_or_render(self.id, r, t, || {
+            let mut b = Buf::<128>::empty();
+            b.push(&self.prefix);
+            b.push_u64(r);
+            b.push(b";t=");
+            b.push_u64(t);
+            HeaderValue::from_bytes(b.as_bytes()).ok()
+        })
     }
 
     /// `X-RateLimit-Limit`, `-Remaining` and `-Reset` for `d`.
@@ -334,6 +353,84 @@ impl Headers {
         if let Some(v) = number(t_secs(d)) {
             headers.insert(X_RATELIMIT_RESET.clone(), v);
         }
+    }
+}
+
+/// How many `RateLimit` values each thread remembers.
+const RECENT: usize = 64;
+
+/// A `RateLimit` value and what it was rendered for.
+struct Remembered {
+    id: u64,
+    r: u64,
+    t: u64,
+    value: HeaderValue,
+}
+
+/// The `RateLimit` values a thread rendered lately, direct-mapped by
+/// (rule, `r`, `t`): a value found here is sent as a shared copy (a
+/// reference count) instead of being formatted, checked and allocated
+/// again. Per thread, so a hit takes no lock and no shared cache line;
+/// bounded ([`RECENT`] entries a thread).
+struct Recent;
+
+impl Recent {
+    /// Where (rule `id`, `r`, `t`) is remembered.
+    fn slot(id: u64, r: u64, t: u64) -> usize {
+        let mix = id
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+            .wrapping_add(r.wrapping_mul(0xc2b2_ae3d_27d4_eb4f))
+            .wrapping_add(t)
+            .wrapping_mul(0x1656_67b1_9e37_79f9);
+        // The top bits, as an index below RECENT (a power of two).
+        usize::try_from(mix.wrapping_shr(64u32.wrapping_sub(RECENT.trailing_zeros()))).unwrap_or(0)
+    }
+
+    fn get_or_render(
+        id: u64,
+        r: u64,
+        t: u64,
+        render: impl FnOnce() -> Option<HeaderValue>,
+    ) -> Option<HeaderValue> {
+        thread_local! {
+            static VALUES: std::cell::RefCell<[Option<Remembered>; RECENT]> =
+                const { std::cell::RefCell::new([const { None }; RECENT]) };
+        }
+        let slot = Self::slot(id, r, t);
+        let same = |e: &&Remembered| (e.id, e.r, e.t) == (id, r, t);
+        let found = VALUES
+            .try_with(|values| {
+                let values = values.try_borrow().ok()?;
+                values
+                    .get(slot)?
+                    .as_ref()
+                    .filter(same)
+                    .map(|e| e.value.clone())
+            })
+            .ok()
+            .flatten();
+        if found.is_some() {
+            return found;
+        }
+        let value = render()?;
+        // Remembered for the next response (a thread being torn down
+        // just renders).
+        let _ = VALUES.try_with(|values| {
+            if let Some(entry) = values
+                .try_borrow_mut()
+                .ok()
+                .as_mut()
+                .and_then(|v| v.get_mut(slot))
+            {
+                *entry = Some(Remembered {
+                    id,
+                    r,
+                    t,
+                    value: value.clone(),
+                });
+            }
+        });
+        Some(value)
     }
 }
 
@@ -601,6 +698,50 @@ mod tests {
         );
         assert_eq!(m["ratelimit"], "\"per-key\";r=0;t=1");
         assert!(m.get("retry-after").is_none());
+    }
+
+    #[test]
+    fn remembered_values_belong_to_their_rule_and_numbers() {
+        // Two rules, the same numbers: each response names its own rule,
+        // however the cache's slots are shared, evicted and hit again
+        // (far more values than it holds, each asked for twice).
+        let rule = |name: &str| Rule::new(name, Limit::gcra(Rate::per_second(10), 20)).unwrap();
+        let (a, b) = (
+            Headers::new(&rule("a"), true, false),
+            Headers::new(&rule("b"), true, false),
+        );
+        for round in 0..2 {
+            for r in 0..(4 * RECENT as u64) {
+                for (h, name) in [(&a, "a"), (&b, "b")] {
+                    let t = r % 3;
+                    let mut m = HeaderMap::new();
+                    let d = decision(Outcome::Allow { delay: 0 }, r, t * 1_000_000_000);
+                    h.apply(&mut m, &d, false);
+                    assert_eq!(
+                        m["ratelimit"],
+                        format!("\"{name}\";r={r};t={t}").as_str(),
+                        "round {round}"
+                    );
+                }
+            }
+        }
+        // Two rules whose values share a slot take turns in it, and
+        // neither is ever sent the other's.
+        let mut c = Headers::new(&rule("c"), true, false);
+        c.id = (0..)
+            .find(|&id| id != a.id && Recent::slot(id, 7, 1) == Recent::slot(a.id, 7, 1))
+            .unwrap();
+        for _ in 0..3 {
+            for (h, name) in [(&a, "a"), (&c, "c")] {
+                let mut m = HeaderMap::new();
+                h.apply(
+                    &mut m,
+                    &decision(Outcome::Allow { delay: 0 }, 7, 1_000_000_000),
+                    false,
+                );
+                assert_eq!(m["ratelimit"], format!("\"{name}\";r=7;t=1").as_str());
+            }
+        }
     }
 
     #[test]

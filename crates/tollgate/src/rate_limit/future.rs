@@ -14,7 +14,7 @@ use super::error::RateLimited;
 use super::shared::Responder;
 use crate::body::ResponseBody;
 use crate::key::Fingerprint;
-use crate::rejection::{LimitKind, Reason, Rejected};
+use crate::rejection::{is_grpc, LimitKind, Reason, Rejected};
 
 pin_project! {
     /// The state machine shared by both modes:
@@ -30,7 +30,6 @@ pin_project! {
             #[pin]
             decide: D,
             waiting: Option<Box<(Request<ReqB>, S)>>,
-            grpc: bool,
             key: Option<Fingerprint>,
             refund: Option<RefundFn>,
         },
@@ -144,7 +143,6 @@ pub(crate) fn decided<S, ReqB, D>(
     request: Request<ReqB>,
     inner: Inner<'_, S>,
     responder: &Responder,
-    grpc: bool,
     key: Option<Fingerprint>,
     refund: impl FnOnce() -> Option<RefundFn>,
 ) -> State<S, ReqB, D>
@@ -224,7 +222,9 @@ where
                         kind: LimitKind::Rate,
                         reason,
                         decision: Some(decision),
-                        grpc,
+                        // Read only for a rejection: the allowed path
+                        // never looks at the content type.
+                        grpc: is_grpc(&request),
                     }),
                 }
             }
@@ -261,7 +261,6 @@ where
                 StateProj::Deciding {
                     decide,
                     waiting,
-                    grpc,
                     key,
                     refund,
                 } => {
@@ -276,7 +275,6 @@ where
                         request,
                         Inner::Owned(inner),
                         responder,
-                        *grpc,
                         *key,
                         || refund,
                     )

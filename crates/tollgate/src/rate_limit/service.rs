@@ -54,7 +54,6 @@ where
     C: Cost<ReqB>,
     L: Limiter,
 {
-    let grpc = is_grpc(&req);
     let mut key = KeyBuf::new();
     if shared.key.extract(&req, &mut key).is_none() {
         match &shared.missing {
@@ -70,7 +69,7 @@ where
                         kind: LimitKind::Rate,
                         reason: Reason::MissingKey,
                         decision: None,
-                        grpc,
+                        grpc: is_grpc(&req),
                     }),
                 };
             }
@@ -105,7 +104,6 @@ where
             req,
             Inner::Borrowed(inner),
             &shared.responder,
-            grpc,
             fingerprint,
             || refund(&mut key),
         );
@@ -118,7 +116,6 @@ where
     State::Deciding {
         decide,
         waiting: Some(Box::new((req, ready))),
-        grpc,
         key: fingerprint,
         refund: refund(&mut key),
     }

@@ -5,8 +5,10 @@
 //!
 //! Prints: the peak RSS; the mean time of a known key's decision before the
 //! flood (a normal decision) and of a flood key's once the store is full;
-//! and a known key's p50 / p99 / worst decision time before and during the
-//! flood. Not a criterion bench: it measures distributions over one long
+//! a known key's p50 / p99 / worst decision time before and during the
+//! flood; and, for comparison, the same store full under ordinary traffic
+//! (keys it already holds, no new ones): its mean decision and a known
+//! key's percentiles, what a million-key store costs without any flood. Not a criterion bench: it measures distributions over one long
 //! run, which criterion's per-iteration model does not. One thread.
 #![allow(
     missing_docs,
@@ -81,8 +83,32 @@ fn main() {
             during.push(t.elapsed());
         }
     }
+    // The same store, full, under ordinary traffic: keys it already holds
+    // (the first flood keys, admitted before it filled), in random order,
+    // a known key after every ten. What a store of this size costs a known
+    // key without any flood: the memory system's share of the figure above.
+    let mut held = Vec::with_capacity((FLOOD / 10) as usize);
+    let mut held_time = Duration::ZERO;
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for n in 0..(FLOOD / 2) {
+        x = x
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        let k = key(b'f', (x >> 33) % (MAX_KEYS as u64 - KNOWN));
+        let t = Instant::now();
+        std::hint::black_box(limiter.decide_now(&k, 1));
+        held_time += t.elapsed();
+        if n % 10 == 0 {
+            let k = key(b'k', known % KNOWN);
+            known += 1;
+            let t = Instant::now();
+            std::hint::black_box(limiter.decide_now(&k, 1));
+            held.push(t.elapsed());
+        }
+    }
     before.sort_unstable();
     during.sort_unstable();
+    held.sort_unstable();
     let flood_mean = full_time / full_count.max(1) as u32;
     println!("mem_key_flood: {FLOOD} keys into max_keys = {MAX_KEYS}, {KNOWN} known keys");
     println!(
@@ -106,5 +132,17 @@ fn main() {
         percentile(&during, 0.99),
         during[during.len() - 1],
         percentile(&during, 0.99).as_nanos() as f64 / percentile(&before, 0.99).as_nanos() as f64
+    );
+    let held_mean = held_time / (FLOOD / 2) as u32;
+    println!(
+        "  full store, no flood (keys it holds): decision mean {held_mean:?} (flood key {:.2}x this)",
+        flood_mean.as_nanos() as f64 / held_mean.as_nanos() as f64
+    );
+    println!(
+        "  known key, full store, no flood: p50 {:?} p99 {:?} worst {:?} (flood p99 {:.2}x this)",
+        percentile(&held, 0.5),
+        percentile(&held, 0.99),
+        held[held.len() - 1],
+        percentile(&during, 0.99).as_nanos() as f64 / percentile(&held, 0.99).as_nanos() as f64
     );
 }

@@ -161,19 +161,31 @@ pub(crate) fn add_items(headers: &mut HeaderMap, name: &HeaderName, value: Heade
         return;
     }
     // An inner limiter sent items already (its field lines, then ours,
-    // appended last): ours first, then every line of theirs, one line.
-    let lines: Vec<&HeaderValue> = headers.get_all(name).iter().collect();
-    let Some((ours, theirs)) = lines.split_last() else {
+    // appended last): ours first, then every line of theirs, one line,
+    // built in one allocation of the exact size.
+    let Ok(http::header::Entry::Occupied(mut entry)) = headers.try_entry(name) else {
         return;
     };
-    let mut joined = ours.as_bytes().to_vec();
-    for inner in theirs.iter().filter(|v| !v.is_empty()) {
+    let lines = entry.iter().count();
+    let theirs = || {
+        entry
+            .iter()
+            .take(lines.saturating_sub(1))
+            .filter(|v| !v.is_empty())
+    };
+    let ours = entry.iter().next_back().map_or(&[][..], HeaderValue::as_bytes);
+    // The exact size, so that the bytes are handed over as they are.
+    let len = theirs().fold(ours.len(), |n, v| {
+        n.saturating_add(2).saturating_add(v.len())
+    });
+    let mut joined = Vec::with_capacity(len);
+    joined.extend_from_slice(ours);
+    for inner in theirs() {
         joined.extend_from_slice(b", ");
         joined.extend_from_slice(inner.as_bytes());
     }
-    // Handed over without another copy.
     if let Ok(joined) = HeaderValue::from_maybe_shared(bytes::Bytes::from(joined)) {
-        let _ = headers.try_insert(name, joined);
+        entry.insert(joined);
     }
 }
 
@@ -226,18 +238,26 @@ pub(crate) fn apply_set(
         if let Some(v) = policy {
             add_items(headers, &RATELIMIT_POLICY, v);
         }
-        // One allocation, handed to the header value without a copy.
-        let mut state = Vec::with_capacity(items.len().saturating_mul(48));
-        for (i, (h, d)) in items.iter().enumerate() {
-            if i > 0 {
-                state.extend_from_slice(b", ");
+        // Which rules, in order, and their numbers determine the value.
+        let mut of = [0; NUMBERS + 1];
+        let rules = items
+            .iter()
+            .flat_map(|(h, d)| [h.id, d.remaining, t_secs(d)]);
+        let value = remembered(SET, pack(rules, &mut of), || {
+            // One allocation, handed to the header value without a copy.
+            let mut state = Vec::with_capacity(items.len().saturating_mul(48));
+            for (i, (h, d)) in items.iter().enumerate() {
+                if i > 0 {
+                    state.extend_from_slice(b", ");
+                }
+                state.extend_from_slice(&h.prefix);
+                push_decimal(&mut state, d.remaining);
+                state.extend_from_slice(b";t=");
+                push_decimal(&mut state, t_secs(d));
             }
-            state.extend_from_slice(&h.prefix);
-            push_decimal(&mut state, d.remaining);
-            state.extend_from_slice(b";t=");
-            push_decimal(&mut state, t_secs(d));
-        }
-        if let Ok(v) = HeaderValue::from_maybe_shared(bytes::Bytes::from(state)) {
+            HeaderValue::from_maybe_shared(bytes::Bytes::from(state)).ok()
+        });
+        if let Some(v) = value {
             add_items(headers, &RATELIMIT, v);
         }
     }
@@ -276,8 +296,8 @@ fn number(n: u64) -> Option<HeaderValue> {
 #[derive(Debug, Clone)]
 pub(crate) struct Headers {
     /// Tells this rule's `RateLimit` values from other rules' in the
-    /// per-thread cache ([`Recent`]); unique in the process.
-    id: u64,
+    /// per-thread cache ([`remembered`]); unique in the process.
+    pub(crate) id: u64,
     /// `"name";r=`, the start of every `RateLimit` value.
     prefix: Box<[u8]>,
     policy: Option<HeaderValue>,
@@ -293,9 +313,8 @@ impl Headers {
         let policy = write!(policy, "\"{}\";q={};w={w}", rule.name(), rule.capacity())
             .ok()
             .and_then(|()| policy.value());
-        static IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         Self {
-            id: IDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            id: new_id(),
             prefix: format!("\"{}\";r=", rule.name()).into_bytes().into(),
             policy,
             limit: number(rule.capacity()),
@@ -332,7 +351,7 @@ impl Headers {
     /// rule carry one of a few values: a key's first request, a key at its
     /// limit), else rendered and remembered.
     fn rate_limit(&self, r: u64, t: u64) -> Option<HeaderValue> {
-        Recent::get_or_render(self.id, r, t, || {
+        remembered(self.id, &[r, t], || {
             let mut b = Buf::<128>::empty();
             b.push(&self.prefix);
             b.push_u64(r);
@@ -356,82 +375,131 @@ impl Headers {
     }
 }
 
-/// How many `RateLimit` values each thread remembers.
-const RECENT: usize = 64;
+/// How many header values each thread remembers.
+const RECENT: usize = 128;
 
-/// A `RateLimit` value and what it was rendered for.
+/// The most numbers a remembered value is keyed by (two rules' or
+/// periods' three numbers each); a value of more is rendered every time.
+const NUMBERS: usize = 6;
+
+/// A header value and what it was rendered for.
 struct Remembered {
     id: u64,
-    r: u64,
-    t: u64,
+    numbers: [u64; NUMBERS],
     value: HeaderValue,
 }
 
-/// The `RateLimit` values a thread rendered lately, direct-mapped by
-/// (rule, `r`, `t`): a value found here is sent as a shared copy (a
-/// reference count) instead of being formatted, checked and allocated
-/// again. Per thread, so a hit takes no lock and no shared cache line;
-/// bounded ([`RECENT`] entries a thread).
-struct Recent;
+/// The id of a rule set's `RateLimit` values (their numbers name the
+/// rules); [`new_id`] never returns it.
+const SET: u64 = u64::MAX;
 
-impl Recent {
-    /// Where (rule `id`, `r`, `t`) is remembered.
-    fn slot(id: u64, r: u64, t: u64) -> usize {
-        let mix = id
-            .wrapping_mul(0x9e37_79b9_7f4a_7c15)
-            .wrapping_add(r.wrapping_mul(0xc2b2_ae3d_27d4_eb4f))
-            .wrapping_add(t)
-            .wrapping_mul(0x1656_67b1_9e37_79f9);
-        // The top bits, as an index below RECENT (a power of two).
-        usize::try_from(mix.wrapping_shr(64u32.wrapping_sub(RECENT.trailing_zeros()))).unwrap_or(0)
+/// Ids for the values [`remembered`] keeps apart: each header set (and
+/// each of its fields) takes its own, unique in the process.
+fn new_id() -> u64 {
+    static IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    IDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The numbers of a value, padded to [`NUMBERS`]; `None` when there are
+/// more.
+fn numbers(of: &[u64]) -> Option<[u64; NUMBERS]> {
+    let mut all = [u64::MAX; NUMBERS];
+    all.get_mut(..of.len())?.copy_from_slice(of);
+    // The length too, so that [1] and [1, MAX] differ.
+    let last = all.last_mut()?;
+    if of.len() < NUMBERS {
+        *last = u64::try_from(of.len())
+            .unwrap_or(u64::MAX)
+            .wrapping_add(u64::MAX / 2);
     }
+    Some(all)
+}
 
-    fn get_or_render(
-        id: u64,
-        r: u64,
-        t: u64,
-        render: impl FnOnce() -> Option<HeaderValue>,
-    ) -> Option<HeaderValue> {
-        thread_local! {
-            static VALUES: std::cell::RefCell<[Option<Remembered>; RECENT]> =
-                const { std::cell::RefCell::new([const { None }; RECENT]) };
+/// `values` in `out`, as a slice; all of `out` (one more than a value
+/// may be keyed by, so it is not remembered) when there are more.
+fn pack(values: impl Iterator<Item = u64>, out: &mut [u64; NUMBERS + 1]) -> &[u64] {
+    let mut n = 0usize;
+    for v in values {
+        if let Some(slot) = out.get_mut(n) {
+            *slot = v;
         }
-        let slot = Self::slot(id, r, t);
-        let same = |e: &&Remembered| (e.id, e.r, e.t) == (id, r, t);
-        let found = VALUES
-            .try_with(|values| {
-                let values = values.try_borrow().ok()?;
-                values
-                    .get(slot)?
-                    .as_ref()
-                    .filter(same)
-                    .map(|e| e.value.clone())
-            })
-            .ok()
-            .flatten();
-        if found.is_some() {
-            return found;
-        }
-        let value = render()?;
-        // Remembered for the next response (a thread being torn down
-        // just renders).
-        let _ = VALUES.try_with(|values| {
-            if let Some(entry) = values
-                .try_borrow_mut()
-                .ok()
-                .as_mut()
-                .and_then(|v| v.get_mut(slot))
-            {
-                *entry = Some(Remembered {
-                    id,
-                    r,
-                    t,
-                    value: value.clone(),
-                });
-            }
+        n = n.saturating_add(1);
+    }
+    match out.get(..n) {
+        Some(packed) => packed,
+        None => out,
+    }
+}
+
+/// Where (`id`, `numbers`) is remembered.
+fn slot(id: u64, numbers: &[u64; NUMBERS]) -> usize {
+    let mix = numbers
+        .iter()
+        .fold(id.wrapping_mul(0x9e37_79b9_7f4a_7c15), |h, &n| {
+            h.rotate_left(23)
+                .wrapping_add(n)
+                .wrapping_mul(0xc2b2_ae3d_27d4_eb4f)
         });
-        Some(value)
+    // The top bits, as an index below RECENT (a power of two).
+    usize::try_from(mix.wrapping_shr(64u32.wrapping_sub(RECENT.trailing_zeros()))).unwrap_or(0)
+}
+
+/// The value that header set `id` renders from `of`: a shared copy (a
+/// reference count) of one this thread rendered lately when there is one,
+/// else `render`'s, remembered. Most responses carry one of a few values
+/// (a key's first request, a key at its limit, the same quota second), so
+/// sending one is seldom a format, a byte-by-byte check, an allocation and
+/// a free. Per thread, two-way set-associative ([`RECENT`] entries a
+/// thread): a hit takes no lock and touches no shared cache line. The caller's `id` and
+/// `of` must determine the value.
+fn remembered(
+    id: u64,
+    of: &[u64],
+    render: impl FnOnce() -> Option<HeaderValue>,
+) -> Option<HeaderValue> {
+    thread_local! {
+        static VALUES: std::cell::RefCell<[Option<Remembered>; RECENT]> =
+            const { std::cell::RefCell::new([const { None }; RECENT]) };
     }
+    let Some(numbers) = numbers(of) else {
+        return render();
+    };
+    // Two ways: the value's slot and its neighbour, so that two values a
+    // response sends together never take turns evicting each other.
+    let at = slot(id, &numbers);
+    let other = at ^ 1;
+    let same = |e: &&Remembered| e.id == id && e.numbers == numbers;
+    let found = VALUES
+        .try_with(|values| {
+            let values = values.try_borrow().ok()?;
+            let way = |i: usize| values.get(i)?.as_ref().filter(same);
+            way(at).or_else(|| way(other)).map(|e| e.value.clone())
+        })
+        .ok()
+        .flatten();
+    if found.is_some() {
+        return found;
+    }
+    let value = render()?;
+    // Remembered for the next response, first in its set; the value there
+    // moves to the other way (a thread being torn down just renders).
+    let _ = VALUES.try_with(|values| {
+        let Ok(mut values) = values.try_borrow_mut() else {
+            return;
+        };
+        let moved = values.get_mut(at).and_then(Option::take);
+        if let Some(slot) = values.get_mut(other) {
+            *slot = moved;
+        }
+        if let Some(slot) = values.get_mut(at) {
+            *slot = Some(Remembered {
+                id,
+                numbers,
+                value: value.clone(),
+            });
+        }
+    });
+    Some(value)
 }
 
 /// The headers of a concurrency layer: every limit it enforces is one
@@ -445,6 +513,9 @@ pub(crate) struct ConcurrencyHeaders {
     names: Box<[Box<[u8]>]>,
     /// The whole policy value, when every limit's `q` is fixed.
     policy: Option<HeaderValue>,
+    /// Ids of this layer's `RateLimit-Policy` and `RateLimit` values in
+    /// the per-thread cache ([`remembered`]).
+    ids: [u64; 2],
     /// For a layer of one limit, the `RateLimit` value of every `r` from 0
     /// to `q` (up to [`CACHED`]): an allowed response sends a shared copy
     /// instead of formatting and allocating one.
@@ -530,6 +601,7 @@ impl ConcurrencyHeaders {
         Self {
             names,
             policy,
+            ids: [new_id(), new_id()],
             cached,
             standard,
         }
@@ -541,17 +613,21 @@ impl ConcurrencyHeaders {
             return;
         }
         let policy = self.policy.clone().or_else(|| {
-            let mut b = Buf::new();
-            for (i, (name, item)) in self.names.iter().zip(items).enumerate() {
-                if i > 0 {
-                    b.push(b", ");
+            let mut of = [0; NUMBERS + 1];
+            let of = pack(items.iter().map(|it| u64::from(it.q)), &mut of);
+            remembered(self.ids[0], of, || {
+                let mut b = Buf::new();
+                for (i, (name, item)) in self.names.iter().zip(items).enumerate() {
+                    if i > 0 {
+                        b.push(b", ");
+                    }
+                    b.push(name);
+                    b.push(b";q=");
+                    b.push_u64(u64::from(item.q));
+                    b.push(b";qu=\"concurrent-requests\"");
                 }
-                b.push(name);
-                b.push(b";q=");
-                b.push_u64(u64::from(item.q));
-                b.push(b";qu=\"concurrent-requests\"");
-            }
-            b.value()
+                b.value()
+            })
         });
         if let Some(p) = policy {
             add_items(headers, &RATELIMIT_POLICY, p);
@@ -564,24 +640,31 @@ impl ConcurrencyHeaders {
                 }
             }
         }
-        let mut b = Buf::new();
-        for (name, item) in self.names.iter().zip(items) {
-            let Some(r) = item.r() else { continue };
-            if !b.as_bytes().is_empty() {
-                b.push(b", ");
+        // Each item's r and t (NONE where absent) determine the value.
+        let mut of = [0; NUMBERS + 1];
+        let rt = items
+            .iter()
+            .flat_map(|it| [u64::from(it.r), u64::from(it.t)]);
+        let value = remembered(self.ids[1], pack(rt, &mut of), || {
+            let mut b = Buf::new();
+            for (name, item) in self.names.iter().zip(items) {
+                let Some(r) = item.r() else { continue };
+                if !b.as_bytes().is_empty() {
+                    b.push(b", ");
+                }
+                b.push(name);
+                b.push(b";r=");
+                b.push_u64(r);
+                if let Some(t) = item.t() {
+                    b.push(b";t=");
+                    b.push_u64(t);
+                }
             }
-            b.push(name);
-            b.push(b";r=");
-            b.push_u64(r);
-            if let Some(t) = item.t() {
-                b.push(b";t=");
-                b.push_u64(t);
-            }
-        }
-        if !b.as_bytes().is_empty() {
-            if let Some(v) = b.value() {
-                add_items(headers, &RATELIMIT, v);
-            }
+            // No item decided: no field (an empty list is not sent).
+            b.value().filter(|v| !v.is_empty())
+        });
+        if let Some(v) = value {
+            add_items(headers, &RATELIMIT, v);
         }
     }
 }
@@ -594,6 +677,9 @@ impl ConcurrencyHeaders {
 pub(crate) struct QuotaHeaders {
     /// Each period's `"name"`.
     names: Box<[Box<[u8]>]>,
+    /// Ids of this layer's `RateLimit-Policy` and `RateLimit` values in
+    /// the per-thread cache ([`remembered`]).
+    ids: [u64; 2],
     pub(crate) standard: bool,
 }
 
@@ -605,6 +691,7 @@ impl QuotaHeaders {
                 .iter()
                 .map(|n| format!("\"{n}\"").into_bytes().into_boxed_slice())
                 .collect(),
+            ids: [new_id(), new_id()],
             standard,
         }
     }
@@ -614,28 +701,50 @@ impl QuotaHeaders {
         if !self.standard {
             return;
         }
-        // Six periods with 64-byte names fit in 1 KiB.
-        let (mut policy, mut left) = (Buf::<1024>::empty(), Buf::<1024>::empty());
-        for (i, (name, p)) in self.names.iter().zip(d.periods()).enumerate() {
-            if i > 0 {
-                policy.push(b", ");
-                left.push(b", ");
+        let periods = || self.names.iter().zip(d.periods());
+        let mut of = [0; NUMBERS + 1];
+        let qw = d
+            .periods()
+            .iter()
+            .flat_map(|p| [p.limit, ceil_secs(p.length)]);
+        let policy = remembered(self.ids[0], pack(qw, &mut of), || {
+            // Six periods with 64-byte names fit in 1 KiB.
+            let mut b = Buf::<1024>::empty();
+            for (i, (name, p)) in periods().enumerate() {
+                if i > 0 {
+                    b.push(b", ");
+                }
+                b.push(name);
+                b.push(b";q=");
+                b.push_u64(p.limit);
+                b.push(b";w=");
+                b.push_u64(ceil_secs(p.length));
             }
-            policy.push(name);
-            policy.push(b";q=");
-            policy.push_u64(p.limit);
-            policy.push(b";w=");
-            policy.push_u64(ceil_secs(p.length));
-            left.push(name);
-            left.push(b";r=");
-            left.push_u64(p.remaining);
-            left.push(b";t=");
-            left.push_u64(ceil_secs(p.reset_after));
-        }
-        if let Some(v) = policy.value() {
+            b.value()
+        });
+        if let Some(v) = policy {
             add_items(headers, &RATELIMIT_POLICY, v);
         }
-        if let Some(v) = left.value() {
+        let mut of = [0; NUMBERS + 1];
+        let rt = d
+            .periods()
+            .iter()
+            .flat_map(|p| [p.remaining, ceil_secs(p.reset_after)]);
+        let left = remembered(self.ids[1], pack(rt, &mut of), || {
+            let mut b = Buf::<1024>::empty();
+            for (i, (name, p)) in periods().enumerate() {
+                if i > 0 {
+                    b.push(b", ");
+                }
+                b.push(name);
+                b.push(b";r=");
+                b.push_u64(p.remaining);
+                b.push(b";t=");
+                b.push_u64(ceil_secs(p.reset_after));
+            }
+            b.value()
+        });
+        if let Some(v) = left {
             add_items(headers, &RATELIMIT, v);
         }
     }
@@ -729,7 +838,10 @@ mod tests {
         // neither is ever sent the other's.
         let mut c = Headers::new(&rule("c"), true, false);
         c.id = (0..)
-            .find(|&id| id != a.id && Recent::slot(id, 7, 1) == Recent::slot(a.id, 7, 1))
+            .find(|&id| {
+                let at = |id| slot(id, &numbers(&[7, 1]).unwrap());
+                id != a.id && at(id) == at(a.id)
+            })
             .unwrap();
         for _ in 0..3 {
             for (h, name) in [(&a, "a"), (&c, "c")] {
@@ -740,6 +852,95 @@ mod tests {
                     false,
                 );
                 assert_eq!(m["ratelimit"], format!("\"{name}\";r=7;t=1").as_str());
+            }
+        }
+    }
+
+    #[test]
+    fn remembered_multi_item_values_follow_every_number() {
+        // Concurrency: two layers of the same shape but other names, an
+        // adaptive q, every r; each value is the one formatted for it.
+        let allow = |r| decision(Outcome::Allow { delay: 0 }, r, 0);
+        let layers = [("a", "svc"), ("b", "svc")]
+            .map(|(k, s)| (k, ConcurrencyHeaders::new(&[(k, Some(8)), (s, None)], true)));
+        for round in 0..2 {
+            for q in [10u64, 11] {
+                for r in 0..8 {
+                    for (k, h) in &layers {
+                        let mut m = HeaderMap::new();
+                        h.apply(
+                            &mut m,
+                            &[
+                                Item::new(8, Some(allow(r))),
+                                Item::new(q, Some(allow(q - 1))),
+                            ],
+                        );
+                        let want = format!("\"{k}\";r={r}, \"svc\";r={}", q - 1);
+                        assert_eq!(m["ratelimit"], want.as_str(), "round {round}");
+                        let policy = format!(
+                            "\"{k}\";q=8;qu=\"concurrent-requests\", \"svc\";q={q};qu=\"concurrent-requests\""
+                        );
+                        assert_eq!(m["ratelimit-policy"], policy.as_str());
+                    }
+                }
+            }
+        }
+        // Rule sets: the same numbers for other rules, or the same rules
+        // in another order, are other values.
+        let rule = |n: &str| Rule::new(n, Limit::gcra(Rate::per_second(10), 20)).unwrap();
+        let (x, y, z) = (
+            Headers::new(&rule("x"), true, false),
+            Headers::new(&rule("y"), true, false),
+            Headers::new(&rule("z"), true, false),
+        );
+        for round in 0..2 {
+            for r in 0..50 {
+                for (set, want) in [
+                    ([&x, &y], format!("\"x\";r={r};t=0, \"y\";r={r};t=0")),
+                    ([&y, &x], format!("\"y\";r={r};t=0, \"x\";r={r};t=0")),
+                    ([&x, &z], format!("\"x\";r={r};t=0, \"z\";r={r};t=0")),
+                ] {
+                    let items = set.map(|h| (h, allow(r)));
+                    let mut m = HeaderMap::new();
+                    apply_set(&mut m, &items, None, None, true, false, None);
+                    assert_eq!(m["ratelimit"], want.as_str(), "round {round}");
+                }
+            }
+        }
+        // Quota: two periods; the remaining count and the seconds left.
+        use tollgate_core::calendar::Period;
+        use tollgate_core::{PeriodStatus, QuotaDecision};
+        let h = QuotaHeaders::new(&["day".to_owned(), "month".to_owned()], true);
+        let s = 1_000_000_000;
+        for round in 0..2 {
+            for used in 0..100u64 {
+                let status = |period, limit: u64, left: u64| PeriodStatus {
+                    period,
+                    limit,
+                    remaining: limit - used,
+                    reset_after: left * s,
+                    length: 86_400 * s,
+                };
+                let d = QuotaDecision::new(
+                    Outcome::Allow { delay: 0 },
+                    &[
+                        status(Period::Day, 100, used % 7),
+                        status(Period::Month, 3_000, 9),
+                    ],
+                );
+                let mut m = HeaderMap::new();
+                h.apply(&mut m, &d);
+                let want = format!(
+                    "\"day\";r={};t={}, \"month\";r={};t=9",
+                    100 - used,
+                    used % 7,
+                    3_000 - used
+                );
+                assert_eq!(m["ratelimit"], want.as_str(), "round {round}");
+                assert_eq!(
+                    m["ratelimit-policy"],
+                    "\"day\";q=100;w=86400, \"month\";q=3000;w=86400"
+                );
             }
         }
     }

@@ -193,10 +193,14 @@ pub(crate) fn route_outcome(outcome: tollgate_core::Outcome, shadow: bool) -> &'
 }
 
 /// Counts one decision of `rule` on `req` under axum's matched route (a
-/// layer's `route_label`): a registry lookup, as the route is only known
-/// per request. The label is a route template, or `unmatched` — always,
-/// for a layer outside the `Router` (use `route_layer`), which sees no
-/// matched route.
+/// layer's `route_label`). The label is a route template, or `unmatched`
+/// — always, for a layer outside the `Router` (use `route_layer`), which
+/// sees no matched route. The route is only known per request, so each
+/// (rule, route, outcome) counter is registered when first counted on a
+/// thread and kept in that thread's cache ([`RouteCounters`]): a counter
+/// found there is a pointer comparison and a short string comparison,
+/// where a registry lookup hashed and compared every label and allocated
+/// the route's.
 #[cfg(feature = "axum")]
 pub(crate) fn count_route<B>(
     rule: &std::sync::Arc<str>,
@@ -207,13 +211,78 @@ pub(crate) fn count_route<B>(
         .extensions()
         .get::<axum::extract::MatchedPath>()
         .map_or("unmatched", axum::extract::MatchedPath::as_str);
-    metrics::counter!(
-        "tollgate_route_requests_total",
-        "rule" => std::sync::Arc::clone(rule),
-        "route" => route.to_owned(),
-        "outcome" => outcome
-    )
-    .increment(1);
+    RouteCounters::increment(rule, route, outcome);
+}
+
+/// A counter of [`count_route`] and what it counts.
+#[cfg(feature = "axum")]
+struct RouteCounter {
+    /// Held, so that no other rule's name can take its address while the
+    /// entry lives.
+    rule: std::sync::Arc<str>,
+    route: Box<str>,
+    outcome: &'static str,
+    counter: Counter,
+}
+
+/// The route counters a thread used lately, direct-mapped by (rule,
+/// route, outcome); 64 a thread.
+#[cfg(feature = "axum")]
+struct RouteCounters;
+
+#[cfg(feature = "axum")]
+impl RouteCounters {
+    const SLOTS: usize = 64;
+
+    fn increment(rule: &std::sync::Arc<str>, route: &str, outcome: &'static str) {
+        thread_local! {
+            static COUNTERS: std::cell::RefCell<[Option<RouteCounter>; RouteCounters::SLOTS]> =
+                const { std::cell::RefCell::new([const { None }; RouteCounters::SLOTS]) };
+        }
+        // FNV-1a over the route, mixed with the rule's address and the
+        // outcome's.
+        let mut h = route.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+        for part in [
+            std::sync::Arc::as_ptr(rule).cast::<u8>() as usize,
+            outcome.as_ptr() as usize,
+        ] {
+            h = (h ^ part as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+        let at = usize::try_from(h.wrapping_shr(64u32.wrapping_sub(Self::SLOTS.trailing_zeros())))
+            .unwrap_or(0);
+        let counted = COUNTERS.try_with(|counters| {
+            let mut counters = counters.try_borrow_mut().ok()?;
+            let entry = counters.get_mut(at)?;
+            let hit = entry.as_ref().is_some_and(|e| {
+                std::sync::Arc::ptr_eq(&e.rule, rule) && e.outcome == outcome && *e.route == *route
+            });
+            if !hit {
+                *entry = Some(RouteCounter {
+                    rule: std::sync::Arc::clone(rule),
+                    route: route.into(),
+                    outcome,
+                    counter: Self::register(rule, route, outcome),
+                });
+            }
+            entry.as_ref().map(|e| e.counter.increment(1))
+        });
+        // A thread being torn down (or a re-entrant call) counts through
+        // the registry.
+        if !matches!(counted, Ok(Some(()))) {
+            Self::register(rule, route, outcome).increment(1);
+        }
+    }
+
+    fn register(rule: &std::sync::Arc<str>, route: &str, outcome: &'static str) -> Counter {
+        metrics::counter!(
+            "tollgate_route_requests_total",
+            "rule" => std::sync::Arc::clone(rule),
+            "route" => route.to_owned(),
+            "outcome" => outcome
+        )
+    }
 }
 
 pub(crate) const CONCURRENCY: &str = "tollgate_concurrency_requests_total";

@@ -173,7 +173,10 @@ pub(crate) fn add_items(headers: &mut HeaderMap, name: &HeaderName, value: Heade
             .take(lines.saturating_sub(1))
             .filter(|v| !v.is_empty())
     };
-    let ours = entry.iter().next_back().map_or(&[][..], HeaderValue::as_bytes);
+    let ours = entry
+        .iter()
+        .next_back()
+        .map_or(&[][..], HeaderValue::as_bytes);
     // The exact size, so that the bytes are handed over as they are.
     let len = theirs().fold(ours.len(), |n, v| {
         n.saturating_add(2).saturating_add(v.len())
@@ -378,6 +381,9 @@ impl Headers {
 /// How many header values each thread remembers.
 const RECENT: usize = 128;
 
+/// The ways of a set: how many values that map to one place are kept.
+const WAYS: usize = 4;
+
 /// The most numbers a remembered value is keyed by (two rules' or
 /// periods' three numbers each); a value of more is rendered every time.
 const NUMBERS: usize = 6;
@@ -386,7 +392,15 @@ const NUMBERS: usize = 6;
 struct Remembered {
     id: u64,
     numbers: [u64; NUMBERS],
+    /// The thread's tick when it was last sent.
+    sent: u64,
     value: HeaderValue,
+}
+
+/// A thread's remembered values, and its clock of lookups.
+struct Values {
+    tick: u64,
+    ways: [Option<Remembered>; RECENT],
 }
 
 /// The id of a rule set's `RateLimit` values (their numbers name the
@@ -449,8 +463,8 @@ fn slot(id: u64, numbers: &[u64; NUMBERS]) -> usize {
 /// else `render`'s, remembered. Most responses carry one of a few values
 /// (a key's first request, a key at its limit, the same quota second), so
 /// sending one is seldom a format, a byte-by-byte check, an allocation and
-/// a free. Per thread, two-way set-associative ([`RECENT`] entries a
-/// thread): a hit takes no lock and touches no shared cache line. The caller's `id` and
+/// a free. Per thread, four-way set-associative, least recently sent out
+/// first ([`RECENT`] entries a thread): a hit takes no lock and touches no shared cache line. The caller's `id` and
 /// `of` must determine the value.
 fn remembered(
     id: u64,
@@ -458,22 +472,29 @@ fn remembered(
     render: impl FnOnce() -> Option<HeaderValue>,
 ) -> Option<HeaderValue> {
     thread_local! {
-        static VALUES: std::cell::RefCell<[Option<Remembered>; RECENT]> =
-            const { std::cell::RefCell::new([const { None }; RECENT]) };
+        static VALUES: std::cell::RefCell<Values> = const {
+            std::cell::RefCell::new(Values { tick: 0, ways: [const { None }; RECENT] })
+        };
     }
     let Some(numbers) = numbers(of) else {
         return render();
     };
-    // Two ways: the value's slot and its neighbour, so that two values a
-    // response sends together never take turns evicting each other.
-    let at = slot(id, &numbers);
-    let other = at ^ 1;
-    let same = |e: &&Remembered| e.id == id && e.numbers == numbers;
+    // Four ways: the values a response sends together seldom take turns
+    // evicting each other. Each entry keeps when it was last sent; a new
+    // value takes an empty way, else the least recently sent.
+    let set = slot(id, &numbers) & !(WAYS - 1);
     let found = VALUES
         .try_with(|values| {
-            let values = values.try_borrow().ok()?;
-            let way = |i: usize| values.get(i)?.as_ref().filter(same);
-            way(at).or_else(|| way(other)).map(|e| e.value.clone())
+            let mut values = values.try_borrow_mut().ok()?;
+            let tick = values.tick.wrapping_add(1);
+            values.tick = tick;
+            let ways = values.ways.get_mut(set..set.saturating_add(WAYS))?;
+            let e = ways
+                .iter_mut()
+                .flatten()
+                .find(|e| e.id == id && e.numbers == numbers)?;
+            e.sent = tick;
+            Some(e.value.clone())
         })
         .ok()
         .flatten();
@@ -481,20 +502,23 @@ fn remembered(
         return found;
     }
     let value = render()?;
-    // Remembered for the next response, first in its set; the value there
-    // moves to the other way (a thread being torn down just renders).
+    // Remembered (a thread being torn down just renders).
     let _ = VALUES.try_with(|values| {
         let Ok(mut values) = values.try_borrow_mut() else {
             return;
         };
-        let moved = values.get_mut(at).and_then(Option::take);
-        if let Some(slot) = values.get_mut(other) {
-            *slot = moved;
-        }
-        if let Some(slot) = values.get_mut(at) {
-            *slot = Some(Remembered {
+        let sent = values.tick;
+        let Some(ways) = values.ways.get_mut(set..set.saturating_add(WAYS)) else {
+            return;
+        };
+        let victim = ways
+            .iter_mut()
+            .min_by_key(|w| w.as_ref().map_or(0, |e| e.sent.saturating_add(1)));
+        if let Some(way) = victim {
+            *way = Some(Remembered {
                 id,
                 numbers,
+                sent,
                 value: value.clone(),
             });
         }
@@ -854,6 +878,42 @@ mod tests {
                 assert_eq!(m["ratelimit"], format!("\"{name}\";r=7;t=1").as_str());
             }
         }
+    }
+
+    #[test]
+    fn values_sent_again_stay_remembered() {
+        let renders = std::cell::Cell::new(0);
+        let render = || {
+            renders.set(renders.get() + 1);
+            Some(HeaderValue::from_static("x"))
+        };
+        // Ids whose values of [1] share one set of ways.
+        let set_of = |id| slot(id, &numbers(&[1]).unwrap()) & !(WAYS - 1);
+        let base = new_id();
+        let ids: Vec<u64> = (base..)
+            .filter(|&id| set_of(id) == set_of(base))
+            .take(WAYS + 20)
+            .collect();
+        // As many values as the set has ways, sent in turn: each rendered once.
+        for _ in 0..10 {
+            for &id in &ids[..WAYS] {
+                remembered(id, &[1], render);
+            }
+        }
+        assert_eq!(renders.get(), WAYS);
+        // Two values sent on every response, and a stream of values sent
+        // once into the same set: after the first response (the two were
+        // the least recently sent), the two are never rendered again.
+        let (a, b) = (ids[0], ids[1]);
+        for (i, &once) in ids[WAYS..].iter().enumerate() {
+            if i == 1 {
+                renders.set(0);
+            }
+            remembered(once, &[1], render);
+            remembered(a, &[1], render);
+            remembered(b, &[1], render);
+        }
+        assert_eq!(renders.get(), 19);
     }
 
     #[test]

@@ -155,10 +155,16 @@ pub fn quickstart_app_with<S: QuotaStore>(
         )
         // route_layer: only matched routes are limited; a 404 costs nothing.
         // Outermost first: in flight, then the rate, then the day's quota,
-        // so a request refused early spends nothing further in.
-        .route_layer(daily)
-        .route_layer(limit.clone())
-        .route_layer(in_flight);
+        // so a request refused early spends nothing further in. One
+        // ServiceBuilder, as axum recommends for several middleware: axum
+        // boxes the stack (its future, its body, the service's clone per
+        // request) once, where each route_layer would be boxed again.
+        .route_layer(
+            tower::ServiceBuilder::new()
+                .layer(in_flight)
+                .layer(limit.clone())
+                .layer(daily),
+        );
     let router = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .merge(api)

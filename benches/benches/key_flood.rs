@@ -120,29 +120,26 @@ fn main() {
         "  decision, mean: normal (known key, before) {normal:?}; flood key at full {flood_mean:?} ({:.2}x) over {full_count} decisions",
         flood_mean.as_nanos() as f64 / normal.as_nanos() as f64
     );
-    println!(
-        "  known key before: p50 {:?} p99 {:?} worst {:?}",
-        percentile(&before, 0.5),
-        percentile(&before, 0.99),
-        before[before.len() - 1]
-    );
-    println!(
-        "  known key during: p50 {:?} p99 {:?} worst {:?} (p99 {:.2}x before)",
-        percentile(&during, 0.5),
-        percentile(&during, 0.99),
-        during[during.len() - 1],
-        percentile(&during, 0.99).as_nanos() as f64 / percentile(&before, 0.99).as_nanos() as f64
-    );
+    let spread = |label: &str, samples: &[Duration], against: Option<(&str, &[Duration])>| {
+        let p99 = percentile(samples, 0.99);
+        let ratio = against.map_or(String::new(), |(name, other)| {
+            let x = p99.as_nanos() as f64 / percentile(other, 0.99).as_nanos() as f64;
+            format!(" (p99 {x:.2}x {name})")
+        });
+        println!(
+            "  {label}: p50 {:?} p99 {p99:?} worst {:?}{ratio}",
+            percentile(samples, 0.5),
+            samples[samples.len() - 1]
+        );
+    };
+    spread("known key before", &before, None);
+    spread("known key during", &during, Some(("before", &before)));
     let held_mean = held_time / (FLOOD / 2) as u32;
     println!(
         "  full store, no flood (keys it holds): decision mean {held_mean:?} (flood key {:.2}x this)",
         flood_mean.as_nanos() as f64 / held_mean.as_nanos() as f64
     );
-    println!(
-        "  known key, full store, no flood: p50 {:?} p99 {:?} worst {:?} (flood p99 {:.2}x this)",
-        percentile(&held, 0.5),
-        percentile(&held, 0.99),
-        held[held.len() - 1],
-        percentile(&during, 0.99).as_nanos() as f64 / percentile(&held, 0.99).as_nanos() as f64
-    );
+    spread("known key, full store, no flood", &held, None);
+    let x = percentile(&during, 0.99).as_nanos() as f64 / percentile(&held, 0.99).as_nanos() as f64;
+    println!("  flood p99 {x:.2}x the full store's without a flood");
 }

@@ -14,7 +14,7 @@ use std::fmt::{self, Write as _};
 
 use http::header::{HeaderName, HeaderValue, RETRY_AFTER};
 use http::HeaderMap;
-use tollgate_core::{Decision, Outcome, Rule};
+use tollgate_core::{Decision, Outcome, PeriodStatus, Rule};
 
 pub(crate) static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 pub(crate) static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
@@ -725,51 +725,50 @@ impl QuotaHeaders {
         if !self.standard {
             return;
         }
-        let periods = || self.names.iter().zip(d.periods());
+        let [policy_id, left_id] = self.ids;
+        let policy = |p: &PeriodStatus| [p.limit, ceil_secs(p.length)];
+        self.field(
+            headers,
+            &RATELIMIT_POLICY,
+            policy_id,
+            d,
+            [b";q=", b";w="],
+            policy,
+        );
+        let left = |p: &PeriodStatus| [p.remaining, ceil_secs(p.reset_after)];
+        self.field(headers, &RATELIMIT, left_id, d, [b";r=", b";t="], left);
+    }
+
+    /// Adds field `name`: one item per period, `"name";<a>=<x>;<b>=<y>`
+    /// with `[x, y] = numbers(period)`, remembered under `id`.
+    fn field(
+        &self,
+        headers: &mut HeaderMap,
+        name: &HeaderName,
+        id: u64,
+        d: &tollgate_core::QuotaDecision,
+        params: [&[u8]; 2],
+        numbers: impl Fn(&PeriodStatus) -> [u64; 2],
+    ) {
         let mut of = [0; NUMBERS + 1];
-        let qw = d
-            .periods()
-            .iter()
-            .flat_map(|p| [p.limit, ceil_secs(p.length)]);
-        let policy = remembered(self.ids[0], pack(qw, &mut of), || {
+        let packed = pack(d.periods().iter().flat_map(&numbers), &mut of);
+        let value = remembered(id, packed, || {
             // Six periods with 64-byte names fit in 1 KiB.
             let mut b = Buf::<1024>::empty();
-            for (i, (name, p)) in periods().enumerate() {
+            for (i, (name, p)) in self.names.iter().zip(d.periods()).enumerate() {
                 if i > 0 {
                     b.push(b", ");
                 }
                 b.push(name);
-                b.push(b";q=");
-                b.push_u64(p.limit);
-                b.push(b";w=");
-                b.push_u64(ceil_secs(p.length));
-            }
-            b.value()
-        });
-        if let Some(v) = policy {
-            add_items(headers, &RATELIMIT_POLICY, v);
-        }
-        let mut of = [0; NUMBERS + 1];
-        let rt = d
-            .periods()
-            .iter()
-            .flat_map(|p| [p.remaining, ceil_secs(p.reset_after)]);
-        let left = remembered(self.ids[1], pack(rt, &mut of), || {
-            let mut b = Buf::<1024>::empty();
-            for (i, (name, p)) in periods().enumerate() {
-                if i > 0 {
-                    b.push(b", ");
+                for (param, n) in params.iter().zip(numbers(p)) {
+                    b.push(param);
+                    b.push_u64(n);
                 }
-                b.push(name);
-                b.push(b";r=");
-                b.push_u64(p.remaining);
-                b.push(b";t=");
-                b.push_u64(ceil_secs(p.reset_after));
             }
             b.value()
         });
-        if let Some(v) = left {
-            add_items(headers, &RATELIMIT, v);
+        if let Some(v) = value {
+            add_items(headers, name, v);
         }
     }
 }

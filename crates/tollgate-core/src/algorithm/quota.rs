@@ -255,7 +255,7 @@ impl Quota {
     /// windows would roll over the same way on the next read).
     fn apply(&self, state: &mut QuotaState, now: u64, grant: u64, cost: u32) -> QuotaDecision {
         let mut out = QuotaDecision::EMPTY;
-        self.apply_into(state, now, grant, cost, &mut out);
+        self.apply_into(state, now, grant, cost, &mut out, true);
         out
     }
 
@@ -269,9 +269,12 @@ impl Quota {
         cost: u32,
         out: &mut QuotaDecision,
     ) {
-        self.apply_into(state, now, 0, cost, out);
+        self.apply_into(state, now, 0, cost, out, true);
     }
 
+    /// Decides into `out`: through [`decide_current`](Self::decide_current)
+    /// when `shortcut` allows and every window is current, else by the
+    /// general path below (windows that roll over, grants).
     fn apply_into(
         &self,
         state: &mut QuotaState,
@@ -279,23 +282,11 @@ impl Quota {
         grant: u64,
         cost: u32,
         out: &mut QuotaDecision,
+        shortcut: bool,
     ) {
-        if grant == 0 && self.decide_current(state, now, u64::from(cost), out) {
+        if shortcut && grant == 0 && self.decide_current(state, now, u64::from(cost), out) {
             return;
         }
-        self.apply_general(state, now, grant, cost, out);
-    }
-
-    /// [`apply_into`](Self::apply_into) for any state: windows that roll
-    /// over, grants.
-    fn apply_general(
-        &self,
-        state: &mut QuotaState,
-        now: u64,
-        grant: u64,
-        cost: u32,
-        out: &mut QuotaDecision,
-    ) {
         let cost = u64::from(cost);
         let mut windows = [Window::default(); MAX_PERIODS];
         // A decision written over one with more periods: none of its
@@ -492,7 +483,7 @@ mod tests {
                 let (mut fast, mut general) = (state, state);
                 let (mut a, mut b) = (QuotaDecision::EMPTY, QuotaDecision::EMPTY);
                 if quota.decide_current(&mut fast, now, u64::from(cost), &mut a) {
-                    quota.apply_general(&mut general, now, 0, cost, &mut b);
+                    quota.apply_into(&mut general, now, 0, cost, &mut b, false);
                     prop_assert_eq!(a, b);
                     prop_assert_eq!(fast, general);
                 } else {

@@ -231,7 +231,7 @@ pub(crate) fn apply_set(
     named: Option<usize>,
 ) {
     if let Some(v) = retry_after.and_then(|r| number(retry_after_secs(r))) {
-        headers.insert(RETRY_AFTER, v);
+        let _ = headers.try_insert(RETRY_AFTER, v);
     }
     if standard && !items.is_empty() {
         let policy = match policy {
@@ -333,7 +333,7 @@ impl Headers {
         let t = t_secs(d);
         if let (true, Outcome::Deny { retry_after }) = (rejected, d.outcome) {
             if let Some(v) = number(retry_after_secs(retry_after)) {
-                headers.insert(RETRY_AFTER, v);
+                let _ = headers.try_insert(RETRY_AFTER, v);
             }
         }
         if self.standard {
@@ -367,13 +367,13 @@ impl Headers {
     /// `X-RateLimit-Limit`, `-Remaining` and `-Reset` for `d`.
     fn apply_legacy(&self, headers: &mut HeaderMap, d: &Decision) {
         if let Some(l) = &self.limit {
-            headers.insert(X_RATELIMIT_LIMIT.clone(), l.clone());
+            let _ = headers.try_insert(X_RATELIMIT_LIMIT.clone(), l.clone());
         }
         if let Some(v) = number(d.remaining) {
-            headers.insert(X_RATELIMIT_REMAINING.clone(), v);
+            let _ = headers.try_insert(X_RATELIMIT_REMAINING.clone(), v);
         }
         if let Some(v) = number(t_secs(d)) {
-            headers.insert(X_RATELIMIT_RESET.clone(), v);
+            let _ = headers.try_insert(X_RATELIMIT_RESET.clone(), v);
         }
     }
 }
@@ -391,16 +391,26 @@ const NUMBERS: usize = 6;
 /// A header value and what it was rendered for.
 struct Remembered {
     id: u64,
-    numbers: [u64; NUMBERS],
+    key: Numbers,
     /// The thread's tick when it was last sent.
     sent: u64,
-    value: HeaderValue,
+    /// `None` the first time the value is seen: only a value sent again
+    /// is kept (keeping one means sharing its bytes, an allocation a
+    /// one-off value would pay for nothing).
+    value: Option<HeaderValue>,
 }
 
 /// A thread's remembered values, and its clock of lookups.
 struct Values {
     tick: u64,
     ways: [Option<Remembered>; RECENT],
+}
+
+/// The numbers a value is rendered from, and how many there are.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Numbers {
+    len: u8,
+    numbers: [u64; NUMBERS],
 }
 
 /// The id of a rule set's `RateLimit` values (their numbers name the
@@ -414,19 +424,15 @@ fn new_id() -> u64 {
     IDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
-/// The numbers of a value, padded to [`NUMBERS`]; `None` when there are
-/// more.
-fn numbers(of: &[u64]) -> Option<[u64; NUMBERS]> {
-    let mut all = [u64::MAX; NUMBERS];
-    all.get_mut(..of.len())?.copy_from_slice(of);
-    // The length too, so that [1] and [1, MAX] differ.
-    let last = all.last_mut()?;
-    if of.len() < NUMBERS {
-        *last = u64::try_from(of.len())
-            .unwrap_or(u64::MAX)
-            .wrapping_add(u64::MAX / 2);
-    }
-    Some(all)
+/// The key of the numbers `of`; `None` when there are more than
+/// [`NUMBERS`].
+fn numbers(of: &[u64]) -> Option<Numbers> {
+    let mut numbers = [0; NUMBERS];
+    numbers.get_mut(..of.len())?.copy_from_slice(of);
+    Some(Numbers {
+        len: u8::try_from(of.len()).ok()?,
+        numbers,
+    })
 }
 
 /// `values` in `out`, as a slice; all of `out` (one more than a value
@@ -445,81 +451,100 @@ fn pack(values: impl Iterator<Item = u64>, out: &mut [u64; NUMBERS + 1]) -> &[u6
     }
 }
 
-/// Where (`id`, `numbers`) is remembered.
-fn slot(id: u64, numbers: &[u64; NUMBERS]) -> usize {
-    let mix = numbers
-        .iter()
-        .fold(id.wrapping_mul(0x9e37_79b9_7f4a_7c15), |h, &n| {
-            h.rotate_left(23)
-                .wrapping_add(n)
-                .wrapping_mul(0xc2b2_ae3d_27d4_eb4f)
-        });
+/// Where (`id`, `key`) is remembered.
+fn slot(id: u64, key: &Numbers) -> usize {
+    let start = id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ u64::from(key.len);
+    let mix = key.numbers.iter().fold(start, |h, &n| {
+        h.rotate_left(23)
+            .wrapping_add(n)
+            .wrapping_mul(0xc2b2_ae3d_27d4_eb4f)
+    });
     // The top bits, as an index below RECENT (a power of two).
     usize::try_from(mix.wrapping_shr(64u32.wrapping_sub(RECENT.trailing_zeros()))).unwrap_or(0)
 }
 
 /// The value that header set `id` renders from `of`: a shared copy (a
 /// reference count) of one this thread rendered lately when there is one,
-/// else `render`'s, remembered. Most responses carry one of a few values
-/// (a key's first request, a key at its limit, the same quota second), so
-/// sending one is seldom a format, a byte-by-byte check, an allocation and
-/// a free. Per thread, four-way set-associative, least recently sent out
-/// first ([`RECENT`] entries a thread): a hit takes no lock and touches no shared cache line. The caller's `id` and
-/// `of` must determine the value.
+/// else `render`'s. Most responses carry one of a few values (a key's
+/// first request, a key at its limit, the same quota second), so sending
+/// one is seldom a format, a byte-by-byte check, an allocation and a free.
+/// Per thread, four-way set-associative, least recently sent out first
+/// ([`RECENT`] entries a thread, allocated on the thread's first use): a
+/// hit takes no lock and touches no shared cache line. A value is kept
+/// the second time it is rendered, so one-off values cost what they did
+/// without the cache. The caller's `id` and `of` must determine the
+/// value.
 fn remembered(
     id: u64,
     of: &[u64],
     render: impl FnOnce() -> Option<HeaderValue>,
 ) -> Option<HeaderValue> {
     thread_local! {
-        static VALUES: std::cell::RefCell<Values> = const {
-            std::cell::RefCell::new(Values { tick: 0, ways: [const { None }; RECENT] })
-        };
+        static VALUES: std::cell::RefCell<Option<Box<Values>>> =
+            const { std::cell::RefCell::new(None) };
     }
-    let Some(numbers) = numbers(of) else {
+    let Some(key) = numbers(of) else {
         return render();
     };
     // Four ways: the values a response sends together seldom take turns
     // evicting each other. Each entry keeps when it was last sent; a new
     // value takes an empty way, else the least recently sent.
-    let set = slot(id, &numbers) & !(WAYS - 1);
-    let found = VALUES
+    let set = slot(id, &key) & !(WAYS - 1);
+    // What the set knows of the value: kept (a copy to send), or seen
+    // once before.
+    let known = VALUES
         .try_with(|values| {
             let mut values = values.try_borrow_mut().ok()?;
+            let values = values.get_or_insert_with(|| {
+                Box::new(Values {
+                    tick: 0,
+                    ways: [const { None }; RECENT],
+                })
+            });
             let tick = values.tick.wrapping_add(1);
             values.tick = tick;
             let ways = values.ways.get_mut(set..set.saturating_add(WAYS))?;
             let e = ways
                 .iter_mut()
                 .flatten()
-                .find(|e| e.id == id && e.numbers == numbers)?;
+                .find(|e| e.id == id && e.key == key)?;
             e.sent = tick;
             Some(e.value.clone())
         })
         .ok()
         .flatten();
-    if found.is_some() {
-        return found;
-    }
+    let seen = match known {
+        Some(Some(value)) => return Some(value),
+        Some(None) => true,
+        None => false,
+    };
     let value = render()?;
-    // Remembered (a thread being torn down just renders).
+    // Remembered: the value itself if it was seen before, else that it
+    // was seen (a thread being torn down just renders).
     let _ = VALUES.try_with(|values| {
         let Ok(mut values) = values.try_borrow_mut() else {
+            return;
+        };
+        let Some(values) = values.as_mut() else {
             return;
         };
         let sent = values.tick;
         let Some(ways) = values.ways.get_mut(set..set.saturating_add(WAYS)) else {
             return;
         };
-        let victim = ways
-            .iter_mut()
-            .min_by_key(|w| w.as_ref().map_or(0, |e| e.sent.saturating_add(1)));
-        if let Some(way) = victim {
+        let same = |w: &Option<Remembered>| w.as_ref().is_some_and(|e| e.id == id && e.key == key);
+        let way = match ways.iter().position(same) {
+            Some(i) => ways.get_mut(i),
+            None => ways
+                .iter_mut()
+                .min_by_key(|w| w.as_ref().map_or(0, |e| e.sent.saturating_add(1))),
+        };
+        if let Some(way) = way {
             *way = Some(Remembered {
                 id,
-                numbers,
+                key,
                 sent,
-                value: value.clone(),
+                value: seen.then(|| value.clone()),
             });
         }
     });
@@ -860,10 +885,11 @@ mod tests {
         // Two rules whose values share a slot take turns in it, and
         // neither is ever sent the other's.
         let mut c = Headers::new(&rule("c"), true, false);
-        c.id = (0..)
+        // (An id no other header set has: past every one made so far.)
+        c.id = (new_id()..)
             .find(|&id| {
                 let at = |id| slot(id, &numbers(&[7, 1]).unwrap());
-                id != a.id && at(id) == at(a.id)
+                at(id) == at(a.id)
             })
             .unwrap();
         for _ in 0..3 {
@@ -893,26 +919,35 @@ mod tests {
             .filter(|&id| set_of(id) == set_of(base))
             .take(WAYS + 20)
             .collect();
-        // As many values as the set has ways, sent in turn: each rendered once.
+        // A value is kept the second time it is rendered: as many values
+        // as the set has ways, sent in turn, are each rendered twice.
         for _ in 0..10 {
             for &id in &ids[..WAYS] {
                 remembered(id, &[1], render);
             }
         }
-        assert_eq!(renders.get(), WAYS);
+        assert_eq!(renders.get(), 2 * WAYS);
+        // Other numbers are another value, rendered (twice) on their own.
+        renders.set(0);
+        for _ in 0..3 {
+            remembered(ids[0], &[2], render);
+            remembered(ids[0], &[1, 0], render);
+        }
+        assert_eq!(renders.get(), 4);
         // Two values sent on every response, and a stream of values sent
-        // once into the same set: after the first response (the two were
-        // the least recently sent), the two are never rendered again.
+        // once into the same set: once the two are kept again (they were
+        // the least recently sent when the stream began), they are never
+        // rendered again.
         let (a, b) = (ids[0], ids[1]);
         for (i, &once) in ids[WAYS..].iter().enumerate() {
-            if i == 1 {
+            if i == 2 {
                 renders.set(0);
             }
             remembered(once, &[1], render);
             remembered(a, &[1], render);
             remembered(b, &[1], render);
         }
-        assert_eq!(renders.get(), 19);
+        assert_eq!(renders.get(), 18);
     }
 
     #[test]

@@ -196,11 +196,13 @@ pub(crate) fn route_outcome(outcome: tollgate_core::Outcome, shadow: bool) -> &'
 /// layer's `route_label`). The label is a route template, or `unmatched`
 /// — always, for a layer outside the `Router` (use `route_layer`), which
 /// sees no matched route. The route is only known per request, so each
-/// (rule, route, outcome) counter is registered when first counted on a
-/// thread and kept in that thread's cache ([`RouteCounters`]): a counter
-/// found there is a pointer comparison and a short string comparison,
-/// where a registry lookup hashed and compared every label and allocated
-/// the route's.
+/// (rule, route, outcome) counter is kept in a per-thread cache
+/// ([`RouteCounters`]): a counter found there is a pointer comparison and
+/// a short string comparison, where a registry lookup hashed and compared
+/// every label and allocated the route's. A kept counter is looked up in
+/// the registry again after [`RouteCounters::REFRESH`] counts on its
+/// thread, so that a series an exporter dropped while idle, or a recorder
+/// installed late, is found again.
 #[cfg(feature = "axum")]
 pub(crate) fn count_route<B>(
     rule: &std::sync::Arc<str>,
@@ -223,21 +225,30 @@ struct RouteCounter {
     route: Box<str>,
     outcome: &'static str,
     counter: Counter,
+    /// The thread's count when the counter was looked up in the registry.
+    registered: u64,
 }
 
 /// The route counters a thread used lately, direct-mapped by (rule,
-/// route, outcome); 64 a thread.
+/// route, outcome).
 #[cfg(feature = "axum")]
-struct RouteCounters;
+struct RouteCounters {
+    /// Counts made on this thread.
+    counts: u64,
+    slots: [Option<RouteCounter>; RouteCounters::SLOTS],
+}
 
 #[cfg(feature = "axum")]
 impl RouteCounters {
     const SLOTS: usize = 64;
+    /// Counts on a thread after which a kept counter is looked up again.
+    pub(crate) const REFRESH: u64 = 4_096;
 
     fn increment(rule: &std::sync::Arc<str>, route: &str, outcome: &'static str) {
         thread_local! {
-            static COUNTERS: std::cell::RefCell<[Option<RouteCounter>; RouteCounters::SLOTS]> =
-                const { std::cell::RefCell::new([const { None }; RouteCounters::SLOTS]) };
+            // Allocated on the thread's first count.
+            static COUNTERS: std::cell::RefCell<Option<Box<RouteCounters>>> =
+                const { std::cell::RefCell::new(None) };
         }
         // FNV-1a over the route, mixed with the rule's address and the
         // outcome's.
@@ -254,16 +265,28 @@ impl RouteCounters {
             .unwrap_or(0);
         let counted = COUNTERS.try_with(|counters| {
             let mut counters = counters.try_borrow_mut().ok()?;
-            let entry = counters.get_mut(at)?;
-            let hit = entry.as_ref().is_some_and(|e| {
-                std::sync::Arc::ptr_eq(&e.rule, rule) && e.outcome == outcome && *e.route == *route
+            let counters = counters.get_or_insert_with(|| {
+                Box::new(RouteCounters {
+                    counts: 0,
+                    slots: [const { None }; RouteCounters::SLOTS],
+                })
             });
-            if !hit {
+            let counts = counters.counts.wrapping_add(1);
+            counters.counts = counts;
+            let entry = counters.slots.get_mut(at)?;
+            let fresh = entry.as_ref().is_some_and(|e| {
+                std::sync::Arc::ptr_eq(&e.rule, rule)
+                    && e.outcome == outcome
+                    && *e.route == *route
+                    && counts.wrapping_sub(e.registered) < Self::REFRESH
+            });
+            if !fresh {
                 *entry = Some(RouteCounter {
                     rule: std::sync::Arc::clone(rule),
                     route: route.into(),
                     outcome,
                     counter: Self::register(rule, route, outcome),
+                    registered: counts,
                 });
             }
             entry.as_ref().map(|e| e.counter.increment(1))
@@ -580,5 +603,34 @@ mod decision_log_tests {
         assert!((share - 0.25).abs() < 0.01, "{share}");
         assert!((0..1_000).all(|_| log.sample(true)));
         assert!(!(0..1_000).any(|_| DecisionLog::new().sample(true)));
+    }
+}
+
+#[cfg(all(test, feature = "axum"))]
+mod route_counter_tests {
+    use super::{count_route, RouteCounters};
+    use crate::rate_limit::tests::Recorded;
+
+    #[test]
+    fn kept_counters_are_looked_up_again() {
+        let rule: std::sync::Arc<str> = "late".into();
+        let req = http::Request::new(());
+        let series = "tollgate_route_requests_total{rule=late,route=unmatched,outcome=allowed}";
+        let (first, second) = (Recorded::default(), Recorded::default());
+        metrics::with_local_recorder(&first, || count_route(&rule, &req, "allowed"));
+        assert_eq!(first.get(series), 1);
+        // Another recorder on this thread (as when one is installed after
+        // traffic began): the kept counter still counts into the first
+        // until it is looked up again, then into the second.
+        let n = RouteCounters::REFRESH + 100;
+        metrics::with_local_recorder(&second, || {
+            for _ in 0..n {
+                count_route(&rule, &req, "allowed");
+            }
+        });
+        let (a, b) = (first.get(series), second.get(series));
+        assert_eq!(a + b, n + 1);
+        assert!(b >= 100, "the second recorder got {b} of {n}");
+        assert!(a <= RouteCounters::REFRESH, "the first kept {a}");
     }
 }

@@ -356,8 +356,8 @@ impl Quota {
     /// A decision when every window is the current one, which is all of
     /// them but once a period per key: in place, with no calendar
     /// arithmetic and no copy of the windows. Returns false, having
-    /// written nothing, when a window must roll over (or was never used);
-    /// the general path then decides. The same answer and the same writes
+    /// changed no state, when a window must roll over (or was never used);
+    /// the general path then decides (and writes all of `out` again). The same answer and the same writes
     /// as that path (a property test compares them).
     #[inline]
     fn decide_current(
@@ -481,7 +481,15 @@ mod tests {
                     continue;
                 }
                 let (mut fast, mut general) = (state, state);
-                let (mut a, mut b) = (QuotaDecision::EMPTY, QuotaDecision::EMPTY);
+                // Both written over a decision of six periods, whose
+                // surplus must not stay.
+                let six = Quota::new(
+                    &[(Period::Minute, 1), (Period::Hour, 2), (Period::Day, 3), (Period::Week, 4), (Period::Month, 5), (Period::Year, 6)],
+                    Offset::UTC,
+                )
+                .unwrap()
+                .decide(&mut QuotaState::default(), now, 1);
+                let (mut a, mut b) = (six, six);
                 if quota.decide_current(&mut fast, now, u64::from(cost), &mut a) {
                     quota.apply_into(&mut general, now, 0, cost, &mut b, false);
                     prop_assert_eq!(a, b);

@@ -331,7 +331,7 @@ impl<K, C, P, St> ConcurrencyLayerBuilder<K, C, P, St> {
     /// route, outcome}` (outcomes `allowed`, `limited` — a full queue or
     /// an expired wait included — and `too_costly`), as
     /// [`PolicyLayerBuilder::route_label`](crate::policy::PolicyLayerBuilder::route_label)
-    /// does (default off: a metrics-registry lookup per request).
+    /// does (default off).
     #[cfg(feature = "axum")]
     pub fn route_label(mut self, on: bool) -> Self {
         self.cfg.route_label = on;

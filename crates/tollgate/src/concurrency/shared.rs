@@ -144,8 +144,9 @@ impl Responder {
         };
         // The refusing limit's hint (a read-only refusal has no item).
         if let Some(secs) = rejected.retry_after_secs() {
-            res.headers_mut()
-                .insert(http::header::RETRY_AFTER, http::HeaderValue::from(secs));
+            let _ = res
+                .headers_mut()
+                .try_insert(http::header::RETRY_AFTER, http::HeaderValue::from(secs));
         }
         self.headers.apply(res.headers_mut(), items.as_slice());
         res

@@ -289,9 +289,13 @@ impl<B, St> PolicyLayerBuilder<B, St> {
     /// route, outcome}` (outcomes `allowed`, `limited`, `too_costly`,
     /// `shadow_limited`), where `route` is axum's matched route (e.g.
     /// `/api/items/{id}`: a template, so the series stay few) or
-    /// `unmatched` (default off: it costs a metrics-registry lookup per
-    /// rule and request). A separate name from `tollgate_requests_total`,
-    /// so sums of that one never count a request twice.
+    /// `unmatched` (default off). A separate name from
+    /// `tollgate_requests_total`, so sums of that one never count a request
+    /// twice. The route is only known per request: each thread keeps the
+    /// counters it used lately and looks each up in the metrics registry
+    /// again after a few thousand counts, so a recorder installed after
+    /// traffic began, or a series an exporter dropped while idle, is found
+    /// again within that many counts.
     #[cfg(feature = "axum")]
     pub fn route_label(mut self, on: bool) -> Self {
         self.route_label = on;

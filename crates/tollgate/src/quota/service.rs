@@ -50,8 +50,9 @@ impl Responder {
             _ => self.rendered.render(rejected),
         };
         if let Some(secs) = rejected.retry_after_secs() {
-            res.headers_mut()
-                .insert(http::header::RETRY_AFTER, http::HeaderValue::from(secs));
+            let _ = res
+                .headers_mut()
+                .try_insert(http::header::RETRY_AFTER, http::HeaderValue::from(secs));
         }
         if let Some(d) = d {
             self.headers.apply(res.headers_mut(), d);
@@ -71,7 +72,7 @@ impl Responder {
         if !warn.as_bytes().is_empty() {
             self.warnings.increment(1);
             if let Some(v) = warn.value() {
-                headers.insert(QUOTA_WARNING.clone(), v);
+                let _ = headers.try_insert(QUOTA_WARNING.clone(), v);
             }
         }
     }

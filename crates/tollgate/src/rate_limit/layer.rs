@@ -249,7 +249,7 @@ impl<K, C, St> RateLimitLayerBuilder<K, C, St> {
     /// Also counts decisions by route: `tollgate_route_requests_total{rule,
     /// route, outcome}`, as
     /// [`PolicyLayerBuilder::route_label`](crate::policy::PolicyLayerBuilder::route_label)
-    /// does (default off: a metrics-registry lookup per request).
+    /// does (default off).
     #[cfg(feature = "axum")]
     pub fn route_label(mut self, on: bool) -> Self {
         self.cfg.route_label = on;

@@ -650,8 +650,8 @@ fn single_rule_layers_count_decisions_by_route() {
             .unwrap();
         app.clone().oneshot(req)
     };
-    // The route's counter is looked up per request, so the requests run
-    // with the recorder: on a runtime of this thread.
+    // The route's counter is looked up when first counted on a thread,
+    // so the requests run with the recorder: on a runtime of this thread.
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()

@@ -177,17 +177,41 @@ pub(crate) fn add_items(headers: &mut HeaderMap, name: &HeaderName, value: Heade
         .iter()
         .next_back()
         .map_or(&[][..], HeaderValue::as_bytes);
-    // The exact size, so that the bytes are handed over as they are.
-    let len = theirs().fold(ours.len(), |n, v| {
-        n.saturating_add(2).saturating_add(v.len())
-    });
-    let mut joined = Vec::with_capacity(len);
-    joined.extend_from_slice(ours);
-    for inner in theirs() {
-        joined.extend_from_slice(b", ");
-        joined.extend_from_slice(inner.as_bytes());
-    }
-    if let Ok(joined) = HeaderValue::from_maybe_shared(bytes::Bytes::from(joined)) {
+    let join = || {
+        // The exact size, so that the bytes are handed over as they are.
+        let len = theirs().fold(ours.len(), |n, v| {
+            n.saturating_add(2).saturating_add(v.len())
+        });
+        let mut joined = Vec::with_capacity(len);
+        joined.extend_from_slice(ours);
+        for inner in theirs() {
+            joined.extend_from_slice(b", ");
+            joined.extend_from_slice(inner.as_bytes());
+        }
+        HeaderValue::from_maybe_shared(bytes::Bytes::from(joined)).ok()
+    };
+    // One line of theirs (the usual stack): the same two values are
+    // joined on most responses (both mostly come from the cache, so their
+    // bytes stay where they are), and the join is remembered by where the
+    // two parts' bytes are. A value found is used only if it is their
+    // join, byte for byte: bytes freed and reused for others never match.
+    let joined = match (lines, theirs().next()) {
+        (2, Some(inner)) => {
+            let at = |v: &[u8]| v.as_ptr() as usize as u64;
+            let (i, o) = (inner.as_bytes(), ours);
+            let key = [at(o), o.len() as u64, at(i), i.len() as u64];
+            let is_join = |v: &HeaderValue| {
+                let v = v.as_bytes();
+                v.len() == o.len().saturating_add(2).saturating_add(i.len())
+                    && v.starts_with(o)
+                    && v.ends_with(i)
+                    && v.get(o.len()..o.len().saturating_add(2)) == Some(&b", "[..])
+            };
+            remembered_if(JOIN, &key, is_join, join)
+        }
+        _ => join(),
+    };
+    if let Some(joined) = joined {
         entry.insert(joined);
     }
 }
@@ -417,6 +441,10 @@ struct Numbers {
 /// rules); [`new_id`] never returns it.
 const SET: u64 = u64::MAX;
 
+/// The id of joined fields (keyed by where their parts' bytes are);
+/// [`new_id`] never returns it.
+const JOIN: u64 = u64::MAX - 1;
+
 /// Ids for the values [`remembered`] keeps apart: each header set (and
 /// each of its fields) takes its own, unique in the process.
 fn new_id() -> u64 {
@@ -479,6 +507,18 @@ fn remembered(
     of: &[u64],
     render: impl FnOnce() -> Option<HeaderValue>,
 ) -> Option<HeaderValue> {
+    remembered_if(id, of, |_| true, render)
+}
+
+/// [`remembered`] for a key that may not determine the value: a value
+/// found is sent only if `valid` accepts it, else it is rendered (and
+/// kept) again.
+fn remembered_if(
+    id: u64,
+    of: &[u64],
+    valid: impl Fn(&HeaderValue) -> bool,
+    render: impl FnOnce() -> Option<HeaderValue>,
+) -> Option<HeaderValue> {
     thread_local! {
         static VALUES: std::cell::RefCell<Option<Box<Values>>> =
             const { std::cell::RefCell::new(None) };
@@ -514,8 +554,8 @@ fn remembered(
         .ok()
         .flatten();
     let seen = match known {
-        Some(Some(value)) => return Some(value),
-        Some(None) => true,
+        Some(Some(value)) if valid(&value) => return Some(value),
+        Some(_) => true,
         None => false,
     };
     let value = render()?;
@@ -1105,6 +1145,34 @@ mod tests {
                 m["ratelimit-policy"],
                 "\"one\";q=3;qu=\"concurrent-requests\""
             );
+        }
+    }
+
+    #[test]
+    fn joins_are_remembered_only_for_the_same_parts() {
+        let rule = Rule::new("outer", Limit::gcra(Rate::per_second(10), 20)).unwrap();
+        let h = Headers::new(&rule, true, false);
+        for round in 0..3 {
+            for r in 0..5 {
+                for inner in 0..5 {
+                    // An inner value in fresh bytes each time (freed with
+                    // the response, so the next one may take its place),
+                    // and one that stays where it is.
+                    let fresh = HeaderValue::from_str(&format!("\"inner\";r={inner}")).unwrap();
+                    let kept = HeaderValue::from_static("\"kept\";r=9");
+                    for (theirs, text) in [
+                        (fresh, format!("\"inner\";r={inner}")),
+                        (kept, "\"kept\";r=9".to_owned()),
+                    ] {
+                        let mut m = HeaderMap::new();
+                        m.insert(RATELIMIT.clone(), theirs);
+                        h.apply(&mut m, &decision(Outcome::Allow { delay: 0 }, r, 0), false);
+                        let want = format!("\"outer\";r={r};t=0, {text}");
+                        assert_eq!(m["ratelimit"], want.as_str(), "round {round}");
+                        assert_eq!(m.get_all("ratelimit").iter().count(), 1);
+                    }
+                }
+            }
         }
     }
 

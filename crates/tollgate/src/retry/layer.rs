@@ -595,7 +595,7 @@ fn deposit<K, L: RetryBudgetLimiter>(shared: &Shared<K, L>, key: &KeyBytes) {
 }
 
 /// A body read in full: its bytes and its trailers, if any.
-type Buffered = (Bytes, Option<HeaderMap>);
+type Buffered = (Bytes, Option<Box<HeaderMap>>);
 
 /// Reads `body` in full, trailers included, if it is at most `limit` bytes
 /// (by its size hint and in fact); `Err` gives a body that cannot be
@@ -630,7 +630,7 @@ where
             }
         }
     }
-    Ok(Ok((Bytes::from(data), trailers)))
+    Ok(Ok((Bytes::from(data), trailers.map(Box::new))))
 }
 
 /// The classifier's verdict on an attempt.
@@ -671,7 +671,9 @@ where
     };
     deposit(&shared, &key);
     let first = match (&buffered, stream) {
-        (Some((data, trailers)), _) => ReplayBody::replay(data.clone(), trailers.clone()),
+        (Some((data, trailers)), _) => {
+            ReplayBody::replay(data.clone(), trailers.as_deref().cloned())
+        }
         (_, Some(body)) => ReplayBody::inner(body),
         (None, None) => return Err("a request without a body".into()),
     };
@@ -791,7 +793,7 @@ where
         m.retries.increment(1);
         tokio::time::sleep(wait).await;
         let (data, trailers) = &resume.buffered;
-        let body = ReplayBody::replay(data.clone(), trailers.clone());
+        let body = ReplayBody::replay(data.clone(), trailers.as_deref().cloned());
         let request = Request::from_parts(resume.parts.clone(), body);
         result = attempt(&mut resume.inner, request).await;
         attempts = attempts.saturating_add(1);

@@ -20,22 +20,96 @@ pub(crate) struct KeyHash {
 }
 
 #[derive(Debug, Clone)]
-pub(crate) struct KeyHasher(SipHasher13);
+pub(crate) struct KeyHasher {
+    hasher: SipHasher13,
+    /// Tells this hasher's remembered hashes from another's
+    /// ([`hash_few`](Self::hash_few)); unique in the process.
+    id: u64,
+}
+
+/// How many hashes a thread remembers for [`KeyHasher::hash_few`].
+const FEW: usize = 4;
+
+/// The longest key whose hash is remembered.
+const FEW_LEN: usize = 64;
+
+/// A remembered hash: which hasher, the key, its hash.
+#[derive(Clone, Copy)]
+struct Remembered {
+    hasher: u64,
+    len: u8,
+    key: [u8; FEW_LEN],
+    hash: KeyHash,
+}
 
 impl KeyHasher {
     /// A hasher with a fresh random secret (from the standard library's
     /// per-process random hash keys).
     pub(crate) fn random() -> Self {
+        static IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let seed = std::collections::hash_map::RandomState::new();
-        Self(SipHasher13::new_with_keys(
-            seed.hash_one(0x746f_6c6c_u64),
-            seed.hash_one(0x6761_7465_u64),
-        ))
+        Self {
+            hasher: SipHasher13::new_with_keys(
+                seed.hash_one(0x746f_6c6c_u64),
+                seed.hash_one(0x6761_7465_u64),
+            ),
+            id: IDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        }
+    }
+
+    /// [`hash`](Self::hash) for tables of few keys each used over and over
+    /// (a retry budget's upstreams, deposited into on every call): the
+    /// last [`FEW`] keys hashed on this thread are remembered, so a key
+    /// found there costs a comparison of its bytes instead of a keyed
+    /// SipHash. Keys over [`FEW_LEN`] bytes are hashed every time.
+    #[inline]
+    pub(crate) fn hash_few(&self, key: &[u8]) -> KeyHash {
+        thread_local! {
+            static RECENT: std::cell::RefCell<([Option<Remembered>; FEW], usize)> =
+                const { std::cell::RefCell::new(([None; FEW], 0)) };
+        }
+        let Ok(len) = u8::try_from(key.len()) else {
+            return self.hash(key);
+        };
+        if key.len() > FEW_LEN {
+            return self.hash(key);
+        }
+        let found = RECENT.try_with(|recent| {
+            let recent = recent.try_borrow().ok()?;
+            recent.0.iter().flatten().find_map(|e| {
+                (e.hasher == self.id && e.len == len && e.key.get(..key.len()) == Some(key))
+                    .then_some(e.hash)
+            })
+        });
+        if let Ok(Some(hash)) = found {
+            return hash;
+        }
+        let hash = self.hash(key);
+        let _ = RECENT.try_with(|recent| {
+            let Ok(mut recent) = recent.try_borrow_mut() else {
+                return;
+            };
+            let (entries, next) = &mut *recent;
+            let mut bytes = [0; FEW_LEN];
+            if let Some(dst) = bytes.get_mut(..key.len()) {
+                dst.copy_from_slice(key);
+            }
+            if let Some(slot) = entries.get_mut(*next % FEW) {
+                *slot = Some(Remembered {
+                    hasher: self.id,
+                    len,
+                    key: bytes,
+                    hash,
+                });
+            }
+            *next = next.wrapping_add(1);
+        });
+        hash
     }
 
     #[inline]
     pub(crate) fn hash(&self, key: &[u8]) -> KeyHash {
-        let h = self.0.hash(key);
+        let h = self.hasher.hash(key);
         KeyHash {
             shard: h >> 40,
             slot: h,
@@ -67,3 +141,38 @@ impl Hasher for Identity {
 }
 
 pub(crate) type BuildIdentity = std::hash::BuildHasherDefault<Identity>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remembered_hashes_are_each_hashers_own() {
+        // Two stores' hashers (other secrets), keys short and long, more
+        // keys than a thread remembers, each asked for again and again:
+        // always the hasher's own hash of that key.
+        let (a, b) = (KeyHasher::random(), KeyHasher::random());
+        let keys: Vec<Vec<u8>> = (0..3 * FEW)
+            .map(|i| vec![b'k'; 1 + i * 9])
+            .chain([
+                Vec::new(),
+                vec![b'x'; FEW_LEN],
+                vec![b'x'; FEW_LEN + 1],
+                vec![b'y'; 300],
+            ])
+            .collect();
+        for _ in 0..3 {
+            for key in &keys {
+                for h in [&a, &b] {
+                    assert_eq!(h.hash_few(key), h.hash(key));
+                }
+                // The same key twice in a row: found, and still right.
+                assert_eq!(a.hash_few(key), a.hash(key));
+            }
+        }
+        // Keys that share a prefix, or differ only in length.
+        for key in [&b"upstream"[..], b"upstream:80", b"upstrea", b"upstream\0"] {
+            assert_eq!(a.hash_few(key), a.hash(key));
+        }
+    }
+}

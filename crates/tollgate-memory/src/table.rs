@@ -26,6 +26,10 @@ pub(crate) trait Kind: Send + Sync + 'static {
     /// rather than the monotonic one. A table uses one or the other
     /// throughout, its sweeps included.
     const WALL: bool = false;
+    /// Whether its keys are few and each is used over and over (a retry
+    /// budget's upstreams): their hashes are then remembered per thread
+    /// ([`KeyHasher::hash_few`]).
+    const FEW_KEYS: bool = false;
 }
 
 const SECOND: u64 = 1_000_000_000;
@@ -89,6 +93,7 @@ impl Kind for tollgate_core::algorithm::Escalation {
 impl Kind for RetryBudget {
     type State = RetryBudgetState;
     type Cell = Mutex<RetryBudgetState>;
+    const FEW_KEYS: bool = true;
 
     fn is_idle(&self, state: &RetryBudgetState, now: u64) -> bool {
         RetryBudget::is_idle(self, state, now)
@@ -422,7 +427,11 @@ impl<K: Kind, C: Clock> Table<K, C> {
         mut f: impl FnMut(&mut K::State) -> R,
     ) -> (R, Slot) {
         self.tick(now);
-        let hash = self.shared.hasher.hash(key);
+        let hash = if K::FEW_KEYS {
+            self.shared.hasher.hash_few(key)
+        } else {
+            self.shared.hasher.hash(key)
+        };
         let shard = self.shard(hash.shard as usize);
         if let Some(cell) = read(&shard.map).get(&hash.slot) {
             return (cell.update(&mut f), Slot::Own);

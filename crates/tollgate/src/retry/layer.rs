@@ -527,24 +527,28 @@ where
         };
         deposit(&shared, &key);
         let (parts, body) = req.into_parts();
-        let (first, resume) = if replayable {
-            let buffered = (Bytes::new(), None);
-            let first = Request::from_parts(parts.clone(), ReplayBody::replay(Bytes::new(), None));
-            (first, Some((parts, buffered)))
-        } else {
-            (Request::from_parts(parts, ReplayBody::inner(body)), None)
-        };
-        let attempt = inner.call(first);
-        let resume = resume.map(|(parts, buffered)| Resume {
-            inner,
-            parts,
-            buffered,
-            key,
-        });
+        // Each part is moved once, into where it stays: the future every
+        // call returns is large, and each move of it is a copy.
+        if !replayable {
+            let attempt = inner.call(Request::from_parts(parts, ReplayBody::inner(body)));
+            return ResponseFuture {
+                state: Call::First {
+                    attempt,
+                    resume: None,
+                    shared,
+                },
+            };
+        }
+        let first = Request::from_parts(parts.clone(), ReplayBody::replay(Bytes::new(), None));
         ResponseFuture {
             state: Call::First {
-                attempt,
-                resume,
+                attempt: inner.call(first),
+                resume: Some(Resume {
+                    inner,
+                    parts,
+                    buffered: (Bytes::new(), None),
+                    key,
+                }),
                 shared,
             },
         }

@@ -6,40 +6,21 @@
 //! `retry_overhead`.
 #![allow(missing_docs, clippy::unwrap_used)]
 
-use std::convert::Infallible;
-use std::sync::Arc;
-use std::time::Duration;
-
 use criterion::{criterion_group, criterion_main, Criterion};
-use http::{Request, Response, StatusCode};
-use tollgate::retry::{ReplayBody, RetryBudgetLayer};
-use tollgate_benches::retry::{request, Tps};
-use tower::retry::budget::TpsBudget;
-use tower::retry::RetryLayer;
-use tower::{service_fn, Layer, ServiceExt};
+use http::StatusCode;
+use tollgate_benches::retry::{self, request};
+use tower::ServiceExt;
 
 fn retry_overhead(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()
         .unwrap();
-    let ok = service_fn(|_req: Request<String>| async {
-        Ok::<_, Infallible>(Response::new(String::new()))
-    });
-    let replayed = service_fn(|_req: Request<ReplayBody<String>>| async {
-        Ok::<_, Infallible>(Response::new(String::new()))
-    });
-    let tollgate = RetryBudgetLayer::builder("bench")
-        .build()
-        .unwrap()
-        .layer(replayed);
-    let budget = Arc::new(TpsBudget::new(Duration::from_secs(10), 10, 0.2));
-    let tower_retry = RetryLayer::new(Tps(budget)).layer(ok);
-    let bare = ok;
+    let (bare, tollgate, tower_retry) = (retry::bare(), retry::tollgate(), retry::tower());
     let mut g = c.benchmark_group("retry_overhead");
     g.bench_function("bare", |b| {
         b.to_async(&rt).iter(|| async {
-            let res = bare.oneshot(request()).await.unwrap();
+            let res = bare.clone().oneshot(request()).await.unwrap();
             assert_eq!(res.status(), StatusCode::OK);
         })
     });

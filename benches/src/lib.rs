@@ -156,12 +156,50 @@ pub mod concurrency {
 /// `retry_instructions` example: tower's `Retry` with a `TpsBudget`, and
 /// the request every stack is called with.
 pub mod retry {
+    use std::convert::Infallible;
     use std::future::{ready, Ready};
     use std::sync::Arc;
+    use std::time::Duration;
 
     use axum::http::{Request, Response};
+    use tollgate::retry::{ReplayBody, RetryBudgetLayer};
     use tower::retry::budget::{Budget, TpsBudget};
-    use tower::retry::Policy;
+    use tower::retry::{Policy, RetryLayer};
+    use tower::{service_fn, BoxError, Layer, Service};
+
+    /// The upstream of every stack: answers 200 at once.
+    fn upstream<B>(
+    ) -> impl Service<Request<B>, Response = Response<String>, Error = Infallible, Future: Send>
+           + Clone
+           + Send {
+        service_fn(|_req: Request<B>| async { Ok::<_, Infallible>(Response::new(String::new())) })
+    }
+
+    /// The upstream called directly.
+    pub fn bare(
+    ) -> impl Service<Request<String>, Response = Response<String>, Error = Infallible> + Clone
+    {
+        upstream()
+    }
+
+    /// The upstream behind tollgate's `RetryBudgetLayer` (memory store,
+    /// default budget: 20 % over 10 s, 10 retries a second).
+    pub fn tollgate(
+    ) -> impl Service<Request<String>, Response = Response<String>, Error = BoxError> + Clone {
+        RetryBudgetLayer::builder("bench")
+            .build()
+            .unwrap_or_else(|e| unreachable!("{e}"))
+            .layer(upstream::<ReplayBody<String>>())
+    }
+
+    /// The upstream behind tower's `Retry` with a `TpsBudget` of the same
+    /// budget.
+    pub fn tower(
+    ) -> impl Service<Request<String>, Response = Response<String>, Error = Infallible> + Clone
+    {
+        let budget = Arc::new(TpsBudget::new(Duration::from_secs(10), 10, 0.2));
+        RetryLayer::new(Tps(budget)).layer(upstream())
+    }
 
     /// tower's retry policy: retry 5xx while the budget allows; deposit
     /// on success.

@@ -54,6 +54,16 @@ RATE.sliding_window_log = function(key, mode, cost, ttl, p)
         redis.call('PEXPIRE', key, ttl)
       end
     end
+    -- Drops the first `k` of the `all` entries the list holds now (the
+    -- key, when that is all of them), the header first again.
+    local function drop_first(k, all)
+      if k == all then
+        redis.call('DEL', key)
+      else
+        redis.call('LTRIM', key, 2 * k + 1, -1)
+        redis.call('LPUSH', key, total)
+      end
+    end
     -- Drop the entries that left the window (those from the future, when the
     -- clock went back, stay), as the core does on every decision.
     local gone = 0
@@ -64,12 +74,7 @@ RATE.sliding_window_log = function(key, mode, cost, ttl, p)
       gone = gone + 1
     end
     if gone > 0 then
-      if gone == n then
-        redis.call('DEL', key)
-      else
-        redis.call('LTRIM', key, 2 * gone + 1, -1)
-        redis.call('LPUSH', key, total)
-      end
+      drop_first(gone, n)
       base = gone
     end
     local count = n - gone
@@ -90,14 +95,7 @@ RATE.sliding_window_log = function(key, mode, cost, ttl, p)
           partial = c - take
         end
       end
-      if count > 0 and full > 0 then
-        if full == count then
-          redis.call('DEL', key)
-        else
-          redis.call('LTRIM', key, 2 * full + 1, -1)
-          redis.call('LPUSH', key, total)
-        end
-      end
+      if count > 0 and full > 0 then drop_first(full, count) end
       count = count - full
       if partial then redis.call('LSET', key, 2, partial) end
       if count > 0 then store(count) end

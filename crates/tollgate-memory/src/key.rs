@@ -68,12 +68,12 @@ impl KeyHasher {
             static RECENT: std::cell::RefCell<([Option<Remembered>; FEW], usize)> =
                 const { std::cell::RefCell::new(([None; FEW], 0)) };
         }
-        let Ok(len) = u8::try_from(key.len()) else {
+        let Some(len) = u8::try_from(key.len())
+            .ok()
+            .filter(|&len| usize::from(len) <= FEW_LEN)
+        else {
             return self.hash(key);
         };
-        if key.len() > FEW_LEN {
-            return self.hash(key);
-        }
         let found = RECENT.try_with(|recent| {
             let recent = recent.try_borrow().ok()?;
             recent.0.iter().flatten().find_map(|e| {

@@ -530,6 +530,7 @@ fn remembered_if(
     // evicting each other. Each entry keeps when it was last sent; a new
     // value takes an empty way, else the least recently sent.
     let set = slot(id, &key) & !(WAYS - 1);
+    let this = |w: &Option<Remembered>| w.as_ref().is_some_and(|e| e.id == id && e.key == key);
     // What the set knows of the value: kept (a copy to send), or seen
     // once before.
     let known = VALUES
@@ -544,10 +545,7 @@ fn remembered_if(
             let tick = values.tick.wrapping_add(1);
             values.tick = tick;
             let ways = values.ways.get_mut(set..set.saturating_add(WAYS))?;
-            let e = ways
-                .iter_mut()
-                .flatten()
-                .find(|e| e.id == id && e.key == key)?;
+            let e = ways.iter_mut().find(|w| this(w))?.as_mut()?;
             e.sent = tick;
             Some(e.value.clone())
         })
@@ -572,8 +570,7 @@ fn remembered_if(
         let Some(ways) = values.ways.get_mut(set..set.saturating_add(WAYS)) else {
             return;
         };
-        let same = |w: &Option<Remembered>| w.as_ref().is_some_and(|e| e.id == id && e.key == key);
-        let way = match ways.iter().position(same) {
+        let way = match ways.iter().position(this) {
             Some(i) => ways.get_mut(i),
             None => ways
                 .iter_mut()

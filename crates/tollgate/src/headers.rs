@@ -277,10 +277,7 @@ pub(crate) fn apply_set(
                 if i > 0 {
                     state.extend_from_slice(b", ");
                 }
-                state.extend_from_slice(&h.prefix);
-                push_decimal(&mut state, d.remaining);
-                state.extend_from_slice(b";t=");
-                push_decimal(&mut state, t_secs(d));
+                h.push_item(&mut state, d.remaining, t_secs(d));
             }
             HeaderValue::from_maybe_shared(bytes::Bytes::from(state)).ok()
         });
@@ -379,13 +376,18 @@ impl Headers {
     /// limit), else rendered and remembered.
     fn rate_limit(&self, r: u64, t: u64) -> Option<HeaderValue> {
         remembered(self.id, &[r, t], || {
-            let mut b = Buf::<128>::empty();
-            b.push(&self.prefix);
-            b.push_u64(r);
-            b.push(b";t=");
-            b.push_u64(t);
-            HeaderValue::from_bytes(b.as_bytes()).ok()
+            let mut item = Vec::with_capacity(self.prefix.len().saturating_add(24));
+            self.push_item(&mut item, r, t);
+            HeaderValue::from_maybe_shared(bytes::Bytes::from(item)).ok()
         })
+    }
+
+    /// Appends this rule's `RateLimit` item, `"name";r=<r>;t=<t>`.
+    fn push_item(&self, out: &mut Vec<u8>, r: u64, t: u64) {
+        out.extend_from_slice(&self.prefix);
+        push_decimal(out, r);
+        out.extend_from_slice(b";t=");
+        push_decimal(out, t);
     }
 
     /// `X-RateLimit-Limit`, `-Remaining` and `-Reset` for `d`.

@@ -32,8 +32,9 @@ pub(super) struct Report {
     pub(super) plan: u8,
 }
 
-/// Rule `i`'s bit in a [`Report`]'s masks (none past the 16th).
-fn bit(i: usize) -> u16 {
+/// Rule `i`'s bit in a [`Report`]'s masks and the audit mask (none past
+/// the 16th).
+pub(super) fn bit(i: usize) -> u16 {
     1u16.checked_shl(u32::try_from(i).unwrap_or(u32::MAX))
         .unwrap_or(0)
 }
@@ -337,10 +338,7 @@ pub(super) fn audit<B, L>(
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
     for (i, (rule, slot)) in shared.rules.iter().zip(&report.decided).enumerate() {
-        let bit = 1u16
-            .checked_shl(u32::try_from(i).unwrap_or(u32::MAX))
-            .unwrap_or(0);
-        if mask & bit == 0 || report.shadows(i) {
+        if mask & bit(i) == 0 || report.shadows(i) {
             continue;
         }
         // Every audited rule that refused: the one the answer names (a

@@ -508,9 +508,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                             format!("no rule is named {name:?}"),
                         ));
                     };
-                    mask |= 1u16
-                        .checked_shl(u32::try_from(i).unwrap_or(u32::MAX))
-                        .unwrap_or(0);
+                    mask |= super::decide::bit(i);
                 }
                 Some((sink, mask))
             }

@@ -69,22 +69,22 @@ impl BoundRate {
         key::redis_key(&self.backend.prefix, self.format, self.rule.name(), key)
     }
 
-    /// Runs this rule's script in `mode` for `key`.
-    async fn call(&self, mode: RateMode, key: &[u8], cost: u32) -> Result<Reply, StoreError> {
-        let rkey = self.redis_key(key);
+    /// Runs this rule's script in `mode` on `rkey` (the key's
+    /// [`redis_key`](Self::redis_key)).
+    async fn call(&self, mode: RateMode, rkey: &str, cost: u32) -> Result<Reply, StoreError> {
         let cost = cost.to_string();
         let now = self.backend.now_arg();
         let mut args: Vec<&str> = Vec::with_capacity(self.params.len().saturating_add(4));
         args.extend([mode.arg(), cost.as_str(), now.as_str(), self.ttl.as_str()]);
         args.extend(self.params.iter().map(String::as_str));
-        self.backend.run(self.script, &[&rkey], &args).await
+        self.backend.run(self.script, &[rkey], &args).await
     }
 
-    /// Decides `key` at `cost` alone: Redis's answer, or (a fault or an
-    /// unreadable reply) the failure policy's; and whether the failure
-    /// policy gave it.
-    async fn decide(&self, key: &[u8], cost: u32) -> (JointDecision, bool) {
-        let reply = self.call(RateMode::Decide, key, cost).await;
+    /// Decides `key` (stored under `rkey`) at `cost` alone: Redis's
+    /// answer, or (a fault or an unreadable reply) the failure policy's;
+    /// and whether the failure policy gave it.
+    async fn decide(&self, key: &[u8], rkey: &str, cost: u32) -> (JointDecision, bool) {
+        let reply = self.call(RateMode::Decide, rkey, cost).await;
         match reply.ok().and_then(|r| r.decision()) {
             Some(d) => (
                 JointDecision {
@@ -154,7 +154,7 @@ async fn decide_together(
 ) -> Vec<(JointDecision, bool)> {
     let chosen: Vec<&Part> = members.iter().filter_map(|&i| parts.get(i)).collect();
     if let [one] = chosen.as_slice() {
-        return vec![one.bound.decide(&one.key, one.cost).await];
+        return vec![one.bound.decide(&one.key, &one.rkey, one.cost).await];
     }
     let now = backend.now_arg();
     let costs: Vec<String> = chosen.iter().map(|p| p.cost.to_string()).collect();
@@ -199,14 +199,18 @@ impl Limiter for RedisLimiter {
     fn decide(&self, key: &[u8], cost: u32) -> Self::DecideFuture {
         let this = Arc::clone(&self.bound);
         let key = key.to_vec();
-        Box::pin(async move { this.decide(&key, cost).await.0.decision })
+        let rkey = this.redis_key(&key);
+        Box::pin(async move { this.decide(&key, &rkey, cost).await.0.decision })
     }
 
     fn refund(&self, key: &[u8], cost: u32) -> Self::RefundFuture {
         let this = Arc::clone(&self.bound);
         let key = key.to_vec();
         Box::pin(async move {
-            match this.call(RateMode::Refund, &key, cost).await {
+            match this
+                .call(RateMode::Refund, &this.redis_key(&key), cost)
+                .await
+            {
                 Ok(_) => Ok(()),
                 Err(_) if this.on_failure.refund(&key, cost) => Ok(()),
                 Err(e) => Err(e),

@@ -607,24 +607,22 @@ where
                 // Created here, after the marker: no rule is charged for a
                 // repeat. Together where the store can (one call, all or
                 // nothing), else one call per rule, side by side.
-                let parts: Vec<_> = pending
+                // Each part's rule, and the parts (a shadow rule is one
+                // not enforced).
+                let (rules, joint): (Vec<usize>, Vec<_>) = pending
                     .iter()
                     .filter_map(|(i, cost, shadow, k)| {
                         let key = keys.get(*k).map_or(&[][..], |(_, key)| key.as_bytes());
                         let limiter = shared.rules.get(*i)?.at(report.plan).0;
-                        Some((
-                            *i,
-                            *shadow,
-                            JointPart {
-                                limiter,
-                                key,
-                                cost: *cost,
-                                enforced: !*shadow,
-                            },
-                        ))
+                        let part = JointPart {
+                            limiter,
+                            key,
+                            cost: *cost,
+                            enforced: !*shadow,
+                        };
+                        Some((*i, part))
                     })
-                    .collect();
-                let joint: Vec<_> = parts.iter().map(|(_, _, part)| *part).collect();
+                    .unzip();
                 let answers: Vec<JointDecision> = match L::decide_joint(&joint) {
                     Some(together) => together.await,
                     None => {
@@ -644,13 +642,13 @@ where
                             .collect()
                     }
                 };
-                for ((i, shadow, part), answer) in parts.iter().zip(answers) {
+                for ((i, part), answer) in rules.iter().zip(&joint).zip(answers) {
                     let Some(rule) = shared.rules.get(*i) else {
                         continue;
                     };
                     match answer.decision {
                         Ok(d) => {
-                            report.set(*i, d, part.cost, *shadow);
+                            report.set(*i, d, part.cost, !part.enforced);
                             if !answer.consumed {
                                 report.set_unconsumed(*i);
                             }

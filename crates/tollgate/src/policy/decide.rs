@@ -25,8 +25,9 @@ pub(super) struct Report {
     /// Bit `i`: a solution to rule `i`'s challenge passed the request
     /// past it (the challenge's pass is given back if it is refused).
     cleared: u16,
-    /// Bit `i`: rule `i`'s challenge solutions were checked (and counted)
-    /// already, on the synchronous path.
+    /// Bit `i`: rule `i`'s challenge was settled on the synchronous path
+    /// (its solution checked and counted, its first use asked, or no
+    /// solution sent) before its rate was handed to the asynchronous one.
     checked: u16,
     /// The request's plan (0: the default).
     pub(super) plan: u8,
@@ -76,12 +77,12 @@ impl Report {
         self.cleared & bit(i) != 0
     }
 
-    /// Rule `i`'s challenge solutions were checked on the synchronous path.
+    /// Rule `i`'s challenge was settled on the synchronous path.
     pub(super) fn set_checked(&mut self, i: usize) {
         self.checked |= bit(i);
     }
 
-    /// Whether rule `i`'s challenge solutions were checked already.
+    /// Whether rule `i`'s challenge was settled already.
     pub(super) fn checked(&self, i: usize) -> bool {
         self.checked & bit(i) != 0
     }

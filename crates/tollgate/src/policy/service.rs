@@ -217,9 +217,6 @@ where
             }
             // A solution to the rule's challenge, used for the first
             // time, passes the rule.
-            if rule.challenge.is_some() {
-                report.set_checked(i);
-            }
             if let (Some(id), Some((_, used))) = (
                 challenge::solved(rule, &req, key.as_bytes()),
                 &rule.challenge,
@@ -235,6 +232,12 @@ where
                         return self.decide_async(Arc::clone(shared), req, report, i, grpc, marker)
                     }
                 }
+            }
+            // Its challenge is settled: the asynchronous path, should the
+            // rate's store hand over, neither counts the solution again nor
+            // asks again whether it was used.
+            if rule.challenge.is_some() {
+                report.set_checked(i);
             }
             let cost = rule.rule.cost(&req);
             match rule.at(report.plan).0.decide_sync(key.as_bytes(), cost) {
@@ -517,13 +520,12 @@ where
             .filter_map(|(i, _, _, k)| {
                 let (_, key) = keys.get(*k)?;
                 let rule = shared.rules.get(*i)?;
-                // (A rule the synchronous path checked is not counted twice.)
-                let id = if report.checked(*i) {
-                    challenge::verified(rule, &req, key.as_bytes())?
-                } else {
-                    challenge::solved(rule, &req, key.as_bytes())?
-                };
-                Some((*i, id))
+                // (A rule whose challenge the synchronous path settled is
+                // neither counted nor asked about twice.)
+                if report.checked(*i) {
+                    return None;
+                }
+                Some((*i, challenge::solved(rule, &req, key.as_bytes())?))
             })
             .collect();
         solutions.extend(challenge::cleared_ids(

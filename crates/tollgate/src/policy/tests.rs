@@ -59,17 +59,21 @@ async fn remaining<L: Limiter>(layer: &PolicyLayer<String, L>, i: usize, key: &s
 }
 
 /// A store whose limiters answer only through their futures (no
-/// `decide_sync`), as a networked store does; `broken` ones always fail.
+/// `decide_sync`), as a networked store does; `broken` ones always fail;
+/// those named in `sync` also answer at once (as a store with a local
+/// tier answers some keys and not others).
 #[derive(Clone)]
 struct Networked {
     memory: MemoryStore<ManualClock>,
     broken: &'static [&'static str],
+    sync: &'static [&'static str],
 }
 
 #[derive(Clone)]
 struct NetLimiter {
     inner: tollgate_memory::MemoryLimiter<ManualClock>,
     broken: bool,
+    sync: bool,
 }
 
 impl Limiter for NetLimiter {
@@ -91,6 +95,10 @@ impl Limiter for NetLimiter {
         self.inner.refund_now(key, cost);
         ready(Ok(()))
     }
+
+    fn decide_sync(&self, key: &[u8], cost: u32) -> Option<Result<Decision, StoreError>> {
+        self.sync.then(|| Ok(self.inner.decide_now(key, cost)))
+    }
 }
 
 impl Store for Networked {
@@ -101,6 +109,7 @@ impl Store for Networked {
         Ok(NetLimiter {
             inner: self.memory.limiter(rule)?,
             broken: self.broken.contains(&rule.name()),
+            sync: self.sync.contains(&rule.name()),
         })
     }
 
@@ -138,6 +147,7 @@ macro_rules! on_both_paths {
                 let s = Networked {
                     memory: store(&clock),
                     broken: &[],
+                    sync: &[],
                 };
                 ($body)(s, clock).await;
             }
@@ -323,6 +333,7 @@ async fn a_failing_store_for_one_rule_leaves_the_others_in_force() {
     let s = Networked {
         memory: store(&clock),
         broken: &["per-ip"],
+        sync: &[],
     };
     let layer = PolicyLayer::builder()
         .rule(per_key(Limit::fixed_window(1, Duration::from_secs(60))))
@@ -1115,6 +1126,54 @@ async fn a_solved_challenge_passes_the_rule_once<S: Store>(store: S, clock: Manu
     assert_eq!(remaining(&layer, 1, "any").await, 1_000 - 3);
 }
 on_both_paths!(challenge, a_solved_challenge_passes_the_rule_once);
+
+/// A replayed solution, its first use answered at once by the store, and
+/// the rule's rate then handed to the asynchronous path: the replay is
+/// counted as failed once, and the store asked about it once.
+#[tokio::test]
+async fn a_challenge_settled_before_a_handover_is_not_settled_again() {
+    let recorder = crate::rate_limit::tests::Recorded::default();
+    let clock = ManualClock::starting_at(1);
+    let pow = ProofOfWork::new(&[9; 32], 8, Duration::from_secs(60))
+        .unwrap()
+        .clock(clock.clone());
+    let store = Networked {
+        memory: store(&clock),
+        broken: &[],
+        sync: &["per-key:challenge"],
+    };
+    let svc = metrics::with_local_recorder(&recorder, || {
+        PolicyLayer::builder()
+            .rule(per_key(Limit::fixed_window(1, Duration::from_secs(10))).challenge(pow))
+            .store(store)
+            .build()
+            .unwrap()
+    })
+    .layer(service_fn(ok));
+    let send = |solution: Option<&str>| {
+        let mut r = req("m", "ip");
+        if let Some(s) = solution {
+            r.headers_mut().insert(SOLUTION_HEADER, s.parse().unwrap());
+        }
+        svc.clone().oneshot(r)
+    };
+    assert_eq!(send(None).await.unwrap().status(), 200);
+    let res = send(None).await.unwrap();
+    assert_eq!(res.status(), 429);
+    let challenge = res.headers()[CHALLENGE_HEADER].to_str().unwrap().to_owned();
+    let solution = ProofOfWork::solve(&challenge, 20).unwrap();
+    assert_eq!(send(Some(&solution)).await.unwrap().status(), 200);
+    let n = |outcome: &str| {
+        recorder.get(&format!(
+            "tollgate_requests_total{{rule=per-key,outcome={outcome}}}"
+        ))
+    };
+    assert_eq!((n("challenge_passed"), n("challenge_failed")), (1, 0));
+    // The replay: its first use is answered at once (used), the rate
+    // goes to the asynchronous path and refuses.
+    assert_eq!(send(Some(&solution)).await.unwrap().status(), 429);
+    assert_eq!((n("challenge_passed"), n("challenge_failed")), (1, 1));
+}
 
 /// A request a solution passed past its rule, but another rule refused,
 /// was not served: its challenge's pass is given back.

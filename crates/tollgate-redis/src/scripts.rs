@@ -32,19 +32,29 @@ macro_rules! algorithm {
     };
 }
 
+/// A rate algorithm's own script, and its name in `RATE` (which a joint
+/// call names it by).
+pub(crate) struct Rate {
+    script: std::sync::LazyLock<Script>,
+    name: &'static str,
+}
+
 /// The script of one rate algorithm: its function, called on `KEYS[1]`
-/// with the prelude's arguments.
+/// with the prelude's arguments; the name is written once, here.
 macro_rules! rate_script {
     ($name:ident, $algorithm:literal) => {
-        pub(crate) static $name: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
-            redis::Script::new(concat!(
-                include_str!("scripts/prelude.lua"),
-                algorithm!($algorithm),
-                "return RATE.",
-                $algorithm,
-                "(KEYS[1], mode, cost, ttl, {ARGV[5], ARGV[6], ARGV[7]})\n"
-            ))
-        });
+        pub(crate) static $name: Rate = Rate {
+            script: std::sync::LazyLock::new(|| {
+                redis::Script::new(concat!(
+                    include_str!("scripts/prelude.lua"),
+                    algorithm!($algorithm),
+                    "return RATE.",
+                    $algorithm,
+                    "(KEYS[1], mode, cost, ttl, {ARGV[5], ARGV[6], ARGV[7]})\n"
+                ))
+            }),
+            name: $algorithm,
+        };
     };
 }
 
@@ -189,15 +199,13 @@ pub(crate) struct RateScript {
 
 /// The script for `algorithm`.
 pub(crate) fn for_algorithm(algorithm: &Algorithm) -> RateScript {
-    let (script, name, params) = match algorithm {
+    let (rate, params): (&Rate, _) = match algorithm {
         Algorithm::Gcra(a) => (
             &GCRA,
-            "gcra",
             vec![a.interval().to_string(), a.capacity().to_string()],
         ),
         Algorithm::TokenBucket(a) => (
             &TOKEN_BUCKET,
-            "token_bucket",
             vec![
                 a.capacity().to_string(),
                 a.refill().to_string(),
@@ -206,28 +214,24 @@ pub(crate) fn for_algorithm(algorithm: &Algorithm) -> RateScript {
         ),
         Algorithm::FixedWindow(a) => (
             &FIXED_WINDOW,
-            "fixed_window",
             vec![a.capacity().to_string(), a.window().to_string()],
         ),
         Algorithm::SlidingWindowCounter(a) => (
             &SLIDING_COUNTER,
-            "sliding_window_counter",
             vec![a.capacity().to_string(), a.window().to_string()],
         ),
         Algorithm::SlidingWindowLog(a) => (
             &SLIDING_LOG,
-            "sliding_window_log",
             vec![a.capacity().to_string(), a.window().to_string()],
         ),
         Algorithm::LeakyBucket(a) => (
             &LEAKY_BUCKET,
-            "leaky_bucket",
             vec![a.interval().to_string(), a.max_delay().to_string()],
         ),
     };
     RateScript {
-        script,
-        name,
+        script: &rate.script,
+        name: rate.name,
         params,
     }
 }

@@ -301,6 +301,14 @@ pub trait ConcurrencyLimiter: Clone + Send + Sync + 'static {
     /// twice is a bug in the caller; stores do not promise to notice.
     fn release(&self, key: &[u8], lease: Lease) -> Self::ReleaseFuture;
 
+    /// Whether [`release`](Self::release) finds a lease's permits by the
+    /// lease alone, without reading `key` (`false`, the default, unless a
+    /// store says so). A caller may then pass an empty key, and need not
+    /// keep a copy of it for as long as the lease is held.
+    fn releases_by_lease(&self) -> bool {
+        false
+    }
+
     /// The permits `key` holds now.
     fn held(&self, key: &[u8]) -> Self::HeldFuture;
 }

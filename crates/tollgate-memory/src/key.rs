@@ -15,8 +15,39 @@ pub(crate) struct KeyHash {
     /// Picks the shard: bits 40 and up of the hash, which the table uses
     /// neither for its bucket index (low bits) nor its tag (top 7 bits).
     pub(crate) shard: u64,
-    /// The key within the shard's table.
+    /// The key within the shard's table: the hash with bits 38 and 39
+    /// clear, bits that neither the bucket index of a shard's table (fewer
+    /// than 2³⁸ buckets) nor the shard nor the tag (the top 7 bits) reads,
+    /// so a concurrency lease's id can say where its key is, and more
+    /// ([`lease_id`](Self::lease_id)).
     pub(crate) slot: u64,
+}
+
+/// The bits of a [`KeyHash::slot`] that are always clear.
+const FREE: u64 = 0b11 << 38;
+
+impl KeyHash {
+    /// The hash whose slot is `slot` (with the free bits cleared).
+    fn from_slot(slot: u64) -> Self {
+        let slot = slot & !FREE;
+        Self {
+            shard: slot >> 40,
+            slot,
+        }
+    }
+
+    /// A lease id that says where this key is kept and whether the
+    /// permits were counted in the shard's overflow state; its top bit is
+    /// always clear (free for a wrapping store's own mark).
+    pub(crate) fn lease_id(self, overflow: bool) -> u64 {
+        (self.slot & !(1 << 63)) | ((self.slot >> 63) << 39) | (u64::from(overflow) << 38)
+    }
+
+    /// The key and the overflow flag of a [`lease_id`](Self::lease_id).
+    pub(crate) fn from_lease_id(id: u64) -> (Self, bool) {
+        let slot = (id & !FREE & !(1 << 63)) | (((id >> 39) & 1) << 63);
+        (Self::from_slot(slot), id & (1 << 38) != 0)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -109,11 +140,7 @@ impl KeyHasher {
 
     #[inline]
     pub(crate) fn hash(&self, key: &[u8]) -> KeyHash {
-        let h = self.hasher.hash(key);
-        KeyHash {
-            shard: h >> 40,
-            slot: h,
-        }
+        KeyHash::from_slot(self.hasher.hash(key))
     }
 }
 
@@ -174,5 +201,36 @@ mod tests {
         for key in [&b"upstream"[..], b"upstream:80", b"upstrea", b"upstream\0"] {
             assert_eq!(a.hash_few(key), a.hash(key));
         }
+    }
+
+    #[test]
+    fn a_lease_id_says_where_its_key_is_and_nothing_else() {
+        // Hashes with every one of the bits the encoding moves (63, 39,
+        // 38) set or clear, and a store's hashes of real keys.
+        let h = KeyHasher::random();
+        let mut slots: Vec<u64> = (0..1_000u32)
+            .map(|i| h.hash(&i.to_le_bytes()).slot)
+            .collect();
+        slots.extend([
+            0,
+            u64::MAX,
+            1 << 63,
+            1 << 39,
+            1 << 38,
+            0x8000_00c0_0000_0001,
+        ]);
+        for raw in slots {
+            let hash = KeyHash::from_slot(raw);
+            assert_eq!(hash.slot & FREE, 0, "a slot's free bits are clear");
+            assert_eq!(hash.shard, hash.slot >> 40);
+            for overflow in [false, true] {
+                let id = hash.lease_id(overflow);
+                assert_eq!(id >> 63, 0, "the top bit is left to a wrapping store");
+                assert_eq!(KeyHash::from_lease_id(id), (hash, overflow));
+            }
+        }
+        // Slots that differ only in bit 63 give different ids.
+        let (a, b) = (KeyHash::from_slot(5), KeyHash::from_slot(5 | 1 << 63));
+        assert_ne!(a.lease_id(false), b.lease_id(false));
     }
 }

@@ -92,6 +92,7 @@ use tollgate_core::{
 };
 use tollgate_core::{BoxFuture, EscalationLimiter, EscalationRule};
 
+use crate::key::KeyHash;
 use crate::table::{Shared, Slot, Table};
 
 /// The default [`MemoryStoreBuilder::max_keys`].
@@ -637,14 +638,15 @@ impl<C: Clock> Limiter for MemoryLimiter<C> {
 /// requests end, it can hold up to twice its limit. This needs the store
 /// to be full (a flood of more than `max_keys` live keys) and lasts as long
 /// as the requests that took the overflow permits.
+///
+/// A lease's id says where its key is kept, so a release neither reads nor
+/// hashes the key ([`releases_by_lease`](ConcurrencyLimiter::releases_by_lease));
+/// its top bit is always clear, free for a store that wraps this one to
+/// mark the leases it granted here.
 pub struct MemoryConcurrencyLimiter<C = SystemClock> {
     rule: ConcurrencyRule,
     table: Arc<Table<InFlight, C>>,
 }
-
-/// The lease id of permits counted in a shard's overflow state (the store
-/// was full when they were granted), so their release goes back there.
-const OVERFLOW_LEASE: u64 = 1;
 
 impl<C> Clone for MemoryConcurrencyLimiter<C> {
     fn clone(&self) -> Self {
@@ -669,31 +671,34 @@ impl<C: Clock> MemoryConcurrencyLimiter<C> {
     pub fn acquire_now(&self, key: &[u8], permits: u32, ceiling: u32) -> Acquire {
         let t = &self.table;
         let now = t.now();
-        let (decision, slot) = t.update_in(key, now, false, |held| {
+        let hash = t.hash(key);
+        let (decision, slot) = t.update_at(hash, now, false, |held| {
             t.kind.acquire(held, permits, ceiling)
         });
         let granted = decision.is_allowed() && permits > 0;
         Acquire {
             decision,
             lease: granted.then_some(Lease {
-                id: match slot {
-                    Slot::Own => 0,
-                    Slot::Overflow => OVERFLOW_LEASE,
-                },
+                // Where the key is kept, so its release need not hash it.
+                id: hash.lease_id(matches!(slot, Slot::Overflow)),
                 permits,
             }),
         }
     }
 
-    /// [`ConcurrencyLimiter::release`] without the future.
+    /// [`ConcurrencyLimiter::release`] without the future. The lease says
+    /// where its permits are counted, so `key` is not read (nor hashed):
+    /// give back only leases this limiter granted.
     #[inline]
     pub fn release_now(&self, key: &[u8], lease: Lease) {
+        let _ = key;
         let t = &self.table;
         let release = |held: &mut u64| t.kind.release(held, lease.permits);
-        if lease.id == OVERFLOW_LEASE {
-            t.update_overflow(key, release);
+        let (hash, overflow) = KeyHash::from_lease_id(lease.id);
+        if overflow {
+            t.update_overflow(hash, release);
         } else {
-            t.update(key, t.now(), false, release);
+            t.update_at(hash, t.now(), false, release);
         }
     }
 
@@ -732,6 +737,10 @@ impl<C: Clock> ConcurrencyLimiter for MemoryConcurrencyLimiter<C> {
     fn release(&self, key: &[u8], lease: Lease) -> Self::ReleaseFuture {
         self.release_now(key, lease);
         ready(Ok(()))
+    }
+
+    fn releases_by_lease(&self) -> bool {
+        true
     }
 
     fn held(&self, key: &[u8]) -> Self::HeldFuture {

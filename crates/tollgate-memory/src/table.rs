@@ -10,7 +10,7 @@ use tollgate_core::{
 };
 
 use crate::cell::{Cell, Stored};
-use crate::key::{BuildIdentity, KeyHasher};
+use crate::key::{BuildIdentity, KeyHash, KeyHasher};
 
 /// What a table stores: the state type, its cell, and when it is idle.
 pub(crate) trait Kind: Send + Sync + 'static {
@@ -424,14 +424,31 @@ impl<K: Kind, C: Clock> Table<K, C> {
         key: &[u8],
         now: u64,
         seed: bool,
-        mut f: impl FnMut(&mut K::State) -> R,
+        f: impl FnMut(&mut K::State) -> R,
     ) -> (R, Slot) {
-        self.tick(now);
-        let hash = if K::FEW_KEYS {
+        self.update_at(self.hash(key), now, seed, f)
+    }
+
+    /// Where `key` is kept.
+    #[inline]
+    pub(crate) fn hash(&self, key: &[u8]) -> KeyHash {
+        if K::FEW_KEYS {
             self.shared.hasher.hash_few(key)
         } else {
             self.shared.hasher.hash(key)
-        };
+        }
+    }
+
+    /// [`update_in`](Self::update_in) of the key whose hash is `hash`.
+    #[inline]
+    pub(crate) fn update_at<R>(
+        &self,
+        hash: KeyHash,
+        now: u64,
+        seed: bool,
+        mut f: impl FnMut(&mut K::State) -> R,
+    ) -> (R, Slot) {
+        self.tick(now);
         let shard = self.shard(hash.shard as usize);
         if let Some(cell) = read(&shard.map).get(&hash.slot) {
             return (cell.update(&mut f), Slot::Own);
@@ -502,8 +519,7 @@ impl<K: Kind, C: Clock> Table<K, C> {
 
     /// Runs `f` on the overflow state that `key` would share if the table
     /// were full.
-    pub(crate) fn update_overflow<R>(&self, key: &[u8], f: impl FnMut(&mut K::State) -> R) -> R {
-        let hash = self.shared.hasher.hash(key);
+    pub(crate) fn update_overflow<R>(&self, hash: KeyHash, f: impl FnMut(&mut K::State) -> R) -> R {
         self.shard(hash.shard as usize).overflow.update(f)
     }
 

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use tollgate_core::{ConcurrencyRule, Limit, ManualClock, Rate, Rule, Store};
+use tollgate_core::{ConcurrencyLimiter, ConcurrencyRule, Limit, ManualClock, Rate, Rule, Store};
 use tollgate_memory::MemoryStore;
 
 fn store(clock: &ManualClock, max_keys: usize, shards: usize) -> MemoryStore<ManualClock> {
@@ -231,6 +231,32 @@ fn leases_granted_while_full_can_be_released() {
     sem.release_now(b"b", over);
     assert!(sem.acquire_now(b"c", 1, u32::MAX).lease.is_some());
     sem.release_now(b"a", held);
+}
+
+#[test]
+fn a_release_finds_its_key_by_the_lease_alone() {
+    // The concurrency layer passes no key when the store says it releases
+    // by lease: each lease goes back to the key (or the overflow state)
+    // that granted it, whatever key comes with it.
+    let clock = ManualClock::starting_at(1);
+    let s = store(&clock, 2, 1);
+    let sem = s
+        .concurrency_limiter(&ConcurrencyRule::new("conc", 2, Duration::from_secs(30)).unwrap())
+        .unwrap();
+    assert!(sem.releases_by_lease());
+    let a = sem.acquire_now(b"a", 2, u32::MAX).lease.unwrap();
+    let b = sem.acquire_now(b"b", 1, u32::MAX).lease.unwrap();
+    // Full: "c" and "d" share the overflow state.
+    let c = sem.acquire_now(b"c", 2, u32::MAX).lease.unwrap();
+    assert!(sem.acquire_now(b"d", 1, u32::MAX).lease.is_none());
+    assert_ne!(a.id, b.id);
+    sem.release_now(b"", a);
+    assert_eq!((sem.held_now(b"a"), sem.held_now(b"b")), (0, 1));
+    sem.release_now(b"a", c);
+    assert_eq!(sem.held_now(b"b"), 1);
+    assert!(sem.acquire_now(b"d", 2, u32::MAX).lease.is_some());
+    sem.release_now(b"c", b);
+    assert_eq!(sem.held_now(b"b"), 0);
 }
 
 #[test]

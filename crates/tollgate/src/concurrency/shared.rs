@@ -469,11 +469,19 @@ where
             Step::Granted(lease, _) => *lease,
             _ => None,
         };
+        // The key is kept for the release only where it is read: by a
+        // store that finds a lease by its key, or to wake the key's queue.
+        let keep = per_key.is_some()
+            && (self.queue.is_some() || !self.per_key.limiter.releases_by_lease());
         let owner: Arc<dyn Release> = Arc::clone(self) as Arc<dyn Release>;
         Permit::new(
             owner,
             Held {
-                key: KeyBytes::new(&mut key),
+                key: if keep {
+                    KeyBytes::new(&mut key)
+                } else {
+                    KeyBytes::default()
+                },
                 per_key,
                 ..Held::default()
             },

@@ -73,11 +73,9 @@ pub(crate) enum KeyBytes {
 }
 
 impl Default for KeyBytes {
+    /// The empty key (no allocation: a box of nothing).
     fn default() -> Self {
-        KeyBytes::Short {
-            len: 0,
-            bytes: [0; 64],
-        }
+        KeyBytes::Long(Box::default())
     }
 }
 

@@ -12,29 +12,112 @@ use pin_project_lite::pin_project;
 use tollgate_core::Lease;
 
 use crate::body::ResponseBody;
-use crate::key::KeyBytes;
 
 /// Gives a permit's leases back to the limits that granted them.
 pub(crate) trait Release: Send + Sync + 'static {
     fn release(&self, permit: &mut Held);
 }
 
-/// What a request holds: a lease per limit that granted one.
+/// What a request holds: a lease per limit that granted one, compact (it
+/// travels in every response future and body, which are moved often).
+/// Every lease of a request is of its weight.
 #[derive(Debug, Default)]
 pub(crate) struct Held {
-    /// The request's key (as the store saw it).
-    pub(crate) key: KeyBytes,
-    pub(crate) per_key: Option<Lease>,
-    pub(crate) service: Option<Lease>,
-    /// Permits taken from an adaptive (in-process) service limit.
-    pub(crate) adaptive: u32,
-    /// The request's weight, for the in-flight gauge.
-    pub(crate) permits: u32,
+    /// The request's key (as the store saw it), when the release reads
+    /// it; else empty (no allocation).
+    pub(crate) key: Box<[u8]>,
+    /// The per-key limit's lease id, when [`PER_KEY`] is set.
+    per_key: u64,
+    /// The service limit's lease id, when [`SERVICE`] is set.
+    service: u64,
+    /// The request's weight: the permits of each lease, and of the
+    /// adaptive limit.
+    weight: u32,
+    /// What is held: [`PER_KEY`], [`SERVICE`], [`ADAPTIVE`]; and
+    /// [`COUNTED`] once the in-flight gauge counts the request.
+    flags: u8,
 }
 
+const PER_KEY: u8 = 1;
+const SERVICE: u8 = 2;
+const ADAPTIVE: u8 = 4;
+const COUNTED: u8 = 8;
+
 impl Held {
+    /// Holding the per-key limit's `lease`, if any, for `key`.
+    pub(crate) fn new(key: Box<[u8]>, per_key: Option<Lease>) -> Self {
+        let mut held = Self {
+            key,
+            ..Self::default()
+        };
+        if let Some(lease) = per_key {
+            held.per_key = lease.id;
+            held.weight = lease.permits;
+            held.flags = PER_KEY;
+        }
+        held
+    }
+
+    pub(crate) fn set_service(&mut self, lease: Lease) {
+        self.service = lease.id;
+        self.weight = lease.permits;
+        self.flags |= SERVICE;
+    }
+
+    /// `permits` taken from an adaptive (in-process) service limit.
+    pub(crate) fn set_adaptive(&mut self, permits: u32) {
+        if permits > 0 {
+            self.weight = permits;
+            self.flags |= ADAPTIVE;
+        }
+    }
+
+    /// The in-flight gauge counts this request (its weight).
+    pub(crate) fn set_counted(&mut self) {
+        self.flags |= COUNTED;
+    }
+
+    fn take(&mut self, flag: u8) -> bool {
+        let had = self.flags & flag != 0;
+        self.flags &= !flag;
+        had
+    }
+
+    pub(crate) fn take_per_key(&mut self) -> Option<Lease> {
+        self.take(PER_KEY).then_some(Lease {
+            id: self.per_key,
+            permits: self.weight,
+        })
+    }
+
+    pub(crate) fn take_service(&mut self) -> Option<Lease> {
+        self.take(SERVICE).then_some(Lease {
+            id: self.service,
+            permits: self.weight,
+        })
+    }
+
+    /// The adaptive limit's permits (0: none).
+    pub(crate) fn take_adaptive(&mut self) -> u32 {
+        if self.take(ADAPTIVE) {
+            self.weight
+        } else {
+            0
+        }
+    }
+
+    /// What the in-flight gauge counted (0: nothing).
+    pub(crate) fn take_counted(&mut self) -> u32 {
+        if self.take(COUNTED) {
+            self.weight
+        } else {
+            0
+        }
+    }
+
+    /// Whether no limit's permits are held.
     pub(crate) fn is_empty(&self) -> bool {
-        self.per_key.is_none() && self.service.is_none() && self.adaptive == 0
+        self.flags & (PER_KEY | SERVICE | ADAPTIVE) == 0
     }
 }
 
@@ -43,17 +126,12 @@ impl Held {
 /// dropped, or the request was cancelled before it had a response.
 pub struct Permit {
     owner: Arc<dyn Release>,
-    // Boxed: the permit travels in every response future and body, which
-    // axum and tower move several times; one allocation costs less.
-    held: Box<Held>,
+    held: Held,
 }
 
 impl Permit {
     pub(crate) fn new(owner: Arc<dyn Release>, held: Held) -> Self {
-        Self {
-            owner,
-            held: Box::new(held),
-        }
+        Self { owner, held }
     }
 
     pub(crate) fn held_mut(&mut self) -> &mut Held {
@@ -75,9 +153,7 @@ impl Drop for Permit {
 impl fmt::Debug for Permit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Permit")
-            .field("per_key", &self.held.per_key)
-            .field("service", &self.held.service)
-            .field("adaptive", &self.held.adaptive)
+            .field("held", &self.held)
             .finish_non_exhaustive()
     }
 }

@@ -16,7 +16,7 @@ use super::permit::{Held, Holding, Permit, Release};
 use super::queue::Queue;
 use crate::cost::Cost;
 use crate::headers::{ConcurrencyHeaders, Item};
-use crate::key::{KeyBuf, KeyBytes, KeyExtractor};
+use crate::key::{KeyBuf, KeyExtractor};
 use crate::observe::ConcurrencyMetrics;
 use crate::policy::access::Listed;
 use crate::policy::plan::PlanSet;
@@ -474,18 +474,12 @@ where
         let keep = per_key.is_some()
             && (self.queue.is_some() || !self.per_key.limiter.releases_by_lease());
         let owner: Arc<dyn Release> = Arc::clone(self) as Arc<dyn Release>;
-        Permit::new(
-            owner,
-            Held {
-                key: if keep {
-                    KeyBytes::new(&mut key)
-                } else {
-                    KeyBytes::default()
-                },
-                per_key,
-                ..Held::default()
-            },
-        )
+        let key = if keep {
+            key.as_bytes().into()
+        } else {
+            Box::default()
+        };
+        Permit::new(owner, Held::new(key, per_key))
     }
 
     /// Completes the admission once the per-key limit has answered
@@ -538,7 +532,7 @@ where
                 items.set(1, u64::from(a.limit()), Some(d));
                 let step = match d.outcome {
                     Outcome::Allow { .. } => {
-                        guard.held_mut().adaptive = permits;
+                        guard.held_mut().set_adaptive(permits);
                         Step::Granted(None, d)
                     }
                     _ if self.shadow => {
@@ -553,7 +547,11 @@ where
             _ => (None, Step::Pass(None)),
         };
         match step {
-            Step::Granted(lease, _) => guard.held_mut().service = lease,
+            Step::Granted(lease, _) => {
+                if let Some(lease) = lease {
+                    guard.held_mut().set_service(lease);
+                }
+            }
             Step::Reject(reason, d) => {
                 self.count(reason);
                 drop(guard);
@@ -568,7 +566,7 @@ where
             None
         } else {
             self.metrics.in_flight.increment(f64::from(permits));
-            guard.held_mut().permits = permits;
+            guard.held_mut().set_counted();
             Some(guard)
         };
         Admission::Go(Admitted {
@@ -709,27 +707,30 @@ where
     L: ConcurrencyLimiter,
 {
     fn release(&self, held: &mut Held) {
-        if let Some(lease) = held.per_key.take() {
-            let key = held.key.as_bytes();
+        if let Some(lease) = held.take_per_key() {
+            let key = &*held.key;
             // The release is under way once called.
             let done = self.per_key.limiter.release(key, lease);
             if let Some(q) = &self.queue {
                 wake_when_released(q, q.hash(key), done);
             }
         }
-        match (&self.service, held.service.take()) {
+        match (&self.service, held.take_service()) {
             (Some(ServiceLimit::Fixed(slot)), Some(lease)) => {
                 drop(slot.limiter.release(SERVICE_KEY, lease));
             }
-            (Some(ServiceLimit::Adaptive(a)), _) if held.adaptive > 0 => {
-                a.release(held.adaptive);
-                held.adaptive = 0;
+            (Some(ServiceLimit::Adaptive(a)), _) => {
+                let permits = held.take_adaptive();
+                if permits > 0 {
+                    a.release(permits);
+                }
             }
             _ => {}
         }
-        self.metrics
-            .in_flight
-            .decrement(f64::from(std::mem::take(&mut held.permits)));
+        let counted = held.take_counted();
+        if counted > 0 {
+            self.metrics.in_flight.decrement(f64::from(counted));
+        }
     }
 }
 

@@ -270,7 +270,7 @@ fn idempotent_policy<S: Store>(
 ) -> (
     impl tower::Service<
             Request<String>,
-            Response = Response<tollgate::ResponseBody<String>>,
+            Response = Response<String>,
             Error = Infallible,
             Future = impl Send,
         > + Clone

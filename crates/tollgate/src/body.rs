@@ -8,6 +8,87 @@ use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
+/// A response body a limiter can answer in: the layers (rate, quota,
+/// policy, concurrency) pass the inner service's responses through as
+/// they are, body and all, and make a rejection (its problem document,
+/// or an empty gRPC body) in the same type. So an axum app's responses
+/// stay `axum::body::Body`, which axum then does not box again.
+///
+/// Implemented for axum's `Body` (feature `axum`), tonic's `Body`
+/// (feature `tonic`), `String`, `http_body_util::Full<Bytes>`,
+/// `BoxBody` and `UnsyncBoxBody` over `Bytes`, the bodies of tollgate's
+/// own concurrency and bandwidth layers over any of these (so layers
+/// stack), and [`ResponseBody<B>`] for any body `B`: a service whose body
+/// is none of these is wrapped with [`ResponseBody::wrap`] (for example
+/// with tower-http's `MapResponseBodyLayer::new(ResponseBody::wrap)`)
+/// below the layer.
+///
+/// ```
+/// use bytes::Bytes;
+/// use tollgate::RejectionBody;
+///
+/// let body = <String as RejectionBody>::rejection(Bytes::from_static(b"{}"));
+/// assert_eq!(body, "{}");
+/// ```
+pub trait RejectionBody: Body<Data = Bytes> + Sized {
+    /// A body that sends `bytes` (a rejection's whole body).
+    fn rejection(bytes: Bytes) -> Self;
+}
+
+impl RejectionBody for String {
+    /// Rejection bodies are UTF-8 (JSON, or empty for gRPC).
+    fn rejection(bytes: Bytes) -> Self {
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
+
+impl RejectionBody for http_body_util::Full<Bytes> {
+    fn rejection(bytes: Bytes) -> Self {
+        http_body_util::Full::new(bytes)
+    }
+}
+
+impl<E: 'static> RejectionBody for http_body_util::combinators::UnsyncBoxBody<Bytes, E> {
+    fn rejection(bytes: Bytes) -> Self {
+        use http_body_util::BodyExt;
+        http_body_util::Full::new(bytes)
+            .map_err(|never| match never {})
+            .boxed_unsync()
+    }
+}
+
+impl<E: 'static> RejectionBody for http_body_util::combinators::BoxBody<Bytes, E> {
+    fn rejection(bytes: Bytes) -> Self {
+        use http_body_util::BodyExt;
+        http_body_util::Full::new(bytes)
+            .map_err(|never| match never {})
+            .boxed()
+    }
+}
+
+#[cfg(feature = "axum")]
+impl RejectionBody for axum::body::Body {
+    fn rejection(bytes: Bytes) -> Self {
+        axum::body::Body::from(bytes)
+    }
+}
+
+#[cfg(feature = "tonic")]
+impl RejectionBody for tonic::body::Body {
+    fn rejection(bytes: Bytes) -> Self {
+        if bytes.is_empty() {
+            return tonic::body::Body::empty();
+        }
+        tonic::body::Body::new(http_body_util::Full::new(bytes))
+    }
+}
+
+impl<B: Body<Data = Bytes>> RejectionBody for ResponseBody<B> {
+    fn rejection(bytes: Bytes) -> Self {
+        Self::full(bytes)
+    }
+}
+
 pin_project! {
     /// The inner service's body, or the layer's own bytes: a rejection's
     /// problem document, or (as [`ReplayBody`](crate::retry::ReplayBody))
@@ -29,6 +110,12 @@ pin_project! {
 }
 
 impl<B> ResponseBody<B> {
+    /// Wraps a service's `body`, for a body type that is not a
+    /// [`RejectionBody`] of its own.
+    pub fn wrap(body: B) -> Self {
+        Self::inner(body)
+    }
+
     pub(crate) fn inner(body: B) -> Self {
         Self {
             kind: Kind::Inner { body },
@@ -86,5 +173,44 @@ where
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http_body_util::BodyExt;
+
+    use super::*;
+
+    async fn read<B: RejectionBody>() -> Bytes
+    where
+        B::Error: std::fmt::Debug,
+    {
+        let body = B::rejection(Bytes::from_static(b"{\"status\":429}"));
+        assert_eq!(body.size_hint().exact(), Some(14));
+        body.collect().await.map(|c| c.to_bytes()).unwrap_or_default()
+    }
+
+    #[tokio::test]
+    async fn every_rejection_body_sends_the_rejection_as_it_is() {
+        let want = Bytes::from_static(b"{\"status\":429}");
+        assert_eq!(read::<String>().await, want);
+        assert_eq!(read::<http_body_util::Full<Bytes>>().await, want);
+        assert_eq!(
+            read::<http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>>().await,
+            want
+        );
+        assert_eq!(
+            read::<http_body_util::combinators::BoxBody<Bytes, std::io::Error>>().await,
+            want
+        );
+        assert_eq!(read::<ResponseBody<String>>().await, want);
+        #[cfg(feature = "axum")]
+        assert_eq!(read::<axum::body::Body>().await, want);
+        #[cfg(feature = "tonic")]
+        assert_eq!(read::<tonic::body::Body>().await, want);
+        // A wrapped body of a type of its own is passed through.
+        let inner = ResponseBody::wrap(http_body_util::Empty::<Bytes>::new());
+        assert!(inner.is_end_stream());
     }
 }

@@ -102,7 +102,7 @@ pub mod rejection;
 pub mod retry;
 mod task;
 
-pub use body::ResponseBody;
+pub use body::{RejectionBody, ResponseBody};
 pub use clock::TokioClock;
 pub use concurrency::ConcurrencyLayer;
 pub use policy::PolicyLayer;

@@ -185,6 +185,17 @@ impl<B, L: Limiter> PacedBody<B, L> {
     }
 }
 
+/// An outer layer's rejection, not paced.
+impl<B, L> crate::RejectionBody for PacedBody<B, L>
+where
+    B: crate::RejectionBody,
+    L: Limiter,
+{
+    fn rejection(bytes: Bytes) -> Self {
+        Self::new(B::rejection(bytes), None)
+    }
+}
+
 impl<B, L> Body for PacedBody<B, L>
 where
     B: Body<Data = Bytes>,

@@ -10,7 +10,7 @@ use tower_service::Service;
 use super::adaptive::Completion;
 use super::permit::{Holding, PermitBody};
 use super::shared::{Admission, Admitted, BoxFuture, Items, Responder};
-use crate::body::ResponseBody;
+use crate::body::RejectionBody;
 use crate::rejection::Rejected;
 
 pin_project! {
@@ -81,6 +81,7 @@ where
 impl<S, ReqB, ResB> Future for ResponseFuture<S, ReqB>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
+    ResB: RejectionBody,
 {
     type Output = Result<Response<PermitBody<ResB>>, S::Error>;
 
@@ -143,18 +144,14 @@ where
                     }
                     let response = result?;
                     let Some(admitted) = admitted else {
-                        return Poll::Ready(Ok(
-                            response.map(|b| PermitBody::new(ResponseBody::inner(b), None))
-                        ));
+                        return Poll::Ready(Ok(response.map(|b| PermitBody::new(b, None))));
                     };
                     let mut response = response;
                     responder
                         .headers
                         .apply(response.headers_mut(), admitted.items.as_slice());
                     let holding = admitted.permit;
-                    return Poll::Ready(Ok(
-                        response.map(|b| PermitBody::new(ResponseBody::inner(b), holding))
-                    ));
+                    return Poll::Ready(Ok(response.map(|b| PermitBody::new(b, holding))));
                 }
                 StateProj::Rejected { rejected } => {
                     let Some((rejected, items)) = rejected.take() else {
@@ -162,7 +159,7 @@ where
                     };
                     let response = responder.reject(&rejected, &items);
                     return Poll::Ready(Ok(
-                        response.map(|b| PermitBody::new(ResponseBody::full(b), None))
+                        response.map(|b| PermitBody::new(ResB::rejection(b), None))
                     ));
                 }
             };

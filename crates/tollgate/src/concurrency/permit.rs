@@ -11,8 +11,6 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 use tollgate_core::Lease;
 
-use crate::body::ResponseBody;
-
 /// Gives a permit's leases back to the limits that granted them.
 pub(crate) trait Release: Send + Sync + 'static {
     fn release(&self, permit: &mut Held);
@@ -241,14 +239,21 @@ pin_project! {
     #[derive(Debug)]
     pub struct PermitBody<B> {
         #[pin]
-        body: ResponseBody<B>,
+        body: B,
         permit: Option<Holding>,
     }
 }
 
 impl<B> PermitBody<B> {
-    pub(crate) fn new(body: ResponseBody<B>, permit: Option<Holding>) -> Self {
+    pub(crate) fn new(body: B, permit: Option<Holding>) -> Self {
         Self { body, permit }
+    }
+}
+
+/// An outer layer's rejection, holding no permit.
+impl<B: crate::RejectionBody> crate::RejectionBody for PermitBody<B> {
+    fn rejection(bytes: Bytes) -> Self {
+        Self::new(B::rejection(bytes), None)
     }
 }
 

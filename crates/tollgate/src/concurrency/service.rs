@@ -8,6 +8,7 @@ use tower_service::Service;
 use super::future::{ResponseFuture, State};
 use super::permit::{Holding, PermitBody};
 use super::shared::{Admission, Critical, Shared};
+use crate::body::RejectionBody;
 use crate::cost::Cost;
 use crate::key::KeyExtractor;
 
@@ -48,6 +49,7 @@ where
     C: Cost<ReqB>,
     P: Critical<ReqB>,
     L: ConcurrencyLimiter,
+    ResB: RejectionBody,
 {
     type Response = Response<PermitBody<ResB>>;
     type Error = S::Error;

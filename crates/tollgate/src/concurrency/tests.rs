@@ -18,7 +18,7 @@ use super::*;
 use crate::cost::ByMethod;
 use crate::key::Header;
 use crate::rate_limit::MissingKey;
-use crate::MemoryStore;
+use crate::{MemoryStore, ResponseBody};
 
 type Req = Request<String>;
 
@@ -41,14 +41,20 @@ type Feed = mpsc::UnboundedSender<Result<Bytes, std::io::Error>>;
 
 /// A service whose responses stream from channels the test holds.
 fn streaming() -> (
-    impl Service<Req, Response = Response<Chan>, Error = Infallible, Future = impl Send> + Clone,
+    impl Service<
+            Req,
+            Response = Response<ResponseBody<Chan>>,
+            Error = Infallible,
+            Future = impl Send,
+        > + Clone,
     mpsc::UnboundedReceiver<Feed>,
 ) {
     let (feeds, rx) = mpsc::unbounded_channel();
     let svc = service_fn(move |_req: Req| {
         let (tx, body) = mpsc::unbounded_channel();
         let _ = feeds.send(tx);
-        async move { Ok::<_, Infallible>(Response::new(Chan(body))) }
+        // A body type of the test's own: wrapped, as a user's would be.
+        async move { Ok::<_, Infallible>(Response::new(ResponseBody::wrap(Chan(body)))) }
     });
     (svc, rx)
 }

@@ -54,7 +54,7 @@ fn req(method: &str, path: &str, key: &str) -> Req {
 
 async fn status<S>(svc: &mut S, r: Req) -> (StatusCode, Option<String>)
 where
-    S: Service<Req, Response = Response<crate::body::ResponseBody<String>>, Error = Infallible>,
+    S: Service<Req, Response = Response<String>, Error = Infallible>,
 {
     let res = svc.ready().await.unwrap().call(r).await.unwrap();
     let policy = res

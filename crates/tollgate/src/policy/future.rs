@@ -16,7 +16,7 @@ use tower_service::Service;
 
 use super::decide::{listed_key, pacing_refund, settle_response, Report, Verdict};
 use super::shared::{Shared, MAX_RULES};
-use crate::body::ResponseBody;
+use crate::body::RejectionBody;
 use crate::headers::apply_set;
 use crate::key::KeyBytes;
 use crate::rate_limit::{poll_paced, Inner, Refund};
@@ -142,8 +142,9 @@ where
     S: Service<Request<B>, Response = Response<ResB>> + Clone,
     B: 'static,
     L: Limiter,
+    ResB: RejectionBody,
 {
-    type Output = Result<Response<ResponseBody<ResB>>, S::Error>;
+    type Output = Result<Response<ResB>, S::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
@@ -178,7 +179,7 @@ where
                     future: ready!(poll_paced(cx, sleep, waiting, refund))?,
                 },
                 StateProj::Calling { future } => {
-                    let mut response = ready!(future.poll(cx))?.map(ResponseBody::inner);
+                    let mut response = ready!(future.poll(cx))?;
                     if let Some(keys) = this.after.take() {
                         settle_response(this.shared, this.report, response.status(), &keys);
                     }
@@ -191,7 +192,7 @@ where
                 StateProj::Rejected { verdict } => {
                     let mut response = reject(this.shared, this.report, *verdict, *this.grpc);
                     super::challenge::attach(response.headers_mut(), this.challenge.as_ref());
-                    return Poll::Ready(Ok(response.map(ResponseBody::full)));
+                    return Poll::Ready(Ok(response.map(ResB::rejection)));
                 }
             };
             this.state.set(next_state);

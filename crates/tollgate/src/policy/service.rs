@@ -16,7 +16,7 @@ use super::decide::{
 };
 use super::future::{next, PolicyFuture, State};
 use super::shared::{Current, Keyed, Shared};
-use crate::body::ResponseBody;
+use crate::body::RejectionBody;
 use crate::key::{KeyBuf, KeyBytes};
 use crate::rate_limit::Inner;
 use crate::rejection::is_grpc;
@@ -106,8 +106,9 @@ where
     S: Service<Request<B>, Response = Response<ResB>> + Clone + Send + 'static,
     B: Send + 'static,
     L: Limiter,
+    ResB: RejectionBody,
 {
-    type Response = Response<ResponseBody<ResB>>;
+    type Response = Response<ResB>;
     type Error = S::Error;
     type Future = PolicyFuture<S, B, L>;
 

@@ -11,7 +11,7 @@ use pin_project_lite::pin_project;
 use tollgate_core::{Outcome, QuotaDecision, QuotaLimiter, StoreError};
 use tower_service::Service;
 
-use crate::body::ResponseBody;
+use crate::body::RejectionBody;
 use crate::cost::Cost;
 use crate::headers::{Buf, QuotaHeaders, QUOTA_WARNING};
 use crate::key::{KeyBuf, KeyExtractor};
@@ -250,8 +250,9 @@ where
     K: KeyExtractor<ReqB>,
     C: Cost<ReqB>,
     L: QuotaLimiter,
+    ResB: RejectionBody,
 {
-    type Response = Response<ResponseBody<ResB>>;
+    type Response = Response<ResB>;
     type Error = S::Error;
     type Future = ResponseFuture<S, ReqB, L::Future>;
 
@@ -335,8 +336,9 @@ impl<S, ReqB, ResB, D> Future for ResponseFuture<S, ReqB, D>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
     D: Future<Output = Result<QuotaDecision, StoreError>>,
+    ResB: RejectionBody,
 {
-    type Output = Result<Response<ResponseBody<ResB>>, S::Error>;
+    type Output = Result<Response<ResB>, S::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
@@ -356,14 +358,14 @@ where
                     if let Some(d) = decision.take() {
                         responder.admitted(response.headers_mut(), &d);
                     }
-                    return Poll::Ready(Ok(response.map(ResponseBody::inner)));
+                    return Poll::Ready(Ok(response));
                 }
                 StateProj::Rejected { rejected } => {
                     let Some((rejected, d)) = rejected.take() else {
                         return Poll::Pending;
                     };
                     let response = responder.reject(&rejected, d.as_ref());
-                    return Poll::Ready(Ok(response.map(ResponseBody::full)));
+                    return Poll::Ready(Ok(response.map(ResB::rejection)));
                 }
             };
             this.state.set(next);

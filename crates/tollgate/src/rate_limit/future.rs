@@ -12,7 +12,7 @@ use tower_service::Service;
 
 use super::error::RateLimited;
 use super::shared::Responder;
-use crate::body::ResponseBody;
+use crate::body::RejectionBody;
 use crate::key::Fingerprint;
 use crate::rejection::{is_grpc, LimitKind, Reason, Rejected};
 
@@ -340,21 +340,22 @@ impl<S, ReqB, ResB, D> Future for ResponseFuture<S, ReqB, D>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
     D: Future<Output = Result<Decision, StoreError>>,
+    ResB: RejectionBody,
 {
-    type Output = Result<Response<ResponseBody<ResB>>, S::Error>;
+    type Output = Result<Response<ResB>, S::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         let responder: &Responder = this.responder;
         Poll::Ready(Ok(match ready!(this.state.poll_state(cx, responder))? {
             Finished::Response(response, decision) => {
-                let mut response = response.map(ResponseBody::inner);
+                let mut response = response;
                 if let Some(d) = decision {
                     responder.headers.apply(response.headers_mut(), &d, false);
                 }
                 response
             }
-            Finished::Rejected(rejected) => responder.reject(&rejected).map(ResponseBody::full),
+            Finished::Rejected(rejected) => responder.reject(&rejected).map(ResB::rejection),
         }))
     }
 }

@@ -7,7 +7,7 @@ use tower_service::Service;
 
 use super::future::{decided, ErrorFuture, Inner, RefundFn, ResponseFuture, State};
 use super::shared::{MissingKey, Shared};
-use crate::body::ResponseBody;
+use crate::body::RejectionBody;
 use crate::cost::Cost;
 use crate::key::{KeyBuf, KeyBytes, KeyExtractor};
 use crate::rejection::{is_grpc, LimitKind, Reason, Rejected};
@@ -127,8 +127,9 @@ where
     K: KeyExtractor<ReqB>,
     C: Cost<ReqB>,
     L: Limiter,
+    ResB: RejectionBody,
 {
-    type Response = Response<ResponseBody<ResB>>;
+    type Response = Response<ResB>;
     type Error = S::Error;
     type Future = ResponseFuture<S, ReqB, L::DecideFuture>;
 

@@ -34,7 +34,7 @@ fn req(key: &str) -> Req {
         .unwrap()
 }
 
-async fn body(res: Response<crate::ResponseBody<String>>) -> String {
+async fn body(res: Response<String>) -> String {
     let bytes = res.into_body().collect().await.unwrap().to_bytes();
     String::from_utf8(bytes.to_vec()).unwrap()
 }

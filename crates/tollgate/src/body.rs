@@ -188,7 +188,10 @@ mod tests {
     {
         let body = B::rejection(Bytes::from_static(b"{\"status\":429}"));
         assert_eq!(body.size_hint().exact(), Some(14));
-        body.collect().await.map(|c| c.to_bytes()).unwrap_or_default()
+        body.collect()
+            .await
+            .map(|c| c.to_bytes())
+            .unwrap_or_default()
     }
 
     #[tokio::test]

@@ -224,23 +224,32 @@ struct RouteCounter {
     rule: std::sync::Arc<str>,
     route: Box<str>,
     outcome: &'static str,
+    /// The labels' hash.
+    hash: u64,
     counter: Counter,
     /// The thread's count when the counter was looked up in the registry.
     registered: u64,
+    /// The thread's count when the counter last counted.
+    used: u64,
 }
 
-/// The route counters a thread used lately, direct-mapped by (rule,
-/// route, outcome).
+/// The route counters a thread used lately: [`RouteCounters::SETS`] sets
+/// of [`RouteCounters::WAYS`], a set picked by a hash of (rule, route,
+/// outcome), the least recently used way of a full set replaced. Any
+/// [`RouteCounters::WAYS`] counters are kept together whatever their
+/// hashes: a few hot counters never take turns evicting each other (a
+/// direct-mapped cache did, on some process starts, for every request).
 #[cfg(feature = "axum")]
 struct RouteCounters {
     /// Counts made on this thread.
     counts: u64,
-    slots: [Option<RouteCounter>; RouteCounters::SLOTS],
+    ways: [Option<RouteCounter>; RouteCounters::SETS * RouteCounters::WAYS],
 }
 
 #[cfg(feature = "axum")]
 impl RouteCounters {
-    const SLOTS: usize = 64;
+    const SETS: usize = 8;
+    const WAYS: usize = 8;
     /// Counts on a thread after which a kept counter is looked up again.
     pub(crate) const REFRESH: u64 = 4_096;
 
@@ -250,46 +259,66 @@ impl RouteCounters {
             static COUNTERS: std::cell::RefCell<Option<Box<RouteCounters>>> =
                 const { std::cell::RefCell::new(None) };
         }
-        // FNV-1a over the route, mixed with the rule's address and the
-        // outcome's.
-        let mut h = route.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-        });
-        for part in [
-            std::sync::Arc::as_ptr(rule).cast::<u8>() as usize,
-            outcome.as_ptr() as usize,
-        ] {
-            h = (h ^ part as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        // FNV-1a over the three labels' bytes (not their addresses, which
+        // vary from run to run), each ended by a byte no label holds.
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        for part in [rule.as_bytes(), route.as_bytes(), outcome.as_bytes()] {
+            for &b in part.iter().chain(&[0xff]) {
+                h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+            }
         }
-        let at = usize::try_from(h.wrapping_shr(64u32.wrapping_sub(Self::SLOTS.trailing_zeros())))
+        let set = usize::try_from(h.wrapping_shr(64u32.wrapping_sub(Self::SETS.trailing_zeros())))
             .unwrap_or(0);
         let counted = COUNTERS.try_with(|counters| {
             let mut counters = counters.try_borrow_mut().ok()?;
             let counters = counters.get_or_insert_with(|| {
                 Box::new(RouteCounters {
                     counts: 0,
-                    slots: [const { None }; RouteCounters::SLOTS],
+                    ways: [const { None }; RouteCounters::SETS * RouteCounters::WAYS],
                 })
             });
             let counts = counters.counts.wrapping_add(1);
             counters.counts = counts;
-            let entry = counters.slots.get_mut(at)?;
-            let fresh = entry.as_ref().is_some_and(|e| {
-                std::sync::Arc::ptr_eq(&e.rule, rule)
-                    && e.outcome == outcome
-                    && *e.route == *route
-                    && counts.wrapping_sub(e.registered) < Self::REFRESH
+            let first = set.saturating_mul(Self::WAYS);
+            let ways = counters
+                .ways
+                .get_mut(first..first.saturating_add(Self::WAYS))?;
+            let found = ways.iter().position(|e| {
+                e.as_ref().is_some_and(|e| {
+                    e.hash == h
+                        && std::sync::Arc::ptr_eq(&e.rule, rule)
+                        && e.outcome == outcome
+                        && *e.route == *route
+                })
             });
+            // The way to use: the counter's own, else an empty one, else
+            // the least recently used.
+            let at = found.or_else(|| {
+                ways.iter()
+                    .enumerate()
+                    .min_by_key(|(_, e)| e.as_ref().map_or(0, |e| e.used.wrapping_add(1)))
+                    .map(|(i, _)| i)
+            })?;
+            let entry = ways.get_mut(at)?;
+            let fresh = found.is_some()
+                && entry
+                    .as_ref()
+                    .is_some_and(|e| counts.wrapping_sub(e.registered) < Self::REFRESH);
             if !fresh {
                 *entry = Some(RouteCounter {
                     rule: std::sync::Arc::clone(rule),
                     route: route.into(),
                     outcome,
+                    hash: h,
                     counter: Self::register(rule, route, outcome),
                     registered: counts,
+                    used: counts,
                 });
             }
-            entry.as_ref().map(|e| e.counter.increment(1))
+            entry.as_mut().map(|e| {
+                e.used = counts;
+                e.counter.increment(1);
+            })
         });
         // A thread being torn down (or a re-entrant call) counts through
         // the registry.
@@ -299,6 +328,8 @@ impl RouteCounters {
     }
 
     fn register(rule: &std::sync::Arc<str>, route: &str, outcome: &'static str) -> Counter {
+        #[cfg(test)]
+        route_counter_tests::REGISTERED.with(|n| n.set(n.get().saturating_add(1)));
         metrics::counter!(
             "tollgate_route_requests_total",
             "rule" => std::sync::Arc::clone(rule),
@@ -610,6 +641,44 @@ mod decision_log_tests {
 mod route_counter_tests {
     use super::{count_route, RouteCounters};
     use crate::rate_limit::tests::Recorded;
+
+    thread_local! {
+        /// Registry lookups of route counters made on this thread.
+        pub(super) static REGISTERED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    }
+
+    #[test]
+    fn a_few_hot_counters_are_kept_whatever_their_hashes() {
+        // As many counters as a set has ways, counted in turn, many
+        // times: each is looked up once, then again only every REFRESH
+        // counts (a direct-mapped cache let two of them evict each other
+        // on every count when their hashes met).
+        let rules: Vec<std::sync::Arc<str>> = (0..RouteCounters::WAYS)
+            .map(|i| format!("rule-{i}").into())
+            .collect();
+        let req = http::Request::new(());
+        let rec = Recorded::default();
+        let rounds = 2_000u64;
+        let before = REGISTERED.with(std::cell::Cell::get);
+        metrics::with_local_recorder(&rec, || {
+            for _ in 0..rounds {
+                for (i, rule) in rules.iter().enumerate() {
+                    count_route(rule, &req, if i % 2 == 0 { "allowed" } else { "limited" });
+                }
+            }
+        });
+        let lookups = REGISTERED.with(std::cell::Cell::get) - before;
+        let counts = rounds * rules.len() as u64;
+        let most = rules.len() as u64 * (1 + counts / RouteCounters::REFRESH);
+        assert!(lookups <= most, "{lookups} lookups for {counts} counts");
+        for (i, rule) in rules.iter().enumerate() {
+            let outcome = if i % 2 == 0 { "allowed" } else { "limited" };
+            let series = format!(
+                "tollgate_route_requests_total{{rule={rule},route=unmatched,outcome={outcome}}}"
+            );
+            assert_eq!(rec.get(&series), rounds, "{series}");
+        }
+    }
 
     #[test]
     fn kept_counters_are_looked_up_again() {

@@ -103,7 +103,9 @@ pub struct Acquire {
 /// A held concurrency lease.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Lease {
-    /// The lease's identifier within its key.
+    /// The lease's identifier, chosen by the store: within its key, or
+    /// (a store that [releases by lease](crate::ConcurrencyLimiter::releases_by_lease))
+    /// saying where its key is kept.
     pub id: u64,
     /// How many permits it holds.
     pub permits: u32,

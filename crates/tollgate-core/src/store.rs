@@ -298,7 +298,9 @@ pub trait ConcurrencyLimiter: Clone + Send + Sync + 'static {
     }
 
     /// Gives `lease` back for `key`; see the trait docs. Releasing a lease
-    /// twice is a bug in the caller; stores do not promise to notice.
+    /// twice is a bug in the caller; stores do not promise to notice. A
+    /// granted lease holds exactly the permits asked for (callers that
+    /// hold several limits' leases for one request rely on it).
     fn release(&self, key: &[u8], lease: Lease) -> Self::ReleaseFuture;
 
     /// Whether [`release`](Self::release) finds a lease's permits by the

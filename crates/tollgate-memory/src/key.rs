@@ -7,8 +7,9 @@ use siphasher::sip::SipHasher13;
 /// A client key as stored: SipHash-1-3 (64-bit) under a per-store random
 /// secret, so keys of any length cost 8 bytes, raw keys (personal data)
 /// are never kept, and without the secret nobody can aim a key at
-/// another's slot. Two keys share a slot only by accident (about n² / 2⁶⁵
-/// for n live keys: one in 37 million for a million keys), and then they
+/// another's slot. Two keys share a slot only by accident (about n² / 2⁶³
+/// for n live keys, a slot being 62 bits of the hash: one in 9 million
+/// for a million keys), and then they
 /// share one budget: stricter, never looser.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct KeyHash {

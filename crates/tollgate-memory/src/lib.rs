@@ -13,9 +13,9 @@
 //!   SipHash-1-3 under a per-store random secret: 8 bytes however long the
 //!   key (plus 8 for a one-word state), no raw key (personal data) in
 //!   memory, and without the secret nobody can aim two keys at one slot.
-//!   Two keys share a slot only by accident (about n² / 2⁶⁵ for n live keys:
-//!   one in 37 million for a million keys), and then they share one budget:
-//!   stricter, never looser.
+//!   Two keys share a slot only by accident (about n² / 2⁶³ for n live keys,
+//!   a slot being 62 bits of the hash: one in 9 million for a million
+//!   keys), and then they share one budget: stricter, never looser.
 //! - **Self-cleaning.** A key whose state decides exactly as a fresh key's
 //!   (its budget is whole again) carries no information and is dropped.
 //!   Shards are swept when they grow, and one shard in turn is looked at

@@ -517,8 +517,8 @@ impl<K: Kind, C: Clock> Table<K, C> {
                 < FULL_SWEEP_EVERY
     }
 
-    /// Runs `f` on the overflow state that `key` would share if the table
-    /// were full.
+    /// Runs `f` on the overflow state of the shard of the key whose hash
+    /// is `hash` (where it was decided while the table was full).
     pub(crate) fn update_overflow<R>(&self, hash: KeyHash, f: impl FnMut(&mut K::State) -> R) -> R {
         self.shard(hash.shard as usize).overflow.update(f)
     }

@@ -66,6 +66,26 @@ impl<E: 'static> RejectionBody for http_body_util::combinators::BoxBody<Bytes, E
     }
 }
 
+impl<E: 'static> RejectionBody for Pin<Box<dyn Body<Data = Bytes, Error = E> + Send>> {
+    fn rejection(bytes: Bytes) -> Self {
+        use http_body_util::BodyExt;
+        Box::pin(http_body_util::Full::new(bytes).map_err(|never| match never {}))
+    }
+}
+
+/// The rejection on the left.
+impl<L, R> RejectionBody for http_body_util::Either<L, R>
+where
+    L: RejectionBody,
+    L::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    R: Body<Data = Bytes>,
+    R::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    fn rejection(bytes: Bytes) -> Self {
+        http_body_util::Either::Left(L::rejection(bytes))
+    }
+}
+
 #[cfg(feature = "axum")]
 impl RejectionBody for axum::body::Body {
     fn rejection(bytes: Bytes) -> Self {
@@ -111,7 +131,39 @@ pin_project! {
 
 impl<B> ResponseBody<B> {
     /// Wraps a service's `body`, for a body type that is not a
-    /// [`RejectionBody`] of its own.
+    /// [`RejectionBody`] of its own (hyper's `Incoming` from a proxied
+    /// upstream, a body type of the application's): map the responses
+    /// below the layer.
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    ///
+    /// use bytes::Bytes;
+    /// use http::{Request, Response};
+    /// use http_body_util::Empty;
+    /// use tollgate::{key::Global, Limit, Rate, RateLimitLayer, ResponseBody};
+    /// use tower::{service_fn, ServiceBuilder, ServiceExt};
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # tokio::runtime::Builder::new_current_thread().enable_time().build()?.block_on(async {
+    /// // A body type that cannot carry a rejection.
+    /// let upstream = service_fn(|_req: Request<String>| async {
+    ///     Ok::<_, Infallible>(Response::new(Empty::<Bytes>::new()))
+    /// });
+    /// let svc = ServiceBuilder::new()
+    ///     .layer(
+    ///         RateLimitLayer::builder("api", Limit::gcra(Rate::per_second(10), 20))
+    ///             .key(Global)
+    ///             .build()?,
+    ///     )
+    ///     .map_response(|res: Response<Empty<Bytes>>| res.map(ResponseBody::wrap))
+    ///     .service(upstream);
+    /// let res = svc.oneshot(Request::new(String::new())).await?;
+    /// assert_eq!(res.status(), 200);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })
+    /// # }
+    /// ```
     pub fn wrap(body: B) -> Self {
         Self::inner(body)
     }
@@ -208,6 +260,15 @@ mod tests {
             want
         );
         assert_eq!(read::<ResponseBody<String>>().await, want);
+        assert_eq!(
+            read::<Pin<Box<dyn Body<Data = Bytes, Error = std::io::Error> + Send>>>().await,
+            want
+        );
+        assert_eq!(
+            read::<http_body_util::Either<String, http_body_util::Empty<Bytes>>>().await,
+            want
+        );
+        assert_eq!(read::<crate::concurrency::PermitBody<String>>().await, want);
         #[cfg(feature = "axum")]
         assert_eq!(read::<axum::body::Body>().await, want);
         #[cfg(feature = "tonic")]

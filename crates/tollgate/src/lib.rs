@@ -16,7 +16,11 @@
 //! refuses, with plans, allow and deny lists, canaries, idempotent
 //! repeats and response-aware rules (failed logins). They work with any
 //! `http::Request` service: axum routers (`.layer`, `.route_layer`),
-//! tonic servers, and plain Tower stacks.
+//! tonic servers (feature `tonic`), and plain Tower stacks. Responses
+//! pass through in the inner service's own body type, in which a
+//! rejection is made too ([`RejectionBody`]: axum's and tonic's bodies,
+//! `String`, `Full`, boxed bodies; any other with
+//! [`ResponseBody::wrap`]).
 //!
 //! ```
 //! use axum::{routing::{get, post}, Router};
@@ -70,7 +74,8 @@
 //!
 //! | feature | default | what it adds |
 //! |---|---|---|
-//! | `axum` | yes | peer IPs from axum's `ConnectInfo`, [`key::Route`] from `MatchedPath` |
+//! | `axum` | yes | peer IPs from axum's `ConnectInfo`, [`key::Route`] from `MatchedPath`; rejections in axum's `Body` |
+//! | `tonic` | no | rejections in tonic's `Body`, so the layers wrap a tonic server's routes |
 //! | `redis` | no | `RedisStore` (standalone and Cluster), re-exported from `tollgate-redis` |
 
 #![forbid(unsafe_code)]

@@ -86,6 +86,20 @@ pub async fn concurrency_permits<S: Store>(store: &S, clock: &ManualClock) {
         std::thread::sleep(Duration::from_millis(1));
     }
     assert!(freed, "a dropped release future cancelled the release");
+    // A store that finds leases by the lease alone is given no key.
+    if sem.releases_by_lease() {
+        let f = sem.acquire(key, 2, all).await.unwrap().lease.expect("two");
+        let g = sem
+            .acquire(b"other", 1, all)
+            .await
+            .unwrap()
+            .lease
+            .expect("one");
+        sem.release(b"", f).await.unwrap();
+        sem.release(key, g).await.unwrap();
+        assert_eq!(sem.held(key).await.unwrap(), 0);
+        assert_eq!(sem.held(b"other").await.unwrap(), 0);
+    }
 }
 
 /// For stores whose permits are leases that lapse (networked stores): a

@@ -19,7 +19,7 @@ pub(crate) trait Release: Send + Sync + 'static {
 /// What a request holds: a lease per limit that granted one, compact (it
 /// travels in every response future and body, which are moved often).
 /// Every lease of a request is of its weight.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct Held {
     /// The request's key (as the store saw it), when the release reads
     /// it; else empty (no allocation).
@@ -34,6 +34,25 @@ pub(crate) struct Held {
     /// What is held: [`PER_KEY`], [`SERVICE`], [`ADAPTIVE`]; and
     /// [`COUNTED`] once the in-flight gauge counts the request.
     flags: u8,
+}
+
+/// Never the key itself (a client's API key, say): its length.
+impl fmt::Debug for Held {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Held")
+            .field("key_len", &self.key.len())
+            .field(
+                "per_key",
+                &(self.flags & PER_KEY != 0).then_some(self.per_key),
+            )
+            .field(
+                "service",
+                &(self.flags & SERVICE != 0).then_some(self.service),
+            )
+            .field("adaptive", &(self.flags & ADAPTIVE != 0))
+            .field("weight", &self.weight)
+            .finish()
+    }
 }
 
 const PER_KEY: u8 = 1;
@@ -70,9 +89,10 @@ impl Held {
         }
     }
 
-    /// The in-flight gauge counts this request (its weight).
-    pub(crate) fn set_counted(&mut self) {
+    /// The in-flight gauge counts this request: its weight, returned.
+    pub(crate) fn set_counted(&mut self) -> u32 {
         self.flags |= COUNTED;
+        self.weight
     }
 
     fn take(&mut self, flag: u8) -> bool {

@@ -565,8 +565,8 @@ where
         let permit = if guard.held_mut().is_empty() {
             None
         } else {
-            self.metrics.in_flight.increment(f64::from(permits));
-            guard.held_mut().set_counted();
+            let weight = guard.held_mut().set_counted();
+            self.metrics.in_flight.increment(f64::from(weight));
             Some(guard)
         };
         Admission::Go(Admitted {

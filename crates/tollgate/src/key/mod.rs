@@ -62,7 +62,7 @@ pub struct KeyBuf {
 }
 
 /// A finished key, owned and compact: kept by whatever must reach the
-/// store again after the request has moved on (a permit's release, a
+/// store again after the request has moved on (a retry's withdrawal, a
 /// paced body's next chunk). A finished [`KeyBuf`] is at most
 /// [`MAX_RAW_KEY`] bytes (longer keys are hashed), so the long form is
 /// never used in practice.
@@ -70,13 +70,6 @@ pub struct KeyBuf {
 pub(crate) enum KeyBytes {
     Short { len: u8, bytes: [u8; 64] },
     Long(Box<[u8]>),
-}
-
-impl Default for KeyBytes {
-    /// The empty key (no allocation: a box of nothing).
-    fn default() -> Self {
-        KeyBytes::Long(Box::default())
-    }
 }
 
 impl KeyBytes {

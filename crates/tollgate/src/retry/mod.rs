@@ -93,6 +93,6 @@ pub use policy::Attempt;
 /// A request body as the retry layer sends it: the whole body, buffered so
 /// that every attempt sends the same bytes, or — for a body too large or
 /// of unknown length to buffer — the original stream, sent once (such a
-/// request is not retried). The same type as a limited response's body:
+/// request is not retried). The same type as [`ResponseBody`](crate::ResponseBody):
 /// a body of its own bytes, or another's.
 pub type ReplayBody<B> = crate::ResponseBody<B>;

@@ -10,6 +10,7 @@
 #
 #   benches/e2e.sh                 # 10 s per route, 16 connections
 #   DURATION=30s CONNECTIONS=32 benches/e2e.sh
+#   QUICKSTART_BIN=path/to/quickstart benches/e2e.sh   # another build (A/B)
 #
 # Needs wrk (Debian: apt-get install wrk). Traffic goes to 127.0.0.1 only.
 set -euo pipefail
@@ -20,9 +21,12 @@ CONNECTIONS=${CONNECTIONS:-16}
 ADDR=127.0.0.1:${PORT:-3999}
 
 command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install wrk)" >&2; exit 1; }
-cargo build --release -q -p tollgate-examples --bin quickstart
+if [ -z "${QUICKSTART_BIN:-}" ]; then
+    cargo build --release -q -p tollgate-examples --bin quickstart
+    QUICKSTART_BIN=./target/release/quickstart
+fi
 
-TOLLGATE_ADDR=$ADDR TOLLGATE_TRUSTED_PROXIES=127.0.0.1 ./target/release/quickstart >/dev/null &
+TOLLGATE_ADDR=$ADDR TOLLGATE_TRUSTED_PROXIES=127.0.0.1 "$QUICKSTART_BIN" >/dev/null &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
 for _ in $(seq 50); do

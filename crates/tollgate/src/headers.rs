@@ -418,19 +418,14 @@ const NUMBERS: usize = 6;
 struct Remembered {
     id: u64,
     key: Numbers,
-    /// The thread's tick when it was last sent.
-    sent: u64,
     /// `None` the first time the value is seen: only a value sent again
     /// is kept (keeping one means sharing its bytes, an allocation a
     /// one-off value would pay for nothing).
     value: Option<HeaderValue>,
 }
 
-/// A thread's remembered values, and its clock of lookups.
-struct Values {
-    tick: u64,
-    ways: [Option<Remembered>; RECENT],
-}
+/// A thread's remembered values.
+type Values = crate::ways::Ways<Remembered, RECENT, WAYS>;
 
 /// The numbers a value is rendered from, and how many there are.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -481,16 +476,15 @@ fn pack(values: impl Iterator<Item = u64>, out: &mut [u64; NUMBERS + 1]) -> &[u6
     }
 }
 
-/// Where (`id`, `key`) is remembered.
-fn slot(id: u64, key: &Numbers) -> usize {
+/// The set of ways where (`id`, `key`) is remembered.
+fn set_of(id: u64, key: &Numbers) -> usize {
     let start = id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ u64::from(key.len);
     let mix = key.numbers.iter().fold(start, |h, &n| {
         h.rotate_left(23)
             .wrapping_add(n)
             .wrapping_mul(0xc2b2_ae3d_27d4_eb4f)
     });
-    // The top bits, as an index below RECENT (a power of two).
-    usize::try_from(mix.wrapping_shr(64u32.wrapping_sub(RECENT.trailing_zeros()))).unwrap_or(0)
+    Values::set_of(mix)
 }
 
 /// The value that header set `id` renders from `of`: a shared copy (a
@@ -529,27 +523,18 @@ fn remembered_if(
         return render();
     };
     // Four ways: the values a response sends together seldom take turns
-    // evicting each other. Each entry keeps when it was last sent; a new
-    // value takes an empty way, else the least recently sent.
-    let set = slot(id, &key) & !(WAYS - 1);
-    let this = |w: &Option<Remembered>| w.as_ref().is_some_and(|e| e.id == id && e.key == key);
+    // evicting each other; a new value takes an empty way, else the
+    // least recently sent's.
+    let set = set_of(id, &key);
+    let this = |e: &Remembered| e.id == id && e.key == key;
     // What the set knows of the value: kept (a copy to send), or seen
     // once before.
     let known = VALUES
         .try_with(|values| {
             let mut values = values.try_borrow_mut().ok()?;
-            let values = values.get_or_insert_with(|| {
-                Box::new(Values {
-                    tick: 0,
-                    ways: [const { None }; RECENT],
-                })
-            });
-            let tick = values.tick.wrapping_add(1);
-            values.tick = tick;
-            let ways = values.ways.get_mut(set..set.saturating_add(WAYS))?;
-            let e = ways.iter_mut().find(|w| this(w))?.as_mut()?;
-            e.sent = tick;
-            Some(e.value.clone())
+            let values = values.get_or_insert_with(|| Box::new(Values::new()));
+            values.tick();
+            Some(values.find(set, this)?.value.clone())
         })
         .ok()
         .flatten();
@@ -565,26 +550,13 @@ fn remembered_if(
         let Ok(mut values) = values.try_borrow_mut() else {
             return;
         };
-        let Some(values) = values.as_mut() else {
-            return;
-        };
-        let sent = values.tick;
-        let Some(ways) = values.ways.get_mut(set..set.saturating_add(WAYS)) else {
-            return;
-        };
-        let way = match ways.iter().position(this) {
-            Some(i) => ways.get_mut(i),
-            None => ways
-                .iter_mut()
-                .min_by_key(|w| w.as_ref().map_or(0, |e| e.sent.saturating_add(1))),
-        };
-        if let Some(way) = way {
-            *way = Some(Remembered {
+        if let Some(values) = values.as_mut() {
+            let entry = Remembered {
                 id,
                 key,
-                sent,
                 value: seen.then(|| value.clone()),
-            });
+            };
+            values.put(set, this, entry);
         }
     });
     Some(value)
@@ -921,13 +893,13 @@ mod tests {
                 }
             }
         }
-        // Two rules whose values share a slot take turns in it, and
+        // Two rules whose values share a set of ways (same numbers), and
         // neither is ever sent the other's.
         let mut c = Headers::new(&rule("c"), true, false);
         // (An id no other header set has: past every one made so far.)
         c.id = (new_id()..)
             .find(|&id| {
-                let at = |id| slot(id, &numbers(&[7, 1]).unwrap());
+                let at = |id| set_of(id, &numbers(&[7, 1]).unwrap());
                 at(id) == at(a.id)
             })
             .unwrap();
@@ -952,10 +924,10 @@ mod tests {
             Some(HeaderValue::from_static("x"))
         };
         // Ids whose values of [1] share one set of ways.
-        let set_of = |id| slot(id, &numbers(&[1]).unwrap()) & !(WAYS - 1);
+        let set = |id| set_of(id, &numbers(&[1]).unwrap());
         let base = new_id();
         let ids: Vec<u64> = (base..)
-            .filter(|&id| set_of(id) == set_of(base))
+            .filter(|&id| set(id) == set(base))
             .take(WAYS + 20)
             .collect();
         // A value is kept the second time it is rendered: as many values

@@ -106,6 +106,7 @@ pub mod rate_limit;
 pub mod rejection;
 pub mod retry;
 mod task;
+mod ways;
 
 pub use body::{RejectionBody, ResponseBody};
 pub use clock::TokioClock;

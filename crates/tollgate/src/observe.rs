@@ -229,34 +229,28 @@ struct RouteCounter {
     counter: Counter,
     /// The thread's count when the counter was looked up in the registry.
     registered: u64,
-    /// The thread's count when the counter last counted.
-    used: u64,
 }
 
-/// The route counters a thread used lately: [`RouteCounters::SETS`] sets
-/// of [`RouteCounters::WAYS`], a set picked by a hash of (rule, route,
-/// outcome), the least recently used way of a full set replaced. Any
+/// The route counters a thread used lately, in sets of ways picked by a
+/// hash of (rule, route, outcome) ([`Ways`](crate::ways::Ways): any
 /// [`RouteCounters::WAYS`] counters are kept together whatever their
-/// hashes: a few hot counters never take turns evicting each other (a
-/// direct-mapped cache did, on some process starts, for every request).
+/// hashes; a direct-mapped cache let two hot counters evict each other on
+/// every request, on some process starts).
 #[cfg(feature = "axum")]
-struct RouteCounters {
-    /// Counts made on this thread.
-    counts: u64,
-    ways: [Option<RouteCounter>; RouteCounters::SETS * RouteCounters::WAYS],
-}
+struct RouteCounters;
 
 #[cfg(feature = "axum")]
 impl RouteCounters {
-    const SETS: usize = 8;
     const WAYS: usize = 8;
     /// Counts on a thread after which a kept counter is looked up again.
     pub(crate) const REFRESH: u64 = 4_096;
 
     fn increment(rule: &std::sync::Arc<str>, route: &str, outcome: &'static str) {
+        type Kept = crate::ways::Ways<RouteCounter, 64, { RouteCounters::WAYS }>;
         thread_local! {
-            // Allocated on the thread's first count.
-            static COUNTERS: std::cell::RefCell<Option<Box<RouteCounters>>> =
+            // Allocated on the thread's first count; its tick counts the
+            // thread's counts.
+            static COUNTERS: std::cell::RefCell<Option<Box<Kept>>> =
                 const { std::cell::RefCell::new(None) };
         }
         // FNV-1a over the three labels' bytes (not their addresses, which
@@ -267,58 +261,32 @@ impl RouteCounters {
                 h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
             }
         }
-        let set = usize::try_from(h.wrapping_shr(64u32.wrapping_sub(Self::SETS.trailing_zeros())))
-            .unwrap_or(0);
+        let set = Kept::set_of(h);
+        let this = |e: &RouteCounter| {
+            e.hash == h
+                && std::sync::Arc::ptr_eq(&e.rule, rule)
+                && e.outcome == outcome
+                && *e.route == *route
+        };
         let counted = COUNTERS.try_with(|counters| {
             let mut counters = counters.try_borrow_mut().ok()?;
-            let counters = counters.get_or_insert_with(|| {
-                Box::new(RouteCounters {
-                    counts: 0,
-                    ways: [const { None }; RouteCounters::SETS * RouteCounters::WAYS],
-                })
-            });
-            let counts = counters.counts.wrapping_add(1);
-            counters.counts = counts;
-            let first = set.saturating_mul(Self::WAYS);
-            let ways = counters
-                .ways
-                .get_mut(first..first.saturating_add(Self::WAYS))?;
-            let found = ways.iter().position(|e| {
-                e.as_ref().is_some_and(|e| {
-                    e.hash == h
-                        && std::sync::Arc::ptr_eq(&e.rule, rule)
-                        && e.outcome == outcome
-                        && *e.route == *route
-                })
-            });
-            // The way to use: the counter's own, else an empty one, else
-            // the least recently used.
-            let at = found.or_else(|| {
-                ways.iter()
-                    .enumerate()
-                    .min_by_key(|(_, e)| e.as_ref().map_or(0, |e| e.used.wrapping_add(1)))
-                    .map(|(i, _)| i)
-            })?;
-            let entry = ways.get_mut(at)?;
-            let fresh = found.is_some()
-                && entry
-                    .as_ref()
-                    .is_some_and(|e| counts.wrapping_sub(e.registered) < Self::REFRESH);
-            if !fresh {
-                *entry = Some(RouteCounter {
-                    rule: std::sync::Arc::clone(rule),
-                    route: route.into(),
-                    outcome,
-                    hash: h,
-                    counter: Self::register(rule, route, outcome),
-                    registered: counts,
-                    used: counts,
-                });
+            let kept = counters.get_or_insert_with(|| Box::new(Kept::new()));
+            let counts = kept.tick();
+            if let Some(e) = kept.find(set, this) {
+                if counts.wrapping_sub(e.registered) < Self::REFRESH {
+                    e.counter.increment(1);
+                    return Some(());
+                }
             }
-            entry.as_mut().map(|e| {
-                e.used = counts;
-                e.counter.increment(1);
-            })
+            let fresh = RouteCounter {
+                rule: std::sync::Arc::clone(rule),
+                route: route.into(),
+                outcome,
+                hash: h,
+                counter: Self::register(rule, route, outcome),
+                registered: counts,
+            };
+            kept.put(set, this, fresh).map(|e| e.counter.increment(1))
         });
         // A thread being torn down (or a re-entrant call) counts through
         // the registry.

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use tollgate_core::{ConcurrencyLimiter, ConcurrencyRule, Limit, ManualClock, Rate, Rule, Store};
-use tollgate_memory::MemoryStore;
+use tollgate_memory::{MemoryConcurrencyLimiter, MemoryStore};
 
 fn store(clock: &ManualClock, max_keys: usize, shards: usize) -> MemoryStore<ManualClock> {
     MemoryStore::builder()
@@ -12,6 +12,12 @@ fn store(clock: &ManualClock, max_keys: usize, shards: usize) -> MemoryStore<Man
         .max_keys(max_keys)
         .shards(shards)
         .build()
+        .unwrap()
+}
+
+/// Concurrency rule "conc" of `max` permits, bound to `s`.
+fn semaphore(s: &MemoryStore<ManualClock>, max: u32) -> MemoryConcurrencyLimiter<ManualClock> {
+    s.concurrency_limiter(&ConcurrencyRule::new("conc", max, Duration::from_secs(30)).unwrap())
         .unwrap()
 }
 
@@ -220,9 +226,7 @@ fn purge_idle_drops_exactly_the_idle_keys() {
 fn leases_granted_while_full_can_be_released() {
     let clock = ManualClock::starting_at(1);
     let s = store(&clock, 1, 1);
-    let sem = s
-        .concurrency_limiter(&ConcurrencyRule::new("conc", 2, Duration::from_secs(30)).unwrap())
-        .unwrap();
+    let sem = semaphore(&s, 2);
     let held = sem.acquire_now(b"a", 1, u32::MAX).lease.unwrap();
     let over = sem.acquire_now(b"b", 2, u32::MAX).lease.unwrap();
     assert_eq!(s.key_count(), 1);
@@ -240,9 +244,7 @@ fn a_release_finds_its_key_by_the_lease_alone() {
     // that granted it, whatever key comes with it.
     let clock = ManualClock::starting_at(1);
     let s = store(&clock, 2, 1);
-    let sem = s
-        .concurrency_limiter(&ConcurrencyRule::new("conc", 2, Duration::from_secs(30)).unwrap())
-        .unwrap();
+    let sem = semaphore(&s, 2);
     assert!(sem.releases_by_lease());
     let a = sem.acquire_now(b"a", 2, u32::MAX).lease.unwrap();
     let b = sem.acquire_now(b"b", 1, u32::MAX).lease.unwrap();
@@ -318,9 +320,7 @@ fn only_keys_decided_in_the_overflow_state_carry_its_spending() {
 fn leases_from_the_overflow_state_are_released_there_after_a_slot_frees() {
     let clock = ManualClock::starting_at(1);
     let s = store(&clock, 1, 1);
-    let sem = s
-        .concurrency_limiter(&ConcurrencyRule::new("conc", 1, Duration::from_secs(30)).unwrap())
-        .unwrap();
+    let sem = semaphore(&s, 1);
     let a = sem.acquire_now(b"a", 1, u32::MAX).lease.unwrap();
     let b = sem.acquire_now(b"b", 1, u32::MAX).lease.unwrap(); // overflow
     sem.release_now(b"a", a); // "a" idle, its slot can go

@@ -29,6 +29,14 @@ pub(crate) static QUOTA_WARNING: HeaderName = HeaderName::from_static("quota-war
 /// one item (the percentage used) per rule past it.
 pub(crate) static RATELIMIT_WARNING: HeaderName = HeaderName::from_static("ratelimit-warning");
 
+/// Whether `used` of `limit` is at least `share` of it: a warning is due.
+pub(crate) fn is_past(used: u64, limit: u64, share: f64) -> bool {
+    // `used / limit >= share`, in floats where the counts are exact.
+    #[allow(clippy::cast_precision_loss)]
+    let past = limit > 0 && used as f64 >= share * limit as f64;
+    past
+}
+
 /// Appends the warning item `"name";used=<percent>` to `list` if `used`
 /// of `limit` is at least `share` of it; returns whether it did.
 pub(crate) fn push_warning<const N: usize>(
@@ -38,10 +46,7 @@ pub(crate) fn push_warning<const N: usize>(
     limit: u64,
     share: f64,
 ) -> bool {
-    // `used / limit >= share`, in floats where the counts are exact.
-    #[allow(clippy::cast_precision_loss)]
-    let past = limit > 0 && used as f64 >= share * limit as f64;
-    if !past {
+    if !is_past(used, limit, share) {
         return false;
     }
     if !list.as_bytes().is_empty() {
@@ -149,34 +154,26 @@ impl<const N: usize> fmt::Write for Buf<N> {
 
 /// Sets a structured-field list header to `value`, or, when another
 /// limiter (an inner layer) put items there already, lists ours first and
-/// theirs after, in one field line. The common case is one insert.
+/// theirs after, in one field line. One hash of the name either way: the
+/// common case is one insert into a field nobody set.
 pub(crate) fn add_items(headers: &mut HeaderMap, name: &HeaderName, value: HeaderValue) {
     // An empty list must not be sent (RFC 8941), nor joined into ", x".
     if value.is_empty() {
         return;
     }
-    // One hash of the name and one insert: the common case is a field
-    // nobody set (a full map drops ours; it never panics).
-    if !matches!(headers.try_append(name, value), Ok(true)) {
-        return;
-    }
-    // An inner limiter sent items already (its field lines, then ours,
-    // appended last): ours first, then every line of theirs, one line,
-    // built in one allocation of the exact size.
-    let Ok(http::header::Entry::Occupied(mut entry)) = headers.try_entry(name) else {
-        return;
+    // A full map drops ours; it never panics.
+    let mut entry = match headers.try_entry(name) {
+        Ok(http::header::Entry::Vacant(vacant)) => {
+            let _ = vacant.try_insert(value);
+            return;
+        }
+        Ok(http::header::Entry::Occupied(entry)) => entry,
+        Err(_) => return,
     };
-    let lines = entry.iter().count();
-    let theirs = || {
-        entry
-            .iter()
-            .take(lines.saturating_sub(1))
-            .filter(|v| !v.is_empty())
-    };
-    let ours = entry
-        .iter()
-        .next_back()
-        .map_or(&[][..], HeaderValue::as_bytes);
+    // An inner limiter sent items already: ours first, then every line of
+    // theirs, one line, built in one allocation of the exact size.
+    let ours = value.as_bytes();
+    let theirs = || entry.iter().filter(|v| !v.is_empty());
     let join = || {
         // The exact size, so that the bytes are handed over as they are.
         let len = theirs().fold(ours.len(), |n, v| {
@@ -195,8 +192,9 @@ pub(crate) fn add_items(headers: &mut HeaderMap, name: &HeaderName, value: Heade
     // bytes stay where they are), and the join is remembered by where the
     // two parts' bytes are. A value found is used only if it is their
     // join, byte for byte: bytes freed and reused for others never match.
-    let joined = match (lines, theirs().next()) {
-        (2, Some(inner)) => {
+    let mut lines = entry.iter();
+    let joined = match (lines.next(), lines.next()) {
+        (Some(inner), None) if !inner.is_empty() => {
             let at = |v: &[u8]| v.as_ptr() as usize as u64;
             let (i, o) = (inner.as_bytes(), ours);
             let key = [at(o), o.len() as u64, at(i), i.len() as u64];
@@ -211,8 +209,10 @@ pub(crate) fn add_items(headers: &mut HeaderMap, name: &HeaderName, value: Heade
         }
         _ => join(),
     };
-    if let Some(joined) = joined {
-        entry.insert(joined);
+    match joined {
+        Some(joined) => drop(entry.insert(joined)),
+        // Not a header value (it always is): theirs, then ours.
+        None => entry.append(value),
     }
 }
 
@@ -416,6 +416,9 @@ const NUMBERS: usize = 6;
 
 /// A header value and what it was rendered for.
 struct Remembered {
+    /// The hash of `id` and `key` (their set is part of it): a way that
+    /// holds another value is passed over on one comparison.
+    hash: u64,
     id: u64,
     key: Numbers,
     /// `None` the first time the value is seen: only a value sent again
@@ -476,15 +479,15 @@ fn pack(values: impl Iterator<Item = u64>, out: &mut [u64; NUMBERS + 1]) -> &[u6
     }
 }
 
-/// The set of ways where (`id`, `key`) is remembered.
-fn set_of(id: u64, key: &Numbers) -> usize {
+/// The hash of (`id`, `key`); its top bits pick the set of ways where
+/// the value is remembered.
+fn hash_of(id: u64, key: &Numbers) -> u64 {
     let start = id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ u64::from(key.len);
-    let mix = key.numbers.iter().fold(start, |h, &n| {
+    key.numbers.iter().fold(start, |h, &n| {
         h.rotate_left(23)
             .wrapping_add(n)
             .wrapping_mul(0xc2b2_ae3d_27d4_eb4f)
-    });
-    Values::set_of(mix)
+    })
 }
 
 /// The value that header set `id` renders from `of`: a shared copy (a
@@ -525,8 +528,9 @@ fn remembered_if(
     // Four ways: the values a response sends together seldom take turns
     // evicting each other; a new value takes an empty way, else the
     // least recently sent's.
-    let set = set_of(id, &key);
-    let this = |e: &Remembered| e.id == id && e.key == key;
+    let hash = hash_of(id, &key);
+    let set = Values::set_of(hash);
+    let this = |e: &Remembered| e.hash == hash && e.id == id && e.key == key;
     // What the set knows of the value: kept (a copy to send), or seen
     // once before.
     let known = VALUES
@@ -552,6 +556,7 @@ fn remembered_if(
         };
         if let Some(values) = values.as_mut() {
             let entry = Remembered {
+                hash,
                 id,
                 key,
                 value: seen.then(|| value.clone()),
@@ -899,7 +904,7 @@ mod tests {
         // (An id no other header set has: past every one made so far.)
         c.id = (new_id()..)
             .find(|&id| {
-                let at = |id| set_of(id, &numbers(&[7, 1]).unwrap());
+                let at = |id| Values::set_of(hash_of(id, &numbers(&[7, 1]).unwrap()));
                 at(id) == at(a.id)
             })
             .unwrap();
@@ -924,7 +929,7 @@ mod tests {
             Some(HeaderValue::from_static("x"))
         };
         // Ids whose values of [1] share one set of ways.
-        let set = |id| set_of(id, &numbers(&[1]).unwrap());
+        let set = |id| Values::set_of(hash_of(id, &numbers(&[1]).unwrap()));
         let base = new_id();
         let ids: Vec<u64> = (base..)
             .filter(|&id| set(id) == set(base))

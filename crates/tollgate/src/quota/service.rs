@@ -64,10 +64,18 @@ impl Responder {
     fn admitted(&self, headers: &mut http::HeaderMap, d: &QuotaDecision) {
         self.headers.apply(headers, d);
         let Some(soft) = self.soft else { return };
+        let used = |p: &tollgate_core::PeriodStatus| p.limit.saturating_sub(p.remaining);
+        // Most responses warn of nothing: no buffer to clear for them.
+        if !d
+            .periods()
+            .iter()
+            .any(|p| crate::headers::is_past(used(p), p.limit, soft))
+        {
+            return;
+        }
         let mut warn = Buf::<1024>::empty();
         for (name, p) in self.items.iter().zip(d.periods()) {
-            let used = p.limit.saturating_sub(p.remaining);
-            crate::headers::push_warning(&mut warn, name, used, p.limit, soft);
+            crate::headers::push_warning(&mut warn, name, used(p), p.limit, soft);
         }
         if !warn.as_bytes().is_empty() {
             self.warnings.increment(1);

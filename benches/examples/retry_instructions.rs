@@ -1,6 +1,6 @@
 //! Runs `retry_overhead`'s calls N times, for instruction counts:
 //! `valgrind --tool=callgrind target/release/examples/retry_instructions tollgate 30000`
-//! (`bare`, `tollgate` or `tower`). Subtract a run of 10,000 from one of
+//! (`bare`, `tollgate`, `tollgate_global` or `tower`). Subtract a run of 10,000 from one of
 //! 30,000 and divide by 20,000; less `bare`'s, what the layer adds.
 #![allow(missing_docs, clippy::unwrap_used, clippy::panic)]
 use http::{Request, Response, StatusCode};
@@ -18,6 +18,7 @@ fn main() {
         match which.as_str() {
             "bare" => run(retry::bare(), n).await,
             "tollgate" => run(retry::tollgate(), n).await,
+            "tollgate_global" => run(retry::tollgate_global(), n).await,
             "tower" => run(retry::tower(), n).await,
             other => panic!("unknown stack {other:?}"),
         }

@@ -139,6 +139,19 @@ pub mod concurrency {
         router().layer(layer)
     }
 
+    /// The router behind tollgate's limit of `max` in flight for the
+    /// whole service (key [`Global`](tollgate::key::Global)), without
+    /// headers: the work tower's global semaphore does, plus holding the
+    /// permit to the body's end.
+    pub fn tollgate_global(max: u32) -> Router {
+        let layer = ConcurrencyLayer::builder("bench", max)
+            .key(tollgate::key::Global)
+            .headers(false)
+            .build()
+            .unwrap_or_else(|e| unreachable!("{e}"));
+        router().layer(layer)
+    }
+
     /// The router behind tower's global limit of `max`, shedding load.
     pub fn tower(max: usize) -> Router {
         router().layer(
@@ -187,6 +200,17 @@ pub mod retry {
     pub fn tollgate(
     ) -> impl Service<Request<String>, Response = Response<String>, Error = BoxError> + Clone {
         RetryBudgetLayer::builder("bench")
+            .build()
+            .unwrap_or_else(|e| unreachable!("{e}"))
+            .layer(upstream::<ReplayBody<String>>())
+    }
+
+    /// [`tollgate`] with one budget for every upstream (key
+    /// [`Global`](tollgate::key::Global)), as tower's `TpsBudget` is.
+    pub fn tollgate_global(
+    ) -> impl Service<Request<String>, Response = Response<String>, Error = BoxError> + Clone {
+        RetryBudgetLayer::builder("bench")
+            .key(tollgate::key::Global)
             .build()
             .unwrap_or_else(|e| unreachable!("{e}"))
             .layer(upstream::<ReplayBody<String>>())

@@ -152,6 +152,10 @@ impl<const N: usize> fmt::Write for Buf<N> {
     }
 }
 
+/// The most fields [`add_items`] scans for its name instead of looking it
+/// up.
+const SCANNED: usize = 8;
+
 /// Sets a structured-field list header to `value`, or, when another
 /// limiter (an inner layer) put items there already, lists ours first and
 /// theirs after, in one field line. One hash of the name either way: the
@@ -161,7 +165,15 @@ pub(crate) fn add_items(headers: &mut HeaderMap, name: &HeaderName, value: Heade
     if value.is_empty() {
         return;
     }
-    // A full map drops ours; it never panics.
+    // The common case, a field nobody set, is one append: cheaper than an
+    // entry's insert (which takes http's displacing path even into an
+    // empty slot). A few fields (a handler's own) are scanned for the
+    // name rather than hashing it twice; in a larger map, the entry
+    // decides. A full map drops ours; it never panics.
+    if headers.keys_len() <= SCANNED && !headers.keys().any(|k| k == name) {
+        let _ = headers.try_append(name, value);
+        return;
+    }
     let mut entry = match headers.try_entry(name) {
         Ok(http::header::Entry::Vacant(vacant)) => {
             let _ = vacant.try_insert(value);
@@ -1161,6 +1173,37 @@ mod tests {
         h.apply(&mut m, &decision(Outcome::Allow { delay: 0 }, 17, 0), false);
         assert_eq!(m["ratelimit"], "\"per-key\";r=17;t=0, \"inner\";r=1");
         assert_eq!(m.get_all("ratelimit").iter().count(), 1);
+    }
+
+    #[test]
+    fn an_inner_field_is_found_among_few_fields_or_many() {
+        let rule = Rule::new("outer", Limit::gcra(Rate::per_second(10), 20)).unwrap();
+        let h = Headers::new(&rule, true, false);
+        // Around SCANNED, where the search for the name changes method;
+        // the inner field first, last, or absent.
+        for others in [0, 1, SCANNED - 1, SCANNED, SCANNED + 1, 3 * SCANNED] {
+            for inner in [None, Some(0), Some(others)] {
+                let mut m = HeaderMap::new();
+                for i in 0..=others {
+                    if inner == Some(i) {
+                        m.insert(RATELIMIT.clone(), HeaderValue::from_static("\"in\";r=1"));
+                    }
+                    if i < others {
+                        let name = HeaderName::try_from(format!("x-other-{i}")).unwrap();
+                        m.insert(name, HeaderValue::from_static("1"));
+                    }
+                }
+                h.apply(&mut m, &decision(Outcome::Allow { delay: 0 }, 3, 0), false);
+                let want = match inner {
+                    Some(_) => "\"outer\";r=3;t=0, \"in\";r=1",
+                    None => "\"outer\";r=3;t=0",
+                };
+                let case = format!("{others} others, inner at {inner:?}");
+                assert_eq!(m["ratelimit"], want, "{case}");
+                assert_eq!(m.get_all("ratelimit").iter().count(), 1, "{case}");
+                assert_eq!(m.get_all("ratelimit-policy").iter().count(), 1, "{case}");
+            }
+        }
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! What a concurrency limit adds to a request, body read included: an axum
 //! `Router` with one handler, driven by `oneshot` and its response body
-//! collected, bare, behind tollgate's per-key limit (memory store) and
-//! behind tower's global `ConcurrencyLimitLayer` + `LoadShedLayer`. One
-//! run, group `concurrency_overhead`.
+//! collected, bare, behind tollgate's per-key limit (memory store; also
+//! without headers, and as one global limit without headers) and behind
+//! tower's global `ConcurrencyLimitLayer` + `LoadShedLayer`. One run,
+//! group `concurrency_overhead`.
 #![allow(missing_docs, clippy::unwrap_used)]
 
 use axum::http::StatusCode;
@@ -38,6 +39,9 @@ fn concurrency_overhead(c: &mut Criterion) {
     run("tollgate", concurrency::tollgate(64, true));
     // The same without the two standard headers (tower sends none).
     run("tollgate_no_headers", concurrency::tollgate(64, false));
+    // One limit for the whole service and no headers: the work tower's
+    // global semaphore does (plus the permit held to the body's end).
+    run("tollgate_global", concurrency::tollgate_global(64));
     run("tower_concurrency", concurrency::tower(64));
     g.finish();
 }

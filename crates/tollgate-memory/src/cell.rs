@@ -16,6 +16,9 @@ pub(crate) trait Cell<S>: Send + Sync + 'static {
     fn update<R>(&self, f: impl FnMut(&mut S) -> R) -> R;
     /// Reads the state (for idleness checks).
     fn with<R>(&self, f: impl FnOnce(&S) -> R) -> R;
+    /// [`update`](Self::update) with the cell held exclusively (under its
+    /// shard's write lock): no locking of its own.
+    fn update_mut<R>(&mut self, f: impl FnMut(&mut S) -> R) -> R;
 }
 
 impl Cell<u64> for AtomicU64 {
@@ -47,6 +50,11 @@ impl Cell<u64> for AtomicU64 {
     fn with<R>(&self, f: impl FnOnce(&u64) -> R) -> R {
         f(&self.load(Ordering::Acquire))
     }
+
+    #[inline]
+    fn update_mut<R>(&mut self, mut f: impl FnMut(&mut u64) -> R) -> R {
+        f(self.get_mut())
+    }
 }
 
 impl<S: Send + 'static> Cell<S> for Mutex<S> {
@@ -62,6 +70,11 @@ impl<S: Send + 'static> Cell<S> for Mutex<S> {
 
     fn with<R>(&self, f: impl FnOnce(&S) -> R) -> R {
         f(&self.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    #[inline]
+    fn update_mut<R>(&mut self, mut f: impl FnMut(&mut S) -> R) -> R {
+        f(self.get_mut().unwrap_or_else(PoisonError::into_inner))
     }
 }
 

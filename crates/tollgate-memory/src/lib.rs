@@ -5,7 +5,10 @@
 //! - **Fast.** Keys live in a sharded hash table. GCRA, token bucket, fixed
 //!   window and leaky bucket states are one `AtomicU64`, updated with one
 //!   compare-and-swap under the shard's read lock (governor's design); the
-//!   sliding windows sit behind a per-key mutex. A concurrency limit is a
+//!   sliding windows sit behind a per-key mutex. A retry budget's keys
+//!   (upstreams: few, each used over and over) are updated under their
+//!   shard's write lock alone, two atomic operations where a read lock and
+//!   a mutex would take four. A concurrency limit is a
 //!   count of held permits per key, also one word: acquire and release are
 //!   one compare-and-swap each, however many requests are in flight. A decision neither
 //!   allocates nor boxes: the store's futures are [`std::future::Ready`].
@@ -28,9 +31,10 @@
 //!   drops the idle keys of the new key's shard and then of every rule,
 //!   each at most every 100 ms (a sweep is a pass over every key, so a
 //!   flood of new keys must not buy one per key: between sweeps a new key
-//!   of a rate rule or a retry budget costs about two normal decisions, no
-//!   write lock; quota and concurrency rules still take the shard's write
-//!   lock for it). If nothing is idle,
+//!   of a rate rule costs about two normal decisions, no write lock; a
+//!   retry budget's takes the write lock for its lookup only, and quota and
+//!   concurrency rules take it for the new key's reservation). If nothing
+//!   is idle,
 //!   a new key is decided against an
 //!   **overflow state shared by all new keys of its shard**. Memory stays
 //!   bounded and the flood is limited as a group: never more than one

@@ -28,7 +28,8 @@ pub(crate) trait Kind: Send + Sync + 'static {
     const WALL: bool = false;
     /// Whether its keys are few and each is used over and over (a retry
     /// budget's upstreams): their hashes are then remembered per thread
-    /// ([`KeyHasher::hash_few`]).
+    /// ([`KeyHasher::hash_few`]), and a stored key's state is updated
+    /// under the shard's write lock alone ([`Cell::update_mut`]).
     const FEW_KEYS: bool = false;
 }
 
@@ -450,7 +451,15 @@ impl<K: Kind, C: Clock> Table<K, C> {
     ) -> (R, Slot) {
         self.tick(now);
         let shard = self.shard(hash.shard as usize);
-        if let Some(cell) = read(&shard.map).get(&hash.slot) {
+        if K::FEW_KEYS {
+            // Few keys, each used over and over: the shard's write lock
+            // alone guards the state (two atomic operations, where the
+            // read lock and the key's own lock take four). Other keys of
+            // the shard wait meanwhile; with few keys there seldom are any.
+            if let Some(cell) = write(&shard.map).get_mut(&hash.slot) {
+                return (cell.update_mut(&mut f), Slot::Own);
+            }
+        } else if let Some(cell) = read(&shard.map).get(&hash.slot) {
             return (cell.update(&mut f), Slot::Own);
         }
         if seed && self.full_until_the_next_sweep(shard, now) {

@@ -324,6 +324,16 @@ fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
     lock.write().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// The write lock if it is free now; a poisoned lock is taken as any other
+/// (a panic under it must not stop the shard's sweeps for good).
+fn try_write<T>(lock: &RwLock<T>) -> Option<RwLockWriteGuard<'_, T>> {
+    match lock.try_write() {
+        Ok(guard) => Some(guard),
+        Err(std::sync::TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}
+
 thread_local! {
     static TICK: StdCell<u32> = const { StdCell::new(0) };
 }
@@ -488,9 +498,10 @@ impl<K: Kind, C: Clock> Table<K, C> {
             return (result, Slot::Own);
         }
         let mut map = write(&shard.map);
-        if let Some(cell) = map.get(&hash.slot) {
-            // Inserted by another thread meanwhile: decide on its state.
-            return (cell.update(&mut f), Slot::Own);
+        if let Some(cell) = map.get_mut(&hash.slot) {
+            // Inserted by another thread meanwhile: decide on its state
+            // (held exclusively, under the write lock).
+            return (cell.update_mut(&mut f), Slot::Own);
         }
         if !self.reserve(shard, &mut map, now) {
             drop(map);
@@ -637,7 +648,7 @@ impl<K: Kind, C: Clock> Table<K, C> {
             return;
         }
         // Never wait for a busy shard: it will be looked at again.
-        if let Ok(mut map) = shard.map.try_write() {
+        if let Some(mut map) = try_write(&shard.map) {
             self.sweep(shard, &mut map, now);
         }
     }
@@ -672,7 +683,7 @@ impl<K: Kind, C: Clock> Purge for Table<K, C> {
         self.shards
             .iter()
             .filter_map(|shard| {
-                let mut map = shard.map.try_write().ok()?;
+                let mut map = try_write(&shard.map)?;
                 Some(self.sweep(shard, &mut map, now))
             })
             .sum()
@@ -681,7 +692,36 @@ impl<K: Kind, C: Clock> Purge for Table<K, C> {
 
 #[cfg(test)]
 mod tests {
-    use super::sweep_due;
+    use super::{sweep_due, Purge, Shared, Table};
+    use std::sync::Arc;
+    use std::time::Duration;
+    use tollgate_core::{ManualClock, RetryBudget};
+
+    #[test]
+    fn a_panic_under_a_shards_lock_does_not_stop_its_sweeps() {
+        let clock = ManualClock::new();
+        let shared = Arc::new(Shared::new(clock.clone(), 1_000));
+        let budget = RetryBudget::new(0.2, 0, Duration::from_secs(1)).unwrap();
+        let table = Table::new(budget, 1, shared);
+        let now = table.now();
+        table.update(b"upstream", now, true, |s| budget.deposit(s, now));
+        // A stored key of a retry budget is updated under the shard's
+        // write lock: a panic there poisons it.
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            table.update(b"upstream", now, true, |_| panic!("in a decision"))
+        }));
+        assert!(panicked.is_err());
+        assert!(table.shards.first().unwrap().map.is_poisoned());
+        // The key's deposit lapses with the window; the sweep that never
+        // waits (try_write) still reaches the poisoned shard.
+        clock.advance(Duration::from_secs(3));
+        assert_eq!(table.purge_idle(), 1);
+        let later = table.now();
+        assert_eq!(
+            table.update(b"upstream", later, false, |s| budget.balance(s, later)),
+            0
+        );
+    }
 
     #[test]
     fn sweeps_are_paced_and_a_clock_stepped_back_makes_one_due() {

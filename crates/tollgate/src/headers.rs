@@ -158,8 +158,8 @@ const SCANNED: usize = 8;
 
 /// Sets a structured-field list header to `value`, or, when another
 /// limiter (an inner layer) put items there already, lists ours first and
-/// theirs after, in one field line. One hash of the name either way: the
-/// common case is one insert into a field nobody set.
+/// theirs after, in one field line. The common case, a field nobody set,
+/// is one append.
 pub(crate) fn add_items(headers: &mut HeaderMap, name: &HeaderName, value: HeaderValue) {
     // An empty list must not be sent (RFC 8941), nor joined into ", x".
     if value.is_empty() {

@@ -121,9 +121,10 @@ pub mod layer {
 /// `ConcurrencyLimitLayer` with `LoadShedLayer` (so it answers at once
 /// rather than waiting, as tollgate does).
 pub mod concurrency {
+    use axum::body::Body;
     use axum::Router;
     use tollgate::concurrency::ConcurrencyLayer;
-    use tollgate::key::Header;
+    use tollgate::key::{Header, KeyExtractor};
 
     use crate::layer::router;
 
@@ -131,12 +132,7 @@ pub mod concurrency {
     /// with the standard headers on (the default) or off.
     pub fn tollgate(max: u32, headers: bool) -> Router {
         let key = Header::named("x-api-key").unwrap_or_else(|e| unreachable!("{e}"));
-        let layer = ConcurrencyLayer::builder("bench", max)
-            .key(key)
-            .headers(headers)
-            .build()
-            .unwrap_or_else(|e| unreachable!("{e}"));
-        router().layer(layer)
+        keyed(key, max, headers)
     }
 
     /// The router behind tollgate's limit of `max` in flight for the
@@ -144,9 +140,17 @@ pub mod concurrency {
     /// headers: the work tower's global semaphore does, plus holding the
     /// permit to the body's end.
     pub fn tollgate_global(max: u32) -> Router {
+        keyed(tollgate::key::Global, max, false)
+    }
+
+    /// The router behind tollgate's limit of `max` in flight per `key`.
+    fn keyed<K>(key: K, max: u32, headers: bool) -> Router
+    where
+        K: KeyExtractor<Body> + Send + Sync + 'static,
+    {
         let layer = ConcurrencyLayer::builder("bench", max)
-            .key(tollgate::key::Global)
-            .headers(false)
+            .key(key)
+            .headers(headers)
             .build()
             .unwrap_or_else(|e| unreachable!("{e}"));
         router().layer(layer)

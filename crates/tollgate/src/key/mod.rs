@@ -46,6 +46,7 @@ use sha2::{Digest, Sha256};
 /// Keys up to this many bytes (parts and their length prefixes) are kept
 /// as they are; longer keys are hashed.
 pub const MAX_RAW_KEY: usize = 64;
+const _: () = assert!(MAX_RAW_KEY >= 1 + 32, "a hashed key must fit");
 
 /// The first byte of a hashed key. A raw key's first byte is its first
 /// part's length, below 64, so the two kinds never collide.
@@ -55,7 +56,8 @@ const HASHED: u8 = 0xff;
 /// [module docs](self).
 #[derive(Clone)]
 pub struct KeyBuf {
-    buf: [u8; 1 + 32 + MAX_RAW_KEY],
+    // A raw key (at most MAX_RAW_KEY bytes) or a hashed one (1 + 32).
+    buf: [u8; MAX_RAW_KEY],
     len: usize,
     // Boxed: only long (rare, often hostile) keys pay for the hash state.
     hasher: Option<Box<Sha256>>,
@@ -70,6 +72,25 @@ pub struct KeyBuf {
 pub(crate) enum KeyBytes {
     Short { len: u8, bytes: [u8; 64] },
     Long(Box<[u8]>),
+}
+
+/// A finished [`KeyBuf`] kept whole: where one key is built per call and
+/// kept by the call (a retry's budget key), moving the buffer once costs
+/// less than copying its bytes into a [`KeyBytes`].
+#[derive(Clone)]
+pub(crate) struct FinishedKey(KeyBuf);
+
+impl FinishedKey {
+    #[inline]
+    pub(crate) fn new(mut key: KeyBuf) -> Self {
+        key.as_bytes();
+        Self(key)
+    }
+
+    #[inline]
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        self.0.raw()
+    }
 }
 
 impl KeyBytes {
@@ -110,7 +131,7 @@ impl KeyBuf {
     /// An empty key.
     pub fn new() -> Self {
         Self {
-            buf: [0; 1 + 32 + MAX_RAW_KEY],
+            buf: [0; MAX_RAW_KEY],
             len: 0,
             hasher: None,
         }
@@ -161,6 +182,7 @@ impl KeyBuf {
         }
     }
 
+    #[inline]
     fn raw(&self) -> &[u8] {
         self.buf.get(..self.len).unwrap_or_default()
     }
@@ -186,7 +208,18 @@ impl KeyBuf {
     }
 
     /// The key's bytes: at most [`MAX_RAW_KEY`] bytes, or 33 if hashed.
+    #[inline]
     pub fn as_bytes(&mut self) -> &[u8] {
+        if self.hasher.is_some() {
+            self.finish_hash();
+        }
+        self.raw()
+    }
+
+    /// Writes a long key's hash in place of its raw bytes.
+    #[cold]
+    #[inline(never)]
+    fn finish_hash(&mut self) {
         if let Some(h) = self.hasher.take() {
             let digest = h.finalize();
             if let Some((tag, rest)) = self.buf.split_first_mut() {
@@ -197,7 +230,6 @@ impl KeyBuf {
             }
             self.len = 1 + 32;
         }
-        self.raw()
     }
 
     /// A keyed hash of the key for logs and traces, so that raw keys

@@ -18,7 +18,7 @@ use tower_service::Service;
 use super::policy::{is_idempotent, server_hint, Attempt, Backoff};
 use super::throttle::Throttle;
 use super::ReplayBody;
-use crate::key::{KeyBuf, KeyBytes, KeyExtractor};
+use crate::key::{FinishedKey, KeyBuf, KeyExtractor};
 use crate::observe::RetryMetrics;
 use crate::BoxError;
 
@@ -427,7 +427,7 @@ struct Resume<S> {
     inner: S,
     parts: http::request::Parts,
     buffered: Buffered,
-    key: KeyBytes,
+    key: FinishedKey,
 }
 
 impl<S, K, L, B, ResB> Future for ResponseFuture<S, K, L, B>
@@ -563,7 +563,7 @@ fn is_replayable<K, L, B>(shared: &Shared<K, L>, req: &Request<B>) -> bool {
 
 /// The start of a call: its budget key, and adaptive throttling's verdict
 /// (`Err`: refused locally). The call is made: [`deposit`] follows.
-fn start<K, L, B>(shared: &Shared<K, L>, req: &Request<B>) -> Result<KeyBytes, BoxError>
+fn start<K, L, B>(shared: &Shared<K, L>, req: &Request<B>) -> Result<FinishedKey, BoxError>
 where
     K: KeyExtractor<B>,
     L: RetryBudgetLimiter,
@@ -576,7 +576,7 @@ where
             buf = KeyBuf::new();
             buf.push(b"\x02unkeyed");
         }
-        KeyBytes::new(&mut buf)
+        FinishedKey::new(buf)
     };
     if let Some(throttle) = &shared.throttle {
         if throttle.refuse(shared.backoff.random()) {
@@ -591,7 +591,7 @@ where
 
 /// A first attempt is made: counted, and deposited in the budget (in
 /// memory at once; a networked store's deposit runs on its own).
-fn deposit<K, L: RetryBudgetLimiter>(shared: &Shared<K, L>, key: &KeyBytes) {
+fn deposit<K, L: RetryBudgetLimiter>(shared: &Shared<K, L>, key: &FinishedKey) {
     shared.metrics.calls.increment(1);
     if !shared.budget.deposit_sync(key.as_bytes()) {
         crate::task::finish(shared.budget.deposit(key.as_bytes()));

@@ -46,7 +46,8 @@ use sha2::{Digest, Sha256};
 /// Keys up to this many bytes (parts and their length prefixes) are kept
 /// as they are; longer keys are hashed.
 pub const MAX_RAW_KEY: usize = 64;
-const _: () = assert!(MAX_RAW_KEY >= 1 + 32, "a hashed key must fit");
+// A hashed key (a tag byte and 32 bytes of SHA-256) must fit.
+const _: () = assert!(MAX_RAW_KEY > 32);
 
 /// The first byte of a hashed key. A raw key's first byte is its first
 /// part's length, below 64, so the two kinds never collide.

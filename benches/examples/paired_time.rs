@@ -6,7 +6,14 @@
 //!
 //! `target/release/examples/paired_time retry 41 20000` (groups: `retry`,
 //! `layer`, `concurrency`; then rounds and calls per batch).
-#![allow(missing_docs, clippy::unwrap_used, clippy::panic)]
+#![allow(
+    missing_docs,
+    clippy::unwrap_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::arithmetic_side_effects,
+    clippy::cast_precision_loss
+)]
 use std::time::Instant;
 
 use axum::http::StatusCode;
@@ -18,7 +25,9 @@ use tower::{Service, ServiceExt};
 fn main() {
     let group = std::env::args().nth(1).unwrap();
     let rounds: usize = std::env::args().nth(2).map_or(41, |s| s.parse().unwrap());
-    let n: usize = std::env::args().nth(3).map_or(20_000, |s| s.parse().unwrap());
+    let n: usize = std::env::args()
+        .nth(3)
+        .map_or(20_000, |s| s.parse().unwrap());
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()

@@ -269,7 +269,7 @@ fn warnings<B, L>(shared: &Shared<B, L>, report: &Report, map: &mut http::Header
         }
     }
     if let Some(v) = list.value() {
-        crate::headers::add_items(map, &crate::headers::RATELIMIT_WARNING, v);
+        crate::headers::add_items(map, crate::headers::field::ratelimit_warning(), v);
     }
 }
 

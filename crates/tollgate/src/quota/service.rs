@@ -13,7 +13,7 @@ use tower_service::Service;
 
 use crate::body::RejectionBody;
 use crate::cost::Cost;
-use crate::headers::{Buf, QuotaHeaders, QUOTA_WARNING};
+use crate::headers::{field, Buf, QuotaHeaders};
 use crate::key::{KeyBuf, KeyExtractor};
 use crate::observe::Metrics;
 use crate::policy::access::Listed;
@@ -80,7 +80,7 @@ impl Responder {
         if !warn.as_bytes().is_empty() {
             self.warnings.increment(1);
             if let Some(v) = warn.value() {
-                let _ = headers.try_insert(QUOTA_WARNING.clone(), v);
+                let _ = headers.try_insert(field::quota_warning(), v);
             }
         }
     }

@@ -292,6 +292,7 @@ where
 
     /// Reads one store acquire: granted, let through, refused, or (when
     /// `queue` and the queue exists) waiting.
+    #[inline(always)]
     fn step(&self, result: Result<Acquire, StoreError>, queue: bool) -> Step {
         let acquire = match result {
             Ok(a) => a,
@@ -464,6 +465,7 @@ where
     /// The per-key lease `step` granted, in a guard that gives it back if
     /// the admission goes no further (a later limit refuses, or the
     /// request is cancelled while the next limit is asked).
+    #[inline(always)]
     fn guard(self: &Arc<Self>, mut key: KeyBuf, step: &Step) -> Permit {
         let per_key = match step {
             Step::Granted(lease, _) => *lease,
@@ -486,6 +488,7 @@ where
     /// (`step`) and the fixed service limit has (`service`): takes the
     /// adaptive limit's permits, gives the per-key lease back if a later
     /// limit refuses, and wraps what is held in a [`Permit`].
+    #[inline(always)]
     fn finish(
         self: &Arc<Self>,
         mut guard: Permit,

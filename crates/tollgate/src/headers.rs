@@ -810,7 +810,14 @@ impl QuotaHeaders {
             policy,
         );
         let left = |p: &PeriodStatus| [p.remaining, ceil_secs(p.reset_after)];
-        self.field(headers, field::ratelimit(), left_id, d, [b";r=", b";t="], left);
+        self.field(
+            headers,
+            field::ratelimit(),
+            left_id,
+            d,
+            [b";r=", b";t="],
+            left,
+        );
     }
 
     /// Adds field `name`: one item per period, `"name";<a>=<x>;<b>=<y>`
@@ -1190,7 +1197,10 @@ mod tests {
         let rule = Rule::new("per-key", Limit::gcra(Rate::per_second(10), 20)).unwrap();
         let h = Headers::new(&rule, true, false);
         let mut m = HeaderMap::new();
-        m.insert(field::ratelimit(), HeaderValue::from_static("\"inner\";r=1"));
+        m.insert(
+            field::ratelimit(),
+            HeaderValue::from_static("\"inner\";r=1"),
+        );
         h.apply(&mut m, &decision(Outcome::Allow { delay: 0 }, 17, 0), false);
         assert_eq!(m["ratelimit"], "\"per-key\";r=17;t=0, \"inner\";r=1");
         assert_eq!(m.get_all("ratelimit").iter().count(), 1);

@@ -82,10 +82,22 @@ pub(crate) enum KeyBytes {
 pub(crate) struct FinishedKey(KeyBuf);
 
 impl FinishedKey {
+    /// The key `extract` writes, or `fallback` as its one part when it
+    /// finds none; built where it is returned (a copy of a buffer just
+    /// written stalls the CPU on the stores still in flight).
     #[inline]
-    pub(crate) fn new(mut key: KeyBuf) -> Self {
-        key.as_bytes();
-        Self(key)
+    pub(crate) fn extract(
+        extract: impl FnOnce(&mut KeyBuf) -> Option<()>,
+        fallback: &[u8],
+    ) -> Self {
+        let mut key = Self(KeyBuf::new());
+        if extract(&mut key.0).is_none() {
+            key.0.len = 0;
+            key.0.hasher = None;
+            key.0.push(fallback);
+        }
+        key.0.as_bytes();
+        key
     }
 
     #[inline]
@@ -407,6 +419,44 @@ mod tests {
         b.push(b"a");
         b.push(b"bc");
         assert_ne!(bytes(&mut a), bytes(&mut b));
+    }
+
+    #[test]
+    fn a_finished_key_is_the_extracted_one_or_only_the_fallback() {
+        let mut want = KeyBuf::new();
+        want.push(b"upstream");
+        let found = FinishedKey::extract(
+            |k| {
+                k.push(b"upstream");
+                Some(())
+            },
+            b"fallback",
+        );
+        assert_eq!(found.as_bytes(), bytes(&mut want));
+        // An extractor that wrote part of a key and then found none
+        // leaves nothing of it: the fallback alone, as a fresh key.
+        let mut fallback = KeyBuf::new();
+        fallback.push(b"fallback");
+        for partial in [&b"part"[..], &[b'x'; 100][..]] {
+            let missing = FinishedKey::extract(
+                |k| {
+                    k.push(partial);
+                    None
+                },
+                b"fallback",
+            );
+            assert_eq!(missing.as_bytes(), bytes(&mut fallback));
+        }
+        // A long key is finished: hashed to its fixed length.
+        let long = FinishedKey::extract(
+            |k| {
+                k.push(&[b'x'; 100]);
+                Some(())
+            },
+            b"fallback",
+        );
+        assert_eq!(long.as_bytes().len(), 33);
+        assert_eq!(long.as_bytes()[0], HASHED);
     }
 
     #[test]

@@ -517,14 +517,12 @@ where
         if replayable && !req.body().is_end_stream() {
             return boxed(Box::pin(run(shared, inner, req, None)));
         }
-        let key = match start(&shared, &req) {
-            Ok(key) => key,
-            Err(error) => {
-                return ResponseFuture {
-                    state: Call::Refused { error: Some(error) },
-                }
-            }
-        };
+        if let Err(error) = throttle(&shared) {
+            return ResponseFuture {
+                state: Call::Refused { error: Some(error) },
+            };
+        }
+        let key = key(&shared, &req);
         deposit(&shared, &key);
         let (parts, body) = req.into_parts();
         // Each part is moved once, into where it stays: the future every
@@ -561,23 +559,9 @@ fn is_replayable<K, L, B>(shared: &Shared<K, L>, req: &Request<B>) -> bool {
     shared.max_attempts > 1 && (shared.any_method || is_idempotent(req.method(), req.headers()))
 }
 
-/// The start of a call: its budget key, and adaptive throttling's verdict
-/// (`Err`: refused locally). The call is made: [`deposit`] follows.
-fn start<K, L, B>(shared: &Shared<K, L>, req: &Request<B>) -> Result<FinishedKey, BoxError>
-where
-    K: KeyExtractor<B>,
-    L: RetryBudgetLimiter,
-{
-    // The key, compact; the builder is dropped here, not carried in a
-    // future across its awaits.
-    let key = {
-        let mut buf = KeyBuf::new();
-        if shared.key.extract(req, &mut buf).is_none() {
-            buf = KeyBuf::new();
-            buf.push(b"\x02unkeyed");
-        }
-        FinishedKey::new(buf)
-    };
+/// Adaptive throttling's verdict on a new call: `Err` when it is refused
+/// locally (the upstream rejects most calls).
+fn throttle<K, L>(shared: &Shared<K, L>) -> Result<(), BoxError> {
     if let Some(throttle) = &shared.throttle {
         if throttle.refuse(shared.backoff.random()) {
             // A request the application made, not accepted (SRE book).
@@ -586,7 +570,15 @@ where
             return Err(Box::new(Throttled));
         }
     }
-    Ok(key)
+    Ok(())
+}
+
+/// The budget key of a call that is made: [`deposit`] follows.
+fn key<K, L, B>(shared: &Shared<K, L>, req: &Request<B>) -> FinishedKey
+where
+    K: KeyExtractor<B>,
+{
+    FinishedKey::extract(|buf| shared.key.extract(req, buf), b"\x02unkeyed")
 }
 
 /// A first attempt is made: counted, and deposited in the budget (in
@@ -662,7 +654,8 @@ where
     K: KeyExtractor<B>,
     L: RetryBudgetLimiter,
 {
-    let key = start(&shared, &req)?;
+    throttle(&shared)?;
+    let key = key(&shared, &req);
     let replayable = is_replayable(&shared, &req);
     let (parts, body) = req.into_parts();
     let (buffered, stream) = if replayable {

@@ -444,14 +444,14 @@ where
                     None => {
                         // A store that answers one limit at once answers
                         // both; should it not, start over asynchronously.
-                        drop(self.guard(key.clone(), &step));
+                        drop(self.guard(&mut key, &step));
                         return deferred(key, false);
                     }
                 }
             }
             _ => None,
         };
-        let guard = self.guard(key, &step);
+        let guard = self.guard(&mut key, &step);
         // Whether the request is gRPC matters only to a rejection.
         match self.finish(guard, step, service, (permits, critical, plan), false) {
             Admission::Reject(mut r, items) => {
@@ -466,7 +466,7 @@ where
     /// the admission goes no further (a later limit refuses, or the
     /// request is cancelled while the next limit is asked).
     #[inline(always)]
-    fn guard(self: &Arc<Self>, mut key: KeyBuf, step: &Step) -> Permit {
+    fn guard(self: &Arc<Self>, key: &mut KeyBuf, step: &Step) -> Permit {
         let per_key = match step {
             Step::Granted(lease, _) => *lease,
             _ => None,
@@ -616,7 +616,7 @@ where
                 step => step,
             }
         };
-        let guard = self.guard(key, &step);
+        let guard = self.guard(&mut key, &step);
         let service = match &self.service {
             Some(ServiceLimit::Fixed(slot)) if step.admits() => Some(
                 slot.limiter

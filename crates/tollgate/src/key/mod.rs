@@ -64,27 +64,25 @@ pub struct KeyBuf {
     hasher: Option<Box<Sha256>>,
 }
 
-/// A finished key, owned and compact: kept by whatever must reach the
-/// store again after the request has moved on (a retry's withdrawal, a
-/// paced body's next chunk). A finished [`KeyBuf`] is at most
-/// [`MAX_RAW_KEY`] bytes (longer keys are hashed), so the long form is
-/// never used in practice.
+/// A finished key, owned: kept by whatever must reach the store again
+/// after the request has moved on (a retry's withdrawal, a paced body's
+/// next chunk). It is the finished [`KeyBuf`] itself (at most
+/// [`MAX_RAW_KEY`] bytes, or 33 if hashed), so keeping a key copies no
+/// bytes out of its buffer, and its `Debug` never shows the raw key.
 #[derive(Debug, Clone)]
-pub(crate) enum KeyBytes {
-    Short { len: u8, bytes: [u8; 64] },
-    Long(Box<[u8]>),
-}
+pub(crate) struct KeyBytes(KeyBuf);
 
-/// A finished [`KeyBuf`] kept whole: where one key is built per call and
-/// kept by the call (a retry's budget key), moving the buffer once costs
-/// less than copying its bytes into a [`KeyBytes`].
-#[derive(Clone)]
-pub(crate) struct FinishedKey(KeyBuf);
+impl KeyBytes {
+    /// `key`, finished.
+    pub(crate) fn new(key: &mut KeyBuf) -> Self {
+        key.as_bytes();
+        Self(key.clone())
+    }
 
-impl FinishedKey {
     /// The key `extract` writes, or `fallback` as its one part when it
-    /// finds none; built where it is returned (a copy of a buffer just
-    /// written stalls the CPU on the stores still in flight).
+    /// finds none (whatever it wrote before failing is rolled back); built
+    /// where it is returned, not copied there: a copy of a buffer just
+    /// written stalls the CPU on the stores still in flight.
     #[inline]
     pub(crate) fn extract(
         extract: impl FnOnce(&mut KeyBuf) -> Option<()>,
@@ -92,8 +90,7 @@ impl FinishedKey {
     ) -> Self {
         let mut key = Self(KeyBuf::new());
         if extract(&mut key.0).is_none() {
-            key.0.len = 0;
-            key.0.hasher = None;
+            key.0.reset(Mark::EMPTY);
             key.0.push(fallback);
         }
         key.0.as_bytes();
@@ -106,32 +103,19 @@ impl FinishedKey {
     }
 }
 
-impl KeyBytes {
-    pub(crate) fn new(key: &mut KeyBuf) -> Self {
-        let key = key.as_bytes();
-        let mut bytes = [0; 64];
-        match (bytes.get_mut(..key.len()), u8::try_from(key.len())) {
-            (Some(dst), Ok(len)) => {
-                dst.copy_from_slice(key);
-                KeyBytes::Short { len, bytes }
-            }
-            _ => KeyBytes::Long(key.into()),
-        }
-    }
-
-    pub(crate) fn as_bytes(&self) -> &[u8] {
-        match self {
-            KeyBytes::Short { len, bytes } => bytes.get(..usize::from(*len)).unwrap_or_default(),
-            KeyBytes::Long(key) => key,
-        }
-    }
-}
-
 /// A point to roll a [`KeyBuf`] back to (see [`KeyBuf::mark`]).
 #[derive(Debug, Clone)]
 pub struct Mark {
     len: usize,
     hasher: Option<Box<Sha256>>,
+}
+
+impl Mark {
+    /// An empty key's.
+    const EMPTY: Mark = Mark {
+        len: 0,
+        hasher: None,
+    };
 }
 
 impl Default for KeyBuf {
@@ -215,6 +199,7 @@ impl KeyBuf {
     }
 
     /// Rolls back to `mark`.
+    #[inline]
     pub fn reset(&mut self, mark: Mark) {
         self.len = mark.len;
         self.hasher = mark.hasher;
@@ -422,10 +407,10 @@ mod tests {
     }
 
     #[test]
-    fn a_finished_key_is_the_extracted_one_or_only_the_fallback() {
+    fn an_extracted_key_is_the_extractors_or_only_the_fallback() {
         let mut want = KeyBuf::new();
         want.push(b"upstream");
-        let found = FinishedKey::extract(
+        let found = KeyBytes::extract(
             |k| {
                 k.push(b"upstream");
                 Some(())
@@ -438,7 +423,7 @@ mod tests {
         let mut fallback = KeyBuf::new();
         fallback.push(b"fallback");
         for partial in [&b"part"[..], &[b'x'; 100][..]] {
-            let missing = FinishedKey::extract(
+            let missing = KeyBytes::extract(
                 |k| {
                     k.push(partial);
                     None
@@ -448,7 +433,7 @@ mod tests {
             assert_eq!(missing.as_bytes(), bytes(&mut fallback));
         }
         // A long key is finished: hashed to its fixed length.
-        let long = FinishedKey::extract(
+        let long = KeyBytes::extract(
             |k| {
                 k.push(&[b'x'; 100]);
                 Some(())

@@ -18,7 +18,7 @@ use tower_service::Service;
 use super::policy::{is_idempotent, server_hint, Attempt, Backoff};
 use super::throttle::Throttle;
 use super::ReplayBody;
-use crate::key::{FinishedKey, KeyBuf, KeyExtractor};
+use crate::key::{KeyBuf, KeyBytes, KeyExtractor};
 use crate::observe::RetryMetrics;
 use crate::BoxError;
 
@@ -427,7 +427,7 @@ struct Resume<S> {
     inner: S,
     parts: http::request::Parts,
     buffered: Buffered,
-    key: FinishedKey,
+    key: KeyBytes,
 }
 
 impl<S, K, L, B, ResB> Future for ResponseFuture<S, K, L, B>
@@ -574,16 +574,16 @@ fn throttle<K, L>(shared: &Shared<K, L>) -> Result<(), BoxError> {
 }
 
 /// The budget key of a call that is made: [`deposit`] follows.
-fn key<K, L, B>(shared: &Shared<K, L>, req: &Request<B>) -> FinishedKey
+fn key<K, L, B>(shared: &Shared<K, L>, req: &Request<B>) -> KeyBytes
 where
     K: KeyExtractor<B>,
 {
-    FinishedKey::extract(|buf| shared.key.extract(req, buf), b"\x02unkeyed")
+    KeyBytes::extract(|buf| shared.key.extract(req, buf), b"\x02unkeyed")
 }
 
 /// A first attempt is made: counted, and deposited in the budget (in
 /// memory at once; a networked store's deposit runs on its own).
-fn deposit<K, L: RetryBudgetLimiter>(shared: &Shared<K, L>, key: &FinishedKey) {
+fn deposit<K, L: RetryBudgetLimiter>(shared: &Shared<K, L>, key: &KeyBytes) {
     shared.metrics.calls.increment(1);
     if !shared.budget.deposit_sync(key.as_bytes()) {
         crate::task::finish(shared.budget.deposit(key.as_bytes()));

@@ -2,7 +2,9 @@
 //! `Router` with one handler, driven by `oneshot` and its response body
 //! collected, bare, behind tollgate's per-key limit (memory store; also
 //! without headers, and as one global limit without headers) and behind
-//! tower's global `ConcurrencyLimitLayer` + `LoadShedLayer`. One run,
+//! tower's global `ConcurrencyLimitLayer` + `LoadShedLayer`, and behind
+//! tokio's semaphore with the permit held to the body's end by hand
+//! (`tower_body`, the like-for-like peer of `tollgate_global`). One run,
 //! group `concurrency_overhead`.
 #![allow(missing_docs, clippy::unwrap_used)]
 
@@ -42,6 +44,9 @@ fn concurrency_overhead(c: &mut Criterion) {
     // One limit for the whole service and no headers: the work tower's
     // global semaphore does (plus the permit held to the body's end).
     run("tollgate_global", concurrency::tollgate_global(64));
+    // The like-for-like peer of tollgate_global: tower's semaphore, its
+    // permit held to the body's end by a hand-written wrapper.
+    run("tower_body", concurrency::tower_body(64));
     run("tower_concurrency", concurrency::tower(64));
     g.finish();
 }

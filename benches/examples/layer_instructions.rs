@@ -4,7 +4,7 @@
 //! (stacks: bare, tollgate, governor, tollgate_denied, governor_denied;
 //! and the `concurrency_overhead` stacks, which also read the body:
 //! conc_bare, conc_tollgate, conc_tollgate_no_headers, conc_tollgate_global,
-//! conc_tower).
+//! conc_tower_body, conc_tower).
 //! Subtract a run of 1000 from a run of 3000 and divide by 2000.
 #![allow(missing_docs, clippy::unwrap_used, clippy::panic)]
 use axum::http::StatusCode;
@@ -26,6 +26,7 @@ fn main() {
         "conc_tollgate" => (concurrency::tollgate(64, true), StatusCode::OK),
         "conc_tollgate_no_headers" => (concurrency::tollgate(64, false), StatusCode::OK),
         "conc_tollgate_global" => (concurrency::tollgate_global(64), StatusCode::OK),
+        "conc_tower_body" => (concurrency::tower_body(64), StatusCode::OK),
         "conc_tower" => (concurrency::tower(64), StatusCode::OK),
         other => panic!("unknown stack {other:?}"),
     };

@@ -36,7 +36,7 @@ fn main() {
     let names: &[&str] = match group.as_str() {
         "retry" => &["bare", "tollgate", "tollgate_global", "tower_retry"],
         "layer" => &["bare", "tollgate", "governor"],
-        "concurrency" => &["bare", "tollgate", "tollgate_global", "tower"],
+        "concurrency" => &["bare", "tollgate", "tollgate_global", "tower_body", "tower"],
         other => panic!("unknown group {other:?}"),
     };
     let body = group == "concurrency";
@@ -53,10 +53,11 @@ fn main() {
             layer::tollgate_allowing().with_state(()),
             layer::governor_allowing().with_state(()),
         );
-        let (cb, ct, cg, cw) = (
+        let (cb, ct, cg, ch, cw) = (
             layer::router().with_state(()),
             concurrency::tollgate(64, true).with_state(()),
             concurrency::tollgate_global(64).with_state(()),
+            concurrency::tower_body(64).with_state(()),
             concurrency::tower(64).with_state(()),
         );
         for round in 0..rounds {
@@ -73,6 +74,7 @@ fn main() {
                     (_, 0) => calls(body, &cb, n, layer::request).await,
                     (_, 1) => calls(body, &ct, n, layer::request).await,
                     (_, 2) => calls(body, &cg, n, layer::request).await,
+                    (_, 3) => calls(body, &ch, n, layer::request).await,
                     _ => calls(body, &cw, n, layer::request).await,
                 };
                 // The first round warms up.
@@ -82,18 +84,28 @@ fn main() {
             }
         }
     });
+    // Each stack against the group's peer (the last), and, where the
+    // group has one, against its like-for-like peer.
     let peer = names.len() - 1;
-    for (i, name) in names.iter().enumerate() {
+    let like = names.iter().position(|n| *n == "tower_body");
+    let ratio = |i: usize, p: usize| {
         let ratios: Vec<f64> = (0..times[i].len())
-            .map(|r| (times[i][r] - times[0][r]) / (times[peer][r] - times[0][r]))
+            .map(|r| (times[i][r] - times[0][r]) / (times[p][r] - times[0][r]))
             .collect();
-        println!(
-            "{group}/{name}: {:.1} ns/call, added {:.1} ns, added/peer's {:.3} (median of {} paired rounds)",
+        median(&ratios)
+    };
+    for (i, name) in names.iter().enumerate() {
+        print!(
+            "{group}/{name}: {:.1} ns/call, added {:.1} ns, added/{}'s {:.3}",
             median(&times[i]),
             median(&times[i]) - median(&times[0]),
-            median(&ratios),
-            ratios.len()
+            names[peer],
+            ratio(i, peer),
         );
+        if let Some(l) = like {
+            print!(", added/{}'s {:.3}", names[l], ratio(i, l));
+        }
+        println!(" (medians of {} paired rounds)", times[i].len());
     }
 }
 

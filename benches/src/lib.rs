@@ -156,6 +156,16 @@ pub mod concurrency {
         router().layer(layer)
     }
 
+    /// The router behind a global limit of `max` built by hand from
+    /// tower's parts, holding each permit until the response body ends
+    /// (what tower-http PR #447 asks tower for): tokio's semaphore, a
+    /// permit taken in `call` (a full limit answers 503 at once), and a
+    /// body wrapper that drops it. The like-for-like peer of
+    /// [`tollgate_global`]: the same work, no keys, no headers.
+    pub fn tower_body(max: usize) -> Router {
+        router().layer(held::HeldLayer::new(max))
+    }
+
     /// The router behind tower's global limit of `max`, shedding load.
     pub fn tower(max: usize) -> Router {
         router().layer(
@@ -166,6 +176,155 @@ pub mod concurrency {
                 .layer(tower::load_shed::LoadShedLayer::new())
                 .layer(tower::limit::ConcurrencyLimitLayer::new(max)),
         )
+    }
+
+    /// A semaphore permit held to the end of the response body, written
+    /// the way a tower user would write it.
+    // pin-project-lite takes no docs on an enum variant's fields.
+    #[allow(missing_docs)]
+    pub mod held {
+        use std::future::Future;
+        use std::pin::Pin;
+        use std::sync::Arc;
+        use std::task::{Context, Poll};
+
+        use axum::body::Body;
+        use axum::http::{Request, Response, StatusCode};
+        use http_body::{Frame, SizeHint};
+        use pin_project_lite::pin_project;
+        use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+        use tower::{Layer, Service};
+
+        /// Limits a service to `max` requests in flight, bodies included.
+        #[derive(Clone, Debug)]
+        pub struct HeldLayer(Arc<Semaphore>);
+
+        impl HeldLayer {
+            /// A limit of `max` requests in flight.
+            pub fn new(max: usize) -> Self {
+                Self(Arc::new(Semaphore::new(max)))
+            }
+        }
+
+        impl<S> Layer<S> for HeldLayer {
+            type Service = Held<S>;
+
+            fn layer(&self, inner: S) -> Held<S> {
+                Held {
+                    inner,
+                    semaphore: Arc::clone(&self.0),
+                }
+            }
+        }
+
+        /// The service of [`HeldLayer`].
+        #[derive(Clone, Debug)]
+        pub struct Held<S> {
+            inner: S,
+            semaphore: Arc<Semaphore>,
+        }
+
+        impl<S> Service<Request<Body>> for Held<S>
+        where
+            S: Service<Request<Body>, Response = Response<Body>>,
+        {
+            type Response = Response<HeldBody>;
+            type Error = S::Error;
+            type Future = HeldFuture<S::Future>;
+
+            fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+                self.inner.poll_ready(cx)
+            }
+
+            fn call(&mut self, req: Request<Body>) -> Self::Future {
+                match Arc::clone(&self.semaphore).try_acquire_owned() {
+                    Ok(permit) => HeldFuture::Running {
+                        future: self.inner.call(req),
+                        permit: Some(permit),
+                    },
+                    Err(_) => HeldFuture::Shed,
+                }
+            }
+        }
+
+        pin_project! {
+            /// Response future of [`Held`].
+            #[project = HeldProj]
+            pub enum HeldFuture<F> {
+                /// The inner service's future, and the permit it holds.
+                Running {
+                    #[pin]
+                    future: F,
+                    permit: Option<OwnedSemaphorePermit>,
+                },
+                /// The limit was full: 503 at once.
+                Shed,
+            }
+        }
+
+        impl<F, E> Future for HeldFuture<F>
+        where
+            F: Future<Output = Result<Response<Body>, E>>,
+        {
+            type Output = Result<Response<HeldBody>, E>;
+
+            fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+                match self.project() {
+                    HeldProj::Running { future, permit } => {
+                        let res = std::task::ready!(future.poll(cx))?;
+                        Poll::Ready(Ok(res.map(|body| HeldBody {
+                            body,
+                            permit: permit.take(),
+                        })))
+                    }
+                    HeldProj::Shed => {
+                        let mut res = Response::new(HeldBody {
+                            body: Body::empty(),
+                            permit: None,
+                        });
+                        *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+                        Poll::Ready(Ok(res))
+                    }
+                }
+            }
+        }
+
+        pin_project! {
+            /// A response body holding its request's permit until it ends
+            /// or is dropped.
+            #[derive(Debug)]
+            pub struct HeldBody {
+                #[pin]
+                body: Body,
+                permit: Option<OwnedSemaphorePermit>,
+            }
+        }
+
+        impl http_body::Body for HeldBody {
+            type Data = <Body as http_body::Body>::Data;
+            type Error = <Body as http_body::Body>::Error;
+
+            fn poll_frame(
+                self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+            ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+                let this = self.project();
+                let frame = std::task::ready!(this.body.poll_frame(cx));
+                if frame.is_none() {
+                    // The body's end: the request is done.
+                    this.permit.take();
+                }
+                Poll::Ready(frame)
+            }
+
+            fn is_end_stream(&self) -> bool {
+                self.body.is_end_stream()
+            }
+
+            fn size_hint(&self) -> SizeHint {
+                self.body.size_hint()
+            }
+        }
     }
 }
 

@@ -11,6 +11,12 @@
 #   benches/e2e.sh                 # 10 s per route, 16 connections
 #   DURATION=30s CONNECTIONS=32 benches/e2e.sh
 #   QUICKSTART_BIN=path/to/quickstart benches/e2e.sh   # another build (A/B)
+#   PEER=1 benches/e2e.sh          # one limit each: tollgate vs tower_governor
+#
+# PEER=1 serves benches/examples/e2e_peer.rs instead: /healthz, /tollgate
+# (one tollgate rate limit per x-api-key) and /governor (one
+# tower_governor limit per x-api-key), both allowing every request with
+# their headers on; it prints each limited route's ratio to /healthz.
 #
 # Needs wrk (Debian: apt-get install wrk). Traffic goes to 127.0.0.1 only.
 set -euo pipefail
@@ -21,12 +27,20 @@ CONNECTIONS=${CONNECTIONS:-16}
 ADDR=127.0.0.1:${PORT:-3999}
 
 command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install wrk)" >&2; exit 1; }
-if [ -z "${QUICKSTART_BIN:-}" ]; then
-    cargo build --release -q -p tollgate-examples --bin quickstart
-    QUICKSTART_BIN=./target/release/quickstart
+if [ "${PEER:-0}" = 1 ]; then
+    cargo build --release -q -p tollgate-benches --example e2e_peer
+    SERVER_BIN=./target/release/examples/e2e_peer
+    ROUTES="/tollgate /governor"
+else
+    if [ -z "${QUICKSTART_BIN:-}" ]; then
+        cargo build --release -q -p tollgate-examples --bin quickstart
+        QUICKSTART_BIN=./target/release/quickstart
+    fi
+    SERVER_BIN=$QUICKSTART_BIN
+    ROUTES="/api/hello"
 fi
 
-TOLLGATE_ADDR=$ADDR TOLLGATE_TRUSTED_PROXIES=127.0.0.1 "$QUICKSTART_BIN" >/dev/null &
+TOLLGATE_ADDR=$ADDR TOLLGATE_TRUSTED_PROXIES=127.0.0.1 "$SERVER_BIN" >/dev/null &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
 for _ in $(seq 50); do
@@ -56,7 +70,11 @@ rate() { # prints requests/s and the non-2xx count
     echo "$rps ${non2xx:-0}"
 }
 
-read -r bare bare_refused < <(E2E_PATH=/healthz rate -s "$script" "http://$ADDR")
-read -r limited limited_refused < <(E2E_PATH=/api/hello rate -s "$script" "http://$ADDR")
-ratio=$(awk -v a="$limited" -v b="$bare" 'BEGIN { printf "%.3f", a / b }')
-echo "e2e: /healthz ${bare} req/s; /api/hello ${limited} req/s (${limited_refused} refused); ratio ${ratio}"
+read -r bare _ < <(E2E_PATH=/healthz rate -s "$script" "http://$ADDR")
+line="e2e: /healthz ${bare} req/s"
+for route in $ROUTES; do
+    read -r limited limited_refused < <(E2E_PATH=$route rate -s "$script" "http://$ADDR")
+    ratio=$(awk -v a="$limited" -v b="$bare" 'BEGIN { printf "%.3f", a / b }')
+    line="$line; $route ${limited} req/s (${limited_refused} refused); ratio ${ratio}"
+done
+echo "$line"

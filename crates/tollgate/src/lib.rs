@@ -65,7 +65,9 @@
 //! - [`quota`]: calendar quotas; [`bandwidth`]: byte rates;
 //! - [`retry`]: retry budgets for clients, and why a budget beats a count;
 //! - [`headers`] and [`rejection`]: what clients see;
-//! - [`observe`]: the metrics every layer exports.
+//! - [`observe`]: the metrics every layer exports;
+//! - [`outcome`]: how a response ended (HTTP status or `grpc-status`), as
+//!   every layer that reads outcomes classifies it.
 //!
 //! The decision engine ([`tollgate_core`]) and the in-memory store
 //! ([`tollgate_memory`]) are re-exported.
@@ -100,6 +102,7 @@ pub mod headers;
 mod ip;
 pub mod key;
 pub mod observe;
+pub mod outcome;
 pub mod policy;
 pub mod quota;
 pub mod rate_limit;

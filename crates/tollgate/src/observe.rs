@@ -24,6 +24,7 @@
 //! | `tollgate_bandwidth_bytes_total` | counter | `rule`, `direction` (`request`, `response`): body bytes let out through a bandwidth layer's pacer |
 //! | `tollgate_bandwidth_wait_seconds` | histogram | `rule`, `direction`: each wait of a paced body for its byte budget (the sum: time spent throttled) |
 //! | `tollgate_bandwidth_unpaced_total` | counter | `rule`, `direction`: bodies let through unpaced from some point on, because the store failed (or a chunk could never fit the budget) |
+//! | `tollgate_bandwidth_requests_total` | counter | `rule`, `outcome`: `missing_key` (refused: no key), `unkeyed` (let through unpaced by `MissingKey::Skip`) |
 //! | `tollgate_store_calls_total` | counter | `store="redis"`, `result`: `ok`, `error`, `timeout`, `skipped` (breaker open) |
 //! | `tollgate_store_call_seconds` | histogram | `store="redis"`: each call's time |
 //! | `tollgate_store_breaker_open` | gauge | `store="redis"`, `prefix`: 1 while the circuit breaker is open |
@@ -405,6 +406,24 @@ impl BandwidthMetrics {
             wait: metrics::histogram!("tollgate_bandwidth_wait_seconds", labels.iter()),
             unpaced: metrics::counter!("tollgate_bandwidth_unpaced_total", labels.iter()),
         }
+    }
+}
+
+impl BandwidthMetrics {
+    /// A bandwidth layer's keyless requests: `(unkeyed, missing_key)`.
+    pub(crate) fn keyless(rule: &str) -> (Counter, Counter) {
+        metrics::describe_counter!(
+            "tollgate_bandwidth_requests_total",
+            "Requests a tollgate bandwidth limit could not key: refused, or let through unpaced"
+        );
+        let counter = |outcome: &'static str| {
+            metrics::counter!(
+                "tollgate_bandwidth_requests_total",
+                "rule" => rule.to_owned(),
+                "outcome" => outcome
+            )
+        };
+        (counter("unkeyed"), counter("missing_key"))
     }
 }
 

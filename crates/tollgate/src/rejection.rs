@@ -59,6 +59,9 @@ pub enum LimitKind {
     Concurrency,
     /// A calendar quota: units per day, month, ...
     Quota,
+    /// A bandwidth limit: bytes per second (it paces, and refuses only a
+    /// request it cannot key).
+    Bandwidth,
 }
 
 /// A rejected request, as the rejection builder sees it.
@@ -142,6 +145,9 @@ fn detail(kind: LimitKind, reason: Reason, rule: &str, secs: Option<&str>, limit
             LimitKind::Quota => format!(
                 "Quota \"{rule}\" is used up for this period; it renews in {secs} s."
             ),
+            LimitKind::Bandwidth => {
+                format!("Bandwidth limit \"{rule}\" exceeded; retry after {secs} s.")
+            }
         },
         (Reason::ReadOnly, secs) => format!(
             "The service is degraded and accepts only GET, HEAD and OPTIONS for now (rule \"{rule}\"); retry after {} s.",

@@ -13,9 +13,10 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use super::body::{PacedBody, Pacer};
-use crate::key::{KeyBuf, KeyBytes, KeyExtractor, PeerIp};
+use crate::body::RejectionBody;
+use crate::key::{KeyBuf, KeyBytes, KeyExtractor, Keyed, Keying, MissingKey, PeerIp};
 use crate::observe::BandwidthMetrics;
-use crate::rate_limit::MissingKey;
+use crate::rejection::{is_grpc, LimitKind, Reason, Rejected};
 
 /// Which bodies a [`BandwidthLayer`] paces.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -34,10 +35,11 @@ struct Shared<K, L> {
     limiter: L,
     chunk: u32,
     direction: Direction,
-    missing: MissingKey,
-    warned_missing: std::sync::atomic::AtomicBool,
+    keying: Keying,
     /// Request bodies' handles, and response bodies'.
     metrics: (Arc<BandwidthMetrics>, Arc<BandwidthMetrics>),
+    /// Keyless requests: `(unkeyed, missing_key)`.
+    keyless: (metrics::Counter, metrics::Counter),
 }
 
 /// Paces request and/or response bodies to a byte rate per key; see the
@@ -201,9 +203,11 @@ impl<K, St> BandwidthLayerBuilder<K, St> {
         self
     }
 
-    /// What to do with requests that have no key (default: share one
-    /// fallback budget; `Reject` is treated as `Skip`: a body cannot be
-    /// refused once the request is let through).
+    /// What to do with requests that have no key (default, as on every
+    /// layer: [`MissingKey::Reject`], a 400 before the inner service is
+    /// called; `Skip` lets them through unpaced, counted as `unkeyed` in
+    /// `tollgate_bandwidth_requests_total`; `Fallback` paces every keyless
+    /// request on one shared budget).
     pub fn on_missing_key(mut self, missing: MissingKey) -> Self {
         self.missing = missing;
         self
@@ -240,12 +244,12 @@ impl<K, St: Store> BandwidthLayerBuilder<K, St> {
                 limiter: self.store.limiter(&rule)?,
                 chunk,
                 direction: self.direction,
-                missing: self.missing,
-                warned_missing: std::sync::atomic::AtomicBool::new(false),
+                keying: Keying::new(self.missing),
                 metrics: (
                     Arc::new(BandwidthMetrics::register(&self.name, "request")),
                     Arc::new(BandwidthMetrics::register(&self.name, "response")),
                 ),
+                keyless: BandwidthMetrics::keyless(&self.name),
             }),
         })
     }
@@ -299,6 +303,7 @@ where
     S: Service<Request<PacedBody<ReqB, L>>, Response = Response<ResB>>,
     K: KeyExtractor<ReqB>,
     L: Limiter,
+    ResB: RejectionBody,
 {
     type Response = Response<PacedBody<ResB, L>>;
     type Error = S::Error;
@@ -311,14 +316,33 @@ where
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
         let shared = &self.shared;
         let mut buf = KeyBuf::new();
-        let key = match (shared.key.extract(&req, &mut buf), &shared.missing) {
-            (Some(()), _) => Some(KeyBytes::new(&mut buf)),
-            (None, MissingKey::Fallback(fallback)) => {
-                let rule = shared.limiter.rule().name();
-                let mut buf = MissingKey::fallback_key(fallback, &shared.warned_missing, rule);
-                Some(KeyBytes::new(&mut buf))
+        let extracted = shared.key.extract(&req, &mut buf);
+        let (unkeyed, missing) = &shared.keyless;
+        let rule = shared.limiter.rule().name();
+        let key = match (shared.keying).resolve(extracted, &mut buf, rule, Some((unkeyed, missing)))
+        {
+            Keyed::Key => Some(KeyBytes::new(&mut buf)),
+            Keyed::Skip => None,
+            Keyed::Reject => {
+                let rejected = Rejected {
+                    rule: Arc::from(rule),
+                    kind: LimitKind::Bandwidth,
+                    reason: Reason::MissingKey,
+                    decision: None,
+                    grpc: is_grpc(&req),
+                };
+                let response = if rejected.grpc {
+                    rejected.to_grpc_response()
+                } else {
+                    rejected.to_problem_response()
+                };
+                return ResponseFuture {
+                    state: State::Rejected {
+                        response: Some(response),
+                    },
+                    pacer: None,
+                };
             }
-            (None, _) => None,
         };
         let d = shared.direction;
         let upload = shared.pacer(
@@ -333,9 +357,25 @@ where
             true,
         );
         ResponseFuture {
-            future: self.inner.call(req),
+            state: State::Calling {
+                future: self.inner.call(req),
+            },
             pacer: download,
         }
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<F> {
+        Calling {
+            #[pin]
+            future: F,
+        },
+        // A request the layer could not key, refused.
+        Rejected {
+            response: Option<Response<bytes::Bytes>>,
+        },
     }
 }
 
@@ -343,7 +383,7 @@ pin_project! {
     /// Response future of [`Bandwidth`]: wraps the response body.
     pub struct ResponseFuture<F, L: Limiter> {
         #[pin]
-        future: F,
+        state: State<F>,
         pacer: Option<Pacer<L>>,
     }
 }
@@ -358,13 +398,22 @@ impl<F, L, ResB, E> Future for ResponseFuture<F, L>
 where
     F: Future<Output = Result<Response<ResB>, E>>,
     L: Limiter,
+    ResB: RejectionBody,
 {
     type Output = Result<Response<PacedBody<ResB, L>>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
-        let response = ready!(this.future.poll(cx))?;
-        let pacer = this.pacer.take();
-        Poll::Ready(Ok(response.map(|body| PacedBody::new(body, pacer))))
+        match this.state.project() {
+            StateProj::Calling { future } => {
+                let response = ready!(future.poll(cx))?;
+                let pacer = this.pacer.take();
+                Poll::Ready(Ok(response.map(|body| PacedBody::new(body, pacer))))
+            }
+            StateProj::Rejected { response } => match response.take() {
+                Some(r) => Poll::Ready(Ok(r.map(|b| PacedBody::new(ResB::rejection(b), None)))),
+                None => Poll::Pending,
+            },
+        }
     }
 }

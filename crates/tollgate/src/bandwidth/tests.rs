@@ -45,6 +45,17 @@ impl Body for Chunks {
     }
 }
 
+/// A refusal's body (the layer refuses a keyless request): its length in
+/// `x`s, enough for the tests.
+impl crate::RejectionBody for Chunks {
+    fn rejection(bytes: Bytes) -> Self {
+        Self {
+            left: bytes.len(),
+            frame: bytes.len().max(1),
+        }
+    }
+}
+
 const KIB: usize = 1 << 10;
 
 fn req(body: Chunks) -> Request<Chunks> {

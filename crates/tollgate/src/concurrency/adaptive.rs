@@ -6,31 +6,11 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use http::StatusCode;
 use tokio::time::Instant;
 use tollgate_core::adaptive::{AdaptiveLimit, Controller, ErrorRate, Sample};
 use tollgate_core::{duration_to_nanos, Decision, Outcome};
 
-/// How a request ended, as a drop classifier sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Completion {
-    /// The inner service answered with this status.
-    Response(StatusCode),
-    /// The inner service failed (e.g. a timeout layer inside gave up).
-    Error,
-}
-
-impl Completion {
-    /// The default classification: errors (timeouts included) and 5xx are
-    /// drops — signs of overload; anything else is a success.
-    pub fn is_drop_by_default(&self) -> bool {
-        match self {
-            Completion::Error => true,
-            Completion::Response(s) => s.is_server_error(),
-        }
-    }
-}
+use crate::outcome::Completion;
 
 pub(crate) type DropFn = Arc<dyn Fn(Completion) -> bool + Send + Sync>;
 
@@ -166,24 +146,36 @@ impl Adaptive {
             });
     }
 
-    /// Feeds one finished request (`started` when it was admitted).
-    /// Cancelled requests never get here: they give no sample.
-    pub(crate) fn complete(&self, started: Instant, completion: Completion) {
+    /// The round-trip time of a request admitted at `started`, up to now
+    /// (its response's head): what its sample measures.
+    pub(crate) fn rtt_since(started: Instant) -> u64 {
+        duration_to_nanos(Instant::now().saturating_duration_since(started))
+    }
+
+    /// Feeds one finished request: its round-trip time to the response's
+    /// head, and how it ended (known at the head, or — for a gRPC answer
+    /// with trailing status — at the body's end). Cancelled requests never
+    /// get here: they give no sample.
+    pub(crate) fn complete(&self, rtt: u64, completion: Completion) {
         let dropped = (self.is_drop)(completion);
-        let rtt = duration_to_nanos(Instant::now().saturating_duration_since(started));
         let now = self.now();
         let sample = Sample {
             rtt,
             dropped,
             in_flight: self.in_flight.load(Ordering::Acquire),
         };
-        let limit = self
-            .controller
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .on_sample(now, sample);
-        if self.limit.swap(limit, Ordering::AcqRel) != limit {
-            self.gauge.set(f64::from(limit));
+        {
+            // Published under the controller's lock, so that a sample
+            // computed before a probe started cannot overwrite the probe's
+            // limit after it.
+            let mut controller = self
+                .controller
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let limit = controller.on_sample(now, sample);
+            if self.limit.swap(limit, Ordering::AcqRel) != limit {
+                self.gauge.set(f64::from(limit));
+            }
         }
         if let Some((errors, threshold)) = &self.errors {
             let mut errors = errors.lock().unwrap_or_else(PoisonError::into_inner);

@@ -7,10 +7,11 @@ use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use super::adaptive::Completion;
-use super::permit::{Holding, PermitBody};
+use super::adaptive::Adaptive;
+use super::permit::{Holding, PermitBody, Sampling};
 use super::shared::{Admission, Admitted, BoxFuture, Items, Responder};
 use crate::body::RejectionBody;
+use crate::outcome::Completion;
 use crate::rejection::Rejected;
 
 pin_project! {
@@ -122,6 +123,14 @@ where
                     let (mut request, mut inner) = *w;
                     let mut admitted = admitted.take();
                     if let (Some(a), true) = (&mut admitted, responder.upgrades) {
+                        // An upgraded connection may live for hours: it
+                        // holds its per-key and service permits, never the
+                        // adaptive limit's (see `sample_at_head`).
+                        if let Some(adaptive) = &responder.adaptive {
+                            if super::permit::is_upgrade(&request) {
+                                release_adaptive(adaptive, a);
+                            }
+                        }
                         Holding::attach(&mut a.permit, &mut request);
                     }
                     State::Calling {
@@ -131,27 +140,23 @@ where
                 }
                 StateProj::Calling { future, admitted } => {
                     let result = ready!(future.poll(cx));
-                    let admitted = admitted.take();
-                    if let (Some(adaptive), Some(started)) = (
-                        &responder.adaptive,
-                        admitted.as_ref().and_then(|a| a.started),
-                    ) {
-                        let completion = match &result {
-                            Ok(res) => Completion::Response(res.status()),
-                            Err(_) => Completion::Error,
-                        };
-                        adaptive.complete(started, completion);
-                    }
+                    let mut admitted = admitted.take();
+                    let sampling = match (&responder.adaptive, admitted.as_mut()) {
+                        (Some(adaptive), Some(a)) => sample_at_head(adaptive, a, &result),
+                        _ => None,
+                    };
                     let response = result?;
                     let Some(admitted) = admitted else {
-                        return Poll::Ready(Ok(response.map(|b| PermitBody::new(b, None))));
+                        return Poll::Ready(Ok(response.map(|b| PermitBody::new(b, None, None))));
                     };
                     let mut response = response;
                     responder
                         .headers
                         .apply(response.headers_mut(), admitted.items.as_slice());
                     let holding = admitted.permit;
-                    return Poll::Ready(Ok(response.map(|b| PermitBody::new(b, holding))));
+                    return Poll::Ready(
+                        Ok(response.map(|b| PermitBody::new(b, holding, sampling))),
+                    );
                 }
                 StateProj::Rejected { rejected } => {
                     let Some((rejected, items)) = rejected.take() else {
@@ -159,11 +164,47 @@ where
                     };
                     let response = responder.reject(&rejected, &items);
                     return Poll::Ready(Ok(
-                        response.map(|b| PermitBody::new(ResB::rejection(b), None))
+                        response.map(|b| PermitBody::new(ResB::rejection(b), None, None))
                     ));
                 }
             };
             this.state.set(next);
+        }
+    }
+}
+
+/// At the response's head, for an adaptive limit: gives the adaptive
+/// permits back (the limit counts a request until its head, the interval
+/// its latency measures, so long bodies cannot fill it), and feeds the
+/// sample — now, or, for a gRPC answer whose status comes in the trailers,
+/// at the body's end (what is returned, for the body to finish).
+fn sample_at_head<B, E>(
+    adaptive: &Arc<Adaptive>,
+    admitted: &mut Admitted,
+    result: &Result<Response<B>, E>,
+) -> Option<Box<Sampling>> {
+    release_adaptive(adaptive, admitted);
+    let rtt = Adaptive::rtt_since(admitted.started?);
+    let completion = match result {
+        Ok(res) => {
+            let completion = Completion::of(res);
+            if completion.awaits_trailers(res.headers()) {
+                return Some(Box::new(Sampling::new(Arc::clone(adaptive), rtt)));
+            }
+            completion
+        }
+        Err(_) => Completion::Error,
+    };
+    adaptive.complete(rtt, completion);
+    None
+}
+
+/// Gives the adaptive limit's permits of `admitted` back, if it holds any.
+fn release_adaptive(adaptive: &Adaptive, admitted: &mut Admitted) {
+    if let Some(Holding::Permit(permit)) = admitted.permit.as_mut() {
+        let permits = permit.held_mut().take_adaptive();
+        if permits > 0 {
+            adaptive.release(permits);
         }
     }
 }

@@ -1,5 +1,4 @@
 use std::fmt;
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,18 +9,19 @@ use tollgate_core::{ConcurrencyLimiter, ConcurrencyRule, ConfigError, Store};
 use tollgate_memory::MemoryStore;
 use tower_layer::Layer;
 
-use super::adaptive::{non_critical_ceiling, Adaptive, Completion, DropFn, ReadOnly};
+use super::adaptive::{non_critical_ceiling, Adaptive, DropFn, ReadOnly};
 use super::queue::Queue;
 use super::service::ConcurrencyLimit;
 use super::shared::{AllCritical, PlanLimit, RejectFn, Responder, ServiceLimit, Shared, Slot};
 use crate::cost::Fixed;
 use crate::headers::ConcurrencyHeaders;
 use crate::key::PeerIp;
+use crate::key::{Keying, MissingKey};
 use crate::observe::ConcurrencyMetrics;
+use crate::outcome::Completion;
 use crate::policy::access::Listed;
 use crate::policy::plan::{Named, PlanSet};
 use crate::policy::AccessList;
-use crate::rate_limit::MissingKey;
 use crate::rejection::{LimitKind, Rejected, Rendered};
 
 /// Limits requests in flight per key (and, optionally, for the whole
@@ -295,8 +295,10 @@ impl<K, C, P, St> ConcurrencyLayerBuilder<K, C, P, St> {
         self
     }
 
-    /// What counts as a drop for the adaptive limit (default:
-    /// [`Completion::is_drop_by_default`]: errors, timeouts and 5xx).
+    /// What counts as a drop for the adaptive limit and as an error for
+    /// read-only mode (default: [`Completion::is_overload`]: errors, 5xx,
+    /// 408, and gRPC `DEADLINE_EXCEEDED`, `RESOURCE_EXHAUSTED`, `INTERNAL`,
+    /// `UNAVAILABLE`, whether in a trailers-only answer or the trailers).
     pub fn drop_classifier<F>(mut self, f: F) -> Self
     where
         F: Fn(Completion) -> bool + Send + Sync + 'static,
@@ -478,7 +480,7 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
                 let r = rule(&n, limit.max()).map_err(service_error)?;
                 let is_drop = cfg
                     .is_drop
-                    .unwrap_or_else(|| Arc::new(|c: Completion| c.is_drop_by_default()));
+                    .unwrap_or_else(|| Arc::new(|c: Completion| c.is_overload()));
                 Some(ServiceLimit::Adaptive(Arc::new(Adaptive::new(
                     r.name().into(),
                     limit,
@@ -543,8 +545,7 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
                 plans,
                 service,
                 queue,
-                missing: cfg.missing,
-                warned_missing: AtomicBool::new(false),
+                keying: Keying::new(cfg.missing),
                 shadow: cfg.shadow,
                 metrics: ConcurrencyMetrics::register(&name),
                 share: cfg.share,

@@ -44,9 +44,18 @@
 //! caps the whole process at a limit that follows the protected service's
 //! latency and errors ([`tollgate_core::adaptive`]: AIMD or a gradient of
 //! RTTs). Each response is a sample: its latency to the response headers,
-//! and whether it was a drop — an error (a timeout layer inside, say) or a
-//! 5xx by default; [`drop_classifier`](ConcurrencyLayerBuilder::drop_classifier)
-//! changes that. A cancelled request gives no sample. The current limit is
+//! and whether it was a drop — by default an error (a timeout layer
+//! inside, say), a 5xx or a 408, or a gRPC `DEADLINE_EXCEEDED`,
+//! `RESOURCE_EXHAUSTED`, `INTERNAL` or `UNAVAILABLE` (read from a
+//! trailers-only answer's head, or from the trailers at the end of a
+//! streamed one: [`Completion`]);
+//! [`drop_classifier`](ConcurrencyLayerBuilder::drop_classifier) changes
+//! that. A cancelled request gives no sample. The adaptive limit counts a
+//! request from its admission to its response's head, the same interval
+//! its latency measures: a long body (a download, server-sent events, an
+//! upgraded connection) holds its per-key and fixed service permits to
+//! the end, but not the adaptive one, so long-lived responses can never
+//! fill the adaptive limit and freeze the service. The current limit is
 //! the gauge `tollgate_concurrency_limit`. With
 //! [`read_only_above`](ConcurrencyLayerBuilder::read_only_above), while the
 //! error rate is high only GET, HEAD and OPTIONS go through and other
@@ -106,7 +115,7 @@ mod shared;
 #[cfg(test)]
 mod tests;
 
-pub use adaptive::Completion;
+pub use crate::outcome::Completion;
 pub use future::ResponseFuture;
 pub use layer::{ConcurrencyLayer, ConcurrencyLayerBuilder};
 pub use permit::{Permit, PermitBody, UpgradePermit};

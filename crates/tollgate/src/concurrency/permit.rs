@@ -11,6 +11,9 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 use tollgate_core::Lease;
 
+use super::adaptive::Adaptive;
+use crate::outcome::Completion;
+
 /// Gives a permit's leases back to the limits that granted them.
 pub(crate) trait Release: Send + Sync + 'static {
     fn release(&self, permit: &mut Held);
@@ -137,6 +140,12 @@ impl Held {
     pub(crate) fn is_empty(&self) -> bool {
         self.flags & (PER_KEY | SERVICE | ADAPTIVE) == 0
     }
+
+    /// Whether nothing is left to give back: no permits, and no count in
+    /// the in-flight gauge.
+    fn is_settled(&self) -> bool {
+        self.flags == 0
+    }
 }
 
 /// An owned guard: the leases of one request, released exactly once, when
@@ -162,7 +171,7 @@ impl Permit {
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        if !self.held.is_empty() {
+        if !self.held.is_settled() {
             self.owner.release(&mut self.held);
         }
     }
@@ -250,6 +259,29 @@ impl Holding {
     }
 }
 
+/// An adaptive limit's sample that waits for the body's end: a gRPC
+/// answer whose status comes in the trailers.
+pub(crate) struct Sampling {
+    adaptive: Arc<Adaptive>,
+    rtt: u64,
+}
+
+impl fmt::Debug for Sampling {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Sampling").field("rtt", &self.rtt).finish()
+    }
+}
+
+impl Sampling {
+    pub(crate) fn new(adaptive: Arc<Adaptive>, rtt: u64) -> Self {
+        Self { adaptive, rtt }
+    }
+
+    fn complete(self, completion: Completion) {
+        self.adaptive.complete(self.rtt, completion);
+    }
+}
+
 pin_project! {
     /// The body of a concurrency-limited response: the inner service's body
     /// (or the limiter's rejection), holding the request's [`Permit`] until
@@ -261,19 +293,25 @@ pin_project! {
         #[pin]
         body: B,
         permit: Option<Holding>,
+        // A gRPC answer's sample, completed by its trailers.
+        sampling: Option<Box<Sampling>>,
     }
 }
 
 impl<B> PermitBody<B> {
-    pub(crate) fn new(body: B, permit: Option<Holding>) -> Self {
-        Self { body, permit }
+    pub(crate) fn new(body: B, permit: Option<Holding>, sampling: Option<Box<Sampling>>) -> Self {
+        Self {
+            body,
+            permit,
+            sampling,
+        }
     }
 }
 
 /// An outer layer's rejection, holding no permit.
 impl<B: crate::RejectionBody> crate::RejectionBody for PermitBody<B> {
     fn rejection(bytes: Bytes) -> Self {
-        Self::new(B::rejection(bytes), None)
+        Self::new(B::rejection(bytes), None, None)
     }
 }
 
@@ -295,6 +333,16 @@ where
             Poll::Ready(Some(Ok(_))) => this.body.is_end_stream(),
             Poll::Pending => false,
         };
+        if let (Poll::Ready(frame), Some(_)) = (&polled, this.sampling.as_ref()) {
+            let completion = match frame {
+                Some(Ok(f)) => f.trailers_ref().map(|t| Completion::from_trailers(Some(t))),
+                Some(Err(_)) => Some(Completion::Error),
+                None => Some(Completion::from_trailers(None)),
+            };
+            if let (Some(completion), Some(sampling)) = (completion, this.sampling.take()) {
+                sampling.complete(completion);
+            }
+        }
         if done {
             // The response is over: free the permit now, not when the
             // server gets round to dropping the body.

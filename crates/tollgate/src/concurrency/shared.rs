@@ -3,7 +3,6 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -16,12 +15,11 @@ use super::permit::{Held, Holding, Permit, Release};
 use super::queue::Queue;
 use crate::cost::Cost;
 use crate::headers::{ConcurrencyHeaders, Item};
-use crate::key::{KeyBuf, KeyExtractor};
+use crate::key::{KeyBuf, KeyExtractor, Keyed, Keying};
 use crate::observe::ConcurrencyMetrics;
 use crate::policy::access::Listed;
 use crate::policy::plan::PlanSet;
 use crate::policy::Access;
-use crate::rate_limit::MissingKey;
 use crate::rejection::{is_grpc, LimitKind, Reason, Rejected, Rendered};
 
 /// Decides whether a request is critical: critical requests may use every
@@ -247,8 +245,7 @@ pub(crate) struct Shared<K, C, P, L> {
     pub(crate) plans: PlanSet<PlanLimit>,
     pub(crate) service: Option<ServiceLimit<L>>,
     pub(crate) queue: Option<Arc<Queue>>,
-    pub(crate) missing: MissingKey,
-    pub(crate) warned_missing: AtomicBool,
+    pub(crate) keying: Keying,
     pub(crate) shadow: bool,
     pub(crate) metrics: ConcurrencyMetrics,
     /// The share of non-critical traffic, for the adaptive limit.
@@ -359,24 +356,21 @@ where
             }
         }
         let mut key = KeyBuf::new();
-        if keyed && self.key.extract(req, &mut key).is_none() {
-            match &self.missing {
-                MissingKey::Skip => {
-                    self.metrics.unkeyed.increment(1);
-                    keyed = false;
-                }
-                MissingKey::Reject => {
-                    self.metrics.missing_key.increment(1);
+        if keyed {
+            let m = &self.metrics;
+            let extracted = self.key.extract(req, &mut key);
+            match self.keying.resolve(
+                extracted,
+                &mut key,
+                &self.per_key.name,
+                Some((&m.unkeyed, &m.missing_key)),
+            ) {
+                Keyed::Key => {}
+                Keyed::Skip => keyed = false,
+                Keyed::Reject => {
                     let r =
                         self.rejected(&self.per_key.name, Reason::MissingKey, is_grpc(req), None);
                     return Admission::Reject(r, Items::new(0));
-                }
-                MissingKey::Fallback(fallback) => {
-                    key = MissingKey::fallback_key(
-                        fallback,
-                        &self.warned_missing,
-                        &self.per_key.name,
-                    );
                 }
             }
         }

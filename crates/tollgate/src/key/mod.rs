@@ -376,10 +376,13 @@ impl<B, A: KeyExtractor<B>, O: KeyExtractor<B>> KeyExtractor<B> for Or<A, O> {
 }
 
 mod ip;
+mod missing;
 mod peer;
 mod request;
 
 pub use ip::{peer_addr, ClientIp, ForwardedHeader, PeerIp, DEFAULT_IPV6_PREFIX};
+pub use missing::MissingKey;
+pub(crate) use missing::{Keyed, Keying};
 pub use peer::{PeerAddr, PeerAddrLayer};
 pub(crate) use request::header_name;
 #[cfg(feature = "axum")]

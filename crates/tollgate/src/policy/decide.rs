@@ -257,7 +257,7 @@ pub(super) const MARKER: usize = usize::MAX;
 pub(super) fn settle_response<B, L: Limiter>(
     shared: &Shared<B, L>,
     report: &mut Report,
-    status: http::StatusCode,
+    status: Option<http::StatusCode>,
     keys: &[(usize, KeyBytes)],
 ) {
     let plan = report.plan;
@@ -268,7 +268,7 @@ pub(super) fn settle_response<B, L: Limiter>(
         let Some(count_if) = &rule.count_if else {
             continue;
         };
-        if report.consumed(*i).is_none() || count_if(status) {
+        if report.consumed(*i).is_none() || status.is_none_or(|s| count_if(s)) {
             continue;
         }
         let Some(Some((d, cost))) = report.decided.get_mut(*i) else {

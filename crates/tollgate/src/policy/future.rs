@@ -19,6 +19,7 @@ use super::shared::{Shared, MAX_RULES};
 use crate::body::RejectionBody;
 use crate::headers::apply_set;
 use crate::key::KeyBytes;
+use crate::outcome::Completion;
 use crate::rate_limit::{poll_paced, Inner, Refund};
 use crate::rejection::{LimitKind, Reason, Rejected};
 
@@ -181,7 +182,8 @@ where
                 StateProj::Calling { future } => {
                     let mut response = ready!(future.poll(cx))?;
                     if let Some(keys) = this.after.take() {
-                        settle_response(this.shared, this.report, response.status(), &keys);
+                        let status = Completion::of(&response).status();
+                        settle_response(this.shared, this.report, status, &keys);
                     }
                     headers(this.shared, this.report, response.headers_mut(), None, None);
                     if this.shared.warns {

@@ -1,7 +1,6 @@
 //! The policy layer and its builder.
 
 use std::fmt;
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -18,7 +17,7 @@ use super::service::Policy;
 use super::shared::{canary, Bound, Current, RejectFn, Shared, MAX_RULES};
 use crate::cost::Cost;
 use crate::headers::{set_policy, Headers};
-use crate::key::KeyExtractor;
+use crate::key::{KeyExtractor, Keying};
 use crate::observe::Metrics;
 use crate::rate_limit::{MissingKey, Responder};
 use crate::rejection::{LimitKind, Rejected, Rendered};
@@ -476,9 +475,8 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 rule: r.rule,
                 challenge,
                 limiter,
-                missing: r.missing,
+                keying: Keying::new(r.missing),
                 canary,
-                warned_missing: AtomicBool::new(false),
                 responder: responder(&rule, default_plan),
                 plans: plans.into(),
                 count_if: r.count_if,

@@ -29,8 +29,13 @@
 //!   requests whose response they are told to — failed logins per
 //!   account and per address, say. The cost is taken up front (parallel
 //!   attempts cannot overrun the limit) and given back when the response
-//!   does not count. The test sees the HTTP status only: a gRPC answer is
-//!   HTTP 200 whatever its `grpc-status`.
+//!   does not count. The test sees the HTTP status, or for a gRPC answer
+//!   the status its `grpc-status` maps to ([`Completion::status`]:
+//!   `UNAUTHENTICATED` is 401, `PERMISSION_DENIED` 403), so one test
+//!   serves HTTP and gRPC; a gRPC status sent in trailers after a
+//!   streamed body is not seen (the answer counts as 200).
+//!
+//! [`Completion::status`]: crate::outcome::Completion::status
 //! - **Idempotent repeats**
 //!   ([`idempotency`](PolicyLayerBuilder::idempotency)): a request sent
 //!   again with the same `Idempotency-Key` by the same client within a

@@ -157,7 +157,9 @@ impl<K, C> RateRule<K, C> {
 
     /// Makes the rule response-aware: only requests whose response `f`
     /// accepts count against it — e.g. failed logins, `|s| s == 401 ||
-    /// s == 403`. The cost is taken when the request arrives, so that a
+    /// s == 403`. A gRPC answer is tested by the status its `grpc-status`
+    /// maps to ([`Completion::status`](crate::outcome::Completion::status):
+    /// `UNAUTHENTICATED` is 401). The cost is taken when the request arrives, so that a
     /// burst of parallel attempts cannot overrun the limit while their
     /// responses are pending, and given back once the response shows it
     /// does not count. (A request whose service errs, or that is

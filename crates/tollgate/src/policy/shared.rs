@@ -1,14 +1,14 @@
 //! What every clone of a policy layer shares: its rules, bound to the store.
 
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{Request, Response};
 
 use super::rule::DynRule;
-use crate::key::KeyBuf;
-use crate::rate_limit::{MissingKey, Responder};
+pub(super) use crate::key::Keyed;
+use crate::key::{KeyBuf, Keying};
+use crate::rate_limit::Responder;
 use crate::rejection::Rejected;
 
 /// The most rules one policy holds.
@@ -20,8 +20,7 @@ pub(super) type RejectFn = Arc<dyn Fn(&Rejected) -> Response<Bytes> + Send + Syn
 pub(super) struct Bound<B, L> {
     pub(super) rule: Box<dyn DynRule<B>>,
     pub(super) limiter: L,
-    pub(super) missing: MissingKey,
-    pub(super) warned_missing: AtomicBool,
+    pub(super) keying: Keying,
     pub(super) responder: Responder,
     /// A canary's share as a threshold on the key's hash: enforced below.
     pub(super) canary: Option<(u64, (u64, u64))>,
@@ -36,13 +35,6 @@ pub(super) struct Bound<B, L> {
     pub(super) ladder: Option<Arc<dyn tollgate_core::EscalationLimiter>>,
     /// The share of capacity past which admitted responses warn.
     pub(super) warn_at: Option<f64>,
-}
-
-/// What a rule made of a request's key.
-pub(super) enum Keyed {
-    Key,
-    Skip,
-    Reject,
 }
 
 impl<B, L> Bound<B, L> {
@@ -70,44 +62,25 @@ impl<B, L> Bound<B, L> {
     /// The key of a request this rule keyed before: no metrics, no
     /// warning. `false` when it had none (and was skipped or refused).
     pub(super) fn key_again(&self, req: &Request<B>, key: &mut KeyBuf) -> bool {
-        if self.rule.key(req, key).is_some() {
-            return true;
-        }
-        match &self.missing {
-            MissingKey::Fallback(fallback) => {
-                *key =
-                    MissingKey::fallback_key(fallback, &self.warned_missing, &self.responder.rule);
-                true
-            }
-            MissingKey::Skip | MissingKey::Reject => false,
-        }
+        let extracted = self.rule.key(req, key);
+        self.keying
+            .resolve(extracted, key, &self.responder.rule, None)
+            == Keyed::Key
     }
 
     pub(super) fn key(&self, req: &Request<B>, key: &mut KeyBuf) -> Keyed {
-        if self.rule.key(req, key).is_some() {
-            return Keyed::Key;
-        }
         let m = &self.responder.metrics;
-        match &self.missing {
-            MissingKey::Skip => {
-                m.unkeyed.increment(1);
-                Keyed::Skip
-            }
+        let extracted = self.rule.key(req, key);
+        match self.keying.resolve(
+            extracted,
+            key,
+            &self.responder.rule,
+            Some((&m.unkeyed, &m.missing_key)),
+        ) {
             // A rule that only watches (shadow, or a canary's rest) must
             // never refuse: a keyless request is left to the others.
-            MissingKey::Reject if self.responder.shadow || self.canary.is_some() => {
-                m.missing_key.increment(1);
-                Keyed::Skip
-            }
-            MissingKey::Reject => {
-                m.missing_key.increment(1);
-                Keyed::Reject
-            }
-            MissingKey::Fallback(fallback) => {
-                *key =
-                    MissingKey::fallback_key(fallback, &self.warned_missing, &self.responder.rule);
-                Keyed::Key
-            }
+            Keyed::Reject if self.responder.shadow || self.canary.is_some() => Keyed::Skip,
+            keyed => keyed,
         }
     }
 }

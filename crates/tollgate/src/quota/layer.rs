@@ -1,5 +1,4 @@
 use std::fmt;
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -13,11 +12,11 @@ use super::service::{QuotaLimit, Responder, Shared};
 use crate::cost::Fixed;
 use crate::headers::QuotaHeaders;
 use crate::key::PeerIp;
+use crate::key::{Keying, MissingKey};
 use crate::observe::Metrics;
 use crate::policy::access::Listed;
 use crate::policy::plan::{Named, PlanSet};
 use crate::policy::AccessList;
-use crate::rate_limit::MissingKey;
 use crate::rejection::{LimitKind, Rejected, Rendered};
 
 type RejectFn = Arc<dyn Fn(&Rejected) -> Response<Bytes> + Send + Sync>;
@@ -334,8 +333,7 @@ impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
                     default,
                     plans: bound,
                 },
-                missing: cfg.missing,
-                warned_missing: AtomicBool::new(false),
+                keying: Keying::new(cfg.missing),
                 access: cfg
                     .access
                     .map(|l| Listed::new(l, crate::observe::QUOTA_REQUESTS))

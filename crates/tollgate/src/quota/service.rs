@@ -1,6 +1,5 @@
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
@@ -14,12 +13,11 @@ use tower_service::Service;
 use crate::body::RejectionBody;
 use crate::cost::Cost;
 use crate::headers::{field, Buf, QuotaHeaders};
-use crate::key::{KeyBuf, KeyExtractor};
+use crate::key::{KeyBuf, KeyExtractor, Keyed, Keying};
 use crate::observe::Metrics;
 use crate::policy::access::Listed;
 use crate::policy::plan::PlanSet;
 use crate::policy::Access;
-use crate::rate_limit::MissingKey;
 use crate::rejection::{is_grpc, LimitKind, Reason, Rejected, Rendered};
 
 type RejectFn = Arc<dyn Fn(&Rejected) -> Response<Bytes> + Send + Sync>;
@@ -91,8 +89,7 @@ pub(crate) struct Shared<K, C, L> {
     pub(crate) cost: C,
     /// Each plan's limiter and responder (the default's when no plans).
     pub(crate) plans: PlanSet<(L, Arc<Responder>)>,
-    pub(crate) missing: MissingKey,
-    pub(crate) warned_missing: AtomicBool,
+    pub(crate) keying: Keying,
     pub(crate) access: Option<Listed>,
 }
 
@@ -292,34 +289,34 @@ where
             }
         }
         let mut key = KeyBuf::new();
-        if shared.key.extract(&req, &mut key).is_none() {
-            match &shared.missing {
-                MissingKey::Skip => {
-                    responder.metrics.unkeyed.increment(1);
-                    let state = State::Calling {
-                        future: self.inner.call(req),
-                        decision: None,
-                    };
-                    return ResponseFuture { state, responder };
-                }
-                MissingKey::Reject => {
-                    responder.metrics.missing_key.increment(1);
-                    let rejected = Rejected {
-                        rule: Arc::clone(&responder.rule),
-                        kind: LimitKind::Quota,
-                        reason: Reason::MissingKey,
-                        decision: None,
-                        grpc: is_grpc(&req),
-                    };
-                    let state = State::Rejected {
-                        rejected: Some((rejected, None)),
-                    };
-                    return ResponseFuture { state, responder };
-                }
-                MissingKey::Fallback(fallback) => {
-                    key =
-                        MissingKey::fallback_key(fallback, &shared.warned_missing, &responder.rule);
-                }
+        let m = &responder.metrics;
+        let extracted = shared.key.extract(&req, &mut key);
+        match (shared.keying).resolve(
+            extracted,
+            &mut key,
+            &responder.rule,
+            Some((&m.unkeyed, &m.missing_key)),
+        ) {
+            Keyed::Key => {}
+            Keyed::Skip => {
+                let state = State::Calling {
+                    future: self.inner.call(req),
+                    decision: None,
+                };
+                return ResponseFuture { state, responder };
+            }
+            Keyed::Reject => {
+                let rejected = Rejected {
+                    rule: Arc::clone(&responder.rule),
+                    kind: LimitKind::Quota,
+                    reason: Reason::MissingKey,
+                    decision: None,
+                    grpc: is_grpc(&req),
+                };
+                let state = State::Rejected {
+                    rejected: Some((rejected, None)),
+                };
+                return ResponseFuture { state, responder };
             }
         }
         let cost = shared.cost.cost(&req);

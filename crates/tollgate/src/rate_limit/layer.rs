@@ -8,10 +8,11 @@ use tollgate_memory::MemoryStore;
 use tower_layer::Layer;
 
 use super::service::{RateLimit, RateLimitErrors};
-use super::shared::{MissingKey, RejectFn, Responder, Shared};
+use super::shared::{RejectFn, Responder, Shared};
 use crate::cost::Fixed;
 use crate::headers::Headers;
 use crate::key::PeerIp;
+use crate::key::{Keying, MissingKey};
 use crate::observe::Metrics;
 use crate::rejection::{LimitKind, Rejected, Rendered};
 
@@ -269,8 +270,7 @@ impl<K, C, St: Store> RateLimitLayerBuilder<K, C, St> {
                 key: self.key,
                 cost: self.cost,
                 limiter,
-                missing: cfg.missing,
-                warned_missing: std::sync::atomic::AtomicBool::new(false),
+                keying: Keying::new(cfg.missing),
                 responder: Arc::new(Responder {
                     rule: rule.name().into(),
                     headers: Headers::new(&rule, cfg.headers, cfg.legacy_headers),

@@ -43,10 +43,10 @@ mod shared;
 #[cfg(test)]
 pub(crate) mod tests;
 
+pub use crate::key::MissingKey;
 pub use error::RateLimited;
 pub(crate) use future::{poll_paced, Inner, Refund, RefundFn};
 pub use future::{ErrorFuture, ResponseFuture};
 pub use layer::{RateLimitErrorLayer, RateLimitLayer, RateLimitLayerBuilder};
 pub use service::{RateLimit, RateLimitErrors};
-pub use shared::MissingKey;
 pub(crate) use shared::Responder;

@@ -6,10 +6,10 @@ use tollgate_core::{Algorithm, Limiter};
 use tower_service::Service;
 
 use super::future::{decided, ErrorFuture, Inner, RefundFn, ResponseFuture, State};
-use super::shared::{MissingKey, Shared};
+use super::shared::Shared;
 use crate::body::RejectionBody;
 use crate::cost::Cost;
-use crate::key::{KeyBuf, KeyBytes, KeyExtractor};
+use crate::key::{KeyBuf, KeyBytes, KeyExtractor, Keyed};
 use crate::rejection::{is_grpc, LimitKind, Reason, Rejected};
 
 /// The service of [`RateLimitLayer`](super::RateLimitLayer).
@@ -55,31 +55,26 @@ where
     L: Limiter,
 {
     let mut key = KeyBuf::new();
-    if shared.key.extract(&req, &mut key).is_none() {
-        match &shared.missing {
-            MissingKey::Skip => {
-                shared.responder.metrics.unkeyed.increment(1);
-                return State::calling(inner.call(req));
-            }
-            MissingKey::Reject => {
-                shared.responder.metrics.missing_key.increment(1);
-                return State::Rejected {
-                    rejected: Some(Rejected {
-                        rule: Arc::clone(&shared.responder.rule),
-                        kind: LimitKind::Rate,
-                        reason: Reason::MissingKey,
-                        decision: None,
-                        grpc: is_grpc(&req),
-                    }),
-                };
-            }
-            MissingKey::Fallback(fallback) => {
-                key = MissingKey::fallback_key(
-                    fallback,
-                    &shared.warned_missing,
-                    &shared.responder.rule,
-                );
-            }
+    let m = &shared.responder.metrics;
+    let extracted = shared.key.extract(&req, &mut key);
+    match (shared.keying).resolve(
+        extracted,
+        &mut key,
+        &shared.responder.rule,
+        Some((&m.unkeyed, &m.missing_key)),
+    ) {
+        Keyed::Key => {}
+        Keyed::Skip => return State::calling(inner.call(req)),
+        Keyed::Reject => {
+            return State::Rejected {
+                rejected: Some(Rejected {
+                    rule: Arc::clone(&shared.responder.rule),
+                    kind: LimitKind::Rate,
+                    reason: Reason::MissingKey,
+                    decision: None,
+                    grpc: is_grpc(&req),
+                }),
+            };
         }
     }
     let cost = shared.cost.cost(&req);

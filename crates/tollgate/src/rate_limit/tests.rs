@@ -400,8 +400,7 @@ async fn a_failing_store_lets_requests_through() {
         key: crate::key::Global,
         cost: Fixed(1),
         limiter: Broken(rule),
-        missing: MissingKey::default(),
-        warned_missing: std::sync::atomic::AtomicBool::new(false),
+        keying: crate::key::Keying::new(MissingKey::default()),
         responder: layer.responder(),
     });
     let mut svc = RateLimit::new(service_fn(ok), shared);

@@ -20,6 +20,7 @@ use super::throttle::Throttle;
 use super::ReplayBody;
 use crate::key::{KeyBuf, KeyBytes, KeyExtractor};
 use crate::observe::RetryMetrics;
+use crate::outcome::Completion;
 use crate::BoxError;
 
 /// The default key of a retry budget: the upstream's host (and port), from
@@ -722,8 +723,9 @@ fn after_attempt<K, L, ResB>(
         Ok(res) => {
             let (status, headers) = (res.status(), res.headers());
             if let Some(t) = &shared.throttle {
-                // Refused for overload: not an accept.
-                t.record(!matches!(status.as_u16(), 429 | 503));
+                // Refused for overload (429, 502, 503, 504, gRPC
+                // `UNAVAILABLE` and `RESOURCE_EXHAUSTED`): not an accept.
+                t.record(!Completion::from_parts(status, headers).is_refusal());
             }
             let retryable = classify(shared, Attempt::Response { status, headers });
             // What the server says about when: read only for a retry.

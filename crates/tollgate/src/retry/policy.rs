@@ -9,10 +9,10 @@ use http::header::HeaderName;
 use http::{HeaderMap, Method, StatusCode};
 
 use super::{DeadlineExceeded, Throttled};
+use crate::outcome::Completion;
 use crate::BoxError;
 
 /// Header names read on every answer, parsed once.
-static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 static GRPC_PUSHBACK: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");
 static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
@@ -51,11 +51,7 @@ impl Attempt<'_> {
                 true
             }
             Attempt::Response { status, headers } => {
-                matches!(status.as_u16(), 429 | 502 | 503 | 504)
-                    || matches!(
-                        headers.get(&GRPC_STATUS).map(|v| v.as_bytes()),
-                        Some(b"14" | b"8")
-                    )
+                Completion::from_parts(*status, headers).is_refusal()
             }
         }
     }

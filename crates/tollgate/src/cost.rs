@@ -29,6 +29,9 @@ use http::header::{HeaderName, CONTENT_LENGTH};
 use http::{Method, Request};
 use tollgate_core::ConfigError;
 
+use crate::key::normalize_path;
+use crate::key::request::{method_of, original_path};
+
 /// Weighs a request.
 pub trait Cost<B>: Clone + Send + Sync + 'static {
     /// The units `req` consumes.
@@ -103,11 +106,13 @@ impl ByMethod {
     }
 }
 
+/// `HEAD` costs what `GET` does: a router runs the `GET` handler for it.
 impl<B> Cost<B> for ByMethod {
     fn cost(&self, req: &Request<B>) -> u32 {
+        let method = method_of(req);
         self.table
             .iter()
-            .find(|(m, _)| m == req.method())
+            .find(|(m, _)| m == method)
             .map_or(self.default, |(_, c)| *c)
     }
 }
@@ -133,10 +138,12 @@ impl ByRoute {
     }
 
     /// Requests to exactly `path` (with `method`, or any method if `None`)
-    /// cost `cost`. The first matching route wins.
+    /// cost `cost`. The first matching route wins. Paths compare
+    /// normalised; under `Router::nest`, the full path (`/api/orders`) and
+    /// the one inside the nest (`/orders`) both match.
     pub fn route(self, method: Option<Method>, path: &str, cost: u32) -> Self {
         let mut routes = self.routes.to_vec();
-        routes.push((method, path.into(), cost));
+        routes.push((method, normalize_path(path).into(), cost));
         Self {
             default: self.default,
             routes: routes.into(),
@@ -162,12 +169,21 @@ impl ByRoute {
     }
 }
 
+/// A route's path matches in its normalised form
+/// ([`normalize_path`](crate::key::normalize_path)), as the client sent it
+/// or as the layer sees it inside `Router::nest` (prefix stripped), so
+/// `/api/orders` and `/orders` both name a nested `/orders`; `HEAD` costs
+/// what `GET` does.
 impl<B> Cost<B> for ByRoute {
     fn cost(&self, req: &Request<B>) -> u32 {
-        let path = req.uri().path();
+        let method = method_of(req);
+        let original = normalize_path(original_path(req));
+        let local = normalize_path(req.uri().path());
         self.routes
             .iter()
-            .find(|(m, p, _)| **p == *path && m.as_ref().is_none_or(|m| m == req.method()))
+            .find(|(m, p, _)| {
+                (**p == *original || **p == *local) && m.as_ref().is_none_or(|m| m == method)
+            })
             .map_or(self.default, |(_, _, c)| *c)
     }
 }

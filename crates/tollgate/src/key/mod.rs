@@ -378,7 +378,7 @@ impl<B, A: KeyExtractor<B>, O: KeyExtractor<B>> KeyExtractor<B> for Or<A, O> {
 mod ip;
 mod missing;
 mod peer;
-mod request;
+pub(crate) mod request;
 
 pub use ip::{peer_addr, ClientIp, ForwardedHeader, PeerIp, DEFAULT_IPV6_PREFIX};
 pub use missing::MissingKey;
@@ -387,7 +387,7 @@ pub use peer::{PeerAddr, PeerAddrLayer};
 pub(crate) use request::header_name;
 #[cfg(feature = "axum")]
 pub use request::Route;
-pub use request::{Global, Header, Method, Path};
+pub use request::{normalize_path, Global, Header, Method, Path};
 
 #[cfg(test)]
 mod tests {

@@ -1,5 +1,10 @@
 //! Keys from the request's parts: a header, the path, the method, the
-//! route, or one key for all.
+//! route, or one key for all — and the forms of a request's method and
+//! path that every key and cost reads, so that no variant of a request
+//! (`HEAD` for `GET`, `/a//b`, `/%61`, a route inside `Router::nest`)
+//! makes a fresh key or a cheaper cost.
+
+use std::borrow::Cow;
 
 use http::header::HeaderName;
 use http::Request;
@@ -17,8 +22,9 @@ impl<B> KeyExtractor<B> for Global {
     }
 }
 
-/// A header's value, e.g. an API key. Absent or empty: no key. Values are
-/// bytes; non-UTF-8 values are keys like any other.
+/// A header's value, e.g. an API key. Absent, empty or only whitespace:
+/// no key. Surrounding whitespace is not part of the key (`" k"` is
+/// `"k"`). Values are bytes; non-UTF-8 values are keys like any other.
 #[derive(Debug, Clone)]
 pub struct Header(HeaderName);
 
@@ -37,7 +43,7 @@ impl Header {
 
 impl<B> KeyExtractor<B> for Header {
     fn extract(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()> {
-        let value = req.headers().get(&self.0)?.as_bytes();
+        let value = req.headers().get(&self.0)?.as_bytes().trim_ascii();
         if value.is_empty() {
             return None;
         }
@@ -53,25 +59,29 @@ pub(crate) fn header_name(name: &str) -> Result<HeaderName, tollgate_core::Confi
     })
 }
 
-/// The request path (`/users/42`). Every distinct URL is a key; to limit
-/// per route template (`/users/{id}`) use [`Route`] (axum).
+/// The request path (`/users/42`), as the client sent it before any
+/// `Router::nest` stripped a prefix, and normalised ([`normalize_path`]):
+/// `/users//42`, `/users/./42` and `/%75sers/42` are one key. Every
+/// distinct URL is a key; to limit per route template (`/users/{id}`) use
+/// [`Route`] (axum).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Path;
 
 impl<B> KeyExtractor<B> for Path {
     fn extract(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()> {
-        key.push(req.uri().path().as_bytes());
+        key.push(normalize_path(original_path(req)).as_bytes());
         Some(())
     }
 }
 
-/// The request method.
+/// The request method; `HEAD` is `GET` (a router answers a `HEAD` with
+/// the `GET` handler, so it is the same work and the same budget).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Method;
 
 impl<B> KeyExtractor<B> for Method {
     fn extract(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()> {
-        key.push(req.method().as_str().as_bytes());
+        key.push(method_of(req).as_str().as_bytes());
         Some(())
     }
 }
@@ -89,5 +99,148 @@ impl<B> KeyExtractor<B> for Route {
         let path = req.extensions().get::<axum::extract::MatchedPath>()?;
         key.push(path.as_str().as_bytes());
         Some(())
+    }
+}
+
+/// The method a request is charged and keyed as: `HEAD` runs the `GET`
+/// handler (axum, hyper and most routers do that), so it is `GET`.
+pub(crate) fn method_of<B>(req: &Request<B>) -> &http::Method {
+    if req.method() == http::Method::HEAD {
+        &http::Method::GET
+    } else {
+        req.method()
+    }
+}
+
+/// The path the client sent: axum's `OriginalUri` (set by the outermost
+/// router, before `Router::nest` strips its prefix) when present, else
+/// the request's own.
+pub(crate) fn original_path<B>(req: &Request<B>) -> &str {
+    #[cfg(feature = "axum")]
+    if let Some(original) = req.extensions().get::<axum::extract::OriginalUri>() {
+        return original.0.path();
+    }
+    req.uri().path()
+}
+
+/// A path in one form for every way of writing it (RFC 3986 §6.2.2, and
+/// what routers do): percent-encoded unreserved characters decoded
+/// (`%61` is `a`), other escapes upper-cased (`%2f` is `%2F`), empty
+/// segments dropped (`//` is `/`), dot-segments resolved (`/a/./b/../c`
+/// is `/a/c`; never above the root). A trailing slash is kept. Paths
+/// already in that form (the usual case) are not copied.
+pub fn normalize_path(path: &str) -> Cow<'_, str> {
+    let b = path.as_bytes();
+    let clean = b.first() == Some(&b'/')
+        && !b.contains(&b'%')
+        && !b.windows(2).any(|w| w == b"//")
+        && !path
+            .split('/')
+            .any(|segment| segment == "." || segment == "..");
+    if clean {
+        return Cow::Borrowed(path);
+    }
+    let decoded = decode_unreserved(b);
+    let mut segments: Vec<&[u8]> = Vec::new();
+    let trailing = decoded.last() == Some(&b'/');
+    for segment in decoded.split(|c| *c == b'/') {
+        match segment {
+            b"" | b"." => {}
+            b".." => {
+                segments.pop();
+            }
+            s => segments.push(s),
+        }
+    }
+    let mut out = Vec::with_capacity(decoded.len().saturating_add(1));
+    for s in &segments {
+        out.push(b'/');
+        out.extend_from_slice(s);
+    }
+    if out.is_empty() || (trailing && segments.last().is_some()) {
+        out.push(b'/');
+    }
+    // Only ASCII was decoded, and only escapes of ASCII: still UTF-8 where
+    // the input was; a lossy read never panics where it was not.
+    Cow::Owned(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// `%XX` of an unreserved character (ALPHA, DIGIT, `-._~`) decoded, any
+/// other escape's hex upper-cased, a broken escape kept as it is.
+fn decode_unreserved(b: &[u8]) -> Vec<u8> {
+    let hex = |c: Option<&u8>| c.and_then(|c| char::from(*c).to_digit(16));
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while let Some(&c) = b.get(i) {
+        let escape = match c {
+            b'%' => hex(b.get(i.saturating_add(1))).zip(hex(b.get(i.saturating_add(2)))),
+            _ => None,
+        };
+        let Some((hi, lo)) = escape else {
+            out.push(c);
+            i = i.saturating_add(1);
+            continue;
+        };
+        let byte = u8::try_from(hi.saturating_mul(16).saturating_add(lo)).unwrap_or(0);
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            out.push(byte);
+        } else {
+            out.extend_from_slice(format!("%{byte:02X}").as_bytes());
+        }
+        i = i.saturating_add(3);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_in_every_form_normalise_to_one() {
+        for (raw, want) in [
+            ("/orders", "/orders"),
+            ("/%6frders", "/orders"),
+            ("/%6Frders", "/orders"),
+            ("//orders", "/orders"),
+            ("/api//orders/", "/api/orders/"),
+            ("/api/./orders", "/api/orders"),
+            ("/api/x/../orders", "/api/orders"),
+            ("/%2e%2e/orders", "/orders"),
+            ("/../../orders", "/orders"),
+            ("/a%2fb", "/a%2Fb"),
+            ("/a%zz", "/a%zz"),
+            ("/a%", "/a%"),
+            ("/", "/"),
+            ("", "/"),
+            ("/..", "/"),
+            ("/%ff", "/%FF"),
+        ] {
+            assert_eq!(normalize_path(raw), want, "{raw}");
+        }
+        assert!(matches!(normalize_path("/users/42"), Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn head_is_get_and_blank_headers_are_no_key() {
+        let head = Request::head("/x").body(()).unwrap();
+        assert_eq!(method_of(&head), http::Method::GET);
+        let h = Header::named("x-api-key").unwrap();
+        for blank in ["", " ", "\t \t"] {
+            let req = Request::get("/")
+                .header("x-api-key", blank)
+                .body(())
+                .unwrap();
+            assert!(h.extract(&req, &mut KeyBuf::new()).is_none(), "{blank:?}");
+        }
+        let (mut a, mut b) = (KeyBuf::new(), KeyBuf::new());
+        let padded = Request::get("/")
+            .header("x-api-key", " k ")
+            .body(())
+            .unwrap();
+        let plain = Request::get("/").header("x-api-key", "k").body(()).unwrap();
+        h.extract(&padded, &mut a).unwrap();
+        h.extract(&plain, &mut b).unwrap();
+        assert_eq!(a.as_bytes(), b.as_bytes());
     }
 }

@@ -57,8 +57,12 @@ fn bandwidth_body(c: &mut Criterion) {
     let bare = service_fn(|_req: http::Request<String>| async {
         Ok::<_, Infallible>(http::Response::new(Chunks(64)))
     });
+    // The body type a layer can also refuse in (a keyless request is
+    // answered 400); every bench request has a key.
     let paced = layer.layer(service_fn(|_req: http::Request<_>| async {
-        Ok::<_, Infallible>(http::Response::new(Chunks(64)))
+        Ok::<_, Infallible>(http::Response::new(tollgate::ResponseBody::wrap(Chunks(
+            64,
+        ))))
     }));
     let keys: Vec<http::HeaderValue> = (0..1_024)
         .map(|i| http::HeaderValue::from_str(&format!("bench-key-{i:04}")).unwrap())

@@ -339,8 +339,10 @@ where
                 Some(Err(_)) => Some(Completion::Error),
                 None => Some(Completion::from_trailers(None)),
             };
-            if let (Some(completion), Some(sampling)) = (completion, this.sampling.take()) {
-                sampling.complete(completion);
+            if let Some(completion) = completion {
+                if let Some(sampling) = this.sampling.take() {
+                    sampling.complete(completion);
+                }
             }
         }
         if done {

@@ -1,0 +1,1024 @@
+//! The scenario matrix: one table of hostile and faulty conditions (rows),
+//! run against every layer (columns) on the memory store and on Redis,
+//! through real axum servers on loopback. Each cell asserts what the docs
+//! promise for that layer under that condition, or says why the condition
+//! does not apply to it. Adding a condition is one entry in [`ROWS`];
+//! adding a layer is one entry in [`LAYERS`] and one arm in [`protect`].
+//!
+//! The conditions live in one place in the library too (the outcome of a
+//! response, a request's key, its method and path): a defect this matrix
+//! finds is fixed there, once, for every layer.
+#![allow(
+    missing_docs,
+    clippy::unwrap_used,
+    clippy::panic,
+    clippy::arithmetic_side_effects,
+    clippy::indexing_slicing
+)]
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::Request as AxumRequest;
+use axum::routing::get;
+use axum::Router;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
+use http_body::Frame;
+use http_body_util::BodyExt;
+use tollgate::bandwidth::BandwidthLayer;
+use tollgate::calendar::Period;
+use tollgate::concurrency::{AdaptiveLimit, Aimd, ConcurrencyLayer};
+use tollgate::core::{QuotaStore, RetryBudgetStore};
+use tollgate::cost::ByRoute;
+use tollgate::key::{Header, KeyBuf, KeyExtractor, PeerIp};
+use tollgate::policy::{PolicyLayer, RateRule};
+use tollgate::quota::QuotaLayer;
+use tollgate::retry::RetryBudgetLayer;
+use tollgate::{Limit, MemoryStore, Rate, RateLimitLayer, RedisStore, Store};
+use tollgate_redis::testing::{unique_prefix, Server};
+use tollgate_tests::{send, Reply};
+use tower::{Layer as _, Service, ServiceExt};
+
+// ---------------------------------------------------------------------------
+// The columns: layers, and the stores they run on.
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Layer {
+    Rate,
+    Policy,
+    Quota,
+    Concurrency,
+    /// The ConcurrencyLayer with an adaptive service limit and read-only
+    /// mode.
+    Adaptive,
+    Bandwidth,
+    /// The RetryBudgetLayer, on the client side of a loopback server.
+    Retry,
+}
+
+const LAYERS: [Layer; 7] = [
+    Layer::Rate,
+    Layer::Policy,
+    Layer::Quota,
+    Layer::Concurrency,
+    Layer::Adaptive,
+    Layer::Bandwidth,
+    Layer::Retry,
+];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Backing {
+    Memory,
+    Redis,
+}
+
+/// One cell's column: a layer on a store.
+#[derive(Debug, Clone, Copy)]
+struct Cell<'a> {
+    layer: Layer,
+    backing: Backing,
+    /// The Redis server's URL (on Redis).
+    redis: &'a str,
+}
+
+/// A cell's verdict, when it does not fail.
+#[derive(Debug)]
+enum Verdict {
+    Pass,
+    /// The condition does not apply to this layer, and why.
+    NotApplicable(&'static str),
+}
+
+type CellResult = Result<Verdict, String>;
+type CellFuture<'a> = Pin<Box<dyn Future<Output = CellResult> + Send + 'a>>;
+
+/// A condition: its name and the check that runs in every cell.
+struct Row {
+    name: &'static str,
+    check: for<'a> fn(Cell<'a>) -> CellFuture<'a>,
+}
+
+// ---------------------------------------------------------------------------
+// The rows.
+
+const ROWS: &[Row] = &[
+    Row {
+        name: "1a no key: header absent, empty or blank",
+        check: |c| Box::pin(keyless_header(c)),
+    },
+    Row {
+        name: "1b no key: PeerIp without connect info",
+        check: |c| Box::pin(keyless_peer(c)),
+    },
+    Row {
+        name: "2 gRPC failure, trailers-only and trailing",
+        check: |c| Box::pin(grpc_failure(c)),
+    },
+    Row {
+        name: "3a HEAD costs what GET costs",
+        check: |c| Box::pin(head_costs_get(c)),
+    },
+    Row {
+        name: "3b a route under Router::nest and ::merge keeps its cost",
+        check: |c| Box::pin(nested_route_cost(c)),
+    },
+    Row {
+        name: "3c path forms make no cheaper cost",
+        check: |c| Box::pin(path_forms(c)),
+    },
+    Row {
+        name: "6 store down: each failure policy does what it says",
+        check: |c| Box::pin(store_down(c)),
+    },
+    Row {
+        name: "10 hostile keys: 64 KiB, non-UTF-8",
+        check: |c| Box::pin(hostile_keys(c)),
+    },
+];
+
+// ---------------------------------------------------------------------------
+// How a cell is set up: the backend, the layer's configuration, a server.
+
+/// The per-key budget of every cell's layer, in cost units (for the
+/// bandwidth layer, bytes).
+const BUDGET: u32 = 8;
+/// What `GET /r` costs.
+const R_COST: u32 = 4;
+
+/// The backend behind every layer: `/r` (which costs `R_COST` to GET)
+/// and `/s` (which costs 1) answer as `x-answer` says, and count the calls
+/// that reach them.
+#[derive(Clone, Default)]
+struct Backend {
+    hits: Arc<AtomicUsize>,
+}
+
+impl Backend {
+    fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+
+    fn router(&self) -> Router {
+        let hits = Arc::clone(&self.hits);
+        let answer = move |req: AxumRequest| {
+            let hits = Arc::clone(&hits);
+            async move {
+                hits.fetch_add(1, Ordering::SeqCst);
+                answer(req.headers())
+            }
+        };
+        Router::new()
+            .route("/r", get(answer.clone()).post(answer.clone()))
+            .route("/s", get(answer.clone()).post(answer))
+    }
+}
+
+/// `x-answer`: `ok` (default), `status:N`, `grpc:N` (a trailers-only gRPC
+/// answer), `grpc-trailer:N` (a gRPC body, then trailers).
+fn answer(headers: &HeaderMap) -> Response<Body> {
+    let how = headers
+        .get("x-answer")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("ok");
+    let grpc = |b: http::response::Builder| b.header("content-type", "application/grpc");
+    if let Some(code) = how.strip_prefix("status:") {
+        let status = StatusCode::from_u16(code.parse().unwrap()).unwrap();
+        return Response::builder()
+            .status(status)
+            .body(Body::from("status"))
+            .unwrap();
+    }
+    if let Some(code) = how.strip_prefix("grpc:") {
+        return grpc(Response::builder())
+            .header("grpc-status", code)
+            .body(Body::empty())
+            .unwrap();
+    }
+    if let Some(code) = how.strip_prefix("grpc-trailer:") {
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_str(code).unwrap());
+        let body = Trailing {
+            data: Some(Bytes::from_static(b"\0\0\0\0\0")),
+            trailers: Some(trailers),
+        };
+        return grpc(Response::builder()).body(Body::new(body)).unwrap();
+    }
+    Response::new(Body::from("ok"))
+}
+
+/// A body of one data frame, then trailers.
+struct Trailing {
+    data: Option<Bytes>,
+    trailers: Option<HeaderMap>,
+}
+
+impl http_body::Body for Trailing {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if let Some(data) = self.data.take() {
+            return Poll::Ready(Some(Ok(Frame::data(data))));
+        }
+        Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(t))))
+    }
+}
+
+/// Who a request counts against, as a cell chooses.
+#[derive(Debug, Clone, Copy)]
+enum KeyKind {
+    ApiKey,
+    Peer,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct TestKey(KeyKind);
+
+impl<B> KeyExtractor<B> for TestKey {
+    fn extract(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()> {
+        match self.0 {
+            KeyKind::ApiKey => Header::named("x-api-key").unwrap().extract(req, key),
+            KeyKind::Peer => PeerIp::new().extract(req, key),
+        }
+    }
+}
+
+/// What a row asks of the layer it protects `/r` with.
+#[derive(Debug, Clone, Copy)]
+struct Spec {
+    key: KeyKind,
+    /// The path `R_COST` is configured under.
+    cost_path: &'static str,
+    /// A response-aware policy rule: only these statuses count.
+    count_if: Option<u16>,
+    /// The AIMD limit: (min, initial, max).
+    aimd: (u32, u32, u32),
+}
+
+impl Default for Spec {
+    fn default() -> Self {
+        Self {
+            key: KeyKind::ApiKey,
+            cost_path: "/r",
+            count_if: None,
+            aimd: (1, 10, 10),
+        }
+    }
+}
+
+/// A protected app, and a way to read the adaptive limit.
+struct Protected {
+    router: Router,
+    adaptive_limit: Option<Box<dyn Fn() -> Option<u32> + Send + Sync>>,
+}
+
+/// `router` behind `layer` configured by `spec`, on `store`. The rule's
+/// name is `m` in every layer.
+fn protect<St>(layer: Layer, store: St, spec: Spec, router: Router) -> Protected
+where
+    St: Store + QuotaStore,
+{
+    let cost = ByRoute::new(1).route(Some(Method::GET), spec.cost_path, R_COST);
+    let key = TestKey(spec.key);
+    let slow = Rate::new(1, Duration::from_secs(3_600));
+    let mut adaptive_limit = None;
+    let router = match layer {
+        Layer::Rate => router.layer(
+            RateLimitLayer::builder("m", Limit::gcra(slow, BUDGET))
+                .key(key)
+                .cost(cost)
+                .store(store)
+                .build()
+                .unwrap(),
+        ),
+        Layer::Policy => {
+            let mut rule = RateRule::new("m", Limit::gcra(slow, BUDGET), key).cost(cost);
+            if let Some(status) = spec.count_if {
+                rule = rule.count_if(move |s| s.as_u16() == status);
+            }
+            router.layer(
+                PolicyLayer::<Body, ()>::builder()
+                    .rule(rule)
+                    .store(store)
+                    .build()
+                    .unwrap(),
+            )
+        }
+        Layer::Quota => router.layer(
+            QuotaLayer::builder("m")
+                .period(Period::Day, u64::from(BUDGET))
+                .key(key)
+                .cost(cost)
+                .store(store)
+                .build()
+                .unwrap(),
+        ),
+        Layer::Concurrency | Layer::Adaptive => {
+            let mut b = ConcurrencyLayer::builder("m", BUDGET)
+                .key(key)
+                .cost(cost)
+                .store(store);
+            if layer == Layer::Adaptive {
+                let (min, initial, max) = spec.aimd;
+                b = b
+                    .adaptive_service_limit(
+                        "svc",
+                        AdaptiveLimit::Aimd(Aimd::new(min, initial, max).unwrap()),
+                    )
+                    .read_only_above(0.5, Duration::from_secs(60));
+            }
+            let built = b.build().unwrap();
+            let handle = built.clone();
+            adaptive_limit = Some(Box::new(move || handle.adaptive_limit()) as Box<_>);
+            router.layer(built)
+        }
+        Layer::Bandwidth => router.layer(
+            BandwidthLayer::builder("m", 1 << 20, BUDGET)
+                .key(key)
+                .store(store)
+                .build()
+                .unwrap(),
+        ),
+        Layer::Retry => panic!("the retry layer is a client's: see `client`"),
+    };
+    Protected {
+        router,
+        adaptive_limit,
+    }
+}
+
+/// The cell's store: a fresh memory store, or Redis under `policy` with a
+/// prefix of its own.
+fn with_store<R>(
+    cell: Cell<'_>,
+    policy: tollgate::FailurePolicy,
+    f: impl FnOnce(StoreChoice) -> R,
+) -> R {
+    match cell.backing {
+        Backing::Memory => f(StoreChoice::Memory(MemoryStore::new())),
+        Backing::Redis => f(StoreChoice::Redis(
+            RedisStore::builder(cell.redis)
+                .prefix(&unique_prefix())
+                .failure_policy(policy)
+                .timeout(Duration::from_millis(200))
+                .build()
+                .unwrap(),
+        )),
+    }
+}
+
+enum StoreChoice {
+    Memory(MemoryStore),
+    Redis(RedisStore),
+}
+
+/// Protects the backend's router for `cell` with `spec` (Redis failing
+/// open) and serves it, with peer addresses unless `peer` is false.
+async fn serve(cell: Cell<'_>, spec: Spec, backend: &Backend, peer: bool) -> Served {
+    serve_on(
+        cell,
+        spec,
+        backend.router(),
+        peer,
+        tollgate::FailurePolicy::Open,
+    )
+    .await
+}
+
+struct Served {
+    addr: SocketAddr,
+    adaptive_limit: Option<Box<dyn Fn() -> Option<u32> + Send + Sync>>,
+}
+
+async fn serve_on(
+    cell: Cell<'_>,
+    spec: Spec,
+    router: Router,
+    peer: bool,
+    policy: tollgate::FailurePolicy,
+) -> Served {
+    let protected = with_store(cell, policy, |store| match store {
+        StoreChoice::Memory(s) => protect(cell.layer, s, spec, router),
+        StoreChoice::Redis(s) => protect(cell.layer, s, spec, router),
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = protected.router;
+    tokio::spawn(async move {
+        if peer {
+            axum::serve(
+                listener,
+                app.into_make_service_with_connect_info::<SocketAddr>(),
+            )
+            .await
+        } else {
+            axum::serve(listener, app).await
+        }
+    });
+    Served {
+        addr,
+        adaptive_limit: protected.adaptive_limit,
+    }
+}
+
+/// A client stack: the retry layer (budget on the cell's store) over a
+/// loopback HTTP client to `addr`; returns it and the layer's calls.
+fn client<St: RetryBudgetStore>(
+    store: St,
+    addr: SocketAddr,
+) -> impl Service<
+    Request<Body>,
+    Response = Response<Body>,
+    Error = tollgate::BoxError,
+    Future = impl Send,
+> + Clone {
+    let upstream = tower::service_fn(
+        move |req: Request<tollgate::retry::ReplayBody<Body>>| async move {
+            let (parts, body) = req.into_parts();
+            let bytes = body.collect().await?.to_bytes();
+            let reply = send(addr, Request::from_parts(parts, bytes)).await?;
+            let mut res = Response::new(Body::from(reply.body));
+            *res.status_mut() = reply.status;
+            *res.headers_mut() = reply.headers;
+            Ok::<_, tollgate::BoxError>(res)
+        },
+    );
+    RetryBudgetLayer::builder("m")
+        .store(store)
+        .max_attempts(3)
+        .backoff(Duration::from_millis(1), Duration::from_millis(2))
+        .build()
+        .unwrap()
+        .layer(upstream)
+}
+
+/// A request to `path` with `key` as `x-api-key` (none: no header).
+fn req(method: Method, path: &str, key: Option<&[u8]>) -> Request<Bytes> {
+    let mut b = Request::builder().method(method).uri(path);
+    if let Some(k) = key {
+        b = b.header("x-api-key", HeaderValue::from_bytes(k).unwrap());
+    }
+    b.body(Bytes::new()).unwrap()
+}
+
+/// The same request as a gRPC call (POST, `application/grpc`).
+fn grpc_req(path: &str, key: Option<&[u8]>, answer: &str) -> Request<Bytes> {
+    let mut r = req(Method::POST, path, key);
+    r.headers_mut()
+        .insert("content-type", HeaderValue::from_static("application/grpc"));
+    r.headers_mut()
+        .insert("x-answer", HeaderValue::from_str(answer).unwrap());
+    r
+}
+
+fn expect(cond: bool, what: impl FnOnce() -> String) -> Result<(), String> {
+    if cond {
+        Ok(())
+    } else {
+        Err(what())
+    }
+}
+
+/// `r=` of the rule `m` in a reply's `RateLimit` header, if shown.
+fn remaining(reply: &Reply) -> Option<u64> {
+    reply
+        .item("ratelimit", "m")
+        .split(';')
+        .find_map(|p| p.strip_prefix("r="))
+        .and_then(|r| r.parse().ok())
+}
+
+// ---------------------------------------------------------------------------
+// Row 1: keyless requests meet the layer's MissingKey policy, whose default
+// (Reject: 400, gRPC INVALID_ARGUMENT) is the same on every layer.
+
+async fn keyless_header(cell: Cell<'_>) -> CellResult {
+    if cell.layer == Layer::Retry {
+        return Ok(Verdict::NotApplicable(
+            "a retry budget is keyed by upstream, which every request has",
+        ));
+    }
+    let backend = Backend::default();
+    let s = serve(cell, Spec::default(), &backend, true).await;
+    for (what, key) in [
+        ("absent", None),
+        ("empty", Some(&b""[..])),
+        ("blank", Some(b"  \t")),
+    ] {
+        let r = send(s.addr, req(Method::GET, "/r", key)).await.unwrap();
+        expect(r.status == StatusCode::BAD_REQUEST, || {
+            format!("key {what}: HTTP {} (want 400)", r.status)
+        })?;
+        let r = send(s.addr, grpc_req("/r", key, "grpc:0")).await.unwrap();
+        expect(r.header("grpc-status") == "3", || {
+            format!(
+                "key {what}, gRPC: grpc-status {:?} (want 3)",
+                r.header("grpc-status")
+            )
+        })?;
+    }
+    expect(backend.hits() == 0, || {
+        format!("{} keyless requests reached the service", backend.hits())
+    })?;
+    Ok(Verdict::Pass)
+}
+
+async fn keyless_peer(cell: Cell<'_>) -> CellResult {
+    if cell.layer == Layer::Retry {
+        return Ok(Verdict::NotApplicable(
+            "a retry budget is keyed by upstream, which every request has",
+        ));
+    }
+    let backend = Backend::default();
+    let spec = Spec {
+        key: KeyKind::Peer,
+        ..Spec::default()
+    };
+    let s = serve(cell, spec, &backend, false).await;
+    let r = send(s.addr, req(Method::GET, "/r", None)).await.unwrap();
+    expect(r.status == StatusCode::BAD_REQUEST, || {
+        format!("no connect info: HTTP {} (want 400)", r.status)
+    })?;
+    expect(backend.hits() == 0, || {
+        "a keyless request reached the service".into()
+    })?;
+    Ok(Verdict::Pass)
+}
+
+// ---------------------------------------------------------------------------
+// Row 2: a gRPC failure (HTTP 200 with grpc-status) is a failure to every
+// layer that reads outcomes.
+
+async fn grpc_failure(cell: Cell<'_>) -> CellResult {
+    match cell.layer {
+        Layer::Adaptive => grpc_failure_adaptive(cell).await,
+        Layer::Policy => grpc_failure_count_if(cell).await,
+        Layer::Retry => grpc_failure_retry(cell).await,
+        Layer::Rate | Layer::Quota | Layer::Concurrency | Layer::Bandwidth => Ok(
+            Verdict::NotApplicable("decides before the response; reads no outcome"),
+        ),
+    }
+}
+
+/// AIMD and read-only mode see `UNAVAILABLE` as a drop, whether it comes
+/// in a trailers-only answer or in trailers; `OK` is a success.
+async fn grpc_failure_adaptive(cell: Cell<'_>) -> CellResult {
+    for (form, failing) in [
+        ("grpc:14", true),
+        ("grpc-trailer:14", true),
+        ("grpc:0", false),
+        ("grpc-trailer:0", false),
+    ] {
+        let backend = Backend::default();
+        let spec = Spec {
+            aimd: (1, 5, 10),
+            ..Spec::default()
+        };
+        let s = serve(cell, spec, &backend, true).await;
+        for i in 0..25u32 {
+            let key = format!("k{i}");
+            let mut r = req(Method::GET, "/s", Some(key.as_bytes()));
+            r.headers_mut()
+                .insert("x-answer", HeaderValue::from_static(form));
+            let reply = send(s.addr, r).await.unwrap();
+            expect(reply.status == StatusCode::OK, || {
+                format!("{form}: request {i} got HTTP {}", reply.status)
+            })?;
+        }
+        let limit = (s.adaptive_limit.as_ref().unwrap())().unwrap();
+        let write = send(s.addr, req(Method::POST, "/s", Some(b"w")))
+            .await
+            .unwrap();
+        if failing {
+            expect(limit < 5, || {
+                format!("{form}: AIMD limit {limit}, want below 5")
+            })?;
+            expect(write.status == StatusCode::SERVICE_UNAVAILABLE, || {
+                format!(
+                    "{form}: a write while failing got {} (want read-only 503)",
+                    write.status
+                )
+            })?;
+        } else {
+            expect(limit >= 5, || format!("{form}: AIMD limit fell to {limit}"))?;
+            expect(write.status == StatusCode::OK, || {
+                format!("{form}: a write while healthy got {}", write.status)
+            })?;
+        }
+    }
+    Ok(Verdict::Pass)
+}
+
+/// A response-aware rule counting 401 counts gRPC `UNAUTHENTICATED`, and
+/// not `OK`.
+async fn grpc_failure_count_if(cell: Cell<'_>) -> CellResult {
+    let backend = Backend::default();
+    let spec = Spec {
+        count_if: Some(401),
+        ..Spec::default()
+    };
+    let s = serve(cell, spec, &backend, true).await;
+    // POST costs 1 (the default): eight OK calls all pass and count nothing.
+    for i in 0..2 * BUDGET {
+        let r = send(s.addr, grpc_req("/r", Some(b"ok"), "grpc:0"))
+            .await
+            .unwrap();
+        expect(r.header("grpc-status") == "0", || {
+            format!(
+                "OK call {i} refused: grpc-status {}",
+                r.header("grpc-status")
+            )
+        })?;
+    }
+    for i in 0..BUDGET {
+        let r = send(s.addr, grpc_req("/r", Some(b"bad"), "grpc:16"))
+            .await
+            .unwrap();
+        expect(r.header("grpc-status") == "16", || {
+            format!(
+                "failed call {i}: grpc-status {} (want 16)",
+                r.header("grpc-status")
+            )
+        })?;
+    }
+    let r = send(s.addr, grpc_req("/r", Some(b"bad"), "grpc:16"))
+        .await
+        .unwrap();
+    expect(r.header("grpc-status") == "8", || {
+        format!(
+            "after {BUDGET} UNAUTHENTICATED, grpc-status {} (want 8, RESOURCE_EXHAUSTED)",
+            r.header("grpc-status")
+        )
+    })?;
+    Ok(Verdict::Pass)
+}
+
+/// The retry layer retries a GET answered `UNAVAILABLE`, trailers-only.
+async fn grpc_failure_retry(cell: Cell<'_>) -> CellResult {
+    let attempts = retried(cell, tollgate::FailurePolicy::Open, "grpc:14", "grpc:0").await?;
+    expect(attempts == 2, || {
+        format!("{attempts} attempts for one UNAVAILABLE, want 2")
+    })?;
+    Ok(Verdict::Pass)
+}
+
+/// One GET through the cell's retry client (its budget under `policy`)
+/// to an upstream that answers `fail`, then `ok`, alternately; the
+/// attempts the upstream saw.
+async fn retried(
+    cell: Cell<'_>,
+    policy: tollgate::FailurePolicy,
+    fail: &'static str,
+    ok: &'static str,
+) -> Result<usize, String> {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::clone(&calls);
+    let upstream = Router::new().route(
+        "/r",
+        get(move || {
+            let n = seen.fetch_add(1, Ordering::SeqCst);
+            let mut h = HeaderMap::new();
+            let how = if n.is_multiple_of(2) { fail } else { ok };
+            h.insert("x-answer", HeaderValue::from_static(how));
+            async move { answer(&h) }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, upstream).await });
+    let call = with_store(cell, policy, |store| match store {
+        StoreChoice::Memory(s) => Box::pin(call_once(client(s, addr))) as CallFuture,
+        StoreChoice::Redis(s) => Box::pin(call_once(client(s, addr))),
+    });
+    call.await?;
+    Ok(calls.load(Ordering::SeqCst))
+}
+
+type CallFuture = Pin<Box<dyn Future<Output = Result<(), String>> + Send>>;
+
+async fn call_once<C>(client: C) -> Result<(), String>
+where
+    C: Service<Request<Body>, Response = Response<Body>, Error = tollgate::BoxError>,
+{
+    let req = Request::get("http://upstream.test/r")
+        .body(Body::empty())
+        .unwrap();
+    client.oneshot(req).await.map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Row 3: method and path forms cost what the route costs.
+
+fn no_cost(cell: Cell<'_>) -> Option<Verdict> {
+    match cell.layer {
+        Layer::Bandwidth => Some(Verdict::NotApplicable(
+            "paces bytes; a request has no cost of its own",
+        )),
+        Layer::Retry => Some(Verdict::NotApplicable(
+            "a client's budget counts attempts, not costs",
+        )),
+        _ => None,
+    }
+}
+
+/// What `GET /r` left of `m`'s budget, for `cell`'s layer.
+fn left_after_one() -> u64 {
+    u64::from(BUDGET - R_COST)
+}
+
+async fn head_costs_get(cell: Cell<'_>) -> CellResult {
+    if let Some(v) = no_cost(cell) {
+        return Ok(v);
+    }
+    let backend = Backend::default();
+    let s = serve(cell, Spec::default(), &backend, true).await;
+    let r = send(s.addr, req(Method::HEAD, "/r", Some(b"h")))
+        .await
+        .unwrap();
+    expect(r.status == StatusCode::OK, || {
+        format!("HEAD: HTTP {}", r.status)
+    })?;
+    expect(remaining(&r) == Some(left_after_one()), || {
+        format!(
+            "HEAD left {:?} of {BUDGET} (GET leaves {})",
+            remaining(&r),
+            left_after_one()
+        )
+    })?;
+    Ok(Verdict::Pass)
+}
+
+async fn nested_route_cost(cell: Cell<'_>) -> CellResult {
+    if let Some(v) = no_cost(cell) {
+        return Ok(v);
+    }
+    for how in ["nest", "merge"] {
+        let backend = Backend::default();
+        let spec = Spec {
+            cost_path: "/api/r",
+            ..Spec::default()
+        };
+        // The layer sits on the inner router, as an app protecting one
+        // part of itself does.
+        let inner = backend.router();
+        let s = match how {
+            "nest" => {
+                let outer = |protected: Router| Router::new().nest("/api", protected);
+                serve_wrapped(cell, spec, inner, outer).await
+            }
+            _ => {
+                let inner = Router::new().nest("/api", inner);
+                let outer = |protected: Router| {
+                    Router::new()
+                        .route("/other", get(|| async { "other" }))
+                        .merge(protected)
+                };
+                serve_wrapped(cell, spec, inner, outer).await
+            }
+        };
+        let r = send(s, req(Method::GET, "/api/r", Some(b"n")))
+            .await
+            .unwrap();
+        expect(r.status == StatusCode::OK, || {
+            format!("{how}: HTTP {}", r.status)
+        })?;
+        expect(remaining(&r) == Some(left_after_one()), || {
+            format!(
+                "{how}: GET /api/r left {:?} of {BUDGET}, want {}",
+                remaining(&r),
+                left_after_one()
+            )
+        })?;
+    }
+    Ok(Verdict::Pass)
+}
+
+/// Serves `outer(inner behind the cell's layer)`.
+async fn serve_wrapped(
+    cell: Cell<'_>,
+    spec: Spec,
+    inner: Router,
+    outer: impl FnOnce(Router) -> Router,
+) -> SocketAddr {
+    let protected = with_store(cell, tollgate::FailurePolicy::Open, |store| match store {
+        StoreChoice::Memory(s) => protect(cell.layer, s, spec, inner),
+        StoreChoice::Redis(s) => protect(cell.layer, s, spec, inner),
+    });
+    let app = outer(protected.router);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .await
+    });
+    addr
+}
+
+async fn path_forms(cell: Cell<'_>) -> CellResult {
+    if let Some(v) = no_cost(cell) {
+        return Ok(v);
+    }
+    for path in ["/%72", "//r", "/x/../r", "/./r"] {
+        let backend = Backend::default();
+        let s = serve(cell, Spec::default(), &backend, true).await;
+        // The router may not route these forms; the limiter, in front of
+        // it, must still charge what /r costs.
+        let r = send(s.addr, req(Method::GET, path, Some(b"p")))
+            .await
+            .unwrap();
+        expect(remaining(&r) == Some(left_after_one()), || {
+            format!(
+                "GET {path} (HTTP {}) left {:?} of {BUDGET}, want {}",
+                r.status,
+                remaining(&r),
+                left_after_one()
+            )
+        })?;
+    }
+    Ok(Verdict::Pass)
+}
+
+// ---------------------------------------------------------------------------
+// Row 6: the store is down; each failure policy does what it says, at the
+// layer.
+
+async fn store_down(cell: Cell<'_>) -> CellResult {
+    if cell.backing == Backing::Memory {
+        return Ok(Verdict::NotApplicable("the in-process store cannot fail"));
+    }
+    if cell.layer == Layer::Bandwidth {
+        return Ok(Verdict::NotApplicable(
+            "pacing never refuses: a failed store stops pacing the body (documented)",
+        ));
+    }
+    // A port nothing listens on: every call fails at once.
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let down = format!("redis://127.0.0.1:{dead}");
+    let cell = Cell {
+        redis: &down,
+        ..cell
+    };
+    use tollgate::FailurePolicy;
+    for (name, policy) in [
+        ("Open", FailurePolicy::Open),
+        ("Closed", FailurePolicy::Closed),
+        ("Fallback", FailurePolicy::fallback()),
+    ] {
+        if cell.layer == Layer::Retry {
+            store_down_retry(cell, name, policy).await?;
+            continue;
+        }
+        let backend = Backend::default();
+        let s = serve_on(cell, Spec::default(), backend.router(), true, policy).await;
+        let mut statuses = Vec::new();
+        // GET /r costs 4 of 8: two fit a limit that holds.
+        for _ in 0..3 {
+            let r = send(s.addr, req(Method::GET, "/r", Some(b"s")))
+                .await
+                .unwrap();
+            statuses.push(r.status.as_u16());
+        }
+        let want: &[u16] = match (name, cell.layer) {
+            ("Open", _) => &[200, 200, 200],
+            ("Closed", _) => &[429, 429, 429],
+            // A concurrency permit is back once each response is read.
+            ("Fallback", Layer::Concurrency | Layer::Adaptive) => &[200, 200, 200],
+            _ => &[200, 200, 429],
+        };
+        expect(statuses == want, || {
+            format!("{name}: statuses {statuses:?}, want {want:?}")
+        })?;
+    }
+    Ok(Verdict::Pass)
+}
+
+/// A retry budget on a dead store: `Open` grants every retry (as if there
+/// were no budget), `Closed` none, `Fallback` what a fresh local budget
+/// (its floor) grants.
+async fn store_down_retry(
+    cell: Cell<'_>,
+    name: &str,
+    policy: tollgate::FailurePolicy,
+) -> Result<(), String> {
+    let attempts = retried(cell, policy, "status:503", "ok").await?;
+    let want = if name == "Closed" { 1 } else { 2 };
+    expect(attempts == want, || {
+        format!("{name}: {attempts} attempts for one 503, want {want}")
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Row 10: hostile key values are keys like any other: limited, never a
+// 5xx.
+
+async fn hostile_keys(cell: Cell<'_>) -> CellResult {
+    if cell.layer == Layer::Retry {
+        return Ok(Verdict::NotApplicable(
+            "keyed by upstream; the client chooses no key",
+        ));
+    }
+    if cell.layer == Layer::Bandwidth {
+        return Ok(Verdict::NotApplicable(
+            "paces bytes; refuses nothing a key could dodge",
+        ));
+    }
+    let backend = Backend::default();
+    let s = serve(cell, Spec::default(), &backend, true).await;
+    let big = vec![b'k'; 64 * 1024];
+    for (what, key) in [("64 KiB", &big[..]), ("non-UTF-8", &b"\xff\xfe\x80"[..])] {
+        let first = send(s.addr, req(Method::GET, "/r", Some(key)))
+            .await
+            .unwrap();
+        expect(first.status == StatusCode::OK, || {
+            format!("{what} key: HTTP {}", first.status)
+        })?;
+        expect(remaining(&first) == Some(left_after_one()), || {
+            format!("{what} key: left {:?}", remaining(&first))
+        })?;
+        if matches!(cell.layer, Layer::Concurrency | Layer::Adaptive) {
+            continue; // a permit is back when its response was read
+        }
+        send(s.addr, req(Method::GET, "/r", Some(key)))
+            .await
+            .unwrap();
+        let third = send(s.addr, req(Method::GET, "/r", Some(key)))
+            .await
+            .unwrap();
+        expect(third.status == StatusCode::TOO_MANY_REQUESTS, || {
+            format!("{what} key: third GET got HTTP {} (want 429)", third.status)
+        })?;
+    }
+    Ok(Verdict::Pass)
+}
+
+// ---------------------------------------------------------------------------
+// The run: every row, every layer, both stores.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scenario_matrix() {
+    let Some(server) = Server::start() else {
+        return;
+    };
+    let redis = server.url();
+    let mut failures = Vec::new();
+    let (mut passed, mut not_applicable) = (0, 0);
+    let mut table = String::new();
+    for row in ROWS {
+        for layer in LAYERS {
+            for backing in [Backing::Memory, Backing::Redis] {
+                let cell = Cell {
+                    layer,
+                    backing,
+                    redis: &redis,
+                };
+                let verdict = tokio::time::timeout(Duration::from_secs(60), (row.check)(cell))
+                    .await
+                    .unwrap_or_else(|_| Err("timed out".into()));
+                let mark = match verdict {
+                    Ok(Verdict::Pass) => {
+                        passed += 1;
+                        "pass".to_owned()
+                    }
+                    Ok(Verdict::NotApplicable(why)) => {
+                        not_applicable += 1;
+                        format!("n/a: {why}")
+                    }
+                    Err(e) => {
+                        failures.push(format!("{} × {layer:?} × {backing:?}: {e}", row.name));
+                        format!("FAIL: {e}")
+                    }
+                };
+                table.push_str(&format!(
+                    "{:<55} {layer:<12?} {backing:<7?} {mark}\n",
+                    row.name
+                ));
+            }
+        }
+    }
+    println!("{table}");
+    println!(
+        "matrix: {} conditions × {} layers × 2 stores: {passed} passed, {not_applicable} not applicable, {} failed",
+        ROWS.len(),
+        LAYERS.len(),
+        failures.len()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -35,7 +35,7 @@ use http_body::Frame;
 use http_body_util::BodyExt;
 use tollgate::bandwidth::BandwidthLayer;
 use tollgate::calendar::Period;
-use tollgate::concurrency::{AdaptiveLimit, Aimd, ConcurrencyLayer};
+use tollgate::concurrency::{AdaptiveLimit, Aimd, ConcurrencyLayer, Gradient};
 use tollgate::core::{QuotaStore, RetryBudgetStore};
 use tollgate::cost::ByRoute;
 use tollgate::key::{Header, KeyBuf, KeyExtractor, PeerIp};
@@ -135,6 +135,14 @@ const ROWS: &[Row] = &[
         check: |c| Box::pin(path_forms(c)),
     },
     Row {
+        name: "4 long-lived responses freeze nothing",
+        check: |c| Box::pin(long_bodies(c)),
+    },
+    Row {
+        name: "5 cancellation and panics leak no permit",
+        check: |c| Box::pin(cancellation(c)),
+    },
+    Row {
         name: "6 store down: each failure policy does what it says",
         check: |c| Box::pin(store_down(c)),
     },
@@ -178,6 +186,31 @@ impl Backend {
         Router::new()
             .route("/r", get(answer.clone()).post(answer.clone()))
             .route("/s", get(answer.clone()).post(answer))
+            // A body that stays open until the client goes away (SSE, a
+            // long download).
+            .route(
+                "/long",
+                get(|| async {
+                    let body = Endless {
+                        first: Some(Bytes::from_static(b"data: hello\n\n")),
+                    };
+                    Response::builder()
+                        .header("content-type", "text/event-stream")
+                        .body(Body::new(body))
+                        .unwrap()
+                }),
+            )
+            // A handler that never answers.
+            .route("/hang", get(std::future::pending::<&'static str>))
+            .route(
+                "/panic",
+                get(|| async {
+                    panic!("the handler fails");
+                    #[allow(unreachable_code)]
+                    ""
+                }),
+            )
+            .layer(tower_http::catch_panic::CatchPanicLayer::new())
     }
 }
 
@@ -235,6 +268,26 @@ impl http_body::Body for Trailing {
     }
 }
 
+/// A body of one event, then open until dropped.
+struct Endless {
+    first: Option<Bytes>,
+}
+
+impl http_body::Body for Endless {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match self.first.take() {
+            Some(data) => Poll::Ready(Some(Ok(Frame::data(data)))),
+            None => Poll::Pending,
+        }
+    }
+}
+
 /// Who a request counts against, as a cell chooses.
 #[derive(Debug, Clone, Copy)]
 enum KeyKind {
@@ -262,8 +315,17 @@ struct Spec {
     cost_path: &'static str,
     /// A response-aware policy rule: only these statuses count.
     count_if: Option<u16>,
-    /// The AIMD limit: (min, initial, max).
-    aimd: (u32, u32, u32),
+    /// The adaptive service limit.
+    adaptive: fn() -> AdaptiveLimit,
+}
+
+fn aimd_5() -> AdaptiveLimit {
+    AdaptiveLimit::Aimd(Aimd::new(1, 5, 10).unwrap())
+}
+
+/// The README's gradient: it starts probing at its minimum, 16.
+fn gradient_16() -> AdaptiveLimit {
+    AdaptiveLimit::Gradient(Gradient::new(16, 64, 1_000).unwrap())
 }
 
 impl Default for Spec {
@@ -272,7 +334,7 @@ impl Default for Spec {
             key: KeyKind::ApiKey,
             cost_path: "/r",
             count_if: None,
-            aimd: (1, 10, 10),
+            adaptive: aimd_5,
         }
     }
 }
@@ -330,12 +392,8 @@ where
                 .cost(cost)
                 .store(store);
             if layer == Layer::Adaptive {
-                let (min, initial, max) = spec.aimd;
                 b = b
-                    .adaptive_service_limit(
-                        "svc",
-                        AdaptiveLimit::Aimd(Aimd::new(min, initial, max).unwrap()),
-                    )
+                    .adaptive_service_limit("svc", (spec.adaptive)())
                     .read_only_above(0.5, Duration::from_secs(60));
             }
             let built = b.build().unwrap();
@@ -581,11 +639,7 @@ async fn grpc_failure_adaptive(cell: Cell<'_>) -> CellResult {
         ("grpc-trailer:0", false),
     ] {
         let backend = Backend::default();
-        let spec = Spec {
-            aimd: (1, 5, 10),
-            ..Spec::default()
-        };
-        let s = serve(cell, spec, &backend, true).await;
+        let s = serve(cell, Spec::default(), &backend, true).await;
         for i in 0..25u32 {
             let key = format!("k{i}");
             let mut r = req(Method::GET, "/s", Some(key.as_bytes()));
@@ -854,6 +908,201 @@ async fn path_forms(cell: Cell<'_>) -> CellResult {
 }
 
 // ---------------------------------------------------------------------------
+// Row 4: responses that stay open (SSE, downloads) hold what they should
+// and nothing more: the service keeps admitting.
+
+/// An open request: its head read, its body left open (and the
+/// connection with it) until dropped.
+struct Open {
+    status: StatusCode,
+    _body: hyper::body::Incoming,
+    _conn: tokio::task::JoinHandle<()>,
+}
+
+/// Sends `GET path` with `key` and returns once the head has come back,
+/// leaving the body unread and the connection open.
+async fn open(addr: SocketAddr, path: &str, key: &str) -> Open {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    let conn = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let req = Request::get(path)
+        .header("host", "localhost")
+        .header("x-api-key", key)
+        .body(http_body_util::Empty::<Bytes>::new())
+        .unwrap();
+    let res = sender.send_request(req).await.unwrap();
+    let status = res.status();
+    Open {
+        status,
+        _body: res.into_body(),
+        _conn: conn,
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self._conn.abort();
+    }
+}
+
+async fn long_bodies(cell: Cell<'_>) -> CellResult {
+    if cell.layer == Layer::Retry {
+        return Ok(Verdict::NotApplicable(
+            "a client layer: its caller reads a long body, no budget is held",
+        ));
+    }
+    let backend = Backend::default();
+    let spec = Spec {
+        adaptive: gradient_16,
+        ..Spec::default()
+    };
+    let s = serve(cell, spec, &backend, true).await;
+    // Sixteen clients hold an event stream open from boot, when the
+    // gradient probes at its minimum of 16.
+    let mut streams = Vec::new();
+    for i in 0..16 {
+        let o = open(s.addr, "/long", &format!("sse-{i}")).await;
+        expect(o.status == StatusCode::OK, || {
+            format!("stream {i}: HTTP {}", o.status)
+        })?;
+        streams.push(o);
+    }
+    for i in 0..32 {
+        let key = format!("new-{i}");
+        let r = send(s.addr, req(Method::GET, "/s", Some(key.as_bytes())))
+            .await
+            .unwrap();
+        expect(r.status == StatusCode::OK, || {
+            format!(
+                "with 16 streams open, new request {i} got HTTP {}: {}",
+                r.status, r.body
+            )
+        })?;
+    }
+    drop(streams);
+    Ok(Verdict::Pass)
+}
+
+// ---------------------------------------------------------------------------
+// Row 5: a request cancelled before its response or mid-body, and one
+// whose handler panics, give back what they hold.
+
+async fn cancellation(cell: Cell<'_>) -> CellResult {
+    match cell.layer {
+        Layer::Concurrency | Layer::Adaptive => {}
+        Layer::Rate | Layer::Policy | Layer::Quota => {
+            return Ok(Verdict::NotApplicable(
+                "charges on arrival and holds nothing; no refund on cancellation is promised",
+            ))
+        }
+        Layer::Bandwidth => {
+            return Ok(Verdict::NotApplicable(
+                "holds no permit; a dropped body's unspent bytes go back (bandwidth unit tests)",
+            ))
+        }
+        Layer::Retry => {
+            return Ok(Verdict::NotApplicable(
+                "holds no permit; a withdrawn retry is spent when it is sent",
+            ))
+        }
+    }
+    let backend = Backend::default();
+    // An adaptive limit of at least the key's 8 (requests that hang hold
+    // it until their head, as they should).
+    let spec = Spec {
+        adaptive: gradient_16,
+        ..Spec::default()
+    };
+    let s = serve(cell, spec, &backend, true).await;
+    // Each phase fills the key's 8 permits (which only works if the last
+    // phase's all came back), checks the key is full, and cancels them.
+    for (what, path) in [
+        ("mid-body", "/long"),
+        ("before the response", "/hang"),
+        ("mid-body again", "/long"),
+    ] {
+        let held = fill(s.addr, path, what).await?;
+        let r = send(s.addr, req(Method::GET, "/s", Some(b"c")))
+            .await
+            .unwrap();
+        expect(r.status == StatusCode::TOO_MANY_REQUESTS, || {
+            format!(
+                "{what}: the key's 8 permits are held, yet HTTP {}",
+                r.status
+            )
+        })?;
+        for h in held {
+            h.abort();
+        }
+    }
+    fill(s.addr, "/long", "after the last cancellation").await?;
+    // A panicking handler (behind CatchPanicLayer) releases its permit.
+    for i in 0..2 * BUDGET {
+        let r = send(s.addr, req(Method::GET, "/panic", Some(b"p")))
+            .await
+            .unwrap();
+        expect(r.status == StatusCode::INTERNAL_SERVER_ERROR, || {
+            format!("panic {i}: HTTP {}", r.status)
+        })?;
+    }
+    let r = send(s.addr, req(Method::GET, "/s", Some(b"p")))
+        .await
+        .unwrap();
+    expect(r.status == StatusCode::OK, || {
+        format!("after panics: HTTP {}", r.status)
+    })?;
+    Ok(Verdict::Pass)
+}
+
+/// Holds `BUDGET` requests of key `c` to `path` open (one permit each),
+/// each retried until admitted (a permit released on Redis, or by a
+/// server noticing a closed connection, comes back a moment later); an
+/// error if that takes five seconds.
+async fn fill(
+    addr: SocketAddr,
+    path: &'static str,
+    what: &str,
+) -> Result<Vec<tokio::task::JoinHandle<()>>, String> {
+    let mut held = Vec::new();
+    for i in 0..BUDGET {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            if path == "/hang" {
+                // Admitted, it never answers; refused, it answers at once.
+                let call = send(addr, req(Method::GET, path, Some(b"c")));
+                let task = tokio::spawn(async move {
+                    let _ = call.await;
+                });
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                if !task.is_finished() {
+                    held.push(task);
+                    break;
+                }
+            } else {
+                let o = open(addr, path, "c").await;
+                if o.status == StatusCode::OK {
+                    held.push(tokio::spawn(async move {
+                        let _o = o;
+                        std::future::pending::<()>().await;
+                    }));
+                    break;
+                }
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Err(format!("{what}: permit {i} never came back"));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    Ok(held)
+}
+
+// ---------------------------------------------------------------------------
 // Row 6: the store is down; each failure policy does what it says, at the
 // layer.
 
@@ -974,6 +1223,13 @@ async fn hostile_keys(cell: Cell<'_>) -> CellResult {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scenario_matrix() {
+    // The backend's deliberate panics are expected: keep them quiet.
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if info.payload().downcast_ref::<&str>() != Some(&"the handler fails") {
+            report(info);
+        }
+    }));
     let Some(server) = Server::start() else {
         return;
     };

@@ -147,6 +147,10 @@ const ROWS: &[Row] = &[
         check: |c| Box::pin(store_down(c)),
     },
     Row {
+        name: "8 idempotency replays: scoped, never free on a store fault",
+        check: |c| Box::pin(idempotency(c)),
+    },
+    Row {
         name: "10 hostile keys: 64 KiB, non-UTF-8",
         check: |c| Box::pin(hostile_keys(c)),
     },
@@ -317,6 +321,8 @@ struct Spec {
     count_if: Option<u16>,
     /// The adaptive service limit.
     adaptive: fn() -> AdaptiveLimit,
+    /// Idempotent repeats (policy): markers per client key.
+    idempotency: bool,
 }
 
 fn aimd_5() -> AdaptiveLimit {
@@ -335,6 +341,7 @@ impl Default for Spec {
             cost_path: "/r",
             count_if: None,
             adaptive: aimd_5,
+            idempotency: false,
         }
     }
 }
@@ -369,13 +376,11 @@ where
             if let Some(status) = spec.count_if {
                 rule = rule.count_if(move |s| s.as_u16() == status);
             }
-            router.layer(
-                PolicyLayer::<Body, ()>::builder()
-                    .rule(rule)
-                    .store(store)
-                    .build()
-                    .unwrap(),
-            )
+            let mut policy = PolicyLayer::<Body, ()>::builder().rule(rule);
+            if spec.idempotency {
+                policy = policy.idempotency("idem", key, Duration::from_secs(600));
+            }
+            router.layer(policy.store(store).build().unwrap())
         }
         Layer::Quota => router.layer(
             QuotaLayer::builder("m")
@@ -1172,6 +1177,105 @@ async fn store_down_retry(
     expect(attempts == want, || {
         format!("{name}: {attempts} attempts for one 503, want {want}")
     })
+}
+
+// ---------------------------------------------------------------------------
+// Row 8: an idempotent repeat is free only for the same client, method
+// and route, and never when the store could not answer.
+
+fn with_idem(method: Method, path: &str, key: &[u8], idem: &str) -> Request<Bytes> {
+    let mut r = req(method, path, Some(key));
+    r.headers_mut()
+        .insert("idempotency-key", HeaderValue::from_str(idem).unwrap());
+    r
+}
+
+async fn idempotency(cell: Cell<'_>) -> CellResult {
+    if cell.layer != Layer::Policy {
+        return Ok(Verdict::NotApplicable("has no idempotent repeats"));
+    }
+    let spec = Spec {
+        idempotency: true,
+        ..Spec::default()
+    };
+    let backend = Backend::default();
+    let s = serve(cell, spec, &backend, true).await;
+    // POST costs 1 of 8.
+    let first = send(s.addr, with_idem(Method::POST, "/s", b"i", "K"))
+        .await
+        .unwrap();
+    expect(remaining(&first) == Some(7), || {
+        format!("first: left {:?}", remaining(&first))
+    })?;
+    for _ in 0..3 {
+        let r = send(s.addr, with_idem(Method::POST, "/s", b"i", "K"))
+            .await
+            .unwrap();
+        expect(
+            r.status == StatusCode::OK && remaining(&r).is_none(),
+            || {
+                format!(
+                    "repeat: HTTP {}, left {:?} (want 200, uncharged)",
+                    r.status,
+                    remaining(&r)
+                )
+            },
+        )?;
+    }
+    // Another route, another client: charged.
+    let other = send(s.addr, with_idem(Method::POST, "/r", b"i", "K"))
+        .await
+        .unwrap();
+    expect(remaining(&other) == Some(6), || {
+        format!("K on another route: left {:?}, want 6", remaining(&other))
+    })?;
+    let stranger = send(s.addr, with_idem(Method::POST, "/s", b"j", "K"))
+        .await
+        .unwrap();
+    expect(remaining(&stranger) == Some(7), || {
+        format!(
+            "K from another client: left {:?}, want 7",
+            remaining(&stranger)
+        )
+    })?;
+    if cell.backing == Backing::Memory {
+        return Ok(Verdict::Pass);
+    }
+    // Redis down: a random Idempotency-Key is no repeat under any policy.
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let down = format!("redis://127.0.0.1:{dead}");
+    let cell = Cell {
+        redis: &down,
+        ..cell
+    };
+    use tollgate::FailurePolicy;
+    for (name, policy, want) in [
+        ("Closed", FailurePolicy::Closed, [429u16; 10]),
+        ("Fallback", FailurePolicy::fallback(), {
+            let mut w = [200u16; 10];
+            w[8] = 429;
+            w[9] = 429;
+            w
+        }),
+    ] {
+        let s = serve_on(cell, spec, Backend::default().router(), true, policy).await;
+        let mut got = [0u16; 10];
+        for (i, g) in got.iter_mut().enumerate() {
+            let idem = format!("random-{i}");
+            *g = send(s.addr, with_idem(Method::POST, "/s", b"i", &idem))
+                .await
+                .unwrap()
+                .status
+                .as_u16();
+        }
+        expect(got == want, || {
+            format!("{name}, Redis down, fresh Idempotency-Keys: {got:?}, want {want:?}")
+        })?;
+    }
+    Ok(Verdict::Pass)
 }
 
 // ---------------------------------------------------------------------------

@@ -165,6 +165,19 @@ pub trait Limiter: Clone + Send + Sync + 'static {
     /// chain denied the request).
     fn refund(&self, key: &[u8], cost: u32) -> Self::RefundFuture;
 
+    /// [`decide`](Self::decide), answered from the store's own state
+    /// only: where the store cannot answer and a failure policy would
+    /// answer in its place (admit everything, refuse everything, decide in
+    /// local memory), this resolves to `Err` instead. For checks whose
+    /// answer must be true, not merely safe: whether an idempotency marker
+    /// is held (a stand-in "held" would make any request free) or a
+    /// challenge's solution was used before (a stand-in "fresh" would make
+    /// it reusable). The default is `decide`, which is exact for a store
+    /// with no failure policy (it answers or fails).
+    fn decide_exact(&self, key: &[u8], cost: u32) -> Self::DecideFuture {
+        self.decide(key, cost)
+    }
+
     /// The decision at once, for stores that need no I/O (the in-memory
     /// store): `Some` is exactly what [`decide`](Self::decide) would have
     /// resolved to. Layers use it to skip their asynchronous path (and the

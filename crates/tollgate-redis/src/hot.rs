@@ -846,6 +846,12 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
         self.inner.rule()
     }
 
+    /// The store's own answer: never a lease's (a lease is an estimate)
+    /// nor the failure policy's.
+    fn decide_exact(&self, key: &[u8], cost: u32) -> HotFuture {
+        HotFuture(Inner::Boxed(Box::pin(self.inner.decide_exact(key, cost))))
+    }
+
     fn decide(&self, key: &[u8], cost: u32) -> HotFuture {
         let Some(local) = &self.local else {
             let f = self.inner.decide(key, cost);

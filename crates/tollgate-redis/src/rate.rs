@@ -4,7 +4,9 @@
 use std::fmt;
 use std::sync::Arc;
 
-use tollgate_core::{Decision, JointDecision, JointPart, Limiter, Rule, StoreError};
+use tollgate_core::{
+    Decision, JointDecision, JointPart, Limiter, Rule, StoreError, StoreErrorKind,
+};
 
 use crate::backend::Backend;
 use crate::key;
@@ -201,6 +203,20 @@ impl Limiter for RedisLimiter {
         let key = key.to_vec();
         let rkey = this.redis_key(&key);
         Box::pin(async move { this.decide(&key, &rkey, cost).await.0.decision })
+    }
+
+    /// Redis's answer, or `Err`: never the failure policy's.
+    fn decide_exact(&self, key: &[u8], cost: u32) -> Self::DecideFuture {
+        let this = Arc::clone(&self.bound);
+        let rkey = this.redis_key(key);
+        Box::pin(async move {
+            this.call(RateMode::Decide, &rkey, cost)
+                .await?
+                .decision()
+                .ok_or_else(|| {
+                    StoreError::new(StoreErrorKind::Protocol, "unreadable rate script reply")
+                })
+        })
     }
 
     fn refund(&self, key: &[u8], cost: u32) -> Self::RefundFuture {

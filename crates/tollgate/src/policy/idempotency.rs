@@ -1,8 +1,9 @@
 //! Idempotent repeats: a request sent again with the same
-//! `Idempotency-Key` is not charged again.
+//! `Idempotency-Key` is not charged again — only the same request: the
+//! same client, method and route, within the TTL.
 
 use http::header::HeaderName;
-use http::Request;
+use http::{Method, Request};
 
 use super::rule::DynRule;
 use crate::key::KeyBuf;
@@ -12,10 +13,16 @@ use crate::observe::Metrics;
 /// draft-ietf-httpapi-idempotency-key-header).
 pub(crate) static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
+/// The longest an idempotency marker may live: a day, the window in
+/// which clients retry (Stripe keeps keys 24 hours). A marker pins one
+/// key in the store for its whole TTL, so the TTL bounds what a client
+/// that sends a new `Idempotency-Key` with every request can hold.
+pub(crate) const MAX_TTL: std::time::Duration = std::time::Duration::from_secs(86_400);
+
 /// A policy's memory of the idempotency keys it has charged: a marker per
-/// (client key, idempotency key), a GCRA rule of one unit per TTL in the
-/// policy's store, so that every instance sharing the store agrees and
-/// concurrent duplicates race on one atomic decision.
+/// (client key, method, route, idempotency key), a GCRA rule of one unit
+/// per TTL in the policy's store, so that every instance sharing the store
+/// agrees and concurrent duplicates race on one atomic decision.
 pub(crate) struct Idempotency<B, L> {
     /// The client key (`Cost` unused).
     pub(crate) client: Box<dyn DynRule<B>>,
@@ -25,17 +32,38 @@ pub(crate) struct Idempotency<B, L> {
 }
 
 impl<B, L> Idempotency<B, L> {
-    /// The marker's key: the client's key and the idempotency key, or
-    /// `None` when the request has either missing (it is charged as
-    /// usual).
+    /// The marker's key: the client's key, the method, the route (axum's
+    /// matched route template, else the normalised path the client sent)
+    /// and the idempotency key — so a key repeated on another route or
+    /// method, or by another client, is no repeat. `None` (the request is
+    /// charged as usual) for a method an `Idempotency-Key` does not apply
+    /// to (only `POST` and `PATCH`: the others are idempotent already),
+    /// and when the request has no client key or a blank idempotency key.
     pub(crate) fn marker(&self, req: &Request<B>) -> Option<KeyBuf> {
-        let idem = req.headers().get(&IDEMPOTENCY_KEY)?;
+        if !matches!(*req.method(), Method::POST | Method::PATCH) {
+            return None;
+        }
+        let idem = req.headers().get(&IDEMPOTENCY_KEY)?.as_bytes().trim_ascii();
         if idem.is_empty() {
             return None;
         }
         let mut key = KeyBuf::new();
         self.client.key(req, &mut key)?;
-        key.push(idem.as_bytes());
+        key.push(req.method().as_str().as_bytes());
+        push_route(req, &mut key);
+        key.push(idem);
         Some(key)
     }
+}
+
+/// The request's route: axum's `MatchedPath` where the layer sits inside a
+/// router, else the normalised path the client sent.
+fn push_route<B>(req: &Request<B>, key: &mut KeyBuf) {
+    #[cfg(feature = "axum")]
+    if let Some(route) = req.extensions().get::<axum::extract::MatchedPath>() {
+        key.push(route.as_str().as_bytes());
+        return;
+    }
+    let path = crate::key::request::original_path(req);
+    key.push(crate::key::normalize_path(path).as_bytes());
 }

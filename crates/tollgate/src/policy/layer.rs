@@ -224,15 +224,20 @@ impl<B, St> PolicyLayerBuilder<B, St> {
         self
     }
 
-    /// Idempotent repeats go uncharged: a request sent again with the same
-    /// `Idempotency-Key` by the same client (`client`'s key) within `ttl`
-    /// of the first is let through without charging any rule — the
-    /// service answers it from its idempotency store. Concurrent
-    /// duplicates race on one atomic store decision, so exactly one of
-    /// them is charged. A first request that the rules refuse leaves no
-    /// trace (a retry of it is charged). Only for services that really
-    /// deduplicate by `Idempotency-Key`: otherwise a client could repeat a
-    /// key to go unlimited for `ttl`. The marker is a rule named `name` in
+    /// Idempotent repeats go uncharged: a `POST` or `PATCH` sent again
+    /// with the same `Idempotency-Key` by the same client (`client`'s key)
+    /// to the same route (axum's matched route, else the normalised path)
+    /// within `ttl` (at most a day) of the first is let through without
+    /// charging any rule — the service answers it from its idempotency
+    /// store. Concurrent duplicates race on one atomic store decision, so
+    /// exactly one of them is charged. A first request that the rules
+    /// refuse leaves no trace (a retry of it is charged), and a request
+    /// whose marker the store could not read or record — it failed, and
+    /// its failure policy answered instead — is charged like any other,
+    /// whatever that policy is. Only for services that deduplicate by
+    /// `Idempotency-Key` on every `POST`/`PATCH` route behind the layer,
+    /// per the same client as `client`: a route that ignores the header
+    /// would serve a repeat for free. The marker is a rule named `name` in
     /// the policy's store.
     pub fn idempotency<K>(mut self, name: &str, client: K, ttl: std::time::Duration) -> Self
     where
@@ -514,10 +519,10 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
         let idempotency = match self.idempotency {
             None => None,
             Some((name, client, ttl)) => {
-                if ttl.is_zero() {
+                if ttl.is_zero() || ttl > super::idempotency::MAX_TTL {
                     return Err(ConfigError::new(
                         "idempotency",
-                        "the TTL must be longer than zero",
+                        "the TTL must be longer than zero and at most a day (86400 s)",
                     ));
                 }
                 let rule = Rule::new(

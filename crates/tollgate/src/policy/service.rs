@@ -564,7 +564,7 @@ where
                     Marker::None | Marker::Ladders => None,
                     Marker::Pending(key) => match &shared.idempotency {
                         None => None,
-                        Some(idem) => match idem.limiter.decide(key.as_bytes(), 0).await {
+                        Some(idem) => match idem.limiter.decide_exact(key.as_bytes(), 0).await {
                             Ok(d) if d.remaining == 0 => {
                                 idem.metrics.repeat.increment(1);
                                 return (report, Verdict::Repeat, keys);
@@ -602,7 +602,7 @@ where
                     if report.cleared(*i) {
                         continue;
                     }
-                    if challenge::first_use(rule, used.decide(id, 1).await) {
+                    if challenge::first_use(rule, used.decide_exact(id, 1).await) {
                         report.set_cleared(*i);
                         pending.retain(|(j, ..)| j != i);
                     }
@@ -699,9 +699,9 @@ where
                     }
                     Verdict::Pass { .. } => {
                         if let (Some(key), Some(idem)) = (fresh.take(), &shared.idempotency) {
-                            let won = Some(idem.limiter.decide(key.as_bytes(), 1).await);
+                            let won = Some(idem.limiter.decide_exact(key.as_bytes(), 1).await);
                             let held = if matches!(&won, Some(Ok(d)) if !d.is_allowed()) {
-                                Some(idem.limiter.decide(key.as_bytes(), 0).await)
+                                Some(idem.limiter.decide_exact(key.as_bytes(), 0).await)
                             } else {
                                 None
                             };

@@ -807,11 +807,69 @@ async fn parallel_attempts_cannot_overrun_a_response_aware_rule() {
 }
 
 fn with_idempotency(key: &str, idem: &str) -> Req {
-    let mut r = req(key, "ip");
-    r.headers_mut()
-        .insert("idempotency-key", idem.parse().unwrap());
-    r
+    idempotent(http::Method::POST, "/orders", key, idem)
 }
+
+fn idempotent(method: http::Method, path: &str, key: &str, idem: &str) -> Req {
+    Request::builder()
+        .method(method)
+        .uri(path)
+        .header("x-api-key", key)
+        .header("idempotency-key", idem)
+        .body(String::new())
+        .unwrap()
+}
+
+/// The attack of review finding 1: a key charged once on one route is
+/// replayed on others (a login, a search) for free.
+async fn a_repeat_is_free_only_on_its_own_method_and_route<S: Store>(
+    store: S,
+    _clock: ManualClock,
+) {
+    let layer = PolicyLayer::builder()
+        .rule(per_key(Limit::fixed_window(10, Duration::from_secs(3_600))))
+        .idempotency(
+            "idem",
+            Header::named("x-api-key").unwrap(),
+            Duration::from_secs(60),
+        )
+        .store(store)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    let send = |r: Req| {
+        let svc = svc.clone();
+        async move { svc.oneshot(r).await.unwrap() }
+    };
+    use http::Method;
+    send(idempotent(Method::POST, "/orders", "a", "K")).await;
+    assert_eq!(remaining(&layer, 0, "a").await, 9);
+    // The same key on other routes and methods is charged every time.
+    for (method, path) in [
+        (Method::POST, "/login"),
+        (Method::POST, "/reports"),
+        (Method::PATCH, "/orders"),
+        (Method::GET, "/orders"),
+        (Method::DELETE, "/orders"),
+    ] {
+        send(idempotent(method.clone(), path, "a", "K")).await;
+        send(idempotent(method, path, "a", "K")).await;
+    }
+    // Each of the three POST/PATCH routes charged its first request only
+    // (its repeat is free on its own route); GET and DELETE carry no
+    // marker and were charged twice: 1 + 3 + 4 = 8 of 10.
+    assert_eq!(remaining(&layer, 0, "a").await, 2);
+    // Path forms of a route are that route: repeats, free.
+    for form in ["//orders", "/%6frders", "/x/../orders"] {
+        let res = send(idempotent(Method::POST, form, "a", "K")).await;
+        assert_eq!(res.status(), 200, "{form}");
+    }
+    assert_eq!(remaining(&layer, 0, "a").await, 2);
+}
+on_both_paths!(
+    idempotency_scope,
+    a_repeat_is_free_only_on_its_own_method_and_route
+);
 
 async fn idempotent_repeats_are_not_charged_again<S: Store>(store: S, clock: ManualClock) {
     let layer = PolicyLayer::builder()

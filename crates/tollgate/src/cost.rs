@@ -106,13 +106,13 @@ impl ByMethod {
     }
 }
 
-/// `HEAD` costs what `GET` does: a router runs the `GET` handler for it.
+/// A `HEAD` without an entry of its own costs what `GET` does: a router
+/// runs the `GET` handler for it.
 impl<B> Cost<B> for ByMethod {
     fn cost(&self, req: &Request<B>) -> u32 {
-        let method = method_of(req);
-        self.table
-            .iter()
-            .find(|(m, _)| m == method)
+        let find = |method: &Method| self.table.iter().find(|(m, _)| m == method);
+        find(req.method())
+            .or_else(|| find(method_of(req)))
             .map_or(self.default, |(_, c)| *c)
     }
 }
@@ -172,17 +172,20 @@ impl ByRoute {
 /// A route's path matches in its normalised form
 /// ([`normalize_path`](crate::key::normalize_path)), as the client sent it
 /// or as the layer sees it inside `Router::nest` (prefix stripped), so
-/// `/api/orders` and `/orders` both name a nested `/orders`; `HEAD` costs
-/// what `GET` does.
+/// `/api/orders` and `/orders` both name a nested `/orders`. The first
+/// matching route wins, and a `HEAD` matches `GET` entries too (a router
+/// runs the `GET` handler for it): list a `HEAD` entry before the `GET`
+/// one to price it apart.
 impl<B> Cost<B> for ByRoute {
     fn cost(&self, req: &Request<B>) -> u32 {
-        let method = method_of(req);
         let original = normalize_path(original_path(req));
         let local = normalize_path(req.uri().path());
+        let (method, as_get) = (req.method(), method_of(req));
         self.routes
             .iter()
             .find(|(m, p, _)| {
-                (**p == *original || **p == *local) && m.as_ref().is_none_or(|m| m == method)
+                (**p == *original || **p == *local)
+                    && m.as_ref().is_none_or(|m| m == method || m == as_get)
             })
             .map_or(self.default, |(_, _, c)| *c)
     }
@@ -409,6 +412,40 @@ mod tests {
         assert_eq!(r.cost(&req(Method::POST, "/orders")), 3);
         assert_eq!(r.cost(&req(Method::GET, "/orders")), 1);
         assert_eq!(r.cost(&req(Method::GET, "/reports?x=1")), 10);
+    }
+
+    #[test]
+    fn head_costs_what_get_costs_unless_priced_apart() {
+        let m = ByMethod::new(1).method(Method::GET, 5);
+        assert_eq!(m.cost(&req(Method::HEAD, "/")), 5);
+        let m = m.method(Method::HEAD, 2);
+        assert_eq!(m.cost(&req(Method::HEAD, "/")), 2);
+        // The first matching route wins; HEAD matches GET entries, so an
+        // "any method" entry after them cannot make it cheaper.
+        let r = ByRoute::new(1)
+            .route(Some(Method::GET), "/dl", 8)
+            .route(None, "/dl", 1);
+        assert_eq!(r.cost(&req(Method::HEAD, "/dl")), 8);
+        let r =
+            ByRoute::new(1)
+                .route(Some(Method::HEAD), "/dl", 2)
+                .route(Some(Method::GET), "/dl", 8);
+        assert_eq!(r.cost(&req(Method::HEAD, "/dl")), 2);
+        assert_eq!(r.cost(&req(Method::GET, "/dl")), 8);
+    }
+
+    #[test]
+    fn route_paths_compare_in_one_form() {
+        let r = ByRoute::new(1).route(Some(Method::POST), "/api/orders", 3);
+        for form in [
+            "/api/orders",
+            "//api/orders",
+            "/api/./orders",
+            "/%61pi/orders",
+            "/api/x/../orders",
+        ] {
+            assert_eq!(r.cost(&req(Method::POST, form)), 3, "{form}");
+        }
     }
 
     #[test]

@@ -142,13 +142,17 @@ impl Completion {
     }
 
     /// Whether the outcome is only known at the body's end: a gRPC answer
-    /// (HTTP 200, `application/grpc`) whose head carries no `grpc-status`
-    /// — its status comes in the trailers.
+    /// (HTTP 200, `application/grpc`, `application/grpc+proto`, ...) whose
+    /// head carries no `grpc-status` — its status comes in the trailers.
+    /// (gRPC-Web carries its trailers inside the body, where a layer does
+    /// not look: its answers are classified by their head.)
     pub fn awaits_trailers(&self, headers: &HeaderMap) -> bool {
         *self == Self::Response(StatusCode::OK)
-            && headers
-                .get(CONTENT_TYPE)
-                .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+            && headers.get(CONTENT_TYPE).is_some_and(|v| {
+                let v = v.as_bytes();
+                v.strip_prefix(b"application/grpc")
+                    .is_some_and(|rest| rest.first().is_none_or(|c| matches!(c, b'+' | b';')))
+            })
     }
 
     /// The completion of a gRPC answer whose body ended with `trailers`
@@ -181,17 +185,24 @@ impl Completion {
     }
 
     /// A sign of overload (the default drop of adaptive limits, and an
-    /// error for read-only mode): an error, a 5xx, a 408 (what
-    /// tower-http's `TimeoutLayer` answers), and gRPC `DEADLINE_EXCEEDED`,
-    /// `RESOURCE_EXHAUSTED`, `INTERNAL`, `UNAVAILABLE` (and the codes that
-    /// map to 5xx: `UNKNOWN`, `UNIMPLEMENTED`, `DATA_LOSS`).
+    /// error for read-only mode): an error, a 5xx other than 501, a 408
+    /// (what tower-http's `TimeoutLayer` answers), and gRPC
+    /// `DEADLINE_EXCEEDED`, `INTERNAL`, `UNAVAILABLE` (and `UNKNOWN`,
+    /// `DATA_LOSS`, which map to 500).
+    ///
+    /// Not overload: a 429 or gRPC `RESOURCE_EXHAUSTED` — what a rate
+    /// limiter or quota answers a client over its own budget (tollgate's
+    /// own layers among them), so counting it would let any client drive
+    /// the whole service's limit down by exceeding its own; and a 501 or
+    /// `UNIMPLEMENTED`, which any client gets by calling a method that
+    /// does not exist. An overloaded backend says `UNAVAILABLE` (503).
     pub fn is_overload(&self) -> bool {
         match self {
             Self::Error => true,
-            Self::Grpc(GrpcCode::RESOURCE_EXHAUSTED) => true,
-            _ => self
-                .status()
-                .is_some_and(|s| s.is_server_error() || s == StatusCode::REQUEST_TIMEOUT),
+            _ => self.status().is_some_and(|s| {
+                (s.is_server_error() && s != StatusCode::NOT_IMPLEMENTED)
+                    || s == StatusCode::REQUEST_TIMEOUT
+            }),
         }
     }
 
@@ -222,7 +233,13 @@ mod tests {
 
     #[test]
     fn trailers_only_answers_carry_their_code() {
-        for (code, overload) in [("14", true), ("8", true), ("4", true), ("13", true)] {
+        for (code, overload) in [
+            ("14", true),
+            ("4", true),
+            ("13", true),
+            ("8", false),
+            ("12", false),
+        ] {
             let c = Completion::from_parts(StatusCode::OK, &grpc(Some(code)));
             assert!(matches!(c, Completion::Grpc(_)));
             assert_eq!(c.is_overload(), overload, "{code}");
@@ -248,6 +265,17 @@ mod tests {
         assert!(Completion::from_trailers(None).is_overload());
         let plain = HeaderMap::new();
         assert!(!Completion::from_parts(StatusCode::OK, &plain).awaits_trailers(&plain));
+        for (ct, awaits) in [
+            ("application/grpc+proto", true),
+            ("application/grpc;charset=utf-8", true),
+            ("application/grpc-web", false),
+            ("application/grpc-web+proto", false),
+            ("application/grpcx", false),
+        ] {
+            let mut h = HeaderMap::new();
+            h.insert(CONTENT_TYPE, ct.parse().unwrap());
+            assert_eq!(c.awaits_trailers(&h), awaits, "{ct}");
+        }
     }
 
     #[test]
@@ -257,6 +285,7 @@ mod tests {
         assert!(of(503).is_overload() && of(503).is_refusal());
         assert!(of(408).is_overload() && !of(408).is_refusal());
         assert!(!of(429).is_overload() && of(429).is_refusal());
+        assert!(!of(501).is_overload());
         assert!(!of(404).is_overload() && !of(200).is_refusal());
         assert!(Completion::Error.is_overload());
         // A grpc-status on a non-200 answer is not gRPC's.

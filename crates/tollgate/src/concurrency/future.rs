@@ -123,15 +123,7 @@ where
                     let (mut request, mut inner) = *w;
                     let mut admitted = admitted.take();
                     if let (Some(a), true) = (&mut admitted, responder.upgrades) {
-                        // An upgraded connection may live for hours: it
-                        // holds its per-key and service permits, never the
-                        // adaptive limit's (see `sample_at_head`).
-                        if let Some(adaptive) = &responder.adaptive {
-                            if super::permit::is_upgrade(&request) {
-                                release_adaptive(adaptive, a);
-                            }
-                        }
-                        Holding::attach(&mut a.permit, &mut request);
+                        a.offer_upgrade(responder.adaptive.as_ref(), &mut request);
                     }
                     State::Calling {
                         future: inner.call(request),
@@ -207,4 +199,5 @@ fn release_adaptive(adaptive: &Adaptive, admitted: &mut Admitted) {
             adaptive.release(permits);
         }
     }
+    drop(admitted.adaptive.take());
 }

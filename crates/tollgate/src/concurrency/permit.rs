@@ -335,7 +335,13 @@ where
         };
         if let (Poll::Ready(frame), Some(_)) = (&polled, this.sampling.as_ref()) {
             let completion = match frame {
-                Some(Ok(f)) => f.trailers_ref().map(|t| Completion::from_trailers(Some(t))),
+                Some(Ok(f)) => match f.trailers_ref() {
+                    Some(t) => Some(Completion::from_trailers(Some(t))),
+                    // A body that says it ended after this data frame is
+                    // not polled again: it ended without trailers.
+                    None if done => Some(Completion::from_trailers(None)),
+                    None => None,
+                },
                 Some(Err(_)) => Some(Completion::Error),
                 None => Some(Completion::from_trailers(None)),
             };

@@ -6,7 +6,7 @@ use tollgate_core::ConcurrencyLimiter;
 use tower_service::Service;
 
 use super::future::{ResponseFuture, State};
-use super::permit::{Holding, PermitBody};
+use super::permit::PermitBody;
 use super::shared::{Admission, Critical, Shared};
 use crate::body::RejectionBody;
 use crate::cost::Cost;
@@ -67,7 +67,7 @@ where
         let state = match admission {
             Admission::Go(mut admitted) => {
                 if responder.upgrades {
-                    Holding::attach(&mut admitted.permit, &mut req);
+                    admitted.offer_upgrade(responder.adaptive.as_ref(), &mut req);
                 }
                 State::Calling {
                     future: self.inner.call(req),

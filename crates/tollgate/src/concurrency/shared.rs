@@ -185,6 +185,49 @@ pub(crate) struct Admitted {
     pub(crate) permit: Option<Holding>,
     pub(crate) items: Items,
     pub(crate) started: Option<Instant>,
+    /// An upgrade's share of the adaptive limit, held apart from the
+    /// permit the handler may take, until the response's head.
+    pub(crate) adaptive: Option<AdaptiveHold>,
+}
+
+impl Admitted {
+    /// For an upgrade request, when the layer offers upgrades: the permit
+    /// moves to a slot in the request's extensions, for the handler to
+    /// keep for the connection's life. Its adaptive-limit share stays
+    /// here and goes back at the response's head, as every request's does
+    /// (an upgraded connection may live for hours).
+    pub(crate) fn offer_upgrade<B>(
+        &mut self,
+        adaptive: Option<&Arc<Adaptive>>,
+        req: &mut Request<B>,
+    ) {
+        if !super::permit::is_upgrade(req) {
+            return;
+        }
+        if let (Some(a), Some(Holding::Permit(p))) = (adaptive, self.permit.as_mut()) {
+            let permits = p.held_mut().take_adaptive();
+            if permits > 0 {
+                self.adaptive = Some(AdaptiveHold {
+                    adaptive: Arc::clone(a),
+                    permits,
+                });
+            }
+        }
+        Holding::attach(&mut self.permit, req);
+    }
+}
+
+/// Permits of an adaptive limit, given back when dropped.
+#[derive(Debug)]
+pub(crate) struct AdaptiveHold {
+    adaptive: Arc<Adaptive>,
+    permits: u32,
+}
+
+impl Drop for AdaptiveHold {
+    fn drop(&mut self) {
+        self.adaptive.release(self.permits);
+    }
 }
 
 // Returned by value once per request; boxing the large variant would cost
@@ -570,6 +613,7 @@ where
             permit: permit.map(Holding::Permit),
             items,
             started: self.started(),
+            adaptive: None,
         })
     }
 

@@ -127,11 +127,13 @@ pub(crate) fn original_path<B>(req: &Request<B>) -> &str {
 /// what routers do): percent-encoded unreserved characters decoded
 /// (`%61` is `a`), other escapes upper-cased (`%2f` is `%2F`), empty
 /// segments dropped (`//` is `/`), dot-segments resolved (`/a/./b/../c`
-/// is `/a/c`; never above the root). A trailing slash is kept. Paths
+/// is `/a/c`; never above the root), a trailing slash dropped (`/a/` is
+/// `/a`: a `NormalizePathLayer` inside would serve it as `/a`). Paths
 /// already in that form (the usual case) are not copied.
 pub fn normalize_path(path: &str) -> Cow<'_, str> {
     let b = path.as_bytes();
     let clean = b.first() == Some(&b'/')
+        && (b.len() == 1 || b.last() != Some(&b'/'))
         && !b.contains(&b'%')
         && !b.windows(2).any(|w| w == b"//")
         && !path
@@ -142,7 +144,6 @@ pub fn normalize_path(path: &str) -> Cow<'_, str> {
     }
     let decoded = decode_unreserved(b);
     let mut segments: Vec<&[u8]> = Vec::new();
-    let trailing = decoded.last() == Some(&b'/');
     for segment in decoded.split(|c| *c == b'/') {
         match segment {
             b"" | b"." => {}
@@ -157,7 +158,7 @@ pub fn normalize_path(path: &str) -> Cow<'_, str> {
         out.push(b'/');
         out.extend_from_slice(s);
     }
-    if out.is_empty() || (trailing && segments.last().is_some()) {
+    if out.is_empty() {
         out.push(b'/');
     }
     // Only ASCII was decoded, and only escapes of ASCII: still UTF-8 where
@@ -185,7 +186,11 @@ fn decode_unreserved(b: &[u8]) -> Vec<u8> {
         if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
             out.push(byte);
         } else {
-            out.extend_from_slice(format!("%{byte:02X}").as_bytes());
+            const HEX: &[u8; 16] = b"0123456789ABCDEF";
+            let digit = |d: u32| usize::try_from(d).ok().and_then(|d| HEX.get(d)).copied();
+            out.push(b'%');
+            out.extend(digit(hi));
+            out.extend(digit(lo));
         }
         i = i.saturating_add(3);
     }
@@ -203,7 +208,8 @@ mod tests {
             ("/%6frders", "/orders"),
             ("/%6Frders", "/orders"),
             ("//orders", "/orders"),
-            ("/api//orders/", "/api/orders/"),
+            ("/api//orders/", "/api/orders"),
+            ("/orders/", "/orders"),
             ("/api/./orders", "/api/orders"),
             ("/api/x/../orders", "/api/orders"),
             ("/%2e%2e/orders", "/orders"),

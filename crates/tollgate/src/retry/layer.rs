@@ -16,7 +16,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use super::policy::{is_idempotent, server_hint, Attempt, Backoff};
-use super::throttle::Throttle;
+use super::throttle::{Throttle, Throttles};
 use super::ReplayBody;
 use crate::key::{KeyBuf, KeyBytes, KeyExtractor};
 use crate::observe::RetryMetrics;
@@ -78,7 +78,7 @@ struct Shared<K, L> {
     classify: Option<ClassifyFn>,
     any_method: bool,
     buffer_limit: u64,
-    throttle: Option<Throttle>,
+    throttle: Option<Throttles>,
     metrics: RetryMetrics,
 }
 
@@ -331,7 +331,7 @@ impl<K, St: RetryBudgetStore> RetryBudgetLayerBuilder<K, St> {
                     "k must be from 1 to 100 (2 is usual)",
                 ))
             }
-            Some(k) => Some(Throttle::new(k)),
+            Some(k) => Some(Throttles::new(k)),
             None => None,
         };
         Ok(RetryBudgetLayer {
@@ -403,6 +403,8 @@ pin_project_lite::pin_project! {
             // What a retry needs (none for a request that is sent once).
             resume: Option<Resume<S>>,
             shared: Arc<Shared<K, L>>,
+            // The upstream's adaptive throttle, where one is on.
+            throttle: Option<Arc<Throttle>>,
         },
         Boxed {
             future: Boxed<S::Response>,
@@ -451,9 +453,11 @@ where
                     attempt,
                     resume,
                     shared,
+                    throttle,
                 } => {
                     let result = std::task::ready!(attempt.poll(cx)).map_err(Into::into);
-                    let retry = after_attempt(shared, &result, 1, resume.is_some(), None)
+                    let t = throttle.as_deref();
+                    let retry = after_attempt(shared, t, &result, 1, resume.is_some(), None)
                         .and_then(|wait| Some((wait, resume.take()?)));
                     let Some((wait, resume)) = retry else {
                         // Answered: a later poll gets an error, never the
@@ -461,7 +465,9 @@ where
                         this.state.set(Call::Refused { error: None });
                         return Poll::Ready(result);
                     };
-                    let future = Box::pin(retries(Arc::clone(shared), resume, result, wait, None));
+                    let shared = Arc::clone(shared);
+                    let throttle = throttle.take();
+                    let future = Box::pin(retries(shared, throttle, resume, result, wait, None));
                     this.state.set(Call::Boxed { future });
                 }
                 CallProj::Boxed { future } => return future.as_mut().poll(cx),
@@ -518,12 +524,15 @@ where
         if replayable && !req.body().is_end_stream() {
             return boxed(Box::pin(run(shared, inner, req, None)));
         }
-        if let Err(error) = throttle(&shared) {
-            return ResponseFuture {
-                state: Call::Refused { error: Some(error) },
-            };
-        }
         let key = key(&shared, &req);
+        let throttle = match throttle(&shared, &key) {
+            Ok(t) => t,
+            Err(error) => {
+                return ResponseFuture {
+                    state: Call::Refused { error: Some(error) },
+                }
+            }
+        };
         deposit(&shared, &key);
         let (parts, body) = req.into_parts();
         // Each part is moved once, into where it stays: the future every
@@ -535,6 +544,7 @@ where
                     attempt,
                     resume: None,
                     shared,
+                    throttle,
                 },
             };
         }
@@ -549,6 +559,7 @@ where
                     key,
                 }),
                 shared,
+                throttle,
             },
         }
     }
@@ -560,18 +571,24 @@ fn is_replayable<K, L, B>(shared: &Shared<K, L>, req: &Request<B>) -> bool {
     shared.max_attempts > 1 && (shared.any_method || is_idempotent(req.method(), req.headers()))
 }
 
-/// Adaptive throttling's verdict on a new call: `Err` when it is refused
-/// locally (the upstream rejects most calls).
-fn throttle<K, L>(shared: &Shared<K, L>) -> Result<(), BoxError> {
-    if let Some(throttle) = &shared.throttle {
-        if throttle.refuse(shared.backoff.random()) {
-            // A request the application made, not accepted (SRE book).
-            throttle.record(false);
-            shared.metrics.throttled.increment(1);
-            return Err(Box::new(Throttled));
-        }
+/// Adaptive throttling's verdict on a new call to the upstream `key`:
+/// `Err` when it is refused locally (that upstream rejects most calls);
+/// else its throttle, to count the call's outcome on.
+fn throttle<K, L>(
+    shared: &Shared<K, L>,
+    key: &KeyBytes,
+) -> Result<Option<Arc<Throttle>>, BoxError> {
+    let Some(throttles) = &shared.throttle else {
+        return Ok(None);
+    };
+    let throttle = throttles.of(key.as_bytes());
+    if throttle.refuse(shared.backoff.random()) {
+        // A request the application made, not accepted (SRE book).
+        throttle.record(false);
+        shared.metrics.throttled.increment(1);
+        return Err(Box::new(Throttled));
     }
-    Ok(())
+    Ok(Some(throttle))
 }
 
 /// The budget key of a call that is made: [`deposit`] follows.
@@ -655,8 +672,8 @@ where
     K: KeyExtractor<B>,
     L: RetryBudgetLimiter,
 {
-    throttle(&shared)?;
     let key = key(&shared, &req);
+    let throttle = throttle(&shared, &key)?;
     let replayable = is_replayable(&shared, &req);
     let (parts, body) = req.into_parts();
     let (buffered, stream) = if replayable {
@@ -676,7 +693,8 @@ where
         (None, None) => return Err("a request without a body".into()),
     };
     let result = attempt(&mut inner, Request::from_parts(parts.clone(), first)).await;
-    let Some(wait) = after_attempt(&shared, &result, 1, buffered.is_some(), deadline) else {
+    let t = throttle.as_deref();
+    let Some(wait) = after_attempt(&shared, t, &result, 1, buffered.is_some(), deadline) else {
         return result;
     };
     let Some(buffered) = buffered else {
@@ -688,7 +706,7 @@ where
         buffered,
         key,
     };
-    retries(shared, resume, result, wait, deadline).await
+    retries(shared, throttle, resume, result, wait, deadline).await
 }
 
 /// One attempt: the service made ready, then called.
@@ -711,9 +729,10 @@ where
 /// worth a retry, not possible (`replayable` false, attempts used up),
 /// the server says it cannot help, or asks for a longer wait than the
 /// caller gives, or the wait would pass the `deadline`. Records the
-/// outcome for adaptive throttling.
+/// outcome on the upstream's adaptive `throttle`.
 fn after_attempt<K, L, ResB>(
     shared: &Shared<K, L>,
+    throttle: Option<&Throttle>,
     result: &Result<Response<ResB>, BoxError>,
     attempt: u32,
     replayable: bool,
@@ -722,7 +741,7 @@ fn after_attempt<K, L, ResB>(
     let (retryable, hint) = match result {
         Ok(res) => {
             let (status, headers) = (res.status(), res.headers());
-            if let Some(t) = &shared.throttle {
+            if let Some(t) = throttle {
                 // Refused for overload (429, 502, 503, 504, gRPC
                 // `UNAVAILABLE` and `RESOURCE_EXHAUSTED`): not an accept.
                 t.record(!Completion::from_parts(status, headers).is_refusal());
@@ -737,7 +756,7 @@ fn after_attempt<K, L, ResB>(
             (retryable, hint)
         }
         Err(error) => {
-            if let Some(t) = &shared.throttle {
+            if let Some(t) = throttle {
                 t.record(false);
             }
             (
@@ -761,6 +780,7 @@ fn after_attempt<K, L, ResB>(
 /// the budget and the attempts allow.
 async fn retries<S, K, L, B, ResB>(
     shared: Arc<Shared<K, L>>,
+    throttle: Option<Arc<Throttle>>,
     mut resume: Resume<S>,
     mut result: Result<Response<ResB>, BoxError>,
     mut wait: Duration,
@@ -796,7 +816,14 @@ where
         let request = Request::from_parts(resume.parts.clone(), body);
         result = attempt(&mut resume.inner, request).await;
         attempts = attempts.saturating_add(1);
-        match after_attempt(&shared, &result, attempts, true, deadline) {
+        match after_attempt(
+            &shared,
+            throttle.as_deref(),
+            &result,
+            attempts,
+            true,
+            deadline,
+        ) {
             Some(next) => wait = next,
             None => return result,
         }

@@ -483,6 +483,56 @@ async fn adaptive_throttling_refuses_locally_when_the_upstream_rejects_most() {
     assert_eq!(dead.attempts() + throttled, 200);
 }
 
+/// One dead host must not make the client refuse calls to a healthy one:
+/// the throttle is kept per upstream, like the budget.
+#[tokio::test(start_paused = true)]
+async fn adaptive_throttling_is_per_upstream() {
+    // `dead.internal` answers 503, `healthy.internal` 200; gRPC's
+    // UNAVAILABLE counts as a rejection too (`grpc.internal`).
+    let upstream = tower::service_fn(|req: Request<ReplayBody<String>>| {
+        let host = req.uri().host().unwrap_or("").to_owned();
+        async move {
+            let mut res = Response::new(String::new());
+            match host.as_str() {
+                "dead.internal" => *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE,
+                "grpc.internal" => {
+                    res.headers_mut()
+                        .insert("content-type", "application/grpc".parse().unwrap());
+                    res.headers_mut()
+                        .insert("grpc-status", "14".parse().unwrap());
+                }
+                _ => {}
+            }
+            Ok::<_, std::convert::Infallible>(res)
+        }
+    });
+    let client = RetryBudgetLayer::builder("hosts")
+        .max_attempts(1)
+        .adaptive_throttling(2.0)
+        .store(store())
+        .build()
+        .unwrap()
+        .layer(upstream);
+    let to = |host: &str| {
+        Request::get(format!("http://{host}/items"))
+            .body(String::new())
+            .unwrap()
+    };
+    for host in ["dead.internal", "grpc.internal"] {
+        let mut throttled = 0;
+        for _ in 0..200 {
+            if client.clone().oneshot(to(host)).await.is_err() {
+                throttled += 1;
+            }
+        }
+        assert!(throttled > 150, "{host}: {throttled} throttled of 200");
+    }
+    for i in 0..200 {
+        let res = client.clone().oneshot(to("healthy.internal")).await;
+        assert_eq!(res.unwrap().status(), 200, "call {i} to the healthy host");
+    }
+}
+
 #[test]
 fn configuration_errors_name_the_field() {
     let e = |b: RetryBudgetLayerBuilder<Upstream, MemoryStore>| {

@@ -1,6 +1,9 @@
-//! Client-side adaptive throttling (Google SRE book, "Handling Overload").
+//! Client-side adaptive throttling (Google SRE book, "Handling Overload"),
+//! per upstream: one dead host must not make the client refuse calls to a
+//! healthy one.
 
-use std::sync::{Mutex, PoisonError};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::time::Instant;
 
@@ -10,6 +13,48 @@ const SLOTS: usize = 12;
 const SPAN: u64 = SLOTS as u64 - 1;
 /// Each slot's length: five seconds.
 const SLOT_NANOS: u64 = 5_000_000_000;
+
+/// The most upstreams whose throttles are kept apart; past it, upstreams
+/// with no call in the last minute are forgotten, and if all are busy the
+/// new one shares one throttle with every other newcomer.
+const MAX_UPSTREAMS: usize = 1_024;
+
+/// One [`Throttle`] per upstream (the retry budget's key), made on first
+/// use.
+#[derive(Debug)]
+pub(crate) struct Throttles {
+    k: f64,
+    map: Mutex<HashMap<Box<[u8]>, Arc<Throttle>>>,
+    /// Shared by upstreams that found the map full of busy ones.
+    overflow: Arc<Throttle>,
+}
+
+impl Throttles {
+    pub(crate) fn new(k: f64) -> Self {
+        Self {
+            k,
+            map: Mutex::new(HashMap::new()),
+            overflow: Arc::new(Throttle::new(k)),
+        }
+    }
+
+    /// The throttle of `upstream`.
+    pub(crate) fn of(&self, upstream: &[u8]) -> Arc<Throttle> {
+        let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(t) = map.get(upstream) {
+            return Arc::clone(t);
+        }
+        if map.len() >= MAX_UPSTREAMS {
+            map.retain(|_, t| !t.is_idle());
+            if map.len() >= MAX_UPSTREAMS {
+                return Arc::clone(&self.overflow);
+            }
+        }
+        let t = Arc::new(Throttle::new(self.k));
+        map.insert(upstream.into(), Arc::clone(&t));
+        t
+    }
+}
 
 /// Counts requests and accepts over the last minute and refuses locally
 /// with probability `max(0, (requests − k·accepts) / (requests + 1))`.
@@ -50,6 +95,13 @@ impl Throttle {
             slot.1 = slot.1.saturating_add(1);
             slot.2 = slot.2.saturating_add(u64::from(accepted));
         }
+    }
+
+    /// Whether no call was counted in the last minute.
+    fn is_idle(&self) -> bool {
+        let oldest = self.index().saturating_sub(SPAN);
+        let slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+        slots.iter().all(|s| s.0 < oldest || s.0 == 0)
     }
 
     /// The probability of refusing a call now.
@@ -97,5 +149,16 @@ mod tests {
             t.record(i % 2 == 0);
         }
         assert_eq!(t.probability(), 0.0);
+    }
+
+    #[test]
+    fn each_upstream_has_its_own_throttle() {
+        let all = Throttles::new(2.0);
+        let dead = all.of(b"dead");
+        for _ in 0..100 {
+            dead.record(false);
+        }
+        assert!(all.of(b"dead").probability() > 0.9);
+        assert_eq!(all.of(b"healthy").probability(), 0.0);
     }
 }

@@ -24,15 +24,28 @@ use crate::outcome::Completion;
 use crate::BoxError;
 
 /// The default key of a retry budget: the upstream's host (and port), from
-/// the request's URI, else its `Host` header. One budget per upstream.
+/// the request's URI, else its `Host` header, lower-cased as DNS names
+/// compare. One budget per upstream. Credentials in the URI
+/// (`user:password@`) are not part of it: they name no other upstream,
+/// and a key must not carry a secret into a store.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Upstream;
 
 impl<B> KeyExtractor<B> for Upstream {
     fn extract(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()> {
-        match req.uri().authority() {
-            Some(authority) => key.push(authority.as_str().as_bytes()),
-            None => key.push(req.headers().get(http::header::HOST)?.as_bytes()),
+        let authority = match req.uri().authority() {
+            Some(authority) => authority.as_str().as_bytes(),
+            None => req.headers().get(http::header::HOST)?.as_bytes(),
+        };
+        // `user:password@host:port`: what follows the last `@`.
+        let host = match authority.iter().rposition(|b| *b == b'@') {
+            Some(at) => authority.get(at.saturating_add(1)..).unwrap_or_default(),
+            None => authority,
+        };
+        if host.iter().any(u8::is_ascii_uppercase) {
+            key.push(&host.to_ascii_lowercase());
+        } else {
+            key.push(host);
         }
         Some(())
     }

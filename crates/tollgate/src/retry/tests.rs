@@ -483,6 +483,20 @@ async fn adaptive_throttling_refuses_locally_when_the_upstream_rejects_most() {
     assert_eq!(dead.attempts() + throttled, 200);
 }
 
+#[test]
+fn the_upstream_key_is_the_host_without_credentials() {
+    let key = |uri: &str| {
+        let mut k = crate::key::KeyBuf::new();
+        crate::key::KeyExtractor::extract(&Upstream, &Request::get(uri).body(()).unwrap(), &mut k)
+            .unwrap();
+        k.as_bytes().to_vec()
+    };
+    let plain = key("http://api.internal:8080/x");
+    assert_eq!(key("http://user:secret@api.internal:8080/x"), plain);
+    assert_eq!(key("http://API.Internal:8080/y"), plain);
+    assert_ne!(key("http://api.internal:8081/x"), plain);
+}
+
 /// One dead host must not make the client refuse calls to a healthy one:
 /// the throttle is kept per upstream, like the budget.
 #[tokio::test(start_paused = true)]

@@ -35,6 +35,9 @@ pub const DOWNLOAD_CHUNK: usize = 16 << 10;
 pub const DOWNLOAD_RATE: u32 = 256 << 10;
 /// The download burst per client: 64 KiB.
 pub const DOWNLOAD_BURST: u32 = 64 << 10;
+/// How many times a client's limit one address gets, for every limit
+/// keyed by API key: rotating keys from one address buys at most this.
+pub const PER_ADDRESS: u32 = 4;
 
 /// The quickstart's API:
 ///
@@ -53,6 +56,12 @@ pub const DOWNLOAD_BURST: u32 = 64 << 10;
 ///   between 16 and 512) that follows the service's latency and errors;
 /// - every `/api/*` route draws on a daily quota of 1,000 cost units per
 ///   client (UTC days; a `RateLimit-Policy` item with `w=86400`);
+/// - every limit above that is keyed by API key is also bounded per
+///   client address, at [`PER_ADDRESS`] times the client's (the day's
+///   quota at 10 times, the rate at 10 times in the policy file), so
+///   rotating `x-api-key` from one address buys nothing past the
+///   address's budget: `daily-address`, `per-address` in flight,
+///   `downloads-address`, `download-rate-address`;
 /// - `POST /login` (JSON `{"user": ..., "password": ...}`; the password
 ///   `demo` succeeds, anything else is a 401) allows 5 failed logins per
 ///   account and 20 per address in any 15 minutes; past either, logins
@@ -99,7 +108,8 @@ pub fn quickstart_app_with<S: QuotaStore>(
     trusted_proxies: &[String],
     policy: &PolicyFile,
 ) -> Result<(Router, PolicyLayer<Body, S::Limiter>), Error> {
-    let client = Header::named("x-api-key")?.or(ClientIp::trusting(trusted_proxies)?);
+    let address = ClientIp::trusting(trusted_proxies)?;
+    let client = Header::named("x-api-key")?.or(address.clone());
     let store_for_login = store.clone();
     // Plans: `x-plan: pro` (a demo; in production the plan comes from
     // authentication, as a `Plan` extension) gets more of every limit.
@@ -109,10 +119,22 @@ pub fn quickstart_app_with<S: QuotaStore>(
         .key(client.clone())
         .store(store.clone())
         .build()?;
+    let downloads_address = ConcurrencyLayer::builder("downloads-address", 2 * PER_ADDRESS)
+        .key(address.clone())
+        .store(store.clone())
+        .build()?;
     let download_rate = BandwidthLayer::builder("download-rate", DOWNLOAD_RATE, DOWNLOAD_BURST)
         .key(client.clone())
         .store(store.clone())
         .build()?;
+    let download_rate_address = BandwidthLayer::builder(
+        "download-rate-address",
+        DOWNLOAD_RATE * PER_ADDRESS,
+        DOWNLOAD_BURST * PER_ADDRESS,
+    )
+    .key(address.clone())
+    .store(store.clone())
+    .build()?;
     let in_flight = ConcurrencyLayer::builder("per-client", 64)
         .key(client.clone())
         .store(store.clone())
@@ -120,6 +142,10 @@ pub fn quickstart_app_with<S: QuotaStore>(
             "service",
             AdaptiveLimit::Gradient(Gradient::new(16, 64, 512)?),
         )
+        .build()?;
+    let in_flight_address = ConcurrencyLayer::builder("per-address", 64 * PER_ADDRESS)
+        .key(address.clone())
+        .store(store.clone())
         .build()?;
     // The quota's costs (the rate policy's are in its file).
     let costs = ByRoute::new(1)
@@ -131,6 +157,13 @@ pub fn quickstart_app_with<S: QuotaStore>(
         .plan_from_header("x-plan")?
         .soft_limit(0.8)
         .key(client.clone())
+        .cost(costs.clone())
+        .store(store.clone())
+        .build()?;
+    // Ten times a client's day per address (a pro client's whole day).
+    let daily_address = QuotaLayer::builder("daily-address")
+        .period(Period::Day, 10_000)
+        .key(address.clone())
         .cost(costs)
         .store(store.clone())
         .build()?;
@@ -149,9 +182,15 @@ pub fn quickstart_app_with<S: QuotaStore>(
         .route(
             "/api/download",
             get(|| async { Body::new(Chunks(DOWNLOAD_BYTES)) })
-                // The permit (outer) lasts until the paced body (inner) ends.
-                .route_layer(download_rate)
-                .route_layer(downloads),
+                // The permits (outer) last until the paced body (inner)
+                // ends; the body is paced per client and per address.
+                .route_layer(
+                    tower::ServiceBuilder::new()
+                        .layer(downloads_address)
+                        .layer(downloads)
+                        .layer(download_rate_address)
+                        .layer(download_rate),
+                ),
         )
         // route_layer: only matched routes are limited; a 404 costs nothing.
         // Outermost first: in flight, then the rate, then the day's quota,
@@ -161,8 +200,10 @@ pub fn quickstart_app_with<S: QuotaStore>(
         // request) once, where each route_layer would be boxed again.
         .route_layer(
             tower::ServiceBuilder::new()
+                .layer(in_flight_address)
                 .layer(in_flight)
                 .layer(limit.clone())
+                .layer(daily_address)
                 .layer(daily),
         );
     let router = Router::new()

@@ -128,6 +128,64 @@ async fn rotating_api_keys_from_one_address_share_its_budget() {
     assert!(!r.header("ratelimit-policy").contains("daily"), "{r:?}");
 }
 
+/// Every limit keyed by API key is bounded per address too: rotating
+/// `x-api-key` from one address buys its day's quota, its downloads and
+/// its requests in flight only up to the address's.
+#[tokio::test]
+async fn rotating_api_keys_buys_nothing_past_the_address() {
+    let (addr, clock) = quickstart(&[]).await;
+    // Downloads: 8 at once per address, whatever the keys.
+    let mut open = Vec::new();
+    for i in 0..8 {
+        open.push(start_download(addr, &format!("dl-{i}")).await);
+        clock.advance(Duration::from_secs(1));
+    }
+    let r = send(addr, get("/api/download", Some("dl-fresh")))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 429, "{r:?}");
+    assert!(
+        r.body.contains("\"rule\":\"downloads-address\""),
+        "{}",
+        r.body
+    );
+    // In flight: the eight downloads hold eight of the address's 256.
+    let r = send(addr, get("/api/hello", Some("in-flight")))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(
+        r.item("ratelimit-policy", "per-address"),
+        "\"per-address\";q=256;qu=\"concurrent-requests\""
+    );
+    assert_eq!(r.item("ratelimit", "per-address"), "\"per-address\";r=247");
+    drop(open);
+    // The day: 10,000 units per address. What is left of it goes in
+    // reports of 10, each from a fresh key (whose own day is barely
+    // touched); the address's rate (400 units, 100 a second) is waited
+    // out on the manual clock.
+    let left: u64 = r
+        .item("ratelimit", "daily-address")
+        .split(['=', ';'])
+        .nth(2)
+        .and_then(|n| n.parse().ok())
+        .unwrap();
+    assert!(left > 9_900, "{r:?}");
+    for i in 0..left / 10 {
+        if i % 40 == 0 {
+            clock.advance(Duration::from_secs(4));
+        }
+        let r = send(addr, post("/api/reports", &format!("day-{i}")))
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "report {i}: {r:?}");
+    }
+    clock.advance(Duration::from_secs(4));
+    let r = send(addr, post("/api/reports", "day-fresh")).await.unwrap();
+    assert_eq!(r.status, 429, "{r:?}");
+    assert!(r.body.contains("\"rule\":\"daily-address\""), "{}", r.body);
+}
+
 #[tokio::test]
 async fn the_pro_plan_gets_ten_times_the_rate() {
     let (addr, _clock) = quickstart(&[]).await;

@@ -252,7 +252,7 @@ impl<K, St> RetryBudgetLayerBuilder<K, St> {
 
     /// Backoff between attempts: exponential from `base`, capped at `cap`,
     /// with full jitter; a server's `Retry-After` or
-    /// `grpc-retry-pushback-ms` is honoured as a minimum.
+    /// `grpc-retry-pushback-ms` comes first, the jitter on top of it.
     pub fn backoff(mut self, base: Duration, cap: Duration) -> Self {
         self.backoff = (base, cap);
         self
@@ -781,7 +781,9 @@ fn after_attempt<K, L, ResB>(
     let hint = hint.filter(|hint| {
         retryable && replayable && attempt < shared.max_attempts && *hint <= shared.max_server_wait
     })?;
-    let wait = hint.max(shared.backoff.wait(attempt.saturating_sub(1)));
+    // The server's hint plus the backoff's jitter: clients told to come
+    // back in a second do not all come back in the same millisecond.
+    let wait = hint.saturating_add(shared.backoff.wait(attempt.saturating_sub(1)));
     if deadline.is_some_and(|d| Instant::now().checked_add(wait).is_none_or(|at| at >= d)) {
         return None;
     }

@@ -6,7 +6,9 @@
 //! timeouts; 502, 503, 504 and 429; gRPC `UNAVAILABLE` and
 //! `RESOURCE_EXHAUSTED`) with exponential backoff and full jitter, never
 //! sooner than the server's `Retry-After` or `grpc-retry-pushback-ms` asks
-//! (nor when it asks for longer than
+//! (the jitter comes on top of what it asks, so clients told to come back
+//! in a second do not all come back at once; nor when it asks for longer
+//! than
 //! [`max_server_wait`](RetryBudgetLayerBuilder::max_server_wait)), up to a
 //! number of attempts and an overall
 //! [`deadline`](RetryBudgetLayerBuilder::deadline) — but only while a
@@ -36,8 +38,9 @@
 //! body is buffered, up to a bound, so that every attempt sends the same
 //! bytes and trailers ([`ReplayBody`]); a larger body, or one of unknown
 //! length (a stream), is sent once and not retried. A server that says
-//! retrying cannot help — a negative `grpc-retry-pushback-ms`, or a 429
-//! without `Retry-After` — is not retried.
+//! retrying cannot help — a negative `grpc-retry-pushback-ms`, a 429
+//! without `Retry-After`, or a `Retry-After` that is neither seconds nor
+//! an HTTP date — is not retried.
 //!
 //! # Adaptive throttling
 //!

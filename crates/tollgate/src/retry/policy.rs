@@ -59,9 +59,11 @@ impl Attempt<'_> {
 
 /// What an answer says about retrying: how long to wait at least, or
 /// `None` when it says retrying cannot help — a negative (or unreadable)
-/// `grpc-retry-pushback-ms` (gRFC A6), or a 429 without `Retry-After` (a
+/// `grpc-retry-pushback-ms` (gRFC A6), a 429 without `Retry-After` (a
 /// server that wants a retry says when; tollgate's own "this request can
-/// never fit" answers have none).
+/// never fit" answers have none), or a `Retry-After` that is neither
+/// whole seconds nor an HTTP date (negative, fractional, past `u64`,
+/// garbage): a server whose hint cannot be read is not retried early.
 pub(crate) fn server_hint(status: StatusCode, headers: &HeaderMap) -> Option<Duration> {
     if let Some(v) = headers.get(&GRPC_PUSHBACK) {
         let ms = std::str::from_utf8(v.as_bytes())
@@ -69,20 +71,23 @@ pub(crate) fn server_hint(status: StatusCode, headers: &HeaderMap) -> Option<Dur
             .and_then(|s| s.trim().parse::<i64>().ok())?;
         return u64::try_from(ms).ok().map(Duration::from_millis);
     }
-    let after = headers.get(http::header::RETRY_AFTER).and_then(|v| {
-        let s = std::str::from_utf8(v.as_bytes()).ok()?.trim();
-        match s.parse::<u64>() {
-            Ok(secs) => Some(Duration::from_secs(secs.min(86_400 * 365))),
-            // An HTTP date: the time left until then (none if past).
-            Err(_) => httpdate::parse_http_date(s)
-                .ok()
-                .map(|at| at.duration_since(SystemTime::now()).unwrap_or_default()),
-        }
-    });
-    match (status, after) {
-        (StatusCode::TOO_MANY_REQUESTS, None) => None,
-        (_, after) => Some(after.unwrap_or_default()),
+    match headers.get(http::header::RETRY_AFTER) {
+        Some(v) => retry_after(v.as_bytes()),
+        None if status == StatusCode::TOO_MANY_REQUESTS => None,
+        None => Some(Duration::ZERO),
     }
+}
+
+/// A `Retry-After` value: whole seconds, or an HTTP date (the time left
+/// until then; none if past); `None` for anything else.
+fn retry_after(value: &[u8]) -> Option<Duration> {
+    let s = std::str::from_utf8(value).ok()?.trim();
+    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) {
+        return s.parse::<u64>().ok().map(Duration::from_secs);
+    }
+    httpdate::parse_http_date(s)
+        .ok()
+        .map(|at| at.duration_since(SystemTime::now()).unwrap_or_default())
 }
 
 /// Whether a request may be sent twice: idempotent by method (GET, HEAD,
@@ -178,6 +183,18 @@ mod tests {
         assert_eq!(
             server_hint(ok, &headers(&[("grpc-retry-pushback-ms", "x")])),
             None
+        );
+        // A hint that cannot be read is no invitation to retry at once.
+        for garbage in ["-5", "1.5", "99999999999999999999", "soon", "", "0x10"] {
+            assert_eq!(
+                server_hint(s503, &headers(&[("retry-after", garbage)])),
+                None,
+                "{garbage:?}"
+            );
+        }
+        assert_eq!(
+            server_hint(s503, &headers(&[("retry-after", " 7 ")])),
+            Some(Duration::from_secs(7))
         );
         let s429 = StatusCode::TOO_MANY_REQUESTS;
         assert_eq!(server_hint(s429, &headers(&[])), None);

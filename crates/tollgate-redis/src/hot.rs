@@ -351,6 +351,10 @@ impl<S: Store, C: Clock> Store for Hot<S, C> {
     }
 }
 
+/// How many leases a decision waits to land before it goes to the store
+/// itself once the key's leases are as large as they get (see
+/// `Local::plan`): at most three flights' wait, whatever the key's demand.
+const MAX_LANDINGS: u32 = 3;
 const SHARDS: usize = 16;
 
 /// One key's lease and cached denial.
@@ -537,7 +541,16 @@ impl<C: Clock> Local<C> {
     }
 
     /// The next step for a decision that the local state could not answer.
-    fn plan(&self, key: &[u8], cost: u32, limit: u64) -> Step {
+    /// `waited`: the decision already waited for [`MAX_LANDINGS`] leases
+    /// to land, and none left anything for it. If the key's leases are as
+    /// large as they get, it goes to the store now, side by side with the
+    /// others, rather than waiting again or taking the next lease in turn:
+    /// a key whose leases serve one or two decisions (a small burst), or
+    /// whose demand outruns its largest lease, would otherwise get one
+    /// round trip per lease, one after another, and a queue that grows
+    /// without bound. (While leases still grow, the next one is larger:
+    /// waiting for it saves the store calls.)
+    fn plan(&self, key: &[u8], cost: u32, limit: u64, waited: bool) -> Step {
         let now = self.clock.now();
         let mut shard = self.shard(key);
         if !shard.contains_key(key) && shard.len() >= self.per_shard {
@@ -555,6 +568,9 @@ impl<C: Clock> Local<C> {
         let s = shard.entry(key.into()).or_default();
         if let Some(d) = answer(s, now, u64::from(cost), limit) {
             return Step::Done(d);
+        }
+        if waited && s.batch.max(u64::from(cost)) >= self.max_batch {
+            return Step::Through;
         }
         if let Some(flight) = &s.flight {
             return Step::Wait(Arc::clone(flight));
@@ -869,8 +885,9 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
         HotFuture(Inner::Boxed(Box::pin(async move {
             local.decisions.fetch_add(1, Ordering::Relaxed);
             let mut waited = false;
+            let mut landed = 0;
             loop {
-                let step = local.plan(&key, cost, limit);
+                let step = local.plan(&key, cost, limit, landed >= MAX_LANDINGS);
                 if !waited && matches!(step, Step::Through | Step::Take { .. }) {
                     waited = true;
                     local.waits.fetch_add(1, Ordering::Relaxed);
@@ -901,6 +918,7 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                             }
                             notified.await;
                         }
+                        landed = landed.saturating_add(1);
                         // The lease failed (the store did not answer): go
                         // to the store, whose failure policy answers, side
                         // by side, rather than each waiter in turn taking

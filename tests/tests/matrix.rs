@@ -45,6 +45,8 @@ use tollgate::retry::RetryBudgetLayer;
 use tollgate::{Limit, MemoryStore, Rate, RateLimitLayer, RedisStore, Store};
 use tollgate_redis::testing::{unique_prefix, Server};
 use tollgate_tests::{send, Reply};
+
+mod common;
 use tower::{Layer as _, Service, ServiceExt};
 
 // ---------------------------------------------------------------------------
@@ -195,8 +197,9 @@ impl Backend {
             .route(
                 "/long",
                 get(|| async {
-                    let body = Endless {
-                        first: Some(Bytes::from_static(b"data: hello\n\n")),
+                    let body = Scripted {
+                        data: Some(Bytes::from_static(b"data: hello\n\n")),
+                        trailers: Some(None),
                     };
                     Response::builder()
                         .header("content-type", "text/event-stream")
@@ -242,22 +245,23 @@ fn answer(headers: &HeaderMap) -> Response<Body> {
     if let Some(code) = how.strip_prefix("grpc-trailer:") {
         let mut trailers = HeaderMap::new();
         trailers.insert("grpc-status", HeaderValue::from_str(code).unwrap());
-        let body = Trailing {
+        let body = Scripted {
             data: Some(Bytes::from_static(b"\0\0\0\0\0")),
-            trailers: Some(trailers),
+            trailers: Some(Some(trailers)),
         };
         return grpc(Response::builder()).body(Body::new(body)).unwrap();
     }
     Response::new(Body::from("ok"))
 }
 
-/// A body of one data frame, then trailers.
-struct Trailing {
+/// A body of one data frame, then trailers (`Some`) or, with `None`,
+/// open until dropped (an event stream, a long download).
+struct Scripted {
     data: Option<Bytes>,
-    trailers: Option<HeaderMap>,
+    trailers: Option<Option<HeaderMap>>,
 }
 
-impl http_body::Body for Trailing {
+impl http_body::Body for Scripted {
     type Data = Bytes;
     type Error = Infallible;
 
@@ -268,26 +272,13 @@ impl http_body::Body for Trailing {
         if let Some(data) = self.data.take() {
             return Poll::Ready(Some(Ok(Frame::data(data))));
         }
-        Poll::Ready(self.trailers.take().map(|t| Ok(Frame::trailers(t))))
-    }
-}
-
-/// A body of one event, then open until dropped.
-struct Endless {
-    first: Option<Bytes>,
-}
-
-impl http_body::Body for Endless {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        match self.first.take() {
-            Some(data) => Poll::Ready(Some(Ok(Frame::data(data)))),
-            None => Poll::Pending,
+        match self.trailers.take() {
+            Some(Some(t)) => Poll::Ready(Some(Ok(Frame::trailers(t)))),
+            Some(None) => {
+                self.trailers = Some(None);
+                Poll::Pending
+            }
+            None => Poll::Ready(None),
         }
     }
 }
@@ -442,6 +433,20 @@ fn with_store<R>(
     }
 }
 
+/// `router` behind the cell's layer on the cell's store (Redis under
+/// `policy`).
+fn protect_on(
+    cell: Cell<'_>,
+    spec: Spec,
+    router: Router,
+    policy: tollgate::FailurePolicy,
+) -> Protected {
+    with_store(cell, policy, |store| match store {
+        StoreChoice::Memory(s) => protect(cell.layer, s, spec, router),
+        StoreChoice::Redis(s) => protect(cell.layer, s, spec, router),
+    })
+}
+
 enum StoreChoice {
     Memory(MemoryStore),
     Redis(RedisStore),
@@ -472,24 +477,15 @@ async fn serve_on(
     peer: bool,
     policy: tollgate::FailurePolicy,
 ) -> Served {
-    let protected = with_store(cell, policy, |store| match store {
-        StoreChoice::Memory(s) => protect(cell.layer, s, spec, router),
-        StoreChoice::Redis(s) => protect(cell.layer, s, spec, router),
-    });
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let app = protected.router;
-    tokio::spawn(async move {
-        if peer {
-            axum::serve(
-                listener,
-                app.into_make_service_with_connect_info::<SocketAddr>(),
-            )
-            .await
-        } else {
-            axum::serve(listener, app).await
-        }
-    });
+    let protected = protect_on(cell, spec, router, policy);
+    let addr = if peer {
+        common::spawn(protected.router).await
+    } else {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, protected.router).await });
+        addr
+    };
     Served {
         addr,
         adaptive_limit: protected.adaptive_limit,
@@ -881,21 +877,8 @@ async fn serve_wrapped(
     inner: Router,
     outer: impl FnOnce(Router) -> Router,
 ) -> SocketAddr {
-    let protected = with_store(cell, tollgate::FailurePolicy::Open, |store| match store {
-        StoreChoice::Memory(s) => protect(cell.layer, s, spec, inner),
-        StoreChoice::Redis(s) => protect(cell.layer, s, spec, inner),
-    });
-    let app = outer(protected.router);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .await
-    });
-    addr
+    let protected = protect_on(cell, spec, inner, tollgate::FailurePolicy::Open);
+    common::spawn(outer(protected.router)).await
 }
 
 async fn path_forms(cell: Cell<'_>) -> CellResult {

@@ -820,14 +820,14 @@ fn idempotent(method: http::Method, path: &str, key: &str, idem: &str) -> Req {
         .unwrap()
 }
 
-/// The attack of review finding 1: a key charged once on one route is
-/// replayed on others (a login, a search) for free.
-async fn a_repeat_is_free_only_on_its_own_method_and_route<S: Store>(
-    store: S,
-    _clock: ManualClock,
-) {
-    let layer = PolicyLayer::builder()
-        .rule(per_key(Limit::fixed_window(10, Duration::from_secs(3_600))))
+/// A per-key rule of `limit` an hour, with idempotent repeats per
+/// `x-api-key` for a minute.
+fn idempotent_policy<S: Store>(store: S, limit: u32) -> PolicyLayer<String, S::Limiter> {
+    PolicyLayer::builder()
+        .rule(per_key(Limit::fixed_window(
+            limit,
+            Duration::from_secs(3_600),
+        )))
         .idempotency(
             "idem",
             Header::named("x-api-key").unwrap(),
@@ -835,7 +835,16 @@ async fn a_repeat_is_free_only_on_its_own_method_and_route<S: Store>(
         )
         .store(store)
         .build()
-        .unwrap();
+        .unwrap()
+}
+
+/// The attack of review finding 1: a key charged once on one route is
+/// replayed on others (a login, a search) for free.
+async fn a_repeat_is_free_only_on_its_own_method_and_route<S: Store>(
+    store: S,
+    _clock: ManualClock,
+) {
+    let layer = idempotent_policy(store, 10);
     let svc = layer.layer(service_fn(ok));
     let send = |r: Req| {
         let svc = svc.clone();
@@ -872,16 +881,7 @@ on_both_paths!(
 );
 
 async fn idempotent_repeats_are_not_charged_again<S: Store>(store: S, clock: ManualClock) {
-    let layer = PolicyLayer::builder()
-        .rule(per_key(Limit::fixed_window(3, Duration::from_secs(3_600))))
-        .idempotency(
-            "idem",
-            Header::named("x-api-key").unwrap(),
-            Duration::from_secs(60),
-        )
-        .store(store)
-        .build()
-        .unwrap();
+    let layer = idempotent_policy(store, 3);
     let svc = layer.layer(service_fn(ok));
     let send = |r: Req| {
         let svc = svc.clone();

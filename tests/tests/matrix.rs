@@ -803,6 +803,18 @@ fn left_after_one() -> u64 {
     u64::from(BUDGET - R_COST)
 }
 
+/// `reply` (to `what`) was charged what a first `GET /r` is.
+fn charged_as_get(what: &str, reply: &Reply) -> Result<(), String> {
+    expect(remaining(reply) == Some(left_after_one()), || {
+        format!(
+            "{what} (HTTP {}) left {:?} of {BUDGET}; a GET /r leaves {}",
+            reply.status,
+            remaining(reply),
+            left_after_one()
+        )
+    })
+}
+
 async fn head_costs_get(cell: Cell<'_>) -> CellResult {
     if let Some(v) = no_cost(cell) {
         return Ok(v);
@@ -815,13 +827,7 @@ async fn head_costs_get(cell: Cell<'_>) -> CellResult {
     expect(r.status == StatusCode::OK, || {
         format!("HEAD: HTTP {}", r.status)
     })?;
-    expect(remaining(&r) == Some(left_after_one()), || {
-        format!(
-            "HEAD left {:?} of {BUDGET} (GET leaves {})",
-            remaining(&r),
-            left_after_one()
-        )
-    })?;
+    charged_as_get("HEAD /r", &r)?;
     Ok(Verdict::Pass)
 }
 
@@ -859,13 +865,7 @@ async fn nested_route_cost(cell: Cell<'_>) -> CellResult {
         expect(r.status == StatusCode::OK, || {
             format!("{how}: HTTP {}", r.status)
         })?;
-        expect(remaining(&r) == Some(left_after_one()), || {
-            format!(
-                "{how}: GET /api/r left {:?} of {BUDGET}, want {}",
-                remaining(&r),
-                left_after_one()
-            )
-        })?;
+        charged_as_get(&format!("{how}: GET /api/r"), &r)?;
     }
     Ok(Verdict::Pass)
 }
@@ -893,14 +893,7 @@ async fn path_forms(cell: Cell<'_>) -> CellResult {
         let r = send(s.addr, req(Method::GET, path, Some(b"p")))
             .await
             .unwrap();
-        expect(remaining(&r) == Some(left_after_one()), || {
-            format!(
-                "GET {path} (HTTP {}) left {:?} of {BUDGET}, want {}",
-                r.status,
-                remaining(&r),
-                left_after_one()
-            )
-        })?;
+        charged_as_get(&format!("GET {path}"), &r)?;
     }
     Ok(Verdict::Pass)
 }
@@ -1312,9 +1305,7 @@ async fn hostile_keys(cell: Cell<'_>) -> CellResult {
         expect(first.status == StatusCode::OK, || {
             format!("{what} key: HTTP {}", first.status)
         })?;
-        expect(remaining(&first) == Some(left_after_one()), || {
-            format!("{what} key: left {:?}", remaining(&first))
-        })?;
+        charged_as_get(&format!("{what} key: GET /r"), &first)?;
         if matches!(cell.layer, Layer::Concurrency | Layer::Adaptive) {
             continue; // a permit is back when its response was read
         }

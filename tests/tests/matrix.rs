@@ -492,6 +492,13 @@ async fn serve_on(
     }
 }
 
+/// The URL of a Redis that is not there: a loopback port nothing listens
+/// on, so every call fails at once.
+fn dead_redis() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("redis://127.0.0.1:{}", l.local_addr().unwrap().port())
+}
+
 /// A client stack: the retry layer (budget on the cell's store) over a
 /// loopback HTTP client to `addr`; returns it and the layer's calls.
 fn client<St: RetryBudgetStore>(
@@ -1122,12 +1129,7 @@ async fn store_down(cell: Cell<'_>) -> CellResult {
             "pacing never refuses: a failed store stops pacing the body (documented)",
         ));
     }
-    // A port nothing listens on: every call fails at once.
-    let dead = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let down = format!("redis://127.0.0.1:{dead}");
+    let down = dead_redis();
     let cell = Cell {
         redis: &down,
         ..cell
@@ -1244,11 +1246,7 @@ async fn idempotency(cell: Cell<'_>) -> CellResult {
         return Ok(Verdict::Pass);
     }
     // Redis down: a random Idempotency-Key is no repeat under any policy.
-    let dead = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let down = format!("redis://127.0.0.1:{dead}");
+    let down = dead_redis();
     let cell = Cell {
         redis: &down,
         ..cell

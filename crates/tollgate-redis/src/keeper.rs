@@ -10,6 +10,15 @@
 //! different keys in flight together on the multiplexed connection. No
 //! timer per request.
 //!
+//! The task never waits for Redis itself: each batch of releases and each
+//! renewal round is a task of its own, at most [`MAX_RELEASE_CALLS`]
+//! script calls of releases in flight, so a slow Redis neither holds renewals back
+//! behind releases nor makes one slow call hold up the rest. The queue is
+//! bounded ([`MAX_QUEUE`] jobs): past it a release is dropped — its lease
+//! is no longer renewed and lapses within its TTL — and counted
+//! (`tollgate_lease_releases_dropped_total`), where an unbounded queue
+//! would grow with the backlog of a Redis that cannot keep up.
+//!
 //! When the store and all its limiters are dropped, the channel closes and
 //! the task ends; what it held lapses within a lease TTL. A release or
 //! renewal that fails (Redis down, breaker open) is counted and logged by
@@ -20,7 +29,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, Notify, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tollgate_core::{Lease, StoreError, StoreErrorKind};
@@ -32,10 +41,16 @@ use crate::BoxFuture;
 
 /// Most leases in one script call (a longer batch is split).
 const MAX_BATCH: usize = 256;
-/// Most script calls of one release batch or renewal round in flight.
+/// Most script calls of one renewal round in flight.
 const MAX_CALLS: usize = 64;
+/// Most release calls in flight: on the multiplexed connection they are
+/// pipelined, so a slow Redis (200 ms away) still takes thousands of
+/// releases a second.
+const MAX_RELEASE_CALLS: usize = 512;
 /// Most jobs taken off the queue at once.
 const MAX_DRAIN: usize = 1_024;
+/// Most jobs waiting in the queue.
+const MAX_QUEUE: usize = 65_536;
 /// How long the task sleeps when it has nothing to renew.
 const IDLE: Duration = Duration::from_secs(3_600);
 
@@ -60,7 +75,8 @@ enum Job {
 /// dropped.
 #[derive(Debug, Clone)]
 pub(crate) struct LeaseKeeper {
-    jobs: mpsc::UnboundedSender<Job>,
+    jobs: mpsc::Sender<Job>,
+    dropped: metrics::Counter,
 }
 
 fn task_gone() -> StoreError {
@@ -74,14 +90,26 @@ impl LeaseKeeper {
     /// Starts the task on the current Tokio runtime; `renew` says whether
     /// it renews on its own (every third of each rule's lease TTL).
     pub(crate) fn spawn(backend: Arc<Backend>, renew: bool) -> Self {
-        let (jobs, queue) = mpsc::unbounded_channel();
+        let (jobs, queue) = mpsc::channel(MAX_QUEUE);
         tokio::spawn(keep(queue, backend, renew));
-        Self { jobs }
+        metrics::describe_counter!(
+            "tollgate_lease_releases_dropped_total",
+            "Concurrency lease releases dropped because the lease task's queue was full (the leases lapse within their TTL)"
+        );
+        Self {
+            jobs,
+            dropped: metrics::counter!("tollgate_lease_releases_dropped_total", "store" => "redis"),
+        }
     }
 
     /// Starts renewing `leases`.
     pub(crate) fn watch(&self, leases: &Arc<LiveLeases>) {
-        let _ = self.jobs.send(Job::Watch(Arc::downgrade(leases)));
+        let job = Job::Watch(Arc::downgrade(leases));
+        if let Err(mpsc::error::TrySendError::Full(job)) = self.jobs.try_send(job) {
+            // Rare (a new limiter while the queue is full): not lost.
+            let jobs = self.jobs.clone();
+            tokio::spawn(async move { jobs.send(job).await });
+        }
     }
 
     /// Hands the release of `lease` at `key` to the task at once; the
@@ -94,14 +122,26 @@ impl LeaseKeeper {
     ) -> BoxFuture<Result<(), StoreError>> {
         leases.forget(&key, lease.id);
         let (done, answer) = oneshot::channel();
-        let sent = self.jobs.send(Job::Release {
+        let sent = self.jobs.try_send(Job::Release {
             leases: Arc::clone(leases),
             key,
             lease,
             done,
         });
+        let sent = match sent {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                // Forgotten above, so no longer renewed: it lapses.
+                self.dropped.increment(1);
+                Err(StoreError::new(
+                    StoreErrorKind::Unavailable,
+                    "the lease task's queue is full; the lease lapses within its TTL",
+                ))
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(task_gone()),
+        };
         Box::pin(async move {
-            sent.map_err(|_| task_gone())?;
+            sent?;
             answer.await.unwrap_or_else(|_| Err(task_gone()))
         })
     }
@@ -109,7 +149,7 @@ impl LeaseKeeper {
     /// Waits until the releases handed over before this call are done.
     pub(crate) async fn flush(&self) {
         let (done, answer) = oneshot::channel();
-        if self.jobs.send(Job::Flush(done)).is_ok() {
+        if self.jobs.send(Job::Flush(done)).await.is_ok() {
             let _ = answer.await;
         }
     }
@@ -117,7 +157,7 @@ impl LeaseKeeper {
     /// Renews every lease held now; returns when done.
     pub(crate) async fn renew_now(&self) {
         let (done, answer) = oneshot::channel();
-        if self.jobs.send(Job::Renew(done)).is_ok() {
+        if self.jobs.send(Job::Renew(done)).await.is_ok() {
             let _ = answer.await;
         }
     }
@@ -134,9 +174,46 @@ fn later(after: Duration) -> Instant {
     now.checked_add(after).unwrap_or(now)
 }
 
-/// The task: jobs as they come, renewals when due.
-async fn keep(mut queue: mpsc::UnboundedReceiver<Job>, backend: Arc<Backend>, renew: bool) {
+/// The releases under way: how many batches, and a wake-up when the last
+/// one is done (for flushes).
+#[derive(Default)]
+struct Outstanding {
+    batches: std::sync::atomic::AtomicUsize,
+    idle: Notify,
+}
+
+impl Outstanding {
+    /// Waits until no batch is under way.
+    async fn settled(&self) {
+        loop {
+            let idle = self.idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            if self.batches.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            idle.await;
+        }
+    }
+}
+
+/// Counts a batch done, even if its task was cancelled.
+struct BatchDone(Arc<Outstanding>);
+
+impl Drop for BatchDone {
+    fn drop(&mut self) {
+        if self.0.batches.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+/// The task: jobs as they come, renewals when due. It starts work and goes
+/// back to its queue: it never waits for Redis.
+async fn keep(mut queue: mpsc::Receiver<Job>, backend: Arc<Backend>, renew: bool) {
     let mut watched: Vec<Watched> = Vec::new();
+    let calls = Arc::new(Semaphore::new(MAX_RELEASE_CALLS));
+    let outstanding = Arc::new(Outstanding::default());
     let timer = tokio::time::sleep(IDLE);
     tokio::pin!(timer);
     loop {
@@ -151,7 +228,7 @@ async fn keep(mut queue: mpsc::UnboundedReceiver<Job>, backend: Arc<Backend>, re
                         Err(_) => break,
                     }
                 }
-                handle(&backend, jobs, &mut watched).await;
+                handle(&backend, jobs, &mut watched, &calls, &outstanding);
             }
             () = &mut timer => {
                 if renew {
@@ -172,7 +249,13 @@ struct KeyReleases {
     batch: Vec<(Lease, Done)>,
 }
 
-async fn handle(backend: &Arc<Backend>, jobs: Vec<Job>, watched: &mut Vec<Watched>) {
+fn handle(
+    backend: &Arc<Backend>,
+    jobs: Vec<Job>,
+    watched: &mut Vec<Watched>,
+    calls: &Arc<Semaphore>,
+    outstanding: &Arc<Outstanding>,
+) {
     // By Redis key: one script call per key (and batch).
     let mut releases: HashMap<String, KeyReleases> = HashMap::new();
     let mut flushed = Vec::new();
@@ -213,25 +296,31 @@ async fn handle(backend: &Arc<Backend>, jobs: Vec<Job>, watched: &mut Vec<Watche
             }
         }
     }
-    let mut calls = JoinSet::new();
     for (key, KeyReleases { leases, batch }) in releases {
         let mut batch = batch.into_iter().peekable();
         while batch.peek().is_some() {
             let chunk: Vec<(Lease, Done)> = batch.by_ref().take(MAX_BATCH).collect();
-            if calls.len() >= MAX_CALLS {
-                calls.join_next().await;
-            }
-            calls.spawn(release_batch(
-                Arc::clone(backend),
-                Arc::clone(&leases),
-                key.clone(),
-                chunk,
-            ));
+            outstanding.batches.fetch_add(1, Ordering::AcqRel);
+            let done = BatchDone(Arc::clone(outstanding));
+            let (backend, leases, key) = (Arc::clone(backend), Arc::clone(&leases), key.clone());
+            let calls = Arc::clone(calls);
+            tokio::spawn(async move {
+                let _done = done;
+                // At most MAX_RELEASE_CALLS release calls in flight; the
+                // rest wait here, not in the task's loop.
+                let _call = calls.acquire_owned().await;
+                release_batch(backend, leases, key, chunk).await;
+            });
         }
     }
-    while calls.join_next().await.is_some() {}
-    for done in flushed {
-        let _ = done.send(());
+    if !flushed.is_empty() {
+        let outstanding = Arc::clone(outstanding);
+        tokio::spawn(async move {
+            outstanding.settled().await;
+            for done in flushed {
+                let _ = done.send(());
+            }
+        });
     }
 }
 

@@ -53,6 +53,56 @@ async fn renewals_keep_a_long_request_alive() {
     assert!(lb.acquire(b"job", 2, ALL).await.unwrap().lease.is_some());
 }
 
+/// Review M2: the lease task released in lock-step — a drain of releases
+/// awaited in full before it looked at its timer again — so behind a
+/// slow Redis a backlog of releases held renewals back and a long
+/// request's lease lapsed. Now releases run on their own, and the long
+/// lease is renewed in time while a thousand releases go through a Redis
+/// 200 ms away; none of them is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_go_on_while_releases_back_up_on_a_slow_redis() {
+    use tollgate_redis::testing::Delayed;
+    let Some(server) = Server::start() else {
+        return;
+    };
+    let proxy = Delayed::start(server.port, Duration::from_millis(100)).await;
+    let prefix = unique_prefix();
+    let (slow, near) = (store(&proxy.url(), &prefix), store(&server.url(), &prefix));
+    let (ls, ln) = (
+        slow.concurrency_limiter(&rule(TTL)).unwrap(),
+        near.concurrency_limiter(&rule(TTL)).unwrap(),
+    );
+    let long = ls.acquire(b"long", 2, ALL).await.unwrap().lease.unwrap();
+    let keys: Vec<Vec<u8>> = (0..1_000)
+        .map(|i| format!("short-{i}").into_bytes())
+        .collect();
+    let mut acquired = tokio::task::JoinSet::new();
+    for key in keys.clone() {
+        let ls = ls.clone();
+        acquired
+            .spawn(async move { (ls.acquire(&key, 1, ALL).await.unwrap().lease.unwrap(), key) });
+    }
+    let mut leases = Vec::new();
+    while let Some(r) = acquired.join_next().await {
+        leases.push(r.unwrap());
+    }
+    // A thousand releases at once, none awaited.
+    for (lease, key) in leases {
+        drop(ls.release(&key, lease));
+    }
+    // Three TTLs: the long lease is renewed every third of one meanwhile.
+    for _ in 0..6 {
+        tokio::time::sleep(TTL / 2).await;
+        assert_eq!(ln.held(b"long").await.unwrap(), 2, "the long lease lapsed");
+    }
+    slow.flush().await;
+    for key in keys.iter().step_by(50) {
+        assert_eq!(ln.held(key).await.unwrap(), 0, "a release was lost");
+    }
+    ls.release(b"long", long).await.unwrap();
+    assert_eq!(ln.held(b"long").await.unwrap(), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_instances_leases_lapse_within_their_ttl() {
     let Some(server) = Server::start() else {

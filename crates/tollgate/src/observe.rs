@@ -29,6 +29,7 @@
 //! | `tollgate_store_call_seconds` | histogram | `store="redis"`: each call's time |
 //! | `tollgate_store_breaker_open` | gauge | `store="redis"`, `prefix`: 1 while the circuit breaker is open |
 //! | `tollgate_audit_dropped_total` | counter | `stream`: audit records a Redis audit stream could not take |
+//! | `tollgate_lease_releases_dropped_total` | counter | `store="redis"`: concurrency lease releases dropped because the lease task's queue was full (65,536 waiting); the leases lapse within their TTL |
 //!
 //! `examples/grafana/tollgate.json` is a Grafana dashboard of these, and
 //! `examples/prometheus/alerts.yml` alerting rules (a test checks that

@@ -21,6 +21,7 @@
 //! | `tollgate_concurrency_in_flight` | gauge | `rule`: permits held through this layer |
 //! | `tollgate_concurrency_limit` | gauge | `rule`: an adaptive limit's current value |
 //! | `tollgate_concurrency_queue_depth` | gauge | `rule`: requests waiting in the layer's queue now (a cancelled or timed-out waiter leaves it) |
+//! | `tollgate_concurrency_queue_rechecks_total` | counter | `rule`: acquires a queued request made on its own timer, for releases this process does not see (each is a store call on Redis; at most about `1 + log2(max_wait / recheck)` per queued request) |
 //! | `tollgate_bandwidth_bytes_total` | counter | `rule`, `direction` (`request`, `response`): body bytes let out through a bandwidth layer's pacer |
 //! | `tollgate_bandwidth_wait_seconds` | histogram | `rule`, `direction`: each wait of a paced body for its byte budget (the sum: time spent throttled) |
 //! | `tollgate_bandwidth_unpaced_total` | counter | `rule`, `direction`: bodies let through unpaced from some point on, because the store failed (or a chunk could never fit the budget) |
@@ -312,6 +313,7 @@ impl RouteCounters {
 pub(crate) const CONCURRENCY: &str = "tollgate_concurrency_requests_total";
 const IN_FLIGHT: &str = "tollgate_concurrency_in_flight";
 const LIMIT: &str = "tollgate_concurrency_limit";
+const RECHECKS: &str = "tollgate_concurrency_queue_rechecks_total";
 
 /// The handles of one concurrency layer.
 #[derive(Debug, Clone)]
@@ -328,6 +330,9 @@ pub(crate) struct ConcurrencyMetrics {
     pub(crate) store_error: Counter,
     pub(crate) read_only: Counter,
     pub(crate) in_flight: metrics::Gauge,
+    /// Acquires a queued request made on its own timer (not woken by a
+    /// release this process saw): each is a store call on Redis.
+    pub(crate) rechecks: Counter,
 }
 
 impl ConcurrencyMetrics {
@@ -345,6 +350,10 @@ impl ConcurrencyMetrics {
             LIMIT,
             "The current value of a tollgate adaptive concurrency limit"
         );
+        metrics::describe_counter!(
+            RECHECKS,
+            "Acquires a queued request made on its own timer (store calls on Redis)"
+        );
         let counter = |outcome: &'static str| metrics::counter!(CONCURRENCY, "rule" => rule.to_owned(), "outcome" => outcome);
         Self {
             allowed: counter("allowed"),
@@ -359,6 +368,7 @@ impl ConcurrencyMetrics {
             store_error: counter("store_error"),
             read_only: counter("read_only"),
             in_flight: metrics::gauge!(IN_FLIGHT, "rule" => rule.to_owned()),
+            rechecks: metrics::counter!(RECHECKS, "rule" => rule.to_owned()),
         }
     }
 

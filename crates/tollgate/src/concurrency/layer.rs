@@ -275,7 +275,14 @@ impl<K, C, P, St> ConcurrencyLayerBuilder<K, C, P, St> {
     /// in a FIFO queue of at most `max_len` requests per key, for at most
     /// `max_wait`; a full queue or an expired wait answers 429 as if there
     /// were no queue. The wait happens in the response future, never in
-    /// `poll_ready`.
+    /// `poll_ready`. At most 100,000 requests wait across all keys of one
+    /// layer (past that, a key whose own queue has room is refused too, so
+    /// a flood of keys cannot grow the queues). A release in this process
+    /// wakes the key's head at once; for releases elsewhere (another
+    /// instance on Redis) the head looks again after a tenth of `max_wait`
+    /// (5 to 100 ms), then twice as long each time: at most about
+    /// `1 + log2(max_wait / recheck)` store calls per queued request
+    /// (`tollgate_concurrency_queue_rechecks_total`).
     pub fn queue(mut self, max_len: usize, max_wait: Duration) -> Self {
         self.cfg.queue = Some((max_len, max_wait));
         self

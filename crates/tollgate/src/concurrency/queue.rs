@@ -7,7 +7,11 @@
 //! waiter that received it. Newcomers join behind the waiters instead of
 //! overtaking them. Releases this process does not see (another instance
 //! on a shared store, another layer on the same rule) are caught by the
-//! head re-checking every `recheck`.
+//! head re-checking on a timer that backs off: `recheck`, then twice that,
+//! and so on, so a request that waits its whole `max_wait` makes about
+//! `1 + log2(max_wait / recheck)` store calls (5 for the usual tenth),
+//! not one every `recheck` — a queue fills when its keys are saturated,
+//! which is when a shared store is busiest.
 
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, VecDeque};
@@ -125,9 +129,11 @@ impl Place {
             .is_some_and(|head| Arc::ptr_eq(head, &self.notify))
     }
 
-    /// Waits until woken, or until `until`; whichever comes first.
-    pub(crate) async fn wait(&self, until: tokio::time::Instant) {
-        let _ = tokio::time::timeout_at(until, self.notify.notified()).await;
+    /// Waits until woken (`true`), or until `until` (`false`).
+    pub(crate) async fn wait(&self, until: tokio::time::Instant) -> bool {
+        tokio::time::timeout_at(until, self.notify.notified())
+            .await
+            .is_ok()
     }
 }
 

@@ -700,9 +700,15 @@ where
             return refused(peek.map(|a| a.decision));
         };
         let mut last = None;
+        // Backs off while nothing here wakes it (see `queue`).
+        let mut recheck = queue.recheck;
+        let mut on_timer = false;
         loop {
             let head = place.is_head();
             if head || critical {
+                if on_timer {
+                    self.metrics.rechecks.increment(1);
+                }
                 match self.step(
                     limiter.acquire(key.as_bytes(), permits, ceiling).await,
                     true,
@@ -723,11 +729,15 @@ where
             // Only those that try look again on a timer (for releases this
             // process does not see); the rest wait to be woken.
             let until = if head || critical {
-                deadline.min(now.checked_add(queue.recheck).unwrap_or(deadline))
+                deadline.min(now.checked_add(recheck).unwrap_or(deadline))
             } else {
                 deadline
             };
-            place.wait(until).await;
+            let woken = place.wait(until).await;
+            on_timer = !woken;
+            if on_timer && (head || critical) {
+                recheck = recheck.saturating_mul(2);
+            }
         }
     }
 }

@@ -325,6 +325,29 @@ async fn the_queue_is_fifo_and_bounded_in_length_and_time() {
     assert_eq!(svc.clone().oneshot(req("k")).await.unwrap().status(), 200);
 }
 
+/// Review M3: a queued request re-checked every `recheck` (here 100 ms)
+/// for releases it cannot see, a store call each on Redis, so a full
+/// queue multiplied a busy store's load. The re-checks back off: over a
+/// 5 s wait, about log2(5 s / 100 ms) of them, not 50.
+#[tokio::test(start_paused = true)]
+async fn a_queued_request_rechecks_on_a_backing_off_timer() {
+    let recorder = crate::rate_limit::tests::Recorded::default();
+    let layer = metrics::with_local_recorder(&recorder, || {
+        builder(1).queue(2, Duration::from_secs(5)).build().unwrap()
+    });
+    let (inner, _feeds) = streaming();
+    let svc = layer.layer(inner);
+    let held = svc.clone().oneshot(req("k")).await.unwrap();
+    let waited = svc.clone().oneshot(req("k")).await.unwrap();
+    assert_eq!(waited.status(), 429);
+    let rechecks = recorder.get("tollgate_concurrency_queue_rechecks_total{rule=per-key}");
+    assert!(
+        (1..=7).contains(&rechecks),
+        "{rechecks} re-checks in a 5 s wait"
+    );
+    drop(held);
+}
+
 #[tokio::test]
 async fn shadow_mode_never_refuses() {
     let layer = builder(1).shadow(true).build().unwrap();

@@ -30,6 +30,8 @@ struct Counted {
     calls: Arc<AtomicU64>,
     /// Decisions under way now, and the most ever at once.
     flying: Arc<(AtomicU64, AtomicU64)>,
+    /// While set, a decision takes 2 ms of real time (a round trip).
+    slow: Arc<std::sync::atomic::AtomicBool>,
     /// While set, decisions fail after 50 ms (a store that times out).
     fail: Arc<std::sync::atomic::AtomicBool>,
 }
@@ -39,6 +41,7 @@ struct CountedLimiter {
     inner: MemoryLimiter<ManualClock>,
     calls: Arc<AtomicU64>,
     flying: Arc<(AtomicU64, AtomicU64)>,
+    slow: Arc<std::sync::atomic::AtomicBool>,
     fail: Arc<std::sync::atomic::AtomicBool>,
 }
 
@@ -65,6 +68,7 @@ impl Limiter for CountedLimiter {
         self.calls.fetch_add(1, Ordering::Relaxed);
         let (inner, key) = (self.inner.clone(), key.to_vec());
         let fail = self.fail.load(Ordering::Relaxed);
+        let slow = self.slow.load(Ordering::Relaxed);
         let flying = Arc::clone(&self.flying);
         Box::pin(async move {
             let now = flying.0.fetch_add(1, Ordering::Relaxed) + 1;
@@ -77,7 +81,11 @@ impl Limiter for CountedLimiter {
                     "no answer",
                 ));
             }
-            tokio::task::yield_now().await;
+            if slow {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            } else {
+                tokio::task::yield_now().await;
+            }
             Ok(inner.decide_now(&key, cost))
         })
     }
@@ -98,6 +106,7 @@ impl Store for Counted {
             inner: self.memory.limiter(rule)?,
             calls: Arc::clone(&self.calls),
             flying: Arc::clone(&self.flying),
+            slow: Arc::clone(&self.slow),
             fail: Arc::clone(&self.fail),
         })
     }
@@ -115,6 +124,7 @@ fn counted(clock: &ManualClock) -> Counted {
         memory: MemoryStore::builder().clock(clock.clone()).build().unwrap(),
         calls: Arc::new(AtomicU64::new(0)),
         flying: Arc::default(),
+        slow: Arc::default(),
         fail: Arc::default(),
     }
 }
@@ -304,7 +314,16 @@ async fn concurrent_decisions_share_one_lease_call() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_bursts_never_serialise_a_hot_keys_decisions() {
     for (burst, over) in [(10, 1), (20, 2)] {
-        let (_, store, l) = leased(HotKeys::new(), &gcra(1_000_000, burst));
+        let (clock, store, l) = leased(HotKeys::new(), &gcra(1_000, burst));
+        // Each store decision is a 2 ms round trip; the budget is whole
+        // again every millisecond of it (no denial answers for them).
+        store.slow.store(true, Ordering::Relaxed);
+        let ticking = tokio::spawn(async move {
+            loop {
+                clock.advance(Duration::from_secs(1));
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        });
         let mut set = tokio::task::JoinSet::new();
         for _ in 0..64 {
             let l = l.clone();
@@ -315,6 +334,7 @@ async fn small_bursts_never_serialise_a_hot_keys_decisions() {
             });
         }
         while set.join_next().await.is_some() {}
+        ticking.abort();
         let most = store.flying.1.load(Ordering::Relaxed);
         assert!(
             most > over,

@@ -64,6 +64,20 @@ pub enum LimitKind {
     Bandwidth,
 }
 
+/// The response extension every tollgate layer puts on the refusals it
+/// answers (its own, or the custom ones a `rejection` closure builds), so
+/// that an outer layer can tell them from the service's answers: a quota
+/// gives back what a request an inner limit refused was charged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Refusal;
+
+/// Marks `res` as a tollgate refusal ([`Refusal`]).
+pub(crate) fn mark<B>(mut res: Response<B>) -> Response<B> {
+    res.extensions_mut().insert(Refusal);
+    res
+}
+
 /// A rejected request, as the rejection builder sees it.
 #[derive(Debug, Clone)]
 #[non_exhaustive]

@@ -331,11 +331,11 @@ where
                     decision: None,
                     grpc: is_grpc(&req),
                 };
-                let response = if rejected.grpc {
+                let response = crate::rejection::mark(if rejected.grpc {
                     rejected.to_grpc_response()
                 } else {
                     rejected.to_problem_response()
-                };
+                });
                 return ResponseFuture {
                     state: State::Rejected {
                         response: Some(response),

@@ -147,7 +147,7 @@ impl Responder {
                 .try_insert(http::header::RETRY_AFTER, http::HeaderValue::from(secs));
         }
         self.headers.apply(res.headers_mut(), items.as_slice());
-        res
+        crate::rejection::mark(res)
     }
 }
 

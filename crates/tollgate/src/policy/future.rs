@@ -194,6 +194,7 @@ where
                 StateProj::Rejected { verdict } => {
                     let mut response = reject(this.shared, this.report, *verdict, *this.grpc);
                     super::challenge::attach(response.headers_mut(), this.challenge.as_ref());
+                    let response = crate::rejection::mark(response);
                     return Poll::Ready(Ok(response.map(ResB::rejection)));
                 }
             };

@@ -95,6 +95,7 @@ impl QuotaLayer<PeerIp, Fixed, ()> {
                 soft: None,
                 shadow: false,
                 headers: true,
+                refund_unserved: true,
                 missing: MissingKey::default(),
                 rejection: None,
                 route_label: false,
@@ -113,6 +114,7 @@ struct Config {
     soft: Option<f64>,
     shadow: bool,
     headers: bool,
+    refund_unserved: bool,
     missing: MissingKey,
     rejection: Option<RejectFn>,
     route_label: bool,
@@ -235,6 +237,19 @@ impl<K, C, St> QuotaLayerBuilder<K, C, St> {
         self
     }
 
+    /// Give a request's charge back when it turns out not to have been
+    /// served (default: on): a limit inside this layer refused it (any
+    /// tollgate layer's refusal carries a
+    /// [`Refusal`](crate::rejection::Refusal) extension), the service
+    /// answered 5xx (or a gRPC status that maps to one), or it failed.
+    /// A request cancelled after it was charged keeps its charge: the
+    /// service may have done the work. Off, every admitted request is
+    /// charged, as a metered API that bills attempts does.
+    pub fn refund_unserved(mut self, on: bool) -> Self {
+        self.cfg.refund_unserved = on;
+        self
+    }
+
     /// Also counts decisions by route: `tollgate_route_requests_total{rule,
     /// route, outcome}`, as
     /// [`PolicyLayerBuilder::route_label`](crate::policy::PolicyLayerBuilder::route_label)
@@ -334,6 +349,7 @@ impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
                     plans: bound,
                 },
                 keying: Keying::new(cfg.missing),
+                refund_unserved: cfg.refund_unserved,
                 access: cfg
                     .access
                     .map(|l| Listed::new(l, crate::observe::QUOTA_REQUESTS))

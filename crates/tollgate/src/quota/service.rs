@@ -13,11 +13,12 @@ use tower_service::Service;
 use crate::body::RejectionBody;
 use crate::cost::Cost;
 use crate::headers::{field, Buf, QuotaHeaders};
-use crate::key::{KeyBuf, KeyExtractor, Keyed, Keying};
+use crate::key::{KeyBuf, KeyBytes, KeyExtractor, Keyed, Keying};
 use crate::observe::Metrics;
 use crate::policy::access::Listed;
 use crate::policy::plan::PlanSet;
 use crate::policy::Access;
+use crate::rate_limit::RefundFn;
 use crate::rejection::{is_grpc, LimitKind, Reason, Rejected, Rendered};
 
 type RejectFn = Arc<dyn Fn(&Rejected) -> Response<Bytes> + Send + Sync>;
@@ -55,7 +56,7 @@ impl Responder {
         if let Some(d) = d {
             self.headers.apply(res.headers_mut(), d);
         }
-        res
+        crate::rejection::mark(res)
     }
 
     /// Headers of an admitted response, and the soft limit's warning.
@@ -91,6 +92,8 @@ pub(crate) struct Shared<K, C, L> {
     pub(crate) plans: PlanSet<(L, Arc<Responder>)>,
     pub(crate) keying: Keying,
     pub(crate) access: Option<Listed>,
+    /// Whether a charge goes back when the request is not served.
+    pub(crate) refund_unserved: bool,
 }
 
 impl<K, C, L> Shared<K, C, L> {
@@ -140,11 +143,15 @@ pin_project! {
             #[pin]
             decide: D,
             waiting: Option<Box<(Request<ReqB>, S)>>,
+            refund: Option<RefundFn>,
         },
         Calling {
             #[pin]
             future: S::Future,
             decision: Option<QuotaDecision>,
+            // Gives the charge back if the request turns out not to have
+            // been served (see `QuotaLayerBuilder::refund_unserved`).
+            refund: Option<RefundFn>,
         },
         Rejected {
             rejected: Option<(Rejected, Option<QuotaDecision>)>,
@@ -175,13 +182,28 @@ where
     }
 }
 
+/// Whether a response says its request was not served: an inner limit
+/// refused it (a tollgate [`Refusal`](crate::rejection::Refusal)), or the
+/// service failed (a 5xx, or a gRPC status that maps to one).
+fn unserved<B>(response: &Response<B>) -> bool {
+    response
+        .extensions()
+        .get::<crate::rejection::Refusal>()
+        .is_some()
+        || crate::outcome::Completion::of(response)
+            .status()
+            .is_some_and(|s| s.is_server_error())
+}
+
 /// What follows a decision (or a store fault): call the inner service, or
-/// refuse.
+/// refuse. `refund` gives an admitted request's charge back, if it is not
+/// served.
 fn decided<S, ReqB, D>(
     result: Result<QuotaDecision, StoreError>,
     request: Request<ReqB>,
     inner: &mut S,
     responder: &Responder,
+    refund: impl FnOnce() -> Option<RefundFn>,
 ) -> State<S, ReqB, D>
 where
     S: Service<Request<ReqB>>,
@@ -195,6 +217,7 @@ where
             return State::Calling {
                 future: inner.call(request),
                 decision: None,
+                refund: None,
             };
         }
     };
@@ -232,6 +255,8 @@ where
     match reason {
         None => State::Calling {
             future: inner.call(request),
+            // A shadow quota charged nothing it enforces.
+            refund: if d.is_allowed() { refund() } else { None },
             decision: Some(d),
         },
         Some(reason) => State::Rejected {
@@ -276,6 +301,7 @@ where
                     let state = State::Calling {
                         future: self.inner.call(req),
                         decision: None,
+                        refund: None,
                     };
                     return ResponseFuture { state, responder };
                 }
@@ -302,6 +328,7 @@ where
                 let state = State::Calling {
                     future: self.inner.call(req),
                     decision: None,
+                    refund: None,
                 };
                 return ResponseFuture { state, responder };
             }
@@ -320,8 +347,19 @@ where
             }
         }
         let cost = shared.cost.cost(&req);
+        let refund = |key: &mut KeyBuf| -> Option<RefundFn> {
+            if !shared.refund_unserved || cost == 0 {
+                return None;
+            }
+            let (limiter, key) = (limiter.clone(), KeyBytes::new(key));
+            Some(Box::new(move || {
+                crate::task::finish(limiter.refund(key.as_bytes(), cost));
+            }))
+        };
         let state = match limiter.consume_sync(key.as_bytes(), cost) {
-            Some(result) => decided(result, req, &mut self.inner, &responder),
+            Some(result) => decided(result, req, &mut self.inner, &responder, || {
+                refund(&mut key)
+            }),
             None => {
                 // The clone-and-swap dance: the service polled ready serves
                 // this request once the store has answered.
@@ -330,6 +368,7 @@ where
                 State::Deciding {
                     decide: limiter.consume(key.as_bytes(), cost),
                     waiting: Some(Box::new((req, ready))),
+                    refund: refund(&mut key),
                 }
             }
         };
@@ -350,16 +389,40 @@ where
         let responder: &Responder = this.responder;
         loop {
             let next = match this.state.as_mut().project() {
-                StateProj::Deciding { decide, waiting } => {
+                StateProj::Deciding {
+                    decide,
+                    waiting,
+                    refund,
+                } => {
                     let result = ready!(decide.poll(cx));
                     let Some(w) = waiting.take() else {
                         return Poll::Pending;
                     };
                     let (request, mut inner) = *w;
-                    decided(result, request, &mut inner, responder)
+                    decided(result, request, &mut inner, responder, || refund.take())
                 }
-                StateProj::Calling { future, decision } => {
-                    let mut response = ready!(future.poll(cx))?;
+                StateProj::Calling {
+                    future,
+                    decision,
+                    refund,
+                } => {
+                    let result = ready!(future.poll(cx));
+                    let refund = refund.take();
+                    let mut response = match result {
+                        Ok(response) => response,
+                        Err(e) => {
+                            // Not served.
+                            if let Some(refund) = refund {
+                                refund();
+                            }
+                            return Poll::Ready(Err(e));
+                        }
+                    };
+                    if let Some(refund) = refund {
+                        if unserved(&response) {
+                            refund();
+                        }
+                    }
                     if let Some(d) = decision.take() {
                         responder.admitted(response.headers_mut(), &d);
                     }

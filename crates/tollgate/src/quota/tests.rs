@@ -395,3 +395,82 @@ async fn what_each_period_has_used_is_recorded_at_each_decision() {
         [0.1, 0.3, 0.3]
     );
 }
+
+/// Review finding 8 (quota): requests an inner limit refused, or the
+/// service failed, were charged like served ones.
+#[tokio::test]
+async fn a_request_that_was_not_served_gets_its_charge_back() {
+    let clock = ManualClock::at_unix(unix_nanos(2026, 12, 2, 12, 0, 0));
+    let quota = |refund: bool| {
+        QuotaLayer::builder("day")
+            .period(Period::Day, 100)
+            .key(Header::named("x-api-key").unwrap())
+            .cost(HeaderCost::named("x-cost", 1, 100).unwrap())
+            .store(store(&clock))
+            .refund_unserved(refund)
+            .build()
+            .unwrap()
+    };
+    // The service answers as `x-answer` says; an inner rate limit of one
+    // request refuses the second of each key.
+    let service = |req: Req| async move {
+        let mut res = Response::new(String::new());
+        match req.headers().get("x-answer").map(|v| v.as_bytes()) {
+            Some(b"500") => *res.status_mut() = StatusCode::INTERNAL_SERVER_ERROR,
+            Some(b"404") => *res.status_mut() = StatusCode::NOT_FOUND,
+            Some(b"grpc-14") => {
+                res.headers_mut()
+                    .insert("content-type", "application/grpc".parse().unwrap());
+                res.headers_mut()
+                    .insert("grpc-status", "14".parse().unwrap());
+            }
+            _ => {}
+        }
+        Ok::<_, Infallible>(res)
+    };
+    let inner_limit =
+        crate::RateLimitLayer::builder("inner", crate::Limit::gcra(crate::Rate::per_hour(1), 1))
+            .key(Header::named("x-api-key").unwrap())
+            .build()
+            .unwrap();
+    let with = |key: &str, answer: &str| {
+        let mut r = req(key, 10);
+        r.headers_mut().insert("x-answer", answer.parse().unwrap());
+        r
+    };
+    let left = |res: &Response<String>| {
+        res.headers()["ratelimit"]
+            .to_str()
+            .unwrap()
+            .split(";t=")
+            .next()
+            .unwrap()
+            .to_owned()
+    };
+    let layer = quota(true);
+    let svc = layer.layer(inner_limit.layer(service_fn(service)));
+    // Served: charged. A 404 is an answer: charged.
+    let res = svc.clone().oneshot(with("a", "200")).await.unwrap();
+    assert_eq!(left(&res), "\"day\";r=90");
+    // The inner limit refuses a's second: given back.
+    let res = svc.clone().oneshot(with("a", "200")).await.unwrap();
+    assert_eq!(res.status(), 429);
+    let usage = layer.limiter().consume(&key("a"), 0).await.unwrap();
+    assert_eq!(usage.periods()[0].remaining, 90);
+    for (k, answer, charged) in [
+        ("b", "500", false),
+        ("c", "grpc-14", false),
+        ("d", "404", true),
+    ] {
+        svc.clone().oneshot(with(k, answer)).await.unwrap();
+        let usage = layer.limiter().consume(&key(k), 0).await.unwrap();
+        let want = if charged { 90 } else { 100 };
+        assert_eq!(usage.periods()[0].remaining, want, "{answer}");
+    }
+    // Off: every admitted request is charged.
+    let layer = quota(false);
+    let svc = layer.layer(service_fn(service));
+    svc.clone().oneshot(with("e", "500")).await.unwrap();
+    let usage = layer.limiter().consume(&key("e"), 0).await.unwrap();
+    assert_eq!(usage.periods()[0].remaining, 90);
+}

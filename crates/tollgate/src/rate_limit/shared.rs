@@ -36,7 +36,7 @@ impl Responder {
         if let Some(d) = &rejected.decision {
             self.headers.apply(res.headers_mut(), d, true);
         }
-        res
+        crate::rejection::mark(res)
     }
 }
 

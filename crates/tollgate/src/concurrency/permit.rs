@@ -234,7 +234,9 @@ pub(crate) enum Holding {
     // Never read: held for its `Drop`.
     #[allow(dead_code)]
     Permit(Permit),
-    Upgrade(UpgradePermit),
+    // Never read either: held for its `Drop`.
+    #[allow(dead_code)]
+    Upgrade(Offered),
 }
 
 impl Holding {
@@ -246,16 +248,26 @@ impl Holding {
                 if let Some(Holding::Permit(permit)) = holding.take() {
                     let slot = UpgradePermit::new(permit);
                     req.extensions_mut().insert(slot.clone());
-                    *holding = Some(Holding::Upgrade(slot));
+                    *holding = Some(Holding::Upgrade(Offered(slot)));
                 }
             }
         }
     }
 
-    fn release(self) {
-        if let Holding::Upgrade(slot) = self {
-            drop(slot.take());
-        }
+    fn release(self) {}
+}
+
+/// The slot of an upgrade's permit, as the response body holds it: a
+/// permit the handler did not take goes with the `101` response's body —
+/// when it is dropped unread, as hyper drops an empty body, too — not
+/// whenever the last clone of the slot goes (a handler that kept the
+/// extension would hold the permit for as long as it lives).
+#[derive(Debug)]
+pub(crate) struct Offered(UpgradePermit);
+
+impl Drop for Offered {
+    fn drop(&mut self) {
+        drop(self.0.take());
     }
 }
 

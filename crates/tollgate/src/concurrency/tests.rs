@@ -415,6 +415,35 @@ async fn an_upgrade_handler_can_keep_the_permit() {
     assert_eq!(held(&layer, "k").await, 0);
 }
 
+/// Review m4: a handler that keeps the request's `UpgradePermit` without
+/// taking it held the permit for as long as it kept the slot: the `101`
+/// body that hyper drops unread gave only a clone back.
+#[tokio::test]
+async fn an_upgrade_permit_not_taken_goes_with_the_unread_101_body() {
+    let layer = builder(1).upgrades(true).build().unwrap();
+    let kept = Arc::new(std::sync::Mutex::new(None));
+    let k2 = Arc::clone(&kept);
+    let svc = layer.layer(service_fn(move |req: Req| {
+        // Kept, not taken (say, moved into a task that never upgrades).
+        *k2.lock().unwrap() = req.extensions().get::<UpgradePermit>().cloned();
+        async {
+            let mut res = Response::new(String::new());
+            *res.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+            Ok::<_, Infallible>(res)
+        }
+    }));
+    let upgrade = Request::get("/ws")
+        .header("x-api-key", "k")
+        .header("upgrade", "websocket")
+        .body(String::new())
+        .unwrap();
+    let res = svc.clone().oneshot(upgrade).await.unwrap();
+    assert_eq!(held(&layer, "k").await, 1);
+    drop(res);
+    assert_eq!(held(&layer, "k").await, 0, "the unread 101 body let it go");
+    assert!(kept.lock().unwrap().as_ref().unwrap().take().is_none());
+}
+
 #[tokio::test]
 async fn config_errors_name_the_field() {
     let cases: Vec<(Result<_, _>, &str)> = vec![

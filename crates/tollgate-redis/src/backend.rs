@@ -118,6 +118,8 @@ pub(crate) struct Fault {
 pub(crate) struct Backend {
     conn: Conn,
     pub(crate) prefix: Arc<str>,
+    /// How its keys are named.
+    pub(crate) names: crate::key::KeyNames,
     pub(crate) timeout: Duration,
     pub(crate) policy: FailurePolicy,
     client_time: Option<SharedClock>,
@@ -129,6 +131,7 @@ pub(crate) struct Backend {
 pub(crate) struct BackendConfig {
     pub(crate) conn: Conn,
     pub(crate) prefix: Arc<str>,
+    pub(crate) names: crate::key::KeyNames,
     pub(crate) timeout: Duration,
     pub(crate) policy: FailurePolicy,
     pub(crate) client_time: Option<SharedClock>,
@@ -141,6 +144,7 @@ impl Backend {
         Self {
             conn: config.conn,
             prefix: config.prefix,
+            names: config.names,
             timeout: config.timeout,
             policy: config.policy,
             client_time: config.client_time,

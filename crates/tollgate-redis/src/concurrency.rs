@@ -195,12 +195,9 @@ impl BoundConcurrency {
     }
 
     fn redis_key(&self, key: &[u8]) -> String {
-        key::redis_key(
-            &self.backend.prefix,
-            key::Format::Semaphore,
-            self.rule.name(),
-            key,
-        )
+        self.backend
+            .names
+            .name(key::Format::Semaphore, self.rule.name(), key)
     }
 }
 

@@ -78,12 +78,10 @@ impl RedisEscalation {
         key: &[u8],
     ) -> BoxFuture<Result<(u8, u64, u32), StoreError>> {
         let this = Arc::clone(self);
-        let rkey = key::redis_key(
-            &this.backend.prefix,
-            key::Format::Escalation,
-            this.rule.name(),
-            key,
-        );
+        let rkey = this
+            .backend
+            .names
+            .name(key::Format::Escalation, this.rule.name(), key);
         let now = this.backend.now_arg();
         Box::pin(async move {
             let [strikes, period, block, max_block, forgive] = &this.params;

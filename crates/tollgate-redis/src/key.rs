@@ -3,9 +3,6 @@
 use sha2::{Digest, Sha256};
 use tollgate_core::Algorithm;
 
-/// Longest client key used verbatim.
-const MAX_VERBATIM: usize = 64;
-
 /// What a key holds: the algorithm whose state it is, in which layout.
 /// Its tag in the key is the algorithm's short name and the layout's
 /// version, so that rules of different algorithms — or one rule whose
@@ -69,68 +66,153 @@ impl Format {
     }
 }
 
-/// The Redis key `<prefix>:{<format>|<rule>|<client key>}` for `rule` and
-/// `key`; `|` appears in neither rule names nor verbatim keys, so the parts
-/// cannot run into each other. Every key a script touches shares
-/// the `{...}` hash tag, so it lands in one Cluster slot. A client key of
-/// at most 64 bytes of safe printable characters is kept readable
-/// (`k:` + key); any other — long, binary, with braces, spaces or control
-/// bytes — is hashed to a fixed length (`h:` + 32 hex digits of SHA-256),
-/// so nothing a client sends can inject a command, break out of the hash
-/// tag or grow Redis's memory.
-pub(crate) fn redis_key(prefix: &str, format: Format, rule: &str, key: &[u8]) -> String {
-    let safe = key.len() <= MAX_VERBATIM
-        && key.iter().all(|b| {
-            b.is_ascii_alphanumeric()
-                || matches!(b, b'-' | b'_' | b'.' | b':' | b'@' | b'/' | b'+' | b'=')
+/// How a store names its keys: `<prefix>:{<format>|<rule>|h:<digest>}`,
+/// where the digest is the first 16 bytes (32 hex digits) of HMAC-SHA-256
+/// of the client key under the store's
+/// [`key_secret`](crate::RedisStoreBuilder::key_secret) — or, without one,
+/// of SHA-256 of the prefix and the client key. No client key is ever
+/// kept as it is: an API key in a key name would be in `SCAN`, `MONITOR`,
+/// `SLOWLOG`, every RDB and AOF file and every replica. Under a secret the
+/// names cannot be reversed, not even by enumerating a small key space
+/// (every IPv4 address is 2^32 guesses).
+#[derive(Clone)]
+pub(crate) struct KeyNames {
+    prefix: std::sync::Arc<str>,
+    /// The secret, zero-padded to SHA-256's block: XORed with the HMAC
+    /// pads.
+    secret: Option<[u8; 64]>,
+}
+
+impl std::fmt::Debug for KeyNames {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeyNames")
+            .field("prefix", &self.prefix)
+            .field("keyed", &self.secret.is_some())
+            .finish()
+    }
+}
+
+impl KeyNames {
+    /// Names under `prefix`, keyed by `secret` (at most 64 bytes, which
+    /// the builder checks) if any.
+    pub(crate) fn new(prefix: std::sync::Arc<str>, secret: Option<&[u8]>) -> Self {
+        let secret = secret.map(|s| {
+            let mut padded = [0u8; 64];
+            for (p, b) in padded.iter_mut().zip(s) {
+                *p = *b;
+            }
+            padded
         });
-    let mut out = String::with_capacity(prefix.len().saturating_add(rule.len()).saturating_add(44));
-    out.push_str(prefix);
-    out.push_str(":{");
-    out.push_str(format.tag());
-    out.push('|');
-    out.push_str(rule);
-    if safe {
-        out.push_str("|k:");
-        out.extend(key.iter().map(|&b| char::from(b)));
-    } else {
+        Self { prefix, secret }
+    }
+
+    /// The Redis key for `rule` and the client `key`. `|` appears in no
+    /// rule name and no digest, so the parts cannot run into each other;
+    /// every key a script touches shares the `{...}` hash tag, so it lands
+    /// in one Cluster slot; and nothing a client sends reaches the name,
+    /// so it can inject no command, break out of no hash tag and grow no
+    /// key.
+    pub(crate) fn name(&self, format: Format, rule: &str, key: &[u8]) -> String {
+        self.name_tagged(format.tag(), rule, key)
+    }
+
+    fn name_tagged(&self, tag: &str, rule: &str, key: &[u8]) -> String {
+        let digest = match &self.secret {
+            Some(secret) => {
+                let pad = |byte: u8| secret.map(|k| k ^ byte);
+                let mut inner = Sha256::new();
+                inner.update(pad(0x36));
+                inner.update(key);
+                let mut outer = Sha256::new();
+                outer.update(pad(0x5c));
+                outer.update(inner.finalize());
+                outer.finalize()
+            }
+            None => {
+                let mut plain = Sha256::new();
+                plain.update(self.prefix.as_bytes());
+                plain.update([0]);
+                plain.update(key);
+                plain.finalize()
+            }
+        };
+        let mut out = String::with_capacity(
+            self.prefix
+                .len()
+                .saturating_add(rule.len())
+                .saturating_add(tag.len())
+                .saturating_add(40),
+        );
+        out.push_str(&self.prefix);
+        out.push_str(":{");
+        out.push_str(tag);
+        out.push('|');
+        out.push_str(rule);
         out.push_str("|h:");
-        let digest = Sha256::digest(key);
         for b in digest.iter().take(16) {
             for nibble in [b >> 4, b & 0xf] {
                 out.push(char::from_digit(u32::from(nibble), 16).unwrap_or('0'));
             }
         }
+        out.push('}');
+        out
     }
-    out.push('}');
-    out
+
+    /// [`name`](Self::name) with the format given by its tag, for tests
+    /// that plant a key where a script will read it.
+    #[cfg(feature = "testing")]
+    pub(crate) fn name_of(&self, tag: &str, rule: &str, key: &[u8]) -> String {
+        self.name_tagged(tag, rule, key)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn names(secret: Option<&[u8]>) -> KeyNames {
+        KeyNames::new("tg".into(), secret)
+    }
+
     #[test]
-    fn safe_keys_stay_readable_and_the_rest_are_hashed() {
-        let rate = |rule: &str, key: &[u8]| redis_key("tg", Format::Gcra, rule, key);
-        assert_eq!(rate("per-key", b"alice"), "tg:{gcra1|per-key|k:alice}");
-        assert_ne!(rate("a", b"k:x"), rate("a:k", b"x"));
+    fn no_client_key_is_kept_as_it_is() {
+        let rate = |n: &KeyNames, rule: &str, key: &[u8]| n.name(Format::Gcra, rule, key);
+        let plain = names(None);
+        let keyed = names(Some(b"a secret of the fleet"));
+        // A 43-character base64url token: the review's case.
+        let token = b"Yx3kP0q9Zf7LmN2sT5vW8bC1dE4gH6jK9oR2uX5zA7c";
+        for n in [&plain, &keyed] {
+            let k = rate(n, "per-key", token);
+            assert!(k.starts_with("tg:{gcra1|per-key|h:"), "{k}");
+            assert!(!k.contains("Yx3kP0q9"), "{k}");
+            assert_eq!(k.len(), "tg:{gcra1|per-key|h:".len() + 32 + 1);
+            assert_eq!(k.matches('{').count(), 1);
+            assert_eq!(k.matches('}').count(), 1);
+        }
+        // Keyed by the secret: another secret, another name.
+        assert_ne!(
+            rate(&keyed, "r", b"10.0.0.1"),
+            rate(&plain, "r", b"10.0.0.1")
+        );
+        let other = names(Some(b"another secret"));
+        assert_ne!(rate(&keyed, "r", b"k"), rate(&other, "r", b"k"));
+        // The same everywhere the secret is the same.
+        assert_eq!(
+            rate(&keyed, "r", b"k"),
+            rate(&names(Some(b"a secret of the fleet")), "r", b"k")
+        );
         for hostile in [
             &b"{slot}"[..],
             b"a b",
             b"\r\nSET x 1\r\n",
             b"\0",
-            &[b'x'; 65][..],
-            &[0xff, 0xfe][..],
+            &[0xff; 65][..],
         ] {
-            let k = rate("r", hostile);
-            assert!(k.starts_with("tg:{gcra1|r|h:"), "{k}");
-            assert_eq!(k.len(), "tg:{gcra1|r|h:".len() + 32 + 1);
-            assert_eq!(k.matches('{').count(), 1);
-            assert_eq!(k.matches('}').count(), 1);
+            let k = rate(&keyed, "r", hostile);
+            assert_eq!(k.matches('{').count(), 1, "{k}");
+            assert!(!k.contains(' ') && !k.contains('\r'), "{k}");
         }
-        assert_ne!(rate("r", b"{a}"), rate("r", b"{b}"));
-        assert_eq!(rate("r", b""), "tg:{gcra1|r|k:}");
+        assert_ne!(rate(&plain, "r", b"{a}"), rate(&plain, "r", b"{b}"));
     }
 
     #[test]
@@ -148,7 +230,7 @@ mod tests {
         ];
         let keys: std::collections::HashSet<String> = formats
             .iter()
-            .map(|&f| redis_key("tg", f, "r", b"x"))
+            .map(|&f| names(None).name(f, "r", b"x"))
             .collect();
         assert_eq!(keys.len(), formats.len());
         for f in formats {
@@ -157,9 +239,8 @@ mod tests {
             assert!(tag.ends_with(|c: char| c.is_ascii_digit()), "{tag}");
             assert!(!tag.contains(['|', '{', '}']), "{tag}");
         }
-        assert_eq!(
-            redis_key("tg", Format::Semaphore, "conc", b"tenant"),
-            "tg:{sem2|conc|k:tenant}"
-        );
+        assert!(names(None)
+            .name(Format::Semaphore, "conc", b"tenant")
+            .starts_with("tg:{sem2|conc|h:"));
     }
 }

@@ -27,8 +27,10 @@
 //!   does not recognise (another type, another layout) treats it as
 //!   absent rather than failing. One hash tag per key, so a script's keys
 //!   share a Cluster slot; a TTL of the rule's window plus a margin on
-//!   every write, so idle keys vanish; long, binary or odd client keys
-//!   hashed to a fixed length.
+//!   every write, so idle keys vanish; no client key in a name as it is:
+//!   each is hashed to a fixed length — keyed (HMAC-SHA-256) under the
+//!   fleet's [`key_secret`](RedisStoreBuilder::key_secret), so nobody can
+//!   read an API key or an address back from `SCAN`, `MONITOR` or a dump.
 //! - **Several rate rules on one request** (a policy) are decided in one
 //!   script call per hash slot ([`Limiter::decide_joint`](tollgate_core::Limiter::decide_joint)):
 //!   on a standalone or Sentinel store one call for all the rules, which

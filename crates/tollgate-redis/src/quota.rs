@@ -93,12 +93,10 @@ impl BoundQuota {
         cost: u32,
         grant: u64,
     ) -> Result<QuotaDecision, StoreError> {
-        let rkey = key::redis_key(
-            &self.backend.prefix,
-            key::Format::Quota,
-            self.rule.name(),
-            key,
-        );
+        let rkey = self
+            .backend
+            .names
+            .name(key::Format::Quota, self.rule.name(), key);
         let cost = cost.to_string();
         let grant = grant.min(Quota::MAX_LIMIT).to_string();
         let now = self.backend.now_arg();

@@ -68,7 +68,7 @@ impl RedisLimiter {
 
 impl BoundRate {
     fn redis_key(&self, key: &[u8]) -> String {
-        key::redis_key(&self.backend.prefix, self.format, self.rule.name(), key)
+        self.backend.names.name(self.format, self.rule.name(), key)
     }
 
     /// Runs this rule's script in `mode` on `rkey` (the key's

@@ -134,12 +134,10 @@ impl BoundBudget {
         key: &[u8],
         now: &str,
     ) -> Result<(bool, u64), StoreError> {
-        let rkey = key::redis_key(
-            &self.backend.prefix,
-            key::Format::RetryBudget,
-            self.rule.name(),
-            key,
-        );
+        let rkey = self
+            .backend
+            .names
+            .name(key::Format::RetryBudget, self.rule.name(), key);
         let [slot, deposit, reserve] = &self.params;
         let args = [mode.arg(), "0", now, &self.ttl, slot, deposit, reserve];
         let reply = self.backend.run(&RETRY_BUDGET, &[&rkey], &args).await?;

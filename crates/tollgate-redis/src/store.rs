@@ -58,6 +58,7 @@ pub struct RedisStoreBuilder {
     breaker_cooldown: Duration,
     lease_renewal: bool,
     tls_root: Option<Vec<u8>>,
+    key_secret: Option<Vec<u8>>,
 }
 
 impl fmt::Debug for RedisStoreBuilder {
@@ -79,6 +80,7 @@ impl RedisStore {
         RedisStoreBuilder {
             url: url.to_owned(),
             prefix: None,
+            key_secret: None,
             timeout: Duration::from_millis(50),
             connect_timeout: Duration::from_secs(2),
             policy: FailurePolicy::Open,
@@ -131,6 +133,16 @@ impl RedisStore {
     }
 }
 
+impl RedisStore {
+    /// The name this store gives the key of client `key` under the rule
+    /// `rule` of the format tagged `tag` (`gcra1`, `sem2`, `q1`, ...): for
+    /// tests that plant a value where a script will read it.
+    #[cfg(feature = "testing")]
+    pub fn key_name(&self, tag: &str, rule: &str, key: &[u8]) -> String {
+        self.backend.names.name_of(tag, rule, key)
+    }
+}
+
 impl RedisStoreBuilder {
     /// The prefix of every key this store writes: name your service (and
     /// environment) here, e.g. `billing-prod`. Required: services that
@@ -138,6 +150,19 @@ impl RedisStoreBuilder {
     /// 1 to 64 ASCII letters, digits, `-_.:`.
     pub fn prefix(mut self, prefix: &str) -> Self {
         self.prefix = Some(prefix.to_owned());
+        self
+    }
+
+    /// The secret that key names are keyed by (16 to 64 bytes; the same on
+    /// every instance of the fleet, or they do not share budgets): a
+    /// client key reaches Redis only as the first 16 bytes of
+    /// HMAC-SHA-256 under it, which nobody without the secret can reverse
+    /// — not even by trying every IPv4 address. Without one, names are
+    /// SHA-256 of the prefix and the key: no key is stored as it is, but a
+    /// small key space (addresses) can be enumerated. Changing the secret
+    /// renames every key: budgets start afresh.
+    pub fn key_secret(mut self, secret: impl Into<Vec<u8>>) -> Self {
+        self.key_secret = Some(secret.into());
         self
     }
 
@@ -241,6 +266,13 @@ impl RedisStoreBuilder {
                 "must be 1 to 64 ASCII letters, digits, '-', '_', '.' or ':'",
             ));
         }
+        if self
+            .key_secret
+            .as_ref()
+            .is_some_and(|s| !(16..=64).contains(&s.len()))
+        {
+            return Err(ConfigError::new("key_secret", "must be 16 to 64 bytes"));
+        }
         if self.timeout.is_zero() {
             return Err(ConfigError::new("timeout", "must be longer than zero"));
         }
@@ -260,6 +292,7 @@ impl RedisStoreBuilder {
                 self.timeout,
                 self.tls_root.as_deref(),
             )?,
+            names: crate::key::KeyNames::new(prefix.as_str().into(), self.key_secret.as_deref()),
             prefix: prefix.into(),
             timeout: self.timeout,
             policy: self.policy,

@@ -115,7 +115,7 @@ async fn rules_sharing_a_slot_share_a_call(cluster: &support::Cluster) {
         .unwrap();
     // The keys' format is checked in the store's own tests.
     let slot =
-        |name: &str| redis::cluster_routing::Slot::for_key(format!("{prefix}:{{fw1|{name}|k:k}}"));
+        |name: &str| redis::cluster_routing::Slot::for_key(store.key_name("fw1", name, b"k"));
     let names = (0..).map(|i| format!("r{i}"));
     let mate = names.clone().find(|n| slot(n) == slot("first")).unwrap();
     let other = names.clone().find(|n| slot(n) != slot("first")).unwrap();

@@ -106,7 +106,7 @@ async fn unrecognised_rate_state_reads_as_absent() {
         for (n, row) in garbage().iter().enumerate() {
             let dirty = format!("dirty-{n}");
             let clean = format!("clean-{n}");
-            let key = format!("{prefix}:{{{}|{}|k:{dirty}}}", tag(&rule), rule.name());
+            let key = store.key_name(tag(&rule), rule.name(), dirty.as_bytes());
             plant(&server, &key, row);
             let at = |step: &str| format!("rule {} garbage {row:?}: {step}", rule.name());
             // A refund first: it must not fail, nor make the key fresher
@@ -168,7 +168,7 @@ async fn unrecognised_leases_read_as_absent() {
     for (n, (leases, hash)) in cases.iter().enumerate() {
         let dirty = format!("dirty-{n}");
         let clean = format!("clean-{n}");
-        let key = format!("{prefix}:{{sem2|conc|k:{dirty}}}");
+        let key = store.key_name("sem2", "conc", dirty.as_bytes());
         server.cli(&["DEL", &key, &format!("{key}:meta")]);
         if let Some(row) = leases {
             plant(&server, &key, row);
@@ -258,7 +258,11 @@ async fn unrecognised_quota_state_reads_as_absent() {
     for (n, row) in rows.iter().enumerate() {
         let dirty = format!("dirty-{n}");
         let clean = format!("clean-{n}");
-        plant(&server, &format!("{prefix}:{{q1|plan|k:{dirty}}}"), row);
+        plant(
+            &server,
+            &store.key_name("q1", "plan", dirty.as_bytes()),
+            row,
+        );
         let at = |step: &str| format!("quota garbage {row:?}: {step}");
         let (dirty, clean) = (dirty.as_bytes(), clean.as_bytes());
         assert_eq!(
@@ -303,7 +307,8 @@ async fn keys_name_the_algorithm_and_its_format() {
     let old = Rule::new("api", Limit::gcra(Rate::per_second(1), 3)).unwrap();
     let new = Rule::new("api", Limit::fixed_window(3, Duration::from_secs(1))).unwrap();
     // Before format tags, rate keys were `{r|rule|key}`.
-    server.cli(&["SET", &format!("{prefix}:{{r|api|k:k}}"), "garbage"]);
+    let untagged = store.key_name("r", "api", b"k");
+    server.cli(&["SET", &untagged, "garbage"]);
     let (old, new) = (store.limiter(&old).unwrap(), store.limiter(&new).unwrap());
     assert!(old.decide(b"k", 3).await.unwrap().is_allowed());
     assert!(!old.decide(b"k", 1).await.unwrap().is_allowed());
@@ -317,9 +322,9 @@ async fn keys_name_the_algorithm_and_its_format() {
     assert_eq!(
         names,
         [
-            format!("{prefix}:{{fw1|api|k:k}}"),
-            format!("{prefix}:{{gcra1|api|k:k}}"),
-            format!("{prefix}:{{r|api|k:k}}"),
+            store.key_name("fw1", "api", b"k"),
+            store.key_name("gcra1", "api", b"k"),
+            untagged,
         ]
     );
     let stats = store.stats();
@@ -353,4 +358,65 @@ async fn a_store_must_be_given_a_prefix() {
         .connect_timeout(Duration::from_millis(100))
         .build()
         .is_ok());
+}
+
+/// Review finding 7 (policy-security): a 43-character API key (32 random
+/// bytes in base64url, the commonest shape) was stored in the key name as
+/// it is, for `SCAN`, `MONITOR` and every RDB file to show. No client key
+/// reaches a name now; under a `key_secret` the names are keyed, and only
+/// instances with the same secret share a budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_client_key_reaches_a_key_name_and_a_secret_keys_them() {
+    let Some(server) = Server::start() else {
+        return;
+    };
+    let prefix = unique_prefix();
+    let with = |secret: Option<&str>| {
+        let b = RedisStore::builder(&server.url())
+            .prefix(&prefix)
+            .timeout(Duration::from_secs(2));
+        match secret {
+            Some(s) => b.key_secret(s.as_bytes()),
+            None => b,
+        }
+        .build()
+        .unwrap()
+    };
+    let rule = Rule::new("per-key", Limit::gcra(Rate::per_second(1), 2)).unwrap();
+    let token = b"Yx3kP0q9Zf7LmN2sT5vW8bC1dE4gH6jK9oR2uX5zA7c";
+    let (a, b) = (
+        with(Some("fleet secret, 16+")),
+        with(Some("fleet secret, 16+")),
+    );
+    let (other, plain) = (with(Some("another secret..")), with(None));
+    let (la, lb) = (a.limiter(&rule).unwrap(), b.limiter(&rule).unwrap());
+    assert!(la.decide(token, 2).await.unwrap().is_allowed());
+    // The same secret: one budget.
+    assert!(!lb.decide(token, 1).await.unwrap().is_allowed());
+    // Another secret, or none: other names, other budgets.
+    assert!(other
+        .limiter(&rule)
+        .unwrap()
+        .decide(token, 2)
+        .await
+        .unwrap()
+        .is_allowed());
+    assert!(plain
+        .limiter(&rule)
+        .unwrap()
+        .decide(token, 2)
+        .await
+        .unwrap()
+        .is_allowed());
+    let listed = server.cli(&["--scan", "--pattern", &format!("{prefix}:*")]);
+    let names: Vec<&str> = listed.lines().filter(|l| !l.is_empty()).collect();
+    assert_eq!(names.len(), 3, "{names:?}");
+    for name in names {
+        assert!(!name.contains("Yx3kP0q9"), "{name}");
+    }
+    let short = RedisStore::builder(&server.url())
+        .prefix(&prefix)
+        .key_secret(&b"short"[..])
+        .build();
+    assert_eq!(short.unwrap_err().field(), "key_secret");
 }

@@ -202,8 +202,8 @@ async fn lease_keys_expire_with_their_leases() {
     assert_eq!(
         names,
         [
-            format!("{prefix}:{{sem2|leases|k:k}}"),
-            format!("{prefix}:{{sem2|leases|k:k}}:meta")
+            s.key_name("sem2", "leases", b"k"),
+            format!("{}:meta", s.key_name("sem2", "leases", b"k"))
         ]
     );
     for name in names {
@@ -227,7 +227,7 @@ async fn a_lost_count_is_recounted_from_the_leases() {
         .unwrap();
     let a = l.acquire(b"k", 1, ALL).await.unwrap().lease.unwrap();
     let b = l.acquire(b"k", 2, ALL).await.unwrap().lease.unwrap();
-    let leases = format!("{prefix}:{{sem2|mend|k:k}}");
+    let leases = s.key_name("sem2", "mend", b"k");
     server.cli(&["del", &format!("{leases}:meta")]);
     assert_eq!(l.held(b"k").await.unwrap(), 3);
     assert!(l.acquire(b"k", 2, ALL).await.unwrap().lease.is_none());

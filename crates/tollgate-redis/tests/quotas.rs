@@ -87,7 +87,7 @@ async fn restarting_an_instance_mid_day_keeps_the_quota_already_spent() {
     assert_eq!(c.stats().errors + c.stats().timeouts, 0, "{:?}", c.stats());
 }
 
-/// One hash per rule and key, `<prefix>:{q1|rule|k:key}`, a field per
+/// One hash per rule and key, `<prefix>:{q1|rule|h:<digest>}`, a field per
 /// period holding "start used bonus" (start in Unix seconds); it lives
 /// until its longest period ends plus a minute. Reads and denials write
 /// nothing; a reset deletes the key.
@@ -101,7 +101,7 @@ async fn quota_keys_live_until_their_longest_period_ends() {
     let clock = ManualClock::at_unix(now);
     let store = instance(&server, &prefix, &clock);
     let quota = store.quota_limiter(&plan()).unwrap();
-    let key = format!("{prefix}:{{q1|plan|k:acme}}");
+    let key = store.key_name("q1", "plan", b"acme");
     let exists = || server.cli(&["exists", &key]).trim().to_owned();
     quota.consume(b"acme", 0).await.unwrap();
     quota.consume(b"acme", 101).await.unwrap();

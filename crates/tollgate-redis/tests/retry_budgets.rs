@@ -139,7 +139,7 @@ async fn two_instances_share_one_budget() {
     }
 }
 
-/// One hash per rule and key, `<prefix>:{rb1|rule|k:key}`, a field per
+/// One hash per rule and key, `<prefix>:{rb1|rule|h:<digest>}`, a field per
 /// slot position ("index deposited withdrawn"), living the window plus a
 /// second after its last write. Reads and refused withdrawals write
 /// nothing.
@@ -158,7 +158,7 @@ async fn retry_budget_keys_expire_with_their_window() {
         .unwrap();
     let rule = RetryBudgetRule::new("api", 0.5, 1, Duration::from_secs(30)).unwrap();
     let budget = store.retry_budget(&rule).unwrap();
-    let key = format!("{prefix}:{{rb1|api|k:tenant}}");
+    let key = store.key_name("rb1", "api", b"tenant");
     let exists = || server.cli(&["exists", &key]).trim().to_owned();
     // The floor: 1 a second over 30 s.
     assert_eq!(budget.balance(b"tenant").await.unwrap(), 30_000);
@@ -169,7 +169,7 @@ async fn retry_budget_keys_expire_with_their_window() {
     assert!(!none.withdraw(b"tenant").await.unwrap().granted);
     assert_eq!(
         server
-            .cli(&["exists", &format!("{prefix}:{{rb1|none|k:tenant}}")])
+            .cli(&["exists", &store.key_name("rb1", "none", b"tenant")])
             .trim(),
         "0",
         "a refused withdrawal wrote"
@@ -255,7 +255,7 @@ async fn unrecognised_retry_budget_state_reads_as_absent() {
     let budget = store.retry_budget(&rule).unwrap();
     for (n, row) in garbage().iter().enumerate() {
         let (dirty, clean) = (format!("dirty-{n}"), format!("clean-{n}"));
-        let key = format!("{prefix}:{{rb1|rb|k:{dirty}}}");
+        let key = store.key_name("rb1", "rb", dirty.as_bytes());
         server.cli(&["DEL", &key]);
         let mut args: Vec<&str> = vec![&row[0], &key];
         args.extend(row[1..].iter().map(String::as_str));

@@ -5,6 +5,8 @@
 //! or a comma-separated list of cluster nodes): several instances then
 //! share one budget per client. `TOLLGATE_TRUSTED_PROXIES` (comma-separated
 //! CIDRs) names the proxies whose `X-Forwarded-For` is believed.
+//! `TOLLGATE_KEY_SECRET` (16 to 64 bytes, the same on every instance)
+//! keys the Redis key names, so no client key can be read back from Redis.
 //! `TOLLGATE_CONFIG` names a policy file to use instead of the built-in
 //! `examples/quickstart.toml`; the server reloads it on SIGHUP and when it
 //! changes, and refuses to start if it does not load. Try it:
@@ -45,6 +47,27 @@ fn app<S: QuotaStore>(
     Ok(app)
 }
 
+/// `url` with any password masked (`redis://user:***@host`), for logs:
+/// one URL, or a comma-separated list of cluster nodes.
+fn without_password(url: &str) -> String {
+    url.split(',')
+        .map(|one| {
+            let Some((scheme, rest)) = one.split_once("://") else {
+                return one.to_owned();
+            };
+            let Some((creds, host)) = rest.rsplit_once('@') else {
+                return one.to_owned();
+            };
+            let masked = match creds.split_once(':') {
+                Some((user, _)) => format!("{user}:***"),
+                None => "***".to_owned(),
+            };
+            format!("{scheme}://{masked}@{host}")
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     tollgate_examples::init_logs();
@@ -64,11 +87,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let built = match std::env::var("TOLLGATE_REDIS_URL") {
         Ok(url) if !url.trim().is_empty() => {
             // If Redis goes away, each instance keeps limiting on its own.
-            let store = RedisStore::builder(&url)
+            let mut builder = RedisStore::builder(&url)
                 .prefix("quickstart")
-                .failure_policy(FailurePolicy::fallback())
-                .build()?;
-            app(store, &trusted, config.as_ref()).map(|a| (a, format!("redis store at {url}")))
+                .failure_policy(FailurePolicy::fallback());
+            // Key names keyed by the fleet's secret: no client key can be
+            // read back from Redis.
+            if let Ok(secret) = std::env::var("TOLLGATE_KEY_SECRET") {
+                builder = builder.key_secret(secret);
+            }
+            let store = builder.build()?;
+            let shown = without_password(&url);
+            app(store, &trusted, config.as_ref()).map(|a| (a, format!("redis store at {shown}")))
         }
         _ => app(MemoryStore::new(), &trusted, config.as_ref())
             .map(|a| (a, "in-memory store".to_owned())),
@@ -89,4 +118,20 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     );
     tollgate_examples::serve(listener, app).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn no_password_is_printed() {
+        use super::without_password as shown;
+        assert_eq!(shown("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+        assert_eq!(shown("redis://:s3cret@h:6379/0"), "redis://:***@h:6379/0");
+        assert_eq!(shown("rediss://app:s3cret@h"), "rediss://app:***@h");
+        assert_eq!(
+            shown("redis://a:p@h1:1,redis://a:p@h2:2"),
+            "redis://a:***@h1:1,redis://a:***@h2:2"
+        );
+        assert!(!shown("redis://u:p@ss@h").contains("p@ss"));
+    }
 }

@@ -23,6 +23,37 @@ impl Cidr {
         let (b, v4) = bits(ip);
         v4 == self.v4 && b & self.mask == self.net
     }
+
+    /// Whether the range is wider than any one network's: shorter than
+    /// /8 for IPv4, /32 for IPv6 (a regional registry's allocation).
+    /// Trusting or listing such a range is a mistake (`0.0.0.0/0`
+    /// trusts every peer to name its own address), not a configuration.
+    pub(crate) fn is_sweeping(&self) -> bool {
+        let len = self.mask.count_ones();
+        if self.v4 {
+            len < 8
+        } else {
+            len < 32
+        }
+    }
+
+    /// Parses `s` for the configuration field `field`, refusing a range
+    /// that sweeps in nearly every address (see [`is_sweeping`](Self::is_sweeping)).
+    pub(crate) fn narrow(s: &str, field: &'static str) -> Result<Self, tollgate_core::ConfigError> {
+        let c: Cidr = s
+            .parse()
+            .map_err(|e: String| tollgate_core::ConfigError::new(field, e))?;
+        if c.is_sweeping() {
+            return Err(tollgate_core::ConfigError::new(
+                field,
+                format!(
+                    "{:?} covers nearly every address (shorter than /8 for IPv4, /32 for IPv6): name your own networks",
+                    s.trim()
+                ),
+            ));
+        }
+        Ok(c)
+    }
 }
 
 impl FromStr for Cidr {

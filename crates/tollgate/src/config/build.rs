@@ -211,7 +211,9 @@ const ALGORITHMS: [&str; 6] = [
 
 fn cost(spec: &CostSpec, span: &Range<usize>, field: &str) -> Result<FileCost, Problem> {
     let problem = |m: String| (Some(span.clone()), field.to_owned(), m);
-    let num = |n: i64, f: &str| plain_whole(n, span, format!("{field}.{f}"), 0);
+    // No cost is free: a cost of 0 would let a route, a method, or every
+    // request no table names through uncounted.
+    let num = |n: i64, f: &str| plain_whole(n, span, format!("{field}.{f}"), 1);
     let default = num(spec.default.unwrap_or(1), "default")?;
     let max = spec.max.map(|m| num(m, "max")).transpose()?;
     let kinds = [
@@ -330,7 +332,7 @@ fn rule_cost(file: &FileSpec, r: &RuleSpec, path: &str) -> Result<FileCost, Prob
             *n,
             &c.span(),
             field,
-            0,
+            1,
         )?))),
         toml::Value::String(name) => match file.costs.get(name) {
             Some(spec) => {
@@ -364,8 +366,14 @@ fn share(value: &Spanned<f64>, field: String, above_zero: bool) -> Result<f64, P
 pub(super) fn builder<B>(file: &FileSpec) -> Result<PolicyLayerBuilder<B, MemoryStore>, Problem> {
     let v6_prefix = match &file.ipv6_prefix {
         None => DEFAULT_IPV6_PREFIX,
-        Some(p) if *p.get_ref() <= 128 => *p.get_ref(),
-        Some(p) => return Err(at(p, "ipv6_prefix".to_owned(), "must be at most 128")),
+        Some(p) if (32..=128).contains(p.get_ref()) => *p.get_ref(),
+        Some(p) => {
+            return Err(at(
+                p,
+                "ipv6_prefix".to_owned(),
+                "must be from 32 to 128 (64 keys each subscriber's /64; below 32 whole networks share one budget)",
+            ))
+        }
     };
     let trusted: &[String] = file.trusted_proxies.as_ref().map_or(&[], |t| t.get_ref());
     let mut client = ClientIp::trusting(trusted).map_err(|e| {
@@ -437,6 +445,13 @@ pub(super) fn builder<B>(file: &FileSpec) -> Result<PolicyLayerBuilder<B, Memory
         let s = idem.get_ref();
         let key = FileKey::parse(s.key.get_ref(), &client, v6_prefix)
             .map_err(|m| at(&s.key, "idempotency.key".to_owned(), m))?;
+        if s.key.get_ref().trim() == "global" {
+            return Err(at(
+                &s.key,
+                "idempotency.key".to_owned(),
+                "must name the client: with \"global\" any client could repeat another's Idempotency-Key for free",
+            ));
+        }
         let ttl = duration(&s.ttl, "idempotency.ttl".to_owned())?;
         b = b.idempotency(s.name.get_ref(), key, ttl);
     }

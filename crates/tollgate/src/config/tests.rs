@@ -578,3 +578,58 @@ fn a_cost_no_plan_could_ever_admit_is_refused_at_load() {
     // At the capacity exactly: admitted when the bucket is full.
     assert!(PolicyFile::parse(&rule("20", "")).is_ok());
 }
+
+/// Review finding 9: files that load but mean something absurd are
+/// refused, each with its line and field.
+#[test]
+fn files_that_would_load_but_mean_nothing_sane_are_refused() {
+    let rule = "[[rules]]\nname = \"a\"\nkey = \"client-ip\"\nrate = \"1/s\"\nburst = 1\n";
+    let with = |head: &str, tail: &str| format!("{head}\n{rule}{tail}");
+    // Proxies that trust every peer to name itself.
+    for all in ["0.0.0.0/0", "::/0", "10.0.0.0/4"] {
+        let e = error(&with(&format!("trusted_proxies = [\"{all}\"]"), ""));
+        assert!(e.starts_with("1:") && e.contains("trusted_proxies"), "{e}");
+        assert!(e.contains("nearly every address"), "{e}");
+    }
+    // IPv6 keys finer than a subscriber's allocation, or one for the world.
+    for bits in [0, 16, 31] {
+        let e = error(&with(&format!("ipv6_prefix = {bits}"), ""));
+        assert!(
+            e.starts_with("1:15: ipv6_prefix: must be from 32 to 128"),
+            "{e}"
+        );
+    }
+    // A cost of 0 makes requests free.
+    let e = error(&format!("{rule}cost = 0\n"));
+    assert!(
+        e.starts_with("6:8: rules[0].cost: must be at least 1"),
+        "{e}"
+    );
+    let costs = "[costs.api]\ndefault = 0\nroutes = [{ path = \"/x\", cost = 2 }]\n";
+    let e = error(&format!("{costs}\n{rule}cost = \"api\"\n"));
+    assert!(e.contains("costs.api.default: must be at least 1"), "{e}");
+    // Idempotency markers shared by every client.
+    let e = error(&with(
+        "",
+        "\n[idempotency]\nname = \"idem\"\nkey = \"global\"\nttl = \"1h\"\n",
+    ));
+    assert!(e.contains("idempotency.key: must name the client"), "{e}");
+    // A day at most.
+    let e = error(&with(
+        "",
+        "\n[idempotency]\nname = \"idem\"\nkey = \"client-ip\"\nttl = \"48h\"\n",
+    ));
+    assert!(e.contains("idempotency"), "{e}");
+    assert!(e.contains("at most a day"), "{e}");
+    // Access lists that allow, or deny, everything.
+    let e = error(&with(
+        "",
+        "\n[access]\nname = \"l\"\nallow_networks = [\"0.0.0.0/0\"]\n",
+    ));
+    assert!(e.contains("nearly every address"), "{e}");
+    let e = error(&with(
+        "",
+        "\n[access]\nname = \"l\"\ndeny_by_default = true\n",
+    ));
+    assert!(e.contains("refuses every request"), "{e}");
+}

@@ -122,9 +122,8 @@ impl ClientIp {
     {
         let trusted = ranges
             .into_iter()
-            .map(|r| r.as_ref().parse::<Cidr>())
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| tollgate_core::ConfigError::new("trusted_proxies", e))?;
+            .map(|r| Cidr::narrow(r.as_ref(), "trusted_proxies"))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             trusted: trusted.into(),
             header: ForwardedHeader::XForwardedFor,

@@ -80,11 +80,7 @@ where
     S: AsRef<str>,
 {
     for c in cidrs {
-        let c: Cidr = c
-            .as_ref()
-            .parse()
-            .map_err(|e: String| ConfigError::new(field, e))?;
-        set.insert(c);
+        set.insert(Cidr::narrow(c.as_ref(), field)?);
     }
     Ok(())
 }
@@ -168,10 +164,17 @@ impl AccessList {
         self
     }
 
-    /// Whether key lists were given with no header to read keys from
-    /// (they could never match).
-    pub(crate) fn keys_unread(&self) -> bool {
-        self.key.is_none() && !(self.allow_keys.is_empty() && self.deny_keys.is_empty())
+    /// What makes the lists a mistake, if anything: key lists with no
+    /// header to read keys from (they could never match), or denying by
+    /// default with nothing allowed (every request refused).
+    pub(crate) fn mistake(&self) -> Option<&'static str> {
+        if self.key.is_none() && !(self.allow_keys.is_empty() && self.deny_keys.is_empty()) {
+            return Some("key lists need keys_from (the header that carries the key)");
+        }
+        if self.deny_by_default && self.allow_keys.is_empty() && self.allow_nets.is_empty() {
+            return Some("deny_by_default with nothing allowed refuses every request");
+        }
+        None
     }
 
     /// What the lists say about `req`.
@@ -218,11 +221,8 @@ impl Listed {
         list: AccessList,
         metric: &'static str,
     ) -> Result<Self, tollgate_core::ConfigError> {
-        if list.keys_unread() {
-            return Err(tollgate_core::ConfigError::new(
-                "access",
-                "key lists need keys_from (the header that carries the key)",
-            ));
+        if let Some(mistake) = list.mistake() {
+            return Err(tollgate_core::ConfigError::new("access", mistake));
         }
         let counter = |outcome: &'static str| metrics::counter!(metric, "rule" => list.name.clone(), "outcome" => outcome);
         Ok(Self {

@@ -105,11 +105,22 @@ pub use parts::{FileCost, FileKey};
 pub use reload::{Reloaded, Reloader};
 
 /// A policy file that loaded: parsed and checked, ready to build layers.
-#[derive(Debug)]
 pub struct PolicyFile {
     spec: spec::FileSpec,
     text: String,
     origin: Option<String>,
+}
+
+/// Where the file came from and how many rules it holds — never its text:
+/// access lists hold keys, which are credentials.
+impl std::fmt::Debug for PolicyFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PolicyFile")
+            .field("origin", &self.origin)
+            .field("rules", &self.spec.rules.len())
+            .field("bytes", &self.text.len())
+            .finish_non_exhaustive()
+    }
 }
 
 /// Why a policy file did not load: where, which field, what is wrong.

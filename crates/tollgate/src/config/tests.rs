@@ -633,3 +633,17 @@ fn files_that_would_load_but_mean_nothing_sane_are_refused() {
     ));
     assert!(e.contains("refuses every request"), "{e}");
 }
+
+/// Review finding 19: `{:?}` of a policy file printed the file, access
+/// lists' keys included.
+#[test]
+fn a_policy_files_debug_shows_no_keys() {
+    let file = PolicyFile::parse(
+        "[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\n\n\
+         [access]\nname = \"l\"\nkeys_from = \"x-api-key\"\nallow_keys = [\"sk_live_secret\"]\n",
+    )
+    .unwrap();
+    let shown = format!("{file:?}");
+    assert!(!shown.contains("sk_live_secret"), "{shown}");
+    assert!(shown.contains("rules: 1"), "{shown}");
+}

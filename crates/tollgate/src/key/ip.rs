@@ -80,8 +80,14 @@ pub enum ForwardedHeader {
 /// is read **right to left**, skipping addresses inside the trusted ranges;
 /// the first address outside them is the client. The leftmost entries are
 /// whatever the client chose to send, so they are never trusted blindly.
-/// If every hop is trusted, the leftmost is the client; an entry that is
-/// not an IP address stops the walk at the last trusted hop before it.
+/// If every hop is trusted, the leftmost is the client. A trusted proxy is
+/// never the client: a trusted peer that forwards no header, or a chain
+/// whose walk stops at an entry that is not an IP address (`unknown`, an
+/// obfuscated `Forwarded` name, a stray byte), gives no client IP — the
+/// request is keyless, and the layer's [`MissingKey`](crate::MissingKey)
+/// policy decides — rather than the proxy's, which would pool everyone
+/// behind it into one budget (and into any allow list that names the
+/// proxies' network).
 ///
 /// ```
 /// use http::Request;
@@ -158,30 +164,29 @@ impl ClientIp {
             ForwardedHeader::XForwardedFor => &X_FORWARDED_FOR,
             ForwardedHeader::Forwarded => &FORWARDED,
         };
-        let mut client = peer;
+        // The leftmost entry of a chain of trusted hops: none yet (a
+        // trusted peer is not a client).
+        let mut client = None;
         // Multiple header lines form one list, in order; walk it backwards.
         // Entries are decoded one by one: a stray non-UTF-8 byte to the
         // left (client-controlled) must not hide the entries our proxies
-        // appended to its right.
+        // appended to its right. An entry that is not an address ends the
+        // walk with no client: what stands left of it cannot be told.
         for value in req.headers().get_all(name).iter().rev() {
             for entry in value.as_bytes().rsplit(|b| *b == b',') {
-                let Ok(entry) = std::str::from_utf8(entry) else {
-                    return Some(client);
-                };
+                let entry = std::str::from_utf8(entry).ok()?;
                 let parsed = match self.header {
                     ForwardedHeader::XForwardedFor => parse_ip(entry),
                     ForwardedHeader::Forwarded => forwarded_for(entry).and_then(parse_ip),
                 };
-                let Some(ip) = parsed else {
-                    return Some(client);
-                };
-                client = canonical(ip);
-                if !self.is_trusted(client) {
-                    return Some(client);
+                let ip = canonical(parsed?);
+                if !self.is_trusted(ip) {
+                    return Some(ip);
                 }
+                client = Some(ip);
             }
         }
-        Some(client)
+        client
     }
 }
 

@@ -520,18 +520,19 @@ mod tests {
             )),
             ip("7.7.7.7")
         );
-        // Garbage stops the walk at the last trusted hop.
+        // Garbage stops the walk with no client: a trusted hop is never
+        // one (review finding 17).
         assert_eq!(
             c.client_ip(&req("10.0.0.1:1", &["1.1.1.1, nonsense, 10.3.3.3"])),
-            ip("10.3.3.3")
+            None
         );
         // All trusted: the leftmost.
         assert_eq!(
             c.client_ip(&req("10.0.0.1:1", &["10.9.9.9"])),
             ip("10.9.9.9")
         );
-        // No header: the peer.
-        assert_eq!(c.client_ip(&req("10.0.0.1:1", &[])), ip("10.0.0.1"));
+        // A trusted peer that forwards nothing: no client either.
+        assert_eq!(c.client_ip(&req("10.0.0.1:1", &[])), None);
         // Ports and brackets.
         assert_eq!(
             c.client_ip(&req("10.0.0.1:1", &["[2001:db8::1]:443, 1.2.3.4:80"])),

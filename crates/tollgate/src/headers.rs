@@ -50,11 +50,40 @@ pub(crate) mod field {
 }
 
 /// Whether `used` of `limit` is at least `share` of it: a warning is due.
+/// In integers, the share in millionths: `0.56 × 100` is 56.00000000000001
+/// in floats, and 56 used would not warn.
 pub(crate) fn is_past(used: u64, limit: u64, share: f64) -> bool {
-    // `used / limit >= share`, in floats where the counts are exact.
-    #[allow(clippy::cast_precision_loss)]
-    let past = limit > 0 && used as f64 >= share * limit as f64;
-    past
+    // The share (validated: above 0, at most 1) in parts per million.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let ppm = (share * 1_000_000.0).round().clamp(0.0, 1_000_000.0) as u128;
+    limit > 0 && u128::from(used).saturating_mul(1_000_000) >= ppm.saturating_mul(u128::from(limit))
+}
+
+#[cfg(test)]
+mod share_tests {
+    use super::is_past;
+
+    #[test]
+    fn shares_are_exact_at_their_thresholds() {
+        // The review's case: 0.56 of 100 is 56.
+        assert!(is_past(56, 100, 0.56));
+        assert!(!is_past(55, 100, 0.56));
+        for (used, limit, share) in [
+            (7, 10, 0.7),
+            (29, 100, 0.29),
+            (3, 3, 1.0),
+            (1, 3, 0.333_333),
+        ] {
+            assert!(is_past(used, limit, share), "{used}/{limit} at {share}");
+            assert!(
+                !is_past(used - 1, limit, share),
+                "{}/{limit} at {share}",
+                used - 1
+            );
+        }
+        assert!(!is_past(0, 0, 0.5));
+        assert!(is_past(u64::MAX, u64::MAX, 1.0));
+    }
 }
 
 /// Appends the warning item `"name";used=<percent>` to `list` if `used`

@@ -120,6 +120,7 @@ impl ConcurrencyLayer<PeerIp, Fixed, AllCritical, ()> {
                 service: None,
                 read_only: None,
                 is_drop: None,
+                conflict: false,
                 upgrades: false,
                 route_label: false,
                 plans: Vec::new(),
@@ -155,6 +156,8 @@ struct Config {
     service: Option<ServiceConfig>,
     read_only: Option<ReadOnly>,
     is_drop: Option<DropFn>,
+    /// A fixed and an adaptive service limit were both asked for.
+    conflict: bool,
     upgrades: bool,
     route_label: bool,
     plans: Vec<(String, u32)>,
@@ -289,23 +292,36 @@ impl<K, C, P, St> ConcurrencyLayerBuilder<K, C, P, St> {
     }
 
     /// Also limits the whole service to `max` permits in flight (load
-    /// shedding), in the same store, named `name` in the headers.
+    /// shedding), in the same store, named `name` in the headers. A
+    /// layer has one service limit: with
+    /// [`adaptive_service_limit`](Self::adaptive_service_limit) too,
+    /// `build` fails naming both. ("The whole service" is what this
+    /// layer's store holds under `name`: layers on one store share it;
+    /// each `builder` makes a new memory store.)
     pub fn service_limit(mut self, name: &str, max: u32) -> Self {
+        if matches!(self.cfg.service, Some(ServiceConfig::Adaptive(..))) {
+            self.cfg.conflict = true;
+        }
         self.cfg.service = Some(ServiceConfig::Fixed(name.to_owned(), max));
         self
     }
 
     /// Also limits the whole service, in this process, to a limit that
     /// follows its latency and errors (see [`tollgate_core::adaptive`]).
+    /// Per layer: each layer with one has its own.
     pub fn adaptive_service_limit(mut self, name: &str, limit: AdaptiveLimit) -> Self {
+        if matches!(self.cfg.service, Some(ServiceConfig::Fixed(..))) {
+            self.cfg.conflict = true;
+        }
         self.cfg.service = Some(ServiceConfig::Adaptive(name.to_owned(), limit));
         self
     }
 
     /// What counts as a drop for the adaptive limit and as an error for
-    /// read-only mode (default: [`Completion::is_overload`]: errors, 5xx,
-    /// 408, and gRPC `DEADLINE_EXCEEDED`, `RESOURCE_EXHAUSTED`, `INTERNAL`,
+    /// read-only mode (default: [`Completion::is_overload`]: errors, 5xx
+    /// but 501, 408, and gRPC `DEADLINE_EXCEEDED`, `INTERNAL`,
     /// `UNAVAILABLE`, whether in a trailers-only answer or the trailers).
+    /// Without an adaptive service limit, `build` fails naming both.
     pub fn drop_classifier<F>(mut self, f: F) -> Self
     where
         F: Fn(Completion) -> bool + Send + Sync + 'static,
@@ -452,6 +468,18 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
             // (Each plan has its own share.)
             share: u32::MAX,
         };
+        if cfg.conflict {
+            return Err(ConfigError::new(
+                "service_limit",
+                "service_limit and adaptive_service_limit: a layer has one service limit, choose one",
+            ));
+        }
+        if cfg.is_drop.is_some() && !matches!(cfg.service, Some(ServiceConfig::Adaptive(..))) {
+            return Err(ConfigError::new(
+                "drop_classifier",
+                "drop_classifier needs an adaptive_service_limit, whose samples it judges",
+            ));
+        }
         if cfg.read_only.is_some() && !matches!(cfg.service, Some(ServiceConfig::Adaptive(..))) {
             return Err(ConfigError::new(
                 "read_only",

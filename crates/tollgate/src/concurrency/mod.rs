@@ -45,8 +45,8 @@
 //! latency and errors ([`tollgate_core::adaptive`]: AIMD or a gradient of
 //! RTTs). Each response is a sample: its latency to the response headers,
 //! and whether it was a drop — by default an error (a timeout layer
-//! inside, say), a 5xx or a 408, or a gRPC `DEADLINE_EXCEEDED`,
-//! `RESOURCE_EXHAUSTED`, `INTERNAL` or `UNAVAILABLE` (read from a
+//! inside, say), a 5xx (but 501) or a 408, or a gRPC `DEADLINE_EXCEEDED`,
+//! `INTERNAL` or `UNAVAILABLE` (read from a
 //! trailers-only answer's head, or from the trailers at the end of a
 //! streamed one: [`Completion`]);
 //! [`drop_classifier`](ConcurrencyLayerBuilder::drop_classifier) changes

@@ -449,6 +449,30 @@ async fn config_errors_name_the_field() {
     let cases: Vec<(Result<_, _>, &str)> = vec![
         (builder(0).build().map(drop), "max"),
         (builder(2_000_000).build().map(drop), "max"),
+        // Options that conflict, or that nothing reads (review m13).
+        (
+            builder(1)
+                .service_limit("s", 4)
+                .adaptive_service_limit("a", AdaptiveLimit::Aimd(Aimd::new(1, 2, 4).unwrap()))
+                .build()
+                .map(drop),
+            "service_limit",
+        ),
+        (
+            builder(1)
+                .adaptive_service_limit("a", AdaptiveLimit::Aimd(Aimd::new(1, 2, 4).unwrap()))
+                .service_limit("s", 4)
+                .build()
+                .map(drop),
+            "service_limit",
+        ),
+        (
+            builder(1)
+                .drop_classifier(|c: crate::outcome::Completion| c.is_overload())
+                .build()
+                .map(drop),
+            "drop_classifier",
+        ),
         (
             builder(1).critical(AllCritical, 0.0).build().map(drop),
             "non_critical_share",

@@ -79,7 +79,9 @@
 //! # Reload
 //!
 //! [`Reloader`] watches the file: on SIGHUP (Unix) and when its contents
-//! change (polled), it loads the new file and
+//! change (polled; new contents are applied once two polls in a row read
+//! them, so a file caught half written is never applied), it loads the
+//! new file and
 //! [`replace`](crate::policy::PolicyLayer::replace)s the running policy.
 //! No request is dropped or charged twice: requests decided before finish
 //! on the policy that decided them, later ones are decided by the new one.

@@ -50,6 +50,9 @@ pub struct Reloader<B, St: Store> {
     /// The text last tried, applied or not: polls skip it, so a bad file
     /// is reported once, not on every poll.
     tried: Mutex<String>,
+    /// The text the last poll read: a poll applies a text only when the
+    /// poll before read it too.
+    settling: Mutex<String>,
 }
 
 impl<B, St: Store> fmt::Debug for Reloader<B, St> {
@@ -98,6 +101,7 @@ impl<B, St: Store> Reloader<B, St> {
             prepare: None,
             running: Mutex::new(file.text().to_owned()),
             tried: Mutex::new(file.text().to_owned()),
+            settling: Mutex::new(file.text().to_owned()),
         }
     }
 
@@ -133,6 +137,13 @@ impl<B, St: Store> Reloader<B, St> {
     /// why, and the running policy stays.
     pub fn reload(&self) -> Result<Reloaded, FileError> {
         self.reload_unless_tried(false)
+    }
+
+    /// What one poll of [`spawn`](Self::spawn)'s task does: a text that
+    /// was tried before is left alone, and a new one is applied only when
+    /// the poll before read it too (never a file half written).
+    pub(super) fn poll_once(&self) -> Result<Reloaded, FileError> {
+        self.reload_unless_tried(true)
     }
 
     /// [`reload`](Self::reload), except that with `skip_tried` a file
@@ -171,6 +182,18 @@ impl<B, St: Store> Reloader<B, St> {
             if skip_tried && *tried == seen {
                 return Ok(Reloaded::Unchanged);
             }
+            if skip_tried {
+                // A poll may read a file an editor is still writing — cut
+                // short at a rule's end, it would even load, without the
+                // rules after it. A text is applied once two polls in a
+                // row read it (a SIGHUP, sent once the file is written,
+                // applies at once).
+                let mut settling = self.settling.lock().unwrap_or_else(PoisonError::into_inner);
+                if *settling != seen {
+                    seen.clone_into(&mut settling);
+                    return Ok(Reloaded::Unchanged);
+                }
+            }
             seen.clone_into(&mut tried);
         }
         // Parsed here, built once below with the customisation.
@@ -200,7 +223,10 @@ impl<B, St: Store> Reloader<B, St> {
 
     /// Spawns a task (on the current tokio runtime) that reloads on SIGHUP
     /// (Unix) and whenever the file's contents change, checked every
-    /// `poll`. Errors are logged and counted; the task runs until the
+    /// `poll`: new contents are applied once two checks in a row read
+    /// them, so a file caught while an editor writes it is never applied
+    /// half written (within two polls of the change; a SIGHUP applies at
+    /// once). Errors are logged and counted; the task runs until the
     /// runtime stops or the handle is aborted.
     pub fn spawn(self, poll: Duration) -> tokio::task::JoinHandle<()>
     where
@@ -233,7 +259,11 @@ impl<B, St: Store> Reloader<B, St> {
                 .await;
                 // Errors are logged and counted; a file already tried is
                 // not tried again until it changes (or SIGHUP).
-                let _ = self.reload_unless_tried(!signalled);
+                let _ = if signalled {
+                    self.reload()
+                } else {
+                    self.poll_once()
+                };
             }
         })
     }

@@ -647,3 +647,40 @@ fn a_policy_files_debug_shows_no_keys() {
     assert!(!shown.contains("sk_live_secret"), "{shown}");
     assert!(shown.contains("rules: 1"), "{shown}");
 }
+
+/// Review finding 8: a poll could read a file an editor was still writing
+/// and, cut at a rule's end, apply it without the rules after it. A poll
+/// applies a text only once the poll before read it too.
+#[tokio::test]
+async fn a_poll_never_applies_a_file_caught_half_written() {
+    let clock = ManualClock::new();
+    let dir = std::env::temp_dir().join(format!("tollgate-torn-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("policy.toml");
+    let one = "[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\n";
+    let two =
+        format!("{one}\n[[rules]]\nname = \"b\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\n");
+    std::fs::write(&path, &two).unwrap();
+    let st = store(&clock);
+    let (layer, reloader) = Reloader::<String, _>::load(&path, st).unwrap();
+    // The editor has written the first rule of a new version so far.
+    std::fs::write(&path, format!("{one}# being edited\n")).unwrap();
+    assert_eq!(reloader.poll_once().unwrap(), Reloaded::Unchanged);
+    assert_eq!(
+        layer.rule_names(),
+        ["a", "b"],
+        "a half-written file was applied"
+    );
+    // Done: the next poll sees a new text, the one after applies it.
+    let three =
+        format!("{two}\n[[rules]]\nname = \"c\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\n");
+    std::fs::write(&path, &three).unwrap();
+    assert_eq!(reloader.poll_once().unwrap(), Reloaded::Unchanged);
+    assert_eq!(reloader.poll_once().unwrap(), Reloaded::Applied);
+    assert_eq!(layer.rule_names(), ["a", "b", "c"]);
+    // A SIGHUP (an explicit reload) applies at once.
+    std::fs::write(&path, one).unwrap();
+    assert_eq!(reloader.reload().unwrap(), Reloaded::Applied);
+    assert_eq!(layer.rule_names(), ["a"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -14,10 +14,12 @@
 //! renewal round is a task of its own, at most [`MAX_RELEASE_CALLS`]
 //! script calls of releases in flight, so a slow Redis neither holds renewals back
 //! behind releases nor makes one slow call hold up the rest. The queue is
-//! bounded ([`MAX_QUEUE`] jobs): past it a release is dropped — its lease
+//! bounded ([`MAX_QUEUE`] jobs), and so are the release batches under way
+//! ([`MAX_PENDING_BATCHES`]): past either a release is dropped — its lease
 //! is no longer renewed and lapses within its TTL — and counted
-//! (`tollgate_lease_releases_dropped_total`), where an unbounded queue
-//! would grow with the backlog of a Redis that cannot keep up.
+//! (`tollgate_lease_releases_dropped_total`), where an unbounded backlog
+//! would grow with a Redis that cannot keep up. (A flush waits until no
+//! batch is under way: for tests and shutdown, not under load.)
 //!
 //! When the store and all its limiters are dropped, the channel closes and
 //! the task ends; what it held lapses within a lease TTL. A release or
@@ -51,6 +53,11 @@ const MAX_RELEASE_CALLS: usize = 512;
 const MAX_DRAIN: usize = 1_024;
 /// Most jobs waiting in the queue.
 const MAX_QUEUE: usize = 65_536;
+/// Most release batches under way (in flight or waiting for a call):
+/// past it a batch is dropped, as a release past a full queue is — else
+/// a Redis slow enough to fall behind but quick enough to keep its
+/// breaker shut would grow the parked tasks without bound.
+const MAX_PENDING_BATCHES: usize = 4_096;
 /// How long the task sleeps when it has nothing to renew.
 const IDLE: Duration = Duration::from_secs(3_600);
 
@@ -300,6 +307,11 @@ fn handle(
         let mut batch = batch.into_iter().peekable();
         while batch.peek().is_some() {
             let chunk: Vec<(Lease, Done)> = batch.by_ref().take(MAX_BATCH).collect();
+            if outstanding.batches.load(Ordering::Acquire) >= MAX_PENDING_BATCHES {
+                // Forgotten already, so no longer renewed: they lapse.
+                dropped(chunk);
+                continue;
+            }
             outstanding.batches.fetch_add(1, Ordering::AcqRel);
             let done = BatchDone(Arc::clone(outstanding));
             let (backend, leases, key) = (Arc::clone(backend), Arc::clone(&leases), key.clone());
@@ -321,6 +333,19 @@ fn handle(
                 let _ = done.send(());
             }
         });
+    }
+}
+
+/// Drops a batch of releases that the task cannot take on: each lease
+/// lapses within its TTL; counted, and each waiter told.
+fn dropped(chunk: Vec<(Lease, Done)>) {
+    let count = u64::try_from(chunk.len()).unwrap_or(u64::MAX);
+    metrics::counter!("tollgate_lease_releases_dropped_total", "store" => "redis").increment(count);
+    for (_, done) in chunk {
+        let _ = done.send(Err(StoreError::new(
+            StoreErrorKind::Unavailable,
+            "too many releases under way; the lease lapses within its TTL",
+        )));
     }
 }
 

@@ -80,8 +80,9 @@ pub enum ForwardedHeader {
 /// is read **right to left**, skipping addresses inside the trusted ranges;
 /// the first address outside them is the client. The leftmost entries are
 /// whatever the client chose to send, so they are never trusted blindly.
-/// If every hop is trusted, the leftmost is the client. A trusted proxy is
-/// never the client: a trusted peer that forwards no header, or a chain
+/// If every hop is trusted, the leftmost is the client (an internal
+/// caller inside the trusted ranges). Otherwise a trusted proxy is never
+/// taken for the client: a trusted peer that forwards no header, or a chain
 /// whose walk stops at an entry that is not an IP address (`unknown`, an
 /// obfuscated `Forwarded` name, a stray byte), gives no client IP — the
 /// request is keyless, and the layer's [`MissingKey`](crate::MissingKey)

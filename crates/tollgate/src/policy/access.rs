@@ -80,7 +80,16 @@ where
     S: AsRef<str>,
 {
     for c in cidrs {
-        set.insert(Cidr::narrow(c.as_ref(), field)?);
+        // A wide range is a mistake where it lets requests in; denying
+        // one fails closed, which may be meant (all of IPv6, say).
+        let c: Cidr = if field == "deny_networks" {
+            c.as_ref()
+                .parse()
+                .map_err(|e: String| ConfigError::new(field, e))?
+        } else {
+            Cidr::narrow(c.as_ref(), field)?
+        };
+        set.insert(c);
     }
     Ok(())
 }

@@ -1591,3 +1591,15 @@ async fn services_cloned_per_request_follow_a_replacement() {
     // The window kept its count: 1 before, 3 after, 1 left of 5.
     assert_eq!(remaining(&layer, 0, "a").await, 1);
 }
+
+/// Review of finding 9's fix: denying a wide range fails closed and
+/// stays allowed; allowing one is refused.
+#[test]
+fn only_ranges_that_let_requests_in_must_be_narrow() {
+    assert!(AccessList::new("l").deny_networks(["::/0"]).is_ok());
+    let e = AccessList::new("l")
+        .allow_networks(["::/0"])
+        .map(drop)
+        .unwrap_err();
+    assert_eq!(e.field(), "allow_networks");
+}

@@ -243,8 +243,11 @@ impl<K, C, St> QuotaLayerBuilder<K, C, St> {
     /// [`Refusal`](crate::rejection::Refusal) extension), the service
     /// answered 5xx (or a gRPC status that maps to one), or it failed.
     /// A request cancelled after it was charged keeps its charge: the
-    /// service may have done the work. Off, every admitted request is
-    /// charged, as a metered API that bills attempts does.
+    /// service may have done the work. The trade-off: a client that can
+    /// make the service fail (a 500 on bad input, a slow path an inner
+    /// timeout turns into a 504) gets that work free of the quota — the
+    /// rate limits in front still bound it. Off, every admitted request
+    /// is charged, as a metered API that bills attempts does.
     pub fn refund_unserved(mut self, on: bool) -> Self {
         self.cfg.refund_unserved = on;
         self

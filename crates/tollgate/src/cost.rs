@@ -178,13 +178,15 @@ impl ByRoute {
 /// one to price it apart.
 impl<B> Cost<B> for ByRoute {
     fn cost(&self, req: &Request<B>) -> u32 {
-        let original = normalize_path(original_path(req));
-        let local = normalize_path(req.uri().path());
+        let (original, local) = (original_path(req), req.uri().path());
+        let original = normalize_path(original);
+        // Inside a nest the layer sees a shorter path; outside, the same.
+        let local = (local != &*original).then(|| normalize_path(local));
         let (method, as_get) = (req.method(), method_of(req));
         self.routes
             .iter()
             .find(|(m, p, _)| {
-                (**p == *original || **p == *local)
+                (**p == *original || local.as_deref().is_some_and(|l| **p == *l))
                     && m.as_ref().is_none_or(|m| m == method || m == as_get)
             })
             .map_or(self.default, |(_, _, c)| *c)

@@ -185,7 +185,14 @@ where
                         let status = Completion::of(&response).status();
                         settle_response(this.shared, this.report, status, &keys);
                     }
-                    headers(this.shared, this.report, response.headers_mut(), None, None);
+                    headers(
+                        this.shared,
+                        this.report,
+                        response.headers_mut(),
+                        None,
+                        None,
+                        false,
+                    );
                     if this.shared.warns {
                         warnings(this.shared, this.report, response.headers_mut());
                     }
@@ -204,12 +211,16 @@ where
 }
 
 /// Adds the headers of every enforced rule that decided.
+/// `blocked`: the named rule's key is blocked for `retry_after` by its
+/// escalation ladder — its item says so (`r=0`, `t` the block), so that a
+/// client that follows `t` does not come back before `Retry-After`.
 fn headers<B, L>(
     shared: &Shared<B, L>,
     report: &Report,
     map: &mut http::HeaderMap,
     retry_after: Option<u64>,
     named: Option<usize>,
+    blocked: bool,
 ) {
     if !shared.standard && !shared.legacy && retry_after.is_none() {
         return;
@@ -231,10 +242,21 @@ fn headers<B, L>(
     for (i, (rule, slot)) in shared.rules.iter().zip(&report.decided).enumerate() {
         if let (Some((d, _)), false) = (slot, report.shadows(i)) {
             if let Some(item) = items.get_mut(n) {
-                *item = (&rule.at(report.plan).1.headers, *d);
+                let mut d = *d;
                 if named == Some(i) {
                     tightest = Some(n);
+                    if let (true, Some(block)) = (blocked, retry_after) {
+                        let wait = d
+                            .retry_after()
+                            .map_or(0, |w| u64::try_from(w.as_nanos()).unwrap_or(u64::MAX));
+                        d.outcome = Outcome::Deny {
+                            retry_after: wait.max(block),
+                        };
+                        d.remaining = 0;
+                        d.reset_after = d.reset_after.max(block);
+                    }
                 }
+                *item = (&rule.at(report.plan).1.headers, d);
                 n = n.saturating_add(1);
             }
         }
@@ -321,7 +343,14 @@ fn reject<B, L>(
                 _ if grpc => rejected.to_grpc_response(),
                 _ => rejected.to_problem_response(),
             };
-            headers(shared, report, res.headers_mut(), Some(for_ns), Some(rule));
+            headers(
+                shared,
+                report,
+                res.headers_mut(),
+                Some(for_ns),
+                Some(rule),
+                true,
+            );
             return res;
         }
         Verdict::Deny { rule, reason } => (rule, reason),
@@ -369,7 +398,14 @@ fn reject<B, L>(
             Outcome::Deny { retry_after } => Some(retry_after),
             _ => None,
         });
-        headers(shared, report, res.headers_mut(), retry_after, Some(rule));
+        headers(
+            shared,
+            report,
+            res.headers_mut(),
+            retry_after,
+            Some(rule),
+            false,
+        );
     }
     res
 }

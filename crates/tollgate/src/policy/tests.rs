@@ -1093,6 +1093,16 @@ async fn repeated_refusals_climb_the_escalation_ladder<S: Store>(store: S, clock
             .unwrap()
             .parse()
             .unwrap();
+        // The rule's item agrees with Retry-After (review finding 13): a
+        // client that follows `t` does not come back during the block.
+        assert_eq!(
+            res.headers()["ratelimit"]
+                .to_str()
+                .unwrap()
+                .split(", ")
+                .next(),
+            Some(format!("\"per-key\";r=0;t={secs}").as_str())
+        );
         let body = http_body_util::BodyExt::collect(res.into_body())
             .await
             .unwrap()

@@ -245,39 +245,35 @@ fn grpc_response(
 pub(crate) struct Rendered {
     kind: LimitKind,
     limited: (Box<[u8]>, Box<[u8]>),
-    too_costly: Bytes,
     missing_key: Bytes,
-    grpc: [HeaderValue; 3],
+    grpc: [HeaderValue; 2],
 }
 
 const MARK: &str = "\u{1}";
 
 impl Rendered {
-    pub(crate) fn new(kind: LimitKind, rule: &str, capacity: u64) -> Self {
+    pub(crate) fn new(kind: LimitKind, rule: &str) -> Self {
+        // (Neither detail names a limit.)
         let limited = problem_json(
             StatusCode::TOO_MANY_REQUESTS,
-            &detail(kind, Reason::Limited, rule, Some(MARK), capacity),
+            &detail(kind, Reason::Limited, rule, Some(MARK), 0),
             rule,
         );
         // `MARK` survives JSON escaping as `\u0001`: split around it.
         let marker = "\\u0001";
         let (before, after) = limited.split_once(marker).unwrap_or((&limited, ""));
-        let body = |reason, status| {
-            Bytes::from(problem_json(
-                status,
-                &detail(kind, reason, rule, None, capacity),
-                rule,
-            ))
-        };
+        let missing_key = problem_json(
+            StatusCode::BAD_REQUEST,
+            &detail(kind, Reason::MissingKey, rule, None, 0),
+            rule,
+        );
         Self {
             kind,
             limited: (before.as_bytes().into(), after.as_bytes().into()),
-            too_costly: body(Reason::TooCostly, StatusCode::TOO_MANY_REQUESTS),
-            missing_key: body(Reason::MissingKey, StatusCode::BAD_REQUEST),
+            missing_key: Bytes::from(missing_key),
             grpc: [
-                grpc_message(kind, Reason::Limited, rule, capacity),
-                grpc_message(kind, Reason::TooCostly, rule, capacity),
-                grpc_message(kind, Reason::MissingKey, rule, capacity),
+                grpc_message(kind, Reason::Limited, rule, 0),
+                grpc_message(kind, Reason::MissingKey, rule, 0),
             ],
         }
     }
@@ -285,11 +281,12 @@ impl Rendered {
     /// Exactly what [`Rejected::to_problem_response`] or
     /// [`Rejected::to_grpc_response`] would return.
     pub(crate) fn render(&self, r: &Rejected) -> Response<Bytes> {
-        // Rare (a degraded service, or another layer's rejection): built
-        // on the spot.
+        // Rare (a degraded service, a request no budget can ever hold — its
+        // decision names the budget it exceeds — or another layer's
+        // rejection): built on the spot.
         if matches!(
             r.reason,
-            Reason::ReadOnly | Reason::Denied | Reason::Blocked
+            Reason::ReadOnly | Reason::Denied | Reason::Blocked | Reason::TooCostly
         ) || r.kind != self.kind
         {
             return if r.grpc {
@@ -300,10 +297,9 @@ impl Rendered {
         }
         if r.grpc {
             let i = match r.reason {
-                // (Denied and ReadOnly are built on the spot, above.)
-                Reason::Limited | Reason::ReadOnly | Reason::Denied | Reason::Blocked => 0,
-                Reason::TooCostly => 1,
-                Reason::MissingKey => 2,
+                // (The others are built on the spot, above.)
+                Reason::MissingKey => 1,
+                _ => 0,
             };
             let pushback = match (r.reason, r.decision.and_then(|d| d.retry_after())) {
                 (Reason::Limited, Some(d)) => Some(pushback_ms(d)),
@@ -329,7 +325,8 @@ impl Rendered {
                 Bytes::from(v)
             }
             (Reason::MissingKey, _) => self.missing_key.clone(),
-            _ => self.too_costly.clone(),
+            // Limited without a wait: can never succeed, as TooCostly.
+            _ => return r.to_problem_response(),
         };
         problem_response(r.status(), body)
     }

@@ -210,11 +210,6 @@ impl Adaptive {
     pub(crate) fn retry_after(&self) -> u64 {
         self.retry_after
     }
-
-    /// The most permits the limit can ever reach.
-    pub(crate) fn max(&self) -> u32 {
-        self.config.max()
-    }
 }
 
 /// The ceiling of non-critical traffic: `share` of `max`, at least 1.

@@ -529,13 +529,13 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
             Some(ServiceLimit::Adaptive(a)) => Some(Arc::clone(a)),
             _ => None,
         };
-        let (service_name, service_q, service_max) = match &service {
+        let (service_name, service_q) = match &service {
             Some(ServiceLimit::Fixed(s)) => {
                 let max = s.limiter.rule().semaphore().max();
-                (Some(Arc::clone(&s.name)), Some(u64::from(max)), max)
+                (Some(Arc::clone(&s.name)), Some(u64::from(max)))
             }
-            Some(ServiceLimit::Adaptive(a)) => (Some(Arc::clone(&a.name)), None, a.max()),
-            None => (None, None, 0),
+            Some(ServiceLimit::Adaptive(a)) => (Some(Arc::clone(&a.name)), None),
+            None => (None, None),
         };
         let responder = |max: u32| {
             let mut limits = vec![(&*name, Some(u64::from(max)))];
@@ -545,13 +545,12 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
             let service_rendered = Rendered::new(
                 LimitKind::Concurrency,
                 service_name.as_deref().unwrap_or(&name),
-                u64::from(service_max),
             );
             let responder = Responder {
                 headers: ConcurrencyHeaders::new(&limits, cfg.headers && !cfg.shadow),
                 rejection: cfg.rejection.clone(),
                 rendered: [
-                    Rendered::new(LimitKind::Concurrency, &name, u64::from(max)),
+                    Rendered::new(LimitKind::Concurrency, &name),
                     service_rendered,
                 ],
                 adaptive: adaptive.clone(),

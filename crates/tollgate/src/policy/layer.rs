@@ -427,7 +427,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 headers: Headers::new(rule, self.headers, self.legacy_headers),
                 shadow: r.shadow,
                 rejection: self.rejection.clone(),
-                rendered: Rendered::new(LimitKind::Rate, rule.name(), rule.capacity()),
+                rendered: Rendered::new(LimitKind::Rate, rule.name()),
                 metrics: Metrics::register_plan(rule.name(), plan),
                 // Counted by the policy, rule by rule.
                 route_label: false,

@@ -308,7 +308,6 @@ impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
                     .map(|(p, _)| format!("{}-{}", cfg.name, p.name()))
                     .collect()
             };
-            let largest = rule.quota().periods().map(|(_, l)| l).max().unwrap_or(0);
             // The quota's series (every plan's decisions count under its
             // name), and each period's used share in the order decisions
             // list them.
@@ -320,7 +319,7 @@ impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
                 items: names.into_iter().map(Into::into).collect(),
                 shadow: cfg.shadow,
                 rejection: cfg.rejection.clone(),
-                rendered: Rendered::new(LimitKind::Quota, &cfg.name, largest),
+                rendered: Rendered::new(LimitKind::Quota, &cfg.name),
                 soft: cfg.soft,
                 metrics,
                 warnings,

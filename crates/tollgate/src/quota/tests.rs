@@ -474,3 +474,25 @@ async fn a_request_that_was_not_served_gets_its_charge_back() {
     let usage = layer.limiter().consume(&key("e"), 0).await.unwrap();
     assert_eq!(usage.periods()[0].remaining, 90);
 }
+
+/// Review finding 13 (quota): a request too costly for the day was told
+/// it costs more than the month's budget, which it did not.
+#[tokio::test]
+async fn a_request_no_period_can_hold_names_the_budget_it_exceeds() {
+    let clock = ManualClock::at_unix(unix_nanos(2026, 12, 2, 12, 0, 0));
+    let layer = QuotaLayer::builder("plan")
+        .period(Period::Day, 1_000)
+        .period(Period::Month, 20_000)
+        .key(Header::named("x-api-key").unwrap())
+        .cost(HeaderCost::named("x-cost", 1, 100_000).unwrap())
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    let res = svc.oneshot(req("a", 5_000)).await.unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    let body = std::str::from_utf8(&body).unwrap();
+    assert!(body.contains("(1000)"), "{body}");
+    assert!(!body.contains("20000"), "{body}");
+}

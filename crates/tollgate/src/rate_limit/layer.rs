@@ -277,7 +277,7 @@ impl<K, C, St: Store> RateLimitLayerBuilder<K, C, St> {
                     shadow: cfg.shadow,
                     rejection: cfg.rejection,
                     route_label: cfg.route_label,
-                    rendered: Rendered::new(LimitKind::Rate, rule.name(), rule.capacity()),
+                    rendered: Rendered::new(LimitKind::Rate, rule.name()),
                     metrics: Metrics::register(rule.name()),
                 }),
             }),

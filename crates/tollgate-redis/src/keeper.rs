@@ -99,13 +99,9 @@ impl LeaseKeeper {
     pub(crate) fn spawn(backend: Arc<Backend>, renew: bool) -> Self {
         let (jobs, queue) = mpsc::channel(MAX_QUEUE);
         tokio::spawn(keep(queue, backend, renew));
-        metrics::describe_counter!(
-            "tollgate_lease_releases_dropped_total",
-            "Concurrency lease releases dropped because the lease task's queue was full (the leases lapse within their TTL)"
-        );
         Self {
             jobs,
-            dropped: metrics::counter!("tollgate_lease_releases_dropped_total", "store" => "redis"),
+            dropped: dropped_releases(),
         }
     }
 
@@ -336,11 +332,20 @@ fn handle(
     }
 }
 
+/// `tollgate_lease_releases_dropped_total{store="redis"}`.
+fn dropped_releases() -> metrics::Counter {
+    metrics::describe_counter!(
+        "tollgate_lease_releases_dropped_total",
+        "Concurrency lease releases dropped: the lease task had too many waiting (the leases lapse within their TTL)"
+    );
+    metrics::counter!("tollgate_lease_releases_dropped_total", "store" => "redis")
+}
+
 /// Drops a batch of releases that the task cannot take on: each lease
 /// lapses within its TTL; counted, and each waiter told.
 fn dropped(chunk: Vec<(Lease, Done)>) {
     let count = u64::try_from(chunk.len()).unwrap_or(u64::MAX);
-    metrics::counter!("tollgate_lease_releases_dropped_total", "store" => "redis").increment(count);
+    dropped_releases().increment(count);
     for (_, done) in chunk {
         let _ = done.send(Err(StoreError::new(
             StoreErrorKind::Unavailable,

@@ -8,7 +8,7 @@ use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use super::adaptive::Adaptive;
-use super::permit::{Holding, PermitBody, Sampling};
+use super::permit::{PermitBody, Sampling};
 use super::shared::{Admission, Admitted, BoxFuture, Items, Responder};
 use crate::body::RejectionBody;
 use crate::outcome::Completion;
@@ -193,11 +193,9 @@ fn sample_at_head<B, E>(
 
 /// Gives the adaptive limit's permits of `admitted` back, if it holds any.
 fn release_adaptive(adaptive: &Adaptive, admitted: &mut Admitted) {
-    if let Some(Holding::Permit(permit)) = admitted.permit.as_mut() {
-        let permits = permit.held_mut().take_adaptive();
-        if permits > 0 {
-            adaptive.release(permits);
-        }
+    let permits = admitted.take_adaptive();
+    if permits > 0 {
+        adaptive.release(permits);
     }
     drop(admitted.adaptive.take());
 }

@@ -240,21 +240,18 @@ pub(crate) enum Holding {
 }
 
 impl Holding {
-    /// For an upgrade request, when the layer offers upgrades: the permit
-    /// moves to a slot in the request's extensions, for the handler.
+    /// For an upgrade request (the caller checks), when the layer offers
+    /// upgrades: the permit moves to a slot in the request's extensions,
+    /// for the handler.
     pub(crate) fn attach<B>(holding: &mut Option<Self>, req: &mut http::Request<B>) {
         if let Some(Holding::Permit(_)) = holding {
-            if is_upgrade(req) {
-                if let Some(Holding::Permit(permit)) = holding.take() {
-                    let slot = UpgradePermit::new(permit);
-                    req.extensions_mut().insert(slot.clone());
-                    *holding = Some(Holding::Upgrade(Offered(slot)));
-                }
+            if let Some(Holding::Permit(permit)) = holding.take() {
+                let slot = UpgradePermit::new(permit);
+                req.extensions_mut().insert(slot.clone());
+                *holding = Some(Holding::Upgrade(Offered(slot)));
             }
         }
     }
-
-    fn release(self) {}
 }
 
 /// The slot of an upgrade's permit, as the response body holds it: a
@@ -366,9 +363,7 @@ where
         if done {
             // The response is over: free the permit now, not when the
             // server gets round to dropping the body.
-            if let Some(holding) = this.permit.take() {
-                holding.release();
-            }
+            drop(this.permit.take());
         }
         polled
     }

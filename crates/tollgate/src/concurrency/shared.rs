@@ -204,8 +204,8 @@ impl Admitted {
         if !super::permit::is_upgrade(req) {
             return;
         }
-        if let (Some(a), Some(Holding::Permit(p))) = (adaptive, self.permit.as_mut()) {
-            let permits = p.held_mut().take_adaptive();
+        if let Some(a) = adaptive {
+            let permits = self.take_adaptive();
             if permits > 0 {
                 self.adaptive = Some(AdaptiveHold {
                     adaptive: Arc::clone(a),
@@ -214,6 +214,15 @@ impl Admitted {
             }
         }
         Holding::attach(&mut self.permit, req);
+    }
+
+    /// The adaptive limit's permits the request's permit holds, taken out
+    /// of it (0: none).
+    pub(crate) fn take_adaptive(&mut self) -> u32 {
+        match self.permit.as_mut() {
+            Some(Holding::Permit(p)) => p.held_mut().take_adaptive(),
+            _ => 0,
+        }
     }
 }
 

@@ -246,9 +246,10 @@ fn headers<B, L>(
                 if named == Some(i) {
                     tightest = Some(n);
                     if let (true, Some(block)) = (blocked, retry_after) {
-                        let wait = d
-                            .retry_after()
-                            .map_or(0, |w| u64::try_from(w.as_nanos()).unwrap_or(u64::MAX));
+                        let wait = match d.outcome {
+                            Outcome::Deny { retry_after } => retry_after,
+                            _ => 0,
+                        };
                         d.outcome = Outcome::Deny {
                             retry_after: wait.max(block),
                         };

@@ -182,6 +182,21 @@ where
     }
 }
 
+impl<S, ReqB, D> State<S, ReqB, D>
+where
+    S: Service<Request<ReqB>>,
+{
+    /// Calling the inner service with no decision of this quota's (a
+    /// store fault, a listed or keyless request let through).
+    fn calling(future: S::Future) -> Self {
+        Self::Calling {
+            future,
+            decision: None,
+            refund: None,
+        }
+    }
+}
+
 /// Whether a response says its request was not served: an inner limit
 /// refused it (a tollgate [`Refusal`](crate::rejection::Refusal)), or the
 /// service failed (a 5xx, or a gRPC status that maps to one).
@@ -214,11 +229,7 @@ where
         Err(error) => {
             m.store_error.increment(1);
             crate::observe::store_fault("quota", &responder.rule, &error);
-            return State::Calling {
-                future: inner.call(request),
-                decision: None,
-                refund: None,
-            };
+            return State::calling(inner.call(request));
         }
     };
     for (used, p) in responder.used.iter().zip(d.periods()) {
@@ -298,11 +309,7 @@ where
             match listed.check(&req) {
                 Access::Unlisted => {}
                 Access::Allowed => {
-                    let state = State::Calling {
-                        future: self.inner.call(req),
-                        decision: None,
-                        refund: None,
-                    };
+                    let state = State::calling(self.inner.call(req));
                     return ResponseFuture { state, responder };
                 }
                 Access::Denied => {
@@ -325,11 +332,7 @@ where
         ) {
             Keyed::Key => {}
             Keyed::Skip => {
-                let state = State::Calling {
-                    future: self.inner.call(req),
-                    decision: None,
-                    refund: None,
-                };
+                let state = State::calling(self.inner.call(req));
                 return ResponseFuture { state, responder };
             }
             Keyed::Reject => {

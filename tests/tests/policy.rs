@@ -253,6 +253,19 @@ async fn redis() {
     run_table(redis_store(&redis.url(), &clock), &clock, Some(&calls)).await;
 }
 
+/// The same table through an [`AnyStore`](tollgate::AnyStore) holding the
+/// Redis store: its decisions, joint steps (the script-call count) and
+/// refunds are the Redis store's own.
+#[tokio::test]
+async fn redis_through_any_store() {
+    let Some(redis) = Server::start() else { return };
+    let clock = ManualClock::starting_at(1_796_000_040_000_000_000); // a whole minute
+    let calls = || redis.script_calls();
+    let store = tollgate::AnyStore::from(redis_store(&redis.url(), &clock));
+    assert_eq!(store.kind(), "redis");
+    run_table(store, &clock, Some(&calls)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster() {
     let Some(cluster) = Cluster::start() else {
@@ -480,7 +493,7 @@ rate = "3/min"
         Ok::<_, Infallible>(Response::new(String::new()))
     }));
     let call = |svc: &_| {
-        let svc: &tollgate::policy::Policy<_, String, S::Limiter> = svc;
+        let svc: &tollgate::policy::PolicyService<_, String, S::Limiter> = svc;
         let svc = svc.clone();
         async move {
             let req = Request::get("/")

@@ -30,6 +30,11 @@ use pin_project_lite::pin_project;
 /// let body = <String as RejectionBody>::rejection(Bytes::from_static(b"{}"));
 /// assert_eq!(body, "{}");
 /// ```
+#[diagnostic::on_unimplemented(
+    message = "tollgate cannot answer a rejection in the body type `{Self}`",
+    note = "for tonic's `tonic::body::Body`, enable tollgate's `tonic` feature; for axum's `Body`, its `axum` feature (on by default)",
+    note = "for any other body, wrap the inner service's responses with `tollgate::ResponseBody::wrap` (e.g. tower-http's `MapResponseBodyLayer::new(ResponseBody::wrap)`)"
+)]
 pub trait RejectionBody: Body<Data = Bytes> + Sized {
     /// A body that sends `bytes` (a rejection's whole body).
     fn rejection(bytes: Bytes) -> Self;
@@ -111,8 +116,7 @@ impl<B: Body<Data = Bytes>> RejectionBody for ResponseBody<B> {
 
 pin_project! {
     /// The inner service's body, or the layer's own bytes: a rejection's
-    /// problem document, or (as [`ReplayBody`](crate::retry::ReplayBody))
-    /// a buffered request body sent again.
+    /// problem document.
     #[derive(Debug)]
     pub struct ResponseBody<B> {
         #[pin]

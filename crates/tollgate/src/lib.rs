@@ -108,22 +108,28 @@ pub mod quota;
 pub mod rate_limit;
 pub mod rejection;
 pub mod retry;
+pub mod store;
 mod task;
 mod ways;
 
 pub use body::{RejectionBody, ResponseBody};
 pub use clock::TokioClock;
-pub use concurrency::ConcurrencyLayer;
-pub use policy::PolicyLayer;
-pub use quota::QuotaLayer;
-pub use rate_limit::{MissingKey, RateLimit, RateLimitLayer, RateLimitLayerBuilder, RateLimited};
-pub use retry::RetryBudgetLayer;
-pub use tollgate_core::{
-    self as core, calendar, Algorithm, ConfigError, Decision, Limit, Outcome, Rate, Rule, Store,
+pub use concurrency::{ConcurrencyLayer, ConcurrencyService};
+pub use policy::{PolicyLayer, PolicyService};
+pub use quota::{QuotaLayer, QuotaService};
+pub use rate_limit::{
+    MissingKey, RateLimitLayer, RateLimitLayerBuilder, RateLimitService, RateLimited,
 };
-pub use tollgate_memory::{self as memory, MemoryStore};
+pub use retry::{RetryBudgetLayer, RetryBudgetService};
+pub use store::AnyStore;
+pub use tollgate_core::{
+    self as core, calendar, Algorithm, Clock, ConcurrencyLimiter, ConfigError, Decision, Limit,
+    Limiter, ManualClock, Outcome, QuotaLimiter, QuotaStore, Rate, RetryBudgetLimiter,
+    RetryBudgetStore, Rule, Store, StoreError, StoreErrorKind, SystemClock,
+};
+pub use tollgate_memory::{self as memory, MemoryStore, MemoryStoreBuilder};
 #[cfg(feature = "redis")]
-pub use tollgate_redis::{self as redis, FailurePolicy, RedisStore};
+pub use tollgate_redis::{self as redis, FailurePolicy, RedisStore, RedisStoreBuilder};
 
 /// The boxed error of error-mode services.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -21,13 +21,12 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use tollgate::config::Reloader;
-use tollgate::core::QuotaStore;
-use tollgate::{FailurePolicy, MemoryStore, RedisStore};
+use tollgate::{AnyStore, FailurePolicy, MemoryStore, RedisStore};
 
-/// Builds the app on `store`, and starts reloading the policy file if
-/// one is named.
-fn app<S: QuotaStore>(
-    store: S,
+/// Builds the app on `store` (memory or Redis, chosen at run time), and
+/// starts reloading the policy file if one is named.
+fn app(
+    store: AnyStore,
     trusted: &[String],
     config: Option<&PathBuf>,
 ) -> Result<axum::Router, Box<dyn std::error::Error + Send + Sync>> {
@@ -84,7 +83,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         .map(PathBuf::from);
     // The recorder first: the layers register their metrics when built.
     let metrics = tollgate_examples::prometheus()?;
-    let built = match std::env::var("TOLLGATE_REDIS_URL") {
+    // The store is a deployment choice: one `AnyStore` type either way, so
+    // the app is built once.
+    let (store, shown): (AnyStore, String) = match std::env::var("TOLLGATE_REDIS_URL") {
         Ok(url) if !url.trim().is_empty() => {
             // If Redis goes away, each instance keeps limiting on its own.
             let mut builder = RedisStore::builder(&url)
@@ -95,13 +96,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             if let Ok(secret) = std::env::var("TOLLGATE_KEY_SECRET") {
                 builder = builder.key_secret(secret);
             }
-            let store = builder.build()?;
-            let shown = without_password(&url);
-            app(store, &trusted, config.as_ref()).map(|a| (a, format!("redis store at {shown}")))
+            let shown = format!("redis store at {}", without_password(&url));
+            (builder.build()?.into(), shown)
         }
-        _ => app(MemoryStore::new(), &trusted, config.as_ref())
-            .map(|a| (a, "in-memory store".to_owned())),
+        _ => (MemoryStore::new().into(), "in-memory store".to_owned()),
     };
+    let built = app(store, &trusted, config.as_ref()).map(|a| (a, shown));
     let (app, store) = match built {
         Ok(built) => built,
         Err(e) => {

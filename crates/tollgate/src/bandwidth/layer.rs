@@ -66,10 +66,10 @@ impl<K, L: Limiter> fmt::Debug for BandwidthLayer<K, L> {
 }
 
 impl<S, K, L> Layer<S> for BandwidthLayer<K, L> {
-    type Service = Bandwidth<S, K, L>;
+    type Service = BandwidthService<S, K, L>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Bandwidth {
+        BandwidthService {
             inner,
             shared: Arc::clone(&self.shared),
         }
@@ -256,12 +256,12 @@ impl<K, St: Store> BandwidthLayerBuilder<K, St> {
 }
 
 /// The service of [`BandwidthLayer`].
-pub struct Bandwidth<S, K, L> {
+pub struct BandwidthService<S, K, L> {
     inner: S,
     shared: Arc<Shared<K, L>>,
 }
 
-impl<S: Clone, K, L> Clone for Bandwidth<S, K, L> {
+impl<S: Clone, K, L> Clone for BandwidthService<S, K, L> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
@@ -270,9 +270,9 @@ impl<S: Clone, K, L> Clone for Bandwidth<S, K, L> {
     }
 }
 
-impl<S: fmt::Debug, K, L> fmt::Debug for Bandwidth<S, K, L> {
+impl<S: fmt::Debug, K, L> fmt::Debug for BandwidthService<S, K, L> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Bandwidth")
+        f.debug_struct("BandwidthService")
             .field("inner", &self.inner)
             .finish_non_exhaustive()
     }
@@ -298,7 +298,7 @@ impl<K, L: Limiter> Shared<K, L> {
     }
 }
 
-impl<S, K, L, ReqB, ResB> Service<Request<ReqB>> for Bandwidth<S, K, L>
+impl<S, K, L, ReqB, ResB> Service<Request<ReqB>> for BandwidthService<S, K, L>
 where
     S: Service<Request<PacedBody<ReqB, L>>, Response = Response<ResB>>,
     K: KeyExtractor<ReqB>,
@@ -380,7 +380,7 @@ pin_project! {
 }
 
 pin_project! {
-    /// Response future of [`Bandwidth`]: wraps the response body.
+    /// Response future of [`BandwidthService`]: wraps the response body.
     pub struct ResponseFuture<F, L: Limiter> {
         #[pin]
         state: State<F>,

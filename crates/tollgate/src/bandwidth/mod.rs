@@ -39,7 +39,9 @@ mod body;
 mod layer;
 
 pub use body::PacedBody;
-pub use layer::{Bandwidth, BandwidthLayer, BandwidthLayerBuilder, Direction, ResponseFuture};
+pub use layer::{
+    BandwidthLayer, BandwidthLayerBuilder, BandwidthService, Direction, ResponseFuture,
+};
 
 #[cfg(test)]
 mod tests;

@@ -46,7 +46,7 @@ pin_project! {
 }
 
 pin_project! {
-    /// Response future of [`ConcurrencyLimit`](super::ConcurrencyLimit).
+    /// Response future of [`ConcurrencyService`](super::ConcurrencyLimit).
     /// Dropping it (the client went away, a timeout above gave up) releases
     /// the request's permit at once.
     pub struct ResponseFuture<S, ReqB>

@@ -11,7 +11,7 @@ use tower_layer::Layer;
 
 use super::adaptive::{non_critical_ceiling, Adaptive, DropFn, ReadOnly};
 use super::queue::Queue;
-use super::service::ConcurrencyLimit;
+use super::service::ConcurrencyService;
 use super::shared::{AllCritical, PlanLimit, RejectFn, Responder, ServiceLimit, Shared, Slot};
 use crate::cost::Fixed;
 use crate::headers::ConcurrencyHeaders;
@@ -63,10 +63,10 @@ impl<K, C, P, L> fmt::Debug for ConcurrencyLayer<K, C, P, L> {
 }
 
 impl<S, K, C, P, L> Layer<S> for ConcurrencyLayer<K, C, P, L> {
-    type Service = ConcurrencyLimit<S, K, C, P, L>;
+    type Service = ConcurrencyService<S, K, C, P, L>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        ConcurrencyLimit::new(inner, Arc::clone(&self.shared))
+        ConcurrencyService::new(inner, Arc::clone(&self.shared))
     }
 }
 
@@ -392,8 +392,11 @@ impl<K, C, P, St> ConcurrencyLayerBuilder<K, C, P, St> {
         self
     }
 
-    /// What to do with requests that have no key (default: share one
-    /// fallback budget).
+    /// What to do with requests that have no key. The default, as on every
+    /// layer, is [`MissingKey::Reject`]: a 400 problem document before the
+    /// inner service is called. [`MissingKey::Fallback`] puts every keyless
+    /// request on one shared budget; [`MissingKey::Skip`] lets them through
+    /// unlimited.
     pub fn on_missing_key(mut self, missing: MissingKey) -> Self {
         self.cfg.missing = missing;
         self

@@ -119,6 +119,6 @@ pub use crate::outcome::Completion;
 pub use future::ResponseFuture;
 pub use layer::{ConcurrencyLayer, ConcurrencyLayerBuilder};
 pub use permit::{Permit, PermitBody, UpgradePermit};
-pub use service::ConcurrencyLimit;
+pub use service::ConcurrencyService;
 pub use shared::{AllCritical, Critical};
 pub use tollgate_core::adaptive::{AdaptiveLimit, Aimd, Gradient};

@@ -13,12 +13,12 @@ use crate::cost::Cost;
 use crate::key::KeyExtractor;
 
 /// The service of [`ConcurrencyLayer`](super::ConcurrencyLayer).
-pub struct ConcurrencyLimit<S, K, C, P, L> {
+pub struct ConcurrencyService<S, K, C, P, L> {
     inner: S,
     shared: Arc<Shared<K, C, P, L>>,
 }
 
-impl<S: Clone, K, C, P, L> Clone for ConcurrencyLimit<S, K, C, P, L> {
+impl<S: Clone, K, C, P, L> Clone for ConcurrencyService<S, K, C, P, L> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
@@ -27,22 +27,22 @@ impl<S: Clone, K, C, P, L> Clone for ConcurrencyLimit<S, K, C, P, L> {
     }
 }
 
-impl<S: std::fmt::Debug, K, C, P, L> std::fmt::Debug for ConcurrencyLimit<S, K, C, P, L> {
+impl<S: std::fmt::Debug, K, C, P, L> std::fmt::Debug for ConcurrencyService<S, K, C, P, L> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ConcurrencyLimit")
+        f.debug_struct("ConcurrencyService")
             .field("inner", &self.inner)
             .field("rule", &self.shared.per_key.name)
             .finish_non_exhaustive()
     }
 }
 
-impl<S, K, C, P, L> ConcurrencyLimit<S, K, C, P, L> {
+impl<S, K, C, P, L> ConcurrencyService<S, K, C, P, L> {
     pub(crate) fn new(inner: S, shared: Arc<Shared<K, C, P, L>>) -> Self {
         Self { inner, shared }
     }
 }
 
-impl<S, K, C, P, L, ReqB, ResB> Service<Request<ReqB>> for ConcurrencyLimit<S, K, C, P, L>
+impl<S, K, C, P, L, ReqB, ResB> Service<Request<ReqB>> for ConcurrencyService<S, K, C, P, L>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
     K: KeyExtractor<ReqB>,

@@ -14,6 +14,12 @@ use crate::ip::{forwarded_for, Cidr};
 /// [`SocketAddr`] or, with the `axum` feature, axum's
 /// `ConnectInfo<SocketAddr>` (serve with
 /// `into_make_service_with_connect_info::<SocketAddr>()`).
+///
+/// A request with neither is a server set up without connect info, not a
+/// client's fault: every layer keyed by the peer then answers each request
+/// with its `MissingKey` policy (a 400 by default). So that this is not
+/// silent, the first such request logs a warning naming the fix, and then
+/// at most one a minute (target `tollgate`).
 pub fn peer_addr<B>(req: &Request<B>) -> Option<SocketAddr> {
     #[cfg(feature = "axum")]
     if let Some(info) = req
@@ -22,7 +28,55 @@ pub fn peer_addr<B>(req: &Request<B>) -> Option<SocketAddr> {
     {
         return Some(info.0);
     }
-    req.extensions().get::<SocketAddr>().copied()
+    let addr = req.extensions().get::<SocketAddr>().copied();
+    if addr.is_none() && NO_CONNECT_INFO.due(unix_secs()) {
+        tracing::warn!(
+            target: "tollgate",
+            "a request carries no peer address, so limits keyed by PeerIp or ClientIp \
+             cannot key it: serve axum with \
+             `into_make_service_with_connect_info::<SocketAddr>()`, or add \
+             `tollgate::key::PeerAddrLayer` to a tonic server or a plain hyper stack"
+        );
+    }
+    addr
+}
+
+/// The warning about missing connect info, at most once per interval.
+static NO_CONNECT_INFO: Every = Every::new(60);
+
+fn unix_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// A gate that opens once, then at most once every `secs` seconds.
+#[derive(Debug)]
+pub(crate) struct Every {
+    secs: u64,
+    /// Unix seconds of the last opening plus one (0: never opened).
+    last: std::sync::atomic::AtomicU64,
+}
+
+impl Every {
+    pub(crate) const fn new(secs: u64) -> Self {
+        Self {
+            secs,
+            last: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Whether the gate opens at `now` (Unix seconds); one caller wins.
+    pub(crate) fn due(&self, now: u64) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        let last = self.last.load(Relaxed);
+        if last != 0 && now.saturating_add(1) < last.saturating_add(self.secs) {
+            return false;
+        }
+        self.last
+            .compare_exchange(last, now.saturating_add(1), Relaxed, Relaxed)
+            .is_ok()
+    }
 }
 
 /// Default IPv6 prefix kept in IP keys: a /64 is what one subscriber
@@ -211,5 +265,25 @@ impl<B> KeyExtractor<B> for ClientIp {
     fn extract(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()> {
         key.push_ip(self.client_ip(req)?, self.v6_prefix);
         Some(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_missing_connect_info_warning_is_rate_limited() {
+        let gate = Every::new(60);
+        assert!(gate.due(1_000), "the first request warns");
+        assert!(!gate.due(1_000));
+        assert!(!gate.due(1_059), "then nothing for a minute");
+        assert!(gate.due(1_060), "then once a minute");
+        assert!(!gate.due(1_061));
+        // A clock that steps back does not silence it for ever.
+        let gate = Every::new(60);
+        assert!(gate.due(0));
+        assert!(!gate.due(0));
+        assert!(gate.due(60));
     }
 }

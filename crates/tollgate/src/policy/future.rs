@@ -52,7 +52,7 @@ pin_project! {
 }
 
 pin_project! {
-    /// Response future of [`Policy`].
+    /// Response future of [`PolicyService`].
     pub struct PolicyFuture<S, B, L>
     where
         S: Service<Request<B>>,

@@ -13,7 +13,7 @@ use super::access::{AccessList, Listed};
 use super::idempotency::Idempotency;
 use super::plan::{Named, Plan, Plans, Source};
 use super::rule::{DynRule, Erased, RateRule};
-use super::service::Policy;
+use super::service::PolicyService;
 use super::shared::{canary, Bound, Current, RejectFn, Shared, MAX_RULES};
 use crate::cost::Cost;
 use crate::headers::{set_policy, Headers};
@@ -107,10 +107,10 @@ impl<B, L> PolicyLayer<B, L> {
 }
 
 impl<S, B, L> Layer<S> for PolicyLayer<B, L> {
-    type Service = Policy<S, B, L>;
+    type Service = PolicyService<S, B, L>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Policy {
+        PolicyService {
             inner,
             current: Arc::clone(&self.current),
         }

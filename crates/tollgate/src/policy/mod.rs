@@ -165,5 +165,5 @@ pub use future::PolicyFuture;
 pub use layer::{PolicyLayer, PolicyLayerBuilder};
 pub use plan::Plan;
 pub use rule::RateRule;
-pub use service::Policy;
+pub use service::PolicyService;
 pub use shared::MAX_RULES;

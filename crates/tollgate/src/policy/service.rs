@@ -22,13 +22,13 @@ use crate::rate_limit::Inner;
 use crate::rejection::is_grpc;
 
 /// The service of [`PolicyLayer`](super::PolicyLayer).
-pub struct Policy<S, B, L> {
+pub struct PolicyService<S, B, L> {
     pub(super) inner: S,
     /// The policy now (read once per request; a reload swaps it).
     pub(super) current: Arc<Current<B, L>>,
 }
 
-impl<S: Clone, B, L> Clone for Policy<S, B, L> {
+impl<S: Clone, B, L> Clone for PolicyService<S, B, L> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
@@ -37,9 +37,9 @@ impl<S: Clone, B, L> Clone for Policy<S, B, L> {
     }
 }
 
-impl<S: fmt::Debug, B, L> fmt::Debug for Policy<S, B, L> {
+impl<S: fmt::Debug, B, L> fmt::Debug for PolicyService<S, B, L> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Policy")
+        f.debug_struct("PolicyService")
             .field("inner", &self.inner)
             .finish_non_exhaustive()
     }
@@ -101,7 +101,7 @@ fn owned_keys<B, L>(
     keys
 }
 
-impl<S, B, L, ResB> Service<Request<B>> for Policy<S, B, L>
+impl<S, B, L, ResB> Service<Request<B>> for PolicyService<S, B, L>
 where
     S: Service<Request<B>, Response = Response<ResB>> + Clone + Send + 'static,
     B: Send + 'static,
@@ -404,7 +404,7 @@ enum Marker {
     Ladders,
 }
 
-impl<S, B, L, ResB> Policy<S, B, L>
+impl<S, B, L, ResB> PolicyService<S, B, L>
 where
     S: Service<Request<B>, Response = Response<ResB>> + Clone + Send + 'static,
     B: Send + 'static,

@@ -8,7 +8,7 @@ use tollgate_core::{ConfigError, QuotaLimiter, QuotaRule, QuotaStore};
 use tollgate_memory::MemoryStore;
 use tower_layer::Layer;
 
-use super::service::{QuotaLimit, Responder, Shared};
+use super::service::{QuotaService, Responder, Shared};
 use crate::cost::Fixed;
 use crate::headers::QuotaHeaders;
 use crate::key::PeerIp;
@@ -46,10 +46,10 @@ impl<K, C, L> fmt::Debug for QuotaLayer<K, C, L> {
 }
 
 impl<S, K, C, L> Layer<S> for QuotaLayer<K, C, L> {
-    type Service = QuotaLimit<S, K, C, L>;
+    type Service = QuotaService<S, K, C, L>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        QuotaLimit::new(inner, Arc::clone(&self.shared))
+        QuotaService::new(inner, Arc::clone(&self.shared))
     }
 }
 
@@ -263,8 +263,11 @@ impl<K, C, St> QuotaLayerBuilder<K, C, St> {
         self
     }
 
-    /// What to do with requests that have no key (default: share one
-    /// fallback budget).
+    /// What to do with requests that have no key. The default, as on every
+    /// layer, is [`MissingKey::Reject`]: a 400 problem document before the
+    /// inner service is called. [`MissingKey::Fallback`] puts every keyless
+    /// request on one shared budget; [`MissingKey::Skip`] lets them through
+    /// unlimited.
     pub fn on_missing_key(mut self, missing: MissingKey) -> Self {
         self.cfg.missing = missing;
         self

@@ -65,4 +65,4 @@ mod service;
 mod tests;
 
 pub use layer::{QuotaLayer, QuotaLayerBuilder};
-pub use service::{QuotaLimit, ResponseFuture};
+pub use service::{QuotaService, ResponseFuture};

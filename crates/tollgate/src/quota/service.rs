@@ -104,12 +104,12 @@ impl<K, C, L> Shared<K, C, L> {
 }
 
 /// The service of [`QuotaLayer`](super::QuotaLayer).
-pub struct QuotaLimit<S, K, C, L> {
+pub struct QuotaService<S, K, C, L> {
     inner: S,
     shared: Arc<Shared<K, C, L>>,
 }
 
-impl<S: Clone, K, C, L> Clone for QuotaLimit<S, K, C, L> {
+impl<S: Clone, K, C, L> Clone for QuotaService<S, K, C, L> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
@@ -118,16 +118,16 @@ impl<S: Clone, K, C, L> Clone for QuotaLimit<S, K, C, L> {
     }
 }
 
-impl<S: std::fmt::Debug, K, C, L> std::fmt::Debug for QuotaLimit<S, K, C, L> {
+impl<S: std::fmt::Debug, K, C, L> std::fmt::Debug for QuotaService<S, K, C, L> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("QuotaLimit")
+        f.debug_struct("QuotaService")
             .field("inner", &self.inner)
             .field("rule", &self.shared.responder().rule)
             .finish_non_exhaustive()
     }
 }
 
-impl<S, K, C, L> QuotaLimit<S, K, C, L> {
+impl<S, K, C, L> QuotaService<S, K, C, L> {
     pub(crate) fn new(inner: S, shared: Arc<Shared<K, C, L>>) -> Self {
         Self { inner, shared }
     }
@@ -160,7 +160,7 @@ pin_project! {
 }
 
 pin_project! {
-    /// Response future of [`QuotaLimit`].
+    /// Response future of [`QuotaService`].
     pub struct ResponseFuture<S, ReqB, D>
     where
         S: Service<Request<ReqB>>,
@@ -285,7 +285,7 @@ where
     }
 }
 
-impl<S, K, C, L, ReqB, ResB> Service<Request<ReqB>> for QuotaLimit<S, K, C, L>
+impl<S, K, C, L, ReqB, ResB> Service<Request<ReqB>> for QuotaService<S, K, C, L>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
     K: KeyExtractor<ReqB>,

@@ -2,7 +2,7 @@ use std::fmt;
 
 use crate::rejection::{LimitKind, Reason, Rejected};
 
-/// The error of [`RateLimitErrors`](super::RateLimitErrors): the request
+/// The error of [`RateLimitErrorService`](super::RateLimitErrors): the request
 /// was rejected. Carries everything the HTTP rejection would have said.
 #[derive(Debug, Clone)]
 pub struct RateLimited(pub Rejected);

@@ -305,7 +305,7 @@ where
 }
 
 pin_project! {
-    /// Response future of [`RateLimit`](super::RateLimit).
+    /// Response future of [`RateLimitService`](super::RateLimit).
     pub struct ResponseFuture<S, ReqB, D>
     where
         S: Service<Request<ReqB>>,
@@ -361,7 +361,7 @@ where
 }
 
 pin_project! {
-    /// Response future of [`RateLimitErrors`](super::RateLimitErrors).
+    /// Response future of [`RateLimitErrorService`](super::RateLimitErrors).
     pub struct ErrorFuture<S, ReqB, D>
     where
         S: Service<Request<ReqB>>,

@@ -7,7 +7,7 @@ use tollgate_core::{ConfigError, Limit, Rule, Store};
 use tollgate_memory::MemoryStore;
 use tower_layer::Layer;
 
-use super::service::{RateLimit, RateLimitErrors};
+use super::service::{RateLimitErrorService, RateLimitService};
 use super::shared::{RejectFn, Responder, Shared};
 use crate::cost::Fixed;
 use crate::headers::Headers;
@@ -106,10 +106,10 @@ impl<K, C, L> RateLimitLayer<K, C, L> {
 }
 
 impl<S, K, C, L> Layer<S> for RateLimitLayer<K, C, L> {
-    type Service = RateLimit<S, K, C, L>;
+    type Service = RateLimitService<S, K, C, L>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        RateLimit::new(inner, Arc::clone(&self.shared))
+        RateLimitService::new(inner, Arc::clone(&self.shared))
     }
 }
 
@@ -135,10 +135,10 @@ impl<K, C, L> fmt::Debug for RateLimitErrorLayer<K, C, L> {
 }
 
 impl<S, K, C, L> Layer<S> for RateLimitErrorLayer<K, C, L> {
-    type Service = RateLimitErrors<S, K, C, L>;
+    type Service = RateLimitErrorService<S, K, C, L>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        RateLimitErrors::new(inner, Arc::clone(&self.shared))
+        RateLimitErrorService::new(inner, Arc::clone(&self.shared))
     }
 }
 
@@ -230,8 +230,11 @@ impl<K, C, St> RateLimitLayerBuilder<K, C, St> {
         self
     }
 
-    /// What to do with requests that have no key (default: share one
-    /// fallback budget).
+    /// What to do with requests that have no key. The default, as on every
+    /// layer, is [`MissingKey::Reject`]: a 400 problem document before the
+    /// inner service is called. [`MissingKey::Fallback`] puts every keyless
+    /// request on one shared budget; [`MissingKey::Skip`] lets them through
+    /// unlimited.
     pub fn on_missing_key(mut self, missing: MissingKey) -> Self {
         self.cfg.missing = missing;
         self

@@ -48,5 +48,5 @@ pub use error::RateLimited;
 pub(crate) use future::{poll_paced, Inner, Refund, RefundFn};
 pub use future::{ErrorFuture, ResponseFuture};
 pub use layer::{RateLimitErrorLayer, RateLimitLayer, RateLimitLayerBuilder};
-pub use service::{RateLimit, RateLimitErrors};
+pub use service::{RateLimitErrorService, RateLimitService};
 pub(crate) use shared::Responder;

@@ -13,12 +13,12 @@ use crate::key::{KeyBuf, KeyBytes, KeyExtractor, Keyed};
 use crate::rejection::{is_grpc, LimitKind, Reason, Rejected};
 
 /// The service of [`RateLimitLayer`](super::RateLimitLayer).
-pub struct RateLimit<S, K, C, L> {
+pub struct RateLimitService<S, K, C, L> {
     inner: S,
     shared: Arc<Shared<K, C, L>>,
 }
 
-impl<S: Clone, K, C, L> Clone for RateLimit<S, K, C, L> {
+impl<S: Clone, K, C, L> Clone for RateLimitService<S, K, C, L> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
@@ -27,16 +27,16 @@ impl<S: Clone, K, C, L> Clone for RateLimit<S, K, C, L> {
     }
 }
 
-impl<S: std::fmt::Debug, K, C, L> std::fmt::Debug for RateLimit<S, K, C, L> {
+impl<S: std::fmt::Debug, K, C, L> std::fmt::Debug for RateLimitService<S, K, C, L> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RateLimit")
+        f.debug_struct("RateLimitService")
             .field("inner", &self.inner)
             .field("rule", &self.shared.responder.rule)
             .finish_non_exhaustive()
     }
 }
 
-impl<S, K, C, L> RateLimit<S, K, C, L> {
+impl<S, K, C, L> RateLimitService<S, K, C, L> {
     pub(crate) fn new(inner: S, shared: Arc<Shared<K, C, L>>) -> Self {
         Self { inner, shared }
     }
@@ -116,7 +116,7 @@ where
     }
 }
 
-impl<S, K, C, L, ReqB, ResB> Service<Request<ReqB>> for RateLimit<S, K, C, L>
+impl<S, K, C, L, ReqB, ResB> Service<Request<ReqB>> for RateLimitService<S, K, C, L>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
     K: KeyExtractor<ReqB>,
@@ -140,12 +140,12 @@ where
 
 /// The service of [`RateLimitErrorLayer`](super::RateLimitErrorLayer):
 /// rejections are errors ([`RateLimited`](super::RateLimited)).
-pub struct RateLimitErrors<S, K, C, L> {
+pub struct RateLimitErrorService<S, K, C, L> {
     inner: S,
     shared: Arc<Shared<K, C, L>>,
 }
 
-impl<S: Clone, K, C, L> Clone for RateLimitErrors<S, K, C, L> {
+impl<S: Clone, K, C, L> Clone for RateLimitErrorService<S, K, C, L> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
@@ -154,22 +154,22 @@ impl<S: Clone, K, C, L> Clone for RateLimitErrors<S, K, C, L> {
     }
 }
 
-impl<S: std::fmt::Debug, K, C, L> std::fmt::Debug for RateLimitErrors<S, K, C, L> {
+impl<S: std::fmt::Debug, K, C, L> std::fmt::Debug for RateLimitErrorService<S, K, C, L> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RateLimitErrors")
+        f.debug_struct("RateLimitErrorService")
             .field("inner", &self.inner)
             .field("rule", &self.shared.responder.rule)
             .finish_non_exhaustive()
     }
 }
 
-impl<S, K, C, L> RateLimitErrors<S, K, C, L> {
+impl<S, K, C, L> RateLimitErrorService<S, K, C, L> {
     pub(crate) fn new(inner: S, shared: Arc<Shared<K, C, L>>) -> Self {
         Self { inner, shared }
     }
 }
 
-impl<S, K, C, L, ReqB, ResB> Service<Request<ReqB>> for RateLimitErrors<S, K, C, L>
+impl<S, K, C, L, ReqB, ResB> Service<Request<ReqB>> for RateLimitErrorService<S, K, C, L>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
     S::Error: Into<crate::BoxError>,

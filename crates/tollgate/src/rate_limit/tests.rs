@@ -403,7 +403,7 @@ async fn a_failing_store_lets_requests_through() {
         keying: crate::key::Keying::new(MissingKey::default()),
         responder: layer.responder(),
     });
-    let mut svc = RateLimit::new(service_fn(ok), shared);
+    let mut svc = RateLimitService::new(service_fn(ok), shared);
     for _ in 0..5 {
         let res = svc.ready().await.unwrap().call(req("x")).await.unwrap();
         assert_eq!(res.status(), StatusCode::OK);

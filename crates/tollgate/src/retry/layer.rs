@@ -119,10 +119,10 @@ impl<K, L: RetryBudgetLimiter> fmt::Debug for RetryBudgetLayer<K, L> {
 }
 
 impl<S, K, L> Layer<S> for RetryBudgetLayer<K, L> {
-    type Service = Retry<S, K, L>;
+    type Service = RetryBudgetService<S, K, L>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Retry {
+        RetryBudgetService {
             inner,
             shared: Arc::clone(&self.shared),
         }
@@ -366,12 +366,12 @@ impl<K, St: RetryBudgetStore> RetryBudgetLayerBuilder<K, St> {
 }
 
 /// The service of [`RetryBudgetLayer`].
-pub struct Retry<S, K, L> {
+pub struct RetryBudgetService<S, K, L> {
     inner: S,
     shared: Arc<Shared<K, L>>,
 }
 
-impl<S: Clone, K, L> Clone for Retry<S, K, L> {
+impl<S: Clone, K, L> Clone for RetryBudgetService<S, K, L> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
@@ -380,16 +380,16 @@ impl<S: Clone, K, L> Clone for Retry<S, K, L> {
     }
 }
 
-impl<S: fmt::Debug, K, L> fmt::Debug for Retry<S, K, L> {
+impl<S: fmt::Debug, K, L> fmt::Debug for RetryBudgetService<S, K, L> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Retry")
+        f.debug_struct("RetryBudgetService")
             .field("inner", &self.inner)
             .finish_non_exhaustive()
     }
 }
 
 pin_project_lite::pin_project! {
-    /// The future of [`Retry`]. The common call — no deadline, nothing to
+    /// The future of [`RetryBudgetService`]. The common call — no deadline, nothing to
     /// read of the body first — makes its first attempt in place, with no
     /// allocation; a retry, a deadline or a body to buffer continue in a
     /// boxed future of attempts, waits and budget calls.
@@ -495,7 +495,7 @@ where
     }
 }
 
-impl<S, K, L, B, ResB> Service<Request<B>> for Retry<S, K, L>
+impl<S, K, L, B, ResB> Service<Request<B>> for RetryBudgetService<S, K, L>
 where
     S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Clone + Send + 'static,
     S::Future: Send,

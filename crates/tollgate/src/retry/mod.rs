@@ -88,14 +88,57 @@ mod tests;
 mod throttle;
 
 pub use layer::{
-    DeadlineExceeded, ResponseFuture, Retry, RetryBudgetLayer, RetryBudgetLayerBuilder, Throttled,
-    Upstream,
+    DeadlineExceeded, ResponseFuture, RetryBudgetLayer, RetryBudgetLayerBuilder,
+    RetryBudgetService, Throttled, Upstream,
 };
 pub use policy::Attempt;
 
-/// A request body as the retry layer sends it: the whole body, buffered so
-/// that every attempt sends the same bytes, or — for a body too large or
-/// of unknown length to buffer — the original stream, sent once (such a
-/// request is not retried). The same type as [`ResponseBody`](crate::ResponseBody):
-/// a body of its own bytes, or another's.
-pub type ReplayBody<B> = crate::ResponseBody<B>;
+pin_project_lite::pin_project! {
+    /// A request body as the retry layer sends it: the whole body, buffered
+    /// so that every attempt sends the same bytes (and trailers), or — for a
+    /// body too large or of unknown length to buffer — the original stream,
+    /// sent once (such a request is not retried). The client the layer wraps
+    /// takes `Request<ReplayBody<B>>`, e.g. hyper-util's
+    /// `Client<HttpConnector, ReplayBody<Full<Bytes>>>`.
+    #[derive(Debug)]
+    pub struct ReplayBody<B> {
+        #[pin]
+        body: crate::ResponseBody<B>,
+    }
+}
+
+impl<B> ReplayBody<B> {
+    /// The caller's own body, sent once.
+    pub(crate) fn inner(body: B) -> Self {
+        Self {
+            body: crate::ResponseBody::inner(body),
+        }
+    }
+
+    /// `data`, then `trailers` if any: a buffered body sent again.
+    pub(crate) fn replay(data: bytes::Bytes, trailers: Option<http::HeaderMap>) -> Self {
+        Self {
+            body: crate::ResponseBody::replay(data, trailers),
+        }
+    }
+}
+
+impl<B: http_body::Body<Data = bytes::Bytes>> http_body::Body for ReplayBody<B> {
+    type Data = bytes::Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, B::Error>>> {
+        self.project().body.poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}

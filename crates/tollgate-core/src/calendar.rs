@@ -33,6 +33,7 @@ const DAY: i64 = 86_400;
 
 /// A calendar period a quota counts over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
 pub enum Period {
     /// A clock minute (`:00` to `:59`).
     Minute,

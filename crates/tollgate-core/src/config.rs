@@ -106,6 +106,7 @@ impl Rate {
 /// Which algorithm a rate rule uses, with its parameters (not yet
 /// validated; [`Rule::new`] validates).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Limit {
     /// Generic cell rate algorithm: a smooth `rate` with bursts of up to
     /// `burst` (the same as a continuously refilled token bucket, in one
@@ -144,7 +145,7 @@ pub enum Limit {
     },
     /// Sliding window log: exact, keeps one entry per admitted request
     /// (at most `limit` entries per key, `limit` at most
-    /// [`SlidingWindowLog::MAX_LIMIT`]).
+    /// `SlidingWindowLog::MAX_LIMIT`).
     SlidingWindowLog {
         /// Units per window.
         limit: u32,

@@ -46,6 +46,9 @@
 //! [tollgate]: https://docs.rs/tollgate
 
 #![forbid(unsafe_code)]
+// The crate README, so that its example is compiled and run as a test.
+#![cfg_attr(doctest, doc = include_str!("../README.md"))]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![cfg_attr(
     test,
     allow(

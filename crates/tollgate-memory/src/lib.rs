@@ -66,6 +66,9 @@
 //! [tollgate]: https://docs.rs/tollgate
 
 #![forbid(unsafe_code)]
+// The crate README, so that its example is compiled and run as a test.
+#![cfg_attr(doctest, doc = include_str!("../README.md"))]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![cfg_attr(
     test,
     allow(
@@ -242,7 +245,7 @@ impl<C: Clock> MemoryStoreBuilder<C> {
     }
 
     /// Most keys held at once across all rules (default
-    /// [`DEFAULT_MAX_KEYS`]). See the crate docs for what happens when the
+    /// `DEFAULT_MAX_KEYS`, 1,000,000). See the crate docs for what happens when the
     /// store is full.
     pub fn max_keys(mut self, max_keys: usize) -> Self {
         self.max_keys = max_keys;
@@ -250,7 +253,7 @@ impl<C: Clock> MemoryStoreBuilder<C> {
     }
 
     /// Shards per rule: a power of two from 1 to 4096 (default
-    /// [`DEFAULT_SHARDS`]). More shards, less lock contention between keys.
+    /// `DEFAULT_SHARDS`, 64). More shards, less lock contention between keys.
     pub fn shards(mut self, shards: usize) -> Self {
         self.shards = shards;
         self

@@ -18,6 +18,7 @@ use tollgate_memory::{
 /// where a withdrawal is a retry asked for: `Open` grants it, `Closed`
 /// refuses it, `Fallback` answers from the memory store's budget.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub enum FailurePolicy {
     /// Admit every request (availability first). The default. A retry
     /// budget grants every retry, as if there were none: no more retries

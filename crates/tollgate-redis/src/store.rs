@@ -373,7 +373,7 @@ impl RetryBudgetStore for RedisStore {
     /// Binds a retry budget `rule`. Its budget is shared by every
     /// instance on this Redis with the same prefix; each key lives a
     /// window (plus a second) after its last deposit or withdrawal. See
-    /// [`RedisRetryBudget`] for deposits (tasks on the store's runtime)
+    /// `RedisRetryBudget` for deposits (tasks on the store's runtime)
     /// and the failure policy.
     fn retry_budget(&self, rule: &RetryBudgetRule) -> Result<RedisRetryBudget, ConfigError> {
         RedisRetryBudget::new(Arc::clone(&self.backend), self.runtime.clone(), rule)

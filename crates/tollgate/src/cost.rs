@@ -170,7 +170,7 @@ impl ByRoute {
 }
 
 /// A route's path matches in its normalised form
-/// ([`normalize_path`](crate::key::normalize_path)), as the client sent it
+/// ([`crate::key::normalize_path`]), as the client sent it
 /// or as the layer sees it inside `Router::nest` (prefix stripped), so
 /// `/api/orders` and `/orders` both name a nested `/orders`. The first
 /// matching route wins, and a `HEAD` matches `GET` entries too (a router

@@ -69,18 +69,62 @@
 //! - [`outcome`]: how a response ended (HTTP status or `grpc-status`), as
 //!   every layer that reads outcomes classifies it.
 //!
-//! The decision engine ([`tollgate_core`]) and the in-memory store
-//! ([`tollgate_memory`]) are re-exported.
+//! - [`store`]: [`AnyStore`], the memory or Redis store chosen at run
+//!   time.
+//!
+//! The decision engine (`tollgate-core`, as `tollgate::core`) and the in-memory
+//! store (`tollgate-memory`, as `tollgate::memory`) are re-exported, and so are the
+//! store traits a signature names ([`Store`], [`QuotaStore`],
+//! [`RetryBudgetStore`], [`Limiter`], ...).
+//!
+//! # Stacking layers
+//!
+//! Put what is cheap to refuse outside and what charges a lasting budget
+//! inside: a refusal by an inner layer is then never charged to an outer
+//! one.
+//!
+//! ```text
+//! auth  ->  PolicyLayer (rates)  ->  ConcurrencyLayer  ->  QuotaLayer  ->  handler
+//! ```
+//!
+//! - **Quotas innermost.** A monthly quota outside a concurrency limit
+//!   would charge a request the concurrency limit then refuses. The
+//!   quota refunds what an inner tollgate layer refused and what the
+//!   service failed with (`QuotaLayerBuilder::refund_unserved`, on by
+//!   default), so the order is safe either way, but innermost refunds
+//!   nothing.
+//! - **Rates before concurrency.** A flood is refused by its rate before
+//!   it can hold a permit.
+//! - **Several rate rules in one [`PolicyLayer`]**, not one layer each: the
+//!   policy decides them as one and refunds the others when one refuses
+//!   (per key and per address, so rotating API keys buys nothing).
+//! - **Authentication outside**, so that keys and plans come from
+//!   verified identities (`plan_from_extension`).
+//!
+//! # Memory in development, Redis in production
+//!
+//! Build on an [`AnyStore`]: `MemoryStore::new().into()` or
+//! `RedisStore::builder(url)...build()?.into()`. Every layer built on it has
+//! one type whichever store it holds, so an axum router and a tonic
+//! `Server::builder()` chain are written once.
 //!
 //! # Features
+//!
+//! Types that need a feature say so in their docs (on docs.rs, with a
+//! badge).
 //!
 //! | feature | default | what it adds |
 //! |---|---|---|
 //! | `axum` | yes | peer IPs from axum's `ConnectInfo`, [`key::Route`] from `MatchedPath`; rejections in axum's `Body` |
 //! | `tonic` | no | rejections in tonic's `Body`, so the layers wrap a tonic server's routes |
-//! | `redis` | no | `RedisStore` (standalone and Cluster), re-exported from `tollgate-redis` |
+//! | `redis` | no | `RedisStore` (standalone, Cluster, Sentinel), re-exported from `tollgate-redis` as `tollgate::redis`; `AnyStore` can hold it |
+//! | `redis-tls` | no | `rediss://` URLs (TLS to Redis), through the system's OpenSSL; implies `redis` |
+//! | `config` | no | `tollgate::config`: a `PolicyLayer` declared in a TOML policy file, validated with line and field, reloaded on SIGHUP and on change |
 
 #![forbid(unsafe_code)]
+// The crate README, so that its example is compiled and run as a test.
+#![cfg_attr(doctest, doc = include_str!("../README.md"))]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![cfg_attr(
     test,
     allow(

@@ -1,4 +1,4 @@
-//! Metrics, through the [`metrics`] facade: install a recorder (Prometheus,
+//! Metrics, through the [`metrics`](https://docs.rs/metrics) facade: install a recorder (Prometheus,
 //! StatsD, ...) **before** building layers; each layer registers its
 //! handles once, when it is built, so a decision costs one atomic add.
 //!

@@ -116,8 +116,11 @@ impl Rejected {
         }
     }
 
-    /// The default HTTP response: status, `application/problem+json` body.
-    /// (The layer adds `Retry-After` and the `RateLimit` headers.)
+    /// The default HTTP response: status, `application/problem+json` body,
+    /// and nothing else. A layer in response mode adds `Retry-After` and
+    /// the `RateLimit` fields to it (and to a custom rejection); in the rate
+    /// layer's error mode, [`RateLimited`](crate::RateLimited) carries the
+    /// whole response, headers included.
     pub fn to_problem_response(&self) -> Response<Bytes> {
         let secs = self.retry_after_secs().map(|s| s.to_string());
         let limit = self.decision.map_or(0, |d| d.limit);

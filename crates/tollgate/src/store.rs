@@ -23,7 +23,7 @@ use tollgate_redis::{
 };
 
 /// A store picked at run time: [`MemoryStore`] or (feature `redis`)
-/// [`RedisStore`](crate::RedisStore), as one type.
+/// `RedisStore`, as one type.
 ///
 /// Every store trait is generic (its futures are associated types, so the
 /// memory store's are not boxed), so a layer's type names its store. When

@@ -119,6 +119,7 @@ pub const MAX_LIMIT: u32 = 1_000_000;
 
 /// Which controller, with its validated parameters.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub enum AdaptiveLimit {
     /// Additive increase, multiplicative decrease.
     Aimd(Aimd),

@@ -238,6 +238,21 @@ mod tests {
         assert!(b.is_idle(&s, 30 * S));
     }
 
+    /// The table in `tollgate::retry`'s docs: the floor is a reserve of
+    /// `min_per_second × window` retries on top of the ratio.
+    #[test]
+    fn the_floor_is_a_reserve_on_top_of_the_share() {
+        for (calls, retries) in [(200, 140), (2_000, 500), (20_000, 4_100)] {
+            let b = RetryBudget::new(0.2, 10, Duration::from_secs(10)).unwrap();
+            let mut s = RetryBudgetState::default();
+            for _ in 0..calls {
+                b.deposit(&mut s, S);
+            }
+            let granted = (0..calls).filter(|_| b.withdraw(&mut s, S)).count();
+            assert_eq!(granted, retries, "{calls} calls");
+        }
+    }
+
     #[test]
     fn the_clock_going_back_keeps_what_was_withdrawn() {
         let b = RetryBudget::new(1.0, 0, Duration::from_secs(10)).unwrap();

@@ -20,6 +20,7 @@ use crate::rejection::{is_grpc, LimitKind, Reason, Rejected};
 
 /// Which bodies a [`BandwidthLayer`] paces.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum Direction {
     /// Response bodies: downloads (the default).
     #[default]

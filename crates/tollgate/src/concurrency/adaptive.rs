@@ -1,5 +1,5 @@
 //! The layer's side of an adaptive service limit: the in-flight count, the
-//! controller from [`tollgate_core::adaptive`] fed with each response, and
+//! controller from [`tollgate_core::adaptive`](https://docs.rs/tollgate-core/latest/tollgate_core/adaptive/) fed with each response, and
 //! the error rate behind read-only mode.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};

@@ -307,7 +307,7 @@ impl<K, C, P, St> ConcurrencyLayerBuilder<K, C, P, St> {
     }
 
     /// Also limits the whole service, in this process, to a limit that
-    /// follows its latency and errors (see [`tollgate_core::adaptive`]).
+    /// follows its latency and errors (see [`tollgate_core::adaptive`](https://docs.rs/tollgate-core/latest/tollgate_core/adaptive/)).
     /// Per layer: each layer with one has its own.
     pub fn adaptive_service_limit(mut self, name: &str, limit: AdaptiveLimit) -> Self {
         if matches!(self.cfg.service, Some(ServiceConfig::Fixed(..))) {

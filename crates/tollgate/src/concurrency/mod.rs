@@ -42,7 +42,7 @@
 //!
 //! [`adaptive_service_limit`](ConcurrencyLayerBuilder::adaptive_service_limit)
 //! caps the whole process at a limit that follows the protected service's
-//! latency and errors ([`tollgate_core::adaptive`]: AIMD or a gradient of
+//! latency and errors ([`tollgate_core::adaptive`](https://docs.rs/tollgate-core/latest/tollgate_core/adaptive/): AIMD or a gradient of
 //! RTTs). Each response is a sample: its latency to the response headers,
 //! and whether it was a drop — by default an error (a timeout layer
 //! inside, say), a 5xx (but 501) or a 408, or a gRPC `DEADLINE_EXCEEDED`,

@@ -114,6 +114,7 @@ impl FileKey {
 
 /// A cost a policy file declares.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub enum FileCost {
     /// `cost = 3`.
     Fixed(Fixed),

@@ -65,6 +65,7 @@ impl<B, St: Store> fmt::Debug for Reloader<B, St> {
 
 /// What a reload did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Reloaded {
     /// The file changed and its policy now runs.
     Applied,

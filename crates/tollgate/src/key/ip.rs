@@ -120,6 +120,7 @@ impl<B> KeyExtractor<B> for PeerIp {
 
 /// Which header carries the proxy chain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ForwardedHeader {
     /// `X-Forwarded-For: client, proxy1, proxy2`.
     XForwardedFor,

@@ -14,6 +14,7 @@ use super::KeyBuf;
 /// rate, policy rule, quota, concurrency, bandwidth — takes the same
 /// policy and has the same default, [`MissingKey::Reject`].
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum MissingKey {
     /// Let it through unlimited (counted as `unkeyed`).
     Skip,

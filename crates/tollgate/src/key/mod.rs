@@ -295,7 +295,7 @@ fn canonical(ip: IpAddr) -> IpAddr {
 }
 
 /// Writes a request's key. `None`: the request has no key (the layer's
-/// [`MissingKey`](crate::MissingKey) policy decides what happens then).
+/// [`crate::MissingKey`] policy decides what happens then).
 ///
 /// Implemented by the ready-made extractors in this module, by tuples of
 /// extractors (every part, in order: e.g. API key *and* route), and by

@@ -12,6 +12,7 @@ use crate::key::ClientIp;
 
 /// What an [`AccessList`] says about a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Access {
     /// On an allow list: the policy's limits do not apply.
     Allowed,

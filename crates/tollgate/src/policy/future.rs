@@ -52,7 +52,7 @@ pin_project! {
 }
 
 pin_project! {
-    /// Response future of [`PolicyService`].
+    /// Response future of [`PolicyService`](super::PolicyService).
     pub struct PolicyFuture<S, B, L>
     where
         S: Service<Request<B>>,

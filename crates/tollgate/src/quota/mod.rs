@@ -58,6 +58,21 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! # Where it goes in a stack, and what an outage does
+//!
+//! Put the quota innermost, after rate and concurrency limits, so that a
+//! request another limit refuses is never charged (what an inner tollgate
+//! layer refuses, and what the service fails with, is refunded anyway:
+//! [`refund_unserved`](QuotaLayerBuilder::refund_unserved)).
+//!
+//! On Redis, the store's failure policy decides what a quota does while
+//! Redis is away: `Open` admits, `Closed` refuses, and `Fallback` decides
+//! in each instance's memory, **from zero**: every key gets a fresh budget
+//! on every instance for as long as the outage lasts, and what it spends
+//! there is not added to its Redis count afterwards. For a quota that
+//! bills, prefer `Closed` (or `Open`, if availability matters more than
+//! the contract) over `Fallback`.
 
 mod layer;
 mod service;

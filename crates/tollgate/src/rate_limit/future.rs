@@ -361,7 +361,7 @@ where
 }
 
 pin_project! {
-    /// Response future of [`RateLimitErrorService`](super::RateLimitErrors).
+    /// Response future of [`RateLimitErrorService`](super::RateLimitErrorService).
     pub struct ErrorFuture<S, ReqB, D>
     where
         S: Service<Request<ReqB>>,
@@ -410,7 +410,10 @@ where
                 }
                 Poll::Ready(Ok(response))
             }
-            Finished::Rejected(rejected) => Poll::Ready(Err(Box::new(RateLimited(rejected)))),
+            Finished::Rejected(rejected) => {
+                let response = responder.reject(&rejected);
+                Poll::Ready(Err(Box::new(RateLimited::new(rejected, response))))
+            }
         }
     }
 }

@@ -81,7 +81,14 @@ impl RateLimitLayer<PeerIp, Fixed, ()> {
 impl<K, C, L> RateLimitLayer<K, C, L> {
     /// The same limiter, but a rejection is returned as an error
     /// ([`RateLimited`](super::RateLimited), boxed) instead of a response,
-    /// for stacks that handle errors with `HandleErrorLayer`.
+    /// for stacks that handle errors with `HandleErrorLayer`. The error
+    /// carries the response the layer would have sent, headers included.
+    ///
+    /// Only the rate layer has an error mode: the policy, quota,
+    /// concurrency and bandwidth layers always answer with a response
+    /// (marked with the [`Refusal`](crate::rejection::Refusal) extension, so
+    /// outer middleware can still tell it apart), and take a custom
+    /// rejection through their builders' `rejection`.
     pub fn into_errors(self) -> RateLimitErrorLayer<K, C, L> {
         RateLimitErrorLayer {
             shared: self.shared,

@@ -243,8 +243,22 @@ async fn error_mode_returns_rate_limited() {
     assert_eq!(res.headers()["ratelimit"], "\"per-key\";r=0;t=60");
     let err = svc.clone().oneshot(req("e")).await.unwrap_err();
     let limited = err.downcast_ref::<RateLimited>().unwrap();
-    assert_eq!(limited.0.reason, crate::rejection::Reason::Limited);
+    assert_eq!(limited.rejected().reason, crate::rejection::Reason::Limited);
     assert_eq!(err.to_string(), "rate limit \"per-key\" exceeded");
+    // The error keeps the headers the response mode sends.
+    assert_eq!(limited.headers()["retry-after"], "60");
+    assert_eq!(limited.headers()["ratelimit"], "\"per-key\";r=0;t=60");
+    assert_eq!(
+        limited.headers()["ratelimit-policy"],
+        "\"per-key\";q=1;w=60"
+    );
+    let res = limited.clone().into_response();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(res.headers()["content-type"], "application/problem+json");
+    assert!(res
+        .extensions()
+        .get::<crate::rejection::Refusal>()
+        .is_some());
 }
 
 #[tokio::test]

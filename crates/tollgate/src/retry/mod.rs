@@ -21,13 +21,32 @@
 //! times its normal load, at the very moment the upstream can least take
 //! it, and the outage feeds itself. A budget bounds retries by a share of
 //! recent calls — 20 % by default, plus a floor of 10 a second for quiet
-//! clients — so a failing upstream sees at most about 1.2 times its
-//! normal load from a client, whatever the failure rate. Retries still
+//! clients — so a busy client's failing upstream sees at most about 1.2
+//! times its normal load from it, whatever the failure rate. Retries still
 //! smooth over the odd failure; they just cannot multiply an outage. The
 //! budget is a first-class algorithm in the core
 //! ([`RetryBudget`](tollgate_core::RetryBudget)), kept per upstream in a
 //! store: in memory per process, or in Redis so a whole fleet of clients
 //! shares one.
+//!
+//! # The floor is a reserve
+//!
+//! The floor of `min_per_second` retries a second is not spread out: it is
+//! a reserve of `min_per_second × window` retries (100 with the defaults,
+//! 10 a second over 10 s) that any burst of failures may draw on at once,
+//! before the 20 % share. So the 1.2× bound holds for traffic that is
+//! large beside the reserve, and a small burst is amplified more. Worked
+//! example, an upstream failing half its calls, 3 attempts, defaults:
+//!
+//! | calls in the window | retries allowed | attempts sent | amplification |
+//! |---:|---:|---:|---:|
+//! | 200 | 100 + 20 % × 200 = 140 | 340 | 1.70× |
+//! | 2,000 | 100 + 20 % × 2,000 = 500 | 2,500 | 1.25× |
+//! | 20,000 | 100 + 20 % × 20,000 = 4,100 | 24,100 | 1.21× |
+//!
+//! A client whose calls are few and costly (a batch job, a login burst)
+//! should lower the floor, down to `0` (`.budget(0.2, 0, window)`), where
+//! the bound is 1.2× from the first call; the README's retry demo does so.
 //!
 //! # What is retried
 //!

@@ -22,7 +22,7 @@ fn limit() -> Limit {
 }
 
 fn policy(n: usize) -> Router {
-    let mut b = PolicyLayer::<Body, ()>::builder().store(MemoryStore::new());
+    let mut b = PolicyLayer::<Body>::builder().store(MemoryStore::new());
     for i in 0..n {
         b = b.rule(RateRule::new(
             &format!("rule-{i}"),

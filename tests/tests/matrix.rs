@@ -367,7 +367,7 @@ where
             if let Some(status) = spec.count_if {
                 rule = rule.count_if(move |s| s.as_u16() == status);
             }
-            let mut policy = PolicyLayer::<Body, ()>::builder().rule(rule);
+            let mut policy = PolicyLayer::<Body>::builder().rule(rule);
             if spec.idempotency {
                 policy = policy.idempotency("idem", key, Duration::from_secs(600));
             }

@@ -493,7 +493,7 @@ rate = "3/min"
         Ok::<_, Infallible>(Response::new(String::new()))
     }));
     let call = |svc: &_| {
-        let svc: &tollgate::policy::PolicyService<_, String, S::Limiter> = svc;
+        let svc: &tollgate::policy::PolicyService<_, String, S> = svc;
         let svc = svc.clone();
         async move {
             let req = Request::get("/")

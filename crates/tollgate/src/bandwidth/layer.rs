@@ -45,11 +45,11 @@ struct Shared<K, L> {
 
 /// Paces request and/or response bodies to a byte rate per key; see the
 /// [module docs](super).
-pub struct BandwidthLayer<K, L> {
-    shared: Arc<Shared<K, L>>,
+pub struct BandwidthLayer<K = PeerIp, St: Store = MemoryStore> {
+    shared: Arc<Shared<K, St::Limiter>>,
 }
 
-impl<K, L> Clone for BandwidthLayer<K, L> {
+impl<K, St: Store> Clone for BandwidthLayer<K, St> {
     fn clone(&self) -> Self {
         Self {
             shared: Arc::clone(&self.shared),
@@ -57,7 +57,7 @@ impl<K, L> Clone for BandwidthLayer<K, L> {
     }
 }
 
-impl<K, L: Limiter> fmt::Debug for BandwidthLayer<K, L> {
+impl<K, St: Store> fmt::Debug for BandwidthLayer<K, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BandwidthLayer")
             .field("rule", &self.shared.limiter.rule().name())
@@ -66,8 +66,8 @@ impl<K, L: Limiter> fmt::Debug for BandwidthLayer<K, L> {
     }
 }
 
-impl<S, K, L> Layer<S> for BandwidthLayer<K, L> {
-    type Service = BandwidthService<S, K, L>;
+impl<S, K, St: Store> Layer<S> for BandwidthLayer<K, St> {
+    type Service = BandwidthService<S, K, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
         BandwidthService {
@@ -77,7 +77,7 @@ impl<S, K, L> Layer<S> for BandwidthLayer<K, L> {
     }
 }
 
-impl BandwidthLayer<PeerIp, ()> {
+impl BandwidthLayer<PeerIp, MemoryStore> {
     /// Starts a layer pacing each key to `bytes_per_second`, with bursts
     /// of up to `burst` bytes, under the rule name `name`. Defaults: keyed
     /// by peer IP, responses paced, in-memory store, chunks of a quarter of
@@ -218,7 +218,7 @@ impl<K, St> BandwidthLayerBuilder<K, St> {
 impl<K, St: Store> BandwidthLayerBuilder<K, St> {
     /// Validates and binds the byte budget to the store; every error names
     /// its field.
-    pub fn build(self) -> Result<BandwidthLayer<K, St::Limiter>, ConfigError> {
+    pub fn build(self) -> Result<BandwidthLayer<K, St>, ConfigError> {
         if self.rate == 0 || self.rate > 1_000_000_000 {
             return Err(ConfigError::new(
                 "bytes_per_second",
@@ -257,12 +257,12 @@ impl<K, St: Store> BandwidthLayerBuilder<K, St> {
 }
 
 /// The service of [`BandwidthLayer`].
-pub struct BandwidthService<S, K, L> {
+pub struct BandwidthService<S, K, St: Store> {
     inner: S,
-    shared: Arc<Shared<K, L>>,
+    shared: Arc<Shared<K, St::Limiter>>,
 }
 
-impl<S: Clone, K, L> Clone for BandwidthService<S, K, L> {
+impl<S: Clone, K, St: Store> Clone for BandwidthService<S, K, St> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
@@ -271,7 +271,7 @@ impl<S: Clone, K, L> Clone for BandwidthService<S, K, L> {
     }
 }
 
-impl<S: fmt::Debug, K, L> fmt::Debug for BandwidthService<S, K, L> {
+impl<S: fmt::Debug, K, St: Store> fmt::Debug for BandwidthService<S, K, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BandwidthService")
             .field("inner", &self.inner)
@@ -299,16 +299,15 @@ impl<K, L: Limiter> Shared<K, L> {
     }
 }
 
-impl<S, K, L, ReqB, ResB> Service<Request<ReqB>> for BandwidthService<S, K, L>
+impl<S, K, St: Store, ReqB, ResB> Service<Request<ReqB>> for BandwidthService<S, K, St>
 where
-    S: Service<Request<PacedBody<ReqB, L>>, Response = Response<ResB>>,
+    S: Service<Request<PacedBody<ReqB, St::Limiter>>, Response = Response<ResB>>,
     K: KeyExtractor<ReqB>,
-    L: Limiter,
     ResB: RejectionBody,
 {
-    type Response = Response<PacedBody<ResB, L>>;
+    type Response = Response<PacedBody<ResB, St::Limiter>>;
     type Error = S::Error;
-    type Future = ResponseFuture<S::Future, L>;
+    type Future = ResponseFuture<S::Future, St::Limiter>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)

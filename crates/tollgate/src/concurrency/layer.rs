@@ -41,11 +41,11 @@ use crate::rejection::{LimitKind, Rejected, Rendered};
 /// let app: Router = Router::new().route("/download", get(|| async { "..." })).layer(downloads);
 /// # Ok::<(), tollgate::ConfigError>(())
 /// ```
-pub struct ConcurrencyLayer<K, C, P, L> {
-    shared: Arc<Shared<K, C, P, L>>,
+pub struct ConcurrencyLayer<K = PeerIp, C = Fixed, P = AllCritical, St: Store = MemoryStore> {
+    shared: Arc<Shared<K, C, P, St::ConcurrencyLimiter>>,
 }
 
-impl<K, C, P, L> Clone for ConcurrencyLayer<K, C, P, L> {
+impl<K, C, P, St: Store> Clone for ConcurrencyLayer<K, C, P, St> {
     fn clone(&self) -> Self {
         Self {
             shared: Arc::clone(&self.shared),
@@ -53,7 +53,7 @@ impl<K, C, P, L> Clone for ConcurrencyLayer<K, C, P, L> {
     }
 }
 
-impl<K, C, P, L> fmt::Debug for ConcurrencyLayer<K, C, P, L> {
+impl<K, C, P, St: Store> fmt::Debug for ConcurrencyLayer<K, C, P, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ConcurrencyLayer")
             .field("rule", &self.shared.per_key.name)
@@ -62,15 +62,15 @@ impl<K, C, P, L> fmt::Debug for ConcurrencyLayer<K, C, P, L> {
     }
 }
 
-impl<S, K, C, P, L> Layer<S> for ConcurrencyLayer<K, C, P, L> {
-    type Service = ConcurrencyService<S, K, C, P, L>;
+impl<S, K, C, P, St: Store> Layer<S> for ConcurrencyLayer<K, C, P, St> {
+    type Service = ConcurrencyService<S, K, C, P, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
         ConcurrencyService::new(inner, Arc::clone(&self.shared))
     }
 }
 
-impl<K, C, P, L: ConcurrencyLimiter> ConcurrencyLayer<K, C, P, L> {
+impl<K, C, P, St: Store> ConcurrencyLayer<K, C, P, St> {
     /// The per-key rule's name.
     pub fn rule_name(&self) -> &str {
         &self.shared.per_key.name
@@ -86,12 +86,12 @@ impl<K, C, P, L: ConcurrencyLimiter> ConcurrencyLayer<K, C, P, L> {
 
     /// The per-key limiter, e.g. to read what a key holds
     /// ([`ConcurrencyLimiter::held`]).
-    pub fn limiter(&self) -> &L {
+    pub fn limiter(&self) -> &St::ConcurrencyLimiter {
         &self.shared.per_key.limiter
     }
 }
 
-impl ConcurrencyLayer<PeerIp, Fixed, AllCritical, ()> {
+impl ConcurrencyLayer<PeerIp, Fixed, AllCritical, MemoryStore> {
     /// Starts a layer allowing `max_in_flight` permits per key under the
     /// rule name `name` (used in headers, store keys and metrics).
     /// Defaults: keyed by peer IP, one permit per request, in-memory
@@ -416,7 +416,7 @@ impl<K, C, P, St> ConcurrencyLayerBuilder<K, C, P, St> {
 impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
     /// Validates everything and binds the rules to the store; every error
     /// names its field. Registers the layer's [metrics](crate::observe).
-    pub fn build(self) -> Result<ConcurrencyLayer<K, C, P, St::ConcurrencyLimiter>, ConfigError> {
+    pub fn build(self) -> Result<ConcurrencyLayer<K, C, P, St>, ConfigError> {
         let cfg = self.cfg;
         let rule = |name: &str, max| {
             ConcurrencyRule::new(name, max, cfg.lease_ttl)?.with_retry_after(cfg.retry_after)

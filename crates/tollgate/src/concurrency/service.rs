@@ -2,7 +2,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
-use tollgate_core::ConcurrencyLimiter;
+use tollgate_core::Store;
 use tower_service::Service;
 
 use super::future::{ResponseFuture, State};
@@ -13,12 +13,12 @@ use crate::cost::Cost;
 use crate::key::KeyExtractor;
 
 /// The service of [`ConcurrencyLayer`](super::ConcurrencyLayer).
-pub struct ConcurrencyService<S, K, C, P, L> {
+pub struct ConcurrencyService<S, K, C, P, St: Store> {
     inner: S,
-    shared: Arc<Shared<K, C, P, L>>,
+    shared: Arc<Shared<K, C, P, St::ConcurrencyLimiter>>,
 }
 
-impl<S: Clone, K, C, P, L> Clone for ConcurrencyService<S, K, C, P, L> {
+impl<S: Clone, K, C, P, St: Store> Clone for ConcurrencyService<S, K, C, P, St> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
@@ -27,7 +27,9 @@ impl<S: Clone, K, C, P, L> Clone for ConcurrencyService<S, K, C, P, L> {
     }
 }
 
-impl<S: std::fmt::Debug, K, C, P, L> std::fmt::Debug for ConcurrencyService<S, K, C, P, L> {
+impl<S: std::fmt::Debug, K, C, P, St: Store> std::fmt::Debug
+    for ConcurrencyService<S, K, C, P, St>
+{
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ConcurrencyService")
             .field("inner", &self.inner)
@@ -36,19 +38,19 @@ impl<S: std::fmt::Debug, K, C, P, L> std::fmt::Debug for ConcurrencyService<S, K
     }
 }
 
-impl<S, K, C, P, L> ConcurrencyService<S, K, C, P, L> {
-    pub(crate) fn new(inner: S, shared: Arc<Shared<K, C, P, L>>) -> Self {
+impl<S, K, C, P, St: Store> ConcurrencyService<S, K, C, P, St> {
+    pub(crate) fn new(inner: S, shared: Arc<Shared<K, C, P, St::ConcurrencyLimiter>>) -> Self {
         Self { inner, shared }
     }
 }
 
-impl<S, K, C, P, L, ReqB, ResB> Service<Request<ReqB>> for ConcurrencyService<S, K, C, P, L>
+impl<S, K, C, P, St: Store, ReqB, ResB> Service<Request<ReqB>>
+    for ConcurrencyService<S, K, C, P, St>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
     K: KeyExtractor<ReqB>,
     C: Cost<ReqB>,
     P: Critical<ReqB>,
-    L: ConcurrencyLimiter,
     ResB: RejectionBody,
 {
     type Response = Response<PermitBody<ResB>>;

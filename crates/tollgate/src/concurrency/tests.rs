@@ -77,10 +77,7 @@ fn builder(
     ConcurrencyLayer::builder("per-key", max).key(Header::named("x-api-key").unwrap())
 }
 
-async fn held<K, C, P, L: ConcurrencyLimiter>(
-    layer: &ConcurrencyLayer<K, C, P, L>,
-    key: &str,
-) -> u64 {
+async fn held<K, C, P, St: Store>(layer: &ConcurrencyLayer<K, C, P, St>, key: &str) -> u64 {
     let mut k = crate::key::KeyBuf::new();
     k.push(key.as_bytes());
     layer.limiter().held(k.as_bytes()).await.unwrap()

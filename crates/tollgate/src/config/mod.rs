@@ -293,7 +293,7 @@ impl PolicyFile {
     pub fn layer<B, St: tollgate_core::Store>(
         &self,
         store: &St,
-    ) -> Result<crate::policy::PolicyLayer<B, St::Limiter>, FileError> {
+    ) -> Result<crate::policy::PolicyLayer<B, St>, FileError> {
         self.builder::<B>()?
             .store(store.clone())
             .build()

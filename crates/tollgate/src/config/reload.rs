@@ -42,7 +42,7 @@ type Customize<B> = Arc<
 pub struct Reloader<B, St: Store> {
     path: PathBuf,
     store: St,
-    layer: PolicyLayer<B, St::Limiter>,
+    layer: PolicyLayer<B, St>,
     customize: Option<Customize<B>>,
     prepare: Option<Prepare>,
     /// The text of the policy running.
@@ -79,7 +79,7 @@ impl<B, St: Store> Reloader<B, St> {
     pub fn load(
         path: impl AsRef<Path>,
         store: St,
-    ) -> Result<(PolicyLayer<B, St::Limiter>, Self), FileError> {
+    ) -> Result<(PolicyLayer<B, St>, Self), FileError> {
         let file = PolicyFile::read(path.as_ref())?;
         let layer = file.layer::<B, St>(&store)?;
         let reloader = Self::new(path, &file, store, &layer);
@@ -92,7 +92,7 @@ impl<B, St: Store> Reloader<B, St> {
         path: impl AsRef<Path>,
         file: &PolicyFile,
         store: St,
-        layer: &PolicyLayer<B, St::Limiter>,
+        layer: &PolicyLayer<B, St>,
     ) -> Self {
         Self {
             path: path.as_ref().to_owned(),

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{Request, Response};
-use tollgate_core::{ConfigError, EscalationRule, Limiter, Rule, Store};
+use tollgate_core::{ConfigError, EscalationRule, Rule, Store};
 use tollgate_memory::MemoryStore;
 use tower_layer::Layer;
 
@@ -28,11 +28,11 @@ use crate::rejection::{LimitKind, Rejected, Rendered};
 ///
 /// Clones of a layer, and every service built from them, share one
 /// policy, which [`replace`](Self::replace) swaps (a reload).
-pub struct PolicyLayer<B, L> {
-    pub(super) current: Arc<Current<B, L>>,
+pub struct PolicyLayer<B, St: Store = MemoryStore> {
+    pub(super) current: Arc<Current<B, St::Limiter>>,
 }
 
-impl<B, L> Clone for PolicyLayer<B, L> {
+impl<B, St: Store> Clone for PolicyLayer<B, St> {
     fn clone(&self) -> Self {
         Self {
             current: Arc::clone(&self.current),
@@ -40,7 +40,7 @@ impl<B, L> Clone for PolicyLayer<B, L> {
     }
 }
 
-impl<B, L> fmt::Debug for PolicyLayer<B, L> {
+impl<B, St: Store> fmt::Debug for PolicyLayer<B, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let shared = self.current.load();
         let names: Vec<&str> = shared.rules.iter().map(|r| &*r.responder.rule).collect();
@@ -50,7 +50,7 @@ impl<B, L> fmt::Debug for PolicyLayer<B, L> {
     }
 }
 
-impl<B> PolicyLayer<B, ()> {
+impl<B> PolicyLayer<B, MemoryStore> {
     /// Starts an empty policy on a new in-memory store, with the standard
     /// headers on.
     pub fn builder() -> PolicyLayerBuilder<B, MemoryStore> {
@@ -70,16 +70,16 @@ impl<B> PolicyLayer<B, ()> {
     }
 }
 
-impl<B, L: Limiter + Clone> PolicyLayer<B, L> {
+impl<B, St: Store> PolicyLayer<B, St> {
     /// The store's limiter of each rule, in order (e.g. to read a key's
     /// budget in a test or a dashboard), of the policy now.
-    pub fn limiters(&self) -> Vec<L> {
+    pub fn limiters(&self) -> Vec<St::Limiter> {
         let shared = self.current.load();
         shared.rules.iter().map(|r| r.limiter.clone()).collect()
     }
 }
 
-impl<B, L> PolicyLayer<B, L> {
+impl<B, St: Store> PolicyLayer<B, St> {
     /// Makes `next`'s policy this layer's — and that of every clone and
     /// every service built from them — from each service's next request:
     /// a reload. A request decided before goes on with the policy that
@@ -90,7 +90,7 @@ impl<B, L> PolicyLayer<B, L> {
     /// where it was, a changed one from its keys' states where their
     /// meaning allows ([`Algorithm::keeps_state_of`](tollgate_core::Algorithm::keeps_state_of)).
     /// `next` itself stays as it was.
-    pub fn replace(&self, next: &PolicyLayer<B, L>) {
+    pub fn replace(&self, next: &PolicyLayer<B, St>) {
         let shared = next.current.load();
         self.current.replace(shared);
     }
@@ -106,8 +106,8 @@ impl<B, L> PolicyLayer<B, L> {
     }
 }
 
-impl<S, B, L> Layer<S> for PolicyLayer<B, L> {
-    type Service = PolicyService<S, B, L>;
+impl<S, B, St: Store> Layer<S> for PolicyLayer<B, St> {
+    type Service = PolicyService<S, B, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
         PolicyService {
@@ -328,7 +328,7 @@ impl<B, St> PolicyLayerBuilder<B, St> {
 impl<B, St: Store> PolicyLayerBuilder<B, St> {
     /// Validates every rule and binds it to the store. Errors name the
     /// field: `rules` for the list, or the rule's own field.
-    pub fn build(self) -> Result<PolicyLayer<B, St::Limiter>, ConfigError> {
+    pub fn build(self) -> Result<PolicyLayer<B, St>, ConfigError> {
         if self.rules.is_empty() || self.rules.len() > MAX_RULES {
             return Err(ConfigError::new(
                 "rules",

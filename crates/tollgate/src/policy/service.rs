@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
-use tollgate_core::{Decision, JointDecision, JointPart, Limiter, StoreError};
+use tollgate_core::{Decision, JointDecision, JointPart, Limiter, Store, StoreError};
 use tower_service::Service;
 
 use super::access::Access;
@@ -22,13 +22,13 @@ use crate::rate_limit::Inner;
 use crate::rejection::is_grpc;
 
 /// The service of [`PolicyLayer`](super::PolicyLayer).
-pub struct PolicyService<S, B, L> {
+pub struct PolicyService<S, B, St: Store> {
     pub(super) inner: S,
     /// The policy now (read once per request; a reload swaps it).
-    pub(super) current: Arc<Current<B, L>>,
+    pub(super) current: Arc<Current<B, St::Limiter>>,
 }
 
-impl<S: Clone, B, L> Clone for PolicyService<S, B, L> {
+impl<S: Clone, B, St: Store> Clone for PolicyService<S, B, St> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
@@ -37,7 +37,7 @@ impl<S: Clone, B, L> Clone for PolicyService<S, B, L> {
     }
 }
 
-impl<S: fmt::Debug, B, L> fmt::Debug for PolicyService<S, B, L> {
+impl<S: fmt::Debug, B, St: Store> fmt::Debug for PolicyService<S, B, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PolicyService")
             .field("inner", &self.inner)
@@ -101,16 +101,15 @@ fn owned_keys<B, L>(
     keys
 }
 
-impl<S, B, L, ResB> Service<Request<B>> for PolicyService<S, B, L>
+impl<S, B, St: Store, ResB> Service<Request<B>> for PolicyService<S, B, St>
 where
     S: Service<Request<B>, Response = Response<ResB>> + Clone + Send + 'static,
     B: Send + 'static,
-    L: Limiter,
     ResB: RejectionBody,
 {
     type Response = Response<ResB>;
     type Error = S::Error;
-    type Future = PolicyFuture<S, B, L>;
+    type Future = PolicyFuture<S, B, St::Limiter>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -404,18 +403,17 @@ enum Marker {
     Ladders,
 }
 
-impl<S, B, L, ResB> PolicyService<S, B, L>
+impl<S, B, St: Store, ResB> PolicyService<S, B, St>
 where
     S: Service<Request<B>, Response = Response<ResB>> + Clone + Send + 'static,
     B: Send + 'static,
-    L: Limiter,
 {
     fn finish(
-        shared: Arc<Shared<B, L>>,
+        shared: Arc<Shared<B, St::Limiter>>,
         state: State<S, B>,
         report: Report,
         grpc: bool,
-    ) -> PolicyFuture<S, B, L> {
+    ) -> PolicyFuture<S, B, St::Limiter> {
         PolicyFuture {
             state,
             report,
@@ -433,13 +431,13 @@ where
     /// admitted first request takes its marker.
     fn decide_async(
         &mut self,
-        shared_now: Arc<Shared<B, L>>,
+        shared_now: Arc<Shared<B, St::Limiter>>,
         req: Request<B>,
         mut report: Report,
         from: usize,
         grpc: bool,
         marker: Marker,
-    ) -> PolicyFuture<S, B, L> {
+    ) -> PolicyFuture<S, B, St::Limiter> {
         let shared = shared_now;
         // Coming straight from `call` with ladders to ask: they go first,
         // then the idempotency marker, then the rules.
@@ -626,25 +624,26 @@ where
                         Some((*i, part))
                     })
                     .unzip();
-                let answers: Vec<JointDecision> = match L::decide_joint(&joint) {
-                    Some(together) => together.await,
-                    None => {
-                        let each = joint
-                            .iter()
-                            .map(|p| Box::pin(p.limiter.decide(p.key, p.cost)))
-                            .collect();
-                        tollgate_core::join_all(each)
-                            .await
-                            .into_iter()
-                            .zip(&joint)
-                            .map(|(decision, p)| JointDecision {
-                                consumed: p.cost > 0
-                                    && decision.as_ref().is_ok_and(Decision::is_allowed),
-                                decision,
-                            })
-                            .collect()
-                    }
-                };
+                let answers: Vec<JointDecision> =
+                    match <St::Limiter as Limiter>::decide_joint(&joint) {
+                        Some(together) => together.await,
+                        None => {
+                            let each = joint
+                                .iter()
+                                .map(|p| Box::pin(p.limiter.decide(p.key, p.cost)))
+                                .collect();
+                            tollgate_core::join_all(each)
+                                .await
+                                .into_iter()
+                                .zip(&joint)
+                                .map(|(decision, p)| JointDecision {
+                                    consumed: p.cost > 0
+                                        && decision.as_ref().is_ok_and(Decision::is_allowed),
+                                    decision,
+                                })
+                                .collect()
+                        }
+                    };
                 for ((i, part), answer) in rules.iter().zip(&joint).zip(answers) {
                     let Some(rule) = shared.rules.get(*i) else {
                         continue;

@@ -44,7 +44,7 @@ fn per_ip(limit: Limit) -> RateRule<Header> {
 /// Rule `i`'s remaining budget for the store key its extractor makes of
 /// `key` (an `x-api-key` or `x-ip` value; any for `Global`), read without
 /// consuming.
-async fn remaining<L: Limiter>(layer: &PolicyLayer<String, L>, i: usize, key: &str) -> u64 {
+async fn remaining<St: Store>(layer: &PolicyLayer<String, St>, i: usize, key: &str) -> u64 {
     use crate::key::{KeyBuf, KeyExtractor};
     let limiter = layer.limiters().into_iter().nth(i).unwrap();
     let r = req(key, key);
@@ -711,7 +711,7 @@ async fn plans_from_a_header_or_a_closure() {
     let res = by_fn.oneshot(req("f", "ip")).await.unwrap();
     assert_eq!(res.headers()["ratelimit"], "\"per-key\";r=9;t=60");
     assert_eq!(
-        PolicyLayer::<String, ()>::builder()
+        PolicyLayer::<String>::builder()
             .plan_from_header("bad header")
             .map(drop)
             .unwrap_err()
@@ -822,7 +822,7 @@ fn idempotent(method: http::Method, path: &str, key: &str, idem: &str) -> Req {
 
 /// A per-key rule of `limit` an hour, with idempotent repeats per
 /// `x-api-key` for a minute.
-fn idempotent_policy<S: Store>(store: S, limit: u32) -> PolicyLayer<String, S::Limiter> {
+fn idempotent_policy<S: Store>(store: S, limit: u32) -> PolicyLayer<String, S> {
     PolicyLayer::builder()
         .rule(per_key(Limit::fixed_window(
             limit,
@@ -1304,7 +1304,7 @@ fn a_store_without_ladders_refuses_one_at_build() {
         }
     }
     let d = Duration::from_secs(1);
-    let err = PolicyLayer::<String, ()>::builder()
+    let err = PolicyLayer::<String>::builder()
         .rule(RateRule::new("r", Limit::fixed_window(1, d), Global).escalate(1, d, d, d))
         .store(NoLadders(MemoryStore::new()))
         .build()
@@ -1376,7 +1376,7 @@ async fn a_rule_warns_past_its_share_before_it_refuses() {
     assert_eq!(res.status(), 429);
     assert!(res.headers().get("ratelimit-warning").is_none());
     for share in [0.0, -1.0, 1.5, f64::NAN] {
-        let bad = PolicyLayer::<String, ()>::builder()
+        let bad = PolicyLayer::<String>::builder()
             .rule(per_key(Limit::fixed_window(10, Duration::from_secs(60))).warn_at(share))
             .build()
             .map(drop)
@@ -1471,7 +1471,7 @@ async fn sampled_decision_logs_name_the_rule_and_hash_the_key() {
         "a raw key in a log: {lines:?}"
     );
     assert!(lines[0].contains("key="), "{lines:?}");
-    let bad = PolicyLayer::<String, ()>::builder()
+    let bad = PolicyLayer::<String>::builder()
         .rule(per_key(Limit::fixed_window(1, Duration::from_secs(60))))
         .decision_log(crate::observe::DecisionLog::new().allowed(2.0))
         .build()
@@ -1554,14 +1554,14 @@ on_both_paths!(audit, only_audited_rules_reach_the_audit_sink);
 
 #[test]
 fn an_audit_of_a_rule_that_does_not_exist_is_refused() {
-    let err = PolicyLayer::<String, ()>::builder()
+    let err = PolicyLayer::<String>::builder()
         .rule(per_key(Limit::fixed_window(1, Duration::from_secs(60))))
         .audit(Audited::default(), &["per-kye"])
         .build()
         .map(drop)
         .unwrap_err();
     assert_eq!(err.field(), "audit");
-    let none = PolicyLayer::<String, ()>::builder()
+    let none = PolicyLayer::<String>::builder()
         .rule(per_key(Limit::fixed_window(1, Duration::from_secs(60))))
         .audit(Audited::default(), &[])
         .build()

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::Response;
 use tollgate_core::calendar::{Offset, Period};
-use tollgate_core::{ConfigError, QuotaLimiter, QuotaRule, QuotaStore};
+use tollgate_core::{ConfigError, QuotaRule, QuotaStore};
 use tollgate_memory::MemoryStore;
 use tower_layer::Layer;
 
@@ -25,11 +25,11 @@ type RejectFn = Arc<dyn Fn(&Rejected) -> Response<Bytes> + Send + Sync>;
 /// [module docs](super).
 ///
 /// Cheap to clone; all clones (and so all connections) share one state.
-pub struct QuotaLayer<K, C, L> {
-    shared: Arc<Shared<K, C, L>>,
+pub struct QuotaLayer<K = PeerIp, C = Fixed, St: QuotaStore = MemoryStore> {
+    shared: Arc<Shared<K, C, St::QuotaLimiter>>,
 }
 
-impl<K, C, L> Clone for QuotaLayer<K, C, L> {
+impl<K, C, St: QuotaStore> Clone for QuotaLayer<K, C, St> {
     fn clone(&self) -> Self {
         Self {
             shared: Arc::clone(&self.shared),
@@ -37,7 +37,7 @@ impl<K, C, L> Clone for QuotaLayer<K, C, L> {
     }
 }
 
-impl<K, C, L> fmt::Debug for QuotaLayer<K, C, L> {
+impl<K, C, St: QuotaStore> fmt::Debug for QuotaLayer<K, C, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("QuotaLayer")
             .field("rule", &self.shared.responder().rule)
@@ -45,15 +45,15 @@ impl<K, C, L> fmt::Debug for QuotaLayer<K, C, L> {
     }
 }
 
-impl<S, K, C, L> Layer<S> for QuotaLayer<K, C, L> {
-    type Service = QuotaService<S, K, C, L>;
+impl<S, K, C, St: QuotaStore> Layer<S> for QuotaLayer<K, C, St> {
+    type Service = QuotaService<S, K, C, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
         QuotaService::new(inner, Arc::clone(&self.shared))
     }
 }
 
-impl<K, C, L: QuotaLimiter> QuotaLayer<K, C, L> {
+impl<K, C, St: QuotaStore> QuotaLayer<K, C, St> {
     /// The quota's name.
     pub fn rule_name(&self) -> &str {
         &self.shared.responder().rule
@@ -63,7 +63,7 @@ impl<K, C, L: QuotaLimiter> QuotaLayer<K, C, L> {
     /// usage (`consume(key, 0)`), `reset` it, `grant` extra units. Keys
     /// are as the layer's key extractor builds them
     /// ([`KeyBuf`](crate::key::KeyBuf)).
-    pub fn limiter(&self) -> &L {
+    pub fn limiter(&self) -> &St::QuotaLimiter {
         &self.shared.plans.default.0
     }
 
@@ -71,14 +71,14 @@ impl<K, C, L: QuotaLimiter> QuotaLayer<K, C, L> {
     /// the store name `<quota>:<plan>`), for administration as with
     /// [`limiter`](Self::limiter); `None` for a plan the layer does not
     /// know.
-    pub fn plan_limiter(&self, plan: &str) -> Option<&L> {
+    pub fn plan_limiter(&self, plan: &str) -> Option<&St::QuotaLimiter> {
         let plans = &self.shared.plans;
         let i = plans.names.iter().position(|n| **n == *plan)?;
         plans.plans.get(i).map(|(l, _)| l)
     }
 }
 
-impl QuotaLayer<PeerIp, Fixed, ()> {
+impl QuotaLayer<PeerIp, Fixed, MemoryStore> {
     /// Starts a quota named `name` (used in headers, store keys and
     /// metrics). Add at least one [`period`](QuotaLayerBuilder::period).
     /// Defaults: keyed by peer IP, cost 1, in-memory store, UTC, standard
@@ -287,7 +287,7 @@ impl<K, C, St> QuotaLayerBuilder<K, C, St> {
 impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
     /// Validates the quota and binds it to the store; every error names
     /// its field.
-    pub fn build(self) -> Result<QuotaLayer<K, C, St::QuotaLimiter>, ConfigError> {
+    pub fn build(self) -> Result<QuotaLayer<K, C, St>, ConfigError> {
         let cfg = self.cfg;
         if let Some(soft) = cfg.soft {
             if !(soft > 0.0 && soft <= 1.0) {

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use http::{Request, Response};
 use metrics::{Counter, Histogram};
 use pin_project_lite::pin_project;
-use tollgate_core::{Outcome, QuotaDecision, QuotaLimiter, StoreError};
+use tollgate_core::{Outcome, QuotaDecision, QuotaLimiter, QuotaStore, StoreError};
 use tower_service::Service;
 
 use crate::body::RejectionBody;
@@ -104,12 +104,12 @@ impl<K, C, L> Shared<K, C, L> {
 }
 
 /// The service of [`QuotaLayer`](super::QuotaLayer).
-pub struct QuotaService<S, K, C, L> {
+pub struct QuotaService<S, K, C, St: QuotaStore> {
     inner: S,
-    shared: Arc<Shared<K, C, L>>,
+    shared: Arc<Shared<K, C, St::QuotaLimiter>>,
 }
 
-impl<S: Clone, K, C, L> Clone for QuotaService<S, K, C, L> {
+impl<S: Clone, K, C, St: QuotaStore> Clone for QuotaService<S, K, C, St> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
@@ -118,7 +118,7 @@ impl<S: Clone, K, C, L> Clone for QuotaService<S, K, C, L> {
     }
 }
 
-impl<S: std::fmt::Debug, K, C, L> std::fmt::Debug for QuotaService<S, K, C, L> {
+impl<S: std::fmt::Debug, K, C, St: QuotaStore> std::fmt::Debug for QuotaService<S, K, C, St> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("QuotaService")
             .field("inner", &self.inner)
@@ -127,8 +127,8 @@ impl<S: std::fmt::Debug, K, C, L> std::fmt::Debug for QuotaService<S, K, C, L> {
     }
 }
 
-impl<S, K, C, L> QuotaService<S, K, C, L> {
-    pub(crate) fn new(inner: S, shared: Arc<Shared<K, C, L>>) -> Self {
+impl<S, K, C, St: QuotaStore> QuotaService<S, K, C, St> {
+    pub(crate) fn new(inner: S, shared: Arc<Shared<K, C, St::QuotaLimiter>>) -> Self {
         Self { inner, shared }
     }
 }
@@ -285,17 +285,16 @@ where
     }
 }
 
-impl<S, K, C, L, ReqB, ResB> Service<Request<ReqB>> for QuotaService<S, K, C, L>
+impl<S, K, C, St: QuotaStore, ReqB, ResB> Service<Request<ReqB>> for QuotaService<S, K, C, St>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
     K: KeyExtractor<ReqB>,
     C: Cost<ReqB>,
-    L: QuotaLimiter,
     ResB: RejectionBody,
 {
     type Response = Response<ResB>;
     type Error = S::Error;
-    type Future = ResponseFuture<S, ReqB, L::Future>;
+    type Future = ResponseFuture<S, ReqB, <St::QuotaLimiter as QuotaLimiter>::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)

@@ -32,11 +32,11 @@ use crate::rejection::{LimitKind, Rejected, Rendered};
 /// let app: Router = Router::new().route("/", get(|| async { "hi" })).layer(limit);
 /// # Ok::<(), tollgate::ConfigError>(())
 /// ```
-pub struct RateLimitLayer<K, C, L> {
-    shared: Arc<Shared<K, C, L>>,
+pub struct RateLimitLayer<K = PeerIp, C = Fixed, St: Store = MemoryStore> {
+    shared: Arc<Shared<K, C, St::Limiter>>,
 }
 
-impl<K, C, L> Clone for RateLimitLayer<K, C, L> {
+impl<K, C, St: Store> Clone for RateLimitLayer<K, C, St> {
     fn clone(&self) -> Self {
         Self {
             shared: Arc::clone(&self.shared),
@@ -44,7 +44,7 @@ impl<K, C, L> Clone for RateLimitLayer<K, C, L> {
     }
 }
 
-impl<K, C, L> fmt::Debug for RateLimitLayer<K, C, L> {
+impl<K, C, St: Store> fmt::Debug for RateLimitLayer<K, C, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayer")
             .field("rule", &self.shared.responder.rule)
@@ -53,7 +53,7 @@ impl<K, C, L> fmt::Debug for RateLimitLayer<K, C, L> {
     }
 }
 
-impl RateLimitLayer<PeerIp, Fixed, ()> {
+impl RateLimitLayer<PeerIp, Fixed, MemoryStore> {
     /// Starts a layer enforcing `limit` under the rule name `name` (used in
     /// headers, store keys and metrics). Defaults: keyed by peer IP, cost
     /// 1, in-memory store, standard headers on, keyless requests refused
@@ -78,7 +78,7 @@ impl RateLimitLayer<PeerIp, Fixed, ()> {
     }
 }
 
-impl<K, C, L> RateLimitLayer<K, C, L> {
+impl<K, C, St: Store> RateLimitLayer<K, C, St> {
     /// The same limiter, but a rejection is returned as an error
     /// ([`RateLimited`](super::RateLimited), boxed) instead of a response,
     /// for stacks that handle errors with `HandleErrorLayer`. The error
@@ -89,7 +89,7 @@ impl<K, C, L> RateLimitLayer<K, C, L> {
     /// (marked with the [`Refusal`](crate::rejection::Refusal) extension, so
     /// outer middleware can still tell it apart), and take a custom
     /// rejection through their builders' `rejection`.
-    pub fn into_errors(self) -> RateLimitErrorLayer<K, C, L> {
+    pub fn into_errors(self) -> RateLimitErrorLayer<K, C, St> {
         RateLimitErrorLayer {
             shared: self.shared,
         }
@@ -102,7 +102,7 @@ impl<K, C, L> RateLimitLayer<K, C, L> {
 
     /// The store's handle of the rule (e.g. to read a key's budget in a
     /// test or a dashboard, with a cost-0 `decide`).
-    pub fn limiter(&self) -> &L {
+    pub fn limiter(&self) -> &St::Limiter {
         &self.shared.limiter
     }
 
@@ -112,8 +112,8 @@ impl<K, C, L> RateLimitLayer<K, C, L> {
     }
 }
 
-impl<S, K, C, L> Layer<S> for RateLimitLayer<K, C, L> {
-    type Service = RateLimitService<S, K, C, L>;
+impl<S, K, C, St: Store> Layer<S> for RateLimitLayer<K, C, St> {
+    type Service = RateLimitService<S, K, C, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
         RateLimitService::new(inner, Arc::clone(&self.shared))
@@ -121,11 +121,11 @@ impl<S, K, C, L> Layer<S> for RateLimitLayer<K, C, L> {
 }
 
 /// [`RateLimitLayer`] in error mode; see [`RateLimitLayer::into_errors`].
-pub struct RateLimitErrorLayer<K, C, L> {
-    shared: Arc<Shared<K, C, L>>,
+pub struct RateLimitErrorLayer<K = PeerIp, C = Fixed, St: Store = MemoryStore> {
+    shared: Arc<Shared<K, C, St::Limiter>>,
 }
 
-impl<K, C, L> Clone for RateLimitErrorLayer<K, C, L> {
+impl<K, C, St: Store> Clone for RateLimitErrorLayer<K, C, St> {
     fn clone(&self) -> Self {
         Self {
             shared: Arc::clone(&self.shared),
@@ -133,7 +133,7 @@ impl<K, C, L> Clone for RateLimitErrorLayer<K, C, L> {
     }
 }
 
-impl<K, C, L> fmt::Debug for RateLimitErrorLayer<K, C, L> {
+impl<K, C, St: Store> fmt::Debug for RateLimitErrorLayer<K, C, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitErrorLayer")
             .field("rule", &self.shared.responder.rule)
@@ -141,8 +141,8 @@ impl<K, C, L> fmt::Debug for RateLimitErrorLayer<K, C, L> {
     }
 }
 
-impl<S, K, C, L> Layer<S> for RateLimitErrorLayer<K, C, L> {
-    type Service = RateLimitErrorService<S, K, C, L>;
+impl<S, K, C, St: Store> Layer<S> for RateLimitErrorLayer<K, C, St> {
+    type Service = RateLimitErrorService<S, K, C, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
         RateLimitErrorService::new(inner, Arc::clone(&self.shared))
@@ -271,7 +271,7 @@ impl<K, C, St> RateLimitLayerBuilder<K, C, St> {
 impl<K, C, St: Store> RateLimitLayerBuilder<K, C, St> {
     /// Validates the rule and binds it to the store. Registers the layer's
     /// [metrics](crate::observe) with the recorder installed now.
-    pub fn build(self) -> Result<RateLimitLayer<K, C, St::Limiter>, ConfigError> {
+    pub fn build(self) -> Result<RateLimitLayer<K, C, St>, ConfigError> {
         let cfg = self.cfg;
         let rule = Rule::new(&cfg.name, cfg.limit)?;
         let limiter = self.store.limiter(&rule)?;

@@ -2,7 +2,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
-use tollgate_core::{Algorithm, Limiter};
+use tollgate_core::{Algorithm, Limiter, Store};
 use tower_service::Service;
 
 use super::future::{decided, ErrorFuture, Inner, RefundFn, ResponseFuture, State};
@@ -13,12 +13,12 @@ use crate::key::{KeyBuf, KeyBytes, KeyExtractor, Keyed};
 use crate::rejection::{is_grpc, LimitKind, Reason, Rejected};
 
 /// The service of [`RateLimitLayer`](super::RateLimitLayer).
-pub struct RateLimitService<S, K, C, L> {
+pub struct RateLimitService<S, K, C, St: Store> {
     inner: S,
-    shared: Arc<Shared<K, C, L>>,
+    shared: Arc<Shared<K, C, St::Limiter>>,
 }
 
-impl<S: Clone, K, C, L> Clone for RateLimitService<S, K, C, L> {
+impl<S: Clone, K, C, St: Store> Clone for RateLimitService<S, K, C, St> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
@@ -27,7 +27,7 @@ impl<S: Clone, K, C, L> Clone for RateLimitService<S, K, C, L> {
     }
 }
 
-impl<S: std::fmt::Debug, K, C, L> std::fmt::Debug for RateLimitService<S, K, C, L> {
+impl<S: std::fmt::Debug, K, C, St: Store> std::fmt::Debug for RateLimitService<S, K, C, St> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RateLimitService")
             .field("inner", &self.inner)
@@ -36,8 +36,8 @@ impl<S: std::fmt::Debug, K, C, L> std::fmt::Debug for RateLimitService<S, K, C, 
     }
 }
 
-impl<S, K, C, L> RateLimitService<S, K, C, L> {
-    pub(crate) fn new(inner: S, shared: Arc<Shared<K, C, L>>) -> Self {
+impl<S, K, C, St: Store> RateLimitService<S, K, C, St> {
+    pub(crate) fn new(inner: S, shared: Arc<Shared<K, C, St::Limiter>>) -> Self {
         Self { inner, shared }
     }
 }
@@ -116,17 +116,16 @@ where
     }
 }
 
-impl<S, K, C, L, ReqB, ResB> Service<Request<ReqB>> for RateLimitService<S, K, C, L>
+impl<S, K, C, St: Store, ReqB, ResB> Service<Request<ReqB>> for RateLimitService<S, K, C, St>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
     K: KeyExtractor<ReqB>,
     C: Cost<ReqB>,
-    L: Limiter,
     ResB: RejectionBody,
 {
     type Response = Response<ResB>;
     type Error = S::Error;
-    type Future = ResponseFuture<S, ReqB, L::DecideFuture>;
+    type Future = ResponseFuture<S, ReqB, <St::Limiter as Limiter>::DecideFuture>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -140,12 +139,12 @@ where
 
 /// The service of [`RateLimitErrorLayer`](super::RateLimitErrorLayer):
 /// rejections are errors ([`RateLimited`](super::RateLimited)).
-pub struct RateLimitErrorService<S, K, C, L> {
+pub struct RateLimitErrorService<S, K, C, St: Store> {
     inner: S,
-    shared: Arc<Shared<K, C, L>>,
+    shared: Arc<Shared<K, C, St::Limiter>>,
 }
 
-impl<S: Clone, K, C, L> Clone for RateLimitErrorService<S, K, C, L> {
+impl<S: Clone, K, C, St: Store> Clone for RateLimitErrorService<S, K, C, St> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
@@ -154,7 +153,7 @@ impl<S: Clone, K, C, L> Clone for RateLimitErrorService<S, K, C, L> {
     }
 }
 
-impl<S: std::fmt::Debug, K, C, L> std::fmt::Debug for RateLimitErrorService<S, K, C, L> {
+impl<S: std::fmt::Debug, K, C, St: Store> std::fmt::Debug for RateLimitErrorService<S, K, C, St> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RateLimitErrorService")
             .field("inner", &self.inner)
@@ -163,23 +162,22 @@ impl<S: std::fmt::Debug, K, C, L> std::fmt::Debug for RateLimitErrorService<S, K
     }
 }
 
-impl<S, K, C, L> RateLimitErrorService<S, K, C, L> {
-    pub(crate) fn new(inner: S, shared: Arc<Shared<K, C, L>>) -> Self {
+impl<S, K, C, St: Store> RateLimitErrorService<S, K, C, St> {
+    pub(crate) fn new(inner: S, shared: Arc<Shared<K, C, St::Limiter>>) -> Self {
         Self { inner, shared }
     }
 }
 
-impl<S, K, C, L, ReqB, ResB> Service<Request<ReqB>> for RateLimitErrorService<S, K, C, L>
+impl<S, K, C, St: Store, ReqB, ResB> Service<Request<ReqB>> for RateLimitErrorService<S, K, C, St>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
     S::Error: Into<crate::BoxError>,
     K: KeyExtractor<ReqB>,
     C: Cost<ReqB>,
-    L: Limiter,
 {
     type Response = Response<ResB>;
     type Error = crate::BoxError;
-    type Future = ErrorFuture<S, ReqB, L::DecideFuture>;
+    type Future = ErrorFuture<S, ReqB, <St::Limiter as Limiter>::DecideFuture>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx).map_err(Into::into)

@@ -417,7 +417,23 @@ async fn a_failing_store_lets_requests_through() {
         keying: crate::key::Keying::new(MissingKey::default()),
         responder: layer.responder(),
     });
-    let mut svc = RateLimitService::new(service_fn(ok), shared);
+    /// A store whose rate limiters are `Broken`.
+    #[derive(Clone)]
+    struct BrokenStore;
+    impl tollgate_core::Store for BrokenStore {
+        type Limiter = Broken;
+        type ConcurrencyLimiter = <MemoryStore as tollgate_core::Store>::ConcurrencyLimiter;
+        fn limiter(&self, rule: &Rule) -> Result<Broken, tollgate_core::ConfigError> {
+            Ok(Broken(rule.clone()))
+        }
+        fn concurrency_limiter(
+            &self,
+            rule: &tollgate_core::ConcurrencyRule,
+        ) -> Result<Self::ConcurrencyLimiter, tollgate_core::ConfigError> {
+            MemoryStore::new().concurrency_limiter(rule)
+        }
+    }
+    let mut svc = RateLimitService::<_, _, _, BrokenStore>::new(service_fn(ok), shared);
     for _ in 0..5 {
         let res = svc.ready().await.unwrap().call(req("x")).await.unwrap();
         assert_eq!(res.status(), StatusCode::OK);

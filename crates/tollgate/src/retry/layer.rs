@@ -97,11 +97,11 @@ struct Shared<K, L> {
 
 /// Retries failed calls of a client service while a retry budget allows;
 /// see the [module docs](super).
-pub struct RetryBudgetLayer<K, L> {
-    shared: Arc<Shared<K, L>>,
+pub struct RetryBudgetLayer<K = Upstream, St: RetryBudgetStore = MemoryStore> {
+    shared: Arc<Shared<K, St::RetryBudgetLimiter>>,
 }
 
-impl<K, L> Clone for RetryBudgetLayer<K, L> {
+impl<K, St: RetryBudgetStore> Clone for RetryBudgetLayer<K, St> {
     fn clone(&self) -> Self {
         Self {
             shared: Arc::clone(&self.shared),
@@ -109,7 +109,7 @@ impl<K, L> Clone for RetryBudgetLayer<K, L> {
     }
 }
 
-impl<K, L: RetryBudgetLimiter> fmt::Debug for RetryBudgetLayer<K, L> {
+impl<K, St: RetryBudgetStore> fmt::Debug for RetryBudgetLayer<K, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryBudgetLayer")
             .field("rule", &self.shared.budget.rule().name())
@@ -118,8 +118,8 @@ impl<K, L: RetryBudgetLimiter> fmt::Debug for RetryBudgetLayer<K, L> {
     }
 }
 
-impl<S, K, L> Layer<S> for RetryBudgetLayer<K, L> {
-    type Service = RetryBudgetService<S, K, L>;
+impl<S, K, St: RetryBudgetStore> Layer<S> for RetryBudgetLayer<K, St> {
+    type Service = RetryBudgetService<S, K, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
         RetryBudgetService {
@@ -129,15 +129,15 @@ impl<S, K, L> Layer<S> for RetryBudgetLayer<K, L> {
     }
 }
 
-impl<K, L> RetryBudgetLayer<K, L> {
+impl<K, St: RetryBudgetStore> RetryBudgetLayer<K, St> {
     /// The store's handle of the budget (e.g. to read a key's balance in a
     /// test or a dashboard).
-    pub fn budget(&self) -> &L {
+    pub fn budget(&self) -> &St::RetryBudgetLimiter {
         &self.shared.budget
     }
 }
 
-impl RetryBudgetLayer<Upstream, ()> {
+impl RetryBudgetLayer<Upstream, MemoryStore> {
     /// Starts a layer whose budget is named `name` (store keys, metrics).
     /// Defaults: 20 % of recent calls over 10 s plus 10 retries a second
     /// (Finagle's, Linkerd's and tower's), up to 3 attempts, backoff from
@@ -320,7 +320,7 @@ impl<K, St> RetryBudgetLayerBuilder<K, St> {
 
 impl<K, St: RetryBudgetStore> RetryBudgetLayerBuilder<K, St> {
     /// Validates and binds the budget; every error names its field.
-    pub fn build(self) -> Result<RetryBudgetLayer<K, St::RetryBudgetLimiter>, ConfigError> {
+    pub fn build(self) -> Result<RetryBudgetLayer<K, St>, ConfigError> {
         let rule = RetryBudgetRule::new(&self.name, self.ratio, self.min_per_second, self.window)?;
         if !(1..=10).contains(&self.max_attempts) {
             return Err(ConfigError::new("max_attempts", "must be from 1 to 10"));
@@ -370,12 +370,12 @@ impl<K, St: RetryBudgetStore> RetryBudgetLayerBuilder<K, St> {
 }
 
 /// The service of [`RetryBudgetLayer`].
-pub struct RetryBudgetService<S, K, L> {
+pub struct RetryBudgetService<S, K, St: RetryBudgetStore> {
     inner: S,
-    shared: Arc<Shared<K, L>>,
+    shared: Arc<Shared<K, St::RetryBudgetLimiter>>,
 }
 
-impl<S: Clone, K, L> Clone for RetryBudgetService<S, K, L> {
+impl<S: Clone, K, St: RetryBudgetStore> Clone for RetryBudgetService<S, K, St> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
@@ -384,7 +384,7 @@ impl<S: Clone, K, L> Clone for RetryBudgetService<S, K, L> {
     }
 }
 
-impl<S: fmt::Debug, K, L> fmt::Debug for RetryBudgetService<S, K, L> {
+impl<S: fmt::Debug, K, St: RetryBudgetStore> fmt::Debug for RetryBudgetService<S, K, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryBudgetService")
             .field("inner", &self.inner)
@@ -499,7 +499,7 @@ where
     }
 }
 
-impl<S, K, L, B, ResB> Service<Request<B>> for RetryBudgetService<S, K, L>
+impl<S, K, St: RetryBudgetStore, B, ResB> Service<Request<B>> for RetryBudgetService<S, K, St>
 where
     S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Clone + Send + 'static,
     S::Future: Send,
@@ -507,12 +507,11 @@ where
     B: Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
     K: KeyExtractor<B>,
-    L: RetryBudgetLimiter,
     ResB: Send + 'static,
 {
     type Response = Response<ResB>;
     type Error = BoxError;
-    type Future = ResponseFuture<S, K, L, B>;
+    type Future = ResponseFuture<S, K, St::RetryBudgetLimiter, B>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         self.inner.poll_ready(cx).map_err(Into::into)

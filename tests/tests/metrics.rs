@@ -134,15 +134,25 @@ async fn the_quickstart_serves_what_its_layers_decided_as_prometheus_text() {
         Some(25.0),
         "{text}"
     );
-    let used = sample(
+    // Histograms with fixed buckets: the 20 quota decisions had used
+    // 1/1,000 to 20/1,000 of the day (counting their own charge): ten at
+    // most 1 %, all at most 5 %, and 0.21 in all.
+    let bucket = |le: &str| {
+        sample(
+            &text,
+            "tollgate_quota_used_ratio_bucket",
+            &[("rule", "daily"), ("period", "day"), ("le", le)],
+        )
+    };
+    assert_eq!(bucket("0.05"), Some(20.0), "{text}");
+    assert_eq!(bucket("0.01"), Some(10.0), "{text}");
+    assert_eq!(bucket("0"), Some(0.0), "{text}");
+    let sum = sample(
         &text,
-        "tollgate_quota_used_ratio",
-        &[("rule", "daily"), ("period", "day"), ("quantile", "1")],
+        "tollgate_quota_used_ratio_sum",
+        &[("rule", "daily"), ("period", "day")],
     );
-    assert!(
-        used.is_some_and(|u| (0.019..=0.021).contains(&u)),
-        "{used:?}\n{text}"
-    );
+    assert!(sum.is_some_and(|s| (s - 0.21).abs() < 1e-9), "{sum:?}");
     // The dashboard and the alerts use only metrics that exist. The Redis
     // store's register when one is built.
     let redis = tollgate_redis::testing::Server::start();

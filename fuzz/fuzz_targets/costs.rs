@@ -17,12 +17,12 @@ struct Input {
     query: Vec<u8>,
     count_header: Option<Vec<u8>>,
     content_length: Option<Vec<u8>>,
-    header_cfg: (String, u32, u32),
-    query_cfg: (String, u32, u32),
-    body_cfg: (u64, u32, u32),
-    methods: Vec<(Vec<u8>, u32)>,
-    routes: Vec<(Option<Vec<u8>>, String, u32)>,
-    default: u32,
+    header_cfg: (String, u64, u64),
+    query_cfg: (String, u64, u64),
+    body_cfg: (u64, u64, u64),
+    methods: Vec<(Vec<u8>, u64)>,
+    routes: Vec<(Option<Vec<u8>>, String, u64)>,
+    default: u64,
 }
 
 /// `application/x-www-form-urlencoded` decoding, the plain way.
@@ -61,15 +61,15 @@ fn count(s: &[u8]) -> Option<u64> {
         return None;
     }
     Some(s.iter().fold(0u64, |n, d| {
-        (n * 10 + u64::from(d - b'0')).min(u64::from(u32::MAX))
+        n.saturating_mul(10).saturating_add(u64::from(d - b'0'))
     }))
 }
 
-fn clamp(n: Option<u64>, cap: u32) -> u32 {
-    n.map_or(cap, |n| n.clamp(1, u64::from(cap)) as u32)
+fn clamp(n: Option<u64>, cap: u64) -> u64 {
+    n.map_or(cap, |n| n.clamp(1, cap))
 }
 
-fn query_reference(query: Option<&str>, param: &str, default: u32, cap: u32) -> u32 {
+fn query_reference(query: Option<&str>, param: &str, default: u64, cap: u64) -> u64 {
     let Some(query) = query else { return default };
     query
         .split('&')
@@ -150,7 +150,7 @@ fuzz_target!(|input: Input| {
 
     // ByMethod: the last entry for the method, else the default.
     let mut by_method = ByMethod::new(input.default);
-    let mut table: Vec<(Method, u32)> = Vec::new();
+    let mut table: Vec<(Method, u64)> = Vec::new();
     for (m, c) in &input.methods {
         if let Ok(m) = Method::from_bytes(m) {
             by_method = by_method.method(m.clone(), *c);
@@ -202,7 +202,7 @@ fuzz_target!(|input: Input| {
             None => assert_eq!(got, cap),
             Some(len) => {
                 let units = len / bpu + u64::from(len % bpu != 0);
-                assert_eq!(u64::from(got), units.clamp(u64::from(min), u64::from(cap)));
+                assert_eq!(got, units.clamp(min, cap));
             }
         }
     }

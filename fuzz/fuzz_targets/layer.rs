@@ -80,8 +80,8 @@ struct Config {
     period_ms: u32,
     burst: u32,
     cost: u8,
-    cap: u32,
-    fixed_cost: u32,
+    cap: u64,
+    fixed_cost: u64,
     missing: u8,
     headers: bool,
     legacy_headers: bool,
@@ -157,7 +157,7 @@ struct Costs {
     body: BodyLength,
     route: ByRoute,
     method: ByMethod,
-    fixed: u32,
+    fixed: u64,
 }
 
 impl Costs {
@@ -176,7 +176,7 @@ impl Costs {
         })
     }
 
-    fn cost(&self, req: &Req) -> u32 {
+    fn cost(&self, req: &Req) -> u64 {
         match self.which % 6 {
             0 => self.header.cost(req),
             1 => self.query.cost(req),

@@ -165,7 +165,7 @@ const ROWS: &[Row] = &[
 /// bandwidth layer, bytes).
 const BUDGET: u32 = 8;
 /// What `GET /r` costs.
-const R_COST: u32 = 4;
+const R_COST: u64 = 4;
 
 /// The backend behind every layer: `/r` (which costs `R_COST` to GET)
 /// and `/s` (which costs 1) answer as `x-answer` says, and count the calls
@@ -807,7 +807,7 @@ fn no_cost(cell: Cell<'_>) -> Option<Verdict> {
 
 /// What `GET /r` left of `m`'s budget, for `cell`'s layer.
 fn left_after_one() -> u64 {
-    u64::from(BUDGET - R_COST)
+    u64::from(BUDGET) - R_COST
 }
 
 /// `reply` (to `what`) was charged what a first `GET /r` is.

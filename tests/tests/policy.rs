@@ -19,7 +19,7 @@ use tower::{service_fn, Layer, ServiceExt};
 struct Row {
     key: &'static str,
     ip: &'static str,
-    cost: u32,
+    cost: u64,
     /// Advance the clock by this many ms first.
     after_ms: u64,
     status: u16,
@@ -30,7 +30,7 @@ struct Row {
 const fn row(
     key: &'static str,
     ip: &'static str,
-    cost: u32,
+    cost: u64,
     after_ms: u64,
     status: u16,
     ratelimit: &'static str,

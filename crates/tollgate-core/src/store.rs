@@ -159,11 +159,11 @@ pub trait Limiter: Clone + Send + Sync + 'static {
     /// Decides a request of `cost` for `key` and consumes the cost if it
     /// is admitted. Cost 0 peeks: it reports the budget and consumes
     /// nothing.
-    fn decide(&self, key: &[u8], cost: u32) -> Self::DecideFuture;
+    fn decide(&self, key: &[u8], cost: u64) -> Self::DecideFuture;
 
     /// Gives back `cost` consumed earlier for `key` (a later rule in a
     /// chain denied the request).
-    fn refund(&self, key: &[u8], cost: u32) -> Self::RefundFuture;
+    fn refund(&self, key: &[u8], cost: u64) -> Self::RefundFuture;
 
     /// [`decide`](Self::decide), answered from the store's own state
     /// only: where the store cannot answer and a failure policy would
@@ -174,7 +174,7 @@ pub trait Limiter: Clone + Send + Sync + 'static {
     /// challenge's solution was used before (a stand-in "fresh" would make
     /// it reusable). The default is `decide`, which is exact for a store
     /// with no failure policy (it answers or fails).
-    fn decide_exact(&self, key: &[u8], cost: u32) -> Self::DecideFuture {
+    fn decide_exact(&self, key: &[u8], cost: u64) -> Self::DecideFuture {
         self.decide(key, cost)
     }
 
@@ -183,7 +183,7 @@ pub trait Limiter: Clone + Send + Sync + 'static {
     /// resolved to. Layers use it to skip their asynchronous path (and the
     /// clone of the inner service it needs). The default, `None`, means
     /// "call `decide`"; it must not consume anything.
-    fn decide_sync(&self, key: &[u8], cost: u32) -> Option<Result<Decision, StoreError>> {
+    fn decide_sync(&self, key: &[u8], cost: u64) -> Option<Result<Decision, StoreError>> {
         let _ = (key, cost);
         None
     }
@@ -213,7 +213,7 @@ pub struct JointPart<'a, L> {
     /// The request's key under this rule.
     pub key: &'a [u8],
     /// The request's cost under this rule (0 peeks).
-    pub cost: u32,
+    pub cost: u64,
     /// Whether this rule's denial denies the request; `false` for a rule
     /// that only watches (shadow), whose decision is recorded but never
     /// holds the others back.
@@ -352,17 +352,17 @@ pub trait QuotaLimiter: Clone + Send + Sync + 'static {
 
     /// Charges `cost` to every period of `key`'s quota if it fits them all.
     /// Cost 0 reads the usage.
-    fn consume(&self, key: &[u8], cost: u32) -> Self::Future;
+    fn consume(&self, key: &[u8], cost: u64) -> Self::Future;
 
     /// [`consume`](Self::consume) at once, for stores that need no I/O;
     /// `None` (the default) means "call `consume`".
-    fn consume_sync(&self, key: &[u8], cost: u32) -> Option<Result<QuotaDecision, StoreError>> {
+    fn consume_sync(&self, key: &[u8], cost: u64) -> Option<Result<QuotaDecision, StoreError>> {
         let _ = (key, cost);
         None
     }
 
     /// Gives `cost` back to the periods that are still current.
-    fn refund(&self, key: &[u8], cost: u32) -> Self::Future;
+    fn refund(&self, key: &[u8], cost: u64) -> Self::Future;
 
     /// Forgets everything `key` used (and was granted); returns the usage
     /// after: whole budgets.

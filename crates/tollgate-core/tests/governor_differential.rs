@@ -58,7 +58,7 @@ enum Answer {
     Never,
 }
 
-fn ours(gcra: &Gcra, state: &mut u64, now: u64, cost: u32, with_remaining: bool) -> Answer {
+fn ours(gcra: &Gcra, state: &mut u64, now: u64, cost: u64, with_remaining: bool) -> Answer {
     let d = gcra.decide(state, now, cost);
     match d.outcome {
         Outcome::Allow { delay } => {
@@ -129,7 +129,7 @@ proptest! {
                     }
                 }
             };
-            let mine = ours(&gcra, &mut direct_state, now, cost, true);
+            let mine = ours(&gcra, &mut direct_state, now, u64::from(cost), true);
             prop_assert_eq!(
                 mine, theirs,
                 "direct, step {} at governor {} / ours {}: cost {}", i, g_now, now, cost
@@ -153,7 +153,7 @@ proptest! {
                     Err(InsufficientCapacity(_)) => Answer::Never,
                 }
             };
-            let mine = ours(&gcra, &mut keyed_state[usize::from(key)], now, cost, false);
+            let mine = ours(&gcra, &mut keyed_state[usize::from(key)], now, u64::from(cost), false);
             prop_assert_eq!(
                 mine, theirs,
                 "key {}, step {} at governor {} / ours {}: cost {}", key, i, g_now, now, cost

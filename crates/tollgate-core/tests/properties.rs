@@ -168,12 +168,7 @@ fn run_trace<A: Subject>(
                 prop_assert_eq!(d.limit, cap, "{}", ctx);
                 prop_assert!(d.remaining <= cap, "{}", ctx);
                 // (d)
-                prop_assert_eq!(
-                    d.outcome == Outcome::Never,
-                    u64::from(cost) > cap,
-                    "{}",
-                    ctx
-                );
+                prop_assert_eq!(d.outcome == Outcome::Never, cost > cap, "{}", ctx);
                 // (b)
                 if cost == 0 {
                     prop_assert!(d.is_allowed(), "{}", ctx);
@@ -232,7 +227,7 @@ fn run_trace<A: Subject>(
                     if cost > 0 {
                         admitted.push(Admit {
                             at: now,
-                            cost: cost.into(),
+                            cost,
                             delay,
                         });
                     }
@@ -315,7 +310,7 @@ fn idle_is_fresh<A: RateAlgorithm>(
 
 /// (g): any parameters, times and costs. No panic, `Never` iff over
 /// capacity, `remaining` within the limit, peeks and denials change nothing.
-fn wide_trace<A: Subject>(alg: &A, steps: &[(WideTime, u32, bool)]) -> Result<(), TestCaseError> {
+fn wide_trace<A: Subject>(alg: &A, steps: &[(WideTime, u64, bool)]) -> Result<(), TestCaseError> {
     let cap = alg.capacity();
     let _ = alg.window();
     let unit = alg.window().max(1);
@@ -334,7 +329,7 @@ fn wide_trace<A: Subject>(alg: &A, steps: &[(WideTime, u32, bool)]) -> Result<()
         prop_assert!(d.remaining <= cap, "at {} cost {}: {:?}", now, cost, d);
         prop_assert_eq!(
             d.outcome == Outcome::Never,
-            u64::from(cost) > cap,
+            cost > cap,
             "at {} cost {}: {:?}",
             now,
             cost,
@@ -380,7 +375,7 @@ impl WideTime {
     }
 }
 
-fn wide_steps() -> impl Strategy<Value = Vec<(WideTime, u32, bool)>> {
+fn wide_steps() -> impl Strategy<Value = Vec<(WideTime, u64, bool)>> {
     let time = prop_oneof![
         2 => any::<u64>().prop_map(WideTime::Abs),
         2 => (0u64..=1_000_000).prop_map(WideTime::NearEnd),
@@ -388,10 +383,12 @@ fn wide_steps() -> impl Strategy<Value = Vec<(WideTime, u32, bool)>> {
         3 => support::any_jump().prop_map(WideTime::Move),
     ];
     let cost = prop_oneof![
-        3 => 0u32..=3,
-        2 => any::<u32>(),
-        1 => Just(u32::MAX),
-        1 => Just(u32::MAX - 1),
+        3 => 0u64..=3,
+        2 => any::<u32>().prop_map(u64::from),
+        1 => any::<u64>(),
+        1 => Just(u64::from(u32::MAX)),
+        1 => Just(u64::from(u32::MAX) + 1),
+        1 => Just(u64::MAX),
     ];
     proptest::collection::vec((time, cost, proptest::bool::weighted(0.1)), 1..=60)
 }
@@ -685,7 +682,7 @@ fn sem_trace(
         let before = state.clone();
         match op {
             SemOp::Acquire(c, share) => {
-                let permits = c.resolve(max);
+                let permits = c.permits(max);
                 let ceiling = support::ceiling(max, share);
                 let cap = u64::from(ceiling).min(max);
                 let id = next_id;
@@ -802,7 +799,7 @@ proptest! {
             now = jump.apply(now, ttl, ttl);
             match op {
                 SemOp::Acquire(c, share) => {
-                    if let Some(l) = sem.acquire(&mut state, now, c.resolve(max), support::ceiling(max, share), i as u64).lease {
+                    if let Some(l) = sem.acquire(&mut state, now, c.permits(max), support::ceiling(max, share), i as u64).lease {
                         issued.push(l.id);
                     }
                 }
@@ -816,7 +813,7 @@ proptest! {
             for (k, &(jump, c)) in probe.iter().enumerate() {
                 t = jump.apply(t, ttl, ttl);
                 let id = 1_000_000 + k as u64;
-                let p = c.resolve(max);
+                let p = c.permits(max);
                 prop_assert_eq!(sem.acquire(&mut state, t, p, u32::MAX, id), sem.acquire(&mut fresh, t, p, u32::MAX, id));
                 for &old in &issued {
                     prop_assert!(!sem.renew(&mut state, t, old));

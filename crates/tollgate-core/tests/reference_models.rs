@@ -56,8 +56,8 @@ fn expect(kind: Kind, remaining: u64) -> Expect {
 }
 
 trait Model {
-    fn decide(&mut self, now: u64, cost: u32) -> Expect;
-    fn refund(&mut self, now: u64, cost: u32);
+    fn decide(&mut self, now: u64, cost: u64) -> Expect;
+    fn refund(&mut self, now: u64, cost: u64);
 }
 
 /// Runs `steps` on the algorithm and on the model side by side.
@@ -153,7 +153,7 @@ impl GcraModel {
 }
 
 impl Model for GcraModel {
-    fn decide(&mut self, now: u64, cost: u32) -> Expect {
+    fn decide(&mut self, now: u64, cost: u64) -> Expect {
         self.catch_up(now);
         let cost = u128::from(cost);
         if cost > self.burst {
@@ -168,7 +168,7 @@ impl Model for GcraModel {
         }
     }
 
-    fn refund(&mut self, now: u64, cost: u32) {
+    fn refund(&mut self, now: u64, cost: u64) {
         self.catch_up(now);
         let full = self.interval * self.burst;
         self.credit = (self.credit + u128::from(cost) * self.interval).min(full);
@@ -205,9 +205,8 @@ impl TokenBucketModel {
 }
 
 impl Model for TokenBucketModel {
-    fn decide(&mut self, now: u64, cost: u32) -> Expect {
+    fn decide(&mut self, now: u64, cost: u64) -> Expect {
         self.catch_up(now);
-        let cost = u64::from(cost);
         if cost > self.capacity {
             expect(Kind::Never, self.tokens)
         } else if cost <= self.tokens {
@@ -218,9 +217,9 @@ impl Model for TokenBucketModel {
         }
     }
 
-    fn refund(&mut self, now: u64, cost: u32) {
+    fn refund(&mut self, now: u64, cost: u64) {
         self.catch_up(now);
-        self.tokens = (self.tokens + u64::from(cost)).min(self.capacity);
+        self.tokens = (self.tokens + cost).min(self.capacity);
     }
 }
 
@@ -235,9 +234,8 @@ struct FixedWindowModel {
 }
 
 impl Model for FixedWindowModel {
-    fn decide(&mut self, now: u64, cost: u32) -> Expect {
+    fn decide(&mut self, now: u64, cost: u64) -> Expect {
         let count = self.counts.entry(now / self.window).or_insert(0);
-        let cost = u64::from(cost);
         if cost > self.limit {
             expect(Kind::Never, self.limit - *count)
         } else if *count + cost <= self.limit {
@@ -248,9 +246,9 @@ impl Model for FixedWindowModel {
         }
     }
 
-    fn refund(&mut self, now: u64, cost: u32) {
+    fn refund(&mut self, now: u64, cost: u64) {
         let count = self.counts.entry(now / self.window).or_insert(0);
-        *count = count.saturating_sub(u64::from(cost));
+        *count = count.saturating_sub(cost);
     }
 }
 
@@ -281,10 +279,9 @@ impl SlidingWindowCounterModel {
 }
 
 impl Model for SlidingWindowCounterModel {
-    fn decide(&mut self, now: u64, cost: u32) -> Expect {
+    fn decide(&mut self, now: u64, cost: u64) -> Expect {
         let used = self.used(now);
         let remaining = self.limit.saturating_sub(used);
-        let cost = u64::from(cost);
         if cost > self.limit {
             expect(Kind::Never, remaining)
         } else if used + cost <= self.limit {
@@ -295,9 +292,9 @@ impl Model for SlidingWindowCounterModel {
         }
     }
 
-    fn refund(&mut self, now: u64, cost: u32) {
+    fn refund(&mut self, now: u64, cost: u64) {
         let count = self.counts.entry(now / self.window).or_insert(0);
-        *count = count.saturating_sub(u64::from(cost));
+        *count = count.saturating_sub(cost);
     }
 }
 
@@ -328,9 +325,8 @@ impl SlidingWindowLogModel {
 }
 
 impl Model for SlidingWindowLogModel {
-    fn decide(&mut self, now: u64, cost: u32) -> Expect {
+    fn decide(&mut self, now: u64, cost: u64) -> Expect {
         let used = self.used(now);
-        let cost = u64::from(cost);
         if cost > self.limit {
             expect(Kind::Never, self.limit - used)
         } else if used + cost <= self.limit {
@@ -343,11 +339,11 @@ impl Model for SlidingWindowLogModel {
         }
     }
 
-    fn refund(&mut self, now: u64, cost: u32) {
+    fn refund(&mut self, now: u64, cost: u64) {
         // The oldest units still in the window go back first (those that
         // stay leave the window last: never more admitted than an exact
         // refund of the request's own units would).
-        let mut left = u64::from(cost);
+        let mut left = cost;
         for i in 0..self.admitted.len() {
             if left == 0 {
                 break;
@@ -398,7 +394,7 @@ impl LeakyBucketModel {
 }
 
 impl Model for LeakyBucketModel {
-    fn decide(&mut self, now: u64, cost: u32) -> Expect {
+    fn decide(&mut self, now: u64, cost: u64) -> Expect {
         if cost == 0 {
             return Expect {
                 kind: Kind::Allow,
@@ -407,15 +403,15 @@ impl Model for LeakyBucketModel {
             };
         }
         // Never: its own units alone span more than max_delay.
-        if u64::from(cost - 1) * self.interval > self.max_delay {
+        if (cost - 1) * self.interval > self.max_delay {
             return expect(Kind::Never, self.room(now));
         }
         let first = self.next_slot(now);
-        let last = first + u64::from(cost - 1) * self.interval;
+        let last = first + (cost - 1) * self.interval;
         if last - now > self.max_delay {
             return expect(Kind::Deny, self.room(now));
         }
-        for k in 0..u64::from(cost) {
+        for k in 0..cost {
             self.departures.push(first + k * self.interval);
         }
         Expect {
@@ -425,7 +421,7 @@ impl Model for LeakyBucketModel {
         }
     }
 
-    fn refund(&mut self, now: u64, cost: u32) {
+    fn refund(&mut self, now: u64, cost: u64) {
         // Units still holding their slot (not yet a whole interval past
         // their departure) give it back, the latest first.
         for _ in 0..cost {
@@ -625,7 +621,7 @@ proptest! {
             now = jump.apply(now, ttl, hint);
             match op {
                 SemOp::Acquire(c, share) => {
-                    let permits = c.resolve(sem.max().into());
+                    let permits = c.permits(sem.max().into());
                     let ceiling = support::ceiling(sem.max().into(), share);
                     let id = next_id;
                     next_id += 1;

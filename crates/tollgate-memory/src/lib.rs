@@ -593,7 +593,7 @@ impl<C> fmt::Debug for MemoryLimiter<C> {
 impl<C: Clock> MemoryLimiter<C> {
     /// [`Limiter::decide`] without the future.
     #[inline]
-    pub fn decide_now(&self, key: &[u8], cost: u32) -> Decision {
+    pub fn decide_now(&self, key: &[u8], cost: u64) -> Decision {
         dispatch!(&self.table, t => {
             let now = t.now();
             t.update(key, now, cost > 0, |s| t.kind.decide(s, now, cost))
@@ -601,7 +601,7 @@ impl<C: Clock> MemoryLimiter<C> {
     }
 
     /// [`Limiter::refund`] without the future.
-    pub fn refund_now(&self, key: &[u8], cost: u32) {
+    pub fn refund_now(&self, key: &[u8], cost: u64) {
         dispatch!(&self.table, t => {
             let now = t.now();
             t.update(key, now, false, |s| t.kind.refund(s, now, cost))
@@ -618,16 +618,16 @@ impl<C: Clock> Limiter for MemoryLimiter<C> {
     }
 
     #[inline]
-    fn decide(&self, key: &[u8], cost: u32) -> Self::DecideFuture {
+    fn decide(&self, key: &[u8], cost: u64) -> Self::DecideFuture {
         ready(Ok(self.decide_now(key, cost)))
     }
 
     #[inline]
-    fn decide_sync(&self, key: &[u8], cost: u32) -> Option<Result<Decision, StoreError>> {
+    fn decide_sync(&self, key: &[u8], cost: u64) -> Option<Result<Decision, StoreError>> {
         Some(Ok(self.decide_now(key, cost)))
     }
 
-    fn refund(&self, key: &[u8], cost: u32) -> Self::RefundFuture {
+    fn refund(&self, key: &[u8], cost: u64) -> Self::RefundFuture {
         self.refund_now(key, cost);
         ready(Ok(()))
     }
@@ -811,7 +811,7 @@ impl<C> fmt::Debug for MemoryQuotaLimiter<C> {
 impl<C: Clock> MemoryQuotaLimiter<C> {
     /// [`QuotaLimiter::consume`] without the future.
     #[inline]
-    pub fn consume_now(&self, key: &[u8], cost: u32) -> QuotaDecision {
+    pub fn consume_now(&self, key: &[u8], cost: u64) -> QuotaDecision {
         let t = &self.table;
         let now = t.now();
         // Written in place: the decision is ~260 bytes, and returning it
@@ -824,7 +824,7 @@ impl<C: Clock> MemoryQuotaLimiter<C> {
     }
 
     /// [`QuotaLimiter::refund`] without the future.
-    pub fn refund_now(&self, key: &[u8], cost: u32) -> QuotaDecision {
+    pub fn refund_now(&self, key: &[u8], cost: u64) -> QuotaDecision {
         let t = &self.table;
         let now = t.now();
         t.update(key, now, false, |s| {
@@ -858,16 +858,16 @@ impl<C: Clock> QuotaLimiter for MemoryQuotaLimiter<C> {
         &self.rule
     }
 
-    fn consume(&self, key: &[u8], cost: u32) -> Self::Future {
+    fn consume(&self, key: &[u8], cost: u64) -> Self::Future {
         ready(Ok(self.consume_now(key, cost)))
     }
 
     #[inline]
-    fn consume_sync(&self, key: &[u8], cost: u32) -> Option<Result<QuotaDecision, StoreError>> {
+    fn consume_sync(&self, key: &[u8], cost: u64) -> Option<Result<QuotaDecision, StoreError>> {
         Some(Ok(self.consume_now(key, cost)))
     }
 
-    fn refund(&self, key: &[u8], cost: u32) -> Self::Future {
+    fn refund(&self, key: &[u8], cost: u64) -> Self::Future {
         ready(Ok(self.refund_now(key, cost)))
     }
 

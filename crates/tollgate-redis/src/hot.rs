@@ -465,11 +465,11 @@ impl<C: Clock> Local<C> {
     /// A local answer, if the lease or the denial cache has one, and the
     /// size of a lease to take ahead, if one is due now (it is marked in
     /// flight: the caller must take it, see [`refill`](Self::refill)).
-    fn local(&self, key: &[u8], cost: u32, limit: u64) -> Option<(Decision, Option<AheadDue>)> {
+    fn local(&self, key: &[u8], cost: u64, limit: u64) -> Option<(Decision, Option<AheadDue>)> {
         let now = self.clock.now();
         let mut shard = self.shard(key);
         let s = shard.get_mut(key)?;
-        let d = answer(s, now, u64::from(cost), limit)?;
+        let d = answer(s, now, cost, limit)?;
         // Due once the lease is half spent (a key that spends less within
         // a TTL is not hot: its next lease is taken when it needs one),
         // and only where a task can take it.
@@ -497,9 +497,7 @@ impl<C: Clock> Local<C> {
     async fn refill<L: Limiter>(&self, inner: &L, key: &[u8], batch: u64, flight: &Arc<Notify>) {
         let sent = self.clock.now();
         self.store_calls.fetch_add(1, Ordering::Relaxed);
-        let d = inner
-            .decide(key, u32::try_from(batch).unwrap_or(u32::MAX))
-            .await;
+        let d = inner.decide(key, batch).await;
         let mut shard = self.shard(key);
         let Some(s) = shard.get_mut(key) else { return };
         if !end_flight(s, flight) {
@@ -550,7 +548,7 @@ impl<C: Clock> Local<C> {
     /// round trip per lease, one after another, and a queue that grows
     /// without bound. (While leases still grow, the next one is larger:
     /// waiting for it saves the store calls.)
-    fn plan(&self, key: &[u8], cost: u32, limit: u64, waited: bool) -> Step {
+    fn plan(&self, key: &[u8], cost: u64, limit: u64, waited: bool) -> Step {
         let now = self.clock.now();
         let mut shard = self.shard(key);
         if !shard.contains_key(key) && shard.len() >= self.per_shard {
@@ -566,10 +564,10 @@ impl<C: Clock> Local<C> {
             }
         }
         let s = shard.entry(key.into()).or_default();
-        if let Some(d) = answer(s, now, u64::from(cost), limit) {
+        if let Some(d) = answer(s, now, cost, limit) {
             return Step::Done(d);
         }
-        if waited && s.batch.max(u64::from(cost)) >= self.max_batch {
+        if waited && s.batch.max(cost) >= self.max_batch {
             return Step::Through;
         }
         if let Some(flight) = &s.flight {
@@ -602,7 +600,7 @@ impl<C: Clock> Local<C> {
         s.flight = Some(Arc::new(Notify::new()));
         s.failed = false;
         Step::Take {
-            batch: s.batch.max(u64::from(cost)),
+            batch: s.batch.max(cost),
             give_back,
         }
     }
@@ -615,7 +613,7 @@ impl<C: Clock> Local<C> {
     fn settle(
         &self,
         key: &[u8],
-        cost: u32,
+        cost: u64,
         taken: u64,
         sent: u64,
         d: &Result<Decision, StoreError>,
@@ -630,18 +628,16 @@ impl<C: Clock> Local<C> {
         let Ok(d) = d else { return };
         match d.outcome {
             Outcome::Allow { .. } => {
-                s.units = s
-                    .units
-                    .saturating_add(taken.saturating_sub(u64::from(cost)));
-                s.spent = u64::from(cost);
+                s.units = s.units.saturating_add(taken.saturating_sub(cost));
+                s.spent = cost;
                 s.expires = self.lease_end(now, d);
                 s.remaining = d.remaining;
                 s.whole_at = now.saturating_add(d.reset_after);
             }
             // Refused this request's own cost: nothing for it until then.
-            Outcome::Deny { retry_after } if taken <= u64::from(cost) => {
+            Outcome::Deny { retry_after } if taken <= cost => {
                 s.denied_until = now.saturating_add(retry_after.min(self.max_denial));
-                s.denied_cost = u64::from(cost);
+                s.denied_cost = cost;
                 s.remaining = d.remaining;
                 s.whole_at = now.saturating_add(d.reset_after);
                 s.batch = self.min_batch;
@@ -655,9 +651,8 @@ impl<C: Clock> Local<C> {
     /// follows its charge within one request. A charge from a lease that
     /// has since been replaced goes back to the store, which caps it as
     /// its algorithm does.
-    fn refund_local(&self, key: &[u8], units: u32) -> bool {
+    fn refund_local(&self, key: &[u8], units: u64) -> bool {
         let now = self.clock.now();
-        let units = u64::from(units);
         let mut shard = self.shard(key);
         match shard.get_mut(key) {
             Some(s) if s.expires > now && s.spent >= units => {
@@ -823,7 +818,7 @@ impl<L: Limiter, C: Clock> HotLimiter<L, C> {
         &self,
         local: &Arc<Local<C>>,
         key: &[u8],
-        cost: u32,
+        cost: u64,
         limit: u64,
     ) -> Option<Decision> {
         let (d, ahead) = local.local(key, cost, limit)?;
@@ -864,11 +859,11 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
 
     /// The store's own answer: never a lease's (a lease is an estimate)
     /// nor the failure policy's.
-    fn decide_exact(&self, key: &[u8], cost: u32) -> HotFuture {
+    fn decide_exact(&self, key: &[u8], cost: u64) -> HotFuture {
         HotFuture(Inner::Boxed(Box::pin(self.inner.decide_exact(key, cost))))
     }
 
-    fn decide(&self, key: &[u8], cost: u32) -> HotFuture {
+    fn decide(&self, key: &[u8], cost: u64) -> HotFuture {
         let Some(local) = &self.local else {
             let f = self.inner.decide(key, cost);
             return HotFuture(Inner::Boxed(Box::pin(f)));
@@ -943,12 +938,11 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                         };
                         if give_back > 0 {
                             local.store_calls.fetch_add(1, Ordering::Relaxed);
-                            let units = u32::try_from(give_back).unwrap_or(u32::MAX);
                             // A failed give-back only means the units lapse.
                             // On a task of its own, so that a cancelled
                             // request still gives them back; awaited, so
                             // that the lease below can count them.
-                            let refund = inner.refund(&key, units);
+                            let refund = inner.refund(&key, give_back);
                             match tokio::runtime::Handle::try_current() {
                                 Ok(rt) => {
                                     let _ = rt.spawn(refund).await;
@@ -958,11 +952,10 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                                 }
                             }
                         }
-                        let batch32 = u32::try_from(batch).unwrap_or(u32::MAX);
                         let sent = local.clock.now();
                         local.store_calls.fetch_add(1, Ordering::Relaxed);
                         let mut taken = batch;
-                        let mut d = inner.decide(&key, batch32).await;
+                        let mut d = inner.decide(&key, batch).await;
                         // Not enough for a batch: ask for what is left
                         // (the denial says how much), at least this
                         // request's cost.
@@ -974,13 +967,11 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                         {
                             // (Below the cost: ask for the cost alone, for
                             // the exact wait the denial cache keeps.)
-                            let left = remaining.min(batch).max(u64::from(cost));
-                            if batch32 > cost {
+                            let left = remaining.min(batch).max(cost);
+                            if batch > cost {
                                 local.store_calls.fetch_add(1, Ordering::Relaxed);
                                 taken = left;
-                                d = inner
-                                    .decide(&key, u32::try_from(left).unwrap_or(cost))
-                                    .await;
+                                d = inner.decide(&key, left).await;
                             }
                         }
                         local.settle(&key, cost, taken, sent, &d);
@@ -989,9 +980,8 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                         return d.map(|mut d| {
                             if d.is_allowed() {
                                 // The rest of the batch is this client's too.
-                                d.remaining = d
-                                    .remaining
-                                    .saturating_add(taken.saturating_sub(u64::from(cost)));
+                                d.remaining =
+                                    d.remaining.saturating_add(taken.saturating_sub(cost));
                             }
                             d
                         });
@@ -1001,7 +991,7 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
         })))
     }
 
-    fn decide_sync(&self, key: &[u8], cost: u32) -> Option<Result<Decision, StoreError>> {
+    fn decide_sync(&self, key: &[u8], cost: u64) -> Option<Result<Decision, StoreError>> {
         let local = self.local.as_ref()?;
         if cost == 0 {
             return None;
@@ -1010,7 +1000,7 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
         Some(Ok(d))
     }
 
-    fn refund(&self, key: &[u8], cost: u32) -> Self::RefundFuture {
+    fn refund(&self, key: &[u8], cost: u64) -> Self::RefundFuture {
         if let Some(local) = &self.local {
             // Back into the lease while it lasts: it goes back to the
             // store with the lease's other units.

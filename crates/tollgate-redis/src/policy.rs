@@ -91,7 +91,7 @@ impl RateOnFailure {
         })
     }
 
-    pub(crate) fn decide(&self, rule: &Rule, key: &[u8], cost: u32) -> Decision {
+    pub(crate) fn decide(&self, rule: &Rule, key: &[u8], cost: u64) -> Decision {
         match self {
             Self::Open => open_decision(rule.capacity()),
             Self::Closed => closed_decision(rule.capacity()),
@@ -105,7 +105,7 @@ impl RateOnFailure {
     }
 
     /// Refunds in memory; `false` if there is no memory to refund to.
-    pub(crate) fn refund(&self, key: &[u8], cost: u32) -> bool {
+    pub(crate) fn refund(&self, key: &[u8], cost: u64) -> bool {
         match self {
             Self::Memory(m) => {
                 m.refund_now(key, cost);
@@ -221,7 +221,7 @@ impl QuotaOnFailure {
         &self,
         rule: &QuotaRule,
         key: &[u8],
-        cost: u32,
+        cost: u64,
         now: u64,
     ) -> QuotaDecision {
         let open = matches!(self, Self::Open);
@@ -257,7 +257,7 @@ impl QuotaOnFailure {
     /// A refund that did not reach Redis: never made elsewhere (the
     /// memory fallback did not see the charge; giving it back there would
     /// admit more than the limit), so always `None`: the caller's error.
-    pub(crate) fn refund(&self, _key: &[u8], _cost: u32) -> Option<QuotaDecision> {
+    pub(crate) fn refund(&self, _key: &[u8], _cost: u64) -> Option<QuotaDecision> {
         None
     }
 }

@@ -90,7 +90,7 @@ impl BoundQuota {
         &self,
         mode: QuotaMode,
         key: &[u8],
-        cost: u32,
+        cost: u64,
         grant: u64,
     ) -> Result<QuotaDecision, StoreError> {
         let rkey = self
@@ -123,7 +123,7 @@ impl QuotaLimiter for RedisQuotaLimiter {
         &self.bound.rule
     }
 
-    fn consume(&self, key: &[u8], cost: u32) -> Self::Future {
+    fn consume(&self, key: &[u8], cost: u64) -> Self::Future {
         let this = Arc::clone(&self.bound);
         let key = key.to_vec();
         Box::pin(async move {
@@ -136,7 +136,7 @@ impl QuotaLimiter for RedisQuotaLimiter {
         })
     }
 
-    fn refund(&self, key: &[u8], cost: u32) -> Self::Future {
+    fn refund(&self, key: &[u8], cost: u64) -> Self::Future {
         let this = Arc::clone(&self.bound);
         let key = key.to_vec();
         Box::pin(async move {

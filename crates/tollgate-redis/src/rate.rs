@@ -73,7 +73,7 @@ impl BoundRate {
 
     /// Runs this rule's script in `mode` on `rkey` (the key's
     /// [`redis_key`](Self::redis_key)).
-    async fn call(&self, mode: RateMode, rkey: &str, cost: u32) -> Result<Reply, StoreError> {
+    async fn call(&self, mode: RateMode, rkey: &str, cost: u64) -> Result<Reply, StoreError> {
         let cost = cost.to_string();
         let now = self.backend.now_arg();
         let mut args: Vec<&str> = Vec::with_capacity(self.params.len().saturating_add(4));
@@ -85,7 +85,7 @@ impl BoundRate {
     /// Decides `key` (stored under `rkey`) at `cost` alone: Redis's
     /// answer, or (a fault or an unreadable reply) the failure policy's;
     /// and whether the failure policy gave it.
-    async fn decide(&self, key: &[u8], rkey: &str, cost: u32) -> (JointDecision, bool) {
+    async fn decide(&self, key: &[u8], rkey: &str, cost: u64) -> (JointDecision, bool) {
         let reply = self.call(RateMode::Decide, rkey, cost).await;
         match reply.ok().and_then(|r| r.decision()) {
             Some(d) => (
@@ -101,7 +101,7 @@ impl BoundRate {
 
     /// What the failure policy answers for `key` at `cost`, and whether it
     /// consumed it.
-    fn failed(&self, key: &[u8], cost: u32) -> JointDecision {
+    fn failed(&self, key: &[u8], cost: u64) -> JointDecision {
         let decision = self.on_failure.decide(&self.rule, key, cost);
         JointDecision {
             consumed: decision.is_allowed() && self.on_failure.consumes(),
@@ -119,7 +119,7 @@ struct Part {
     bound: Arc<BoundRate>,
     rkey: String,
     key: Vec<u8>,
-    cost: u32,
+    cost: u64,
     enforced: bool,
 }
 
@@ -198,7 +198,7 @@ impl Limiter for RedisLimiter {
         &self.bound.rule
     }
 
-    fn decide(&self, key: &[u8], cost: u32) -> Self::DecideFuture {
+    fn decide(&self, key: &[u8], cost: u64) -> Self::DecideFuture {
         let this = Arc::clone(&self.bound);
         let key = key.to_vec();
         let rkey = this.redis_key(&key);
@@ -206,7 +206,7 @@ impl Limiter for RedisLimiter {
     }
 
     /// Redis's answer, or `Err`: never the failure policy's.
-    fn decide_exact(&self, key: &[u8], cost: u32) -> Self::DecideFuture {
+    fn decide_exact(&self, key: &[u8], cost: u64) -> Self::DecideFuture {
         let this = Arc::clone(&self.bound);
         let rkey = this.redis_key(key);
         Box::pin(async move {
@@ -219,7 +219,7 @@ impl Limiter for RedisLimiter {
         })
     }
 
-    fn refund(&self, key: &[u8], cost: u32) -> Self::RefundFuture {
+    fn refund(&self, key: &[u8], cost: u64) -> Self::RefundFuture {
         let this = Arc::clone(&self.bound);
         let key = key.to_vec();
         Box::pin(async move {

@@ -169,7 +169,7 @@ impl<RL: Limiter, GL: Limiter> Limiter for TieredLimiter<RL, GL> {
         self.0 .0.rule()
     }
 
-    fn decide(&self, key: &[u8], cost: u32) -> Boxed<Decision> {
+    fn decide(&self, key: &[u8], cost: u64) -> Boxed<Decision> {
         let both = Arc::clone(&self.0);
         let (rf, gf) = (both.0.decide(key, cost), both.1.decide(key, cost));
         let key = key.to_vec();
@@ -211,11 +211,11 @@ impl<RL: Limiter, GL: Limiter> Limiter for TieredLimiter<RL, GL> {
     /// The regional store's own answer (concurrency rules and ladders
     /// live there too): a marker or a used challenge is exact within a
     /// region, and across regions each region judges its own.
-    fn decide_exact(&self, key: &[u8], cost: u32) -> Boxed<Decision> {
+    fn decide_exact(&self, key: &[u8], cost: u64) -> Boxed<Decision> {
         Box::pin(self.0 .0.decide_exact(key, cost))
     }
 
-    fn refund(&self, key: &[u8], cost: u32) -> Boxed<()> {
+    fn refund(&self, key: &[u8], cost: u64) -> Boxed<()> {
         let both = Arc::clone(&self.0);
         let (rf, gf) = (both.0.refund(key, cost), both.1.refund(key, cost));
         Box::pin(async move {

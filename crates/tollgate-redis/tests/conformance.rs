@@ -124,7 +124,7 @@ async fn rules_sharing_a_slot_share_a_call(cluster: &support::Cluster) {
         store.limiter(&rule.unwrap()).unwrap()
     };
     let limiters = [hourly("first", 1), hourly(&mate, 10), hourly(&other, 10)];
-    let decide = |cost: u32| {
+    let decide = |cost: u64| {
         let parts: Vec<JointPart<'_, RedisLimiter>> = limiters
             .iter()
             .map(|limiter| JointPart {

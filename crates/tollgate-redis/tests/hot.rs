@@ -64,7 +64,7 @@ impl Limiter for CountedLimiter {
         self.inner.rule()
     }
 
-    fn decide(&self, key: &[u8], cost: u32) -> Self::DecideFuture {
+    fn decide(&self, key: &[u8], cost: u64) -> Self::DecideFuture {
         self.calls.fetch_add(1, Ordering::Relaxed);
         let (inner, key) = (self.inner.clone(), key.to_vec());
         let fail = self.fail.load(Ordering::Relaxed);
@@ -90,7 +90,7 @@ impl Limiter for CountedLimiter {
         })
     }
 
-    fn refund(&self, key: &[u8], cost: u32) -> Self::RefundFuture {
+    fn refund(&self, key: &[u8], cost: u64) -> Self::RefundFuture {
         self.calls.fetch_add(1, Ordering::Relaxed);
         self.inner.refund_now(key, cost);
         Box::pin(std::future::ready(Ok(())))

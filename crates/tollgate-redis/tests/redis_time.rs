@@ -95,7 +95,11 @@ async fn redis_time_never_over_admits_at_one_per_microsecond() {
     let start = redis_time(&mut conn).await;
     // Spend the whole burst: the TAT is then 5 s ahead, so every unit
     // request below moves it on from the TAT, never from now.
-    assert!(limiter.decide(key, burst).await.unwrap().is_allowed());
+    assert!(limiter
+        .decide(key, u64::from(burst))
+        .await
+        .unwrap()
+        .is_allowed());
     let admitted = Arc::new(AtomicU64::new(u64::from(burst)));
     let calls = Arc::new(AtomicU64::new(0));
     let until = Instant::now() + Duration::from_secs(2);

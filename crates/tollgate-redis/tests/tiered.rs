@@ -35,14 +35,14 @@ impl Limiter for FarLimiter {
         self.inner.rule()
     }
 
-    fn decide(&self, key: &[u8], cost: u32) -> Self::DecideFuture {
+    fn decide(&self, key: &[u8], cost: u64) -> Self::DecideFuture {
         if self.down.load(Ordering::Relaxed) {
             return std::future::ready(Err(StoreError::new(StoreErrorKind::Timeout, "far away")));
         }
         std::future::ready(Ok(self.inner.decide_now(key, cost)))
     }
 
-    fn refund(&self, key: &[u8], cost: u32) -> Self::RefundFuture {
+    fn refund(&self, key: &[u8], cost: u64) -> Self::RefundFuture {
         self.inner.refund_now(key, cost);
         std::future::ready(Ok(()))
     }

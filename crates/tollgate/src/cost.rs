@@ -5,7 +5,7 @@
 //! capacity can never be admitted and is answered with a 429 that says so
 //! (no `Retry-After`). Cost 0 is free (a peek).
 //!
-//! Closures are cost functions: `|req: &Request<B>| -> u32`.
+//! Closures are cost functions: `|req: &Request<B>| -> u64`.
 //!
 //! ```
 //! use http::{Method, Request};
@@ -35,21 +35,21 @@ use crate::key::request::{method_of, original_path};
 /// Weighs a request.
 pub trait Cost<B>: Clone + Send + Sync + 'static {
     /// The units `req` consumes.
-    fn cost(&self, req: &Request<B>) -> u32;
+    fn cost(&self, req: &Request<B>) -> u64;
 }
 
 impl<B, F> Cost<B> for F
 where
-    F: Fn(&Request<B>) -> u32 + Clone + Send + Sync + 'static,
+    F: Fn(&Request<B>) -> u64 + Clone + Send + Sync + 'static,
 {
-    fn cost(&self, req: &Request<B>) -> u32 {
+    fn cost(&self, req: &Request<B>) -> u64 {
         self(req)
     }
 }
 
 /// The same cost for every request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Fixed(pub u32);
+pub struct Fixed(pub u64);
 
 impl Default for Fixed {
     fn default() -> Self {
@@ -58,7 +58,7 @@ impl Default for Fixed {
 }
 
 impl<B> Cost<B> for Fixed {
-    fn cost(&self, _req: &Request<B>) -> u32 {
+    fn cost(&self, _req: &Request<B>) -> u64 {
         self.0
     }
 }
@@ -66,13 +66,13 @@ impl<B> Cost<B> for Fixed {
 /// A cost per method, with a default for the rest.
 #[derive(Debug, Clone)]
 pub struct ByMethod {
-    default: u32,
-    table: Arc<[(Method, u32)]>,
+    default: u64,
+    table: Arc<[(Method, u64)]>,
 }
 
 impl ByMethod {
     /// Every method costs `default` until told otherwise.
-    pub fn new(default: u32) -> Self {
+    pub fn new(default: u64) -> Self {
         Self {
             default,
             table: Arc::new([]),
@@ -80,7 +80,7 @@ impl ByMethod {
     }
 
     /// `method` costs `cost`.
-    pub fn method(self, method: Method, cost: u32) -> Self {
+    pub fn method(self, method: Method, cost: u64) -> Self {
         let mut table = self.table.to_vec();
         table.retain(|(m, _)| *m != method);
         table.push((method, cost));
@@ -93,7 +93,7 @@ impl ByMethod {
     /// The costliest entry: its cost and what it is (for a check that a
     /// limit can ever admit it).
     #[cfg(feature = "config")]
-    pub(crate) fn costliest(&self) -> (u32, String) {
+    pub(crate) fn costliest(&self) -> (u64, String) {
         self.table
             .iter()
             .fold((self.default, "the default".to_owned()), |best, (m, c)| {
@@ -109,7 +109,7 @@ impl ByMethod {
 /// A `HEAD` without an entry of its own costs what `GET` does: a router
 /// runs the `GET` handler for it.
 impl<B> Cost<B> for ByMethod {
-    fn cost(&self, req: &Request<B>) -> u32 {
+    fn cost(&self, req: &Request<B>) -> u64 {
         let find = |method: &Method| self.table.iter().find(|(m, _)| m == method);
         find(req.method())
             .or_else(|| find(method_of(req)))
@@ -121,16 +121,16 @@ impl<B> Cost<B> for ByMethod {
 /// classic "a read costs 1, a report 10".
 #[derive(Debug, Clone)]
 pub struct ByRoute {
-    default: u32,
+    default: u64,
     routes: Arc<[RouteCost]>,
 }
 
 /// One entry of a [`ByRoute`] table: method (any if `None`), path, cost.
-type RouteCost = (Option<Method>, Box<str>, u32);
+type RouteCost = (Option<Method>, Box<str>, u64);
 
 impl ByRoute {
     /// Every request costs `default` until told otherwise.
-    pub fn new(default: u32) -> Self {
+    pub fn new(default: u64) -> Self {
         Self {
             default,
             routes: Arc::new([]),
@@ -141,7 +141,7 @@ impl ByRoute {
     /// cost `cost`. The first matching route wins. Paths compare
     /// normalised; under `Router::nest`, the full path (`/api/orders`) and
     /// the one inside the nest (`/orders`) both match.
-    pub fn route(self, method: Option<Method>, path: &str, cost: u32) -> Self {
+    pub fn route(self, method: Option<Method>, path: &str, cost: u64) -> Self {
         let mut routes = self.routes.to_vec();
         routes.push((method, normalize_path(path).into(), cost));
         Self {
@@ -152,7 +152,7 @@ impl ByRoute {
 
     /// The costliest entry: its cost and what it is.
     #[cfg(feature = "config")]
-    pub(crate) fn costliest(&self) -> (u32, String) {
+    pub(crate) fn costliest(&self) -> (u64, String) {
         self.routes.iter().fold(
             (self.default, "the default".to_owned()),
             |best, (m, path, c)| {
@@ -177,7 +177,7 @@ impl ByRoute {
 /// runs the `GET` handler for it): list a `HEAD` entry before the `GET`
 /// one to price it apart.
 impl<B> Cost<B> for ByRoute {
-    fn cost(&self, req: &Request<B>) -> u32 {
+    fn cost(&self, req: &Request<B>) -> u64 {
         let (original, local) = (original_path(req), req.uri().path());
         let original = normalize_path(original);
         // Inside a nest the layer sees a shorter path; outside, the same.
@@ -193,19 +193,19 @@ impl<B> Cost<B> for ByRoute {
     }
 }
 
-/// Parses a decimal count, saturating at `u32::MAX`; `None` if not a number.
-fn parse_count(s: &[u8]) -> Option<u32> {
+/// Parses a decimal count, saturating at `u64::MAX`; `None` if not a number.
+fn parse_count(s: &[u8]) -> Option<u64> {
     let s = s.trim_ascii();
     if s.is_empty() || !s.iter().all(u8::is_ascii_digit) {
         return None;
     }
-    Some(s.iter().fold(0u32, |n, d| {
+    Some(s.iter().fold(0u64, |n, d| {
         n.saturating_mul(10)
-            .saturating_add(u32::from(d.saturating_sub(b'0')))
+            .saturating_add(u64::from(d.saturating_sub(b'0')))
     }))
 }
 
-fn check_cap(default: u32, cap: u32) -> Result<(), ConfigError> {
+fn check_cap(default: u64, cap: u64) -> Result<(), ConfigError> {
     if cap == 0 {
         return Err(ConfigError::new("cap", "must be at least 1"));
     }
@@ -225,14 +225,14 @@ fn check_cap(default: u32, cap: u32) -> Result<(), ConfigError> {
 #[derive(Debug, Clone)]
 pub struct HeaderCost {
     name: HeaderName,
-    default: u32,
-    cap: u32,
+    default: u64,
+    cap: u64,
 }
 
 impl HeaderCost {
     /// Reads header `name`; errors name the field (`header`, `cap`,
     /// `default`).
-    pub fn named(name: &str, default: u32, cap: u32) -> Result<Self, ConfigError> {
+    pub fn named(name: &str, default: u64, cap: u64) -> Result<Self, ConfigError> {
         check_cap(default, cap)?;
         let name = crate::key::header_name(name)?;
         Ok(Self { name, default, cap })
@@ -240,7 +240,7 @@ impl HeaderCost {
 }
 
 impl<B> Cost<B> for HeaderCost {
-    fn cost(&self, req: &Request<B>) -> u32 {
+    fn cost(&self, req: &Request<B>) -> u64 {
         match req.headers().get(&self.name) {
             None => self.default,
             Some(v) => parse_count(v.as_bytes()).map_or(self.cap, |n| n.clamp(1, self.cap)),
@@ -256,13 +256,13 @@ impl<B> Cost<B> for HeaderCost {
 #[derive(Debug, Clone)]
 pub struct QueryCost {
     param: Box<str>,
-    default: u32,
-    cap: u32,
+    default: u64,
+    cap: u64,
 }
 
 impl QueryCost {
     /// Reads query parameter `param`.
-    pub fn named(param: &str, default: u32, cap: u32) -> Result<Self, ConfigError> {
+    pub fn named(param: &str, default: u64, cap: u64) -> Result<Self, ConfigError> {
         check_cap(default, cap)?;
         if param.is_empty() {
             return Err(ConfigError::new("param", "must not be empty"));
@@ -276,7 +276,7 @@ impl QueryCost {
 }
 
 impl<B> Cost<B> for QueryCost {
-    fn cost(&self, req: &Request<B>) -> u32 {
+    fn cost(&self, req: &Request<B>) -> u64 {
         let Some(query) = req.uri().query() else {
             return self.default;
         };
@@ -347,14 +347,14 @@ fn form_decode<'a>(mut raw: &[u8], buf: &'a mut [u8; 24]) -> Option<&'a [u8]> {
 #[derive(Debug, Clone, Copy)]
 pub struct BodyLength {
     bytes_per_unit: u64,
-    min: u32,
-    cap: u32,
+    min: u64,
+    cap: u64,
 }
 
 impl BodyLength {
     /// One unit per `bytes_per_unit` bytes; `min` must be at least 1 (a
     /// cost of 0 would make empty bodies free).
-    pub fn new(bytes_per_unit: u64, min: u32, cap: u32) -> Result<Self, ConfigError> {
+    pub fn new(bytes_per_unit: u64, min: u64, cap: u64) -> Result<Self, ConfigError> {
         if min == 0 {
             return Err(ConfigError::new("min", "must be at least 1"));
         }
@@ -377,7 +377,7 @@ impl BodyLength {
 }
 
 impl<B> Cost<B> for BodyLength {
-    fn cost(&self, req: &Request<B>) -> u32 {
+    fn cost(&self, req: &Request<B>) -> u64 {
         let Some(len) = req
             .headers()
             .get(CONTENT_LENGTH)
@@ -387,9 +387,7 @@ impl<B> Cost<B> for BodyLength {
             return self.cap;
         };
         let units = len.div_ceil(self.bytes_per_unit);
-        u32::try_from(units)
-            .unwrap_or(u32::MAX)
-            .clamp(self.min, self.cap)
+        units.clamp(self.min, self.cap)
     }
 }
 

@@ -292,19 +292,19 @@ impl Limiter for AnyLimiter {
         forward!(plain self, |l| l.rule())
     }
 
-    fn decide(&self, key: &[u8], cost: u32) -> Self::DecideFuture {
+    fn decide(&self, key: &[u8], cost: u64) -> Self::DecideFuture {
         forward!(self, |l| l.decide(key, cost))
     }
 
-    fn refund(&self, key: &[u8], cost: u32) -> Self::RefundFuture {
+    fn refund(&self, key: &[u8], cost: u64) -> Self::RefundFuture {
         forward!(self, |l| l.refund(key, cost))
     }
 
-    fn decide_exact(&self, key: &[u8], cost: u32) -> Self::DecideFuture {
+    fn decide_exact(&self, key: &[u8], cost: u64) -> Self::DecideFuture {
         forward!(self, |l| l.decide_exact(key, cost))
     }
 
-    fn decide_sync(&self, key: &[u8], cost: u32) -> Option<Result<Decision, StoreError>> {
+    fn decide_sync(&self, key: &[u8], cost: u64) -> Option<Result<Decision, StoreError>> {
         forward!(plain self, |l| l.decide_sync(key, cost))
     }
 
@@ -386,15 +386,15 @@ impl QuotaLimiter for AnyQuotaLimiter {
         forward!(plain self, |l| l.rule())
     }
 
-    fn consume(&self, key: &[u8], cost: u32) -> Self::Future {
+    fn consume(&self, key: &[u8], cost: u64) -> Self::Future {
         forward!(self, |l| l.consume(key, cost))
     }
 
-    fn consume_sync(&self, key: &[u8], cost: u32) -> Option<Result<QuotaDecision, StoreError>> {
+    fn consume_sync(&self, key: &[u8], cost: u64) -> Option<Result<QuotaDecision, StoreError>> {
         forward!(plain self, |l| l.consume_sync(key, cost))
     }
 
-    fn refund(&self, key: &[u8], cost: u32) -> Self::Future {
+    fn refund(&self, key: &[u8], cost: u64) -> Self::Future {
         forward!(self, |l| l.refund(key, cost))
     }
 

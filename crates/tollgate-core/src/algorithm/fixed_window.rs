@@ -91,7 +91,7 @@ impl RateAlgorithm for FixedWindow {
     type State = u64;
 
     #[inline]
-    fn decide(&self, state: &mut u64, now: u64, cost: u32) -> Decision {
+    fn decide(&self, state: &mut u64, now: u64, cost: u64) -> Decision {
         let limit = u64::from(self.limit);
         let index = self.window_of(*state, now);
         let count = Self::count(*state, index as u32);
@@ -104,9 +104,10 @@ impl RateAlgorithm for FixedWindow {
         if cost == 0 {
             return Decision::allow(limit, remaining, reset);
         }
-        if cost > self.limit {
+        // Above the limit (a u32) never fits; below it, the cost is a u32.
+        let Some(cost) = u32::try_from(cost).ok().filter(|c| *c <= self.limit) else {
             return Decision::with(Outcome::Never, limit, remaining, reset);
-        }
+        };
         match count.checked_add(cost).filter(|c| *c <= self.limit) {
             Some(next) => {
                 *state = (u64::from(index as u32) << 32) | u64::from(next);
@@ -127,11 +128,11 @@ impl RateAlgorithm for FixedWindow {
         }
     }
 
-    fn refund(&self, state: &mut u64, now: u64, cost: u32) {
+    fn refund(&self, state: &mut u64, now: u64, cost: u64) {
         let index = self.window_of(*state, now) as u32;
         let stored = (*state >> 32) as u32;
         if stored == index {
-            let count = (*state as u32).saturating_sub(cost);
+            let count = (*state as u32).saturating_sub(u32::try_from(cost).unwrap_or(u32::MAX));
             *state = (u64::from(stored) << 32) | u64::from(count);
         }
     }
@@ -221,7 +222,7 @@ mod tests {
     fn huge_counts_and_times_do_not_overflow() {
         let w = FixedWindow::new(u32::MAX, Duration::from_millis(1)).unwrap();
         let mut s = 0;
-        assert!(w.decide(&mut s, u64::MAX, u32::MAX).is_allowed());
+        assert!(w.decide(&mut s, u64::MAX, u64::from(u32::MAX)).is_allowed());
         assert!(!w.decide(&mut s, u64::MAX, 1).is_allowed());
         assert_eq!(w.decide(&mut s, u64::MAX, 0).remaining, 0);
     }

@@ -57,19 +57,19 @@ impl RateAlgorithm for Gcra {
     type State = u64;
 
     #[inline]
-    fn decide(&self, tat: &mut u64, now: u64, cost: u32) -> Decision {
+    fn decide(&self, tat: &mut u64, now: u64, cost: u64) -> Decision {
         let limit = u64::from(self.burst);
         let start = (*tat).max(now);
         if cost == 0 {
             let reset = start.saturating_sub(now);
             return Decision::allow(limit, self.remaining(start, now), reset);
         }
-        if cost > self.burst {
+        if cost > u64::from(self.burst) {
             let reset = start.saturating_sub(now);
             return Decision::with(Outcome::Never, limit, self.remaining(start, now), reset);
         }
         // cost <= burst and interval × burst fits in u64.
-        let next = u128::from(start).saturating_add(mul(self.interval, u64::from(cost)));
+        let next = u128::from(start).saturating_add(mul(self.interval, cost));
         let ahead = next.saturating_sub(u128::from(now));
         if ahead > u128::from(self.tau) || next > u128::from(u64::MAX) {
             let retry_after = if next > u128::from(u64::MAX) {
@@ -89,9 +89,9 @@ impl RateAlgorithm for Gcra {
         Decision::allow(limit, self.remaining(next, now), next.saturating_sub(now))
     }
 
-    fn refund(&self, tat: &mut u64, now: u64, cost: u32) {
+    fn refund(&self, tat: &mut u64, now: u64, cost: u64) {
         if *tat > now {
-            let back = sat64(mul(self.interval, u64::from(cost)));
+            let back = sat64(mul(self.interval, cost));
             *tat = tat.saturating_sub(back).max(now);
         }
     }
@@ -158,7 +158,7 @@ mod tests {
             }
         );
         assert_eq!(g.decide(&mut s, 5 * MS, 21).outcome, Outcome::Never);
-        assert_eq!(g.decide(&mut s, 5 * MS, u32::MAX).outcome, Outcome::Never);
+        assert_eq!(g.decide(&mut s, 5 * MS, u64::MAX).outcome, Outcome::Never);
     }
 
     #[test]

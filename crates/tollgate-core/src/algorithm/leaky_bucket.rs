@@ -62,19 +62,19 @@ impl LeakyBucket {
 impl RateAlgorithm for LeakyBucket {
     type State = u64;
 
-    fn decide(&self, tat: &mut u64, now: u64, cost: u32) -> Decision {
+    fn decide(&self, tat: &mut u64, now: u64, cost: u64) -> Decision {
         let limit = self.capacity();
         let start = (*tat).max(now);
         let reset = start.saturating_sub(now);
         if cost == 0 {
             return Decision::allow(limit, self.remaining(start, now), reset);
         }
-        let own = mul(self.interval, u64::from(cost).saturating_sub(1));
+        let own = mul(self.interval, cost.saturating_sub(1));
         if own > u128::from(self.max_delay) {
             return Decision::with(Outcome::Never, limit, self.remaining(start, now), reset);
         }
         let delay = u128::from(reset).saturating_add(own);
-        let next = u128::from(start).saturating_add(mul(self.interval, u64::from(cost)));
+        let next = u128::from(start).saturating_add(mul(self.interval, cost));
         if delay > u128::from(self.max_delay) || next > u128::from(u64::MAX) {
             let retry_after = if next > u128::from(u64::MAX) {
                 u64::MAX
@@ -100,9 +100,9 @@ impl RateAlgorithm for LeakyBucket {
         )
     }
 
-    fn refund(&self, tat: &mut u64, now: u64, cost: u32) {
+    fn refund(&self, tat: &mut u64, now: u64, cost: u64) {
         if *tat > now {
-            let back = sat64(mul(self.interval, u64::from(cost)));
+            let back = sat64(mul(self.interval, cost));
             *tat = tat.saturating_sub(back).max(now);
         }
     }

@@ -48,12 +48,12 @@ pub trait RateAlgorithm: Clone + std::fmt::Debug + Send + Sync + 'static {
     type State: Clone + Default + PartialEq + std::fmt::Debug + Send + Sync + 'static;
 
     /// Decides a request of `cost` at `now` and updates `state` if admitted.
-    fn decide(&self, state: &mut Self::State, now: u64, cost: u32) -> Decision;
+    fn decide(&self, state: &mut Self::State, now: u64, cost: u64) -> Decision;
 
     /// Gives back `cost` consumed earlier (when a later rule in a chain
     /// denies the request). Never raises the budget above whole; a refund
     /// that arrives after its window has passed is dropped.
-    fn refund(&self, state: &mut Self::State, now: u64, cost: u32);
+    fn refund(&self, state: &mut Self::State, now: u64, cost: u64);
 
     /// Whether `state` carries no information at `now`: it decides exactly
     /// as a fresh state would, now and later, so it may be dropped.

@@ -225,18 +225,18 @@ impl Quota {
     /// Decides a request of `cost` at `now` (Unix ns); charges every
     /// period if it fits them all. Cost 0 peeks: the usage, changing
     /// nothing.
-    pub fn decide(&self, state: &mut QuotaState, now: u64, cost: u32) -> QuotaDecision {
+    pub fn decide(&self, state: &mut QuotaState, now: u64, cost: u64) -> QuotaDecision {
         self.apply(state, now, 0, cost)
     }
 
     /// Gives `cost` back to every period that is still current (a later
     /// limit refused the request).
-    pub fn refund(&self, state: &mut QuotaState, now: u64, cost: u32) {
+    pub fn refund(&self, state: &mut QuotaState, now: u64, cost: u64) {
         for (i, (period, _)) in self.periods().enumerate() {
             if let Some(w) = state.windows.get_mut(i) {
                 // Only a window that is still current gets it back.
                 if w.end != 0 && self.current(period, *w, now).start == w.start {
-                    w.used = w.used.saturating_sub(u64::from(cost));
+                    w.used = w.used.saturating_sub(cost);
                 }
             }
         }
@@ -253,7 +253,7 @@ impl Quota {
     /// bonus, then decides `cost`. The state changes only if something was
     /// consumed or granted: a peek or a denial leaves it as it was (its
     /// windows would roll over the same way on the next read).
-    fn apply(&self, state: &mut QuotaState, now: u64, grant: u64, cost: u32) -> QuotaDecision {
+    fn apply(&self, state: &mut QuotaState, now: u64, grant: u64, cost: u64) -> QuotaDecision {
         let mut out = QuotaDecision::EMPTY;
         self.apply_into(state, now, grant, cost, &mut out, true);
         out
@@ -266,7 +266,7 @@ impl Quota {
         &self,
         state: &mut QuotaState,
         now: u64,
-        cost: u32,
+        cost: u64,
         out: &mut QuotaDecision,
     ) {
         self.apply_into(state, now, 0, cost, out, true);
@@ -280,14 +280,13 @@ impl Quota {
         state: &mut QuotaState,
         now: u64,
         grant: u64,
-        cost: u32,
+        cost: u64,
         out: &mut QuotaDecision,
         shortcut: bool,
     ) {
-        if shortcut && grant == 0 && self.decide_current(state, now, u64::from(cost), out) {
+        if shortcut && grant == 0 && self.decide_current(state, now, cost, out) {
             return;
         }
-        let cost = u64::from(cost);
         let mut windows = [Window::default(); MAX_PERIODS];
         // A decision written over one with more periods: none of its
         // periods may stay past ours (equality and hashing see them all).
@@ -474,10 +473,11 @@ mod tests {
             let mut now = unix_nanos(2026, 2, 27, 23, 58, 0);
             let mut state = QuotaState::default();
             for (step, back, cost, op) in steps {
+                let cost = u64::from(cost);
                 // Mostly forward, sometimes back.
                 now = if back && op == 0 { now - step / 4 } else { now + step / 64 };
                 if op == 7 {
-                    quota.grant(&mut state, now, u64::from(cost) * 1_000_000_000_000_000);
+                    quota.grant(&mut state, now, cost * 1_000_000_000_000_000);
                     continue;
                 }
                 let (mut fast, mut general) = (state, state);
@@ -490,7 +490,7 @@ mod tests {
                 .unwrap()
                 .decide(&mut QuotaState::default(), now, 1);
                 let (mut a, mut b) = (six, six);
-                if quota.decide_current(&mut fast, now, u64::from(cost), &mut a) {
+                if quota.decide_current(&mut fast, now, cost, &mut a) {
                     quota.apply_into(&mut general, now, 0, cost, &mut b, false);
                     prop_assert_eq!(a, b);
                     prop_assert_eq!(fast, general);
@@ -631,7 +631,7 @@ mod tests {
         let q = Quota::new(&[(Period::Year, 1)], Offset::UTC).unwrap();
         let mut s = QuotaState::default();
         for t in [0, 1, u64::MAX] {
-            let _ = q.decide(&mut s, t, u32::MAX);
+            let _ = q.decide(&mut s, t, u64::MAX);
             let _ = q.grant(&mut s, t, u64::MAX);
         }
     }

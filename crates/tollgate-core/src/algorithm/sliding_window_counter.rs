@@ -100,7 +100,7 @@ impl SlidingWindowCounter {
 impl RateAlgorithm for SlidingWindowCounter {
     type State = SlidingWindowCounterState;
 
-    fn decide(&self, state: &mut Self::State, now: u64, cost: u32) -> Decision {
+    fn decide(&self, state: &mut Self::State, now: u64, cost: u64) -> Decision {
         let limit = u64::from(self.limit);
         let mut s = *state;
         let elapsed = self.roll(&mut s, now);
@@ -110,10 +110,9 @@ impl RateAlgorithm for SlidingWindowCounter {
         if cost == 0 {
             return Decision::allow(limit, remaining, reset);
         }
-        if cost > self.limit {
+        if cost > u64::from(self.limit) {
             return Decision::with(Outcome::Never, limit, remaining, reset);
         }
-        let cost = u64::from(cost);
         if used.saturating_add(cost) <= limit {
             s.current = s.current.saturating_add(cost);
             *state = s;
@@ -139,10 +138,10 @@ impl RateAlgorithm for SlidingWindowCounter {
         )
     }
 
-    fn refund(&self, state: &mut Self::State, now: u64, cost: u32) {
+    fn refund(&self, state: &mut Self::State, now: u64, cost: u64) {
         let index = now.checked_div(self.window).unwrap_or(0);
         if index == state.index {
-            state.current = state.current.saturating_sub(u64::from(cost));
+            state.current = state.current.saturating_sub(cost);
         }
     }
 

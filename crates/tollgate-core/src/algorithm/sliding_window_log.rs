@@ -103,17 +103,16 @@ impl SlidingWindowLog {
 impl RateAlgorithm for SlidingWindowLog {
     type State = SlidingWindowLogState;
 
-    fn decide(&self, s: &mut Self::State, now: u64, cost: u32) -> Decision {
+    fn decide(&self, s: &mut Self::State, now: u64, cost: u64) -> Decision {
         let limit = u64::from(self.limit);
         self.expire(s, now);
         let remaining = limit.saturating_sub(s.total);
         if cost == 0 {
             return Decision::allow(limit, remaining, self.reset_after(s, now));
         }
-        if cost > self.limit {
+        if cost > u64::from(self.limit) {
             return Decision::with(Outcome::Never, limit, remaining, self.reset_after(s, now));
         }
-        let cost = u64::from(cost);
         if s.total.saturating_add(cost) <= limit {
             // A request made while the clock reads earlier than the newest
             // entry (it went back, or a thread read it before another
@@ -152,7 +151,7 @@ impl RateAlgorithm for SlidingWindowLog {
         )
     }
 
-    fn refund(&self, s: &mut Self::State, now: u64, cost: u32) {
+    fn refund(&self, s: &mut Self::State, now: u64, cost: u64) {
         // A refund cannot tell which entries were the refunded request's.
         // It gives back the oldest units still in the window: the units
         // kept are then those that leave the window last, so a refund
@@ -160,7 +159,7 @@ impl RateAlgorithm for SlidingWindowLog {
         // would. (Giving back the newest let in more whenever the refunded
         // request was not the newest.)
         self.expire(s, now);
-        let mut left = u64::from(cost);
+        let mut left = cost;
         while left > 0 {
             let Some(first) = s.entries.front_mut() else {
                 break;

@@ -103,7 +103,7 @@ impl RateAlgorithm for TokenBucket {
     type State = u64;
 
     #[inline]
-    fn decide(&self, debt: &mut u64, now: u64, cost: u32) -> Decision {
+    fn decide(&self, debt: &mut u64, now: u64, cost: u64) -> Decision {
         let limit = u64::from(self.capacity);
         let tick = self.tick(now);
         let tokens = self.tokens(*debt, tick);
@@ -111,10 +111,9 @@ impl RateAlgorithm for TokenBucket {
             return Decision::allow(limit, tokens, self.wait_for(*debt, limit, now));
         }
         let reset = self.wait_for(*debt, limit, now);
-        if cost > self.capacity {
+        if cost > u64::from(self.capacity) {
             return Decision::with(Outcome::Never, limit, tokens, reset);
         }
-        let cost = u64::from(cost);
         let left = tokens.checked_sub(cost);
         let next = left.and_then(|left| {
             u64::try_from(self.ceiling(tick).saturating_sub(u128::from(left))).ok()
@@ -144,11 +143,11 @@ impl RateAlgorithm for TokenBucket {
         }
     }
 
-    fn refund(&self, debt: &mut u64, now: u64, cost: u32) {
+    fn refund(&self, debt: &mut u64, now: u64, cost: u64) {
         let tick = self.tick(now);
         let tokens = self
             .tokens(*debt, tick)
-            .saturating_add(u64::from(cost))
+            .saturating_add(cost)
             .min(u64::from(self.capacity));
         if let Ok(next) = u64::try_from(self.ceiling(tick).saturating_sub(u128::from(tokens))) {
             // A refund never adds debt (the clock may have gone backwards).
@@ -232,7 +231,7 @@ mod tests {
         let b = TokenBucket::new(u32::MAX, 1, Duration::from_nanos(1)).unwrap();
         let mut s = 0;
         for now in [u64::MAX - 1, u64::MAX] {
-            let d = b.decide(&mut s, now, u32::MAX);
+            let d = b.decide(&mut s, now, u64::MAX);
             assert!(d.remaining <= u64::from(u32::MAX));
         }
     }

@@ -146,20 +146,20 @@ impl Reference {
     }
 
     /// What the pure algorithm decides for `key` at `now`.
-    pub fn decide(&mut self, key: &[u8], now: u64, cost: u32) -> crate::Decision {
+    pub fn decide(&mut self, key: &[u8], now: u64, cost: u64) -> crate::Decision {
         let s = self.states.entry(key.to_vec()).or_default();
         decide_on(&self.algorithm, s, now, cost)
     }
 
     /// What the pure algorithm would decide for `key` at `now`, changing
     /// nothing.
-    pub fn peek(&self, key: &[u8], now: u64, cost: u32) -> crate::Decision {
+    pub fn peek(&self, key: &[u8], now: u64, cost: u64) -> crate::Decision {
         let mut s = self.states.get(key).cloned().unwrap_or_default();
         decide_on(&self.algorithm, &mut s, now, cost)
     }
 
     /// What the pure algorithm's refund does to `key` at `now`.
-    pub fn refund(&mut self, key: &[u8], now: u64, cost: u32) {
+    pub fn refund(&mut self, key: &[u8], now: u64, cost: u64) {
         let s = self.states.entry(key.to_vec()).or_default();
         match &self.algorithm {
             Algorithm::Gcra(a) => a.refund(&mut s.word, now, cost),
@@ -173,7 +173,7 @@ impl Reference {
 }
 
 /// `algorithm`'s decision on the state `s`.
-fn decide_on(algorithm: &Algorithm, s: &mut RefState, now: u64, cost: u32) -> crate::Decision {
+fn decide_on(algorithm: &Algorithm, s: &mut RefState, now: u64, cost: u64) -> crate::Decision {
     match algorithm {
         Algorithm::Gcra(a) => a.decide(&mut s.word, now, cost),
         Algorithm::TokenBucket(a) => a.decide(&mut s.word, now, cost),
@@ -246,12 +246,12 @@ pub async fn random_trace<S: Store>(store: &S, clock: &ManualClock, rule: &Rule,
         let key = keys[rng.below(3) as usize];
         let now = crate::Clock::now(clock);
         if rng.below(8) == 0 {
-            let cost = rng.below(4) as u32;
+            let cost = rng.below(4);
             limiter.refund(key, cost).await.unwrap();
             reference.refund(key, now, cost);
             continue;
         }
-        let cost = rng.below(capacity + 2) as u32;
+        let cost = rng.below(capacity + 2);
         let got = limiter.decide(key, cost).await.unwrap();
         let want = reference.decide(key, now, cost);
         assert_eq!(
@@ -292,10 +292,10 @@ pub async fn joint_random_trace<S: Store>(store: &S, clock: &ManualClock, seed: 
         }
         let shift = rng.below(chosen.len() as u64) as usize;
         chosen.rotate_left(shift);
-        let asks: Vec<(usize, &[u8], u32, bool)> = chosen
+        let asks: Vec<(usize, &[u8], u64, bool)> = chosen
             .iter()
             .map(|&r| {
-                let cost = rng.below(rules[r].capacity() + 2) as u32;
+                let cost = rng.below(rules[r].capacity() + 2);
                 (r, keys[rng.below(3) as usize], cost, rng.below(5) != 0)
             })
             .collect();
@@ -437,8 +437,13 @@ pub async fn peek_refund_and_never<S: Store>(store: &S, clock: &ManualClock, rul
         "rule {}: refund",
         rule.name()
     );
-    for cost in [capacity + 1, u64::from(u32::MAX)] {
-        let d = limiter.decide(key, cost as u32).await.unwrap();
+    for cost in [
+        capacity + 1,
+        u64::from(u32::MAX),
+        u64::from(u32::MAX) + 1,
+        u64::MAX,
+    ] {
+        let d = limiter.decide(key, cost).await.unwrap();
         assert_eq!(
             d.outcome,
             Outcome::Never,

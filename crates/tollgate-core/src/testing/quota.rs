@@ -15,9 +15,9 @@ pub struct QuotaReference {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QuotaOp {
     /// [`consume`](QuotaLimiter::consume) this cost (0 reads).
-    Consume(u32),
+    Consume(u64),
     /// [`refund`](QuotaLimiter::refund) this cost.
-    Refund(u32),
+    Refund(u64),
     /// [`reset`](QuotaLimiter::reset) the key.
     Reset,
     /// [`grant`](QuotaLimiter::grant) this many units.
@@ -237,8 +237,8 @@ pub async fn quota_random_trace<S: QuotaStore>(
         }
         let key = keys[rng.below(2) as usize];
         let op = match rng.below(20) {
-            0..=10 => QuotaOp::Consume(rng.below(smallest + 4) as u32),
-            11 | 12 => QuotaOp::Refund(rng.below(6) as u32),
+            0..=10 => QuotaOp::Consume(rng.below(smallest + 4)),
+            11 | 12 => QuotaOp::Refund(rng.below(6)),
             13 => QuotaOp::Grant(rng.below(8)),
             14 => QuotaOp::Reset,
             _ => QuotaOp::Consume(0),
@@ -478,7 +478,7 @@ pub async fn quota_refund_grant_reset_and_never<S: QuotaStore>(store: &S, clock:
         }
     );
     assert_eq!(remaining(&d), (6, 21), "a denial charged");
-    for cost in [11, 26, u32::MAX] {
+    for cost in [11, 26, u64::from(u32::MAX), u64::MAX] {
         let d = check(QuotaOp::Consume(cost), "above the day's budget").await;
         assert_eq!(d.outcome, Outcome::Never);
         assert_eq!(remaining(&d), (6, 21), "a Never charged");
@@ -532,7 +532,7 @@ pub async fn quota_large_budgets<S: QuotaStore>(store: &S, clock: &ManualClock) 
             &mut reference,
             clock,
             key,
-            QuotaOp::Consume(u32::MAX),
+            QuotaOp::Consume(u64::from(u32::MAX)),
             "spend",
         )
         .await;
@@ -554,7 +554,7 @@ pub async fn quota_large_budgets<S: QuotaStore>(store: &S, clock: &ManualClock) 
     assert_eq!(d.periods()[0].limit, 2 * max);
     assert_eq!(d.periods()[1].limit, 2 * max - 1);
     for (op, at) in [
-        (QuotaOp::Consume(u32::MAX), "spend on the grant"),
+        (QuotaOp::Consume(u64::from(u32::MAX)), "spend on the grant"),
         (QuotaOp::Refund(1), "refund one"),
         (QuotaOp::Consume(1), "spend one"),
         (QuotaOp::Grant(3), "grant past 2^52"),

@@ -115,13 +115,18 @@ pub(crate) enum Cost {
 
 impl Cost {
     /// The cost for an algorithm of capacity `cap`.
-    pub(crate) fn resolve(self, cap: u64) -> u32 {
-        let cap = u32::try_from(cap).unwrap_or(u32::MAX);
+    /// [`resolve`](Self::resolve) as semaphore permits (a `u32`; larger
+    /// asks saturate, and are over any semaphore's capacity either way).
+    pub(crate) fn permits(self, cap: u64) -> u32 {
+        u32::try_from(self.resolve(cap)).unwrap_or(u32::MAX)
+    }
+
+    pub(crate) fn resolve(self, cap: u64) -> u64 {
         match self {
-            Self::Small(c) => c,
-            Self::Full(k) => cap.saturating_sub(k),
-            Self::Over(k) => cap.saturating_add(k),
-            Self::Any(seed) => u32::try_from(u64::from(seed) % (u64::from(cap) + 3)).unwrap(),
+            Self::Small(c) => u64::from(c),
+            Self::Full(k) => cap.saturating_sub(u64::from(k)),
+            Self::Over(k) => cap.saturating_add(u64::from(k)),
+            Self::Any(seed) => u64::from(seed) % cap.saturating_add(3),
         }
     }
 }

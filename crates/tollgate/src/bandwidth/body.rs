@@ -88,10 +88,8 @@ impl<L: Limiter> Pacer<L> {
     /// Gives unspent tokens back (the body ended or was dropped).
     fn refund(&mut self) {
         let credit = std::mem::take(&mut self.credit);
-        if let Ok(credit) = u32::try_from(credit) {
-            if credit > 0 {
-                crate::task::finish(self.limiter.refund(self.key.as_bytes(), credit));
-            }
+        if credit > 0 {
+            crate::task::finish(self.limiter.refund(self.key.as_bytes(), credit));
         }
     }
 
@@ -125,7 +123,10 @@ impl<L: Limiter> Pacer<L> {
                 }
                 return Poll::Ready(Next::Data(out));
             }
-            match self.limiter.decide_sync(self.key.as_bytes(), self.chunk) {
+            match self
+                .limiter
+                .decide_sync(self.key.as_bytes(), u64::from(self.chunk))
+            {
                 Some(answer) => {
                     if !self.answer(answer) {
                         return Poll::Ready(Next::Stop(self.pending.take()));
@@ -133,7 +134,8 @@ impl<L: Limiter> Pacer<L> {
                 }
                 None => {
                     self.deciding = Some(Box::pin(
-                        self.limiter.decide(self.key.as_bytes(), self.chunk),
+                        self.limiter
+                            .decide(self.key.as_bytes(), u64::from(self.chunk)),
                     ));
                 }
             }

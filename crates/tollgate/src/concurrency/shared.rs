@@ -441,7 +441,8 @@ where
                 return Admission::Reject(r, Items::new(0));
             }
         }
-        let permits = self.cost.cost(req);
+        // Permits are a u32: a cost above that is above any limit anyway.
+        let permits = u32::try_from(self.cost.cost(req)).unwrap_or(u32::MAX);
         let critical = self.critical.is_critical(req);
         // Finish the key (hash it if it is long) once, here.
         key.as_bytes();

@@ -94,6 +94,14 @@ fn whole(n: i64, value: &Spanned<i64>, field: String, least: u32) -> Result<u32,
     plain_whole(n, &value.span(), field, least)
 }
 
+/// `n` as a cost (a `u64`) of at least 1; a problem at `span` otherwise.
+fn plain_cost(n: i64, span: &Range<usize>, field: String) -> Result<u64, Problem> {
+    match u64::try_from(n) {
+        Ok(v) if v >= 1 => Ok(v),
+        _ => Err((Some(span.clone()), field, "must be at least 1".to_owned())),
+    }
+}
+
 /// `n` as a `u32` of at least `least`; a problem at `span` otherwise.
 fn plain_whole(n: i64, span: &Range<usize>, field: String, least: u32) -> Result<u32, Problem> {
     let message = match u32::try_from(n) {
@@ -213,7 +221,7 @@ fn cost(spec: &CostSpec, span: &Range<usize>, field: &str) -> Result<FileCost, P
     let problem = |m: String| (Some(span.clone()), field.to_owned(), m);
     // No cost is free: a cost of 0 would let a route, a method, or every
     // request no table names through uncounted.
-    let num = |n: i64, f: &str| plain_whole(n, span, format!("{field}.{f}"), 1);
+    let num = |n: i64, f: &str| plain_cost(n, span, format!("{field}.{f}"));
     let default = num(spec.default.unwrap_or(1), "default")?;
     let max = spec.max.map(|m| num(m, "max")).transpose()?;
     let kinds = [
@@ -246,19 +254,19 @@ fn cost(spec: &CostSpec, span: &Range<usize>, field: &str) -> Result<FileCost, P
         ));
     }
     if let Some(h) = &spec.header {
-        return HeaderCost::named(h, default, max.unwrap_or(u32::MAX))
+        return HeaderCost::named(h, default, max.unwrap_or(u64::MAX))
             .map(FileCost::Header)
             .map_err(config);
     }
     if let Some(q) = &spec.query {
-        return QueryCost::named(q, default, max.unwrap_or(u32::MAX))
+        return QueryCost::named(q, default, max.unwrap_or(u64::MAX))
             .map(FileCost::Query)
             .map_err(config);
     }
     if let Some(b) = spec.bytes_per_unit {
         let per = u64::try_from(b)
             .map_err(|_| problem("bytes_per_unit: must be at least 1".to_owned()))?;
-        return BodyLength::new(per, default, max.unwrap_or(u32::MAX))
+        return BodyLength::new(per, default, max.unwrap_or(u64::MAX))
             .map(FileCost::Body)
             .map_err(config);
     }
@@ -328,12 +336,7 @@ fn rule_cost(file: &FileSpec, r: &RuleSpec, path: &str) -> Result<FileCost, Prob
         return Ok(FileCost::Fixed(Fixed(1)));
     };
     match c.get_ref() {
-        toml::Value::Integer(n) => Ok(FileCost::Fixed(Fixed(plain_whole(
-            *n,
-            &c.span(),
-            field,
-            1,
-        )?))),
+        toml::Value::Integer(n) => Ok(FileCost::Fixed(Fixed(plain_cost(*n, &c.span(), field)?))),
         toml::Value::String(name) => match file.costs.get(name) {
             Some(spec) => {
                 let field = format!("costs.{name}");
@@ -614,7 +617,7 @@ fn rule(
     // A cost known at load above every plan's capacity: such a request
     // could never pass (always 429). Surely a mistake; say so now.
     if let (Some((cost, what)), Some(c)) = (costliest, &r.cost) {
-        if u64::from(cost) > capacity {
+        if cost > capacity {
             return Err(at(
                 c,
                 field("cost"),

@@ -134,7 +134,7 @@ impl FileCost {
     /// The largest cost known at load (a fixed one, a method's, a
     /// route's) and what it is; `None` for costs read from the request
     /// (their `max` may well exceed a limit: such a request is refused).
-    pub(crate) fn costliest(&self) -> Option<(u32, String)> {
+    pub(crate) fn costliest(&self) -> Option<(u64, String)> {
         match self {
             FileCost::Fixed(c) => Some((c.0, "every request".to_owned())),
             FileCost::Methods(c) => Some(c.costliest()),
@@ -145,7 +145,7 @@ impl FileCost {
 }
 
 impl<B> Cost<B> for FileCost {
-    fn cost(&self, req: &Request<B>) -> u32 {
+    fn cost(&self, req: &Request<B>) -> u64 {
         match self {
             FileCost::Fixed(c) => Cost::<B>::cost(c, req),
             FileCost::Header(c) => Cost::<B>::cost(c, req),

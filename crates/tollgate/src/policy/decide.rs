@@ -14,7 +14,7 @@ use crate::rejection::Reason;
 /// charged, or nothing (no key and skipped, or the store failed).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Report {
-    pub(super) decided: [Option<(Decision, u32)>; MAX_RULES],
+    pub(super) decided: [Option<(Decision, u64)>; MAX_RULES],
     /// Bit `i`: rule `i` only watches this request (shadow, or a canary
     /// that leaves its key out).
     pub(super) shadow: u16,
@@ -53,7 +53,7 @@ impl Report {
     }
 
     /// Rule `i` decided `d` at `cost`, enforced or watching.
-    pub(super) fn set(&mut self, i: usize, d: Decision, cost: u32, shadow: bool) {
+    pub(super) fn set(&mut self, i: usize, d: Decision, cost: u64, shadow: bool) {
         if let Some(slot) = self.decided.get_mut(i) {
             *slot = Some((d, cost));
         }
@@ -93,7 +93,7 @@ impl Report {
     }
 
     /// Rule `i`'s decision and cost, if it consumed a cost to refund.
-    fn consumed(&self, i: usize) -> Option<(Decision, u32)> {
+    fn consumed(&self, i: usize) -> Option<(Decision, u64)> {
         let (d, cost) = (*self.decided.get(i)?)?;
         (d.is_allowed() && cost > 0 && self.unconsumed & bit(i) == 0).then_some((d, cost))
     }
@@ -224,8 +224,8 @@ where
 
 /// A decision as shown after its `cost` was refunded: what remains is back
 /// (at most the whole budget), and a whole budget resets now.
-fn shown_refunded(d: &mut Decision, cost: u32) {
-    d.remaining = d.remaining.saturating_add(u64::from(cost)).min(d.limit);
+fn shown_refunded(d: &mut Decision, cost: u64) {
+    d.remaining = d.remaining.saturating_add(cost).min(d.limit);
     if d.remaining == d.limit {
         d.reset_after = 0;
     }

@@ -217,7 +217,7 @@ impl<K, C> RateRule<K, C> {
 /// extractor types erased, so rules of different types share one list.
 pub(crate) trait DynRule<B>: Send + Sync {
     fn key(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()>;
-    fn cost(&self, req: &Request<B>) -> u32;
+    fn cost(&self, req: &Request<B>) -> u64;
 }
 
 pub(crate) struct Erased<K, C> {
@@ -230,7 +230,7 @@ impl<B, K: KeyExtractor<B>, C: Cost<B>> DynRule<B> for Erased<K, C> {
         self.key.extract(req, key)
     }
 
-    fn cost(&self, req: &Request<B>) -> u32 {
+    fn cost(&self, req: &Request<B>) -> u64 {
         self.cost.cost(req)
     }
 }

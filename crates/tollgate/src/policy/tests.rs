@@ -84,19 +84,19 @@ impl Limiter for NetLimiter {
         self.inner.rule()
     }
 
-    fn decide(&self, key: &[u8], cost: u32) -> Self::DecideFuture {
+    fn decide(&self, key: &[u8], cost: u64) -> Self::DecideFuture {
         if self.broken {
             return ready(Err(StoreError::new(StoreErrorKind::Unavailable, "down")));
         }
         ready(Ok(self.inner.decide_now(key, cost)))
     }
 
-    fn refund(&self, key: &[u8], cost: u32) -> Self::RefundFuture {
+    fn refund(&self, key: &[u8], cost: u64) -> Self::RefundFuture {
         self.inner.refund_now(key, cost);
         ready(Ok(()))
     }
 
-    fn decide_sync(&self, key: &[u8], cost: u32) -> Option<Result<Decision, StoreError>> {
+    fn decide_sync(&self, key: &[u8], cost: u64) -> Option<Result<Decision, StoreError>> {
         self.sync.then(|| Ok(self.inner.decide_now(key, cost)))
     }
 }

@@ -17,7 +17,7 @@ async fn ok(_req: Req) -> Result<Response<String>, Infallible> {
     Ok(Response::new("ok".to_owned()))
 }
 
-fn req(key: &str, cost: u32) -> Req {
+fn req(key: &str, cost: u64) -> Req {
     Request::builder()
         .uri("/report")
         .header("x-api-key", key)

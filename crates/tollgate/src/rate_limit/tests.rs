@@ -395,10 +395,10 @@ impl Limiter for Broken {
     fn rule(&self) -> &Rule {
         &self.0
     }
-    fn decide(&self, _key: &[u8], _cost: u32) -> Self::DecideFuture {
+    fn decide(&self, _key: &[u8], _cost: u64) -> Self::DecideFuture {
         ready(Err(StoreError::new(StoreErrorKind::Unavailable, "down")))
     }
-    fn refund(&self, _key: &[u8], _cost: u32) -> Self::RefundFuture {
+    fn refund(&self, _key: &[u8], _cost: u64) -> Self::RefundFuture {
         ready(Ok(()))
     }
 }

@@ -36,13 +36,18 @@ use http_body_util::BodyExt;
 use tollgate::bandwidth::BandwidthLayer;
 use tollgate::calendar::Period;
 use tollgate::concurrency::{AdaptiveLimit, Aimd, ConcurrencyLayer, Gradient};
-use tollgate::core::{QuotaStore, RetryBudgetStore};
+use tollgate::core::{
+    Acquire, ConcurrencyLimiter, ConcurrencyRule, ConfigError, Decision, Lease, Limiter,
+    QuotaDecision, QuotaLimiter, QuotaRule, QuotaStore, RetryBudgetLimiter, RetryBudgetRule,
+    RetryBudgetStore, Rule, StoreError, StoreErrorKind, Withdrawal,
+};
 use tollgate::cost::ByRoute;
 use tollgate::key::{Header, KeyBuf, KeyExtractor, PeerIp};
 use tollgate::policy::{PolicyLayer, RateRule};
 use tollgate::quota::QuotaLayer;
 use tollgate::retry::RetryBudgetLayer;
-use tollgate::{Limit, MemoryStore, Rate, RateLimitLayer, RedisStore, Store};
+use tollgate::FailurePolicy;
+use tollgate::{Limit, MemoryStore, OnStoreError, Rate, RateLimitLayer, RedisStore, Store};
 use tollgate_redis::testing::{unique_prefix, Server};
 use tollgate_tests::{send, Reply};
 
@@ -147,6 +152,10 @@ const ROWS: &[Row] = &[
     Row {
         name: "6 store down: each failure policy does what it says",
         check: |c| Box::pin(store_down(c)),
+    },
+    Row {
+        name: "6b store errors at the layer: OnStoreError says what passes",
+        check: |c| Box::pin(store_errors(c)),
     },
     Row {
         name: "8 idempotency replays: scoped, never free on a store fault",
@@ -314,6 +323,8 @@ struct Spec {
     adaptive: fn() -> AdaptiveLimit,
     /// Idempotent repeats (policy): markers per client key.
     idempotency: bool,
+    /// What the layer does with a store's error.
+    on_store_error: OnStoreError,
 }
 
 fn aimd_5() -> AdaptiveLimit {
@@ -333,6 +344,7 @@ impl Default for Spec {
             count_if: None,
             adaptive: aimd_5,
             idempotency: false,
+            on_store_error: OnStoreError::Admit,
         }
     }
 }
@@ -358,6 +370,7 @@ where
             RateLimitLayer::builder("m", Limit::gcra(slow, BUDGET))
                 .key(key)
                 .cost(cost)
+                .on_store_error(spec.on_store_error)
                 .store(store)
                 .build()
                 .unwrap(),
@@ -367,7 +380,9 @@ where
             if let Some(status) = spec.count_if {
                 rule = rule.count_if(move |s| s.as_u16() == status);
             }
-            let mut policy = PolicyLayer::<Body>::builder().rule(rule);
+            let mut policy = PolicyLayer::<Body>::builder()
+                .rule(rule)
+                .on_store_error(spec.on_store_error);
             if spec.idempotency {
                 policy = policy.idempotency("idem", key, Duration::from_secs(600));
             }
@@ -378,6 +393,7 @@ where
                 .period(Period::Day, u64::from(BUDGET))
                 .key(key)
                 .cost(cost)
+                .on_store_error(spec.on_store_error)
                 .store(store)
                 .build()
                 .unwrap(),
@@ -386,6 +402,7 @@ where
             let mut b = ConcurrencyLayer::builder("m", BUDGET)
                 .key(key)
                 .cost(cost)
+                .on_store_error(spec.on_store_error)
                 .store(store)
                 .upgrades(true);
             if layer == Layer::Adaptive {
@@ -754,6 +771,17 @@ async fn retried(
     fail: &'static str,
     ok: &'static str,
 ) -> Result<usize, String> {
+    retried_on(cell, policy, fail, ok, false).await
+}
+
+/// [`retried`], on a store whose every call fails when `failing`.
+async fn retried_on(
+    cell: Cell<'_>,
+    policy: tollgate::FailurePolicy,
+    fail: &'static str,
+    ok: &'static str,
+    failing: bool,
+) -> Result<usize, String> {
     let calls = Arc::new(AtomicUsize::new(0));
     let seen = Arc::clone(&calls);
     let upstream = Router::new().route(
@@ -769,9 +797,11 @@ async fn retried(
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, upstream).await });
-    let call = with_store(cell, policy, |store| match store {
-        StoreChoice::Memory(s) => Box::pin(call_once(client(s, addr))) as CallFuture,
-        StoreChoice::Redis(s) => Box::pin(call_once(client(s, addr))),
+    let call = with_store(cell, policy, |store| match (store, failing) {
+        (StoreChoice::Memory(s), false) => Box::pin(call_once(client(s, addr))) as CallFuture,
+        (StoreChoice::Redis(s), false) => Box::pin(call_once(client(s, addr))),
+        (StoreChoice::Memory(s), true) => Box::pin(call_once(client(Failing(s), addr))),
+        (StoreChoice::Redis(s), true) => Box::pin(call_once(client(Failing(s), addr))),
     });
     call.await?;
     Ok(calls.load(Ordering::SeqCst))
@@ -1134,7 +1164,6 @@ async fn store_down(cell: Cell<'_>) -> CellResult {
         redis: &down,
         ..cell
     };
-    use tollgate::FailurePolicy;
     for (name, policy) in [
         ("Open", FailurePolicy::Open),
         ("Closed", FailurePolicy::Closed),
@@ -1181,6 +1210,176 @@ async fn store_down_retry(
     expect(attempts == want, || {
         format!("{name}: {attempts} attempts for one 503, want {want}")
     })
+}
+
+// ---------------------------------------------------------------------------
+// Row 6b: a store that answers with an error (no failure policy of its own
+// answers for it): each layer does what its `on_store_error` says.
+
+/// The cell's store, every call of which fails.
+#[derive(Clone)]
+struct Failing<S>(S);
+
+#[derive(Clone)]
+struct FailingHandle<L>(L);
+
+fn store_error<T>() -> std::future::Ready<Result<T, StoreError>> {
+    std::future::ready(Err(failed()))
+}
+
+fn failed() -> StoreError {
+    StoreError::new(StoreErrorKind::Unavailable, "the matrix's failing store")
+}
+
+impl<S: Store> Store for Failing<S> {
+    type Limiter = FailingHandle<S::Limiter>;
+    type ConcurrencyLimiter = FailingHandle<S::ConcurrencyLimiter>;
+    fn limiter(&self, rule: &Rule) -> Result<Self::Limiter, ConfigError> {
+        self.0.limiter(rule).map(FailingHandle)
+    }
+    fn concurrency_limiter(
+        &self,
+        rule: &ConcurrencyRule,
+    ) -> Result<Self::ConcurrencyLimiter, ConfigError> {
+        self.0.concurrency_limiter(rule).map(FailingHandle)
+    }
+}
+
+impl<S: QuotaStore> QuotaStore for Failing<S> {
+    type QuotaLimiter = FailingHandle<S::QuotaLimiter>;
+    fn quota_limiter(&self, rule: &QuotaRule) -> Result<Self::QuotaLimiter, ConfigError> {
+        self.0.quota_limiter(rule).map(FailingHandle)
+    }
+}
+
+impl<L: Limiter> Limiter for FailingHandle<L> {
+    type DecideFuture = std::future::Ready<Result<Decision, StoreError>>;
+    type RefundFuture = std::future::Ready<Result<(), StoreError>>;
+    fn rule(&self) -> &Rule {
+        self.0.rule()
+    }
+    fn decide(&self, _key: &[u8], _cost: u64) -> Self::DecideFuture {
+        store_error()
+    }
+    fn refund(&self, _key: &[u8], _cost: u64) -> Self::RefundFuture {
+        store_error()
+    }
+}
+
+impl<L: ConcurrencyLimiter> ConcurrencyLimiter for FailingHandle<L> {
+    type AcquireFuture = std::future::Ready<Result<Acquire, StoreError>>;
+    type ReleaseFuture = std::future::Ready<Result<(), StoreError>>;
+    type HeldFuture = std::future::Ready<Result<u64, StoreError>>;
+    fn rule(&self) -> &ConcurrencyRule {
+        self.0.rule()
+    }
+    fn acquire(&self, _key: &[u8], _permits: u32, _ceiling: u32) -> Self::AcquireFuture {
+        store_error()
+    }
+    fn release(&self, _key: &[u8], _lease: Lease) -> Self::ReleaseFuture {
+        store_error()
+    }
+    fn held(&self, _key: &[u8]) -> Self::HeldFuture {
+        store_error()
+    }
+}
+
+impl<S: RetryBudgetStore> RetryBudgetStore for Failing<S> {
+    type RetryBudgetLimiter = FailingHandle<S::RetryBudgetLimiter>;
+    fn retry_budget(
+        &self,
+        rule: &RetryBudgetRule,
+    ) -> Result<Self::RetryBudgetLimiter, ConfigError> {
+        self.0.retry_budget(rule).map(FailingHandle)
+    }
+}
+
+impl<L: RetryBudgetLimiter> RetryBudgetLimiter for FailingHandle<L> {
+    type DepositFuture = std::future::Ready<Result<(), StoreError>>;
+    type WithdrawFuture = std::future::Ready<Result<Withdrawal, StoreError>>;
+    fn rule(&self) -> &RetryBudgetRule {
+        self.0.rule()
+    }
+    fn deposit(&self, _key: &[u8]) -> Self::DepositFuture {
+        store_error()
+    }
+    fn withdraw(&self, _key: &[u8]) -> Self::WithdrawFuture {
+        store_error()
+    }
+}
+
+impl<L: QuotaLimiter> QuotaLimiter for FailingHandle<L> {
+    type Future = std::future::Ready<Result<QuotaDecision, StoreError>>;
+    fn rule(&self) -> &QuotaRule {
+        self.0.rule()
+    }
+    fn consume(&self, _key: &[u8], _cost: u64) -> Self::Future {
+        store_error()
+    }
+    fn refund(&self, _key: &[u8], _cost: u64) -> Self::Future {
+        store_error()
+    }
+    fn reset(&self, _key: &[u8]) -> Self::Future {
+        store_error()
+    }
+    fn grant(&self, _key: &[u8], _units: u64) -> Self::Future {
+        store_error()
+    }
+}
+
+async fn store_errors(cell: Cell<'_>) -> CellResult {
+    match cell.layer {
+        Layer::Bandwidth => {
+            return Ok(Verdict::NotApplicable(
+                "pacing never refuses: a failed store stops pacing the body (documented)",
+            ))
+        }
+        Layer::Retry => {
+            // A budget whose store fails grants no retry: one attempt for
+            // a 503 that a working budget retries.
+            let attempts = retried_on(cell, FailurePolicy::Open, "status:503", "ok", true).await?;
+            expect(attempts == 1, || {
+                format!("{attempts} attempts for one 503 on a failing budget store, want 1")
+            })?;
+            return Ok(Verdict::Pass);
+        }
+        _ => {}
+    }
+    for on in [OnStoreError::Admit, OnStoreError::Refuse] {
+        let backend = Backend::default();
+        let spec = Spec {
+            on_store_error: on,
+            ..Spec::default()
+        };
+        let protected = with_store(cell, tollgate::FailurePolicy::Open, |store| match store {
+            StoreChoice::Memory(s) => protect(cell.layer, Failing(s), spec, backend.router()),
+            StoreChoice::Redis(s) => protect(cell.layer, Failing(s), spec, backend.router()),
+        });
+        let s = common::spawn(protected.router).await;
+        let mut statuses = Vec::new();
+        for _ in 0..3 {
+            let r = send(s, req(Method::GET, "/r", Some(b"e"))).await.unwrap();
+            if on == OnStoreError::Refuse {
+                expect(r.header("retry-after") == "1", || {
+                    format!("Refuse: retry-after {:?}, want 1", r.header("retry-after"))
+                })?;
+            }
+            statuses.push(r.status.as_u16());
+        }
+        let want: &[u16] = match on {
+            OnStoreError::Admit => &[200, 200, 200],
+            _ => &[429, 429, 429],
+        };
+        expect(statuses == want, || {
+            format!("{on:?}: statuses {statuses:?}, want {want:?}")
+        })?;
+        let served = backend.hits();
+        let want_served = if on == OnStoreError::Admit { 3 } else { 0 };
+        expect(served == want_served, || {
+            format!("{on:?}: the service served {served}, want {want_served}")
+        })?;
+    }
+    Ok(Verdict::Pass)
 }
 
 // ---------------------------------------------------------------------------
@@ -1251,7 +1450,6 @@ async fn idempotency(cell: Cell<'_>) -> CellResult {
         redis: &down,
         ..cell
     };
-    use tollgate::FailurePolicy;
     for (name, policy, want) in [
         ("Closed", FailurePolicy::Closed, [429u16; 10]),
         ("Fallback", FailurePolicy::fallback(), {

@@ -2,6 +2,10 @@
 
 use std::time::Duration;
 
+/// How long a fail-closed answer ([`Decision::closed`]) asks a client to
+/// wait: one second.
+pub const CLOSED_RETRY_NS: u64 = 1_000_000_000;
+
 /// Whether a request may go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Outcome {
@@ -71,6 +75,21 @@ impl Decision {
     #[inline]
     pub fn reset_after_duration(&self) -> Duration {
         Duration::from_nanos(self.reset_after)
+    }
+
+    /// What a limiter answers when its store cannot, failing closed:
+    /// denied for now, retry in a second (`limit` is the rule's capacity).
+    /// The Redis store's `FailurePolicy::Closed` and the layers'
+    /// "refuse on a store error" answer this.
+    pub fn closed(limit: u64) -> Self {
+        Self::with(
+            Outcome::Deny {
+                retry_after: CLOSED_RETRY_NS,
+            },
+            limit,
+            0,
+            CLOSED_RETRY_NS,
+        )
     }
 
     pub(crate) fn allow(limit: u64, remaining: u64, reset_after: u64) -> Self {

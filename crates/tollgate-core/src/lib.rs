@@ -79,7 +79,7 @@ pub use config::{
     Algorithm, ConcurrencyRule, ConfigError, EscalationRule, Limit, QuotaRule, Rate,
     RetryBudgetRule, Rule, MAX_RULE_NAME_LEN,
 };
-pub use decision::{Acquire, Decision, Lease, Outcome, Withdrawal};
+pub use decision::{Acquire, Decision, Lease, Outcome, Withdrawal, CLOSED_RETRY_NS};
 pub use store::{
     join_all, BoxFuture, ConcurrencyLimiter, EscalationLimiter, JointDecision, JointPart, Limiter,
     QuotaLimiter, QuotaStore, RetryBudgetLimiter, RetryBudgetStore, Store, StoreError,

@@ -71,17 +71,6 @@ impl FailurePolicy {
     }
 }
 
-fn closed_decision(limit: u64) -> Decision {
-    Decision {
-        outcome: Outcome::Deny {
-            retry_after: 1_000_000_000,
-        },
-        limit,
-        remaining: 0,
-        reset_after: 1_000_000_000,
-    }
-}
-
 impl RateOnFailure {
     pub(crate) fn new(policy: &FailurePolicy, rule: &Rule) -> Result<Self, ConfigError> {
         Ok(match policy {
@@ -94,7 +83,7 @@ impl RateOnFailure {
     pub(crate) fn decide(&self, rule: &Rule, key: &[u8], cost: u64) -> Decision {
         match self {
             Self::Open => open_decision(rule.capacity()),
-            Self::Closed => closed_decision(rule.capacity()),
+            Self::Closed => Decision::closed(rule.capacity()),
             Self::Memory(m) => m.decide_now(key, cost),
         }
     }
@@ -229,7 +218,7 @@ impl QuotaOnFailure {
             Self::Memory(m) => return m.consume_now(key, cost),
             Self::Open => Outcome::Allow { delay: 0 },
             Self::Closed => Outcome::Deny {
-                retry_after: 1_000_000_000,
+                retry_after: tollgate_core::CLOSED_RETRY_NS,
             },
         };
         let quota = rule.quota();
@@ -245,7 +234,7 @@ impl QuotaOnFailure {
                     reset_after: if open {
                         end.saturating_sub(now)
                     } else {
-                        1_000_000_000
+                        tollgate_core::CLOSED_RETRY_NS
                     },
                     length: end.saturating_sub(start),
                 }

@@ -164,6 +164,7 @@ pub use quota::{QuotaLayer, QuotaService};
 pub use rate_limit::{
     MissingKey, RateLimitLayer, RateLimitLayerBuilder, RateLimitService, RateLimited,
 };
+pub use rejection::OnStoreError;
 pub use retry::{RetryBudgetLayer, RetryBudgetService};
 pub use store::AnyStore;
 pub use tollgate_core::{

@@ -49,6 +49,40 @@ pub enum Reason {
     Blocked,
 }
 
+/// What a layer does with a request when its store answers with an error
+/// instead of a decision. A store with a failure policy of its own (the
+/// Redis store's `FailurePolicy`: open, closed, or in-memory fallback)
+/// answers its faults with decisions and rarely reaches this; an error
+/// gets here when a store has no such policy (a store of your own), or
+/// when its policy could not answer either (its task was lost). The same
+/// option on every layer that decides through a store: rate, policy,
+/// quota and concurrency.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum OnStoreError {
+    /// Let the request through, unlimited by this layer, counted in the
+    /// layer's `store_error` outcome and logged (availability first: a
+    /// limiter's outage never takes the service down). The default.
+    #[default]
+    Admit,
+    /// Refuse it as a store that fails closed does: 429 (gRPC
+    /// `RESOURCE_EXHAUSTED`) with `Retry-After: 1`, counted and logged
+    /// (protection first: for limits that guard something that must not
+    /// be overrun, such as a costly upstream or a billing quota).
+    Refuse,
+}
+
+impl OnStoreError {
+    /// What the layer decides for a store error: `None` to admit, else a
+    /// fail-closed denial under a rule of `capacity`.
+    pub(crate) fn answer(self, capacity: u64) -> Option<tollgate_core::Decision> {
+        match self {
+            Self::Admit => None,
+            Self::Refuse => Some(tollgate_core::Decision::closed(capacity)),
+        }
+    }
+}
+
 /// What kind of limit turned a request away.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]

@@ -22,7 +22,7 @@ use crate::outcome::Completion;
 use crate::policy::access::Listed;
 use crate::policy::plan::{Named, PlanSet};
 use crate::policy::AccessList;
-use crate::rejection::{LimitKind, Rejected, Rendered};
+use crate::rejection::{LimitKind, OnStoreError, Rejected, Rendered};
 
 /// Limits requests in flight per key (and, optionally, for the whole
 /// service); see the [module docs](super).
@@ -114,6 +114,7 @@ impl ConcurrencyLayer<PeerIp, Fixed, AllCritical, MemoryStore> {
                 shadow: false,
                 headers: true,
                 missing: MissingKey::default(),
+                on_store_error: OnStoreError::default(),
                 rejection: None,
                 share: None,
                 queue: None,
@@ -150,6 +151,7 @@ struct Config {
     shadow: bool,
     headers: bool,
     missing: MissingKey,
+    on_store_error: OnStoreError,
     rejection: Option<RejectFn>,
     share: Option<f64>,
     queue: Option<(usize, Duration)>,
@@ -392,6 +394,14 @@ impl<K, C, P, St> ConcurrencyLayerBuilder<K, C, P, St> {
         self
     }
 
+    /// What to do with a request when the store answers with an error
+    /// (default: [`OnStoreError::Admit`], without a permit; `Refuse`: a
+    /// 429 with `Retry-After: 1`, as a closed store answers).
+    pub fn on_store_error(mut self, on: OnStoreError) -> Self {
+        self.cfg.on_store_error = on;
+        self
+    }
+
     /// What to do with requests that have no key. The default, as on every
     /// layer, is [`MissingKey::Reject`]: a 400 problem document before the
     /// inner service is called. [`MissingKey::Fallback`] puts every keyless
@@ -590,6 +600,7 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
                     .access
                     .map(|l| Listed::new(l, crate::observe::CONCURRENCY))
                     .transpose()?,
+                refuse_on_store_error: cfg.on_store_error == OnStoreError::Refuse,
             }),
         })
     }

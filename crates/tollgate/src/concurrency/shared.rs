@@ -303,6 +303,8 @@ pub(crate) struct Shared<K, C, P, L> {
     /// The share of non-critical traffic, for the adaptive limit.
     pub(crate) share: Option<f64>,
     pub(crate) access: Option<Listed>,
+    /// Refuse on a store error, as a closed store does (else admit).
+    pub(crate) refuse_on_store_error: bool,
 }
 
 fn is_safe(method: &Method) -> bool {
@@ -348,7 +350,18 @@ where
             Err(error) => {
                 self.metrics.store_error.increment(1);
                 crate::observe::store_fault("concurrency", &self.per_key.name, &error);
-                return Step::Pass(None);
+                if !self.refuse_on_store_error {
+                    return Step::Pass(None);
+                }
+                // As a closed store answers: no permit, retry in a second.
+                let max = u64::from(self.per_key.limiter.rule().semaphore().max());
+                return self.step(
+                    Ok(Acquire {
+                        decision: Decision::closed(max),
+                        lease: None,
+                    }),
+                    false,
+                );
             }
         };
         let d = acquire.decision;

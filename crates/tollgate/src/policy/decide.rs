@@ -117,11 +117,15 @@ pub(super) enum Verdict {
     MissingKey { rule: usize },
 }
 
-/// Records a store failure: the rule admits (a store fault never fails
-/// the request), counted and logged.
-pub(super) fn store_failed<B, L>(rule: &Bound<B, L>, error: &StoreError) {
+/// Records a store failure, counted and logged, and returns what it
+/// stands for: `None`, the rule admits (the default: a store fault never
+/// fails the request), or the fail-closed denial of
+/// [`OnStoreError::Refuse`](crate::OnStoreError::Refuse), which the
+/// caller records as the rule's decision (consuming nothing).
+pub(super) fn store_failed<B, L>(rule: &Bound<B, L>, error: &StoreError) -> Option<Decision> {
     rule.responder.metrics.store_error.increment(1);
     crate::observe::store_fault("rate", &rule.responder.rule, error);
+    rule.responder.on_store_error
 }
 
 /// Judges the rules' decisions together, counts them, and turns the

@@ -20,7 +20,7 @@ use crate::headers::{set_policy, Headers};
 use crate::key::{KeyExtractor, Keying};
 use crate::observe::Metrics;
 use crate::rate_limit::{MissingKey, Responder};
-use crate::rejection::{LimitKind, Rejected, Rendered};
+use crate::rejection::{LimitKind, OnStoreError, Rejected, Rendered};
 
 /// Several rate limits decided as one: a request passes only if every
 /// rule passes, and what the passing rules consumed is refunded when
@@ -65,6 +65,7 @@ impl<B> PolicyLayer<B, MemoryStore> {
             idempotency: None,
             log: None,
             route_label: false,
+            on_store_error: OnStoreError::default(),
             audit: None,
         }
     }
@@ -148,6 +149,7 @@ pub struct PolicyLayerBuilder<B, St> {
     log: Option<crate::observe::DecisionLog>,
     audit: Option<(Arc<dyn crate::observe::AuditSink>, Vec<String>)>,
     route_label: bool,
+    on_store_error: OnStoreError,
 }
 
 impl<B, St> fmt::Debug for PolicyLayerBuilder<B, St> {
@@ -200,7 +202,17 @@ impl<B, St> PolicyLayerBuilder<B, St> {
             log: self.log,
             route_label: self.route_label,
             audit: self.audit,
+            on_store_error: self.on_store_error,
         }
+    }
+
+    /// What a rule does when the store answers it with an error (default:
+    /// [`OnStoreError::Admit`], the rule admits; `Refuse`: the rule refuses
+    /// as a closed store does, and the others are given back what they
+    /// charged).
+    pub fn on_store_error(mut self, on: OnStoreError) -> Self {
+        self.on_store_error = on;
+        self
     }
 
     /// An audit trail: every refusal by one of the rules named in `rules`
@@ -429,6 +441,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 rejection: self.rejection.clone(),
                 rendered: Rendered::new(LimitKind::Rate, rule.name()),
                 metrics: Metrics::register_plan(rule.name(), plan),
+                on_store_error: self.on_store_error.answer(rule.capacity()),
                 // Counted by the policy, rule by rule.
                 route_label: false,
             };

@@ -242,7 +242,12 @@ where
             let cost = rule.rule.cost(&req);
             match rule.at(report.plan).0.decide_sync(key.as_bytes(), cost) {
                 Some(Ok(d)) => report.set(i, d, cost, rule.shadows(key.as_bytes())),
-                Some(Err(e)) => store_failed(rule, &e),
+                Some(Err(e)) => {
+                    if let Some(d) = store_failed(rule, &e) {
+                        report.set(i, d, cost, rule.shadows(key.as_bytes()));
+                        report.set_unconsumed(i);
+                    }
+                }
                 None => return self.decide_async(Arc::clone(shared), req, report, i, grpc, marker),
             }
         }
@@ -655,7 +660,12 @@ where
                                 report.set_unconsumed(*i);
                             }
                         }
-                        Err(e) => store_failed(rule, &e),
+                        Err(e) => {
+                            if let Some(d) = store_failed(rule, &e) {
+                                report.set(*i, d, part.cost, !part.enforced);
+                                report.set_unconsumed(*i);
+                            }
+                        }
                     }
                 }
                 let mut verdict = settle(&shared, &mut report);

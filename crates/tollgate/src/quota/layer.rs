@@ -17,7 +17,7 @@ use crate::observe::Metrics;
 use crate::policy::access::Listed;
 use crate::policy::plan::{Named, PlanSet};
 use crate::policy::AccessList;
-use crate::rejection::{LimitKind, Rejected, Rendered};
+use crate::rejection::{LimitKind, OnStoreError, Rejected, Rendered};
 
 type RejectFn = Arc<dyn Fn(&Rejected) -> Response<Bytes> + Send + Sync>;
 
@@ -97,6 +97,7 @@ impl QuotaLayer<PeerIp, Fixed, MemoryStore> {
                 headers: true,
                 refund_unserved: true,
                 missing: MissingKey::default(),
+                on_store_error: OnStoreError::default(),
                 rejection: None,
                 route_label: false,
                 plans: Vec::new(),
@@ -116,6 +117,7 @@ struct Config {
     headers: bool,
     refund_unserved: bool,
     missing: MissingKey,
+    on_store_error: OnStoreError,
     rejection: Option<RejectFn>,
     route_label: bool,
     plans: Vec<(String, Vec<(Period, u64)>)>,
@@ -263,6 +265,14 @@ impl<K, C, St> QuotaLayerBuilder<K, C, St> {
         self
     }
 
+    /// What to do with a request when the store answers with an error
+    /// (default: [`OnStoreError::Admit`]). `Refuse` suits a quota that
+    /// bills: nothing is served that could not be counted.
+    pub fn on_store_error(mut self, on: OnStoreError) -> Self {
+        self.cfg.on_store_error = on;
+        self
+    }
+
     /// What to do with requests that have no key. The default, as on every
     /// layer, is [`MissingKey::Reject`]: a 400 problem document before the
     /// inner service is called. [`MissingKey::Fallback`] puts every keyless
@@ -327,6 +337,7 @@ impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
                 metrics,
                 warnings,
                 used,
+                refuse_on_store_error: cfg.on_store_error == OnStoreError::Refuse,
                 route_label: cfg.route_label,
             };
             Ok::<_, ConfigError>((limiter, Arc::new(responder)))

@@ -37,6 +37,9 @@ pub(crate) struct Responder {
     pub(crate) warnings: Counter,
     /// Each period's used share at decision.
     pub(crate) used: Vec<Histogram>,
+    /// Refuse on a store error (else admit): a fail-closed denial, its
+    /// periods unknown.
+    pub(crate) refuse_on_store_error: bool,
     /// Whether decisions are also counted by route.
     #[cfg_attr(not(feature = "axum"), allow(dead_code))]
     pub(crate) route_label: bool,
@@ -229,7 +232,17 @@ where
         Err(error) => {
             m.store_error.increment(1);
             crate::observe::store_fault("quota", &responder.rule, &error);
-            return State::calling(inner.call(request));
+            if !responder.refuse_on_store_error {
+                return State::calling(inner.call(request));
+            }
+            // As a closed store answers: retry in a second. The periods'
+            // state is unknown, so no `RateLimit` item is sent for them.
+            QuotaDecision::new(
+                Outcome::Deny {
+                    retry_after: tollgate_core::CLOSED_RETRY_NS,
+                },
+                &[],
+            )
         }
     };
     for (used, p) in responder.used.iter().zip(d.periods()) {

@@ -153,9 +153,12 @@ where
         Ok(decision) => decision,
         Err(error) => {
             responder.metrics.store_error.increment(1);
-            // Never let a store fault fail the request.
             crate::observe::store_fault("rate", &responder.rule, &error);
-            return State::calling(inner.call(request));
+            // Admitted (the default), or refused as a closed store would.
+            match responder.on_store_error {
+                Some(closed) => closed,
+                None => return State::calling(inner.call(request)),
+            }
         }
     };
     let m = &responder.metrics;

@@ -14,7 +14,7 @@ use crate::headers::Headers;
 use crate::key::PeerIp;
 use crate::key::{Keying, MissingKey};
 use crate::observe::Metrics;
-use crate::rejection::{LimitKind, Rejected, Rendered};
+use crate::rejection::{LimitKind, OnStoreError, Rejected, Rendered};
 
 /// Rate-limits requests per key; see the [module docs](super).
 ///
@@ -71,6 +71,7 @@ impl RateLimitLayer<PeerIp, Fixed, MemoryStore> {
                 headers: true,
                 legacy_headers: false,
                 missing: MissingKey::default(),
+                on_store_error: OnStoreError::default(),
                 rejection: None,
                 route_label: false,
             },
@@ -165,6 +166,7 @@ struct Config {
     headers: bool,
     legacy_headers: bool,
     missing: MissingKey,
+    on_store_error: OnStoreError,
     rejection: Option<RejectFn>,
     route_label: bool,
 }
@@ -237,6 +239,13 @@ impl<K, C, St> RateLimitLayerBuilder<K, C, St> {
         self
     }
 
+    /// What to do with a request when the store answers with an error
+    /// (default: [`OnStoreError::Admit`]).
+    pub fn on_store_error(mut self, on: OnStoreError) -> Self {
+        self.cfg.on_store_error = on;
+        self
+    }
+
     /// What to do with requests that have no key. The default, as on every
     /// layer, is [`MissingKey::Reject`]: a 400 problem document before the
     /// inner service is called. [`MissingKey::Fallback`] puts every keyless
@@ -289,6 +298,7 @@ impl<K, C, St: Store> RateLimitLayerBuilder<K, C, St> {
                     route_label: cfg.route_label,
                     rendered: Rendered::new(LimitKind::Rate, rule.name()),
                     metrics: Metrics::register(rule.name()),
+                    on_store_error: cfg.on_store_error.answer(rule.capacity()),
                 }),
             }),
         })

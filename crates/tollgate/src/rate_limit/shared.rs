@@ -22,6 +22,8 @@ pub(crate) struct Responder {
     pub(crate) rejection: Option<RejectFn>,
     pub(crate) rendered: Rendered,
     pub(crate) metrics: Metrics,
+    /// The decision a store error stands for (`None`: admit).
+    pub(crate) on_store_error: Option<tollgate_core::Decision>,
     /// Whether decisions are also counted by route.
     #[cfg_attr(not(feature = "axum"), allow(dead_code))]
     pub(crate) route_label: bool,

@@ -158,8 +158,16 @@ const ROWS: &[Row] = &[
         check: |c| Box::pin(store_errors(c)),
     },
     Row {
+        name: "7 rotating API keys from one address: the address's budget holds",
+        check: |c| Box::pin(key_rotation(c)),
+    },
+    Row {
         name: "8 idempotency replays: scoped, never free on a store fault",
         check: |c| Box::pin(idempotency(c)),
+    },
+    Row {
+        name: "9 reload mid-traffic: all or nothing, state and code kept",
+        check: |c| Box::pin(reload_mid_traffic(c)),
     },
     Row {
         name: "10 hostile keys: 64 KiB, non-UTF-8",
@@ -325,6 +333,11 @@ struct Spec {
     idempotency: bool,
     /// What the layer does with a store's error.
     on_store_error: OnStoreError,
+    /// The rule's name.
+    rule: &'static str,
+    /// Its budget: units (rate, quota), permits (concurrency), bytes per
+    /// second (bandwidth).
+    budget: u32,
 }
 
 fn aimd_5() -> AdaptiveLimit {
@@ -345,6 +358,8 @@ impl Default for Spec {
             adaptive: aimd_5,
             idempotency: false,
             on_store_error: OnStoreError::Admit,
+            rule: "m",
+            budget: BUDGET,
         }
     }
 }
@@ -367,7 +382,7 @@ where
     let mut adaptive_limit = None;
     let router = match layer {
         Layer::Rate => router.layer(
-            RateLimitLayer::builder("m", Limit::gcra(slow, BUDGET))
+            RateLimitLayer::builder(spec.rule, Limit::gcra(slow, spec.budget))
                 .key(key)
                 .cost(cost)
                 .on_store_error(spec.on_store_error)
@@ -376,7 +391,7 @@ where
                 .unwrap(),
         ),
         Layer::Policy => {
-            let mut rule = RateRule::new("m", Limit::gcra(slow, BUDGET), key).cost(cost);
+            let mut rule = RateRule::new(spec.rule, Limit::gcra(slow, spec.budget), key).cost(cost);
             if let Some(status) = spec.count_if {
                 rule = rule.count_if(move |s| s.as_u16() == status);
             }
@@ -389,8 +404,8 @@ where
             router.layer(policy.store(store).build().unwrap())
         }
         Layer::Quota => router.layer(
-            QuotaLayer::builder("m")
-                .period(Period::Day, u64::from(BUDGET))
+            QuotaLayer::builder(spec.rule)
+                .period(Period::Day, u64::from(spec.budget))
                 .key(key)
                 .cost(cost)
                 .on_store_error(spec.on_store_error)
@@ -399,7 +414,7 @@ where
                 .unwrap(),
         ),
         Layer::Concurrency | Layer::Adaptive => {
-            let mut b = ConcurrencyLayer::builder("m", BUDGET)
+            let mut b = ConcurrencyLayer::builder(spec.rule, spec.budget)
                 .key(key)
                 .cost(cost)
                 .on_store_error(spec.on_store_error)
@@ -416,7 +431,7 @@ where
             router.layer(built)
         }
         Layer::Bandwidth => router.layer(
-            BandwidthLayer::builder("m", 1 << 20, BUDGET)
+            BandwidthLayer::builder(spec.rule, 1 << 20, spec.budget)
                 .key(key)
                 .store(store)
                 .build()
@@ -1383,6 +1398,121 @@ async fn store_errors(cell: Cell<'_>) -> CellResult {
 }
 
 // ---------------------------------------------------------------------------
+// Row 7: a limit keyed by API key, paired with the same limit keyed by the
+// client's address (as the quickstart pairs every limit): a client that
+// rotates its API key gets a fresh per-key budget each time, and nothing
+// past the address's.
+
+async fn key_rotation(cell: Cell<'_>) -> CellResult {
+    match cell.layer {
+        Layer::Bandwidth => return Ok(Verdict::NotApplicable(
+            "paces rather than refuses: a per-address pace needs a clock this row does not control",
+        )),
+        Layer::Retry => {
+            return Ok(Verdict::NotApplicable(
+                "a client's budget has no client key",
+            ))
+        }
+        _ => {}
+    }
+    let backend = Backend::default();
+    let per_address = Spec {
+        key: KeyKind::Peer,
+        rule: "m-address",
+        budget: 2 * BUDGET,
+        ..Spec::default()
+    };
+    let (addr_layer, inner) = match cell.layer {
+        // One policy holds both rules.
+        Layer::Policy => (None, Layer::Policy),
+        Layer::Adaptive => (Some(Layer::Concurrency), Layer::Adaptive),
+        other => (Some(other), other),
+    };
+    let router = with_store(cell, FailurePolicy::Open, |store| match store {
+        StoreChoice::Memory(s) => paired(inner, addr_layer, s, per_address, backend.router()),
+        StoreChoice::Redis(s) => paired(inner, addr_layer, s, per_address, backend.router()),
+    });
+    let addr = common::spawn(router).await;
+    let concurrency = matches!(cell.layer, Layer::Concurrency | Layer::Adaptive);
+    let (path, passes) = if concurrency {
+        // Held bodies, one permit each: 16 for the address.
+        ("/long", 2 * BUDGET as usize)
+    } else {
+        // `GET /r` costs 4: the address's 16 hold four.
+        ("/r", (2 * BUDGET / R_COST as u32) as usize)
+    };
+    let mut statuses = Vec::new();
+    let mut held = Vec::new();
+    for i in 0..passes + 2 {
+        let key = format!("rotated-{i}");
+        if concurrency {
+            let open = open(addr, path, &key).await;
+            statuses.push(open.status.as_u16());
+            held.push(open);
+        } else {
+            let r = send(addr, req(Method::GET, path, Some(key.as_bytes())))
+                .await
+                .unwrap();
+            if r.status == StatusCode::TOO_MANY_REQUESTS {
+                expect(r.body.contains("m-address"), || {
+                    format!("refused by another rule: {}", r.body)
+                })?;
+            }
+            statuses.push(r.status.as_u16());
+        }
+    }
+    let want: Vec<u16> = (0..passes + 2)
+        .map(|i| if i < passes { 200 } else { 429 })
+        .collect();
+    expect(statuses == want, || {
+        format!("rotating keys: statuses {statuses:?}, want {want:?}")
+    })?;
+    Ok(Verdict::Pass)
+}
+
+/// `router` behind the cell's layer keyed by API key and, outside it, the
+/// same kind of limit keyed by address (`per_address`); for the policy,
+/// one policy with both rules.
+fn paired<St>(
+    layer: Layer,
+    addr_layer: Option<Layer>,
+    store: St,
+    per_address: Spec,
+    router: Router,
+) -> Router
+where
+    St: Store + QuotaStore,
+{
+    match addr_layer {
+        Some(outer) => {
+            let inner = protect(layer, store.clone(), Spec::default(), router).router;
+            protect(outer, store, per_address, inner).router
+        }
+        None => {
+            let slow = Rate::new(1, Duration::from_secs(3_600));
+            let cost = ByRoute::new(1).route(Some(Method::GET), "/r", R_COST);
+            let policy = PolicyLayer::<Body>::builder()
+                .rule(
+                    RateRule::new("m", Limit::gcra(slow, BUDGET), TestKey(KeyKind::ApiKey))
+                        .cost(cost.clone()),
+                )
+                .rule(
+                    RateRule::new(
+                        "m-address",
+                        Limit::gcra(slow, 2 * BUDGET),
+                        TestKey(KeyKind::Peer),
+                    )
+                    .cost(cost),
+                )
+                .store(store)
+                .build()
+                .unwrap();
+            router.layer(policy)
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
 // Row 8: an idempotent repeat is free only for the same client, method
 // and route, and never when the store could not answer.
 
@@ -1474,6 +1604,173 @@ async fn idempotency(cell: Cell<'_>) -> CellResult {
         })?;
     }
     Ok(Verdict::Pass)
+}
+
+// ---------------------------------------------------------------------------
+// Row 9: a policy file reloaded while requests run: each request is
+// decided by the old policy or the new one, never a mix; a rule the reload
+// leaves as it was keeps its state; what only code can set (a custom
+// rejection) is still there afterwards.
+
+const RELOAD_V1: &str = r#"
+[[rules]]
+name = "m"
+key = "header:x-api-key"
+rate = "1/h"
+burst = 8
+cost = { default = 1, routes = [{ method = "GET", path = "/r", cost = 4 }] }
+"#;
+
+/// V1 and one more rule.
+fn reload_v2() -> String {
+    format!(
+        "{RELOAD_V1}\n[[rules]]\nname = \"extra\"\nkey = \"header:x-api-key\"\nrate = \"1/h\"\nburst = 100\n"
+    )
+}
+
+/// What only code can add: a rejection of the service's own.
+fn custom_rejection(
+    b: tollgate::policy::PolicyLayerBuilder<Body, MemoryStore>,
+) -> tollgate::policy::PolicyLayerBuilder<Body, MemoryStore> {
+    b.rejection(|r| {
+        let mut res = Response::new(Bytes::from(format!("custom: {}", r.rule)));
+        *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+        res
+    })
+}
+
+async fn reload_mid_traffic(cell: Cell<'_>) -> CellResult {
+    if cell.layer != Layer::Policy {
+        return Ok(Verdict::NotApplicable(
+            "declared in code: a policy file holds PolicyLayer rules only",
+        ));
+    }
+    let dir = std::env::temp_dir().join(format!("tollgate-matrix-{}", unique_prefix()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("policy.toml");
+    std::fs::write(&path, RELOAD_V1).unwrap();
+    let file = tollgate::config::PolicyFile::read(&path).map_err(|e| e.to_string())?;
+    let backend = Backend::default();
+    let (router, reloader) = with_store(cell, FailurePolicy::Open, |store| match store {
+        StoreChoice::Memory(s) => reloadable(&path, &file, s, backend.router()),
+        StoreChoice::Redis(s) => reloadable(&path, &file, s, backend.router()),
+    });
+    let addr = common::spawn(router).await;
+    let get = || send(addr, req(Method::GET, "/r", Some(b"k")));
+
+    // One request under v1: 4 of 8 left.
+    let first = get().await.unwrap();
+    let v1_policy = first.header("ratelimit-policy").to_owned();
+    expect(
+        first.status == StatusCode::OK && remaining(&first) == Some(4),
+        || format!("v1: {} r={:?}", first.status, remaining(&first)),
+    )?;
+    // v2 adds a rule; `m` is as it was, so it keeps its 4.
+    std::fs::write(&path, reload_v2()).unwrap();
+    expect(reload(&reloader)? == "applied", || {
+        "v2 was not applied".into()
+    })?;
+    let second = get().await.unwrap();
+    let v2_policy = second.header("ratelimit-policy").to_owned();
+    expect(
+        second.status == StatusCode::OK && remaining(&second) == Some(0),
+        || {
+            format!(
+                "after the reload: {} r={:?} (an unchanged rule keeps its state)",
+                second.status,
+                remaining(&second)
+            )
+        },
+    )?;
+    expect(
+        v2_policy.contains("\"extra\"") && !v1_policy.contains("\"extra\""),
+        || format!("policies: v1 {v1_policy:?}, v2 {v2_policy:?}"),
+    )?;
+    // The custom rejection is still the one answering.
+    let third = get().await.unwrap();
+    expect(
+        third.status == StatusCode::SERVICE_UNAVAILABLE && third.body == "custom: m",
+        || {
+            format!(
+                "after the reload, a refusal: {} {:?}",
+                third.status, third.body
+            )
+        },
+    )?;
+
+    // Reloads back and forth while requests run: every response was
+    // decided by one policy whole.
+    let sent = Arc::new(AtomicUsize::new(0));
+    let mut clients = Vec::new();
+    for c in 0..4u8 {
+        let sent = Arc::clone(&sent);
+        clients.push(tokio::spawn(async move {
+            let mut seen = Vec::new();
+            for i in 0..25u32 {
+                let key = format!("mid-{c}-{i}");
+                let r = send(addr, req(Method::GET, "/r", Some(key.as_bytes())))
+                    .await
+                    .unwrap();
+                sent.fetch_add(1, Ordering::SeqCst);
+                seen.push((r.status, r.header("ratelimit-policy").to_owned()));
+            }
+            seen
+        }));
+    }
+    let mut flips = 0;
+    while sent.load(Ordering::SeqCst) < 100 && flips < 1_000 {
+        let text = if flips % 2 == 0 {
+            RELOAD_V1.to_owned()
+        } else {
+            reload_v2()
+        };
+        std::fs::write(&path, text).unwrap();
+        reload(&reloader)?;
+        flips += 1;
+        tokio::task::yield_now().await;
+    }
+    for client in clients {
+        for (status, policy) in client.await.unwrap() {
+            expect(
+                status == StatusCode::OK && (policy == v1_policy || policy == v2_policy),
+                || format!("mid-reload: {status} under policy {policy:?}"),
+            )?;
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    expect(flips > 1, || format!("only {flips} reloads ran"))?;
+    Ok(Verdict::Pass)
+}
+
+type Reload =
+    Box<dyn Fn() -> Result<tollgate::config::Reloaded, tollgate::config::FileError> + Send>;
+
+/// The policy in `file` on `store` with the custom rejection, in front of
+/// `router`, and a way to reload it from `path`.
+fn reloadable<St: Store>(
+    path: &std::path::Path,
+    file: &tollgate::config::PolicyFile,
+    store: St,
+    router: Router,
+) -> (Router, Reload)
+where
+    St::Limiter: Send + Sync,
+{
+    let layer = custom_rejection(file.builder::<Body>().unwrap())
+        .store(store.clone())
+        .build()
+        .unwrap();
+    let reloader =
+        tollgate::config::Reloader::new(path, file, store, &layer).customize(custom_rejection);
+    (router.layer(layer), Box::new(move || reloader.reload()))
+}
+
+fn reload(reloader: &Reload) -> Result<&'static str, String> {
+    match reloader() {
+        Ok(tollgate::config::Reloaded::Applied) => Ok("applied"),
+        Ok(_) => Ok("unchanged"),
+        Err(e) => Err(format!("a reload failed: {e}")),
+    }
 }
 
 // ---------------------------------------------------------------------------

@@ -170,7 +170,7 @@ const ROWS: &[Row] = &[
         check: |c| Box::pin(reload_mid_traffic(c)),
     },
     Row {
-        name: "10 hostile keys: 64 KiB, non-UTF-8",
+        name: "10 hostile values: 64 KiB and non-UTF-8 keys, server hints",
         check: |c| Box::pin(hostile_keys(c)),
     },
 ];
@@ -247,11 +247,15 @@ fn answer(headers: &HeaderMap) -> Response<Body> {
         .unwrap_or("ok");
     let grpc = |b: http::response::Builder| b.header("content-type", "application/grpc");
     if let Some(code) = how.strip_prefix("status:") {
-        let status = StatusCode::from_u16(code.parse().unwrap()).unwrap();
-        return Response::builder()
-            .status(status)
-            .body(Body::from("status"))
-            .unwrap();
+        // `status:503;retry-after=garbage`: a status, and headers.
+        let mut parts = code.split(';');
+        let status = StatusCode::from_u16(parts.next().unwrap().parse().unwrap()).unwrap();
+        let mut b = Response::builder().status(status);
+        for header in parts {
+            let (name, value) = header.split_once('=').unwrap();
+            b = b.header(name, value);
+        }
+        return b.body(Body::from("status")).unwrap();
     }
     if let Some(code) = how.strip_prefix("grpc:") {
         return grpc(Response::builder())
@@ -1779,9 +1783,7 @@ fn reload(reloader: &Reload) -> Result<&'static str, String> {
 
 async fn hostile_keys(cell: Cell<'_>) -> CellResult {
     if cell.layer == Layer::Retry {
-        return Ok(Verdict::NotApplicable(
-            "keyed by upstream; the client chooses no key",
-        ));
+        return hostile_hints(cell).await;
     }
     if cell.layer == Layer::Bandwidth {
         return Ok(Verdict::NotApplicable(
@@ -1810,6 +1812,32 @@ async fn hostile_keys(cell: Cell<'_>) -> CellResult {
             .unwrap();
         expect(third.status == StatusCode::TOO_MANY_REQUESTS, || {
             format!("{what} key: third GET got HTTP {} (want 429)", third.status)
+        })?;
+    }
+    Ok(Verdict::Pass)
+}
+
+/// The retry client's hostile values are the server's hints: a
+/// `Retry-After` or `grpc-retry-pushback-ms` that is garbage, negative,
+/// past `u64`, or longer than the client will wait is no invitation to
+/// retry (one attempt); a date in the past or 0 is (two).
+async fn hostile_hints(cell: Cell<'_>) -> CellResult {
+    let cases: &[(&'static str, usize)] = &[
+        ("status:503;retry-after=garbage", 1),
+        ("status:503;retry-after=-5", 1),
+        ("status:503;retry-after=99999999999999999999", 1),
+        ("status:503;retry-after=1.5", 1),
+        ("status:503;retry-after=3600", 1),
+        ("status:503;retry-after=Wed, 21 Oct 2015 07:28:00 GMT", 2),
+        ("status:503;retry-after=0", 2),
+        ("status:503;grpc-retry-pushback-ms=-1", 1),
+        ("status:503;grpc-retry-pushback-ms=soon", 1),
+        ("status:503;grpc-retry-pushback-ms=99999999999999999999", 1),
+    ];
+    for (fail, want) in cases {
+        let attempts = retried(cell, FailurePolicy::Open, fail, "ok").await?;
+        expect(attempts == *want, || {
+            format!("{fail}: {attempts} attempts, want {want}")
         })?;
     }
     Ok(Verdict::Pass)

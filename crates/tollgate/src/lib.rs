@@ -80,26 +80,35 @@
 //! # Stacking layers
 //!
 //! Put what is cheap to refuse outside and what charges a lasting budget
-//! inside: a refusal by an inner layer is then never charged to an outer
-//! one.
+//! inside:
 //!
 //! ```text
-//! auth  ->  PolicyLayer (rates)  ->  ConcurrencyLayer  ->  QuotaLayer  ->  handler
+//! PolicyLayer (per address)  ->  auth  ->  PolicyLayer (per key, plans)
+//!     ->  ConcurrencyLayer  ->  QuotaLayer  ->  handler
 //! ```
 //!
-//! - **Quotas innermost.** A monthly quota outside a concurrency limit
-//!   would charge a request the concurrency limit then refuses. The
-//!   quota refunds what an inner tollgate layer refused and what the
-//!   service failed with (`QuotaLayerBuilder::refund_unserved`, on by
-//!   default), so the order is safe either way, but innermost refunds
-//!   nothing.
+//! - **Rates count attempts.** A rate limit outside another limit is
+//!   charged for a request the inner limit then refuses: the attempt was
+//!   made, and a client that retries into a full concurrency limit is
+//!   exactly the load a rate limit is for. Only the quota gives back what
+//!   it did not serve.
+//! - **Quotas innermost.** A quota bills, so it should charge only served
+//!   requests. It gives back what an inner tollgate layer refused and what
+//!   the service failed with (`QuotaLayerBuilder::refund_unserved`, on by
+//!   default, and its `RateLimit` field then shows the units after the
+//!   refund), so the order is safe either way, but innermost it has
+//!   nothing to give back.
 //! - **Rates before concurrency.** A flood is refused by its rate before
 //!   it can hold a permit.
 //! - **Several rate rules in one [`PolicyLayer`]**, not one layer each: the
 //!   policy decides them as one and refunds the others when one refuses
 //!   (per key and per address, so rotating API keys buys nothing).
-//! - **Authentication outside**, so that keys and plans come from
-//!   verified identities (`plan_from_extension`).
+//! - **Authentication between them.** A limit keyed by address goes
+//!   outside authentication, so that it protects the authentication itself
+//!   (credential stuffing, costly password hashing); a limit keyed by
+//!   user, API key or plan goes inside it, so that its keys and plans come
+//!   from verified identities (`plan_from_extension`), not from whatever a
+//!   client sends.
 //!
 //! # Memory in development, Redis in production
 //!

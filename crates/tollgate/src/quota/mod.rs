@@ -72,7 +72,23 @@
 //! on every instance for as long as the outage lasts, and what it spends
 //! there is not added to its Redis count afterwards. For a quota that
 //! bills, prefer `Closed` (or `Open`, if availability matters more than
-//! the contract) over `Fallback`.
+//! the contract) over `Fallback`. The failure policy is the store's, so
+//! a service whose rate limits fall back and whose quota fails closed
+//! builds two Redis stores on the same URL, one per policy:
+//!
+//! ```no_run
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # tokio::runtime::Runtime::new()?.block_on(async {
+//! use tollgate::{FailurePolicy, RedisStore};
+//!
+//! let url = "redis://127.0.0.1:6379";
+//! let rates = RedisStore::builder(url).prefix("my-app").failure_policy(FailurePolicy::fallback()).build()?;
+//! let quotas = RedisStore::builder(url).prefix("my-app").failure_policy(FailurePolicy::Closed).build()?;
+//! # let _ = (rates, quotas);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # })
+//! # }
+//! ```
 
 mod layer;
 mod service;

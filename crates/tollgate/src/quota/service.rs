@@ -146,15 +146,15 @@ pin_project! {
             #[pin]
             decide: D,
             waiting: Option<Box<(Request<ReqB>, S)>>,
-            refund: Option<RefundFn>,
+            refund: Option<(RefundFn, u64)>,
         },
         Calling {
             #[pin]
             future: S::Future,
             decision: Option<QuotaDecision>,
-            // Gives the charge back if the request turns out not to have
-            // been served (see `QuotaLayerBuilder::refund_unserved`).
-            refund: Option<RefundFn>,
+            // Gives the charge (its cost) back if the request turns out
+            // not to have been served (see `QuotaLayerBuilder::refund_unserved`).
+            refund: Option<(RefundFn, u64)>,
         },
         Rejected {
             rejected: Option<(Rejected, Option<QuotaDecision>)>,
@@ -200,6 +200,20 @@ where
     }
 }
 
+/// `d` after `cost` was given back to each of its periods (at most to
+/// the period's limit).
+fn given_back(d: &QuotaDecision, cost: u64) -> QuotaDecision {
+    let periods: Vec<_> = d
+        .periods()
+        .iter()
+        .map(|p| tollgate_core::PeriodStatus {
+            remaining: p.remaining.saturating_add(cost).min(p.limit),
+            ..*p
+        })
+        .collect();
+    QuotaDecision::new(d.outcome, &periods)
+}
+
 /// Whether a response says its request was not served: an inner limit
 /// refused it (a tollgate [`Refusal`](crate::rejection::Refusal)), or the
 /// service failed (a 5xx, or a gRPC status that maps to one).
@@ -221,7 +235,7 @@ fn decided<S, ReqB, D>(
     request: Request<ReqB>,
     inner: &mut S,
     responder: &Responder,
-    refund: impl FnOnce() -> Option<RefundFn>,
+    refund: impl FnOnce() -> Option<(RefundFn, u64)>,
 ) -> State<S, ReqB, D>
 where
     S: Service<Request<ReqB>>,
@@ -362,14 +376,15 @@ where
             }
         }
         let cost = shared.cost.cost(&req);
-        let refund = |key: &mut KeyBuf| -> Option<RefundFn> {
+        let refund = |key: &mut KeyBuf| -> Option<(RefundFn, u64)> {
             if !shared.refund_unserved || cost == 0 {
                 return None;
             }
             let (limiter, key) = (limiter.clone(), KeyBytes::new(key));
-            Some(Box::new(move || {
+            let run: RefundFn = Box::new(move || {
                 crate::task::finish(limiter.refund(key.as_bytes(), cost));
-            }))
+            });
+            Some((run, cost))
         };
         let state = match limiter.consume_sync(key.as_bytes(), cost) {
             Some(result) => decided(result, req, &mut self.inner, &responder, || {
@@ -427,18 +442,21 @@ where
                         Ok(response) => response,
                         Err(e) => {
                             // Not served.
-                            if let Some(refund) = refund {
+                            if let Some((refund, _)) = refund {
                                 refund();
                             }
                             return Poll::Ready(Err(e));
                         }
                     };
-                    if let Some(refund) = refund {
+                    let mut decision = decision.take();
+                    if let Some((refund, cost)) = refund {
                         if unserved(&response) {
                             refund();
+                            // The headers say what the key holds after it.
+                            decision = decision.map(|d| given_back(&d, cost));
                         }
                     }
-                    if let Some(d) = decision.take() {
+                    if let Some(d) = decision {
                         responder.admitted(response.headers_mut(), &d);
                     }
                     return Poll::Ready(Ok(response));

@@ -457,6 +457,16 @@ async fn a_request_that_was_not_served_gets_its_charge_back() {
     assert_eq!(res.status(), 429);
     let usage = layer.limiter().consume(&key("a"), 0).await.unwrap();
     assert_eq!(usage.periods()[0].remaining, 90);
+    // And the refusal's own header says so: 90 left, not 80.
+    assert_eq!(
+        res.headers()["ratelimit"]
+            .to_str()
+            .unwrap()
+            .split(", ")
+            .find(|i| i.starts_with("\"day\""))
+            .map(|i| i.split(";t=").next().unwrap()),
+        Some("\"day\";r=90")
+    );
     for (k, answer, charged) in [
         ("b", "500", false),
         ("c", "grpc-14", false),

@@ -8,8 +8,9 @@ use crate::rejection::{LimitKind, Reason, Rejected};
 /// The error of [`RateLimitErrorService`](super::RateLimitErrorService): the
 /// request was rejected. Carries everything the HTTP rejection would have
 /// said: why ([`rejected`](Self::rejected)) and the response itself, headers
-/// included ([`headers`](Self::headers), [`to_response`](Self::to_response)),
-/// so an error handler loses nothing by going through `HandleErrorLayer`.
+/// included ([`headers`](Self::headers), [`to_response`](Self::to_response),
+/// and with the `axum` feature `IntoResponse`), so an error handler loses
+/// nothing by going through `HandleErrorLayer`.
 ///
 /// ```
 /// use axum::{error_handling::HandleErrorLayer, response::IntoResponse, routing::get, Router};
@@ -21,7 +22,7 @@ use crate::rejection::{LimitKind, Reason, Rejected};
 ///     match err.downcast::<RateLimited>() {
 ///         // The layer's own 429: status, problem body, `Retry-After`,
 ///         // `RateLimit` and `RateLimit-Policy`.
-///         Ok(limited) => limited.into_response().map(axum::body::Body::from),
+///         Ok(limited) => limited.into_response(),
 ///         Err(other) => (http::StatusCode::INTERNAL_SERVER_ERROR, other.to_string()).into_response(),
 ///     }
 /// }
@@ -76,10 +77,14 @@ impl RateLimited {
         res.extensions_mut().insert(crate::rejection::Refusal);
         res
     }
+}
 
-    /// [`to_response`](Self::to_response), without the copy.
-    pub fn into_response(self) -> Response<Bytes> {
-        self.response
+/// The rejection as axum's response (feature `axum`): what the layer sends
+/// in response mode, headers and all.
+#[cfg(feature = "axum")]
+impl axum::response::IntoResponse for RateLimited {
+    fn into_response(self) -> axum::response::Response {
+        self.response.map(axum::body::Body::from)
     }
 }
 

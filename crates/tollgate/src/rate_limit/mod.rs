@@ -28,10 +28,13 @@
 //!
 //! # Layer order
 //!
-//! Put the limiter outside (before) expensive work such as authentication
-//! or body parsing, and inside anything that supplies its key — e.g. after
-//! a layer that inserts the authenticated user, or with axum's
-//! `into_make_service_with_connect_info` for peer IPs. With axum,
+//! Put the limiter outside (before) expensive work such as body parsing,
+//! and inside anything that supplies its key: keyed by address, outside
+//! authentication (it then protects the authentication itself), with
+//! axum's `into_make_service_with_connect_info` for peer IPs; keyed by
+//! user or API key, inside the layer that authenticates and inserts the
+//! identity (a key a client merely sends can be rotated). See the crate
+//! docs' "Stacking layers" for the order of several layers. With axum,
 //! `Router::route_layer` limits only matched routes (404s are not counted)
 //! and gives [`Route`](crate::key::Route) the route template.
 

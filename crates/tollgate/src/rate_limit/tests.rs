@@ -252,13 +252,21 @@ async fn error_mode_returns_rate_limited() {
         limited.headers()["ratelimit-policy"],
         "\"per-key\";q=1;w=60"
     );
-    let res = limited.clone().into_response();
+    let res = limited.to_response();
     assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(res.headers()["content-type"], "application/problem+json");
     assert!(res
         .extensions()
         .get::<crate::rejection::Refusal>()
         .is_some());
+    #[cfg(feature = "axum")]
+    {
+        use axum::response::IntoResponse;
+        let res = limited.clone().into_response();
+        assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(res.headers()["ratelimit"], "\"per-key\";r=0;t=60");
+        assert_eq!(res.headers()["retry-after"], "60");
+    }
 }
 
 #[tokio::test]

@@ -67,7 +67,9 @@ struct Counters {
     /// `tollgate_store_call_seconds{store="redis"}`: each call's time,
     /// answered or not (a skipped call is not timed).
     latency: metrics::Histogram,
-    /// `tollgate_store_breaker_open{store="redis"}`: 1 while the breaker
+    /// `tollgate_store_breaker_open{store="redis"}`: the share of the
+    /// store's breakers that are open (1 or 0 on one server; on a Cluster
+    /// the share of slot ranges whose calls are skipped); formerly 1 while the breaker
     /// is open.
     breaker: metrics::Gauge,
 }
@@ -123,7 +125,9 @@ pub(crate) struct Backend {
     pub(crate) timeout: Duration,
     pub(crate) policy: FailurePolicy,
     client_time: Option<SharedClock>,
-    breaker: Breaker,
+    /// One breaker per slot range of a Cluster (one where every key is on
+    /// one server): a lost master opens its ranges' breakers only.
+    breakers: Box<[Breaker]>,
     counters: Counters,
 }
 
@@ -135,12 +139,16 @@ pub(crate) struct BackendConfig {
     pub(crate) timeout: Duration,
     pub(crate) policy: FailurePolicy,
     pub(crate) client_time: Option<SharedClock>,
-    pub(crate) breaker: Breaker,
+    /// Makes each breaker (one per slot range).
+    pub(crate) breaker: Box<dyn Fn() -> Breaker + Send>,
 }
 
 impl Backend {
     pub(crate) fn new(config: BackendConfig) -> Self {
         let counters = Counters::register(&config.prefix);
+        let breakers = (0..config.conn.ranges())
+            .map(|_| (config.breaker)())
+            .collect();
         Self {
             conn: config.conn,
             prefix: config.prefix,
@@ -148,7 +156,7 @@ impl Backend {
             timeout: config.timeout,
             policy: config.policy,
             client_time: config.client_time,
-            breaker: config.breaker,
+            breakers,
             counters,
         }
     }
@@ -169,7 +177,17 @@ impl Backend {
     }
 
     pub(crate) fn breaker_open(&self) -> bool {
-        self.breaker.is_open()
+        self.breakers.iter().any(Breaker::is_open)
+    }
+
+    /// The share of the store's breakers that are open: 0 or 1 where every
+    /// key is on one server; on a Cluster, the share of slot ranges whose
+    /// calls are skipped (a third with one of three masters lost).
+    fn open_share(&self) -> f64 {
+        let open = self.breakers.iter().filter(|b| b.is_open()).count();
+        #[allow(clippy::cast_precision_loss)] // at most 64
+        let share = open as f64 / self.breakers.len().max(1) as f64;
+        share
     }
 
     /// The time argument of a script: the client clock's Unix time in
@@ -209,7 +227,16 @@ impl Backend {
         keys: &[&str],
         args: &[&str],
     ) -> Result<Reply, Fault> {
-        let attempt = self.breaker.enter(now_nanos());
+        let range = self.conn.range_of(keys);
+        let breaker = self
+            .breakers
+            .get(range)
+            .or_else(|| self.breakers.first())
+            .ok_or_else(|| Fault {
+                error: StoreError::new(StoreErrorKind::Unavailable, "no breaker"),
+                maybe_sent: false,
+            })?;
+        let attempt = breaker.enter(now_nanos());
         if attempt.pass() == Pass::Skip {
             self.counters.skipped.add();
             self.show_breaker();
@@ -263,8 +290,7 @@ impl Backend {
     /// call that may have changed it, so the gauge follows the breaker
     /// rather than the last call's outcome).
     fn show_breaker(&self) {
-        let open = if self.breaker.is_open() { 1.0 } else { 0.0 };
-        self.counters.breaker.set(open);
+        self.counters.breaker.set(self.open_share());
     }
 
     /// Logs a fault at most once a second (an outage fails every call).
@@ -275,7 +301,7 @@ impl Backend {
             tracing::warn!(
                 target: "tollgate::redis",
                 %error,
-                breaker_open = self.breaker.is_open(),
+                breakers_open = self.open_share(),
                 policy = ?self.policy,
                 "redis store call failed; applying the failure policy \
                  (a lease that could not be released or renewed lapses after its TTL)"

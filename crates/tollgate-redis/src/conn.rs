@@ -54,8 +54,10 @@ pub(crate) struct Slot<C> {
     connecting: std::sync::atomic::AtomicBool,
     /// When the next connect may start, and the failed connects in a row.
     pace: std::sync::Mutex<(tokio::time::Instant, u32)>,
-    /// Calls in a row that found the node hung (reset by an answer).
-    hung: std::sync::atomic::AtomicU32,
+    /// Calls in a row that found a node hung (reset by an answer from
+    /// it), per slot range ([`range_of`]): on a Cluster, answers from
+    /// healthy masters do not hide a hung one.
+    hung: Box<[std::sync::atomic::AtomicU32]>,
     ready: Notify,
     /// Where connects run: the runtime the store was built on.
     runtime: tokio::runtime::Handle,
@@ -67,13 +69,20 @@ pub(crate) struct Slot<C> {
 
 impl<C: Clone + Send + 'static> Slot<C> {
     /// Must be called on a Tokio runtime (the store's builder is).
-    fn new(what: &'static str, connect_timeout: Duration, connect: Connect<C>) -> Arc<Self> {
+    fn new(
+        what: &'static str,
+        ranges: usize,
+        connect_timeout: Duration,
+        connect: Connect<C>,
+    ) -> Arc<Self> {
         let slot = Arc::new(Self {
             conn: std::sync::Mutex::new(None),
             generation: std::sync::atomic::AtomicU64::new(0),
             connecting: std::sync::atomic::AtomicBool::new(false),
             pace: std::sync::Mutex::new((tokio::time::Instant::now(), 0)),
-            hung: std::sync::atomic::AtomicU32::new(0),
+            hung: (0..ranges.max(1))
+                .map(|_| std::sync::atomic::AtomicU32::new(0))
+                .collect(),
             ready: Notify::new(),
             runtime: tokio::runtime::Handle::current(),
             connect,
@@ -120,7 +129,12 @@ impl<C: Clone + Send + 'static> Slot<C> {
     /// Runs `call` on the connection in use, within `limit`; a failure
     /// that says the node is lost (see [`lost_node`]) has the connection
     /// replaced.
-    async fn run<T, F, Fut>(self: &Arc<Self>, limit: Duration, call: F) -> redis::RedisResult<T>
+    async fn run<T, F, Fut>(
+        self: &Arc<Self>,
+        limit: Duration,
+        range: usize,
+        call: F,
+    ) -> redis::RedisResult<T>
     where
         F: FnOnce(C) -> Fut,
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
@@ -134,18 +148,21 @@ impl<C: Clone + Send + 'static> Slot<C> {
             ))),
         };
         use std::sync::atomic::Ordering;
+        let Some(hung) = self.hung.get(range).or_else(|| self.hung.first()) else {
+            return result;
+        };
         match &result {
             Err(e) if e.is_timeout() => {
-                if self.hung.fetch_add(1, Ordering::AcqRel) >= 2 {
-                    self.hung.store(0, Ordering::Release);
+                if hung.fetch_add(1, Ordering::AcqRel) >= 2 {
+                    hung.store(0, Ordering::Release);
                     self.trouble(n);
                 }
             }
             Err(e) if lost_node(e) => self.trouble(n),
             // An answer, even an error reply: the node is there.
             _ => {
-                if self.hung.load(Ordering::Relaxed) != 0 {
-                    self.hung.store(0, Ordering::Release);
+                if hung.load(Ordering::Relaxed) != 0 {
+                    hung.store(0, Ordering::Release);
                 }
             }
         }
@@ -294,6 +311,7 @@ fn sentinel(
     let client = Arc::new(tokio::sync::Mutex::new(client));
     let slot = Slot::new(
         "sentinel master",
+        1,
         connect_timeout,
         Box::new(move || {
             let client = Arc::clone(&client);
@@ -305,6 +323,44 @@ fn sentinel(
     Ok(Some(Conn::Sentinel(slot, timeout.mul_f64(0.9))))
 }
 
+/// How many slot ranges a Cluster store keeps a breaker and a hang
+/// counter for: 64 ranges of 256 slots. A master holds one or a few
+/// contiguous slot ranges, so a lost master trips the breakers of its
+/// ranges only (a third of them in a 3-master cluster), and keys on the
+/// other masters go on deciding on Redis.
+pub(crate) const SLOT_RANGES: usize = 64;
+
+/// The Cluster hash slot of `key` (CRC16-XMODEM of its `{hash tag}`, if
+/// it has one, modulo 16,384), as Redis and redis-rs compute it.
+pub(crate) fn hash_slot(key: &[u8]) -> u16 {
+    let tagged = key
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = key.get(open..)?.get(1..)?;
+            let close = rest.iter().position(|&b| b == b'}')?;
+            rest.get(..close).filter(|tag| !tag.is_empty())
+        })
+        .unwrap_or(key);
+    let mut crc: u16 = 0;
+    for &byte in tagged {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16_384
+}
+
+/// The slot range ([`SLOT_RANGES`]) of a Cluster key.
+pub(crate) fn range_of(key: &str) -> usize {
+    usize::from(hash_slot(key.as_bytes())) * SLOT_RANGES / 16_384
+}
+
 impl Conn {
     /// The Cluster slot of `key`, or `None` where every key is on one
     /// server (standalone, Sentinel).
@@ -312,6 +368,23 @@ impl Conn {
         match self {
             Self::Cluster(..) => Some(redis::cluster_routing::Slot::for_key(key)),
             Self::Standalone(_) | Self::Sentinel(..) => None,
+        }
+    }
+
+    /// How many slot ranges the store keeps apart: [`SLOT_RANGES`] on a
+    /// Cluster, 1 where every key is on one server.
+    pub(crate) fn ranges(&self) -> usize {
+        match self {
+            Self::Cluster(..) => SLOT_RANGES,
+            Self::Standalone(_) | Self::Sentinel(..) => 1,
+        }
+    }
+
+    /// The slot range of a call on `keys` (see [`ranges`](Self::ranges)).
+    pub(crate) fn range_of(&self, keys: &[&str]) -> usize {
+        match (self, keys.first()) {
+            (Self::Cluster(..), Some(key)) => range_of(key),
+            _ => 0,
         }
     }
 
@@ -362,6 +435,7 @@ impl Conn {
             // connects to every node.
             let slot = Slot::new(
                 "cluster",
+                SLOT_RANGES,
                 connect_timeout.saturating_mul(2).saturating_add(timeout),
                 Box::new(move || {
                     let client = client.clone();
@@ -420,14 +494,20 @@ impl Conn {
             Conn::Cluster(slot, limit) => {
                 let pipe = &pipe;
                 let limit = (*limit).max(Duration::from_secs(1));
-                slot.run(limit, |mut c| async move { pipe.query_async(&mut c).await })
-                    .await
+                slot.run(limit, range_of(key), |mut c| async move {
+                    pipe.query_async(&mut c).await
+                })
+                .await
             }
             Conn::Sentinel(slot, limit) => {
                 let pipe = &pipe;
                 let limit = (*limit).max(Duration::from_secs(1));
-                slot.run(limit, |mut c| async move { pipe.query_async(&mut c).await })
-                    .await
+                slot.run(
+                    limit,
+                    0,
+                    |mut c| async move { pipe.query_async(&mut c).await },
+                )
+                .await
             }
         }
     }
@@ -449,19 +529,50 @@ impl Conn {
             Conn::Standalone(manager) => invocation.invoke_async(&mut manager.clone()).await?,
             Conn::Cluster(slot, limit) => {
                 let invocation = &invocation;
-                slot.run(*limit, |mut c| async move {
+                let range = keys.first().map_or(0, |k| range_of(k));
+                slot.run(*limit, range, |mut c| async move {
                     invocation.invoke_async(&mut c).await
                 })
                 .await?
             }
             Conn::Sentinel(slot, limit) => {
                 let invocation = &invocation;
-                slot.run(*limit, |mut c| async move {
+                slot.run(*limit, 0, |mut c| async move {
                     invocation.invoke_async(&mut c).await
                 })
                 .await?
             }
         };
         Ok(Reply(reply))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hash_slots_are_redis_own() {
+        // Redis's documented examples, and redis-rs's own computation.
+        assert_eq!(hash_slot(b"123456789"), 0x31C3); // CRC16-XMODEM's check value
+        assert_eq!(hash_slot(b"foo"), 12_182);
+        assert_eq!(hash_slot(b"{user1000}.following"), hash_slot(b"user1000"));
+        assert_eq!(hash_slot(b"foo{}{bar}"), hash_slot(b"foo{}{bar}"));
+        for key in [
+            "a",
+            "tollgate:{gcra1|r|h:abc}",
+            "x{}y",
+            "{a}{b}",
+            "",
+            "{",
+            "}{x}",
+        ] {
+            assert_eq!(
+                redis::cluster_routing::Slot::new(hash_slot(key.as_bytes())),
+                Some(redis::cluster_routing::Slot::for_key(key)),
+                "{key:?}"
+            );
+        }
+        assert!(range_of("foo") < SLOT_RANGES);
     }
 }

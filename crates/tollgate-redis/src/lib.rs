@@ -82,14 +82,20 @@
 //!   connecting has its own, default 2 s), and a circuit breaker stops
 //!   calling a dead Redis — probing it every half second — so an outage
 //!   adds neither seconds of latency nor 5xx to the protected service; a
-//!   lease that cannot be released or renewed lapses after its TTL.
+//!   lease that cannot be released or renewed lapses after its TTL. On a
+//!   Cluster there is a breaker (and a count of hung calls) per slot
+//!   range, 64 ranges of 256 slots: a lost or stalled master opens the
+//!   breakers of its own ranges only, and keys on the other masters go on
+//!   deciding on Redis.
 //!   Faults are logged at most once a second and counted, in
 //!   [`RedisStore::stats`] and as the metric
 //!   `tollgate_store_calls_total{store="redis", result=ok|error|timeout|skipped}`,
 //!   with each call's time in `tollgate_store_call_seconds{store="redis"}`
-//!   and `tollgate_store_breaker_open{store="redis"}` 1 while the breaker
-//!   is open (registered when the store is built: install the recorder
-//!   first).
+//!   and `tollgate_store_breaker_open{store="redis"}` the share of
+//!   breakers open (1 while the one breaker of a standalone or Sentinel
+//!   store is open; on a Cluster the share of slot ranges skipped, a third
+//!   with one of three masters lost), registered when the store is built:
+//!   install the recorder first.
 //!
 //! ```no_run
 //! use tollgate_core::{Limit, Limiter, Rate, Rule, Store};
@@ -114,8 +120,8 @@
 //! finds the master `name` through Redis Sentinel (the user and password
 //! are the master's) and follows a failover. On Cluster and Sentinel alike,
 //! a call that finds its node lost (the connection broke or was refused,
-//! a demoted master refuses writes, or — three calls in a row — no answer
-//! came within the call's time) has the connection replaced in the
+//! a demoted master refuses writes, or — three calls in a row to one slot
+//! range — no answer came within the call's time) has the connection replaced in the
 //! background: the sentinels are asked again, or the cluster's slot map
 //! is read afresh (redis-rs follows `MOVED`, but would reconnect a dead
 //! master's address forever). Calls go on meanwhile, and the failure

@@ -110,7 +110,8 @@ impl RedisStore {
         )
     }
 
-    /// Whether the breaker is open (Redis is being skipped).
+    /// Whether a breaker is open (Redis is being skipped for some keys: on
+    /// a Cluster, those of one or more slot ranges).
     pub fn breaker_open(&self) -> bool {
         self.backend.breaker_open()
     }
@@ -217,7 +218,8 @@ impl RedisStoreBuilder {
     }
 
     /// Consecutive failures that open the breaker (default 3), and how long
-    /// it stays open before one probe (default 500 ms).
+    /// it stays open before one probe (default 500 ms). On a Cluster each
+    /// slot range (64 of 256 slots) has a breaker of its own.
     pub fn breaker(mut self, threshold: u32, cooldown: Duration) -> Self {
         self.breaker_threshold = threshold;
         self.breaker_cooldown = cooldown;
@@ -297,7 +299,10 @@ impl RedisStoreBuilder {
             timeout: self.timeout,
             policy: self.policy,
             client_time: self.client_time,
-            breaker: Breaker::new(self.breaker_threshold, self.breaker_cooldown),
+            breaker: {
+                let (threshold, cooldown) = (self.breaker_threshold, self.breaker_cooldown);
+                Box::new(move || Breaker::new(threshold, cooldown))
+            },
         }));
         let keeper = LeaseKeeper::spawn(Arc::clone(&backend), self.lease_renewal);
         Ok(RedisStore {

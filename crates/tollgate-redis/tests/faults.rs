@@ -410,3 +410,79 @@ async fn quotas_follow_the_failure_policy_when_redis_dies() {
     assert!(!qo.consume(b"k", 1).await.unwrap().is_allowed());
     assert_eq!(qo.reset(b"k").await.unwrap().periods()[0].remaining, 3);
 }
+
+/// Fleet review H1: one Cluster master stopped (SIGSTOP) opens the breakers
+/// of its own slot ranges only. Keys on the other masters go on deciding
+/// on Redis (each decision is Redis's count, never the failure policy's),
+/// while the stopped master's keys get the policy's answer (`Closed`: a
+/// denial). With one breaker for the whole store, the stopped master's
+/// timeouts opened it for every key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_stopped_master_takes_out_only_its_own_keys() {
+    use tollgate_redis::testing::Cluster;
+    let Some(cluster) = tokio::task::spawn_blocking(Cluster::start).await.unwrap() else {
+        return;
+    };
+    let store = RedisStore::builder(&cluster.url())
+        .prefix(&unique_prefix())
+        .timeout(Duration::from_millis(300))
+        .failure_policy(FailurePolicy::Closed)
+        .build()
+        .unwrap();
+    let rule = Rule::new(
+        "shards",
+        Limit::fixed_window(1_000, Duration::from_secs(3_600)),
+    )
+    .unwrap();
+    let l = store.limiter(&rule).unwrap();
+    // Keys by master: one on master 0 (to be stopped), three elsewhere.
+    let (mut stopped, mut healthy) = (None, Vec::new());
+    for i in 0..200 {
+        if stopped.is_some() && healthy.len() >= 3 {
+            break;
+        }
+        let key = format!("shard-key-{i}");
+        let on = cluster
+            .master_holding(|| async {
+                assert!(l.decide(key.as_bytes(), 1).await.unwrap().is_allowed());
+            })
+            .await
+            .unwrap();
+        if on == 0 && stopped.is_none() {
+            stopped = Some(key);
+        } else if on != 0 && healthy.len() < 3 {
+            healthy.push(key);
+        }
+    }
+    let stopped = stopped.expect("no key on master 0");
+    assert_eq!(healthy.len(), 3, "not enough keys on masters 1 and 2");
+    cluster.nodes[0].pause(true);
+    // Rounds: four decisions on the stopped master's key at once (they
+    // time out together, back to back: its range's breaker opens), then
+    // the healthy keys, which must each be Redis's own count: allowed, one
+    // less left each time.
+    let mut used = vec![1u64; healthy.len()];
+    for round in 0..8 {
+        let lost = (0..4).map(|_| l.decide(stopped.as_bytes(), 1)).collect();
+        for d in tollgate_core::join_all(lost).await {
+            let d = d.unwrap();
+            assert!(
+                matches!(d.outcome, Outcome::Deny { .. }),
+                "round {round}: the stopped master's key got {d:?}, want the Closed denial"
+            );
+        }
+        let fine = healthy.iter().map(|k| l.decide(k.as_bytes(), 1)).collect();
+        for (i, d) in tollgate_core::join_all(fine).await.into_iter().enumerate() {
+            let d = d.unwrap();
+            used[i] += 1;
+            assert!(
+                d.is_allowed() && d.remaining == 1_000 - used[i],
+                "round {round}: healthy key {i} got {d:?}, want Redis's count ({} left)",
+                1_000 - used[i]
+            );
+        }
+    }
+    // The stopped master's ranges are open; most are not.
+    assert!(store.breaker_open());
+    cluster.nodes[0].pause(false);
+}

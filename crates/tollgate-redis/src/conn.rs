@@ -3,7 +3,6 @@
 use std::time::Duration;
 
 use redis::aio::MultiplexedConnection;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
@@ -15,7 +14,12 @@ use tollgate_core::ConfigError;
 use crate::scripts::{Reply, Script};
 
 pub(crate) enum Conn {
-    Standalone(ConnectionManager),
+    /// One server, connected and replaced as a Sentinel master is: a call
+    /// that finds it lost (refused, dropped, `READONLY` from a master
+    /// demoted behind a DNS name or a virtual IP, `MASTERDOWN`, or three
+    /// hung calls in a row) has the connection made again, to whatever
+    /// the address now leads to.
+    Standalone(Arc<Slot<MultiplexedConnection>>, Duration),
     /// Connected by a background task, so a store can be built while the
     /// cluster is down, and a slow first connect (seeds, slot map, every
     /// node) is never cut short by a call's timeout. Replaced when calls
@@ -367,7 +371,7 @@ impl Conn {
     pub(crate) fn slot_of(&self, key: &str) -> Option<redis::cluster_routing::Slot> {
         match self {
             Self::Cluster(..) => Some(redis::cluster_routing::Slot::for_key(key)),
-            Self::Standalone(_) | Self::Sentinel(..) => None,
+            Self::Standalone(..) | Self::Sentinel(..) => None,
         }
     }
 
@@ -376,7 +380,7 @@ impl Conn {
     pub(crate) fn ranges(&self) -> usize {
         match self {
             Self::Cluster(..) => SLOT_RANGES,
-            Self::Standalone(_) | Self::Sentinel(..) => 1,
+            Self::Standalone(..) | Self::Sentinel(..) => 1,
         }
     }
 
@@ -456,13 +460,24 @@ impl Conn {
             .map_err(bad)?,
             _ => redis::Client::open(url).map_err(bad)?,
         };
-        let config = ConnectionManagerConfig::new()
+        let config = redis::AsyncConnectionConfig::new()
             .set_connection_timeout(Some(connect_timeout))
-            .set_response_timeout(Some(timeout))
-            .set_number_of_retries(1)
-            .set_max_delay(Duration::from_millis(500));
-        let manager = ConnectionManager::new_lazy_with_config(client, config).map_err(bad)?;
-        Ok(Conn::Standalone(manager))
+            .set_response_timeout(Some(timeout));
+        let slot = Slot::new(
+            "redis",
+            1,
+            connect_timeout,
+            Box::new(move || {
+                let (client, config) = (client.clone(), config.clone());
+                Box::pin(async move {
+                    client
+                        .get_multiplexed_async_connection_with_config(&config)
+                        .await
+                })
+            }),
+        );
+        // Just under the store's call timeout, as for Sentinel.
+        Ok(Conn::Standalone(slot, timeout.mul_f64(0.9)))
     }
 
     /// Appends `entries` to the stream `key` in one pipeline (`XADD key
@@ -488,7 +503,6 @@ impl Conn {
             cmd.ignore();
         }
         match self {
-            Conn::Standalone(manager) => pipe.query_async(&mut manager.clone()).await,
             // A batch of up to 256 entries: the writer's own time, at
             // least a second, bounds it.
             Conn::Cluster(slot, limit) => {
@@ -499,7 +513,7 @@ impl Conn {
                 })
                 .await
             }
-            Conn::Sentinel(slot, limit) => {
+            Conn::Standalone(slot, limit) | Conn::Sentinel(slot, limit) => {
                 let pipe = &pipe;
                 let limit = (*limit).max(Duration::from_secs(1));
                 slot.run(
@@ -526,7 +540,6 @@ impl Conn {
             invocation.arg(*a);
         }
         let reply: Vec<i64> = match self {
-            Conn::Standalone(manager) => invocation.invoke_async(&mut manager.clone()).await?,
             Conn::Cluster(slot, limit) => {
                 let invocation = &invocation;
                 let range = keys.first().map_or(0, |k| range_of(k));
@@ -535,7 +548,7 @@ impl Conn {
                 })
                 .await?
             }
-            Conn::Sentinel(slot, limit) => {
+            Conn::Standalone(slot, limit) | Conn::Sentinel(slot, limit) => {
                 let invocation = &invocation;
                 slot.run(*limit, 0, |mut c| async move {
                     invocation.invoke_async(&mut c).await

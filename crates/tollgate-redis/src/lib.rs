@@ -118,7 +118,8 @@
 //! one with the scheme `redis+cluster://`, are the seed nodes of a Redis
 //! Cluster. `redis+sentinel://[user:password@]host:port[,host:port]/name`
 //! finds the master `name` through Redis Sentinel (the user and password
-//! are the master's) and follows a failover. On Cluster and Sentinel alike,
+//! are the master's) and follows a failover. On a standalone server (a
+//! DNS name or a virtual IP that a failover moves), Cluster and Sentinel alike,
 //! a call that finds its node lost (the connection broke or was refused,
 //! a demoted master refuses writes, or — three calls in a row to one slot
 //! range — no answer came within the call's time) has the connection replaced in the

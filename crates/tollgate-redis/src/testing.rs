@@ -466,6 +466,8 @@ impl Drop for Sentinels {
 pub struct Delayed {
     /// Its port on 127.0.0.1.
     pub port: u16,
+    /// Where new connections go (a virtual IP's failover moves it).
+    target: std::sync::Arc<std::sync::atomic::AtomicU16>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -474,6 +476,8 @@ impl Delayed {
     pub async fn start(target: u16, delay: Duration) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
+        let target = std::sync::Arc::new(std::sync::atomic::AtomicU16::new(target));
+        let to = std::sync::Arc::clone(&target);
         let task = tokio::spawn(async move {
             // The connections' tasks end with the proxy's.
             let mut conns = tokio::task::JoinSet::new();
@@ -483,6 +487,7 @@ impl Delayed {
                     tokio::time::sleep(Duration::from_millis(10)).await;
                     continue;
                 };
+                let target = to.load(std::sync::atomic::Ordering::SeqCst);
                 let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await else {
                     continue;
                 };
@@ -495,7 +500,15 @@ impl Delayed {
                 conns.spawn(delay_one_way(sr, cw, delay));
             }
         });
-        Self { port, task }
+        Self { port, target, task }
+    }
+
+    /// Sends new connections to `127.0.0.1:target` from now on (the
+    /// connections made before stay where they are), as a DNS name or a
+    /// virtual IP moves to a new master.
+    pub fn retarget(&self, target: u16) {
+        self.target
+            .store(target, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Its `redis://` URL.

@@ -486,3 +486,45 @@ async fn one_stopped_master_takes_out_only_its_own_keys() {
     assert!(store.breaker_open());
     cluster.nodes[0].pause(false);
 }
+
+/// Fleet review M4: a plain `redis://` store behind a DNS name or a
+/// virtual IP. The master is demoted (its writes answer `READONLY`) and
+/// the address moves to the new master: the store replaces its
+/// connection and decides on the new master within a few seconds, where
+/// it used to keep the demoted server's connection (and the failure
+/// policy's answers) for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standalone_store_follows_its_address_to_a_new_master() {
+    use tollgate_redis::testing::Delayed;
+    let Some(old) = Server::start() else { return };
+    let Some(new) = Server::start() else { return };
+    let vip = Delayed::start(old.port, Duration::ZERO).await;
+    let store = RedisStore::builder(&vip.url())
+        .prefix(&unique_prefix())
+        .timeout(Duration::from_millis(300))
+        .failure_policy(FailurePolicy::Closed)
+        .build()
+        .unwrap();
+    let rule = Rule::new("vip", Limit::fixed_window(100, Duration::from_secs(3_600))).unwrap();
+    let l = store.limiter(&rule).unwrap();
+    let d = l.decide(b"k", 1).await.unwrap();
+    assert!(d.is_allowed() && d.remaining == 99, "{d:?}");
+    // Failover: the old master follows the new one (its writes now answer
+    // READONLY), and the address leads to the new master.
+    old.cli(&["REPLICAOF", "127.0.0.1", &new.port.to_string()]);
+    vip.retarget(new.port);
+    let start = Instant::now();
+    let mut answer = None;
+    while start.elapsed() < Duration::from_secs(5) {
+        let d = l.decide(b"k", 1).await.unwrap();
+        if d.is_allowed() {
+            answer = Some(d);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let d = answer.expect("still on the demoted master after 5 s");
+    // The new master's count: it never saw the old one's (a replica
+    // that follows it, not the reverse).
+    assert_eq!(d.remaining, 99, "{d:?}");
+}

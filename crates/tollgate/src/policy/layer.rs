@@ -28,6 +28,15 @@ use crate::rejection::{LimitKind, OnStoreError, Rejected, Rendered};
 ///
 /// Clones of a layer, and every service built from them, share one
 /// policy, which [`replace`](Self::replace) swaps (a reload).
+///
+/// Why `B`, the request body type, is in the type (the other layers have
+/// it only in their `Service` impls): a policy holds a list of rules, each
+/// with a key extractor and a cost function of its own type, which it
+/// keeps as trait objects so that rules can be added one by one and
+/// swapped on reload. Those traits read a `Request<B>`, and a trait object
+/// must name `B`. So one `PolicyLayer` serves one body type: build one per
+/// stack (an axum router's `Body`, a tonic server's `tonic::body::Body`),
+/// on the same store if they are to share budgets.
 pub struct PolicyLayer<B, St: Store = MemoryStore> {
     pub(super) current: Arc<Current<B, St::Limiter>>,
 }

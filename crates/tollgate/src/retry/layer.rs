@@ -90,6 +90,8 @@ struct Shared<K, L> {
     deadline: Option<Duration>,
     classify: Option<ClassifyFn>,
     any_method: bool,
+    /// Paths whose requests are safe to send again (gRPC methods).
+    idempotent_paths: Arc<[Box<str>]>,
     buffer_limit: u64,
     throttle: Option<Throttles>,
     metrics: RetryMetrics,
@@ -159,6 +161,7 @@ impl RetryBudgetLayer<Upstream, MemoryStore> {
             deadline: None,
             classify: None,
             any_method: false,
+            idempotent_paths: Vec::new(),
             buffer_limit: 64 << 10,
             throttle: None,
         }
@@ -179,6 +182,7 @@ pub struct RetryBudgetLayerBuilder<K, St> {
     deadline: Option<Duration>,
     classify: Option<ClassifyFn>,
     any_method: bool,
+    idempotent_paths: Vec<Box<str>>,
     buffer_limit: u64,
     throttle: Option<f64>,
 }
@@ -222,6 +226,7 @@ impl<K, St> RetryBudgetLayerBuilder<K, St> {
             deadline: self.deadline,
             classify: self.classify,
             any_method: self.any_method,
+            idempotent_paths: self.idempotent_paths,
             buffer_limit: self.buffer_limit,
             throttle: self.throttle,
         }
@@ -243,6 +248,7 @@ impl<K, St> RetryBudgetLayerBuilder<K, St> {
             deadline: self.deadline,
             classify: self.classify,
             any_method: self.any_method,
+            idempotent_paths: self.idempotent_paths,
             buffer_limit: self.buffer_limit,
             throttle: self.throttle,
         }
@@ -299,9 +305,22 @@ impl<K, St> RetryBudgetLayerBuilder<K, St> {
         self
     }
 
-    /// The largest request body buffered for replay (default 64 KiB). A
-    /// body larger than this, or of unknown length, is sent once and the
-    /// request is not retried.
+    /// Requests to exactly `path` may be sent again whatever their method,
+    /// as if they carried [`Idempotent`](super::Idempotent): name a gRPC
+    /// client's idempotent unary methods, e.g.
+    /// `"/grpc.health.v1.Health/Check"` (every gRPC call is a `POST`).
+    pub fn idempotent_path(mut self, path: &str) -> Self {
+        self.idempotent_paths.push(path.into());
+        self
+    }
+
+    /// The largest request body buffered for replay (default 64 KiB, at
+    /// most [`MAX_BUFFER_LIMIT`](super::MAX_BUFFER_LIMIT), at least 1).
+    /// Only a request that may be retried is buffered. A body whose size
+    /// hint says it is larger is sent once, as it streams, and not
+    /// retried; a body of unknown length (a gRPC message, a chunked
+    /// upload) is read up to the limit first: if it ends there, it is
+    /// replayable; if not, what was read and the rest are sent once.
     pub fn buffer_limit(mut self, bytes: u64) -> Self {
         self.buffer_limit = bytes;
         self
@@ -341,6 +360,21 @@ impl<K, St: RetryBudgetStore> RetryBudgetLayerBuilder<K, St> {
         if self.deadline.is_some_and(|d| d.is_zero()) {
             return Err(ConfigError::new("deadline", "must be longer than zero"));
         }
+        if !(1..=super::MAX_BUFFER_LIMIT).contains(&self.buffer_limit) {
+            return Err(ConfigError::new(
+                "buffer_limit",
+                format!(
+                    "must be from 1 to {} bytes (each retryable request in flight may hold this much)",
+                    super::MAX_BUFFER_LIMIT
+                ),
+            ));
+        }
+        if let Some(p) = self.idempotent_paths.iter().find(|p| !p.starts_with('/')) {
+            return Err(ConfigError::new(
+                "idempotent_path",
+                format!("{p:?} must start with '/'"),
+            ));
+        }
         let throttle = match self.throttle {
             Some(k) if !(1.0..=100.0).contains(&k) => {
                 return Err(ConfigError::new(
@@ -361,6 +395,7 @@ impl<K, St: RetryBudgetStore> RetryBudgetLayerBuilder<K, St> {
                 deadline: self.deadline,
                 classify: self.classify,
                 any_method: self.any_method,
+                idempotent_paths: self.idempotent_paths.into(),
                 buffer_limit: self.buffer_limit,
                 throttle,
                 metrics: RetryMetrics::register(rule.name()),
@@ -584,7 +619,14 @@ where
 /// Whether `req` may be sent more than once: retries are configured, and
 /// it is idempotent (or every method may be retried).
 fn is_replayable<K, L, B>(shared: &Shared<K, L>, req: &Request<B>) -> bool {
-    shared.max_attempts > 1 && (shared.any_method || is_idempotent(req.method(), req.headers()))
+    shared.max_attempts > 1
+        && (shared.any_method
+            || is_idempotent(req.method(), req.headers())
+            || req.extensions().get::<super::Idempotent>().is_some()
+            || shared
+                .idempotent_paths
+                .iter()
+                .any(|p| **p == *req.uri().path()))
 }
 
 /// Adaptive throttling's verdict on a new call to the upstream `key`:
@@ -630,19 +672,22 @@ type Buffered = (Bytes, Option<Box<HeaderMap>>);
 /// Reads `body` in full, trailers included, if it is at most `limit` bytes
 /// (by its size hint and in fact); `Err` gives a body that cannot be
 /// buffered back.
-async fn buffer<B>(body: B, limit: u64) -> Result<Result<Buffered, B>, BoxError>
+async fn buffer<B>(body: B, limit: u64) -> Result<Result<Buffered, ReplayBody<B>>, BoxError>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    if body.size_hint().upper().is_none_or(|upper| upper > limit) {
-        return Ok(Err(body));
+    let hint = body.size_hint();
+    if hint.lower() > limit {
+        return Ok(Err(ReplayBody::inner(body)));
     }
     // Nothing to read (no data, no trailers): the common GET.
     if body.is_end_stream() {
         return Ok(Ok((Bytes::new(), None)));
     }
-    let mut body = std::pin::pin!(body);
+    let declared = hint.upper().is_some_and(|upper| upper <= limit);
+    // Boxed, so that what is left of it can follow what was read.
+    let mut body = Box::pin(body);
     let mut data = Vec::new();
     let mut trailers: Option<HeaderMap> = None;
     while let Some(frame) = poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
@@ -650,7 +695,12 @@ where
             Ok(chunk) => {
                 data.extend_from_slice(&chunk);
                 if data.len() as u64 > limit {
-                    return Err("request body longer than its size hint".into());
+                    if declared {
+                        return Err("request body longer than its size hint".into());
+                    }
+                    // Longer than the limit: what was read, then the
+                    // rest, once.
+                    return Ok(Err(ReplayBody::prefixed(Bytes::from(data), body)));
                 }
             }
             Err(frame) => {
@@ -698,14 +748,14 @@ where
             Err(body) => (None, Some(body)),
         }
     } else {
-        (None, Some(body))
+        (None, Some(ReplayBody::inner(body)))
     };
     deposit(&shared, &key);
     let first = match (&buffered, stream) {
         (Some((data, trailers)), _) => {
             ReplayBody::replay(data.clone(), trailers.as_deref().cloned())
         }
-        (_, Some(body)) => ReplayBody::inner(body),
+        (_, Some(body)) => body,
         (None, None) => return Err("a request without a body".into()),
     };
     let result = attempt(&mut inner, Request::from_parts(parts.clone(), first)).await;

@@ -50,16 +50,26 @@
 //!
 //! # What is retried
 //!
-//! Only requests that are safe to send twice: idempotent methods, or any
-//! request with an `Idempotency-Key` ([`retry_any_method`](RetryBudgetLayerBuilder::retry_any_method)
-//! changes this): a Tower error cannot tell a connect error, where nothing
-//! was sent, from a failure after the request reached the upstream. A
-//! body is buffered, up to a bound, so that every attempt sends the same
-//! bytes and trailers ([`ReplayBody`]); a larger body, or one of unknown
-//! length (a stream), is sent once and not retried. A server that says
-//! retrying cannot help — a negative `grpc-retry-pushback-ms`, a 429
+//! Only requests that are safe to send twice: idempotent methods, any
+//! request with an `Idempotency-Key`, and requests the application marks
+//! ([`Idempotent`] in its extensions, or its path named with
+//! [`idempotent_path`](RetryBudgetLayerBuilder::idempotent_path): a gRPC
+//! client's idempotent unary methods, since every gRPC call is a `POST`);
+//! [`retry_any_method`](RetryBudgetLayerBuilder::retry_any_method) drops
+//! the rule. A Tower error cannot tell a connect error, where nothing was
+//! sent, from a failure after the request reached the upstream. A body is
+//! buffered, up to [`buffer_limit`](RetryBudgetLayerBuilder::buffer_limit)
+//! (64 KiB; at most [`MAX_BUFFER_LIMIT`]) and only for a request that may
+//! be retried, so that every attempt sends the same bytes and trailers
+//! ([`ReplayBody`]): a body of unknown length (a gRPC message) is read up
+//! to the limit, and replayed if it ended there; a longer body is sent
+//! once, as it streams, and not retried. A server that says retrying
+//! cannot help — a negative `grpc-retry-pushback-ms` (gRFC A6), a 429
 //! without `Retry-After`, or a `Retry-After` that is neither seconds nor
-//! an HTTP date — is not retried.
+//! an HTTP date — is not retried. gRPC `UNAVAILABLE` and
+//! `RESOURCE_EXHAUSTED` are retried by default when answered trailers-only
+//! (as a server, a proxy or a limiter fails a call before any message); a
+//! status in trailers after messages comes too late to retry the call.
 //!
 //! # Adaptive throttling
 //!
@@ -121,6 +131,10 @@ pin_project_lite::pin_project! {
     /// `Client<HttpConnector, ReplayBody<Full<Bytes>>>`.
     #[derive(Debug)]
     pub struct ReplayBody<B> {
+        // Bytes read ahead of `rest` (a body of unknown length that turned
+        // out longer than the buffer limit), sent first, then the rest.
+        prefix: Option<bytes::Bytes>,
+        rest: Option<std::pin::Pin<Box<B>>>,
         #[pin]
         body: crate::ResponseBody<B>,
     }
@@ -130,13 +144,27 @@ impl<B> ReplayBody<B> {
     /// The caller's own body, sent once.
     pub(crate) fn inner(body: B) -> Self {
         Self {
+            prefix: None,
+            rest: None,
             body: crate::ResponseBody::inner(body),
+        }
+    }
+
+    /// `prefix`, read from the caller's body already, then the rest of
+    /// it: sent once.
+    pub(crate) fn prefixed(prefix: bytes::Bytes, rest: std::pin::Pin<Box<B>>) -> Self {
+        Self {
+            prefix: (!prefix.is_empty()).then_some(prefix),
+            rest: Some(rest),
+            body: crate::ResponseBody::replay(bytes::Bytes::new(), None),
         }
     }
 
     /// `data`, then `trailers` if any: a buffered body sent again.
     pub(crate) fn replay(data: bytes::Bytes, trailers: Option<http::HeaderMap>) -> Self {
         Self {
+            prefix: None,
+            rest: None,
             body: crate::ResponseBody::replay(data, trailers),
         }
     }
@@ -150,14 +178,58 @@ impl<B: http_body::Body<Data = bytes::Bytes>> http_body::Body for ReplayBody<B> 
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, B::Error>>> {
-        self.project().body.poll_frame(cx)
+        let this = self.project();
+        if let Some(prefix) = this.prefix.take() {
+            return std::task::Poll::Ready(Some(Ok(http_body::Frame::data(prefix))));
+        }
+        if let Some(rest) = this.rest {
+            return rest.as_mut().poll_frame(cx);
+        }
+        this.body.poll_frame(cx)
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        self.prefix.is_none()
+            && match &self.rest {
+                Some(rest) => rest.is_end_stream(),
+                None => self.body.is_end_stream(),
+            }
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
-        self.body.size_hint()
+        let ahead = self.prefix.as_ref().map_or(0, |p| p.len() as u64);
+        let rest = match &self.rest {
+            Some(rest) => rest.size_hint(),
+            None => self.body.size_hint(),
+        };
+        let mut hint = http_body::SizeHint::new();
+        hint.set_lower(rest.lower().saturating_add(ahead));
+        if let Some(upper) = rest.upper() {
+            hint.set_upper(upper.saturating_add(ahead));
+        }
+        hint
     }
 }
+
+/// The largest [`buffer_limit`](RetryBudgetLayerBuilder::buffer_limit): 16
+/// MiB. Each retryable request in flight may hold its body this long.
+pub const MAX_BUFFER_LIMIT: u64 = 16 << 20;
+
+/// Marks a request as safe to send again (a request extension), whatever
+/// its method: what a gRPC client needs, where every call is a `POST`.
+/// Mark only unary calls that are idempotent (a read, a write keyed by a
+/// request id): the layer buffers a marked body of unknown length (up to
+/// [`buffer_limit`](RetryBudgetLayerBuilder::buffer_limit)) before the
+/// first attempt, so a streaming call marked so would wait for data the
+/// server has not asked for yet.
+///
+/// ```
+/// let mut req = http::Request::post("/grpc.health.v1.Health/Check").body(()).unwrap();
+/// req.extensions_mut().insert(tollgate::retry::Idempotent);
+/// ```
+///
+/// With tonic, insert it in the `tonic::Request`'s extensions (or with an
+/// interceptor), or name the methods once with
+/// [`idempotent_path`](RetryBudgetLayerBuilder::idempotent_path).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Idempotent;

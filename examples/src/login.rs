@@ -120,11 +120,15 @@ pub fn routes<S: Store>(
             RateRule::new(
                 "failed-logins-ip",
                 Limit::sliding_window_log(FAILED_PER_IP, LOGIN_WINDOW),
-                client_ip,
+                client_ip.clone(),
             )
             .count_if(failed)
             .escalate(STRIKES, LOGIN_WINDOW, LOGIN_WINDOW, MAX_BLOCK),
         )
+        // A challenge is the refused client's own (by its address behind
+        // the trusted proxies): an attacker who locked an account and
+        // solves its challenges first takes nothing from the owner's.
+        .challenge_requester(client_ip)
         .store(store)
         .build()?;
     Ok(Router::new().route(

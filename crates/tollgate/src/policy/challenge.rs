@@ -49,7 +49,16 @@ pub trait Challenge: Send + Sync + 'static {
 /// SHA-256 starts with `difficulty` zero bits; a client finds one by
 /// trying nonces, about 2^difficulty hashes on average (16 bits: ~65,000
 /// hashes, some milliseconds in a browser's WebCrypto; each bit doubles
-/// it). A challenge is good in its window and the next, and passes once
+/// it).
+///
+/// How strong that is: a GPU computes 10^9 to 10^10 SHA-256 a second, so
+/// 16 bits cost it some tens of microseconds, 24 bits (~16.8 million
+/// hashes, about 1-3 s in a browser) some milliseconds, 28 bits (~268
+/// million, too slow for a phone) a tenth of a second. Work alone does not
+/// stop a script with a GPU; what bounds it is that a pass is good once
+/// per rule, key, requester address and window: more guesses need more
+/// addresses, which the policy's per-address rules count. Choose the
+/// difficulty (1 to 32 bits) for the slowest device your users solve on. A challenge is good in its window and the next, and passes once
 /// (a policy remembers it): one pass per rule, key and window, however
 /// many nonces a client finds.
 ///
@@ -272,16 +281,17 @@ pub(super) fn solved<B, L>(
     rule: &super::shared::Bound<B, L>,
     req: &http::Request<B>,
     key: &[u8],
+    requester: &[u8; 16],
 ) -> Option<[u8; 16]> {
     rule.challenge.as_ref()?;
     req.headers().get(&SOLUTION)?;
-    let id = verified(rule, req, key);
+    let id = verified(rule, req, key, requester);
     if id.is_none() {
         rule.responder.metrics.challenge_failed.increment(1);
         tracing::debug!(
             target: "tollgate",
             rule = %rule.responder.rule,
-            "a challenge's solution did not verify (wrong, expired, or for another key)"
+            "a challenge's solution did not verify (wrong, expired, or for another key or requester)"
         );
     }
     id
@@ -294,13 +304,41 @@ pub(super) fn verified<B, L>(
     rule: &super::shared::Bound<B, L>,
     req: &http::Request<B>,
     key: &[u8],
+    requester: &[u8; 16],
 ) -> Option<[u8; 16]> {
     let (challenge, _) = rule.challenge.as_ref()?;
-    let scope = scope(&rule.responder.rule, key);
+    let scope = scope(&rule.responder.rule, key, requester);
+    // A few solutions at most (one per challenged rule a client is over):
+    // each costs a MAC and a hash to check, and a request of a hundred
+    // such headers would cost a hundred of each.
     req.headers()
         .get_all(&SOLUTION)
         .iter()
+        .take(MAX_SOLUTIONS)
         .find_map(|answer| challenge.verify(&scope, answer.as_bytes()))
+}
+
+/// The most `Tollgate-Solution` headers of one request that are checked.
+pub(super) const MAX_SOLUTIONS: usize = 4;
+
+/// The digest of who asked, by the policy's requester key (`[0; 16]`
+/// where the policy has no challenges, or the requester has no key).
+pub(super) fn requester_of<B, L>(
+    shared: &super::shared::Shared<B, L>,
+    req: &http::Request<B>,
+) -> [u8; 16] {
+    let mut id = [0u8; 16];
+    let Some(requester) = &shared.requester else {
+        return id;
+    };
+    let mut key = crate::key::KeyBuf::new();
+    if requester.key(req, &mut key).is_some() {
+        let digest = Sha256::digest(key.as_bytes());
+        for (i, b) in id.iter_mut().zip(digest.iter()) {
+            *i = *b;
+        }
+    }
+    id
 }
 
 /// The challenges' ids of the rules a solution passed `req` past
@@ -316,7 +354,7 @@ pub(super) fn cleared_ids<B, L>(
     for (i, rule) in shared.rules.iter().enumerate() {
         if report.cleared(i) {
             key(i, &mut |k| {
-                ids.extend(verified(rule, req, k).map(|id| (i, id)))
+                ids.extend(verified(rule, req, k, &report.requester).map(|id| (i, id)))
             });
         }
     }
@@ -384,6 +422,7 @@ pub(super) fn for_verdict<B, L>(
     shared: &super::shared::Shared<B, L>,
     verdict: super::decide::Verdict,
     key: impl super::decide::KeyOf,
+    requester: &[u8; 16],
 ) -> Option<http::HeaderValue> {
     let super::decide::Verdict::Deny {
         rule: i,
@@ -396,7 +435,7 @@ pub(super) fn for_verdict<B, L>(
     let (challenge, _) = rule.challenge.as_ref()?;
     let mut value = None;
     key(i, &mut |k| {
-        let issued = challenge.issue(&scope(&rule.responder.rule, k));
+        let issued = challenge.issue(&scope(&rule.responder.rule, k, requester));
         value = http::HeaderValue::from_str(&issued).ok();
     });
     value
@@ -409,11 +448,14 @@ pub(super) fn attach(map: &mut http::HeaderMap, challenge: Option<&http::HeaderV
     }
 }
 
-/// The scope of rule `rule`'s challenge for `key`: the rule's name, a
-/// zero byte, the key.
-pub(crate) fn scope(rule: &str, key: &[u8]) -> Vec<u8> {
-    let mut s = Vec::with_capacity(rule.len().saturating_add(key.len()).saturating_add(1));
+/// The scope of rule `rule`'s challenge for `key` asked by `requester`:
+/// the rule's name, a zero byte, the requester's digest (16 bytes), a zero
+/// byte, the key.
+pub(crate) fn scope(rule: &str, key: &[u8], requester: &[u8; 16]) -> Vec<u8> {
+    let mut s = Vec::with_capacity(rule.len().saturating_add(key.len()).saturating_add(18));
     s.extend_from_slice(rule.as_bytes());
+    s.push(0);
+    s.extend_from_slice(requester);
     s.push(0);
     s.extend_from_slice(key);
     s

@@ -31,6 +31,10 @@ pub(super) struct Report {
     checked: u16,
     /// The request's plan (0: the default).
     pub(super) plan: u8,
+    /// Who asked (a digest of the policy's challenge requester key, the
+    /// client's address by default): a challenge is issued to, and passes,
+    /// its requester only. Zero where the policy has no challenges.
+    pub(super) requester: [u8; 16],
 }
 
 /// Rule `i`'s bit in a [`Report`]'s masks and the audit mask (none past
@@ -49,6 +53,7 @@ impl Report {
             cleared: 0,
             checked: 0,
             plan: 0,
+            requester: [0; 16],
         }
     }
 

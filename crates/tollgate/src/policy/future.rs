@@ -154,8 +154,12 @@ where
                 StateProj::Deciding { decide, waiting } => {
                     let (report, verdict, keys) = ready!(decide.as_mut().poll(cx));
                     *this.report = report;
-                    *this.challenge =
-                        super::challenge::for_verdict(this.shared, verdict, listed_key(&keys));
+                    *this.challenge = super::challenge::for_verdict(
+                        this.shared,
+                        verdict,
+                        listed_key(&keys),
+                        &report.requester,
+                    );
                     if this.shared.response_aware && matches!(verdict, Verdict::Pass { .. }) {
                         *this.after = Some(keys.clone());
                     }

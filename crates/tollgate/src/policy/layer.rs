@@ -75,6 +75,10 @@ impl<B> PolicyLayer<B, MemoryStore> {
             log: None,
             route_label: false,
             on_store_error: OnStoreError::default(),
+            requester: Arc::new(Erased {
+                key: crate::key::PeerIp::new(),
+                cost: crate::cost::Fixed(1),
+            }),
             audit: None,
         }
     }
@@ -159,6 +163,7 @@ pub struct PolicyLayerBuilder<B, St> {
     audit: Option<(Arc<dyn crate::observe::AuditSink>, Vec<String>)>,
     route_label: bool,
     on_store_error: OnStoreError,
+    requester: Arc<dyn DynRule<B>>,
 }
 
 impl<B, St> fmt::Debug for PolicyLayerBuilder<B, St> {
@@ -212,7 +217,24 @@ impl<B, St> PolicyLayerBuilder<B, St> {
             route_label: self.route_label,
             audit: self.audit,
             on_store_error: self.on_store_error,
+            requester: self.requester,
         }
+    }
+
+    /// Who a rule's challenge is issued to (default: [`PeerIp`](crate::key::PeerIp),
+    /// the connection's address; behind proxies,
+    /// [`ClientIp`](crate::key::ClientIp) with the trusted ones). A
+    /// challenge, and the pass its solution buys, belong to the requester
+    /// that was refused: one solved from another address does not pass,
+    /// and uses up nothing of the owner's. So an attacker who locked an
+    /// account and solves its challenges first takes no pass from the
+    /// account's owner on the owner's own network.
+    pub fn challenge_requester<K: KeyExtractor<B>>(mut self, key: K) -> Self {
+        self.requester = Arc::new(Erased {
+            key,
+            cost: crate::cost::Fixed(1),
+        });
+        self
     }
 
     /// What a rule does when the store answers it with an error (default:
@@ -562,9 +584,14 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
         let response_aware = bound.iter().any(|b| b.count_if.is_some());
         let laddered = bound.iter().any(|b| b.ladder.is_some());
         let warns = bound.iter().any(|b| b.warn_at.is_some());
+        let requester = bound
+            .iter()
+            .any(|b| b.challenge.is_some())
+            .then_some(self.requester);
         Ok(PolicyLayer {
             current: Arc::new(Current::new(Shared {
                 rules: bound.into(),
+                requester,
                 standard: self.headers,
                 legacy: self.legacy_headers,
                 policy,

@@ -134,8 +134,10 @@ impl<K, C> RateRule<K, C> {
 
     /// A challenge step, between this rule's refusal and a block: past
     /// the limit, a refusal carries a challenge (header
-    /// `Tollgate-Challenge`) bound to this rule, the client's key and a
-    /// time window, e.g. a [`ProofOfWork`](super::ProofOfWork). A request
+    /// `Tollgate-Challenge`) bound to this rule, the client's key, the
+    /// requester that was refused (its address by default; see
+    /// [`challenge_requester`](super::PolicyLayerBuilder::challenge_requester))
+    /// and a time window, e.g. a [`ProofOfWork`](super::ProofOfWork). A request
     /// that carries a solution (header `Tollgate-Solution`; one per
     /// challenged rule) passes this rule without being counted by it —
     /// the other rules still decide — and a challenge passes once: its
@@ -147,7 +149,9 @@ impl<K, C> RateRule<K, C> {
     /// and no solution passes a block. So a real user caught by a limit
     /// can go on before the block by paying some CPU, while a script gets
     /// one more try per challenge (a [`ProofOfWork`](super::ProofOfWork)
-    /// issues one per key and window). If the store cannot record a use
+    /// issues one per key, requester and window), and cannot use up the
+    /// passes of another requester. At most four `Tollgate-Solution`
+    /// headers of a request are checked. If the store cannot record a use
     /// (it fails, or a full memory store pools new keys), the solution
     /// passes no rule: the rule decides as without one.
     pub fn challenge(mut self, challenge: impl super::Challenge) -> Self {

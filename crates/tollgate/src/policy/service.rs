@@ -123,6 +123,7 @@ where
         let grpc = is_grpc(&req);
         let mut report = Report::new();
         report.plan = shared.plans.of(&req);
+        report.requester = challenge::requester_of(shared, &req);
         if let Some(listed) = &shared.access {
             match listed.check(&req) {
                 Access::Unlisted => {}
@@ -218,7 +219,7 @@ where
             // A solution to the rule's challenge, used for the first
             // time, passes the rule.
             if let (Some(id), Some((_, used))) = (
-                challenge::solved(rule, &req, key.as_bytes()),
+                challenge::solved(rule, &req, key.as_bytes(), &report.requester),
                 &rule.challenge,
             ) {
                 match used.decide_sync(&id, 1) {
@@ -291,7 +292,12 @@ where
         if !matches!(verdict, Verdict::Pass { .. } | Verdict::Repeat) {
             challenge::give_back(shared, &report, &req, request_key(shared, &req));
         }
-        let challenge = challenge::for_verdict(shared, verdict, request_key(shared, &req));
+        let challenge = challenge::for_verdict(
+            shared,
+            verdict,
+            request_key(shared, &req),
+            &report.requester,
+        );
         // Response-aware rules need their keys once the response is in.
         let after = (shared.response_aware && matches!(verdict, Verdict::Pass { .. }))
             .then(|| owned_keys(shared, &report, &req, true));
@@ -529,7 +535,10 @@ where
                 if report.checked(*i) {
                     return None;
                 }
-                Some((*i, challenge::solved(rule, &req, key.as_bytes())?))
+                Some((
+                    *i,
+                    challenge::solved(rule, &req, key.as_bytes(), &report.requester)?,
+                ))
             })
             .collect();
         solutions.extend(challenge::cleared_ids(

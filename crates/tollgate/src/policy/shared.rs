@@ -87,6 +87,10 @@ impl<B, L> Bound<B, L> {
 
 pub(super) struct Shared<B, L> {
     pub(super) rules: Box<[Bound<B, L>]>,
+    /// Who a rule's challenge is issued to (see
+    /// [`challenge_requester`](super::PolicyLayerBuilder::challenge_requester)),
+    /// where a rule has a challenge.
+    pub(super) requester: Option<Arc<dyn super::rule::DynRule<B>>>,
     pub(super) standard: bool,
     pub(super) legacy: bool,
     /// `RateLimit-Policy` listing every enforced rule, per plan: what most

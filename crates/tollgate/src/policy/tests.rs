@@ -1613,3 +1613,52 @@ fn only_ranges_that_let_requests_in_must_be_narrow() {
         .unwrap_err();
     assert_eq!(e.field(), "allow_networks");
 }
+
+/// Policy-security review #3: a challenge was one scarce token per rule,
+/// key and window, shared by everyone refused for that key; an attacker
+/// who locked an account solved it first and left the owner nothing. Now
+/// each requester (by address) gets a challenge of its own, whose pass is
+/// good for that requester only.
+#[tokio::test]
+async fn a_challenge_belongs_to_whoever_was_refused() {
+    let clock = ManualClock::starting_at(1);
+    let pow = ProofOfWork::new(&[7; 32], 8, Duration::from_secs(60))
+        .unwrap()
+        .clock(clock.clone());
+    let svc = PolicyLayer::builder()
+        .rule(per_key(Limit::fixed_window(1, Duration::from_secs(600))).challenge(pow))
+        .challenge_requester(Header::named("x-ip").unwrap())
+        .store(store(&clock))
+        .build()
+        .unwrap()
+        .layer(service_fn(ok));
+    let send = |ip: &str, solution: Option<&str>| {
+        let mut r = req("ann", ip);
+        if let Some(s) = solution {
+            r.headers_mut().insert(SOLUTION_HEADER, s.parse().unwrap());
+        }
+        svc.clone().oneshot(r)
+    };
+    let challenge_of =
+        |res: &Response<String>| res.headers()[CHALLENGE_HEADER].to_str().unwrap().to_owned();
+    // The account is over its limit; the attacker is refused, solves its
+    // challenge and takes its pass.
+    assert_eq!(send("6.6.6.6", None).await.unwrap().status(), 200);
+    let refused = send("6.6.6.6", None).await.unwrap();
+    assert_eq!(refused.status(), 429);
+    let theirs = ProofOfWork::solve(&challenge_of(&refused), 20).unwrap();
+    assert_eq!(send("6.6.6.6", Some(&theirs)).await.unwrap().status(), 200);
+    // The owner, on their own network, gets a challenge of their own, and
+    // its pass is still there.
+    let refused = send("1.1.1.1", None).await.unwrap();
+    assert_eq!(refused.status(), 429);
+    let mine = ProofOfWork::solve(&challenge_of(&refused), 20).unwrap();
+    assert_ne!(mine, theirs);
+    // The attacker's solution is no good from the owner's address, nor the
+    // owner's from the attacker's.
+    assert_eq!(send("1.1.1.1", Some(&theirs)).await.unwrap().status(), 429);
+    assert_eq!(send("6.6.6.6", Some(&mine)).await.unwrap().status(), 429);
+    assert_eq!(send("1.1.1.1", Some(&mine)).await.unwrap().status(), 200);
+    // Once each.
+    assert_eq!(send("1.1.1.1", Some(&mine)).await.unwrap().status(), 429);
+}

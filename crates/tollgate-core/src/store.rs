@@ -239,6 +239,10 @@ pub struct JointDecision {
     /// a rule decided in the same step denied (nothing was written), or
     /// when a failure policy answered without counting anything.
     pub consumed: bool,
+    /// Whether the store's failure policy answered, not the store: the
+    /// decision says nothing about the client (a layer counts no strike
+    /// toward a block on such a denial).
+    pub failed: bool,
 }
 
 /// Awaits `futures` side by side, in the caller's task; their outputs in

@@ -97,7 +97,7 @@ impl BoundQuota {
             .backend
             .names
             .name(key::Format::Quota, self.rule.name(), key);
-        let cost = cost.to_string();
+        let cost = crate::scripts::lua_number(cost).to_string();
         let grant = grant.min(Quota::MAX_LIMIT).to_string();
         let now = self.backend.now_arg();
         let mut args: Vec<&str> = Vec::with_capacity(self.params.len().saturating_add(5));

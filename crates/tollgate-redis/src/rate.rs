@@ -74,7 +74,7 @@ impl BoundRate {
     /// Runs this rule's script in `mode` on `rkey` (the key's
     /// [`redis_key`](Self::redis_key)).
     async fn call(&self, mode: RateMode, rkey: &str, cost: u64) -> Result<Reply, StoreError> {
-        let cost = cost.to_string();
+        let cost = crate::scripts::lua_number(cost).to_string();
         let now = self.backend.now_arg();
         let mut args: Vec<&str> = Vec::with_capacity(self.params.len().saturating_add(4));
         args.extend([mode.arg(), cost.as_str(), now.as_str(), self.ttl.as_str()]);
@@ -92,6 +92,7 @@ impl BoundRate {
                 JointDecision {
                     consumed: d.is_allowed() && cost > 0,
                     decision: Ok(d),
+                    failed: false,
                 },
                 false,
             ),
@@ -106,6 +107,7 @@ impl BoundRate {
         JointDecision {
             consumed: decision.is_allowed() && self.on_failure.consumes(),
             decision: Ok(decision),
+            failed: true,
         }
     }
 }
@@ -159,7 +161,10 @@ async fn decide_together(
         return vec![one.bound.decide(&one.key, &one.rkey, one.cost).await];
     }
     let now = backend.now_arg();
-    let costs: Vec<String> = chosen.iter().map(|p| p.cost.to_string()).collect();
+    let costs: Vec<String> = chosen
+        .iter()
+        .map(|p| crate::scripts::lua_number(p.cost).to_string())
+        .collect();
     let keys: Vec<&str> = chosen.iter().map(|p| p.rkey.as_str()).collect();
     let mut args: Vec<&str> = Vec::with_capacity(chosen.len().saturating_mul(7).saturating_add(4));
     args.extend(["decide", "0", now.as_str(), "0"]);
@@ -179,6 +184,7 @@ async fn decide_together(
                 let answer = JointDecision {
                     consumed: applied && d.is_allowed() && p.cost > 0,
                     decision: Ok(d),
+                    failed: false,
                 };
                 (answer, false)
             })

@@ -460,3 +460,16 @@ impl Reply {
         self.0.iter().map(|f| *f == 1)
     }
 }
+
+/// A count as a script reads it: Lua 5.1 numbers are doubles, exact up to
+/// 2^53, so any larger count (a cost up to `u64::MAX`) is sent as 2^53 + 2
+/// — exact, and larger than any budget a script can count exactly, so it
+/// still never fits — instead of rounding down onto a budget it exceeds.
+pub(crate) fn lua_number(n: u64) -> u64 {
+    const EXACT: u64 = 1 << 53;
+    if n > EXACT {
+        EXACT + 2
+    } else {
+        n
+    }
+}

@@ -21,14 +21,7 @@ use crate::ip::{forwarded_for, Cidr};
 /// silent, the first such request logs a warning naming the fix, and then
 /// at most one a minute (target `tollgate`).
 pub fn peer_addr<B>(req: &Request<B>) -> Option<SocketAddr> {
-    #[cfg(feature = "axum")]
-    if let Some(info) = req
-        .extensions()
-        .get::<axum::extract::ConnectInfo<SocketAddr>>()
-    {
-        return Some(info.0);
-    }
-    let addr = req.extensions().get::<SocketAddr>().copied();
+    let addr = peer_addr_quiet(req);
     if addr.is_none() && NO_CONNECT_INFO.due(unix_secs()) {
         tracing::warn!(
             target: "tollgate",
@@ -39,6 +32,19 @@ pub fn peer_addr<B>(req: &Request<B>) -> Option<SocketAddr> {
         );
     }
     addr
+}
+
+/// [`peer_addr`] without the warning: for `PeerAddrLayer`, which looks
+/// before it inserts the address.
+pub(crate) fn peer_addr_quiet<B>(req: &Request<B>) -> Option<SocketAddr> {
+    #[cfg(feature = "axum")]
+    if let Some(info) = req
+        .extensions()
+        .get::<axum::extract::ConnectInfo<SocketAddr>>()
+    {
+        return Some(info.0);
+    }
+    req.extensions().get::<SocketAddr>().copied()
 }
 
 /// The warning about missing connect info, at most once per interval.
@@ -70,7 +76,9 @@ impl Every {
     pub(crate) fn due(&self, now: u64) -> bool {
         use std::sync::atomic::Ordering::Relaxed;
         let last = self.last.load(Relaxed);
-        if last != 0 && now.saturating_add(1) < last.saturating_add(self.secs) {
+        // (A clock stepped back past the last opening opens it too.)
+        let stepped_back = now.saturating_add(1) < last;
+        if last != 0 && !stepped_back && now.saturating_add(1) < last.saturating_add(self.secs) {
             return false;
         }
         self.last
@@ -281,10 +289,12 @@ mod tests {
         assert!(!gate.due(1_059), "then nothing for a minute");
         assert!(gate.due(1_060), "then once a minute");
         assert!(!gate.due(1_061));
-        // A clock that steps back does not silence it for ever.
+        // A clock that steps back does not silence it.
         let gate = Every::new(60);
         assert!(gate.due(0));
         assert!(!gate.due(0));
         assert!(gate.due(60));
+        assert!(gate.due(10), "stepped back 50 s");
+        assert!(!gate.due(11));
     }
 }

@@ -116,7 +116,7 @@ where
     }
 
     fn call(&mut self, mut req: Request<B>) -> Self::Future {
-        if super::peer_addr(&req).is_none() {
+        if super::ip::peer_addr_quiet(&req).is_none() {
             if let Some(addr) = req.extensions().get::<T>().and_then(self.get) {
                 req.extensions_mut().insert(addr);
             }

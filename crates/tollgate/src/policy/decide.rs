@@ -29,6 +29,9 @@ pub(super) struct Report {
     /// (its solution checked and counted, its first use asked, or no
     /// solution sent) before its rate was handed to the asynchronous one.
     checked: u16,
+    /// Bit `i`: rule `i`'s decision is a failure policy's (the store did
+    /// not answer): a denial of it is no strike toward a block.
+    faulted: u16,
     /// The request's plan (0: the default).
     pub(super) plan: u8,
     /// Who asked (a digest of the policy's challenge requester key, the
@@ -52,9 +55,20 @@ impl Report {
             unconsumed: 0,
             cleared: 0,
             checked: 0,
+            faulted: 0,
             plan: 0,
             requester: [0; 16],
         }
+    }
+
+    /// Rule `i`'s decision is a failure policy's answer.
+    pub(super) fn set_faulted(&mut self, i: usize) {
+        self.faulted |= bit(i);
+    }
+
+    /// Whether rule `i`'s decision is a failure policy's answer.
+    pub(super) fn faulted(&self, i: usize) -> bool {
+        self.faulted & bit(i) != 0
     }
 
     /// Rule `i` decided `d` at `cost`, enforced or watching.
@@ -301,7 +315,8 @@ pub(super) fn strike_sync<B, L>(
         let (Some(ladder), Some((d, _))) = (&rule.ladder, slot) else {
             continue;
         };
-        if report.shadows(i) || !matches!(d.outcome, Outcome::Deny { .. }) {
+        // A failure policy's denial says nothing about the client.
+        if report.shadows(i) || report.faulted(i) || !matches!(d.outcome, Outcome::Deny { .. }) {
             continue;
         }
         rule.responder.metrics.strike.increment(1);

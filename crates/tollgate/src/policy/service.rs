@@ -247,6 +247,7 @@ where
                     if let Some(d) = store_failed(rule, &e) {
                         report.set(i, d, cost, rule.shadows(key.as_bytes()));
                         report.set_unconsumed(i);
+                        report.set_faulted(i);
                     }
                 }
                 None => return self.decide_async(Arc::clone(shared), req, report, i, grpc, marker),
@@ -654,6 +655,7 @@ where
                                     consumed: p.cost > 0
                                         && decision.as_ref().is_ok_and(Decision::is_allowed),
                                     decision,
+                                    failed: false,
                                 })
                                 .collect()
                         }
@@ -668,11 +670,15 @@ where
                             if !answer.consumed {
                                 report.set_unconsumed(*i);
                             }
+                            if answer.failed {
+                                report.set_faulted(*i);
+                            }
                         }
                         Err(e) => {
                             if let Some(d) = store_failed(rule, &e) {
                                 report.set(*i, d, part.cost, !part.enforced);
                                 report.set_unconsumed(*i);
+                                report.set_faulted(*i);
                             }
                         }
                     }
@@ -693,7 +699,9 @@ where
                             else {
                                 continue;
                             };
+                            // A failure policy's denial is no strike.
                             if report.shadows(*i)
+                                || report.faulted(*i)
                                 || !matches!(d.outcome, tollgate_core::Outcome::Deny { .. })
                             {
                                 continue;

@@ -1662,3 +1662,45 @@ async fn a_challenge_belongs_to_whoever_was_refused() {
     // Once each.
     assert_eq!(send("1.1.1.1", Some(&mine)).await.unwrap().status(), 429);
 }
+
+/// Review of this session's diff: a refusal that stands for a store's
+/// fault (`OnStoreError::Refuse`, or a failure policy's denial) said
+/// nothing about the client, yet struck toward a block, so an outage
+/// blocked clients for longer than it lasted.
+#[tokio::test]
+async fn a_store_fault_is_no_strike_toward_a_block() {
+    let clock = ManualClock::starting_at(1);
+    // (A store that fails answers on the asynchronous path: its calls are
+    // the networked kind.)
+    {
+        let sync = false;
+        let store = Networked {
+            memory: store(&clock),
+            broken: &["per-key"],
+            sync: &[],
+        };
+        let svc = PolicyLayer::builder()
+            .rule(
+                per_key(Limit::fixed_window(5, Duration::from_secs(10))).escalate(
+                    1,
+                    Duration::from_secs(60),
+                    Duration::from_secs(3_600),
+                    Duration::from_secs(3_600),
+                ),
+            )
+            .on_store_error(crate::OnStoreError::Refuse)
+            .store(store)
+            .build()
+            .unwrap()
+            .layer(service_fn(ok));
+        for n in 0..3 {
+            let res = svc.clone().oneshot(req("k", "ip")).await.unwrap();
+            assert_eq!(res.status(), 429, "sync {sync}, request {n}");
+            assert_eq!(
+                res.headers()["retry-after"],
+                "1",
+                "sync {sync}, request {n}: a fault's retry, not an hour's block"
+            );
+        }
+    }
+}

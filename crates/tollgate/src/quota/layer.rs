@@ -249,7 +249,10 @@ impl<K, C, St> QuotaLayerBuilder<K, C, St> {
     /// make the service fail (a 500 on bad input, a slow path an inner
     /// timeout turns into a 504) gets that work free of the quota — the
     /// rate limits in front still bound it. Off, every admitted request
-    /// is charged, as a metered API that bills attempts does.
+    /// is charged, as a metered API that bills attempts does. The
+    /// response's `RateLimit` item shows the units after the refund; the
+    /// refund itself runs in the background, so on a store that cannot
+    /// make it just then (Redis away) the item is one refund ahead.
     pub fn refund_unserved(mut self, on: bool) -> Self {
         self.cfg.refund_unserved = on;
         self
@@ -267,7 +270,10 @@ impl<K, C, St> QuotaLayerBuilder<K, C, St> {
 
     /// What to do with a request when the store answers with an error
     /// (default: [`OnStoreError::Admit`]). `Refuse` suits a quota that
-    /// bills: nothing is served that could not be counted.
+    /// bills: nothing is served that could not be counted. The Redis store
+    /// answers its own faults with its failure policy (`Open` by default)
+    /// and reaches this only when that policy cannot answer: for a billing
+    /// quota on Redis, choose `FailurePolicy::Closed` on the store too.
     pub fn on_store_error(mut self, on: OnStoreError) -> Self {
         self.cfg.on_store_error = on;
         self

@@ -57,6 +57,18 @@ impl Controller {
         }
     }
 
+    /// Time passing at `now` with no sample to feed: a gradient probe that
+    /// has run its longest (10 s) ends, so a service whose requests give
+    /// no samples (every one a long stream; no traffic) is not held at
+    /// `min`. Call it now and then when requests are being refused.
+    /// Returns the limit.
+    pub fn on_tick(&mut self, now: u64) -> u32 {
+        match &mut self.state {
+            Running::Aimd(s) => s.limit(),
+            Running::Gradient(s) => s.on_tick(now),
+        }
+    }
+
     /// Feeds one completed request at `now` (monotonic nanoseconds, the
     /// caller's clock) and returns the new limit.
     pub fn on_sample(&mut self, now: u64, sample: Sample) -> u32 {

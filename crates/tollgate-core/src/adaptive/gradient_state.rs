@@ -13,6 +13,10 @@ const STALE_WINDOWS_BEFORE_PROBE: u32 = 5;
 /// A window whose mean RTT is under the baseline divided by this (62.5 %)
 /// says the baseline is stale: the backend became faster.
 const FAST_RATIO: f64 = 1.6;
+/// The longest a probe lasts, in nanoseconds, however few samples come (a
+/// service whose every request is a long stream, or no traffic at all):
+/// then it ends with what it measured, or the baseline it had.
+pub(crate) const MAX_PROBE_NS: u64 = 10_000_000_000;
 
 /// A running mean of RTTs; `u128` so no sum of `u32::MAX` `u64`s overflows.
 #[derive(Debug, Clone, Copy, Default)]
@@ -44,6 +48,8 @@ struct Probe {
     /// A probe whose backlog never seems to drain (the caller's `in_flight`
     /// counts something else) ends after this many samples.
     give_up_after: u64,
+    /// When it began (or was first seen running): it ends by time too.
+    started_at: Option<u64>,
 }
 
 impl Probe {
@@ -55,12 +61,20 @@ impl Probe {
             seen: 0,
             give_up_after: u64::from(backlog)
                 .saturating_add(u64::from(probe_samples).saturating_mul(4)),
+            started_at: drained_at,
         }
+    }
+
+    /// Whether the probe has run its longest at `now`.
+    fn timed_out(&mut self, now: u64) -> bool {
+        let started = *self.started_at.get_or_insert(now);
+        now.saturating_sub(started) >= MAX_PROBE_NS
     }
 
     /// Takes a sample; true when the probe is over.
     fn observe(&mut self, now: u64, sample: Sample, min: u32, probe_samples: u32) -> bool {
         self.seen = self.seen.saturating_add(1);
+        let timed_out = self.timed_out(now);
         if self.drained_at.is_none() && sample.in_flight <= min {
             self.drained_at = Some(now);
         }
@@ -71,7 +85,7 @@ impl Probe {
                 self.clean.add(sample.rtt);
             }
         }
-        self.clean.count >= probe_samples || self.seen >= self.give_up_after
+        self.clean.count >= probe_samples || self.seen >= self.give_up_after || timed_out
     }
 }
 
@@ -156,6 +170,25 @@ impl GradientState {
                 }
                 if w.samples >= size || (w.drops > 0 && w.samples >= sample_window) {
                     self.close_window(sample.in_flight);
+                }
+            }
+        }
+        self.limit()
+    }
+
+    /// Time passing with no sample: a probe that has run its longest
+    /// ([`MAX_PROBE_NS`]) ends with what it measured, or the baseline it
+    /// had, so that a service whose requests give no samples is not held
+    /// at `min`. Returns the limit.
+    pub(crate) fn on_tick(&mut self, now: u64) -> u32 {
+        if let Phase::Probing(probe) = &mut self.phase {
+            if probe.timed_out(now) {
+                let measured = probe.clean.get().or(probe.any.get());
+                self.finish_probe(now, measured, 0);
+                if self.baseline.is_none() {
+                    // Nothing measured, ever: go on at `initial` rather
+                    // than probe again at once.
+                    self.phase = Phase::Tracking;
                 }
             }
         }
@@ -280,6 +313,28 @@ mod tests {
         assert_eq!(s.on_sample(20 * MS, ok(12 * MS, 2)), 2);
         assert_eq!(s.on_sample(30 * MS, ok(14 * MS, 1)), 20);
         assert_eq!(s.baseline, Some(12 * MS));
+    }
+
+    /// Concurrency review (C1): a probe that gets no samples (every
+    /// request a long stream; no traffic) ended never, and held the limit
+    /// at `min`. It ends by time.
+    #[test]
+    fn a_probe_without_samples_ends_by_time() {
+        const S: u64 = 1_000_000_000;
+        let config = Gradient::new(2, 20, 100).unwrap();
+        // The first probe, from construction, with no sample at all.
+        let mut s = GradientState::new(&config, 1);
+        assert_eq!(s.on_tick(5 * S), 2);
+        assert_eq!(s.on_tick(10 * S), 20, "resumes at `initial`");
+        assert!(matches!(s.phase, Phase::Tracking));
+        // A re-probe with one sample of 25: ends 10 s after it was first
+        // seen running, with that sample as its baseline.
+        let (mut s, now) = tracking(config.probe_samples(25).unwrap(), 10 * MS);
+        s.start_probe(2);
+        assert_eq!(s.on_sample(now + MS, ok(30 * MS, 1)), 2);
+        assert_eq!(s.on_tick(now + 5 * S), 2);
+        assert_eq!(s.on_tick(now + MS + 10 * S), 20);
+        assert_eq!(s.baseline, Some(30 * MS));
     }
 
     #[test]

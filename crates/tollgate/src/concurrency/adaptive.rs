@@ -2,7 +2,7 @@
 //! controller from [`tollgate_core::adaptive`](https://docs.rs/tollgate-core/latest/tollgate_core/adaptive/) fed with each response, and
 //! the error rate behind read-only mode.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -13,6 +13,9 @@ use tollgate_core::{duration_to_nanos, Decision, Outcome};
 use crate::outcome::Completion;
 
 pub(crate) type DropFn = Arc<dyn Fn(Completion) -> bool + Send + Sync>;
+
+/// How often refused acquires let the controller see time pass.
+const TICK_NS: u64 = 100_000_000;
 
 /// Read-only mode: while the error rate over `window` is above
 /// `threshold`, only safe methods go through.
@@ -29,6 +32,9 @@ pub(crate) struct Adaptive {
     controller: Mutex<Controller>,
     limit: AtomicU32,
     in_flight: AtomicU32,
+    /// When the controller last saw time pass without a sample (see
+    /// `tick`), in the controller's nanoseconds.
+    ticked: AtomicU64,
     base: Instant,
     errors: Option<(Mutex<ErrorRate>, f64)>,
     degraded: AtomicBool,
@@ -76,6 +82,7 @@ impl Adaptive {
             controller: Mutex::new(controller),
             config,
             in_flight: AtomicU32::new(0),
+            ticked: AtomicU64::new(0),
             base: Instant::now(),
             errors,
             degraded: AtomicBool::new(false),
@@ -119,6 +126,8 @@ impl Adaptive {
         loop {
             let next = held.saturating_add(permits);
             if next > ceiling {
+                // Full: time passing may end a probe that gets no samples.
+                self.tick();
                 return decision(
                     Outcome::Deny {
                         retry_after: self.retry_after,
@@ -135,6 +144,29 @@ impl Adaptive {
                 Ok(_) => return decision(Outcome::Allow { delay: 0 }, next),
                 Err(actual) => held = actual,
             }
+        }
+    }
+
+    /// Lets the controller see time pass (a probe that got no samples
+    /// ends by time): at most every 100 ms, from refused acquires.
+    fn tick(&self) {
+        let now = self.now();
+        let last = self.ticked.load(Ordering::Relaxed);
+        if now.saturating_sub(last) < TICK_NS
+            || self
+                .ticked
+                .compare_exchange(last, now, Ordering::AcqRel, Ordering::Relaxed)
+                .is_err()
+        {
+            return;
+        }
+        let mut controller = self
+            .controller
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let limit = controller.on_tick(now);
+        if self.limit.swap(limit, Ordering::AcqRel) != limit {
+            self.gauge.set(f64::from(limit));
         }
     }
 

@@ -760,3 +760,48 @@ async fn an_adaptive_limit_is_in_the_policy_even_when_a_key_is_refused_first() {
     );
     assert_eq!(refused.headers()["ratelimit"], "\"per-key\";r=0;t=1");
 }
+
+/// Concurrency review C1: a gradient probe ends on samples; a service
+/// whose requests give none (their answers never come, or come as
+/// streams that never end) held the limit at `min` for good. Refused
+/// requests now let the controller see time pass, and the probe ends
+/// after 10 s.
+#[tokio::test(start_paused = true)]
+async fn a_probe_without_samples_ends_by_time() {
+    use tollgate_core::adaptive::Gradient;
+    let limit = AdaptiveLimit::Gradient(Gradient::new(2, 20, 100).unwrap());
+    let layer = builder(100)
+        .adaptive_service_limit("adaptive", limit)
+        .build()
+        .unwrap();
+    // Answers that never come: no sample ever.
+    let svc = layer.layer(service_fn(|_req: Req| async {
+        std::future::pending::<()>().await;
+        Ok::<_, Infallible>(Response::new(String::new()))
+    }));
+    let mut stuck = Vec::new();
+    for i in 0..2 {
+        let mut call = Box::pin(svc.clone().oneshot(req(&format!("k{i}"))));
+        assert!(futures_poll(&mut call).await.is_none(), "admitted, waiting");
+        stuck.push(call);
+    }
+    // The probe holds the limit at 2: the third is refused.
+    let res = svc.clone().oneshot(req("k9")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(layer.adaptive_limit(), Some(2));
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    // A refusal lets time pass; the probe ends: `initial`.
+    let _ = svc.clone().oneshot(req("k9")).await.unwrap();
+    assert_eq!(layer.adaptive_limit(), Some(20));
+    let mut admitted = Box::pin(svc.clone().oneshot(req("k10")));
+    assert!(futures_poll(&mut admitted).await.is_none(), "admitted now");
+}
+
+/// Polls `f` once: `Some` if it is ready.
+async fn futures_poll<F: std::future::Future + Unpin>(f: &mut F) -> Option<F::Output> {
+    std::future::poll_fn(|cx| match std::pin::Pin::new(&mut *f).poll(cx) {
+        std::task::Poll::Ready(v) => std::task::Poll::Ready(Some(v)),
+        std::task::Poll::Pending => std::task::Poll::Ready(None),
+    })
+    .await
+}

@@ -150,7 +150,7 @@ const ROWS: &[Row] = &[
         check: |c| Box::pin(cancellation(c)),
     },
     Row {
-        name: "6 store down: each failure policy does what it says",
+        name: "6 store dead or slow: each failure policy does what it says",
         check: |c| Box::pin(store_down(c)),
     },
     Row {
@@ -1178,18 +1178,28 @@ async fn store_down(cell: Cell<'_>) -> CellResult {
             "pacing never refuses: a failed store stops pacing the body (documented)",
         ));
     }
-    let down = dead_redis();
-    let cell = Cell {
-        redis: &down,
-        ..cell
-    };
+    // Dead (nothing listens), and slow: every answer later than the
+    // store's 200 ms timeout, through a proxy that delays each way.
+    let port: u16 = cell.redis.rsplit(':').next().unwrap().parse().unwrap();
+    let slow = tollgate_redis::testing::Delayed::start(port, Duration::from_millis(300)).await;
+    for (fault, url) in [("dead", dead_redis()), ("slow", slow.url())] {
+        store_fault(cell, fault, &url).await?;
+    }
+    Ok(Verdict::Pass)
+}
+
+/// Row 6 for one kind of fault: the store at `url` is dead or slow.
+async fn store_fault(cell: Cell<'_>, fault: &str, url: &str) -> Result<(), String> {
+    let cell = Cell { redis: url, ..cell };
     for (name, policy) in [
         ("Open", FailurePolicy::Open),
         ("Closed", FailurePolicy::Closed),
         ("Fallback", FailurePolicy::fallback()),
     ] {
         if cell.layer == Layer::Retry {
-            store_down_retry(cell, name, policy).await?;
+            store_down_retry(cell, name, policy)
+                .await
+                .map_err(|e| format!("{fault}: {e}"))?;
             continue;
         }
         let backend = Backend::default();
@@ -1210,10 +1220,10 @@ async fn store_down(cell: Cell<'_>) -> CellResult {
             _ => &[200, 200, 429],
         };
         expect(statuses == want, || {
-            format!("{name}: statuses {statuses:?}, want {want:?}")
+            format!("{fault}, {name}: statuses {statuses:?}, want {want:?}")
         })?;
     }
-    Ok(Verdict::Pass)
+    Ok(())
 }
 
 /// A retry budget on a dead store: `Open` grants every retry (as if there

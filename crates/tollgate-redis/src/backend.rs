@@ -125,8 +125,9 @@ pub(crate) struct Backend {
     pub(crate) timeout: Duration,
     pub(crate) policy: FailurePolicy,
     client_time: Option<SharedClock>,
-    /// One breaker per slot range of a Cluster (one where every key is on
-    /// one server): a lost master opens its ranges' breakers only.
+    /// One breaker per Cluster master (by the slot map; per fixed slot
+    /// range before it is read), one where every key is on one server: a
+    /// lost master opens its own breaker only.
     breakers: Box<[Breaker]>,
     counters: Counters,
 }
@@ -181,8 +182,8 @@ impl Backend {
     }
 
     /// The share of the store's breakers that are open: 0 or 1 where every
-    /// key is on one server; on a Cluster, the share of slot ranges whose
-    /// calls are skipped (a third with one of three masters lost).
+    /// key is on one server; on a Cluster, of its groups (masters, and the
+    /// fixed slot ranges used before the slot map is read).
     fn open_share(&self) -> f64 {
         let open = self.breakers.iter().filter(|b| b.is_open()).count();
         #[allow(clippy::cast_precision_loss)] // at most 64

@@ -27,7 +27,7 @@ pub(crate) enum Conn {
     /// node's address forever and never asks for the slot map again, so
     /// after a master fails over only a new connection finds the promoted
     /// replica.
-    Cluster(Arc<Slot<ClusterConnection>>, Duration),
+    Cluster(Arc<Slot<ClusterConnection>>, Duration, Arc<SlotMap>),
     /// A master found through Redis Sentinel, found again after a call
     /// fails (a master switch: the old master refuses writes, or is gone).
     /// Each with the time a call may take on it: just under the store's
@@ -327,12 +327,102 @@ fn sentinel(
     Ok(Some(Conn::Sentinel(slot, timeout.mul_f64(0.9))))
 }
 
-/// How many slot ranges a Cluster store keeps a breaker and a hang
-/// counter for: 64 ranges of 256 slots. A master holds one or a few
-/// contiguous slot ranges, so a lost master trips the breakers of its
-/// ranges only (a third of them in a 3-master cluster), and keys on the
-/// other masters go on deciding on Redis.
+/// How many slot ranges a Cluster store keeps apart before it has read
+/// the slot map: 64 ranges of 256 slots.
 pub(crate) const SLOT_RANGES: usize = 64;
+
+/// How many masters a Cluster store keeps apart (a larger cluster shares
+/// breakers between masters, by their order in the slot map).
+pub(crate) const MASTERS: usize = 64;
+
+/// Which master holds each slot, as the cluster's slot map last said: a
+/// breaker and a count of hung calls per master (a lost or stalled master
+/// opens its own breaker only, and keys on the others go on deciding on
+/// Redis). Until the first map is read, and for a slot no master claims,
+/// a slot is in one of [`SLOT_RANGES`] fixed ranges. Read again with every
+/// new connection, so a promoted replica gets a breaker of its own.
+pub(crate) struct SlotMap {
+    /// Per slot: its range (below [`SLOT_RANGES`]) or its master's index
+    /// plus [`SLOT_RANGES`].
+    owner: Box<[std::sync::atomic::AtomicU8]>,
+    /// The masters seen, by address, in the order first seen.
+    masters: std::sync::Mutex<Vec<String>>,
+}
+
+impl SlotMap {
+    fn new() -> Self {
+        Self {
+            owner: (0..16_384usize)
+                .map(|slot| {
+                    // 256 slots a range.
+                    let range = slot >> 8;
+                    std::sync::atomic::AtomicU8::new(u8::try_from(range).unwrap_or(0))
+                })
+                .collect(),
+            masters: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Breakers and hang counters a Cluster store keeps.
+    pub(crate) const GROUPS: usize = SLOT_RANGES.saturating_add(MASTERS);
+
+    /// The group of `key`: its master's, or its range's.
+    fn group_of(&self, key: &str) -> usize {
+        self.owner
+            .get(usize::from(hash_slot(key.as_bytes())))
+            .map_or(0, |g| {
+                usize::from(g.load(std::sync::atomic::Ordering::Relaxed))
+            })
+    }
+
+    /// Records a `CLUSTER SLOTS` reply: each slot range's master.
+    fn record(&self, reply: &redis::Value) {
+        use redis::Value;
+        let Value::Array(ranges) = reply else { return };
+        let mut masters = self
+            .masters
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for range in ranges {
+            let Value::Array(parts) = range else { continue };
+            let (Some(Value::Int(start)), Some(Value::Int(end)), Some(Value::Array(master))) =
+                (parts.first(), parts.get(1), parts.get(2))
+            else {
+                continue;
+            };
+            let host = match master.first() {
+                Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+                Some(Value::SimpleString(s)) => s.clone(),
+                _ => continue,
+            };
+            let Some(Value::Int(port)) = master.get(1) else {
+                continue;
+            };
+            let address = format!("{host}:{port}");
+            let index = match masters.iter().position(|m| *m == address) {
+                Some(i) => i,
+                None => {
+                    masters.push(address);
+                    masters.len().saturating_sub(1)
+                }
+            };
+            let group =
+                u8::try_from(SLOT_RANGES.saturating_add(index.checked_rem(MASTERS).unwrap_or(0)))
+                    .unwrap_or(0);
+            let (Ok(start), Ok(end)) = (usize::try_from(*start), usize::try_from(*end)) else {
+                continue;
+            };
+            for slot in self
+                .owner
+                .get(start..=end.min(16_383))
+                .into_iter()
+                .flatten()
+            {
+                slot.store(group, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+    }
+}
 
 /// The Cluster hash slot of `key` (CRC16-XMODEM of its `{hash tag}`, if
 /// it has one, modulo 16,384), as Redis and redis-rs compute it.
@@ -360,11 +450,6 @@ pub(crate) fn hash_slot(key: &[u8]) -> u16 {
     crc % 16_384
 }
 
-/// The slot range ([`SLOT_RANGES`]) of a Cluster key.
-pub(crate) fn range_of(key: &str) -> usize {
-    usize::from(hash_slot(key.as_bytes())) * SLOT_RANGES / 16_384
-}
-
 impl Conn {
     /// The Cluster slot of `key`, or `None` where every key is on one
     /// server (standalone, Sentinel).
@@ -375,19 +460,20 @@ impl Conn {
         }
     }
 
-    /// How many slot ranges the store keeps apart: [`SLOT_RANGES`] on a
-    /// Cluster, 1 where every key is on one server.
+    /// How many groups of keys the store keeps apart (a breaker and a
+    /// hang count each): a Cluster's masters (see [`SlotMap`]); 1 where
+    /// every key is on one server.
     pub(crate) fn ranges(&self) -> usize {
         match self {
-            Self::Cluster(..) => SLOT_RANGES,
+            Self::Cluster(..) => SlotMap::GROUPS,
             Self::Standalone(..) | Self::Sentinel(..) => 1,
         }
     }
 
-    /// The slot range of a call on `keys` (see [`ranges`](Self::ranges)).
+    /// The group of a call on `keys` (see [`ranges`](Self::ranges)).
     pub(crate) fn range_of(&self, keys: &[&str]) -> usize {
         match (self, keys.first()) {
-            (Self::Cluster(..), Some(key)) => range_of(key),
+            (Self::Cluster(_, _, map), Some(key)) => map.group_of(key),
             _ => 0,
         }
     }
@@ -437,16 +523,31 @@ impl Conn {
             // A cluster connect reaches the seeds (each within the
             // connect timeout), reads the slot map (a call), then
             // connects to every node.
+            // Each connection reads the slot map: which master holds
+            // which slots, for the breakers.
+            let map = Arc::new(SlotMap::new());
+            let read = Arc::clone(&map);
             let slot = Slot::new(
                 "cluster",
-                SLOT_RANGES,
+                SlotMap::GROUPS,
                 connect_timeout.saturating_mul(2).saturating_add(timeout),
                 Box::new(move || {
-                    let client = client.clone();
-                    Box::pin(async move { client.get_async_connection().await })
+                    let (client, map) = (client.clone(), Arc::clone(&read));
+                    Box::pin(async move {
+                        let mut conn = client.get_async_connection().await?;
+                        let slots: redis::RedisResult<redis::Value> = redis::cmd("CLUSTER")
+                            .arg("SLOTS")
+                            .query_async(&mut conn)
+                            .await;
+                        // Without a map the fixed ranges stand.
+                        if let Ok(reply) = slots {
+                            map.record(&reply);
+                        }
+                        Ok(conn)
+                    })
                 }),
             );
-            return Ok(Conn::Cluster(slot, timeout.mul_f64(0.9)));
+            return Ok(Conn::Cluster(slot, timeout.mul_f64(0.9), map));
         }
         let client = match tls_root {
             #[cfg(feature = "tls")]
@@ -505,10 +606,10 @@ impl Conn {
         match self {
             // A batch of up to 256 entries: the writer's own time, at
             // least a second, bounds it.
-            Conn::Cluster(slot, limit) => {
+            Conn::Cluster(slot, limit, map) => {
                 let pipe = &pipe;
                 let limit = (*limit).max(Duration::from_secs(1));
-                slot.run(limit, range_of(key), |mut c| async move {
+                slot.run(limit, map.group_of(key), |mut c| async move {
                     pipe.query_async(&mut c).await
                 })
                 .await
@@ -540,9 +641,9 @@ impl Conn {
             invocation.arg(*a);
         }
         let reply: Vec<i64> = match self {
-            Conn::Cluster(slot, limit) => {
+            Conn::Cluster(slot, limit, map) => {
                 let invocation = &invocation;
-                let range = keys.first().map_or(0, |k| range_of(k));
+                let range = keys.first().map_or(0, |k| map.group_of(k));
                 slot.run(*limit, range, |mut c| async move {
                     invocation.invoke_async(&mut c).await
                 })
@@ -586,6 +687,47 @@ mod tests {
                 "{key:?}"
             );
         }
-        assert!(range_of("foo") < SLOT_RANGES);
+    }
+
+    #[test]
+    fn the_slot_map_puts_each_master_s_slots_in_a_group_of_its_own() {
+        use redis::Value;
+        let map = SlotMap::new();
+        // Before a map: fixed ranges of 256 slots.
+        let key_in = |slots: std::ops::RangeInclusive<u16>| {
+            (0..1_000_000)
+                .map(|i| format!("k{i}"))
+                .find(|k| slots.contains(&hash_slot(k.as_bytes())))
+                .unwrap()
+        };
+        // Both in the fixed range 21 (slots 5,376 to 5,631), on either
+        // side of the first master's last slot.
+        let (a, b) = (key_in(5_376..=5_460), key_in(5_461..=5_631));
+        assert_eq!(map.group_of(&a), map.group_of(&b), "one range of 256");
+        let master = |port: i64| {
+            Value::Array(vec![
+                Value::BulkString(b"127.0.0.1".to_vec()),
+                Value::Int(port),
+                Value::BulkString(b"id".to_vec()),
+            ])
+        };
+        let range = |start: i64, end: i64, port: i64| {
+            Value::Array(vec![Value::Int(start), Value::Int(end), master(port)])
+        };
+        map.record(&Value::Array(vec![
+            range(0, 5_460, 7000),
+            range(5_461, 10_922, 7001),
+            range(10_923, 16_383, 7002),
+        ]));
+        assert_ne!(map.group_of(&a), map.group_of(&b), "two masters");
+        assert_eq!(map.group_of(&a), SLOT_RANGES);
+        assert_eq!(map.group_of(&b), SLOT_RANGES + 1);
+        // A failover: the replica at 7003 now holds 7000's slots.
+        map.record(&Value::Array(vec![range(0, 5_460, 7003)]));
+        assert_eq!(map.group_of(&a), SLOT_RANGES + 3);
+        // Garbage changes nothing.
+        map.record(&Value::Int(3));
+        map.record(&Value::Array(vec![Value::Array(vec![Value::Int(1)])]));
+        assert_eq!(map.group_of(&b), SLOT_RANGES + 1);
     }
 }

@@ -83,18 +83,18 @@
 //!   calling a dead Redis — probing it every half second — so an outage
 //!   adds neither seconds of latency nor 5xx to the protected service; a
 //!   lease that cannot be released or renewed lapses after its TTL. On a
-//!   Cluster there is a breaker (and a count of hung calls) per slot
-//!   range, 64 ranges of 256 slots: a lost or stalled master opens the
-//!   breakers of its own ranges only, and keys on the other masters go on
-//!   deciding on Redis.
+//!   Cluster there is a breaker (and a count of hung calls) per master, by
+//!   the slot map each connection reads (`CLUSTER SLOTS`; fixed ranges of
+//!   256 slots until then): a lost or stalled master opens its own breaker
+//!   only, and keys on the other masters go on deciding on Redis.
 //!   Faults are logged at most once a second and counted, in
 //!   [`RedisStore::stats`] and as the metric
 //!   `tollgate_store_calls_total{store="redis", result=ok|error|timeout|skipped}`,
 //!   with each call's time in `tollgate_store_call_seconds{store="redis"}`
 //!   and `tollgate_store_breaker_open{store="redis"}` the share of
 //!   breakers open (1 while the one breaker of a standalone or Sentinel
-//!   store is open; on a Cluster the share of slot ranges skipped, a third
-//!   with one of three masters lost), registered when the store is built:
+//!   store is open; on a Cluster the share of breakers open, by master and
+//!   by the fixed slot ranges used before the slot map is read), registered when the store is built:
 //!   install the recorder first.
 //!
 //! ```no_run
@@ -121,8 +121,8 @@
 //! are the master's) and follows a failover. On a standalone server (a
 //! DNS name or a virtual IP that a failover moves), Cluster and Sentinel alike,
 //! a call that finds its node lost (the connection broke or was refused,
-//! a demoted master refuses writes, or — three calls in a row to one slot
-//! range — no answer came within the call's time) has the connection replaced in the
+//! a demoted master refuses writes, or — three calls in a row to one
+//! master — no answer came within the call's time) has the connection replaced in the
 //! background: the sentinels are asked again, or the cluster's slot map
 //! is read afresh (redis-rs follows `MOVED`, but would reconnect a dead
 //! master's address forever). Calls go on meanwhile, and the failure

@@ -111,7 +111,7 @@ impl RedisStore {
     }
 
     /// Whether a breaker is open (Redis is being skipped for some keys: on
-    /// a Cluster, those of one or more slot ranges).
+    /// a Cluster, those of one or more masters).
     pub fn breaker_open(&self) -> bool {
         self.backend.breaker_open()
     }
@@ -219,7 +219,7 @@ impl RedisStoreBuilder {
 
     /// Consecutive failures that open the breaker (default 3), and how long
     /// it stays open before one probe (default 500 ms). On a Cluster each
-    /// slot range (64 of 256 slots) has a breaker of its own.
+    /// master has a breaker of its own (by the slot map).
     pub fn breaker(mut self, threshold: u32, cooldown: Duration) -> Self {
         self.breaker_threshold = threshold;
         self.breaker_cooldown = cooldown;

@@ -331,6 +331,12 @@ impl Cluster {
     }
 }
 
+/// The Cluster hash slot of a Redis key (CRC16 of its `{hash tag}`, as
+/// Redis computes it).
+pub fn hash_slot(key: &str) -> u16 {
+    crate::conn::hash_slot(key.as_bytes())
+}
+
 /// A prefix no other store in this process uses.
 pub fn unique_prefix() -> String {
     static N: AtomicU32 = AtomicU32::new(0);

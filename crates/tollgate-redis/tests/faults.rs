@@ -528,3 +528,69 @@ async fn a_standalone_store_follows_its_address_to_a_new_master() {
     // that follows it, not the reverse).
     assert_eq!(d.remaining, 99, "{d:?}");
 }
+
+/// Fleet review H1, finer: breakers follow the slot map, not fixed ranges
+/// of slots. Keys on either side of the first master's last slot (5,460)
+/// fell in one fixed range of 256 slots, so a stopped first master took
+/// out some of the second master's keys too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_master_takes_out_none_of_its_neighbour_s_slots() {
+    use tollgate_redis::testing::{hash_slot, Cluster};
+    let Some(cluster) = tokio::task::spawn_blocking(Cluster::start).await.unwrap() else {
+        return;
+    };
+    let store = RedisStore::builder(&cluster.url())
+        .prefix(&unique_prefix())
+        .timeout(Duration::from_millis(300))
+        .failure_policy(FailurePolicy::Closed)
+        .build()
+        .unwrap();
+    let rule = Rule::new(
+        "neighbours",
+        Limit::fixed_window(1_000, Duration::from_secs(3_600)),
+    )
+    .unwrap();
+    let l = store.limiter(&rule).unwrap();
+    // A client key whose Redis key's slot is in `slots`.
+    let key_in = |slots: std::ops::RangeInclusive<u16>| {
+        (0..1_000_000)
+            .map(|i| format!("n{i}"))
+            .find(|k| {
+                slots.contains(&hash_slot(&store.key_name(
+                    "fw1",
+                    "neighbours",
+                    k.as_bytes(),
+                )))
+            })
+            .unwrap()
+    };
+    let (lost, near) = (key_in(5_376..=5_460), key_in(5_461..=5_631));
+    for (key, master) in [(&lost, 0), (&near, 1)] {
+        let on = cluster
+            .master_holding(|| async {
+                assert!(l.decide(key.as_bytes(), 1).await.unwrap().is_allowed());
+            })
+            .await;
+        assert_eq!(
+            on,
+            Some(master),
+            "slots 0-5460 on node 0, 5461-10922 on node 1"
+        );
+    }
+    cluster.nodes[0].pause(true);
+    for round in 0..6u64 {
+        let lost_calls = (0..4).map(|_| l.decide(lost.as_bytes(), 1)).collect();
+        for d in tollgate_core::join_all(lost_calls).await {
+            assert!(
+                matches!(d.unwrap().outcome, Outcome::Deny { .. }),
+                "round {round}"
+            );
+        }
+        let d = l.decide(near.as_bytes(), 1).await.unwrap();
+        assert!(
+            d.is_allowed() && d.remaining == 1_000 - 2 - round,
+            "round {round}: the neighbour's key got {d:?}"
+        );
+    }
+    cluster.nodes[0].pause(false);
+}

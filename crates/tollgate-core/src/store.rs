@@ -106,6 +106,17 @@ pub trait Store: Clone + Send + Sync + 'static {
         self.clone()
     }
 
+    /// A store for state that must not crowd out the rest (idempotency
+    /// markers, which a client creates at will): bounded at `max_keys` of
+    /// its own where the store bounds its keys (the in-memory store: a
+    /// table apart, on the same clock), so that it can never push other
+    /// keys into a full store's shared overflow. The default is the store
+    /// itself (a store whose keys expire by themselves, as Redis's do).
+    fn apart(&self, max_keys: usize) -> Self {
+        let _ = max_keys;
+        self.clone()
+    }
+
     /// Binds an escalation ladder. The default: this store keeps none (an
     /// error naming `escalation`).
     fn escalation(&self, rule: &EscalationRule) -> Result<Arc<dyn EscalationLimiter>, ConfigError> {
@@ -176,6 +187,14 @@ pub trait Limiter: Clone + Send + Sync + 'static {
     /// with no failure policy (it answers or fails).
     fn decide_exact(&self, key: &[u8], cost: u64) -> Self::DecideFuture {
         self.decide(key, cost)
+    }
+
+    /// [`decide_exact`](Self::decide_exact) at once, for stores that need
+    /// no I/O; `None` means "call `decide_exact`" and must not consume
+    /// anything. The default is [`decide_sync`](Self::decide_sync), exact
+    /// for a store whose every answer is its own.
+    fn decide_exact_sync(&self, key: &[u8], cost: u64) -> Option<Result<Decision, StoreError>> {
+        self.decide_sync(key, cost)
     }
 
     /// The decision at once, for stores that need no I/O (the in-memory

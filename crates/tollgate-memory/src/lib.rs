@@ -177,10 +177,10 @@ impl Default for MemoryStore<SystemClock> {
 impl<C: Clock> MemoryStore<C> {
     /// A store reading `clock`, with the default bounds.
     pub fn with_clock(clock: C) -> Self {
-        Self::from_parts(clock, DEFAULT_MAX_KEYS, DEFAULT_SHARDS)
+        Self::from_parts(Arc::new(clock), DEFAULT_MAX_KEYS, DEFAULT_SHARDS)
     }
 
-    fn from_parts(clock: C, max_keys: usize, shards: usize) -> Self {
+    fn from_parts(clock: Arc<C>, max_keys: usize, shards: usize) -> Self {
         Self {
             inner: Arc::new(Inner {
                 shared: Arc::new(Shared::new(clock, max_keys)),
@@ -271,7 +271,7 @@ impl<C: Clock> MemoryStoreBuilder<C> {
             ));
         }
         Ok(MemoryStore::from_parts(
-            self.clock,
+            Arc::new(self.clock),
             self.max_keys,
             self.shards,
         ))
@@ -375,6 +375,16 @@ impl<C: Clock> Store for MemoryStore<C> {
             inner: Arc::clone(&self.inner),
             rebinding: true,
         }
+    }
+
+    /// A new store on the same clock, with `max_keys` of its own (at least
+    /// 1) and as many shards: its keys never take this store's places.
+    fn apart(&self, max_keys: usize) -> Self {
+        Self::from_parts(
+            Arc::clone(&self.inner.shared.clock),
+            max_keys.max(1),
+            self.inner.shards,
+        )
     }
 
     /// Binds `rule`. Binding a rule of the same name and parameters again
@@ -627,9 +637,36 @@ impl<C: Clock> Limiter for MemoryLimiter<C> {
         Some(Ok(self.decide_now(key, cost)))
     }
 
+    /// `Err` where the key is not the store's own (the store is full, and
+    /// the shard's shared overflow state answered): an answer about the
+    /// key must not come from a state every new key shares.
+    fn decide_exact(&self, key: &[u8], cost: u64) -> Self::DecideFuture {
+        ready(self.decide_exact_now(key, cost))
+    }
+
+    fn decide_exact_sync(&self, key: &[u8], cost: u64) -> Option<Result<Decision, StoreError>> {
+        Some(self.decide_exact_now(key, cost))
+    }
+
     fn refund(&self, key: &[u8], cost: u64) -> Self::RefundFuture {
         self.refund_now(key, cost);
         ready(Ok(()))
+    }
+}
+
+impl<C: Clock> MemoryLimiter<C> {
+    /// [`Limiter::decide_exact`] without the future.
+    fn decide_exact_now(&self, key: &[u8], cost: u64) -> Result<Decision, StoreError> {
+        dispatch!(&self.table, t => {
+            let now = t.now();
+            match t.update_in(key, now, cost > 0, |s| t.kind.decide(s, now, cost)) {
+                (d, table::Slot::Own) => Ok(d),
+                (_, table::Slot::Overflow) => Err(StoreError::new(
+                    tollgate_core::StoreErrorKind::Unavailable,
+                    "the store is full: its shared overflow state answered",
+                )),
+            }
+        })
     }
 }
 

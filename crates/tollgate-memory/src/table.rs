@@ -117,7 +117,9 @@ pub(crate) enum Slot {
 /// key budget, and the tables themselves (so a full store can reclaim idle
 /// keys of any rule, not only of the one being called).
 pub(crate) struct Shared<C> {
-    pub(crate) clock: C,
+    /// Shared with the stores kept apart from this one
+    /// ([`Store::apart`](tollgate_core::Store::apart)).
+    pub(crate) clock: std::sync::Arc<C>,
     pub(crate) hasher: KeyHasher,
     pub(crate) keys: AtomicUsize,
     pub(crate) max_keys: usize,
@@ -128,7 +130,7 @@ pub(crate) struct Shared<C> {
 }
 
 impl<C> Shared<C> {
-    pub(crate) fn new(clock: C, max_keys: usize) -> Self {
+    pub(crate) fn new(clock: std::sync::Arc<C>, max_keys: usize) -> Self {
         Self {
             clock,
             hasher: KeyHasher::random(),
@@ -700,7 +702,7 @@ mod tests {
     #[test]
     fn a_panic_under_a_shards_lock_does_not_stop_its_sweeps() {
         let clock = ManualClock::new();
-        let shared = Arc::new(Shared::new(clock.clone(), 1_000));
+        let shared = Arc::new(Shared::new(Arc::new(clock.clone()), 1_000));
         let budget = RetryBudget::new(0.2, 0, Duration::from_secs(1)).unwrap();
         let table = Table::new(budget, 1, shared);
         let now = table.now();

@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use tollgate_core::{ConcurrencyLimiter, ConcurrencyRule, Limit, ManualClock, Rate, Rule, Store};
+use tollgate_core::{
+    ConcurrencyLimiter, ConcurrencyRule, Limit, Limiter, ManualClock, Rate, Rule, Store,
+};
 use tollgate_memory::{MemoryConcurrencyLimiter, MemoryStore};
 
 fn store(clock: &ManualClock, max_keys: usize, shards: usize) -> MemoryStore<ManualClock> {
@@ -428,4 +430,27 @@ fn a_full_store_never_lets_one_key_block_another_through_a_ladder() {
         assert_eq!(ladder.blocked_sync(k), Some(Ok(None)));
     }
     assert!(ladder.blocked_sync(b"a").unwrap().unwrap().is_some());
+}
+
+/// An exact answer (`decide_exact`) is never the full store's shared
+/// overflow state's: a check whose answer must be true (an idempotency
+/// marker, a used challenge) gets an error there, and is charged.
+#[test]
+fn a_full_store_gives_no_exact_answer_for_a_key_it_does_not_hold() {
+    let clock = ManualClock::starting_at(1);
+    let s = store(&clock, 2, 1);
+    let l = s.limiter(&gcra()).unwrap();
+    for k in [b"a", b"b"] {
+        assert!(l.decide_exact_sync(k, 1).unwrap().unwrap().is_allowed());
+    }
+    let err = l.decide_exact_sync(b"c", 1).unwrap().unwrap_err();
+    assert_eq!(err.kind(), tollgate_core::StoreErrorKind::Unavailable);
+    // Keys it holds answer exactly, and a plain decision still answers.
+    assert!(l.decide_exact_sync(b"a", 0).unwrap().is_ok());
+    assert!(l.decide_sync(b"c", 1).unwrap().is_ok());
+    // A store apart has keys of its own.
+    let apart = s.apart(8);
+    let m = apart.limiter(&gcra()).unwrap();
+    assert!(m.decide_exact_sync(b"c", 1).unwrap().unwrap().is_allowed());
+    assert_eq!(s.key_count(), 2);
 }

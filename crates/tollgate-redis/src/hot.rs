@@ -991,6 +991,11 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
         })))
     }
 
+    /// Never from a lease: an exact answer is the store's.
+    fn decide_exact_sync(&self, _key: &[u8], _cost: u64) -> Option<Result<Decision, StoreError>> {
+        None
+    }
+
     fn decide_sync(&self, key: &[u8], cost: u64) -> Option<Result<Decision, StoreError>> {
         let local = self.local.as_ref()?;
         if cost == 0 {

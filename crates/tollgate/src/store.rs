@@ -251,6 +251,14 @@ impl Store for AnyStore {
         })
     }
 
+    fn apart(&self, max_keys: usize) -> Self {
+        Self(match &self.0 {
+            Inner::Memory(s) => Inner::Memory(s.apart(max_keys)),
+            #[cfg(feature = "redis")]
+            Inner::Redis(s) => Inner::Redis(s.apart(max_keys)),
+        })
+    }
+
     fn escalation(&self, rule: &EscalationRule) -> Result<Arc<dyn EscalationLimiter>, ConfigError> {
         match &self.0 {
             Inner::Memory(s) => s.escalation(rule),
@@ -306,6 +314,10 @@ impl Limiter for AnyLimiter {
 
     fn decide_sync(&self, key: &[u8], cost: u64) -> Option<Result<Decision, StoreError>> {
         forward!(plain self, |l| l.decide_sync(key, cost))
+    }
+
+    fn decide_exact_sync(&self, key: &[u8], cost: u64) -> Option<Result<Decision, StoreError>> {
+        forward!(plain self, |l| l.decide_exact_sync(key, cost))
     }
 
     /// Jointly where every part is of one store (as every limiter of one

@@ -19,6 +19,13 @@ pub(crate) static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempot
 /// that sends a new `Idempotency-Key` with every request can hold.
 pub(crate) const MAX_TTL: std::time::Duration = std::time::Duration::from_secs(86_400);
 
+/// The most idempotency markers a policy keeps in memory at once, in a
+/// table of their own (the Redis store keeps each for its TTL). Past it,
+/// a new marker cannot be recorded: its request is charged like any other
+/// (never free), and no rule's state is pushed out. A marker takes about
+/// 100 bytes of heap, so this bounds them near 10 MB.
+pub(crate) const MAX_MARKERS: usize = 100_000;
+
 /// A policy's memory of the idempotency keys it has charged: a marker per
 /// (client key, method, route, idempotency key), a GCRA rule of one unit
 /// per TTL in the policy's store, so that every instance sharing the store

@@ -575,7 +575,12 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 )?;
                 Some(Idempotency {
                     client,
-                    limiter: self.store.limiter(&rule)?,
+                    // Their own table (in memory): markers a client makes
+                    // at will never fill the rules' store.
+                    limiter: self
+                        .store
+                        .apart(super::idempotency::MAX_MARKERS)
+                        .limiter(&rule)?,
                     metrics: Metrics::register(&name),
                     name: Arc::from(name.as_str()),
                 })

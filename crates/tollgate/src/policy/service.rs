@@ -176,7 +176,7 @@ where
         let mut marker = Marker::None;
         if let Some(idem) = &shared.idempotency {
             if let Some(mut key) = idem.marker(&req) {
-                match idem.limiter.decide_sync(key.as_bytes(), 0) {
+                match idem.limiter.decide_exact_sync(key.as_bytes(), 0) {
                     Some(Ok(d)) if d.remaining == 0 => {
                         idem.metrics.repeat.increment(1);
                         let future = self.inner.call(req);
@@ -222,7 +222,7 @@ where
                 challenge::solved(rule, &req, key.as_bytes(), &report.requester),
                 &rule.challenge,
             ) {
-                match used.decide_sync(&id, 1) {
+                match used.decide_exact_sync(&id, 1) {
                     Some(answer) => {
                         if challenge::first_use(rule, answer) {
                             report.set_cleared(i);
@@ -274,8 +274,8 @@ where
             }
             Verdict::Pass { .. } => {
                 if let (Marker::Fresh(key), Some(idem)) = (marker, &shared.idempotency) {
-                    let won = idem.limiter.decide_sync(key.as_bytes(), 1);
-                    let held = || idem.limiter.decide_sync(key.as_bytes(), 0);
+                    let won = idem.limiter.decide_exact_sync(key.as_bytes(), 1);
+                    let held = || idem.limiter.decide_exact_sync(key.as_bytes(), 0);
                     match take(won, held) {
                         Take::Taken => taken = Some(key),
                         Take::Repeat => {

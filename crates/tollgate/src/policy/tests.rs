@@ -1704,3 +1704,48 @@ async fn a_store_fault_is_no_strike_toward_a_block() {
         }
     }
 }
+
+/// Policy-security review #4: every admitted request with a new
+/// `Idempotency-Key` left a marker in the rules' own store for its TTL,
+/// so one client could fill a memory store and push every new client into
+/// its shared overflow. Markers are kept in a table of their own.
+#[tokio::test]
+async fn idempotency_markers_do_not_crowd_the_rules_out() {
+    let clock = ManualClock::starting_at(1);
+    let store = MemoryStore::builder()
+        .clock(clock.clone())
+        .max_keys(4)
+        .shards(1)
+        .build()
+        .unwrap();
+    let svc = PolicyLayer::builder()
+        .rule(per_key(Limit::fixed_window(
+            100,
+            Duration::from_secs(3_600),
+        )))
+        .idempotency(
+            "idem",
+            Header::named("x-api-key").unwrap(),
+            Duration::from_secs(3_600),
+        )
+        .store(store.clone())
+        .build()
+        .unwrap()
+        .layer(service_fn(ok));
+    // One client, twenty admitted requests, twenty markers.
+    for i in 0..20 {
+        let res = svc
+            .clone()
+            .oneshot(with_idempotency("a", &format!("order-{i}")))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 200);
+    }
+    // New clients still get keys of their own in the rules' store.
+    for client in ["b", "c", "d"] {
+        let res = svc.clone().oneshot(req(client, "ip")).await.unwrap();
+        assert_eq!(res.headers()["ratelimit"], "\"per-key\";r=99;t=3600");
+    }
+    assert_eq!(store.overflowed(), 0, "no decision fell to the overflow");
+    assert_eq!(store.key_count(), 4);
+}

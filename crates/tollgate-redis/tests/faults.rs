@@ -411,6 +411,26 @@ async fn quotas_follow_the_failure_policy_when_redis_dies() {
     assert_eq!(qo.reset(b"k").await.unwrap().periods()[0].remaining, 3);
 }
 
+/// A 3-master Cluster, a store on it that fails closed (calls of 300 ms at
+/// most), and rule `name` (1,000 an hour, a fixed window) bound to it;
+/// `None` without redis-server.
+async fn closed_cluster(
+    name: &str,
+) -> Option<(tollgate_redis::testing::Cluster, RedisStore, RedisLimiter)> {
+    let cluster = tokio::task::spawn_blocking(tollgate_redis::testing::Cluster::start)
+        .await
+        .unwrap()?;
+    let store = RedisStore::builder(&cluster.url())
+        .prefix(&unique_prefix())
+        .timeout(Duration::from_millis(300))
+        .failure_policy(FailurePolicy::Closed)
+        .build()
+        .unwrap();
+    let rule = Rule::new(name, Limit::fixed_window(1_000, Duration::from_secs(3_600))).unwrap();
+    let l = store.limiter(&rule).unwrap();
+    Some((cluster, store, l))
+}
+
 /// Fleet review H1: one Cluster master stopped (SIGSTOP) opens the breakers
 /// of its own slot ranges only. Keys on the other masters go on deciding
 /// on Redis (each decision is Redis's count, never the failure policy's),
@@ -419,22 +439,9 @@ async fn quotas_follow_the_failure_policy_when_redis_dies() {
 /// timeouts opened it for every key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_stopped_master_takes_out_only_its_own_keys() {
-    use tollgate_redis::testing::Cluster;
-    let Some(cluster) = tokio::task::spawn_blocking(Cluster::start).await.unwrap() else {
+    let Some((cluster, store, l)) = closed_cluster("shards").await else {
         return;
     };
-    let store = RedisStore::builder(&cluster.url())
-        .prefix(&unique_prefix())
-        .timeout(Duration::from_millis(300))
-        .failure_policy(FailurePolicy::Closed)
-        .build()
-        .unwrap();
-    let rule = Rule::new(
-        "shards",
-        Limit::fixed_window(1_000, Duration::from_secs(3_600)),
-    )
-    .unwrap();
-    let l = store.limiter(&rule).unwrap();
     // Keys by master: one on master 0 (to be stopped), three elsewhere.
     let (mut stopped, mut healthy) = (None, Vec::new());
     for i in 0..200 {
@@ -535,22 +542,10 @@ async fn a_standalone_store_follows_its_address_to_a_new_master() {
 /// out some of the second master's keys too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_master_takes_out_none_of_its_neighbour_s_slots() {
-    use tollgate_redis::testing::{hash_slot, Cluster};
-    let Some(cluster) = tokio::task::spawn_blocking(Cluster::start).await.unwrap() else {
+    use tollgate_redis::testing::hash_slot;
+    let Some((cluster, store, l)) = closed_cluster("neighbours").await else {
         return;
     };
-    let store = RedisStore::builder(&cluster.url())
-        .prefix(&unique_prefix())
-        .timeout(Duration::from_millis(300))
-        .failure_policy(FailurePolicy::Closed)
-        .build()
-        .unwrap();
-    let rule = Rule::new(
-        "neighbours",
-        Limit::fixed_window(1_000, Duration::from_secs(3_600)),
-    )
-    .unwrap();
-    let l = store.limiter(&rule).unwrap();
     // A client key whose Redis key's slot is in `slots`.
     let key_in = |slots: std::ops::RangeInclusive<u16>| {
         (0..1_000_000)

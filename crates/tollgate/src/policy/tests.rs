@@ -822,6 +822,16 @@ fn idempotent(method: http::Method, path: &str, key: &str, idem: &str) -> Req {
 
 /// A per-key rule of `limit` an hour, with idempotent repeats per
 /// `x-api-key` for a minute.
+/// A memory store of `max_keys` keys in one shard, on `clock`.
+fn small_store(clock: &ManualClock, max_keys: usize) -> MemoryStore<ManualClock> {
+    MemoryStore::builder()
+        .clock(clock.clone())
+        .max_keys(max_keys)
+        .shards(1)
+        .build()
+        .unwrap()
+}
+
 fn idempotent_policy<S: Store>(store: S, limit: u32) -> PolicyLayer<String, S> {
     PolicyLayer::builder()
         .rule(per_key(Limit::fixed_window(
@@ -923,26 +933,8 @@ on_both_paths!(idempotency, idempotent_repeats_are_not_charged_again);
 #[tokio::test]
 async fn a_full_store_never_turns_fresh_idempotency_keys_into_repeats() {
     let clock = ManualClock::starting_at(1);
-    let tiny = MemoryStore::builder()
-        .clock(clock.clone())
-        .max_keys(2)
-        .shards(1)
-        .build()
-        .unwrap();
-    let layer = PolicyLayer::builder()
-        .rule(per_key(Limit::fixed_window(
-            100,
-            Duration::from_secs(3_600),
-        )))
-        .idempotency(
-            "idem",
-            Header::named("x-api-key").unwrap(),
-            Duration::from_secs(60),
-        )
-        .store(tiny)
-        .build()
-        .unwrap();
-    let svc = layer.layer(service_fn(ok));
+    let tiny = small_store(&clock, 2);
+    let svc = idempotent_policy(tiny, 100).layer(service_fn(ok));
     // The first request fills the store (its key and its marker); every
     // later one has a fresh Idempotency-Key, and every one is charged.
     for i in 0..10 {
@@ -1712,26 +1704,8 @@ async fn a_store_fault_is_no_strike_toward_a_block() {
 #[tokio::test]
 async fn idempotency_markers_do_not_crowd_the_rules_out() {
     let clock = ManualClock::starting_at(1);
-    let store = MemoryStore::builder()
-        .clock(clock.clone())
-        .max_keys(4)
-        .shards(1)
-        .build()
-        .unwrap();
-    let svc = PolicyLayer::builder()
-        .rule(per_key(Limit::fixed_window(
-            100,
-            Duration::from_secs(3_600),
-        )))
-        .idempotency(
-            "idem",
-            Header::named("x-api-key").unwrap(),
-            Duration::from_secs(3_600),
-        )
-        .store(store.clone())
-        .build()
-        .unwrap()
-        .layer(service_fn(ok));
+    let store = small_store(&clock, 4);
+    let svc = idempotent_policy(store.clone(), 100).layer(service_fn(ok));
     // One client, twenty admitted requests, twenty markers.
     for i in 0..20 {
         let res = svc

@@ -257,30 +257,15 @@ async fn only_idempotent_requests_are_retried_and_bodies_replay_exactly() {
     client.oneshot(big).await.unwrap();
     assert_eq!(dead.attempts(), 1);
     let dead = Flaky::new(503, &[]);
-    let client = layer.layer(dead.service::<Unsized>());
+    let client = layer.layer(dead.service::<Chunked>());
     let stream = Request::put("http://upstream.test/blob")
-        .body(Unsized(Some(Bytes::from_static(b"a"))))
+        .body(Chunked::of(&[b"a"]))
         .unwrap();
     client.oneshot(stream).await.unwrap();
     // A stream of unknown length that ends within the bound is read,
     // then replayed like any other (a gRPC message is such a body).
     assert_eq!(dead.attempts(), 3);
     assert!(dead.seen.lock().unwrap().iter().all(|s| s.1 == "a"));
-}
-
-/// A body of unknown length (a stream): its size hint has no upper bound.
-struct Unsized(Option<Bytes>);
-
-impl http_body::Body for Unsized {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        _cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
-        std::task::Poll::Ready(self.0.take().map(|d| Ok(http_body::Frame::data(d))))
-    }
 }
 
 #[tokio::test(start_paused = true)]

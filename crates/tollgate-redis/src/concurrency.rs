@@ -32,7 +32,10 @@ const ID_ATTEMPTS: u32 = 3;
 
 /// A concurrency rule bound to a [`RedisStore`](crate::RedisStore): leases
 /// in a sorted set per key, held permits counted beside it, so every
-/// operation is O(log n) in the leases of the key. Cheap to clone.
+/// operation is O(log n) in the leases of the key, amortised: two rare
+/// steps are O(n), a re-base of the scores when their base is 26 days old
+/// (a key never idle that long) and a recount when Redis evicted the
+/// key's count. Cheap to clone.
 ///
 /// [`release`](ConcurrencyLimiter::release) hands the lease to the
 /// store's lease task at once (dropping its future cancels nothing); the

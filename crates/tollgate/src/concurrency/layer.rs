@@ -5,7 +5,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::Response;
 use tollgate_core::adaptive::AdaptiveLimit;
-use tollgate_core::{ConcurrencyLimiter, ConcurrencyRule, ConfigError, Store};
+use tollgate_core::{ConcurrencyLimiter, ConcurrencyRule, ConfigError, Store, StoreError};
 use tollgate_memory::MemoryStore;
 use tower_layer::Layer;
 
@@ -16,7 +16,7 @@ use super::shared::{AllCritical, PlanLimit, RejectFn, Responder, ServiceLimit, S
 use crate::cost::Fixed;
 use crate::headers::ConcurrencyHeaders;
 use crate::key::PeerIp;
-use crate::key::{Keying, MissingKey};
+use crate::key::{KeyExtractor, Keying, MissingKey};
 use crate::observe::ConcurrencyMetrics;
 use crate::outcome::Completion;
 use crate::policy::access::Listed;
@@ -84,10 +84,25 @@ impl<K, C, P, St: Store> ConcurrencyLayer<K, C, P, St> {
         }
     }
 
-    /// The per-key limiter, e.g. to read what a key holds
-    /// ([`ConcurrencyLimiter::held`]).
+    /// The per-key limiter. Its keys are the layer's encoding of a
+    /// request's key, not the raw header value: to read what a client
+    /// holds, use [`held_for`](Self::held_for).
     pub fn limiter(&self) -> &St::ConcurrencyLimiter {
         &self.shared.per_key.limiter
+    }
+
+    /// The permits the key of `req` holds now, under the per-key limit:
+    /// the key the layer would extract from `req` (for a dashboard, a
+    /// support tool, a test), `Ok(0)` for a request it finds no key in.
+    pub async fn held_for<B>(&self, req: &http::Request<B>) -> Result<u64, StoreError>
+    where
+        K: KeyExtractor<B>,
+    {
+        let mut key = crate::key::KeyBuf::new();
+        if self.shared.key.extract(req, &mut key).is_none() {
+            return Ok(0);
+        }
+        self.shared.per_key.limiter.held(key.as_bytes()).await
     }
 }
 

@@ -16,7 +16,7 @@ use tower::{service_fn, Layer, Service, ServiceExt};
 
 use super::*;
 use crate::cost::ByMethod;
-use crate::key::Header;
+use crate::key::{Header, KeyExtractor};
 use crate::rate_limit::MissingKey;
 use crate::{MemoryStore, ResponseBody};
 
@@ -77,10 +77,12 @@ fn builder(
     ConcurrencyLayer::builder("per-key", max).key(Header::named("x-api-key").unwrap())
 }
 
-async fn held<K, C, P, St: Store>(layer: &ConcurrencyLayer<K, C, P, St>, key: &str) -> u64 {
-    let mut k = crate::key::KeyBuf::new();
-    k.push(key.as_bytes());
-    layer.limiter().held(k.as_bytes()).await.unwrap()
+/// What `key` (an `x-api-key`) holds: read as the layer keys a request.
+async fn held<K: KeyExtractor<String>, C, P, St: Store>(
+    layer: &ConcurrencyLayer<K, C, P, St>,
+    key: &str,
+) -> u64 {
+    layer.held_for(&req(key)).await.unwrap()
 }
 
 #[tokio::test]

@@ -11,7 +11,7 @@ use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use tokio::sync::mpsc;
 use tollgate_core::adaptive::{AdaptiveLimit, Aimd};
-use tollgate_core::{ConcurrencyLimiter, Store};
+use tollgate_core::Store;
 use tower::{service_fn, Layer, Service, ServiceExt};
 
 use super::*;

@@ -319,3 +319,30 @@ async fn an_acquire_whose_caller_gave_up_strands_no_lease() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// Concurrency review m9: two bindings of one rule with different lease
+/// TTLs (a rolling deploy) share a key; the one with the shorter TTL set
+/// the key's expiry to its own, below the other's live lease, so the key
+/// (and that permit) could vanish while its request ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shorter_ttl_never_cuts_a_longer_lease_short() {
+    let Some(server) = Server::start() else {
+        return;
+    };
+    let prefix = unique_prefix();
+    let (long, short) = (store(&server.url(), &prefix), store(&server.url(), &prefix));
+    let a = long
+        .concurrency_limiter(&ConcurrencyRule::new("deploy", 4, Duration::from_secs(60)).unwrap())
+        .unwrap();
+    let b = short
+        .concurrency_limiter(&ConcurrencyRule::new("deploy", 4, Duration::from_secs(2)).unwrap())
+        .unwrap();
+    assert!(a.acquire(b"k", 1, ALL).await.unwrap().lease.is_some());
+    assert!(b.acquire(b"k", 1, ALL).await.unwrap().lease.is_some());
+    let name = long.key_name("sem2", "deploy", b"k");
+    let pttl: i64 = server.cli(&["PTTL", &name]).trim().parse().unwrap();
+    assert!(
+        pttl > 55_000,
+        "the key expires in {pttl} ms, before the 60 s lease it holds"
+    );
+}

@@ -65,10 +65,19 @@ local function main()
     return p
   end
 
-  -- Writers keep both keys for another lease TTL (plus a margin).
+  -- Writers keep both keys for another lease TTL (plus a margin), and at
+  -- least a second past the latest lease held (a binding of the rule with
+  -- a shorter TTL, in a rolling deploy, must not cut another's lease
+  -- short). The latest lease is the last member: O(log n).
   local function touch()
-    redis.call('PEXPIRE', key, ttl)
-    redis.call('PEXPIRE', meta, ttl)
+    local keep = tonumber(ttl)
+    local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+    local score = tonumber(last[2])
+    if score and score > now then
+      keep = math.max(keep, math.ceil((score - now) / 1000000) + 1000)
+    end
+    redis.call('PEXPIRE', key, keep)
+    redis.call('PEXPIRE', meta, keep)
   end
 
   -- The permits held as the hash counts them, or nil if it does not (a

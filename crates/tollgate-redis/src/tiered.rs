@@ -32,8 +32,9 @@ use tollgate_core::{
 /// its regional limit. When the regional store fails, its failure policy
 /// answers as it would alone.
 ///
-/// Both stores bind the rule under the same name; give the global one
-/// its own prefix if both are one Redis. Concurrency rules and escalation
+/// Both stores bind the rule under the same name (the global tier with
+/// its own parameters where [`global_rule`](Self::global_rule) says);
+/// give the global one its own prefix if both are one Redis. Concurrency rules and escalation
 /// ladders go to the regional store alone.
 ///
 /// ```
@@ -56,13 +57,19 @@ use tollgate_core::{
 pub struct Tiered<R, G> {
     regional: R,
     global: G,
+    /// The global tier's rule for a rule (default: the rule itself).
+    global_rule: Option<GlobalRule>,
 }
+
+/// How the global tier's rule is made from a rule.
+type GlobalRule = Arc<dyn Fn(&Rule) -> Result<Rule, ConfigError> + Send + Sync>;
 
 impl<R: fmt::Debug, G: fmt::Debug> fmt::Debug for Tiered<R, G> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Tiered")
             .field("regional", &self.regional)
             .field("global", &self.global)
+            .field("global_rule", &self.global_rule.is_some())
             .finish()
     }
 }
@@ -70,7 +77,26 @@ impl<R: fmt::Debug, G: fmt::Debug> fmt::Debug for Tiered<R, G> {
 impl<R, G> Tiered<R, G> {
     /// `regional` and `global` as one store.
     pub fn new(regional: R, global: G) -> Self {
-        Self { regional, global }
+        Self {
+            regional,
+            global,
+            global_rule: None,
+        }
+    }
+
+    /// The global tier's rule for each rule (default: the same rule, so
+    /// the global limit equals a region's). A regional limit of 100 a
+    /// second per org and a global one of 250 across three regions:
+    /// `.global_rule(|r| Rule::new(r.name(), Limit::gcra(Rate::per_second(250), 250)))`.
+    /// Errors it returns are the binding's. It keeps the rule's name (the
+    /// global store's keys are named by it).
+    #[must_use]
+    pub fn global_rule(
+        mut self,
+        f: impl Fn(&Rule) -> Result<Rule, ConfigError> + Send + Sync + 'static,
+    ) -> Self {
+        self.global_rule = Some(Arc::new(f));
+        self
     }
 }
 
@@ -79,9 +105,26 @@ impl<R: Store, G: Store> Store for Tiered<R, G> {
     type ConcurrencyLimiter = R::ConcurrencyLimiter;
 
     fn limiter(&self, rule: &Rule) -> Result<Self::Limiter, ConfigError> {
+        let global = match &self.global_rule {
+            Some(f) => {
+                let global = f(rule)?;
+                if global.name() != rule.name() {
+                    return Err(ConfigError::new(
+                        "global_rule",
+                        format!(
+                            "the global rule of {:?} must keep its name (got {:?})",
+                            rule.name(),
+                            global.name()
+                        ),
+                    ));
+                }
+                self.global.limiter(&global)?
+            }
+            None => self.global.limiter(rule)?,
+        };
         Ok(TieredLimiter(Arc::new((
             self.regional.limiter(rule)?,
-            self.global.limiter(rule)?,
+            global,
         ))))
     }
 
@@ -100,6 +143,7 @@ impl<R: Store, G: Store> Store for Tiered<R, G> {
         Self {
             regional: self.regional.rebinding(),
             global: self.global.rebinding(),
+            global_rule: self.global_rule.clone(),
         }
     }
 }

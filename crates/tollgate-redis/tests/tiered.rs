@@ -166,3 +166,38 @@ async fn a_regional_failure_gives_the_global_units_back() {
     assert!(eu.decide(b"acme", 1).await.is_err());
     assert_eq!(eu.global().decide(b"acme", 0).await.unwrap().remaining, 10);
 }
+
+/// Fleet review M1: both tiers bound the same rule, so "regional limits
+/// plus a coarse global limit" could not be said: the global limit always
+/// equalled a region's. `global_rule` gives the global tier its own.
+#[tokio::test]
+async fn the_global_tier_can_have_a_limit_of_its_own() {
+    let clock = ManualClock::starting_at(1);
+    let global = far(&clock, false);
+    // 10 per region, 15 across both.
+    let tiered = |regional| {
+        Tiered::new(regional, global.clone())
+            .global_rule(|r: &Rule| Rule::new(r.name(), Limit::gcra(Rate::per_minute(15), 15)))
+    };
+    let eu = tiered(mem(&clock)).limiter(&rule()).unwrap();
+    let us = tiered(mem(&clock)).limiter(&rule()).unwrap();
+    let admitted = |l: &tollgate_redis::TieredLimiter<_, _>| {
+        let l = l.clone();
+        async move {
+            let mut n = 0;
+            for _ in 0..20 {
+                n += u32::from(l.decide(b"acme", 1).await.unwrap().is_allowed());
+            }
+            n
+        }
+    };
+    assert_eq!(admitted(&eu).await, 10, "a region's own limit");
+    assert_eq!(admitted(&us).await, 5, "what the global limit has left");
+    // A global rule that renames the rule is refused when it is bound.
+    let err = Tiered::new(mem(&clock), global.clone())
+        .global_rule(|_r: &Rule| Rule::new("other", Limit::gcra(Rate::per_minute(1), 1)))
+        .limiter(&rule())
+        .err()
+        .unwrap();
+    assert_eq!(err.field(), "global_rule");
+}

@@ -58,7 +58,12 @@
 //!   and renews, every third of the rule's lease TTL, every lease the store
 //!   granted and has not released, in one script call per key. Long work
 //!   keeps its permits; the permits of an instance that died lapse within
-//!   a lease TTL. [`RedisStore::flush`] waits for queued releases;
+//!   a lease TTL. When Redis loses a key whole (a failover that lost the
+//!   write, a restart without persistence), the holders' next renewals
+//!   count their leases again, as far as `max` allows; until then, and
+//!   where another acquire came first, new requests may take permits
+//!   that running work still holds (at most `max` more, for as long as
+//!   that work runs). [`RedisStore::flush`] waits for queued releases;
 //!   [`RedisStoreBuilder::lease_renewal`] turns renewal off (tests on a
 //!   manual clock).
 //! - **Calendar quotas** ([`QuotaStore`](tollgate_core::QuotaStore)): one

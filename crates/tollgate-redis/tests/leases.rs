@@ -346,3 +346,29 @@ async fn a_shorter_ttl_never_cuts_a_longer_lease_short() {
         "the key expires in {pttl} ms, before the 60 s lease it holds"
     );
 }
+
+/// Fleet review M7: a lease Redis lost (a failover, a restart without
+/// persistence) was never counted again while its work ran, so new
+/// acquires took its permits: up to twice `max` in flight. The holder's
+/// renewal now counts it again where it fits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_counts_a_lease_redis_lost_again() {
+    let Some(server) = Server::start() else {
+        return;
+    };
+    let prefix = unique_prefix();
+    let (a, b) = (store(&server.url(), &prefix), store(&server.url(), &prefix));
+    let (la, lb) = (
+        a.concurrency_limiter(&rule(TTL)).unwrap(),
+        b.concurrency_limiter(&rule(TTL)).unwrap(),
+    );
+    let _lease = la.acquire(b"lost", 2, ALL).await.unwrap().lease.unwrap();
+    // Redis loses the key (as a failover that lost the write would).
+    server.cli(&["DEL", &a.key_name("sem2", "leases", b"lost")]);
+    assert_eq!(lb.held(b"lost").await.unwrap(), 0, "lost");
+    // Within a renewal (every third of the TTL), it is counted again, and
+    // B is kept out.
+    tokio::time::sleep(TTL).await;
+    assert_eq!(lb.held(b"lost").await.unwrap(), 2);
+    assert!(lb.acquire(b"lost", 1, ALL).await.unwrap().lease.is_none());
+}

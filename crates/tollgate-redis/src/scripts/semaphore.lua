@@ -145,8 +145,10 @@ local function main()
   end
 
   if mode == 'renew' then
-    live_held()
+    local held = live_held()
     local expires, flags, renewed = now + lease_ttl, {}, false
+    -- Whether this call found the key lost and set it up again.
+    local lost = false
     for i = 8, #ARGV do
       local score = redis.call('ZSCORE', key, ARGV[i])
       if score then
@@ -157,7 +159,27 @@ local function main()
         renewed = true
         flags[#flags + 1] = 1
       else
-        flags[#flags + 1] = 0
+        -- A live holder renews a lease of a key Redis lost whole (a
+        -- failover, a restart without persistence: no base either): counted
+        -- again where it fits, so that new acquires do not take the permits
+        -- its work still holds. (A key that is there and lacks the lease
+        -- released it, or let it lapse: not counted again.)
+        local p = permits_of(ARGV[i])
+        if (lost or not base) and held + p <= max then
+          if not base then
+            lost = true
+            set_base(now_s)
+            now = now_n
+            expires = now + lease_ttl
+          end
+          redis.call('ZADD', key, expires, ARGV[i])
+          redis.call('HINCRBY', meta, 'held', p)
+          held = held + p
+          renewed = true
+          flags[#flags + 1] = 1
+        else
+          flags[#flags + 1] = 0
+        end
       end
     end
     if renewed then touch() end

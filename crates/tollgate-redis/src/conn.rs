@@ -63,7 +63,8 @@ pub(crate) struct Slot<C> {
     /// healthy masters do not hide a hung one.
     hung: Box<[std::sync::atomic::AtomicU32]>,
     ready: Notify,
-    /// Where connects run: the runtime the store was built on.
+    /// Where connects run when the caller is on no runtime: the runtime
+    /// the store was built on.
     runtime: tokio::runtime::Handle,
     connect: Connect<C>,
     connect_timeout: Duration,
@@ -179,11 +180,17 @@ impl<C: Clone + Send + 'static> Slot<C> {
         if self.connecting.swap(true, Ordering::AcqRel) {
             return;
         }
-        let slot = Arc::clone(self);
-        self.runtime.spawn(async move {
-            // However the task ends (a panic, its runtime shutting down),
-            // the next call may connect again, and waiters wake.
-            let _done = Connecting(&slot);
+        // Made before the task, so that however the task ends (a panic,
+        // its runtime shut down before it ever ran) the next call may
+        // connect again, and waiters wake.
+        let done = Connecting(Arc::clone(self));
+        // On the caller's runtime where there is one (the runtime the store
+        // was built on may be gone: a store built in a set-up runtime and
+        // used from another), else on the store's.
+        let runtime =
+            tokio::runtime::Handle::try_current().unwrap_or_else(|_| self.runtime.clone());
+        runtime.spawn(async move {
+            let slot = &done.0;
             let at = slot
                 .pace
                 .lock()
@@ -232,9 +239,9 @@ impl<C: Clone + Send + 'static> Slot<C> {
 
 /// Ends a connect attempt when dropped: clears the slot's flag and wakes
 /// the calls waiting for a connection.
-struct Connecting<'a, C>(&'a Slot<C>);
+struct Connecting<C>(Arc<Slot<C>>);
 
-impl<C> Drop for Connecting<'_, C> {
+impl<C> Drop for Connecting<C> {
     fn drop(&mut self) {
         self.0
             .connecting

@@ -589,3 +589,42 @@ async fn a_stopped_master_takes_out_none_of_its_neighbour_s_slots() {
     }
     cluster.nodes[0].pause(false);
 }
+
+/// Fleet review L1: a store built in one runtime (a set-up runtime, a
+/// test's) and used from another after the first is gone reconnected on
+/// the dead runtime: never, silently, and every call got the failure
+/// policy. Connects run on the caller's runtime.
+#[test]
+fn a_store_outlives_the_runtime_it_was_built_on() {
+    let Some(server) = Server::start() else {
+        return;
+    };
+    let setup = tokio::runtime::Runtime::new().unwrap();
+    let store = setup.block_on(async {
+        RedisStore::builder(&server.url())
+            .prefix(&unique_prefix())
+            .failure_policy(FailurePolicy::Closed)
+            .timeout(Duration::from_secs(1))
+            .build()
+            .unwrap()
+    });
+    let l = store.limiter(&rule()).unwrap();
+    drop(setup);
+    let serving = tokio::runtime::Runtime::new().unwrap();
+    serving.block_on(async {
+        let start = Instant::now();
+        loop {
+            let d = l.decide(b"k", 1).await.unwrap();
+            // Redis's answer: allowed, 2 of 3 left (Closed would deny).
+            if d.is_allowed() {
+                assert_eq!(d.remaining, 2);
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "still on the failure policy: {d:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+}

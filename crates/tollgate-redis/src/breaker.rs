@@ -72,17 +72,20 @@ impl Breaker {
         }
     }
 
-    /// Records a failure; returns whether the breaker (re)opened.
+    /// Records a failure; returns whether it opened the breaker (closed
+    /// until now: a failed probe, or failures of calls that were in flight
+    /// when it opened, keep it open and say so only once).
     pub(crate) fn failure(&self, pass: Pass, now: u64) -> bool {
         let failures = self
             .failures
             .fetch_add(1, Ordering::AcqRel)
             .saturating_add(1);
         if pass == Pass::Probe || failures >= self.threshold {
-            self.open_until
-                .store(now.saturating_add(self.cooldown), Ordering::Release);
+            let was = self
+                .open_until
+                .swap(now.saturating_add(self.cooldown), Ordering::AcqRel);
             self.probing.store(false, Ordering::Release);
-            return true;
+            return was == 0;
         }
         false
     }
@@ -150,11 +153,17 @@ mod tests {
         let b = Breaker::new(2, Duration::from_millis(20));
         assert_eq!(b.pass(0), Pass::Call);
         assert!(!b.failure(Pass::Call, 0));
-        assert!(b.failure(Pass::Call, MS));
+        assert!(b.failure(Pass::Call, MS), "it opens");
+        // Calls that were in flight fail too: it was open already (the
+        // fault is logged once, not once each).
+        assert!(!b.failure(Pass::Call, MS));
         assert_eq!(b.pass(20 * MS), Pass::Skip);
         assert_eq!(b.pass(21 * MS), Pass::Probe);
         assert_eq!(b.pass(21 * MS), Pass::Skip, "only one probe at a time");
-        b.failure(Pass::Probe, 22 * MS);
+        assert!(
+            !b.failure(Pass::Probe, 22 * MS),
+            "a failed probe keeps it open"
+        );
         assert_eq!(b.pass(41 * MS), Pass::Skip);
         let p = b.pass(42 * MS);
         assert_eq!(p, Pass::Probe);

@@ -32,9 +32,10 @@ const TTL_MARGIN_MS: u64 = 60_000;
 /// failure policy's answer: [`Open`](crate::FailurePolicy::Open) admits and
 /// reports whole budgets, [`Closed`](crate::FailurePolicy::Closed) denies,
 /// retry in a second, [`Fallback`](crate::FailurePolicy::Fallback) counts
-/// in process memory. A refund falls back to that memory if there is one;
-/// otherwise, like a reset or a grant that does not reach Redis, it is an
-/// error, so that support staff know it did not happen.
+/// in process memory. A refund, a reset or a grant that does not reach
+/// Redis is an error (never made in that memory, which did not see the
+/// charge: giving it back there would admit more than the limit), so that
+/// support staff and callers know it did not happen.
 #[derive(Clone)]
 pub struct RedisQuotaLimiter {
     bound: Arc<BoundQuota>,

@@ -118,7 +118,10 @@ impl AccessList {
         Ok(self)
     }
 
-    /// Keys that skip every limit.
+    /// Keys that skip every limit. The list is checked before any
+    /// authentication, by comparing what the client sends: an allowed key
+    /// must be a high-entropy secret (a long random token), never a name
+    /// such as `"ops"` that anyone can guess and send.
     pub fn allow_keys<I, S>(mut self, keys: I) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -187,21 +190,32 @@ impl AccessList {
         None
     }
 
-    /// What the lists say about `req`.
+    /// What the lists say about `req`. A request that carries its key
+    /// header more than once is denied if *any* of them is a denied key
+    /// (a server behind may read another one than the first), and is
+    /// allowed by key only when it carries exactly one.
     pub fn check<B>(&self, req: &Request<B>) -> Access {
-        let key = self
+        let mut keys = self
             .key
             .as_ref()
-            .and_then(|name| req.headers().get(name))
-            .map(|v| v.as_bytes());
+            .map(|name| req.headers().get_all(name).iter())
+            .into_iter()
+            .flatten()
+            .map(http::HeaderValue::as_bytes);
+        let first = keys.next();
+        let more = keys.next();
+        let denied_key = first
+            .into_iter()
+            .chain(more)
+            .chain(keys)
+            .any(|k| self.deny_keys.contains(k));
         let needs_ip = !self.allow_nets.is_empty() || !self.deny_nets.is_empty();
         let ip = needs_ip.then(|| self.ip.client_ip(req)).flatten();
-        if key.is_some_and(|k| self.deny_keys.contains(k))
-            || ip.is_some_and(|ip| self.deny_nets.contains(ip))
-        {
+        if denied_key || ip.is_some_and(|ip| self.deny_nets.contains(ip)) {
             return Access::Denied;
         }
-        if key.is_some_and(|k| self.allow_keys.contains(k))
+        let only = if more.is_none() { first } else { None };
+        if only.is_some_and(|k| self.allow_keys.contains(k))
             || ip.is_some_and(|ip| self.allow_nets.contains(ip))
         {
             return Access::Allowed;

@@ -1723,3 +1723,29 @@ async fn idempotency_markers_do_not_crowd_the_rules_out() {
     assert_eq!(store.overflowed(), 0, "no decision fell to the overflow");
     assert_eq!(store.key_count(), 4);
 }
+
+/// Policy-security review #16: access lists read the first key header
+/// only. A leaked (denied) key sent second, behind a harmless first one,
+/// got through to a server that reads the last; and a request could be
+/// "allowed" by a first value its server never reads.
+#[test]
+fn access_lists_read_every_key_header() {
+    let list = AccessList::new("access")
+        .keys_from("x-api-key")
+        .unwrap()
+        .allow_keys(["ops"])
+        .deny_keys(["leaked"]);
+    let with = |keys: &[&str]| {
+        let mut b = Request::get("/");
+        for k in keys {
+            b = b.header("x-api-key", *k);
+        }
+        b.body(()).unwrap()
+    };
+    assert_eq!(list.check(&with(&["leaked"])), Access::Denied);
+    assert_eq!(list.check(&with(&["x", "leaked"])), Access::Denied);
+    assert_eq!(list.check(&with(&["ops"])), Access::Allowed);
+    assert_eq!(list.check(&with(&["ops", "other"])), Access::Unlisted);
+    assert_eq!(list.check(&with(&["other", "ops"])), Access::Unlisted);
+    assert_eq!(list.check(&with(&[])), Access::Unlisted);
+}

@@ -25,6 +25,12 @@ impl<B> KeyExtractor<B> for Global {
 /// A header's value, e.g. an API key. Absent, empty or only whitespace:
 /// no key. Surrounding whitespace is not part of the key (`" k"` is
 /// `"k"`). Values are bytes; non-UTF-8 values are keys like any other.
+///
+/// For `Authorization` (and `Proxy-Authorization`), the key is the
+/// credentials as a server reads them: the scheme in lower case, one
+/// space, the credentials (`Bearer  abc`, `bearer abc` and `BEARER abc`
+/// are one key, as an auth layer accepts them all), so that writing the
+/// scheme another way buys no fresh budget.
 #[derive(Debug, Clone)]
 pub struct Header(HeaderName);
 
@@ -46,6 +52,18 @@ impl<B> KeyExtractor<B> for Header {
         let value = req.headers().get(&self.0)?.as_bytes().trim_ascii();
         if value.is_empty() {
             return None;
+        }
+        if self.0 == http::header::AUTHORIZATION || self.0 == http::header::PROXY_AUTHORIZATION {
+            // `<scheme> <credentials>`: the scheme is case-insensitive, and
+            // any run of spaces separates them.
+            if let Some(space) = value.iter().position(|b| *b == b' ' || *b == b'\t') {
+                let (scheme, rest) = value.split_at(space);
+                let mut canonical = scheme.to_ascii_lowercase();
+                canonical.push(b' ');
+                canonical.extend_from_slice(rest.trim_ascii());
+                key.push(&canonical);
+                return Some(());
+            }
         }
         key.push(value);
         Some(())
@@ -200,6 +218,40 @@ fn decode_unreserved(b: &[u8]) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Policy-security review #16: keyed on `Authorization`, every way of
+    /// writing the scheme (64 case variants of `Bearer`, any run of
+    /// spaces) was a fresh budget for one token.
+    #[test]
+    fn an_authorization_scheme_written_another_way_is_the_same_key() {
+        let key_of = |header: &str, value: &str| {
+            let req = Request::get("/").header(header, value).body(()).unwrap();
+            let mut key = KeyBuf::new();
+            Header::named(header).unwrap().extract(&req, &mut key)?;
+            Some(key.as_bytes().to_vec())
+        };
+        let one = key_of("authorization", "Bearer abc").unwrap();
+        for variant in [
+            "bearer abc",
+            "BEARER abc",
+            "Bearer   abc",
+            "bEaReR\tabc ",
+            " Bearer abc",
+        ] {
+            assert_eq!(
+                key_of("authorization", variant).unwrap(),
+                one,
+                "{variant:?}"
+            );
+        }
+        assert_ne!(key_of("authorization", "Bearer abd").unwrap(), one);
+        assert_ne!(key_of("authorization", "Basic abc").unwrap(), one);
+        // Other headers keep their bytes (an API key is case-sensitive).
+        assert_ne!(
+            key_of("x-api-key", "Bearer abc"),
+            key_of("x-api-key", "bearer abc")
+        );
+    }
 
     #[test]
     fn paths_in_every_form_normalise_to_one() {

@@ -79,6 +79,7 @@ impl<B> PolicyLayer<B, MemoryStore> {
                 key: crate::key::PeerIp::new(),
                 cost: crate::cost::Fixed(1),
             }),
+            canary_secret: None,
             audit: None,
         }
     }
@@ -164,6 +165,7 @@ pub struct PolicyLayerBuilder<B, St> {
     route_label: bool,
     on_store_error: OnStoreError,
     requester: Arc<dyn DynRule<B>>,
+    canary_secret: Option<Arc<[u8]>>,
 }
 
 impl<B, St> fmt::Debug for PolicyLayerBuilder<B, St> {
@@ -218,7 +220,22 @@ impl<B, St> PolicyLayerBuilder<B, St> {
             audit: self.audit,
             on_store_error: self.on_store_error,
             requester: self.requester,
+            canary_secret: self.canary_secret,
         }
+    }
+
+    /// A secret (16 to 64 bytes, the same on every instance) mixed into
+    /// which keys a [canary](super::RateRule::canary) enforces. Without
+    /// one, membership is a hash of the rule's name and the key, which
+    /// anyone who knows the rule's name (it is in `RateLimit-Policy`) can
+    /// compute, and a client that picks its own key (an API key not yet
+    /// checked) can pick one outside the share for the whole rollout.
+    /// Errors name `canary_secret`. (A keyless request is never in a
+    /// canary's share: while the share is below 1, a canaried rule lets it
+    /// through as if it were shadowed.)
+    pub fn canary_secret(mut self, secret: &[u8]) -> Self {
+        self.canary_secret = Some(secret.into());
+        self
     }
 
     /// Who a rule's challenge is issued to (default: [`PeerIp`](crate::key::PeerIp),
@@ -372,6 +389,13 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
     /// Validates every rule and binds it to the store. Errors name the
     /// field: `rules` for the list, or the rule's own field.
     pub fn build(self) -> Result<PolicyLayer<B, St>, ConfigError> {
+        if self
+            .canary_secret
+            .as_ref()
+            .is_some_and(|s| !(16..=64).contains(&s.len()))
+        {
+            return Err(ConfigError::new("canary_secret", "must be 16 to 64 bytes"));
+        }
         if self.rules.is_empty() || self.rules.len() > MAX_RULES {
             return Err(ConfigError::new(
                 "rules",
@@ -455,7 +479,9 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
             let canary = match r.canary {
                 None => None,
                 Some(1.0) => None,
-                Some(share) if (0.0..1.0).contains(&share) => Some(canary(rule.name(), share)),
+                Some(share) if (0.0..1.0).contains(&share) => {
+                    Some(canary(rule.name(), share, self.canary_secret.as_deref()))
+                }
                 Some(_) => {
                     return Err(ConfigError::new(
                         "canary",

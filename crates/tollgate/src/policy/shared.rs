@@ -145,12 +145,16 @@ impl<B, L> Current<B, L> {
 
 /// A canary's threshold on the key hash for `share`, and the hash's keys,
 /// derived from the rule's name: the same on every instance.
-pub(super) fn canary(name: &str, share: f64) -> (u64, (u64, u64)) {
+pub(super) fn canary(name: &str, share: f64, secret: Option<&[u8]>) -> (u64, (u64, u64)) {
     use sha2::{Digest, Sha256};
-    let digest = Sha256::new()
-        .chain_update(b"tollgate canary\0")
-        .chain_update(name.as_bytes())
-        .finalize();
+    let mut hasher = Sha256::new().chain_update(b"tollgate canary\0");
+    if let Some(secret) = secret {
+        hasher = hasher
+            .chain_update(b"secret\0")
+            .chain_update(secret)
+            .chain_update(b"\0");
+    }
+    let digest = hasher.chain_update(name.as_bytes()).finalize();
     let word = |i: usize| {
         let mut b = [0u8; 8];
         if let Some(src) = digest.get(i..i.saturating_add(8)) {
@@ -179,22 +183,32 @@ mod tests {
     #[test]
     fn a_canary_takes_its_share_of_keys_stably() {
         for share in [0.01, 0.25, 0.5, 0.9] {
-            let c = canary("new-rule", share);
+            let c = canary("new-rule", share, None);
             let n = 100_000u32;
             let inside = (0..n).filter(|i| in_canary(c, &i.to_be_bytes())).count();
             #[allow(clippy::cast_precision_loss)]
             let got = inside as f64 / f64::from(n);
             assert!((got - share).abs() <= 0.02, "share {share}: {got}");
             // The same on another instance: it depends on the name only.
-            assert_eq!(canary("new-rule", share), c);
+            assert_eq!(canary("new-rule", share, None), c);
         }
         // Growing the share keeps every key already in.
-        let (small, large) = (canary("r", 0.05), canary("r", 0.25));
+        let (small, large) = (canary("r", 0.05, None), canary("r", 0.25, None));
         for i in 0..10_000u32 {
             let k = i.to_be_bytes();
             assert!(!in_canary(small, &k) || in_canary(large, &k));
         }
         // Another rule's canary picks other keys.
-        assert_ne!(canary("other", 0.25).1, canary("r", 0.25).1);
+        assert_ne!(canary("other", 0.25, None).1, canary("r", 0.25, None).1);
+        // With the fleet's secret, membership is no longer computable from
+        // the rule's name (policy-security review #12): another secret,
+        // or none, picks other keys; the same secret the same ones.
+        let secret = Some(&b"a secret every instance shares"[..]);
+        assert_ne!(canary("r", 0.25, secret).1, canary("r", 0.25, None).1);
+        assert_ne!(
+            canary("r", 0.25, secret).1,
+            canary("r", 0.25, Some(&b"another secret, a guess"[..])).1
+        );
+        assert_eq!(canary("r", 0.25, secret), canary("r", 0.25, secret));
     }
 }

@@ -1749,3 +1749,22 @@ fn access_lists_read_every_key_header() {
     assert_eq!(list.check(&with(&["other", "ops"])), Access::Unlisted);
     assert_eq!(list.check(&with(&[])), Access::Unlisted);
 }
+
+#[test]
+fn a_canary_secret_is_16_to_64_bytes() {
+    let rule = || per_key(Limit::fixed_window(1, Duration::from_secs(1))).canary(0.5);
+    for bad in [&b"short"[..], &[7u8; 65][..]] {
+        let err = PolicyLayer::<String>::builder()
+            .rule(rule())
+            .canary_secret(bad)
+            .build()
+            .err()
+            .unwrap();
+        assert_eq!(err.field(), "canary_secret");
+    }
+    assert!(PolicyLayer::<String>::builder()
+        .rule(rule())
+        .canary_secret(&[7u8; 32])
+        .build()
+        .is_ok());
+}

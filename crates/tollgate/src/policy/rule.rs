@@ -182,7 +182,14 @@ impl<K, C> RateRule<K, C> {
     /// and its siblings); requests on no plan, or on one the rule does not
     /// name, get the rule's own limit. Each plan keeps its own state, so a
     /// key whose plan changes is judged by its new plan from its next
-    /// request on.
+    /// request on (and a client that can switch plans gets one budget per
+    /// plan: take the plan from authentication, not from what the client
+    /// sends).
+    ///
+    /// Make the rule's own limit the **tightest**: it is what a request
+    /// gets whose plan is missing or unknown (an unauthenticated path, a
+    /// stripped header), so a default looser than a named plan rewards
+    /// removing the plan.
     pub fn plan(mut self, plan: &str, limit: Limit) -> Self {
         self.plans.retain(|(p, _)| p != plan);
         self.plans.push((plan.to_owned(), limit));

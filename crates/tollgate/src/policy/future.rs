@@ -316,7 +316,7 @@ fn reject<B, L>(
                 return Response::new(Bytes::new());
             };
             let (_, r) = bound.at(report.plan);
-            bound.responder.metrics.blocked.increment(1);
+            r.metrics.blocked.increment(1);
             let decision = Decision {
                 outcome: Outcome::Deny {
                     retry_after: for_ns,

@@ -1768,3 +1768,41 @@ fn a_canary_secret_is_16_to_64_bytes() {
         .build()
         .is_ok());
 }
+
+/// Policy-security review #23: a block was counted on the default plan's
+/// series even for a request on another plan.
+#[tokio::test]
+async fn a_block_is_counted_on_the_plan_whose_limit_applied() {
+    let recorder = crate::rate_limit::tests::Recorded::default();
+    let clock = ManualClock::starting_at(1);
+    let minute = Duration::from_secs(60);
+    let svc = metrics::with_local_recorder(&recorder, || {
+        PolicyLayer::builder()
+            .plan_from_header("x-plan")
+            .unwrap()
+            .rule(
+                per_key(Limit::fixed_window(1, minute))
+                    .plan("pro", Limit::fixed_window(2, minute))
+                    .escalate(1, minute, minute, minute),
+            )
+            .store(store(&clock))
+            .build()
+            .unwrap()
+    })
+    .layer(service_fn(ok));
+    let pro = || {
+        let mut r = req("k", "ip");
+        r.headers_mut().insert("x-plan", "pro".parse().unwrap());
+        r
+    };
+    for _ in 0..4 {
+        svc.clone().oneshot(pro()).await.unwrap();
+    }
+    let n = |plan: &str| {
+        recorder.get(&format!(
+            "tollgate_requests_total{{rule=per-key,plan={plan},outcome=blocked}}"
+        ))
+    };
+    assert!(n("pro") >= 1, "blocked on pro: {}", n("pro"));
+    assert_eq!(n("default"), 0);
+}

@@ -46,15 +46,28 @@ struct Credentials {
 struct LoginUser(String);
 
 /// Reads the body (at most 4 KiB) for its `user`, and hands the request on
-/// with the body intact.
+/// with the body intact. The account key is the user as the account
+/// lookup reads it (trimmed, lower case), so `Ann`, `aNN` and `ann ` are
+/// one account's budget. A body the handler will refuse (not
+/// `application/json`) names no account: it is refused with 415 without
+/// being charged and given back, which would re-date the account's
+/// failures for free.
 async fn read_user(req: Request, next: Next) -> Response {
+    let json = req
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("application/json"));
+    if !json {
+        return StatusCode::UNSUPPORTED_MEDIA_TYPE.into_response();
+    }
     let (parts, body) = req.into_parts();
     let Ok(bytes) = axum::body::to_bytes(body, MAX_BODY).await else {
         return StatusCode::PAYLOAD_TOO_LARGE.into_response();
     };
     let user = Json::<Credentials>::from_bytes(&bytes)
         .ok()
-        .map(|Json(c)| c.user);
+        .map(|Json(c)| c.user.trim().to_lowercase());
     let mut req = Request::from_parts(parts, Body::from(bytes));
     if let Some(user) = user {
         req.extensions_mut().insert(LoginUser(user));
@@ -78,7 +91,10 @@ async fn login(Json(c): Json<Credentials>) -> (StatusCode, String) {
 /// and [`FAILED_PER_IP`] per address in any 15 minutes (sliding windows);
 /// past either, every login of that account or address — the right
 /// password included — answers 429 with `Retry-After` until the oldest
-/// failure leaves the window. Successful logins count toward neither.
+/// failure leaves the window. Successful logins count toward neither (each
+/// is charged as it arrives and given back once it succeeds: a sliding log
+/// gives back its oldest unit, so a success with the right password moves
+/// the oldest failure of the window to now).
 /// From the third failure, responses warn (`RateLimit-Warning:
 /// "failed-logins-user";used=60`). Who keeps trying while locked climbs
 /// an escalation ladder: [`STRIKES`]

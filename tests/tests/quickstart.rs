@@ -509,3 +509,34 @@ async fn who_keeps_trying_while_locked_is_blocked_for_longer_each_time() {
     clock.advance(Duration::from_secs(899));
     assert_eq!(send(addr, login("cat", "demo")).await.unwrap().status, 200);
 }
+
+/// Policy-security review #15: the account key was the raw `user`, so
+/// `Ann`, `aNN` and `ann ` were three budgets for one account; and a login
+/// without `Content-Type: application/json` was charged, then given back
+/// when the handler refused it (415), a free request that re-dated the
+/// account's failures.
+#[tokio::test]
+async fn an_account_is_one_budget_however_its_name_is_written() {
+    let (addr, _clock) = quickstart(&[]).await;
+    for user in ["Ann", "aNN", "ann ", " ANN", "ann"] {
+        assert_eq!(send(addr, login(user, "guess")).await.unwrap().status, 401);
+    }
+    let r = send(addr, login("ANN", "demo")).await.unwrap();
+    assert_eq!(
+        r.status, 429,
+        "five failures of one account, however written"
+    );
+    // No JSON content type: refused before any limit, charged nothing.
+    let mut plain = login("bob", "guess");
+    plain.headers_mut().remove("content-type");
+    for _ in 0..10 {
+        assert_eq!(send(addr, plain.clone()).await.unwrap().status, 415);
+    }
+    assert_eq!(send(addr, login("bob", "demo")).await.unwrap().status, 200);
+    let r = send(addr, login("bob", "guess")).await.unwrap();
+    assert_eq!(
+        r.header("ratelimit-warning"),
+        "",
+        "bob has one failure, no warning yet"
+    );
+}

@@ -86,8 +86,50 @@ impl<B, St: Store> Reloader<B, St> {
         Ok((layer, reloader))
     }
 
+    /// [`load`](Self::load), with what a file cannot hold added to the
+    /// first policy and to every reloaded one alike (a rejection, an audit
+    /// sink, a plan closure): one closure for both, so a reload can never
+    /// drop what the first build had.
+    ///
+    /// ```no_run
+    /// use tollgate::config::Reloader;
+    /// use tollgate::MemoryStore;
+    ///
+    /// # fn run() -> Result<(), tollgate::config::FileError> {
+    /// let (layer, reloader) = Reloader::<axum::body::Body, _>::load_with(
+    ///     "policy.toml",
+    ///     MemoryStore::new(),
+    ///     |b| b.plan_from_extension(),
+    /// )?;
+    /// # let _ = (layer, reloader);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn load_with<F>(
+        path: impl AsRef<Path>,
+        store: St,
+        customize: F,
+    ) -> Result<(PolicyLayer<B, St>, Self), FileError>
+    where
+        F: Fn(PolicyLayerBuilder<B, MemoryStore>) -> PolicyLayerBuilder<B, MemoryStore>
+            + Send
+            + Sync
+            + 'static,
+    {
+        let file = PolicyFile::read(path.as_ref())?;
+        let layer = customize(file.builder::<B>()?)
+            .store(store.clone())
+            .build()
+            .map_err(|e| file.config_error(&e))?;
+        let reloader = Self::new(path, &file, store, &layer).customize(customize);
+        Ok((layer, reloader))
+    }
+
     /// A reloader for `layer`, built from `file` (which was read from
-    /// `path`) on `store`.
+    /// `path`) on `store`. If `layer` was built with additions a file
+    /// cannot hold, give the reloader the same ones with
+    /// [`customize`](Self::customize), or a reload drops them without a
+    /// word: [`load_with`](Self::load_with) does both in one.
     pub fn new(
         path: impl AsRef<Path>,
         file: &PolicyFile,

@@ -684,3 +684,51 @@ async fn a_poll_never_applies_a_file_caught_half_written() {
     assert_eq!(layer.rule_names(), ["a"]);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Policy-security review #8.1: a layer built with a custom rejection
+/// and a reloader made without the same `customize` lost the rejection on
+/// the first reload, silently. `load_with` builds both from one closure.
+#[tokio::test]
+async fn a_reload_keeps_what_load_with_added() {
+    let dir = std::env::temp_dir().join(format!("tollgate-load-with-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("policy.toml");
+    let rule = |rate: &str| {
+        format!(
+            "[[rules]]\nname = \"one\"\nkey = \"header:x-api-key\"\nrate = \"{rate}\"\nburst = 1\n"
+        )
+    };
+    std::fs::write(&path, rule("1/min")).unwrap();
+    let (layer, reloader) = Reloader::<String, _>::load_with(&path, MemoryStore::new(), |b| {
+        b.rejection(|_| {
+            let mut res = http::Response::new(bytes::Bytes::from_static(b"custom"));
+            *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            res
+        })
+    })
+    .unwrap();
+    let mut svc = layer.layer(ok_service());
+    assert_eq!(
+        status(&mut svc, req("GET", "/", "k")).await.0,
+        StatusCode::OK
+    );
+    let refused = status(&mut svc, req("GET", "/", "k")).await.0;
+    assert_eq!(
+        refused,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the custom rejection"
+    );
+    std::fs::write(&path, rule("2/min")).unwrap();
+    assert_eq!(reloader.reload().unwrap(), Reloaded::Applied);
+    assert_eq!(
+        status(&mut svc, req("GET", "/", "k2")).await.0,
+        StatusCode::OK
+    );
+    let refused = status(&mut svc, req("GET", "/", "k2")).await.0;
+    assert_eq!(
+        refused,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "still the custom rejection after the reload"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -584,7 +584,8 @@ impl DecisionLog {
 pub struct AuditRecord {
     /// The rule that refused.
     pub rule: std::sync::Arc<str>,
-    /// Why: `limited`, `too_costly`, `blocked`, `missing_key`.
+    /// Why: `limited`, `too_costly`, `blocked`, `missing_key`, `denied`
+    /// (an access list).
     pub reason: &'static str,
     /// A keyed hash of the client key (stable within a process).
     pub key: crate::key::Fingerprint,

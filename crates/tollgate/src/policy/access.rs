@@ -269,6 +269,35 @@ impl Listed {
         access
     }
 
+    /// The list's name.
+    pub(crate) fn name(&self) -> &std::sync::Arc<str> {
+        &self.name
+    }
+
+    /// Who a request is, as the list reads it, for an audit record: its
+    /// key header's values, else its client address (empty if neither).
+    pub(crate) fn who<B>(&self, req: &Request<B>) -> crate::key::KeyBuf {
+        let mut who = crate::key::KeyBuf::new();
+        let keys = self
+            .list
+            .key
+            .as_ref()
+            .map(|name| req.headers().get_all(name).iter())
+            .into_iter()
+            .flatten();
+        let mut any = false;
+        for k in keys {
+            who.push(k.as_bytes());
+            any = true;
+        }
+        if !any {
+            if let Some(ip) = self.list.ip.client_ip(req) {
+                who.push(ip.to_string().as_bytes());
+            }
+        }
+        who
+    }
+
     /// The refusal of a denied request (403, or gRPC `PERMISSION_DENIED`).
     pub(crate) fn denied(
         &self,

@@ -343,13 +343,35 @@ pub(super) fn strike_sync<B, L>(
 
 /// A refusal by an audited rule goes to the audit sink; `key(i)` gives
 /// rule `i`'s key bytes (hashed before they leave).
+/// Now, in Unix milliseconds (0 before 1970).
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// A deny list refused `req`: recorded where the audit names the list.
+pub(super) fn audit_denied<B, L>(shared: &Shared<B, L>, req: &http::Request<B>) {
+    let (Some((sink, _, true)), Some(listed)) = (&shared.audit, &shared.access) else {
+        return;
+    };
+    let mut who = listed.who(req);
+    sink.record(&crate::observe::AuditRecord {
+        rule: Arc::clone(listed.name()),
+        reason: reason_name(Reason::Denied),
+        key: who.fingerprint(),
+        retry_after_ms: 0,
+        unix_ms: unix_ms(),
+    });
+}
+
 pub(super) fn audit<B, L>(
     shared: &Shared<B, L>,
     report: &Report,
     verdict: Verdict,
     mut key: impl FnMut(usize, &mut dyn FnMut(&[u8])),
 ) {
-    let Some((sink, mask)) = &shared.audit else {
+    let Some((sink, mask, _)) = &shared.audit else {
         return;
     };
     if matches!(
@@ -359,9 +381,7 @@ pub(super) fn audit<B, L>(
         return;
     }
     let ms = |ns: u128| u64::try_from(ns.div_ceil(1_000_000)).unwrap_or(u64::MAX);
-    let unix_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    let unix_ms = unix_ms();
     for (i, (rule, slot)) in shared.rules.iter().zip(&report.decided).enumerate() {
         if mask & bit(i) == 0 || report.shadows(i) {
             continue;

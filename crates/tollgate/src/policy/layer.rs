@@ -268,8 +268,10 @@ impl<B, St> PolicyLayerBuilder<B, St> {
     /// missing key; shadow and canary-watched rules refuse nothing) is
     /// handed to `sink` —
     /// e.g. a Redis stream (`RedisAudit`, from `RedisStore::audit_stream`,
-    /// which never delays a request). Errors name the field `audit` (a
-    /// name no rule has).
+    /// which never delays a request). The access list's name in `rules`
+    /// records its denials too (reason `denied`, the key a fingerprint of
+    /// the list's key header, else of the client address). Errors name the
+    /// field `audit` (a name no rule or access list has).
     pub fn audit<A: crate::observe::AuditSink>(mut self, sink: A, rules: &[&str]) -> Self {
         let rules = rules.iter().map(|r| (*r).to_owned()).collect();
         self.audit = Some((Arc::new(sink), rules));
@@ -575,15 +577,22 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 }
                 let mut mask = 0u16;
                 for name in &names {
+                    // The access list's name audits its denials.
+                    if access.as_ref().is_some_and(|a| **a.name() == **name) {
+                        continue;
+                    }
                     let Some(i) = bound.iter().position(|b| *b.responder.rule == **name) else {
                         return Err(ConfigError::new(
                             "audit",
-                            format!("no rule is named {name:?}"),
+                            format!("no rule or access list is named {name:?}"),
                         ));
                     };
                     mask |= super::decide::bit(i);
                 }
-                Some((sink, mask))
+                let denials = access
+                    .as_ref()
+                    .is_some_and(|a| names.iter().any(|n| **n == **a.name()));
+                Some((sink, mask, denials))
             }
         };
         let idempotency = match self.idempotency {

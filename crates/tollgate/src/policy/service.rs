@@ -128,6 +128,7 @@ where
             match listed.check(&req) {
                 Access::Unlisted => {}
                 Access::Denied => {
+                    super::decide::audit_denied(shared, &req);
                     let state = State::Rejected {
                         verdict: Verdict::Denied,
                     };

@@ -112,7 +112,9 @@ pub(super) struct Shared<B, L> {
     /// Sampled decision logs.
     pub(super) log: Option<crate::observe::DecisionLog>,
     /// Where refusals by the audited rules (bit `i`: rule `i`) go.
-    pub(super) audit: Option<(Arc<dyn crate::observe::AuditSink>, u16)>,
+    /// The audit sink, the rules it records (a mask), and whether it
+    /// records the access list's denials.
+    pub(super) audit: Option<(Arc<dyn crate::observe::AuditSink>, u16, bool)>,
     /// Idempotent repeats go uncharged.
     pub(super) idempotency: Option<super::idempotency::Idempotency<B, L>>,
     /// Allow and deny lists, checked before any rule, and their metrics

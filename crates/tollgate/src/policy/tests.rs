@@ -1806,3 +1806,35 @@ async fn a_block_is_counted_on_the_plan_whose_limit_applied() {
     assert!(n("pro") >= 1, "blocked on pro: {}", n("pro"));
     assert_eq!(n("default"), 0);
 }
+
+/// Policy-security review #10: deny-list 403s, the most audit-worthy
+/// refusals, were never audited. An audit that names the access list
+/// records them.
+#[tokio::test]
+async fn deny_list_refusals_reach_the_audit_when_it_names_the_list() {
+    let clock = ManualClock::starting_at(1);
+    let list = || {
+        AccessList::new("blocklist")
+            .keys_from("x-api-key")
+            .unwrap()
+            .deny_keys(["leaked"])
+    };
+    for (names, want) in [(&["blocklist", "per-key"][..], 1), (&["per-key"][..], 0)] {
+        let sink = Audited::default();
+        let svc = PolicyLayer::builder()
+            .rule(per_key(Limit::fixed_window(10, Duration::from_secs(60))))
+            .access(list())
+            .audit(sink.clone(), names)
+            .store(store(&clock))
+            .build()
+            .unwrap()
+            .layer(service_fn(ok));
+        let res = svc.clone().oneshot(req("leaked", "ip")).await.unwrap();
+        assert_eq!(res.status(), 403);
+        let seen = sink.0.lock().unwrap().clone();
+        assert_eq!(seen.len(), want, "audit naming {names:?}");
+        if let Some(r) = seen.first() {
+            assert_eq!((&*r.rule, r.reason), ("blocklist", "denied"));
+        }
+    }
+}

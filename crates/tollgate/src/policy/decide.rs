@@ -350,6 +350,15 @@ fn unix_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
+/// An audit record's fingerprint of `key`: under the fleet's secret where
+/// the policy has one, else per process.
+fn fingerprint<B, L>(shared: &Shared<B, L>, key: &[u8]) -> crate::key::Fingerprint {
+    match &shared.audit_secret {
+        Some(secret) => crate::key::Fingerprint::keyed(secret, key),
+        None => crate::key::Fingerprint::of(key),
+    }
+}
+
 /// A deny list refused `req`: recorded where the audit names the list.
 pub(super) fn audit_denied<B, L>(shared: &Shared<B, L>, req: &http::Request<B>) {
     let (Some((sink, _, true)), Some(listed)) = (&shared.audit, &shared.access) else {
@@ -359,7 +368,7 @@ pub(super) fn audit_denied<B, L>(shared: &Shared<B, L>, req: &http::Request<B>) 
     sink.record(&crate::observe::AuditRecord {
         rule: Arc::clone(listed.name()),
         reason: reason_name(Reason::Denied),
-        key: who.fingerprint(),
+        key: fingerprint(shared, who.as_bytes()),
         retry_after_ms: 0,
         unix_ms: unix_ms(),
     });
@@ -400,12 +409,12 @@ pub(super) fn audit<B, L>(
             },
             _ => continue,
         };
-        let mut fingerprint = crate::key::Fingerprint(0);
-        key(i, &mut |k| fingerprint = crate::key::Fingerprint::of(k));
+        let mut print = crate::key::Fingerprint(0);
+        key(i, &mut |k| print = fingerprint(shared, k));
         sink.record(&crate::observe::AuditRecord {
             rule: Arc::clone(&rule.responder.rule),
             reason: reason_name(reason),
-            key: fingerprint,
+            key: print,
             retry_after_ms: wait,
             unix_ms,
         });

@@ -80,6 +80,7 @@ impl<B> PolicyLayer<B, MemoryStore> {
                 cost: crate::cost::Fixed(1),
             }),
             canary_secret: None,
+            audit_secret: None,
             audit: None,
         }
     }
@@ -166,6 +167,7 @@ pub struct PolicyLayerBuilder<B, St> {
     on_store_error: OnStoreError,
     requester: Arc<dyn DynRule<B>>,
     canary_secret: Option<Arc<[u8]>>,
+    audit_secret: Option<Arc<[u8]>>,
 }
 
 impl<B, St> fmt::Debug for PolicyLayerBuilder<B, St> {
@@ -221,7 +223,18 @@ impl<B, St> PolicyLayerBuilder<B, St> {
             on_store_error: self.on_store_error,
             requester: self.requester,
             canary_secret: self.canary_secret,
+            audit_secret: self.audit_secret,
         }
+    }
+
+    /// A secret (16 to 64 bytes, the same on every instance) that audit
+    /// records' key fingerprints are made with, so that a fleet's records
+    /// of one client agree ("who was blocked 40 times today" across
+    /// instances and restarts). Without one, fingerprints are per process.
+    /// Either way no record holds a raw key. Errors name `audit_secret`.
+    pub fn audit_secret(mut self, secret: &[u8]) -> Self {
+        self.audit_secret = Some(secret.into());
+        self
     }
 
     /// A secret (16 to 64 bytes, the same on every instance) mixed into
@@ -397,6 +410,13 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
             .is_some_and(|s| !(16..=64).contains(&s.len()))
         {
             return Err(ConfigError::new("canary_secret", "must be 16 to 64 bytes"));
+        }
+        if self
+            .audit_secret
+            .as_ref()
+            .is_some_and(|s| !(16..=64).contains(&s.len()))
+        {
+            return Err(ConfigError::new("audit_secret", "must be 16 to 64 bytes"));
         }
         if self.rules.is_empty() || self.rules.len() > MAX_RULES {
             return Err(ConfigError::new(
@@ -632,6 +652,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
             current: Arc::new(Current::new(Shared {
                 rules: bound.into(),
                 requester,
+                audit_secret: self.audit_secret,
                 standard: self.headers,
                 legacy: self.legacy_headers,
                 policy,

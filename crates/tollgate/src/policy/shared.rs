@@ -115,6 +115,9 @@ pub(super) struct Shared<B, L> {
     /// The audit sink, the rules it records (a mask), and whether it
     /// records the access list's denials.
     pub(super) audit: Option<(Arc<dyn crate::observe::AuditSink>, u16, bool)>,
+    /// The fleet's secret its records' key fingerprints are made with
+    /// (else per process).
+    pub(super) audit_secret: Option<Arc<[u8]>>,
     /// Idempotent repeats go uncharged.
     pub(super) idempotency: Option<super::idempotency::Idempotency<B, L>>,
     /// Allow and deny lists, checked before any rule, and their metrics

@@ -1838,3 +1838,50 @@ async fn deny_list_refusals_reach_the_audit_when_it_names_the_list() {
         }
     }
 }
+
+/// Policy-security review #10: fingerprints were per process, so a fleet's
+/// audit records of one client could not be put together. With the
+/// fleet's `audit_secret`, two instances record the same fingerprint.
+#[tokio::test]
+async fn instances_with_one_audit_secret_fingerprint_a_client_alike() {
+    let clock = ManualClock::starting_at(1);
+    let instance = |secret: &[u8]| {
+        let sink = Audited::default();
+        let svc = PolicyLayer::builder()
+            .rule(per_key(Limit::fixed_window(1, Duration::from_secs(60))))
+            .audit(sink.clone(), &["per-key"])
+            .audit_secret(secret)
+            .store(store(&clock))
+            .build()
+            .unwrap()
+            .layer(service_fn(ok));
+        (svc, sink)
+    };
+    let refused_print = |svc: PolicyService<_, String, MemoryStore<ManualClock>>, sink: Audited| async move {
+        svc.clone().oneshot(req("client", "ip")).await.unwrap();
+        assert_eq!(
+            svc.oneshot(req("client", "ip")).await.unwrap().status(),
+            429
+        );
+        let records = sink.0.lock().unwrap().clone();
+        records.first().unwrap().key
+    };
+    let secret = [7u8; 32];
+    let (a, sa) = instance(&secret);
+    let (b, sb) = instance(&secret);
+    let (c, sc) = instance(&[8u8; 32]);
+    let (pa, pb, pc) = (
+        refused_print(a, sa).await,
+        refused_print(b, sb).await,
+        refused_print(c, sc).await,
+    );
+    assert_eq!(pa, pb, "one secret: one fingerprint");
+    assert_ne!(pa, pc, "another secret: another");
+    let short = PolicyLayer::<String>::builder()
+        .rule(per_key(Limit::fixed_window(1, Duration::from_secs(60))))
+        .audit_secret(b"short")
+        .build()
+        .err()
+        .unwrap();
+    assert_eq!(short.field(), "audit_secret");
+}

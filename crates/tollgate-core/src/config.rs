@@ -293,6 +293,70 @@ impl Algorithm {
         }
     }
 
+    /// One instance's share of this limit when `instances` enforce it
+    /// apart (see [`Rule::divided`]).
+    pub fn divided(&self, instances: u32) -> Result<Self, ConfigError> {
+        use crate::algorithm::RateAlgorithm as _;
+        if instances == 0 {
+            return Err(ConfigError::new("instances", "must be at least 1"));
+        }
+        let n = u64::from(instances);
+        // A count's share, rounded down, never below one unit.
+        let part = |count: u64| {
+            u32::try_from(count.checked_div(n).unwrap_or(count).max(1)).unwrap_or(u32::MAX)
+        };
+        // A time stretched `k` times: a rate divided.
+        let stretch = |nanos: u64, k: u64| {
+            nanos
+                .checked_mul(k)
+                .map(Duration::from_nanos)
+                .ok_or_else(|| {
+                    ConfigError::new(
+                        "instances",
+                        "the divided rate is slower than one unit in 584 years",
+                    )
+                })
+        };
+        Ok(match self {
+            Self::Gcra(a) => Self::Gcra(Gcra::new(
+                Rate::new(1, stretch(a.interval(), n)?),
+                part(a.capacity()),
+            )?),
+            Self::TokenBucket(a) => {
+                // `refill / n` tokens each interval when that is at least
+                // one, else one token every `ceil(n / refill)` intervals:
+                // both at most the rate's share.
+                let (refill, interval) = if a.refill() >= instances {
+                    (
+                        a.refill().checked_div(instances).unwrap_or(1),
+                        Duration::from_nanos(a.interval()),
+                    )
+                } else {
+                    (1, stretch(a.interval(), n.div_ceil(u64::from(a.refill())))?)
+                };
+                Self::TokenBucket(TokenBucket::new(part(a.capacity()), refill, interval)?)
+            }
+            Self::FixedWindow(a) => Self::FixedWindow(FixedWindow::new(
+                part(a.capacity()),
+                Duration::from_nanos(a.window()),
+            )?),
+            Self::SlidingWindowCounter(a) => Self::SlidingWindowCounter(SlidingWindowCounter::new(
+                part(a.capacity()),
+                Duration::from_nanos(a.window()),
+            )?),
+            Self::SlidingWindowLog(a) => Self::SlidingWindowLog(SlidingWindowLog::new(
+                part(a.capacity()),
+                Duration::from_nanos(a.window()),
+            )?),
+            // The queue's longest wait stays: at the divided rate it
+            // holds the share of the requests.
+            Self::LeakyBucket(a) => Self::LeakyBucket(LeakyBucket::new(
+                Rate::new(1, stretch(a.interval(), n)?),
+                Duration::from_nanos(a.max_delay()),
+            )?),
+        })
+    }
+
     /// The policy window in nanoseconds (the `w` of `RateLimit-Policy`):
     /// the time over which `capacity` is granted.
     pub fn window(&self) -> u64 {
@@ -380,6 +444,31 @@ impl Rule {
     pub fn window(&self) -> u64 {
         self.algorithm.window()
     }
+
+    /// This rule's share for one of `instances` that enforce it apart,
+    /// with the same name: every rate, burst and window limit divided by
+    /// `instances`, rounded down, and never below one unit (so a fleet
+    /// larger than a limit admits one unit per instance). Redis's
+    /// `FailurePolicy::fallback_share` decides in memory with it during
+    /// an outage, so that a fleet of `instances` admits about the limit,
+    /// not `instances` times it.
+    ///
+    /// ```
+    /// use tollgate_core::{Limit, Rate, Rule};
+    ///
+    /// let rule = Rule::new("per-key", Limit::gcra(Rate::per_second(100), 40))?;
+    /// let share = rule.divided(4)?;
+    /// assert_eq!(share.capacity(), 10);
+    /// assert_eq!(share.name(), "per-key");
+    /// assert_eq!(rule.divided(0).unwrap_err().field(), "instances");
+    /// # Ok::<(), tollgate_core::ConfigError>(())
+    /// ```
+    pub fn divided(&self, instances: u32) -> Result<Self, ConfigError> {
+        Ok(Self {
+            name: self.name.clone(),
+            algorithm: self.algorithm.divided(instances)?,
+        })
+    }
 }
 
 /// A named, validated concurrency rule: at most `max` permits held at once
@@ -433,6 +522,22 @@ impl ConcurrencyRule {
     pub fn semaphore(&self) -> &Semaphore {
         &self.semaphore
     }
+
+    /// This rule's share for one of `instances` that enforce it apart:
+    /// `max` divided by `instances`, rounded down, at least one permit
+    /// (see [`Rule::divided`]).
+    pub fn divided(&self, instances: u32) -> Result<Self, ConfigError> {
+        if instances == 0 {
+            return Err(ConfigError::new("instances", "must be at least 1"));
+        }
+        let s = &self.semaphore;
+        let max = s.max().checked_div(instances).unwrap_or(1).max(1);
+        Ok(Self {
+            name: self.name.clone(),
+            semaphore: Semaphore::new(max, Duration::from_nanos(s.lease_ttl()))?
+                .with_retry_after(Duration::from_nanos(s.retry_after()))?,
+        })
+    }
 }
 
 /// A named, validated calendar quota: budgets per period per key (see
@@ -475,6 +580,25 @@ impl QuotaRule {
     /// The validated quota.
     pub fn quota(&self) -> &crate::Quota {
         &self.quota
+    }
+
+    /// This rule's share for one of `instances` that enforce it apart:
+    /// every period's budget divided by `instances`, rounded down, at
+    /// least one unit (see [`Rule::divided`]).
+    pub fn divided(&self, instances: u32) -> Result<Self, ConfigError> {
+        if instances == 0 {
+            return Err(ConfigError::new("instances", "must be at least 1"));
+        }
+        let n = u64::from(instances);
+        let periods: Vec<_> = self
+            .quota
+            .periods()
+            .map(|(period, limit)| (period, limit.checked_div(n).unwrap_or(1).max(1)))
+            .collect();
+        Ok(Self {
+            name: self.name.clone(),
+            quota: crate::Quota::new(&periods, self.quota.offset())?,
+        })
     }
 }
 
@@ -629,5 +753,105 @@ mod tests {
             Rate::new(1, Duration::MAX).interval_nanos("rate"),
             Ok(u64::MAX)
         );
+    }
+
+    /// A divided limit admits at most its share: over a long run, the
+    /// shares of `n` instances together admit no more than the whole rule
+    /// (plus one burst each), and at least most of it where the division
+    /// is exact.
+    #[test]
+    fn a_divided_rule_admits_its_share() {
+        fn admitted(algorithm: &Algorithm, seconds: u64) -> u64 {
+            // One unit asked every millisecond, for `seconds`.
+            fn run<A: crate::algorithm::RateAlgorithm>(a: &A, seconds: u64) -> u64 {
+                let mut state = A::State::default();
+                let mut admitted = 0;
+                for ms in 0..seconds * 1_000 {
+                    if a.decide(&mut state, 1_000_000_000 + ms * 1_000_000, 1)
+                        .is_allowed()
+                    {
+                        admitted += 1;
+                    }
+                }
+                admitted
+            }
+            match algorithm {
+                Algorithm::Gcra(a) => run(a, seconds),
+                Algorithm::TokenBucket(a) => run(a, seconds),
+                Algorithm::FixedWindow(a) => run(a, seconds),
+                Algorithm::SlidingWindowCounter(a) => run(a, seconds),
+                Algorithm::SlidingWindowLog(a) => run(a, seconds),
+                Algorithm::LeakyBucket(a) => run(a, seconds),
+            }
+        }
+        let limits = [
+            Limit::gcra(Rate::per_second(100), 40),
+            Limit::token_bucket(100, 10, Duration::from_millis(100)),
+            Limit::token_bucket(100, 1, Duration::from_millis(10)),
+            Limit::fixed_window(100, Duration::from_secs(1)),
+            Limit::sliding_window_counter(100, Duration::from_secs(1)),
+            Limit::sliding_window_log(100, Duration::from_secs(1)),
+            Limit::leaky_bucket(Rate::per_second(100), Duration::from_millis(100)),
+        ];
+        for limit in limits {
+            let whole = Algorithm::new(limit).unwrap();
+            let all = admitted(&whole, 20);
+            for n in [2_u32, 4, 5] {
+                let share = whole.divided(n).unwrap();
+                // A leaky bucket's capacity counts the request at the
+                // head of the queue too: one unit each beyond the share.
+                let slack = match whole {
+                    Algorithm::LeakyBucket(_) => u64::from(n),
+                    _ => 0,
+                };
+                assert!(
+                    share.capacity() * u64::from(n) <= whole.capacity() + slack,
+                    "{limit:?} / {n}"
+                );
+                let fleet = admitted(&share, 20) * u64::from(n);
+                assert!(
+                    fleet <= all + share.capacity() * u64::from(n),
+                    "{limit:?} / {n}: {fleet} > {all}"
+                );
+                assert!(fleet * 10 >= all * 8, "{limit:?} / {n}: {fleet} of {all}");
+            }
+        }
+        // More instances than units: one unit each, never none.
+        let small = Algorithm::new(Limit::fixed_window(3, Duration::from_secs(1))).unwrap();
+        assert_eq!(small.divided(10).unwrap().capacity(), 1);
+        assert_eq!(small.divided(0).unwrap_err().field(), "instances");
+        // A slow rate divided past what a nanosecond count holds is an error.
+        let slow = Algorithm::new(Limit::gcra(
+            Rate::new(1, Duration::from_secs(86_400 * 365 * 500)),
+            1,
+        ))
+        .unwrap();
+        assert_eq!(slow.divided(2).unwrap_err().field(), "instances");
+    }
+
+    #[test]
+    fn divided_concurrency_and_quota_rules() {
+        use crate::calendar::{Offset, Period};
+        let rule = ConcurrencyRule::new("c", 10, Duration::from_secs(30))
+            .unwrap()
+            .with_retry_after(Duration::from_millis(250))
+            .unwrap();
+        let share = rule.divided(4).unwrap();
+        assert_eq!(share.semaphore().max(), 2);
+        assert_eq!(share.semaphore().lease_ttl(), rule.semaphore().lease_ttl());
+        assert_eq!(share.semaphore().retry_after(), 250_000_000);
+        assert_eq!(rule.divided(20).unwrap().semaphore().max(), 1);
+        assert_eq!(rule.divided(0).unwrap_err().field(), "instances");
+
+        let quota = QuotaRule::new(
+            "q",
+            &[(Period::Day, 1_000), (Period::Month, 2)],
+            Offset::UTC,
+        )
+        .unwrap();
+        let share = quota.divided(3).unwrap();
+        let periods: Vec<_> = share.quota().periods().collect();
+        assert_eq!(periods, [(Period::Day, 333), (Period::Month, 1)]);
+        assert_eq!(quota.divided(0).unwrap_err().field(), "instances");
     }
 }

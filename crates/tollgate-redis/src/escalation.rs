@@ -13,7 +13,6 @@ use tollgate_core::{
 
 use crate::backend::Backend;
 use crate::key;
-use crate::policy::FailurePolicy;
 use crate::scripts::{EscalationMode, ESCALATION};
 
 /// An escalation ladder bound to a [`RedisStore`](crate::RedisStore),
@@ -53,9 +52,10 @@ impl RedisEscalation {
         let l = rule.escalation();
         crate::scripts::check_span("period", l.period())?;
         crate::scripts::check_span("max_block", l.max_block())?;
-        let fallback = match &backend.policy.binding(rebinding) {
-            FailurePolicy::Fallback(memory) => Some(memory.escalation(rule)?),
-            FailurePolicy::Open | FailurePolicy::Closed => None,
+        // Not divided among a fleet: a strike counts wherever it lands.
+        let fallback = match backend.policy.binding(rebinding).memory() {
+            Some((memory, _)) => Some(memory.escalation(rule)?),
+            None => None,
         };
         Ok(Self {
             params: [

@@ -83,7 +83,8 @@
 //! - **Failure policy**, per store: [`FailurePolicy::Open`] admits,
 //!   [`FailurePolicy::Closed`] denies, [`FailurePolicy::Fallback`] limits
 //!   in process memory (and releases there the leases it granted, even
-//!   after Redis is back). For a retry budget, Open grants every retry
+//!   after Redis is back): each instance the whole limit, or its share of
+//!   it with [`FailurePolicy::fallback_share`]. For a retry budget, Open grants every retry
 //!   (as with no budget), Closed none, Fallback spends the process's own
 //!   budget — the one to choose, see [`RedisRetryBudget`]. Every call has a short timeout (default 50 ms;
 //!   connecting has its own, default 2 s), and a circuit breaker stops

@@ -27,16 +27,67 @@ pub enum FailurePolicy {
     /// Deny every request, retry after a second (protection first). A
     /// retry budget grants no retry.
     Closed,
-    /// Decide in this process's memory: each instance enforces the limit
-    /// on its own until Redis is back. The one to choose for retry
-    /// budgets (see [`RedisRetryBudget`](crate::RedisRetryBudget)).
+    /// Decide in this process's memory: each instance enforces the whole
+    /// limit on its own until Redis is back, so a fleet of N instances
+    /// admits up to N times each rate and burst, N times each in-flight
+    /// limit, and a fresh quota each (see
+    /// [`FallbackShare`](Self::FallbackShare) for a fleet). The one to
+    /// choose for retry budgets (see
+    /// [`RedisRetryBudget`](crate::RedisRetryBudget)).
     Fallback(MemoryStore),
+    /// [`Fallback`](Self::Fallback) for a fleet of `instances`: each
+    /// instance decides in memory with its share of every limit — rates,
+    /// bursts, window limits, in-flight maximums and quota budgets divided
+    /// by `instances`, rounded down, never below one unit — so that during
+    /// an outage the fleet admits about the limit, not `instances` times
+    /// it ([`Rule::divided`](tollgate_core::Rule::divided)). Name the
+    /// usual fleet size: fewer instances than that admit less than the
+    /// limit, more admit more. Retry budgets and escalation ladders are
+    /// not divided: each instance's budget already follows its own
+    /// traffic, and a strike counts against the client wherever it lands.
+    FallbackShare {
+        /// The memory the shares are kept in.
+        memory: MemoryStore,
+        /// How many instances share each limit (at least 1).
+        instances: u32,
+    },
 }
 
 impl FailurePolicy {
     /// [`FailurePolicy::Fallback`] with a fresh default [`MemoryStore`].
     pub fn fallback() -> Self {
         Self::Fallback(MemoryStore::new())
+    }
+
+    /// [`FailurePolicy::FallbackShare`] for `instances` instances, with a
+    /// fresh default [`MemoryStore`]. Zero is refused when the store is
+    /// built (field `instances`).
+    pub fn fallback_share(instances: u32) -> Self {
+        Self::FallbackShare {
+            memory: MemoryStore::new(),
+            instances,
+        }
+    }
+
+    /// The memory a fallback decides in, and how many instances share
+    /// each limit; `None` for `Open` and `Closed`.
+    pub(crate) fn memory(&self) -> Option<(&MemoryStore, u32)> {
+        match self {
+            Self::Fallback(m) => Some((m, 1)),
+            Self::FallbackShare { memory, instances } => Some((memory, *instances)),
+            Self::Open | Self::Closed => None,
+        }
+    }
+
+    /// Refuses a share among no instances.
+    pub(crate) fn validate(&self) -> Result<(), ConfigError> {
+        match self.memory() {
+            Some((_, 0)) => Err(ConfigError::new(
+                "instances",
+                "FailurePolicy::fallback_share needs at least 1 instance",
+            )),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -66,6 +117,12 @@ impl FailurePolicy {
             FailurePolicy::Fallback(m) if rebinding => {
                 FailurePolicy::Fallback(tollgate_core::Store::rebinding(m))
             }
+            FailurePolicy::FallbackShare { memory, instances } if rebinding => {
+                FailurePolicy::FallbackShare {
+                    memory: tollgate_core::Store::rebinding(memory),
+                    instances: *instances,
+                }
+            }
             other => other.clone(),
         }
     }
@@ -77,6 +134,9 @@ impl RateOnFailure {
             FailurePolicy::Open => Self::Open,
             FailurePolicy::Closed => Self::Closed,
             FailurePolicy::Fallback(m) => Self::Memory(m.limiter(rule)?),
+            FailurePolicy::FallbackShare { memory, instances } => {
+                Self::Memory(memory.limiter(&rule.divided(*instances)?)?)
+            }
         })
     }
 
@@ -127,6 +187,9 @@ impl ConcurrencyOnFailure {
             FailurePolicy::Open => Self::Open,
             FailurePolicy::Closed => Self::Closed,
             FailurePolicy::Fallback(m) => Self::Memory(m.concurrency_limiter(rule)?),
+            FailurePolicy::FallbackShare { memory, instances } => {
+                Self::Memory(memory.concurrency_limiter(&rule.divided(*instances)?)?)
+            }
         })
     }
 
@@ -202,6 +265,9 @@ impl QuotaOnFailure {
             FailurePolicy::Open => Self::Open,
             FailurePolicy::Closed => Self::Closed,
             FailurePolicy::Fallback(m) => Self::Memory(m.quota_limiter(rule)?),
+            FailurePolicy::FallbackShare { memory, instances } => {
+                Self::Memory(memory.quota_limiter(&rule.divided(*instances)?)?)
+            }
         })
     }
 
@@ -267,7 +333,10 @@ impl RetryBudgetOnFailure {
         Ok(match policy {
             FailurePolicy::Open => Self::Open,
             FailurePolicy::Closed => Self::Closed,
-            FailurePolicy::Fallback(m) => Self::Memory(m.retry_budget(rule)?),
+            // Not divided: each instance's budget follows its own traffic.
+            FailurePolicy::Fallback(m) | FailurePolicy::FallbackShare { memory: m, .. } => {
+                Self::Memory(m.retry_budget(rule)?)
+            }
         })
     }
 

@@ -284,6 +284,7 @@ impl RedisStoreBuilder {
                 "must be longer than zero",
             ));
         }
+        self.policy.validate()?;
         if self.breaker_threshold == 0 {
             return Err(ConfigError::new("breaker_threshold", "must be at least 1"));
         }

@@ -194,6 +194,57 @@ async fn a_store_built_while_redis_is_down_follows_its_policy() {
     assert_eq!(burst(&l, b"d", 5).await.0, 3);
 }
 
+/// A fleet of four on `fallback_share(4)` admits about the limit during
+/// an outage, where `fallback()` gives each of them the whole of it: the
+/// rate's burst, the in-flight maximum and the quota, each divided.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_s_fallback_share_admits_about_the_limit_not_n_times_it() {
+    let Some(mut server) = Server::start() else {
+        return;
+    };
+    server.kill();
+    let rate = Rule::new("share", Limit::gcra(Rate::per_minute(40), 40)).unwrap();
+    let conc = ConcurrencyRule::new("share-c", 8, Duration::from_secs(30)).unwrap();
+    let quota = QuotaRule::new("share-q", &[(Period::Day, 100)], Offset::UTC).unwrap();
+    // Four instances, each with a store (and memory) of its own.
+    let fleet = |policy: fn() -> FailurePolicy| -> Vec<RedisStore> {
+        (0..4).map(|_| store(&server, policy())).collect()
+    };
+    for (policy, per_instance) in [
+        (
+            FailurePolicy::fallback as fn() -> FailurePolicy,
+            [40, 8, 100],
+        ),
+        (|| FailurePolicy::fallback_share(4), [10, 2, 25]),
+    ] {
+        let mut totals = [0; 3];
+        for instance in fleet(policy) {
+            let l = instance.limiter(&rate).unwrap();
+            totals[0] += burst(&l, b"k", 60).await.0;
+            let c = instance.concurrency_limiter(&conc).unwrap();
+            let mut held = Vec::new();
+            for _ in 0..12 {
+                let got = c.acquire(b"k", 1, u32::MAX).await.unwrap();
+                if let Some(lease) = got.lease {
+                    held.push(lease);
+                }
+            }
+            totals[1] += held.len();
+            let q = instance.quota_limiter(&quota).unwrap();
+            for _ in 0..150 {
+                totals[2] += usize::from(q.consume(b"k", 1).await.unwrap().is_allowed());
+            }
+        }
+        assert_eq!(totals, per_instance.map(|n| n * 4), "{per_instance:?} each");
+    }
+    let err = RedisStore::builder(&server.url())
+        .prefix(&unique_prefix())
+        .failure_policy(FailurePolicy::fallback_share(0))
+        .build()
+        .unwrap_err();
+    assert_eq!(err.field(), "instances");
+}
+
 fn concurrency_rule() -> ConcurrencyRule {
     ConcurrencyRule::new("faults-c", 2, Duration::from_secs(30))
         .unwrap()

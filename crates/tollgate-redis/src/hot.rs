@@ -28,10 +28,11 @@ use tollgate_core::{
 /// lease is spent before it ends (the key is hot), up to
 /// [`max_batch`](Self::max_batch) and to [`max_share`](Self::max_share)
 /// of the rule's capacity, and halves when a lease ends with units left.
-/// Units left when a lease ends go back to the store (a refund) with the
-/// key's next lease if that comes within a TTL of the end (a fixed
-/// window's: while its window lasts); otherwise they lapse, since a late
-/// refund would credit capacity long after the time that counted it.
+/// Units a lease still holds when the key's next lease is taken before it
+/// ends (a decision that costs more than it holds) go back to the store
+/// with that lease (a refund); units left when a lease ends lapse, since a
+/// refund after its end could credit capacity the store's budget has
+/// already regained with time.
 /// With [`refill_ahead`](Self::refill_ahead), what a lease still holds
 /// when the lease taken ahead replaces it lapses. A holder that dies
 /// mid-lease simply
@@ -575,17 +576,19 @@ impl<C: Clock> Local<C> {
         }
         // Adapt: a lease spent before its end means a hot key; one that
         // ended with units left, a cooler one.
-        // A new lease replaces the old one: what the old one holds (ended,
-        // or too little for this cost) goes back to the store — while it
-        // is on, or within a TTL of its end (a window's lease, only while
-        // its window is): later, a refund could credit capacity well past
-        // the time that counted it, so those units lapse.
+        // A new lease replaces the old one: what the old one holds (too
+        // little for this cost) goes back to the store while it is on (a
+        // window's lease, while its window is). Once it has ended, its
+        // units lapse: the store's budget may have refilled meanwhile (a
+        // GCRA's idle time, a bucket at capacity), and a refund then would
+        // credit capacity that time already gave back — up to another
+        // `rate × ttl` beyond the bound.
         let ended = s.expires <= now;
         let recent = if self.windowed {
             // The lease's window is still the store's.
-            now < s.whole_at
+            !ended && now < s.whole_at
         } else {
-            now <= s.expires.saturating_add(self.ttl)
+            !ended
         };
         let left = std::mem::take(&mut s.units);
         let give_back = if recent { left } else { 0 };

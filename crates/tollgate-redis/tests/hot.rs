@@ -206,24 +206,32 @@ async fn the_denial_cache_answers_until_the_store_said_to_retry() {
     assert!(l.decide(b"k", 1).await.unwrap().is_allowed());
 }
 
+/// Units a live lease holds go back to the store with the key's next
+/// lease; units left when a lease ends lapse (a refund after its end could
+/// credit capacity the store's budget already regained with time: up to
+/// another `rate × ttl` beyond the documented bound).
 #[tokio::test]
-async fn units_left_when_a_lease_ends_go_back_to_the_store() {
+async fn a_live_lease_s_units_go_back_and_an_ended_lease_s_lapse() {
     let (clock, store, l) = leased(HotKeys::new().max_batch(8), &gcra(1, 100));
-    // Grow the batch: 1 + 2 + 4 + 8 units, the last lease barely used.
-    for _ in 0..8 {
-        assert!(l.decide(b"k", 1).await.unwrap().is_allowed());
-    }
     let plain = store.memory.limiter(&gcra(1, 100)).unwrap();
-    assert_eq!(plain.decide_now(b"k", 0).remaining, 100 - 15);
-    // The lease ends; the next decision gives the 7 back, then leases.
+    // Grow the batch: 1 + 2 + 4 + 8 units, the last lease barely used.
+    for key in [b"a", b"b"] {
+        for _ in 0..8 {
+            assert!(l.decide(key, 1).await.unwrap().is_allowed());
+        }
+        assert_eq!(plain.decide_now(key, 0).remaining, 100 - 15);
+    }
+    // `a`'s lease is on and holds 7: a cost of 10 takes a new lease
+    // (10, for this decision alone), and the 7 go back with it.
+    assert!(l.decide(b"a", 10).await.unwrap().is_allowed());
+    assert_eq!(plain.decide_now(b"a", 0).remaining, 100 - 8 - 10);
+    // `b`'s lease ends: its 7 lapse; the next lease is halved to 4.
     clock.advance(Duration::from_millis(51));
-    assert!(l.decide(b"k", 1).await.unwrap().is_allowed());
-    let left = plain.decide_now(b"k", 0).remaining;
-    // 8 spent before, and the new lease (halved to 4, one of it spent).
-    assert_eq!(left, 100 - 8 - 4);
+    assert!(l.decide(b"b", 1).await.unwrap().is_allowed());
+    assert_eq!(plain.decide_now(b"b", 0).remaining, 100 - 15 - 4);
     // A refund goes into the live lease, not the store.
     let calls = store.calls.load(Ordering::Relaxed);
-    l.refund(b"k", 1).await.unwrap();
+    l.refund(b"b", 1).await.unwrap();
     assert_eq!(store.calls.load(Ordering::Relaxed), calls);
 }
 
@@ -800,4 +808,68 @@ async fn a_distant_redis_leaves_hot_keys_local_with_leases_taken_ahead() {
         with * 100 < decisions,
         "{with} of {decisions} waited with leases taken ahead"
     );
+}
+
+/// Five instances taking leases ahead on one key limited to 1,000 a
+/// second (leases of at most 10), each at `per_second`, for 3 s: the
+/// number refused and the number asked.
+async fn fleet_ahead(per_second: u64) -> (u64, u64) {
+    async fn settle() {
+        for _ in 0..8 {
+            tokio::task::yield_now().await;
+        }
+    }
+    let clock = ManualClock::starting_at(1_000_000_000);
+    let store = counted(&clock);
+    let rule = gcra(1_000, 100);
+    let fleet: Vec<Hot> = (0..5)
+        .map(|_| {
+            HotKeys::new()
+                .refill_ahead(true)
+                .over_with_clock(store.clone(), clock.clone())
+                .unwrap()
+                .limiter(&rule)
+                .unwrap()
+        })
+        .collect();
+    let (mut refused, mut asked) = (0, 0);
+    for ms in 0..3_000_u64 {
+        for (i, l) in fleet.iter().enumerate() {
+            // `per_second` evenly spread, the instances staggered.
+            let t = (ms + 7 * i as u64) % 1_000;
+            if t * per_second / 1_000 != (t + 1) * per_second / 1_000 {
+                asked += 1;
+                refused += u64::from(!l.decide(b"k", 1).await.unwrap().is_allowed());
+            }
+        }
+        settle().await;
+        clock.advance(Duration::from_millis(1));
+    }
+    (refused, asked)
+}
+
+/// A fleet whose leases ahead would lapse half spent every cycle is
+/// charged for what lapses, and the store refuses it below its limit
+/// (a review's scenario: 429s at 75 %). Measured: none refused at 75 %
+/// or 90 %; over the limit the fleet admits its rate and burst, neither
+/// much less (units lapsing) nor more than a TTL's worth beyond.
+#[tokio::test]
+async fn leases_ahead_refuse_nobody_below_the_limit_and_admit_it_above() {
+    for per_second in [150, 180] {
+        let (refused, asked) = fleet_ahead(per_second).await;
+        assert_eq!(asked, per_second * 5 * 3);
+        assert_eq!(
+            refused, 0,
+            "{refused} of {asked} refused at {per_second}/s each"
+        );
+    }
+    for per_second in [240, 400] {
+        let (refused, asked) = fleet_ahead(per_second).await;
+        let admitted = asked - refused;
+        // 3 s at 1,000/s plus the burst of 100; at most a TTL (50 ms) more.
+        assert!(
+            (2_950..=3_150).contains(&admitted),
+            "{admitted} at {per_second}/s each"
+        );
+    }
 }

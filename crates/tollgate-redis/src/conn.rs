@@ -48,7 +48,10 @@ type Connect<C> = Box<dyn Fn() -> tollgate_core::BoxFuture<redis::RedisResult<C>
 /// on, and are paced: after a failed one, the next waits 50 ms, doubling
 /// to 2 s; after a successful one, no replacement comes within a second.
 /// So a dead node costs at most a few connects a second, never one per
-/// call. Connects are started by calls (the breaker's probes included):
+/// call. Every wait is jittered (each a random 50 to 100 % of its
+/// length, and a replacement starts up to 250 ms after the trouble that
+/// asked for it), so that a fleet whose instances all saw the same stall
+/// at the same moment does not reconnect, and read the slot map, in step. Connects are started by calls (the breaker's probes included):
 /// with no traffic, nothing reconnects until a request comes.
 pub(crate) struct Slot<C> {
     /// The connection in use, and its number: trouble on a connection
@@ -70,7 +73,14 @@ pub(crate) struct Slot<C> {
     connect_timeout: Duration,
     /// What it connects to, for logs.
     what: &'static str,
+    /// Draws for the jitter: a random seed and a counter.
+    draws: std::sync::atomic::AtomicU64,
+    seed: std::hash::RandomState,
 }
+
+/// The longest a replacement connect waits, at random, after the trouble
+/// that asked for it.
+const REPLACE_JITTER: Duration = Duration::from_millis(250);
 
 impl<C: Clone + Send + 'static> Slot<C> {
     /// Must be called on a Tokio runtime (the store's builder is).
@@ -93,6 +103,8 @@ impl<C: Clone + Send + 'static> Slot<C> {
             connect,
             connect_timeout,
             what,
+            draws: std::sync::atomic::AtomicU64::new(0),
+            seed: std::hash::RandomState::new(),
         });
         slot.kick();
         slot
@@ -174,6 +186,15 @@ impl<C: Clone + Send + 'static> Slot<C> {
         result
     }
 
+    /// A random part of `span`: from `low` (a share of 1, at most 1) of it
+    /// to all of it.
+    fn jitter(&self, span: Duration, low: f64) -> Duration {
+        let n = self
+            .draws
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        jittered(&self.seed, n, span, low)
+    }
+
     /// Starts a connect unless one is under way; it waits for its pace.
     fn kick(self: &Arc<Self>) {
         use std::sync::atomic::Ordering;
@@ -189,6 +210,14 @@ impl<C: Clone + Send + 'static> Slot<C> {
         // used from another), else on the store's.
         let runtime =
             tokio::runtime::Handle::try_current().unwrap_or_else(|_| self.runtime.clone());
+        // A replacement (calls still have the old connection meanwhile)
+        // waits a random moment, so a fleet does not replace in step.
+        let replacing = self.current().is_some();
+        let spread = if replacing {
+            self.jitter(REPLACE_JITTER, 0.0)
+        } else {
+            Duration::ZERO
+        };
         runtime.spawn(async move {
             let slot = &done.0;
             let at = slot
@@ -196,7 +225,10 @@ impl<C: Clone + Send + 'static> Slot<C> {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .0;
-            tokio::time::sleep_until(at).await;
+            let start = tokio::time::Instant::now()
+                .checked_add(spread)
+                .map_or(at, |t| t.max(at));
+            tokio::time::sleep_until(start).await;
             let made = tokio::time::timeout(slot.connect_timeout, (slot.connect)()).await;
             let now = tokio::time::Instant::now();
             let mut pace = slot
@@ -210,7 +242,8 @@ impl<C: Clone + Send + 'static> Slot<C> {
                         .conn
                         .lock()
                         .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((n, conn));
-                    *pace = (now.checked_add(Duration::from_secs(1)).unwrap_or(now), 0);
+                    let quiet = slot.jitter(Duration::from_secs(2), 0.5);
+                    *pace = (now.checked_add(quiet).unwrap_or(now), 0);
                 }
                 failed => {
                     // Said once at warn (a wrong host or password shows),
@@ -224,9 +257,12 @@ impl<C: Clone + Send + 'static> Slot<C> {
                     } else {
                         tracing::debug!(target: "tollgate::redis", what = slot.what, %error, "Redis connect failed");
                     }
-                    let wait = Duration::from_millis(50)
-                        .saturating_mul(1 << pace.1.min(6))
-                        .min(Duration::from_secs(2));
+                    let wait = slot.jitter(
+                        Duration::from_millis(50)
+                            .saturating_mul(1 << pace.1.min(6))
+                            .min(Duration::from_secs(2)),
+                        0.5,
+                    );
                     *pace = (
                         now.checked_add(wait).unwrap_or(now),
                         pace.1.saturating_add(1),
@@ -235,6 +271,17 @@ impl<C: Clone + Send + 'static> Slot<C> {
             }
         });
     }
+}
+
+/// Draw `n` of `seed`: a random part of `span`, from `low` (a share of 1)
+/// of it to all of it.
+fn jittered(seed: &std::hash::RandomState, n: u64, span: Duration, low: f64) -> Duration {
+    use std::hash::BuildHasher;
+    // The top 53 bits of the draw as a fraction in [0, 1).
+    #[allow(clippy::cast_precision_loss)]
+    let unit = (seed.hash_one(n) >> 11) as f64 / (1_u64 << 53) as f64;
+    let low = low.clamp(0.0, 1.0);
+    span.mul_f64(low + (1.0 - low) * unit)
 }
 
 /// Ends a connect attempt when dropped: clears the slot's flag and wakes
@@ -671,6 +718,26 @@ impl Conn {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reconnect_waits_are_jittered_within_their_span() {
+        let span = Duration::from_secs(2);
+        let (a, b) = (std::hash::RandomState::new(), std::hash::RandomState::new());
+        let draws: Vec<Duration> = (0..200).map(|n| jittered(&a, n, span, 0.5)).collect();
+        assert!(draws
+            .iter()
+            .all(|d| (Duration::from_secs(1)..=span).contains(d)));
+        // Spread over the span, not in step: both halves of it are drawn,
+        // and two instances (seeds) draw differently.
+        let low = draws
+            .iter()
+            .filter(|d| **d < Duration::from_millis(1_500))
+            .count();
+        assert!((40..=160).contains(&low), "{low} of 200 in the lower half");
+        let other: Vec<Duration> = (0..200).map(|n| jittered(&b, n, span, 0.5)).collect();
+        assert_ne!(draws, other);
+        assert!((0..50).all(|n| jittered(&a, n, REPLACE_JITTER, 0.0) <= REPLACE_JITTER));
+    }
 
     #[test]
     fn hash_slots_are_redis_own() {

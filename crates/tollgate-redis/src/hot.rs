@@ -131,7 +131,12 @@ impl HotKeys {
     }
 
     /// How long a lease lasts: how late a leased unit may be spent (the
-    /// bound above scales with it). From 1 ms to 10 s.
+    /// bound above scales with it). From 1 ms to 10 s. Keep it well above
+    /// the store's round trip and call timeout (a Redis store's default
+    /// timeout is 50 ms, as is this TTL's default): a lease's TTL counts
+    /// from when it was asked for, so a lease whose answer takes longer
+    /// than the TTL has ended when it lands, and every decision costs a
+    /// store call again.
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = ttl;
         self

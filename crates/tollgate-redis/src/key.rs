@@ -227,6 +227,7 @@ mod tests {
             Format::Semaphore,
             Format::Quota,
             Format::RetryBudget,
+            Format::Escalation,
         ];
         let keys: std::collections::HashSet<String> = formats
             .iter()

@@ -21,7 +21,7 @@
 //!   names the service ([`RedisStoreBuilder::prefix`] is required, so
 //!   that two services never share budgets); the format is the
 //!   algorithm and the version of its state's layout (`gcra1`, `tb1`,
-//!   `fw1`, `swc1`, `swl1`, `lb1`, `sem2`, `q1`, `rb1`), so that a rule whose algorithm
+//!   `fw1`, `swc1`, `swl1`, `lb1`, `sem2`, `q1`, `rb1`, `esc1`), so that a rule whose algorithm
 //!   changes, or instances of two versions, start afresh instead of
 //!   misreading each other's state — and a script that meets state it
 //!   does not recognise (another type, another layout) treats it as
@@ -135,8 +135,10 @@
 //! is read afresh (redis-rs follows `MOVED`, but would reconnect a dead
 //! master's address forever). Calls go on meanwhile, and the failure
 //! policy answers those that fail. Connects are one at a time: after one
-//! that worked, no replacement for a second; while they fail, the next
-//! waits 50 ms, doubling up to 2 s. They are started by calls (the
+//! that worked, no replacement for 1 to 2 s; while they fail, the next
+//! waits 50 ms, doubling up to 2 s; a replacement starts up to 250 ms
+//! after the trouble. Every wait is drawn at random within its span, so a
+//! fleet that saw the same stall does not reconnect in step. They are started by calls (the
 //! breaker's probes included), so a dead node never costs a connect per
 //! call. A user and password in any URL authenticate (ACL users
 //! included) and never appear in the store's errors or `Debug` output.
@@ -145,13 +147,21 @@
 //! failover loses the writes the replica had not received: the decisions
 //! of the last moments before the switch, about the key's decision rate
 //! times the replication lag (well under a millisecond on one network;
-//! the test that crashes a Cluster master under 4 writers lost none of
-//! ~2,700 acknowledged units, on loopback). Their units come back — a
+//! the test that crashes a Cluster master under 4 writers has lost none
+//! of ~2,700 acknowledged units on loopback, and asserts at most a tenth
+//! plus 16). Their units come back — a
 //! client gets up to that much extra budget once; nothing is lost for
 //! good. Between the crash and the promotion (the cluster's node timeout
 //! plus an election: ~4 s with a 2-s node timeout) the failure policy
 //! answers for the keys of the lost master's slots; the other slots are
 //! decided by Redis throughout.
+//!
+//! **Run the limiter's Redis with `maxmemory-policy noeviction`** (or a
+//! `volatile-*` policy on an instance that holds nothing else): every key
+//! has a TTL, so nothing outlives its use, but an `allkeys-*` policy
+//! that evicts a GCRA or window key under memory pressure hands that
+//! client a whole fresh budget. With `noeviction`, a full Redis refuses
+//! the write, and the failure policy answers.
 //!
 //! Redis 5.0 or later (or a compatible server): the scripts write after
 //! reading `TIME`, which needs script effects replication, the default

@@ -36,12 +36,13 @@ struct Tally {
 }
 
 impl Tally {
-    fn new(result: &'static str) -> Self {
+    fn new(result: &'static str, name: &str) -> Self {
         Self {
             count: AtomicU64::new(0),
             metric: metrics::counter!(
                 "tollgate_store_calls_total",
                 "store" => "redis",
+                "name" => name.to_owned(),
                 "result" => result
             ),
         }
@@ -75,7 +76,7 @@ struct Counters {
 }
 
 impl Counters {
-    fn register(prefix: &str) -> Self {
+    fn register(prefix: &str, name: &str) -> Self {
         metrics::describe_counter!(
             "tollgate_store_calls_total",
             "Calls to the Redis store by result: ok, error, timeout, skipped (breaker open)"
@@ -90,15 +91,20 @@ impl Counters {
             "1 while the Redis store's circuit breaker is open"
         );
         Self {
-            ok: Tally::new("ok"),
-            errors: Tally::new("error"),
-            timeouts: Tally::new("timeout"),
-            skipped: Tally::new("skipped"),
+            ok: Tally::new("ok", name),
+            errors: Tally::new("error", name),
+            timeouts: Tally::new("timeout", name),
+            skipped: Tally::new("skipped", name),
             last_log: AtomicU64::new(0),
-            latency: metrics::histogram!("tollgate_store_call_seconds", "store" => "redis"),
+            latency: metrics::histogram!(
+                "tollgate_store_call_seconds",
+                "store" => "redis",
+                "name" => name.to_owned()
+            ),
             breaker: metrics::gauge!(
                 "tollgate_store_breaker_open",
                 "store" => "redis",
+                "name" => name.to_owned(),
                 "prefix" => prefix.to_owned()
             ),
         }
@@ -136,6 +142,8 @@ pub(crate) struct Backend {
 pub(crate) struct BackendConfig {
     pub(crate) conn: Conn,
     pub(crate) prefix: Arc<str>,
+    /// The store's name in its metrics.
+    pub(crate) name: Arc<str>,
     pub(crate) names: crate::key::KeyNames,
     pub(crate) timeout: Duration,
     pub(crate) policy: FailurePolicy,
@@ -146,7 +154,7 @@ pub(crate) struct BackendConfig {
 
 impl Backend {
     pub(crate) fn new(config: BackendConfig) -> Self {
-        let counters = Counters::register(&config.prefix);
+        let counters = Counters::register(&config.prefix, &config.name);
         let breakers = (0..config.conn.ranges())
             .map(|_| (config.breaker)())
             .collect();

@@ -103,7 +103,9 @@
 //!   breakers open (1 while the one breaker of a standalone or Sentinel
 //!   store is open; on a Cluster the share of breakers open, by master and
 //!   by the fixed slot ranges used before the slot map is read), registered when the store is built:
-//!   install the recorder first.
+//!   install the recorder first. Each carries the store's `name`
+//!   ([`RedisStoreBuilder::name`], default the prefix), so two stores
+//!   (a [`Tiered`] pair) read apart.
 //!
 //! ```no_run
 //! use tollgate_core::{Limit, Limiter, Rate, Rule, Store};

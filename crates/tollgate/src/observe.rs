@@ -26,9 +26,9 @@
 //! | `tollgate_bandwidth_wait_seconds` | histogram | `rule`, `direction`: each wait of a paced body for its byte budget (the sum: time spent throttled) |
 //! | `tollgate_bandwidth_unpaced_total` | counter | `rule`, `direction`: bodies let through unpaced from some point on, because the store failed (or a chunk could never fit the budget) |
 //! | `tollgate_bandwidth_requests_total` | counter | `rule`, `outcome`: `missing_key` (refused: no key), `unkeyed` (let through unpaced by `MissingKey::Skip`) |
-//! | `tollgate_store_calls_total` | counter | `store="redis"`, `result`: `ok`, `error`, `timeout`, `skipped` (breaker open) |
-//! | `tollgate_store_call_seconds` | histogram | `store="redis"`: each call's time |
-//! | `tollgate_store_breaker_open` | gauge | `store="redis"`, `prefix`: the share of the store's circuit breakers that are open: 1 while a standalone or Sentinel store's breaker is open; on a Cluster, the share of its per-master breakers (and the fixed slot ranges used before the slot map is read) that are open (alert on `> 0`) |
+//! | `tollgate_store_calls_total` | counter | `store="redis"`, `name` (the store's name, default its prefix), `result`: `ok`, `error`, `timeout`, `skipped` (breaker open) |
+//! | `tollgate_store_call_seconds` | histogram | `store="redis"`, `name`: each call's time |
+//! | `tollgate_store_breaker_open` | gauge | `store="redis"`, `name`, `prefix`: the share of the store's circuit breakers that are open: 1 while a standalone or Sentinel store's breaker is open; on a Cluster, the share of its per-master breakers (and the fixed slot ranges used before the slot map is read) that are open (alert on `> 0`) |
 //! | `tollgate_audit_dropped_total` | counter | `stream`: audit records a Redis audit stream could not take |
 //! | `tollgate_lease_releases_dropped_total` | counter | `store="redis"`: concurrency lease releases dropped because the lease task's queue was full (65,536 waiting); the leases lapse within their TTL |
 //!

@@ -1,0 +1,83 @@
+//! The store's metrics carry its name, so that two stores (a `Tiered`
+//! pair on one prefix) read apart.
+#![allow(missing_docs, clippy::unwrap_used)]
+
+use std::sync::{Arc, Mutex};
+
+use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
+use tollgate_redis::RedisStore;
+
+/// Records the keys registered: name and labels.
+#[derive(Default, Clone)]
+struct Keys(Arc<Mutex<Vec<String>>>);
+
+impl Keys {
+    fn push(&self, key: &Key) {
+        let mut labels: Vec<String> = key
+            .labels()
+            .map(|l| format!("{}={}", l.key(), l.value()))
+            .collect();
+        labels.sort();
+        self.0
+            .lock()
+            .unwrap()
+            .push(format!("{}{{{}}}", key.name(), labels.join(",")));
+    }
+}
+
+impl Recorder for Keys {
+    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+        self.push(key);
+        Counter::noop()
+    }
+    fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
+        self.push(key);
+        Gauge::noop()
+    }
+    fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
+        self.push(key);
+        Histogram::noop()
+    }
+}
+
+#[tokio::test]
+async fn two_stores_on_one_prefix_have_metrics_of_their_own() {
+    let keys = Keys::default();
+    metrics::with_local_recorder(&keys, || {
+        // Nothing listens there: a store is built without waiting.
+        for name in ["regional", "global"] {
+            RedisStore::builder("redis://127.0.0.1:1")
+                .prefix("shop")
+                .name(name)
+                .build()
+                .unwrap();
+        }
+        RedisStore::builder("redis://127.0.0.1:1")
+            .prefix("billing")
+            .build()
+            .unwrap();
+    });
+    let keys = keys.0.lock().unwrap().clone();
+    for name in ["regional", "global", "billing"] {
+        for metric in [
+            format!("tollgate_store_calls_total{{name={name},result=timeout,store=redis}}"),
+            format!("tollgate_store_call_seconds{{name={name},store=redis}}"),
+        ] {
+            assert!(keys.contains(&metric), "{metric} not in {keys:?}");
+        }
+        assert!(
+            keys.iter()
+                .any(|k| k.starts_with(&format!("tollgate_store_breaker_open{{name={name},"))),
+            "{keys:?}"
+        );
+    }
+    let err = RedisStore::builder("redis://127.0.0.1:1")
+        .prefix("shop")
+        .name("no spaces")
+        .build()
+        .unwrap_err();
+    assert_eq!(err.field(), "name");
+}

@@ -189,13 +189,21 @@ impl HotKeys {
     }
 
     /// The most keys one rule keeps leases for (a key beyond decides per
-    /// request, through the store).
+    /// request, through the store). Keys longer than 64 bytes are never
+    /// leased (they decide through the store), so the table of one rule
+    /// holds at most `max_keys` × 64 bytes of keys; the tower layers'
+    /// keys are at most 64 bytes.
     pub fn max_keys(mut self, keys: usize) -> Self {
         self.max_keys = keys;
         self
     }
 
-    /// Leases only the rules named (default: every rule bound through it).
+    /// Leases only the rules named (default: every rule bound through it
+    /// that can be leased — a sliding window log or a leaky bucket is
+    /// decided per request, through the store). Naming one of those is an
+    /// error when it is bound. A name that matches no rule is not an
+    /// error (the rule may be bound later, or elsewhere): check a bound
+    /// limiter with [`HotLimiter::is_leased`].
     pub fn rules<I, S>(mut self, names: I) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -283,23 +291,30 @@ impl<S: Store, C: Clock> Store for Hot<S, C> {
     type ConcurrencyLimiter = S::ConcurrencyLimiter;
 
     fn limiter(&self, rule: &Rule) -> Result<Self::Limiter, ConfigError> {
-        let leased = self
+        let named = self
             .config
             .rules
             .as_ref()
-            .is_none_or(|names| names.iter().any(|n| n == rule.name()));
-        if !leased {
+            .map(|names| names.iter().any(|n| n == rule.name()));
+        let unleasable = matches!(
+            rule.algorithm(),
+            Algorithm::SlidingWindowLog(_) | Algorithm::LeakyBucket(_)
+        );
+        // Every rule (no names given) leases those that can be; a rule not
+        // named is not leased.
+        if named == Some(false) || (named.is_none() && unleasable) {
             return Ok(HotLimiter {
                 inner: self.inner.limiter(rule)?,
                 local: None,
             });
         }
         let windowed = match rule.algorithm() {
+            // Named, yet cannot be leased.
             Algorithm::SlidingWindowLog(_) | Algorithm::LeakyBucket(_) => {
                 return Err(ConfigError::new(
                     "hot_keys",
                     format!(
-                        "rule {:?}: a sliding window log is exact per request and a leaky bucket paces each request; neither can be leased (name the other rules in HotKeys::rules)",
+                        "rule {:?}: a sliding window log is exact per request and a leaky bucket paces each request; neither can be leased (leave it out of HotKeys::rules)",
                         rule.name()
                     ),
                 ))
@@ -441,6 +456,10 @@ struct Local<C> {
     ahead: bool,
 }
 
+/// The longest key the lease table holds; longer ones decide through the
+/// store.
+const MAX_LEASED_KEY: usize = 64;
+
 /// A lease ahead that is due: its size, and its flight (set).
 type AheadDue = (u64, Arc<Notify>);
 
@@ -555,6 +574,10 @@ impl<C: Clock> Local<C> {
     /// without bound. (While leases still grow, the next one is larger:
     /// waiting for it saves the store calls.)
     fn plan(&self, key: &[u8], cost: u64, limit: u64, waited: bool) -> Step {
+        if key.len() > MAX_LEASED_KEY {
+            // Kept out of the table, which holds keys as they are.
+            return Step::Through;
+        }
         let now = self.clock.now();
         let mut shard = self.shard(key);
         if !shard.contains_key(key) && shard.len() >= self.per_shard {
@@ -782,7 +805,14 @@ impl<L, C> HotLimiter<L, C> {
             })
     }
 
-    /// The store's limiter behind.
+    /// Whether this rule's keys are leased (else every decision goes
+    /// through the store): a rule left out of
+    /// [`HotKeys::rules`], or one that cannot be leased, is not.
+    pub fn is_leased(&self) -> bool {
+        self.local.is_some()
+    }
+
+    /// The limiter beneath, bound on the store itself.
     pub fn inner(&self) -> &L {
         &self.inner
     }

@@ -449,10 +449,18 @@ fn a_lease_ahead_that_never_ran_leaves_no_flight_behind() {
     });
 }
 
+/// A rule that cannot be leased (a sliding window log, a leaky bucket)
+/// decides through the store when every rule is leased (the default), and
+/// is an error when named; a rule left out, or named wrong, is not
+/// leased, which `is_leased` tells.
 #[test]
-fn rules_that_cannot_be_leased_are_refused() {
+fn rules_that_cannot_be_leased_go_through_and_are_refused_when_named() {
     let clock = ManualClock::new();
     let hot = HotKeys::new()
+        .over_with_clock(counted(&clock), clock.clone())
+        .unwrap();
+    let named = HotKeys::new()
+        .rules(["log", "pacer", "hot"])
         .over_with_clock(counted(&clock), clock.clone())
         .unwrap();
     for (name, limit) in [
@@ -462,16 +470,19 @@ fn rules_that_cannot_be_leased_are_refused() {
             Limit::leaky_bucket(Rate::per_second(10), Duration::from_secs(1)),
         ),
     ] {
-        let e = hot.limiter(&Rule::new(name, limit).unwrap()).unwrap_err();
+        let rule = Rule::new(name, limit).unwrap();
+        assert!(!hot.limiter(&rule).unwrap().is_leased());
+        let e = named.limiter(&rule).unwrap_err();
         assert_eq!(e.field(), "hot_keys");
     }
-    // Unless the rule is left out.
-    let only = HotKeys::new()
-        .rules(["other"])
+    assert!(hot.limiter(&gcra(10, 10)).unwrap().is_leased());
+    assert!(named.limiter(&gcra(10, 10)).unwrap().is_leased());
+    // A typo leases nothing, and says so.
+    let typo = HotKeys::new()
+        .rules(["hto"])
         .over_with_clock(counted(&clock), clock)
         .unwrap();
-    let r = Rule::new("r", Limit::sliding_window_log(10, Duration::from_secs(1))).unwrap();
-    assert!(only.limiter(&r).is_ok());
+    assert!(!typo.limiter(&gcra(10, 10)).unwrap().is_leased());
     for bad in [
         HotKeys::new().ttl(Duration::ZERO),
         HotKeys::new().max_batch(0),
@@ -872,4 +883,23 @@ async fn leases_ahead_refuse_nobody_below_the_limit_and_admit_it_above() {
             "{admitted} at {per_second}/s each"
         );
     }
+}
+
+/// The lease table holds keys as they are, so a key longer than 64 bytes
+/// is never leased: it decides through the store, every time, and takes
+/// no room in the table (a direct user's long keys cannot grow it).
+#[tokio::test]
+async fn keys_longer_than_64_bytes_are_never_leased() {
+    let (_, store, l) = leased(HotKeys::new(), &gcra(1_000, 1_000));
+    let long = [b'x'; 65];
+    for i in 1..=20 {
+        assert!(l.decide(&long, 1).await.unwrap().is_allowed());
+        assert_eq!(store.calls.load(Ordering::Relaxed), i);
+    }
+    let short = [b'x'; 64];
+    for _ in 0..20 {
+        assert!(l.decide(&short, 1).await.unwrap().is_allowed());
+    }
+    // Leases of 1, 2, 4, 8 and 16 served the short key's 20.
+    assert_eq!(store.calls.load(Ordering::Relaxed), 20 + 5);
 }

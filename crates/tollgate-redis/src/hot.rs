@@ -14,7 +14,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tollgate_core::{
     duration_to_nanos, Algorithm, Clock, ConcurrencyRule, ConfigError, Decision, EscalationLimiter,
-    EscalationRule, Limiter, Outcome, Rule, Store, StoreError, SystemClock,
+    EscalationRule, JointPart, Limiter, Outcome, Rule, Store, StoreError, SystemClock,
 };
 
 /// Local leases for hot keys, in front of a shared store (Redis): an
@@ -405,6 +405,11 @@ struct KeyState {
     next: Option<(u64, u64)>,
     /// The last lease asked for got no answer (the store failed).
     failed: bool,
+    /// The current lease was granted by the store's failure policy, not
+    /// by the store: its units are never given back to the store, which
+    /// did not count them (fail-open counted nothing; a fallback counted
+    /// them in its own memory, where they lapse).
+    unowned: bool,
 }
 
 impl KeyState {
@@ -522,7 +527,7 @@ impl<C: Clock> Local<C> {
     async fn refill<L: Limiter>(&self, inner: &L, key: &[u8], batch: u64, flight: &Arc<Notify>) {
         let sent = self.clock.now();
         self.store_calls.fetch_add(1, Ordering::Relaxed);
-        let d = inner.decide(key, batch).await;
+        let (d, unowned) = lease(inner, key, batch).await;
         let mut shard = self.shard(key);
         let Some(s) = shard.get_mut(key) else { return };
         if !end_flight(s, flight) {
@@ -531,6 +536,9 @@ impl<C: Clock> Local<C> {
         }
         s.failed = d.is_err();
         match d {
+            // A lease the failure policy granted is not taken ahead: the
+            // key's next decision asks the store (or its policy) again.
+            Ok(_) if unowned => {}
             Ok(d) if d.is_allowed() => {
                 s.next = Some((batch, self.lease_end(sent, &d)));
                 s.remaining = d.remaining;
@@ -619,7 +627,7 @@ impl<C: Clock> Local<C> {
             !ended
         };
         let left = std::mem::take(&mut s.units);
-        let give_back = if recent { left } else { 0 };
+        let give_back = if recent && !s.unowned { left } else { 0 };
         s.spent = 0;
         if s.batch == 0 {
             s.batch = self.min_batch;
@@ -647,7 +655,7 @@ impl<C: Clock> Local<C> {
         cost: u64,
         taken: u64,
         sent: u64,
-        d: &Result<Decision, StoreError>,
+        (d, unowned): (&Result<Decision, StoreError>, bool),
     ) {
         let now = sent;
         let mut shard = self.shard(key);
@@ -660,6 +668,7 @@ impl<C: Clock> Local<C> {
         match d.outcome {
             Outcome::Allow { .. } => {
                 s.units = s.units.saturating_add(taken.saturating_sub(cost));
+                s.unowned = unowned;
                 s.spent = cost;
                 s.expires = self.lease_end(now, d);
                 s.remaining = d.remaining;
@@ -693,6 +702,29 @@ impl<C: Clock> Local<C> {
             }
             _ => false,
         }
+    }
+}
+
+/// Asks `inner` for a lease of `units` for `key`: its answer, and whether
+/// the store's failure policy gave it rather than the store (a store that
+/// decides rules together says so; for others, never).
+async fn lease<L: Limiter>(
+    inner: &L,
+    key: &[u8],
+    units: u64,
+) -> (Result<Decision, StoreError>, bool) {
+    let part = JointPart {
+        limiter: inner,
+        key,
+        cost: units,
+        enforced: true,
+    };
+    let Some(joint) = L::decide_joint(std::slice::from_ref(&part)) else {
+        return (inner.decide(key, units).await, false);
+    };
+    match joint.await.into_iter().next() {
+        Some(answer) => (answer.decision, answer.failed),
+        None => (inner.decide(key, units).await, false),
     }
 }
 
@@ -993,7 +1025,7 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                         let sent = local.clock.now();
                         local.store_calls.fetch_add(1, Ordering::Relaxed);
                         let mut taken = batch;
-                        let mut d = inner.decide(&key, batch).await;
+                        let (mut d, mut unowned) = lease(&inner, &key, batch).await;
                         // Not enough for a batch: ask for what is left
                         // (the denial says how much), at least this
                         // request's cost.
@@ -1009,10 +1041,10 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                             if batch > cost {
                                 local.store_calls.fetch_add(1, Ordering::Relaxed);
                                 taken = left;
-                                d = inner.decide(&key, left).await;
+                                (d, unowned) = lease(&inner, &key, left).await;
                             }
                         }
-                        local.settle(&key, cost, taken, sent, &d);
+                        local.settle(&key, cost, taken, sent, (&d, unowned));
                         let mut guard = guard;
                         guard.done = true;
                         return d.map(|mut d| {

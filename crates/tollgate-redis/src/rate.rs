@@ -246,14 +246,16 @@ impl Limiter for RedisLimiter {
     /// run side by side, and what one consumed is refunded by the caller
     /// when another denies. (On Cluster each rule's key carries its own
     /// hash tag, so rules seldom share a slot.) A key given twice (one
-    /// rule asked twice for one key) goes to a call of its own. `None`
-    /// for a single part, or parts of more than one store.
+    /// rule asked twice for one key) goes to a call of its own. A single
+    /// part is decided by its rule's own script, as `decide` would, and
+    /// its answer says whether the failure policy gave it (what `decide`
+    /// cannot say). `None` for no parts, or parts of more than one store.
     fn decide_joint(parts: &[JointPart<'_, Self>]) -> Option<BoxFuture<Vec<JointDecision>>> {
         let backend = Arc::clone(&parts.first()?.limiter.bound.backend);
         let one_store = parts
             .iter()
             .all(|p| Arc::ptr_eq(&p.limiter.bound.backend, &backend));
-        if parts.len() < 2 || !one_store {
+        if !one_store {
             return None;
         }
         let parts: Vec<Part> = parts

@@ -679,3 +679,36 @@ fn a_store_outlives_the_runtime_it_was_built_on() {
         }
     });
 }
+
+/// A `HotKeys` lease the failure policy granted (fail-open: nothing was
+/// charged anywhere) is never given back to Redis once it is back: Redis
+/// would credit units it never counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_the_failure_policy_granted_is_never_given_back_to_redis() {
+    let Some(server) = Server::start() else {
+        return;
+    };
+    let store = store(&server, FailurePolicy::Open);
+    // One a minute: what Redis has left moves only by what is charged.
+    let rule = Rule::new("given", Limit::gcra(Rate::per_minute(1), 100)).unwrap();
+    let plain = store.limiter(&rule).unwrap();
+    let hot = tollgate_redis::HotKeys::new()
+        .ttl(Duration::from_secs(10))
+        .max_batch(8)
+        .over(store.clone())
+        .unwrap()
+        .limiter(&rule)
+        .unwrap();
+    server.pause(true);
+    // Leases of 1, 2, 4 and 8 from fail-open; the last holds 7.
+    for _ in 0..8 {
+        assert!(hot.decide(b"k", 1).await.unwrap().is_allowed());
+    }
+    server.pause(false);
+    recovery(&store, &plain).await;
+    assert_eq!(plain.decide(b"k", 50).await.unwrap().remaining, 50);
+    // A cost the lease cannot cover takes a lease of 10 on Redis; the 7
+    // fail-open granted are not Redis's to take back.
+    assert!(hot.decide(b"k", 10).await.unwrap().is_allowed());
+    assert_eq!(plain.decide(b"k", 0).await.unwrap().remaining, 40);
+}

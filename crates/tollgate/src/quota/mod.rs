@@ -78,7 +78,7 @@
 //!
 //! ```no_run
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! # tokio::runtime::Runtime::new()?.block_on(async {
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
 //! use tollgate::{FailurePolicy, RedisStore};
 //!
 //! let url = "redis://127.0.0.1:6379";

@@ -1009,14 +1009,15 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                         if give_back > 0 {
                             local.store_calls.fetch_add(1, Ordering::Relaxed);
                             // A failed give-back only means the units lapse.
-                            // On a task of its own, so that a cancelled
-                            // request still gives them back; awaited, so
-                            // that the lease below can count them.
+                            // On a task of its own, started before the lease
+                            // below and not waited for: a cancelled request
+                            // still gives them back, and a hung store costs
+                            // this decision one timeout, not one per call.
+                            // (Sent first, it usually lands first; if not,
+                            // the lease asks for what is left.)
                             let refund = inner.refund(&key, give_back);
                             match tokio::runtime::Handle::try_current() {
-                                Ok(rt) => {
-                                    let _ = rt.spawn(refund).await;
-                                }
+                                Ok(rt) => drop(rt.spawn(refund)),
                                 Err(_) => {
                                     let _ = refund.await;
                                 }
@@ -1038,7 +1039,10 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                             // (Below the cost: ask for the cost alone, for
                             // the exact wait the denial cache keeps.)
                             let left = remaining.min(batch).max(cost);
-                            if batch > cost {
+                            // Not when the failure policy answered: the
+                            // store would not answer the second call
+                            // either, and it would cost another timeout.
+                            if batch > cost && !unowned {
                                 local.store_calls.fetch_add(1, Ordering::Relaxed);
                                 taken = left;
                                 (d, unowned) = lease(&inner, &key, left).await;

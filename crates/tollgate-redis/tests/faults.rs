@@ -712,3 +712,48 @@ async fn a_lease_the_failure_policy_granted_is_never_given_back_to_redis() {
     assert!(hot.decide(b"k", 10).await.unwrap().is_allowed());
     assert_eq!(plain.decide(b"k", 0).await.unwrap().remaining, 40);
 }
+
+/// A `HotKeys` decision that gives units back, takes a lease and would ask
+/// for what is left costs a hung Redis no more than two calls side by side
+/// (the give-back on its own task, the lease), not three in a row: the
+/// failure policy's denial asks for nothing more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_decision_on_a_hung_redis_makes_no_call_after_the_policy_answered() {
+    let Some(server) = Server::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&server.url())
+        .prefix(&unique_prefix())
+        .timeout(TIMEOUT)
+        .failure_policy(FailurePolicy::Closed)
+        // The breaker stays shut: every call reaches the hung server.
+        .breaker(100, Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let rule = Rule::new("hung", Limit::gcra(Rate::per_minute(1), 100)).unwrap();
+    let hot = tollgate_redis::HotKeys::new()
+        .ttl(Duration::from_secs(10))
+        .max_batch(8)
+        .over(store.clone())
+        .unwrap()
+        .limiter(&rule)
+        .unwrap();
+    // Leases of 1, 2, 4 and 8 from Redis; the last holds 2 after 13.
+    for _ in 0..13 {
+        assert!(hot.decide(b"k", 1).await.unwrap().is_allowed());
+    }
+    server.pause(true);
+    let before = store.stats();
+    let start = Instant::now();
+    // More than the lease holds: give the 2 back, lease 8; fail-closed
+    // denies it, and there is no asking for the 3 alone after that.
+    let d = hot.decide(b"k", 3).await.unwrap();
+    let took = start.elapsed();
+    assert!(!d.is_allowed());
+    // The give-back runs on its own; let it end before counting.
+    tokio::time::sleep(TIMEOUT * 4).await;
+    let after = store.stats();
+    server.pause(false);
+    assert_eq!(after.timeouts - before.timeouts, 2, "{after:?}");
+    assert!(took < TIMEOUT + SLACK, "{took:?}");
+}

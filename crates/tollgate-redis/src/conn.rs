@@ -687,23 +687,36 @@ impl Conn {
         keys: &[&str],
         args: &[&str],
     ) -> redis::RedisResult<Reply> {
-        let mut invocation = script.prepare_invoke();
-        for k in keys {
-            invocation.key(*k);
-        }
-        for a in args {
-            invocation.arg(*a);
-        }
         let reply: Vec<i64> = match self {
             Conn::Cluster(slot, limit, map) => {
-                let invocation = &invocation;
+                // Not redis-rs's `SCRIPT LOAD` on `NOSCRIPT`: on a Cluster
+                // that goes to every node and fails if any one does not
+                // answer, so a master that lost its scripts (restarted,
+                // promoted) could not get them back while another node
+                // is down. `EVAL` goes where the keys are, and caches the
+                // script there.
                 let range = keys.first().map_or(0, |k| map.group_of(k));
                 slot.run(*limit, range, |mut c| async move {
-                    invocation.invoke_async(&mut c).await
+                    match script.command(false, keys, args).query_async(&mut c).await {
+                        Err(e)
+                            if e.kind()
+                                == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+                        {
+                            script.command(true, keys, args).query_async(&mut c).await
+                        }
+                        other => other,
+                    }
                 })
                 .await?
             }
             Conn::Standalone(slot, limit) | Conn::Sentinel(slot, limit) => {
+                let mut invocation = script.prepare_invoke();
+                for k in keys {
+                    invocation.key(*k);
+                }
+                for a in args {
+                    invocation.arg(*a);
+                }
                 let invocation = &invocation;
                 slot.run(*limit, 0, |mut c| async move {
                     invocation.invoke_async(&mut c).await

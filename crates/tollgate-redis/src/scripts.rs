@@ -6,13 +6,47 @@ use tollgate_core::{
     RateAlgorithm,
 };
 
-/// A script: its source, loaded with `EVALSHA` (and `EVAL` on `NOSCRIPT`).
-pub(crate) type Script = redis::Script;
+/// A script: its source and its SHA-1, run with `EVALSHA`; a server that
+/// does not have it (`NOSCRIPT`) gets it with `EVAL` on that server, or
+/// (standalone, Sentinel) `SCRIPT LOAD` then `EVALSHA`.
+pub(crate) struct Script {
+    redis: redis::Script,
+    code: &'static str,
+}
+
+impl Script {
+    pub(crate) fn new(code: &'static str) -> Self {
+        Self {
+            redis: redis::Script::new(code),
+            code,
+        }
+    }
+
+    /// The `EVALSHA` invocation (redis-rs loads the script on `NOSCRIPT`).
+    pub(crate) fn prepare_invoke(&self) -> redis::ScriptInvocation<'_> {
+        self.redis.prepare_invoke()
+    }
+
+    /// `EVALSHA` on `keys` and `args`, or with `code`, `EVAL`.
+    pub(crate) fn command(&self, eval: bool, keys: &[&str], args: &[&str]) -> redis::Cmd {
+        let mut cmd = if eval {
+            let mut c = redis::cmd("EVAL");
+            c.arg(self.code);
+            c
+        } else {
+            let mut c = redis::cmd("EVALSHA");
+            c.arg(self.redis.get_hash());
+            c
+        };
+        cmd.arg(keys.len()).arg(keys).arg(args);
+        cmd
+    }
+}
 
 macro_rules! script {
     ($name:ident, $file:literal) => {
         pub(crate) static $name: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
-            redis::Script::new(concat!(
+            Script::new(concat!(
                 include_str!("scripts/prelude.lua"),
                 include_str!(concat!("scripts/", $file))
             ))
@@ -45,7 +79,7 @@ macro_rules! rate_script {
     ($name:ident, $algorithm:literal) => {
         pub(crate) static $name: Rate = Rate {
             script: std::sync::LazyLock::new(|| {
-                redis::Script::new(concat!(
+                Script::new(concat!(
                     include_str!("scripts/prelude.lua"),
                     algorithm!($algorithm),
                     "return RATE.",
@@ -68,7 +102,7 @@ rate_script!(LEAKY_BUCKET, "leaky_bucket");
 /// Several rate rules deciding one request together (`joint.lua`): every
 /// algorithm, and the joint decision.
 pub(crate) static JOINT: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| {
-    redis::Script::new(concat!(
+    Script::new(concat!(
         include_str!("scripts/prelude.lua"),
         algorithm!("gcra"),
         algorithm!("token_bucket"),

@@ -757,3 +757,46 @@ async fn a_hot_decision_on_a_hung_redis_makes_no_call_after_the_policy_answered(
     assert_eq!(after.timeouts - before.timeouts, 2, "{after:?}");
     assert!(took < TIMEOUT + SLACK, "{took:?}");
 }
+
+/// A Cluster master that lost its scripts (restarted, or promoted) gets
+/// them back while another node hangs: `EVAL` on the key's master, not a
+/// `SCRIPT LOAD` that every connected node must answer (fleet review L4).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_master_that_lost_its_scripts_gets_them_back_while_another_hangs() {
+    let Some(cluster) = tokio::task::spawn_blocking(tollgate_redis::testing::Cluster::start)
+        .await
+        .unwrap()
+    else {
+        return;
+    };
+    let store = RedisStore::builder(&cluster.url())
+        .prefix(&unique_prefix())
+        .timeout(Duration::from_millis(500))
+        .failure_policy(FailurePolicy::Closed)
+        .build()
+        .unwrap();
+    let rule = Rule::new("noscript", Limit::gcra(Rate::per_minute(1), 100)).unwrap();
+    let l = store.limiter(&rule).unwrap();
+    let master = cluster
+        .master_holding(|| async {
+            assert_eq!(l.decide(b"k", 1).await.unwrap().remaining, 99);
+        })
+        .await
+        .unwrap();
+    // Every master has a connection (the first decision read the slot
+    // map and connected): one of the others hangs.
+    for key in [&b"a"[..], b"b", b"c", b"d", b"e", b"f"] {
+        l.decide(key, 0).await.unwrap();
+    }
+    let other = (master + 1) % 3;
+    cluster.nodes[other].pause(true);
+    cluster.nodes[master].cli(&["SCRIPT", "FLUSH"]);
+    // Redis's own count, not fail-closed's denial.
+    let d = l.decide(b"k", 1).await.unwrap();
+    assert!(d.is_allowed(), "{d:?}");
+    assert_eq!(d.remaining, 98);
+    // And the script is cached there again.
+    let info = cluster.nodes[master].cli(&["INFO", "memory"]);
+    cluster.nodes[other].pause(false);
+    assert!(info.contains("number_of_cached_scripts:1"), "{info}");
+}

@@ -621,8 +621,10 @@ impl<C: Clock> Local<C> {
         // `rate × ttl` beyond the bound.
         let ended = s.expires <= now;
         let recent = if self.windowed {
-            // The lease's window is still the store's.
-            !ended && now < s.whole_at
+            // The lease's window is still the store's, and stays so for a
+            // TTL more: a give-back that reached the store after its window
+            // rolled over would come off the next window's count.
+            !ended && now.saturating_add(self.ttl) < s.whole_at
         } else {
             !ended
         };

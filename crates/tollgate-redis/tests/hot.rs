@@ -903,3 +903,36 @@ async fn keys_longer_than_64_bytes_are_never_leased() {
     // Leases of 1, 2, 4, 8 and 16 served the short key's 20.
     assert_eq!(store.calls.load(Ordering::Relaxed), 20 + 5);
 }
+
+/// A fixed window's lease gives units back only while its window has a
+/// TTL left: a give-back that reached the store after the window rolled
+/// over would come off the next window's count (fleet review L6).
+#[tokio::test]
+async fn a_fixed_window_lease_gives_back_only_while_its_window_lasts_a_ttl_more() {
+    let clock = ManualClock::starting_at(60_000_000_000);
+    let store = counted(&clock);
+    let hot = HotKeys::new()
+        .ttl(Duration::from_secs(5))
+        .max_batch(8)
+        .over_with_clock(store.clone(), clock.clone())
+        .unwrap();
+    let rule = Rule::new("hot", Limit::fixed_window(100, Duration::from_secs(60))).unwrap();
+    let l = hot.limiter(&rule).unwrap();
+    let plain = store.memory.limiter(&rule).unwrap();
+    // Leases of 1, 2, 4 and 8 early in the window; the last holds 7, and
+    // a cost of 10 gives them back with its lease.
+    for _ in 0..8 {
+        assert!(l.decide(b"early", 1).await.unwrap().is_allowed());
+    }
+    assert!(l.decide(b"early", 10).await.unwrap().is_allowed());
+    assert_eq!(plain.decide_now(b"early", 0).remaining, 100 - 8 - 10);
+    // The same 4 s before the window ends, then 3 s before (less than
+    // the 5-s TTL): the 7 lapse.
+    clock.advance(Duration::from_secs(56));
+    for _ in 0..8 {
+        assert!(l.decide(b"late", 1).await.unwrap().is_allowed());
+    }
+    clock.advance(Duration::from_secs(1));
+    assert!(l.decide(b"late", 10).await.unwrap().is_allowed());
+    assert_eq!(plain.decide_now(b"late", 0).remaining, 100 - 15 - 10);
+}

@@ -344,9 +344,9 @@ impl<S: Store, C: Clock> Store for Hot<S, C> {
                 per_shard: self.config.max_keys.div_ceil(SHARDS).max(1),
                 hasher: RandomState::new(),
                 shards,
-                decisions: AtomicU64::new(0),
-                store_calls: AtomicU64::new(0),
-                waits: AtomicU64::new(0),
+                decisions: Count::new("tollgate_hot_decisions_total", rule.name()),
+                store_calls: Count::new("tollgate_hot_store_calls_total", rule.name()),
+                waits: Count::new("tollgate_hot_waits_total", rule.name()),
                 ahead: self.config.ahead,
             })),
         })
@@ -442,6 +442,42 @@ impl std::ops::DerefMut for Keys {
     }
 }
 
+/// A count kept for [`HotStats`] and exported as a metric (`rule` label).
+struct Count {
+    n: AtomicU64,
+    metric: metrics::Counter,
+}
+
+impl Count {
+    fn new(name: &'static str, rule: &str) -> Self {
+        metrics::describe_counter!(
+            "tollgate_hot_decisions_total",
+            "Decisions of a rule leased by HotKeys"
+        );
+        metrics::describe_counter!(
+            "tollgate_hot_store_calls_total",
+            "Store calls those decisions took (leases, give-backs, decisions through)"
+        );
+        metrics::describe_counter!(
+            "tollgate_hot_waits_total",
+            "Decisions that waited for the store (their own call or another's lease)"
+        );
+        Self {
+            n: AtomicU64::new(0),
+            metric: metrics::counter!(name, "rule" => rule.to_owned()),
+        }
+    }
+
+    fn add(&self) {
+        self.n.fetch_add(1, Ordering::Relaxed);
+        self.metric.increment(1);
+    }
+
+    fn get(&self) -> u64 {
+        self.n.load(Ordering::Relaxed)
+    }
+}
+
 struct Local<C> {
     clock: Arc<C>,
     ttl: u64,
@@ -453,10 +489,10 @@ struct Local<C> {
     per_shard: usize,
     hasher: RandomState,
     shards: Box<[Mutex<Keys>]>,
-    decisions: AtomicU64,
-    store_calls: AtomicU64,
+    decisions: Count,
+    store_calls: Count,
     /// Decisions that waited for the store (their own call or another's).
-    waits: AtomicU64,
+    waits: Count,
     /// Take leases ahead.
     ahead: bool,
 }
@@ -526,7 +562,7 @@ impl<C: Clock> Local<C> {
     /// finds no units asks the store itself.
     async fn refill<L: Limiter>(&self, inner: &L, key: &[u8], batch: u64, flight: &Arc<Notify>) {
         let sent = self.clock.now();
-        self.store_calls.fetch_add(1, Ordering::Relaxed);
+        self.store_calls.add();
         let (d, unowned) = lease(inner, key, batch).await;
         let mut shard = self.shard(key);
         let Some(s) = shard.get_mut(key) else { return };
@@ -833,9 +869,9 @@ impl<L, C> HotLimiter<L, C> {
         self.local
             .as_ref()
             .map_or_else(HotStats::default, |l| HotStats {
-                decisions: l.decisions.load(Ordering::Relaxed),
-                store_calls: l.store_calls.load(Ordering::Relaxed),
-                waits: l.waits.load(Ordering::Relaxed),
+                decisions: l.decisions.get(),
+                store_calls: l.store_calls.get(),
+                waits: l.waits.get(),
             })
     }
 
@@ -894,7 +930,7 @@ impl<L: Limiter, C: Clock> HotLimiter<L, C> {
         limit: u64,
     ) -> Option<Decision> {
         let (d, ahead) = local.local(key, cost, limit)?;
-        local.decisions.fetch_add(1, Ordering::Relaxed);
+        local.decisions.add();
         if let Some((batch, flight)) = ahead {
             // Built before the task: however it ends — never polled (its
             // runtime shut down), dropped, a panic — the flight ends with
@@ -950,19 +986,19 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
         }
         let (inner, local, key) = (self.inner.clone(), Arc::clone(local), key.to_vec());
         HotFuture(Inner::Boxed(Box::pin(async move {
-            local.decisions.fetch_add(1, Ordering::Relaxed);
+            local.decisions.add();
             let mut waited = false;
             let mut landed = 0;
             loop {
                 let step = local.plan(&key, cost, limit, landed >= MAX_LANDINGS);
                 if !waited && matches!(step, Step::Through | Step::Take { .. }) {
                     waited = true;
-                    local.waits.fetch_add(1, Ordering::Relaxed);
+                    local.waits.add();
                 }
                 match step {
                     Step::Done(d) => return Ok(d),
                     Step::Through => {
-                        local.store_calls.fetch_add(1, Ordering::Relaxed);
+                        local.store_calls.add();
                         return inner.decide(&key, cost).await;
                     }
                     Step::Wait(flight) => {
@@ -981,7 +1017,7 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                         if still_flying {
                             if !waited {
                                 waited = true;
-                                local.waits.fetch_add(1, Ordering::Relaxed);
+                                local.waits.add();
                             }
                             notified.await;
                         }
@@ -996,9 +1032,9 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                             .is_some_and(|s| s.failed);
                         if failed {
                             if !waited {
-                                local.waits.fetch_add(1, Ordering::Relaxed);
+                                local.waits.add();
                             }
-                            local.store_calls.fetch_add(1, Ordering::Relaxed);
+                            local.store_calls.add();
                             return inner.decide(&key, cost).await;
                         }
                     }
@@ -1009,7 +1045,7 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                             done: false,
                         };
                         if give_back > 0 {
-                            local.store_calls.fetch_add(1, Ordering::Relaxed);
+                            local.store_calls.add();
                             // A failed give-back only means the units lapse.
                             // On a task of its own, started before the lease
                             // below and not waited for: a cancelled request
@@ -1026,7 +1062,7 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                             }
                         }
                         let sent = local.clock.now();
-                        local.store_calls.fetch_add(1, Ordering::Relaxed);
+                        local.store_calls.add();
                         let mut taken = batch;
                         let (mut d, mut unowned) = lease(&inner, &key, batch).await;
                         // Not enough for a batch: ask for what is left
@@ -1045,7 +1081,7 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                             // store would not answer the second call
                             // either, and it would cost another timeout.
                             if batch > cost && !unowned {
-                                local.store_calls.fetch_add(1, Ordering::Relaxed);
+                                local.store_calls.add();
                                 taken = left;
                                 (d, unowned) = lease(&inner, &key, left).await;
                             }

@@ -81,3 +81,26 @@ async fn two_stores_on_one_prefix_have_metrics_of_their_own() {
         .unwrap_err();
     assert_eq!(err.field(), "name");
 }
+
+#[tokio::test]
+async fn a_leased_rule_s_counts_are_metrics_by_rule() {
+    use tollgate_core::{Limit, Rate, Rule, Store};
+    let keys = Keys::default();
+    let rule = Rule::new("hot-rule", Limit::gcra(Rate::per_second(10), 10)).unwrap();
+    metrics::with_local_recorder(&keys, || {
+        tollgate_redis::HotKeys::new()
+            .over(tollgate_memory::MemoryStore::new())
+            .unwrap()
+            .limiter(&rule)
+            .unwrap();
+    });
+    let keys = keys.0.lock().unwrap().clone();
+    for name in [
+        "tollgate_hot_decisions_total",
+        "tollgate_hot_store_calls_total",
+        "tollgate_hot_waits_total",
+    ] {
+        let metric = format!("{name}{{rule=hot-rule}}");
+        assert!(keys.contains(&metric), "{metric} not in {keys:?}");
+    }
+}

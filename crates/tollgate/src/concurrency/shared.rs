@@ -658,6 +658,15 @@ where
         } = d;
         let limit = self.plans.get(plan);
         let ceiling = limit.ceiling(critical);
+        // Others may have joined the key's queue since `start` looked: a
+        // non-critical request goes behind them, not past.
+        let queued = queued
+            || (!critical
+                && keyed
+                && self
+                    .queue
+                    .as_ref()
+                    .is_some_and(|q| q.has_waiters(q.hash(key.as_bytes()))));
         let step = if !keyed {
             Step::Pass(None)
         } else if queued {
@@ -717,7 +726,7 @@ where
         let hash = queue.hash(key.as_bytes());
         let start = Instant::now();
         let deadline = start.checked_add(queue.max_wait).unwrap_or(start);
-        let Some(place) = queue.join(hash) else {
+        let Some(place) = queue.join(hash, critical) else {
             self.metrics.queue_full.increment(1);
             let peek = limiter.acquire(key.as_bytes(), 0, ceiling).await.ok();
             return refused(peek.map(|a| a.decision));

@@ -717,6 +717,58 @@ async fn a_critical_request_does_not_wait_behind_queued_non_critical_ones() {
     assert_eq!(waiting.await.unwrap().unwrap().status(), 429);
 }
 
+/// Review m5(b): a release woke only the head of the queue; a critical
+/// waiter behind a non-critical head held to its share waited for its own
+/// timer though the freed permit was its to take. A release now wakes the
+/// critical waiters too.
+#[tokio::test(start_paused = true)]
+async fn a_release_wakes_a_critical_waiter_behind_a_head_held_to_its_share() {
+    let critical = |r: &Req| r.headers().contains_key("x-critical");
+    let layer = builder(4)
+        .critical(critical, 0.5)
+        .queue(10, Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let (inner, mut feeds) = streaming();
+    let svc = layer.layer(inner);
+    let crit = || {
+        let mut r = req("k");
+        r.headers_mut().insert("x-critical", "1".parse().unwrap());
+        r
+    };
+    // Two non-critical permits (their share) and two critical: all four.
+    let mut bodies = Vec::new();
+    for r in [req("k"), req("k"), crit(), crit()] {
+        let res = svc.clone().oneshot(r).await.unwrap();
+        assert_eq!(res.status(), 200);
+        bodies.push(res);
+    }
+    let mut feeds_held = Vec::new();
+    for _ in 0..4 {
+        feeds_held.push(feeds.recv().await.unwrap());
+    }
+    // A non-critical request heads the queue; a critical one waits behind.
+    let head = tokio::spawn(svc.clone().oneshot(req("k")));
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let behind = tokio::spawn(svc.clone().oneshot(crit()));
+    // Past its first re-check (100 ms), so its own timer is 200 ms away.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert!(!behind.is_finished());
+    // A critical body ends: the head cannot use the permit (held to 2),
+    // the critical waiter can, at once.
+    let released = tokio::time::Instant::now();
+    drop(feeds_held.pop());
+    drop(bodies.pop());
+    let res = behind.await.unwrap().unwrap();
+    assert_eq!(res.status(), 200);
+    assert!(
+        released.elapsed() < Duration::from_millis(10),
+        "admitted {:?} after the release",
+        released.elapsed()
+    );
+    assert_eq!(head.await.unwrap().unwrap().status(), 429);
+}
+
 #[tokio::test]
 async fn keyless_requests_skip_only_the_per_key_limit() {
     let layer = builder(1)

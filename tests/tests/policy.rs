@@ -635,3 +635,80 @@ async fn a_solved_challenge_passes_once_across_a_fleet() {
     assert_eq!(res.status(), 429);
     assert!(res.headers().contains_key(CHALLENGE_HEADER));
 }
+
+/// Policy-security review #14: on the one-call-per-rule path (here a
+/// one-rule policy) a fail-open answer was marked consumed, so a response
+/// the rule does not count refunded Redis, once back, for a charge it
+/// never made: the client gained a unit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fail_open_admission_is_never_refunded_to_redis() {
+    let Some(mut redis) = Server::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url())
+        .prefix(&unique_prefix())
+        .timeout(Duration::from_millis(50))
+        .failure_policy(tollgate::FailurePolicy::Open)
+        .build()
+        .unwrap();
+    let rule = RateRule::new(
+        "one",
+        Limit::gcra(Rate::per_minute(1), 100),
+        Header::named("x-api-key").unwrap(),
+    )
+    .count_if(|status| !status.is_server_error());
+    let layer = PolicyLayer::builder()
+        .rule(rule)
+        .store(store)
+        .build()
+        .unwrap();
+    // A request with `x-slow` is answered 500 once the test says so.
+    let (go, wait) = tokio::sync::watch::channel(false);
+    let svc = layer.layer(service_fn(move |req: Request<String>| {
+        let mut wait = wait.clone();
+        async move {
+            if req.headers().contains_key("x-slow") {
+                wait.wait_for(|go| *go).await.unwrap();
+                let mut res = Response::new(String::new());
+                *res.status_mut() = http::StatusCode::INTERNAL_SERVER_ERROR;
+                return Ok::<_, Infallible>(res);
+            }
+            Ok(Response::new(String::new()))
+        }
+    }));
+    let send = |slow: bool| {
+        let svc = svc.clone();
+        async move {
+            let mut req = Request::get("/").header("x-api-key", "k");
+            if slow {
+                req = req.header("x-slow", "1");
+            }
+            let res = svc.oneshot(req.body(String::new()).unwrap()).await.unwrap();
+            let r = res.headers()["ratelimit"].to_str().unwrap().to_owned();
+            (res.status(), r)
+        }
+    };
+    // Redis is gone: fail-open admits, nothing is charged anywhere.
+    redis.kill();
+    let slow = tokio::spawn(send(true));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    redis.restart();
+    // Back on Redis (a fresh one): five charged there.
+    loop {
+        let (status, r) = send(false).await;
+        assert_eq!(status, 200);
+        if r.starts_with("\"one\";r=99;") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for _ in 0..4 {
+        send(false).await;
+    }
+    // The fail-open request's 500 is not counted: nothing to give back.
+    go.send(true).unwrap();
+    assert_eq!(slow.await.unwrap().0, 500);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (_, r) = send(false).await;
+    assert!(r.starts_with("\"one\";r=94;"), "{r}");
+}

@@ -41,7 +41,7 @@ use tollgate::core::{
     QuotaDecision, QuotaLimiter, QuotaRule, QuotaStore, RetryBudgetLimiter, RetryBudgetRule,
     RetryBudgetStore, Rule, StoreError, StoreErrorKind, Withdrawal,
 };
-use tollgate::cost::ByRoute;
+use tollgate::cost::{ByRoute, Cost as _, HeaderCost};
 use tollgate::key::{Header, KeyBuf, KeyExtractor, PeerIp};
 use tollgate::policy::{PolicyLayer, RateRule};
 use tollgate::quota::QuotaLayer;
@@ -172,6 +172,10 @@ const ROWS: &[Row] = &[
     Row {
         name: "10 hostile values: 64 KiB and non-UTF-8 keys, server hints",
         check: |c| Box::pin(hostile_keys(c)),
+    },
+    Row {
+        name: "10b hostile costs: 0 and u64::MAX from a header",
+        check: |c| Box::pin(hostile_costs(c)),
     },
 ];
 
@@ -329,6 +333,9 @@ struct Spec {
     key: KeyKind,
     /// The path `R_COST` is configured under.
     cost_path: &'static str,
+    /// The cost read from `x-cost` (1 without it), the real parser, up
+    /// to `u64::MAX`, in place of the route costs.
+    header_cost: bool,
     /// A response-aware policy rule: only these statuses count.
     count_if: Option<u16>,
     /// The adaptive service limit.
@@ -358,6 +365,7 @@ impl Default for Spec {
         Self {
             key: KeyKind::ApiKey,
             cost_path: "/r",
+            header_cost: false,
             count_if: None,
             adaptive: aimd_5,
             idempotency: false,
@@ -380,7 +388,14 @@ fn protect<St>(layer: Layer, store: St, spec: Spec, router: Router) -> Protected
 where
     St: Store + QuotaStore,
 {
-    let cost = ByRoute::new(1).route(Some(Method::GET), spec.cost_path, R_COST);
+    let by_route = ByRoute::new(1).route(Some(Method::GET), spec.cost_path, R_COST);
+    let from_header = spec
+        .header_cost
+        .then(|| HeaderCost::named("x-cost", 1, u64::MAX).unwrap());
+    let cost = move |req: &Request<Body>| match &from_header {
+        Some(h) => h.cost(req),
+        None => by_route.cost(req),
+    };
     let key = TestKey(spec.key);
     let slow = Rate::new(1, Duration::from_secs(3_600));
     let mut adaptive_limit = None;
@@ -1824,6 +1839,72 @@ async fn hostile_keys(cell: Cell<'_>) -> CellResult {
             format!("{what} key: third GET got HTTP {} (want 429)", third.status)
         })?;
     }
+    Ok(Verdict::Pass)
+}
+
+/// Costs a client names: `u64::MAX` is refused (429, never a 500 or a
+/// panic) and charges nothing; 0 is clamped to 1 (a client cannot make a
+/// request free: `HeaderCost` documents it). After both, what is left is
+/// the budget less that one unit: a request for all of it passes and
+/// leaves nothing. (In flight, the unit came back with its response: the
+/// per-key limit shows the whole budget, less the request itself.)
+async fn hostile_costs(cell: Cell<'_>) -> CellResult {
+    match cell.layer {
+        Layer::Retry => {
+            return Ok(Verdict::NotApplicable(
+                "a retry costs one withdrawal; no cost function",
+            ))
+        }
+        Layer::Bandwidth => return Ok(Verdict::NotApplicable("its cost is the body's bytes")),
+        _ => {}
+    }
+    let backend = Backend::default();
+    let spec = Spec {
+        header_cost: true,
+        ..Spec::default()
+    };
+    let s = serve(cell, spec, &backend, true).await;
+    let costing = |cost: &str| {
+        let mut r = req(Method::GET, "/s", Some(b"k"));
+        r.headers_mut()
+            .insert("x-cost", HeaderValue::from_str(cost).unwrap());
+        r
+    };
+    let max = send(s.addr, costing(&u64::MAX.to_string())).await.unwrap();
+    expect(max.status == StatusCode::TOO_MANY_REQUESTS, || {
+        format!("cost u64::MAX: HTTP {} (want 429)", max.status)
+    })?;
+    expect(backend.hits() == 0, || {
+        "cost u64::MAX reached the service".into()
+    })?;
+    let zero = send(s.addr, costing("0")).await.unwrap();
+    expect(zero.status == StatusCode::OK, || {
+        format!("cost 0: HTTP {}", zero.status)
+    })?;
+    expect(remaining(&zero) == Some(u64::from(BUDGET) - 1), || {
+        format!("cost 0 (clamped to 1): {:?} left", remaining(&zero))
+    })?;
+    let in_flight = matches!(cell.layer, Layer::Concurrency | Layer::Adaptive);
+    let (rest, left) = match cell.layer {
+        // The unit came back; the adaptive service limit (at most 5)
+        // caps what one request may take: one more, 7 left.
+        Layer::Adaptive => (1, 7),
+        Layer::Concurrency => (u64::from(BUDGET), 0),
+        _ => (u64::from(BUDGET) - 1, 0),
+    };
+    let last = send(s.addr, costing(&rest.to_string())).await.unwrap();
+    expect(last.status == StatusCode::OK, || {
+        format!(
+            "cost {rest} after costs u64::MAX and 0: HTTP {} (in flight: {in_flight})",
+            last.status
+        )
+    })?;
+    expect(remaining(&last) == Some(left), || {
+        format!(
+            "after cost {rest}: {:?} left, want {left}",
+            remaining(&last)
+        )
+    })?;
     Ok(Verdict::Pass)
 }
 

@@ -130,6 +130,10 @@ const ROWS: &[Row] = &[
         check: |c| Box::pin(grpc_failure(c)),
     },
     Row {
+        name: "2t a real tonic client and service: refusals are RESOURCE_EXHAUSTED",
+        check: |c| Box::pin(tonic_refusals(c)),
+    },
+    Row {
         name: "3a HEAD costs what GET costs",
         check: |c| Box::pin(head_costs_get(c)),
     },
@@ -1930,6 +1934,105 @@ async fn hostile_hints(cell: Cell<'_>) -> CellResult {
         expect(attempts == *want, || {
             format!("{fail}: {attempts} attempts, want {want}")
         })?;
+    }
+    Ok(Verdict::Pass)
+}
+
+/// A real tonic service (the standard health service) behind the cell's
+/// layer, served over HTTP/2 on loopback, and a real tonic client: within
+/// the budget calls succeed; past it the client gets `RESOURCE_EXHAUSTED`
+/// (a status, not a transport error) with a retry hint in its metadata,
+/// and the service is not called. For in-flight limits the budget is held
+/// by open `Watch` streams, as a long-lived gRPC call holds it.
+async fn tonic_refusals(cell: Cell<'_>) -> CellResult {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    match cell.layer {
+        Layer::Bandwidth => {
+            return Ok(Verdict::NotApplicable(
+                "paces a call's bytes; refuses no call",
+            ))
+        }
+        Layer::Retry => {
+            return Ok(Verdict::NotApplicable(
+                "a client's layer: a real tonic client and a failing tonic \
+                 service drive it in the examples' grpc_retry test",
+            ))
+        }
+        _ => {}
+    }
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_service_status("", tonic_health::ServingStatus::Serving)
+        .await;
+    let router = tonic::service::Routes::new(health).into_axum_router();
+    let served = serve_on(cell, Spec::default(), router, true, FailurePolicy::Open).await;
+    let channel = tonic::transport::Channel::from_shared(format!("http://{}", served.addr))
+        .unwrap()
+        .connect()
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let keyed = |msg| {
+        let mut r = tonic::Request::new(msg);
+        r.metadata_mut().insert("x-api-key", "k".parse().unwrap());
+        r
+    };
+    let check = || {
+        let mut client = HealthClient::new(channel.clone());
+        async move {
+            client
+                .check(keyed(HealthCheckRequest {
+                    service: String::new(),
+                }))
+                .await
+        }
+    };
+    let in_flight = matches!(cell.layer, Layer::Concurrency | Layer::Adaptive);
+    // What each holds open: in-flight limits, streams; the rest, nothing.
+    let mut streams = Vec::new();
+    // (The adaptive service limit lets a stream's share go at its
+    // headers, so that long calls freeze nothing: the per-key limit holds
+    // them.)
+    let budget = BUDGET;
+    for i in 0..budget {
+        if in_flight {
+            let mut client = HealthClient::new(channel.clone());
+            let stream = client
+                .watch(keyed(HealthCheckRequest {
+                    service: String::new(),
+                }))
+                .await
+                .map_err(|s| format!("watch {i}: {s:?}"))?;
+            streams.push(stream);
+        } else {
+            check().await.map_err(|s| format!("call {i}: {s:?}"))?;
+        }
+    }
+    let refused = match check().await {
+        Ok(_) => return Err(format!("call {} past the budget: OK", budget + 1)),
+        Err(status) => status,
+    };
+    expect(refused.code() == tonic::Code::ResourceExhausted, || {
+        format!(
+            "past the budget: {:?} (want RESOURCE_EXHAUSTED)",
+            refused.code()
+        )
+    })?;
+    expect(refused.metadata().get("retry-after").is_some(), || {
+        format!("no retry-after in {:?}", refused.metadata())
+    })?;
+    // The streams' permits come back when they end.
+    drop(streams);
+    if in_flight {
+        let mut back = false;
+        for _ in 0..50 {
+            if check().await.is_ok() {
+                back = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        expect(back, || "permits not back after the streams ended".into())?;
     }
     Ok(Verdict::Pass)
 }

@@ -48,7 +48,7 @@ use tollgate::quota::QuotaLayer;
 use tollgate::retry::RetryBudgetLayer;
 use tollgate::FailurePolicy;
 use tollgate::{Limit, MemoryStore, OnStoreError, Rate, RateLimitLayer, RedisStore, Store};
-use tollgate_redis::testing::{unique_prefix, Server};
+use tollgate_redis::testing::{unique_prefix, Cluster, Server};
 use tollgate_tests::{send, Reply};
 
 mod common;
@@ -94,6 +94,8 @@ struct Cell<'a> {
     backing: Backing,
     /// The Redis server's URL (on Redis).
     redis: &'a str,
+    /// A 3-master Redis Cluster (on Redis), for the rows that stop one.
+    cluster: Option<&'a Cluster>,
 }
 
 /// A cell's verdict, when it does not fail.
@@ -156,6 +158,10 @@ const ROWS: &[Row] = &[
     Row {
         name: "6 store dead or slow: each failure policy does what it says",
         check: |c| Box::pin(store_down(c)),
+    },
+    Row {
+        name: "6c one Cluster master stopped: only its keys fall to the policy",
+        check: |c| Box::pin(cluster_master_stopped(c)),
     },
     Row {
         name: "6b store errors at the layer: OnStoreError says what passes",
@@ -2037,6 +2043,132 @@ async fn tonic_refusals(cell: Cell<'_>) -> CellResult {
     Ok(Verdict::Pass)
 }
 
+/// Row 6's Cluster clause: one of three masters stopped (SIGSTOP), the
+/// layer's store failing closed. Twenty-four clients at once, each a key
+/// of its own spread over the slots: the stopped master's get the
+/// policy's 429 (`Retry-After: 1`) within the store's timeout; every other
+/// client is decided by Redis (200, and Redis's own count). A breaker or
+/// a hang count kept for the whole Cluster sends every client to the
+/// policy.
+async fn cluster_master_stopped(cell: Cell<'_>) -> CellResult {
+    match (cell.layer, cell.backing) {
+        (_, Backing::Memory) => return Ok(Verdict::NotApplicable("one process: no nodes")),
+        (Layer::Bandwidth, _) => {
+            return Ok(Verdict::NotApplicable(
+                "pacing never refuses: a failed store stops pacing the body (documented)",
+            ))
+        }
+        (Layer::Retry, _) => {
+            return Ok(Verdict::NotApplicable(
+                "a budget per upstream is one key on one master: the store's faults tests stop it",
+            ))
+        }
+        _ => {}
+    }
+    let Some(cluster) = cell.cluster else {
+        return Err("no Cluster".into());
+    };
+    cluster.wait_until_ok();
+    let url = cluster.url();
+    let on_cluster = Cell {
+        redis: &url,
+        ..cell
+    };
+    let backend = Backend::default();
+    let s = serve_on(
+        on_cluster,
+        Spec::default(),
+        backend.router(),
+        true,
+        FailurePolicy::Closed,
+    )
+    .await;
+    // Connected to every master (the slot map read) before one stops.
+    let keys: Vec<String> = (0..24).map(|i| format!("c{i}")).collect();
+    for warm in ["w0", "w1", "w2", "w3"] {
+        let reply = send(s.addr, req(Method::GET, "/s", Some(warm.as_bytes())))
+            .await
+            .unwrap();
+        expect(reply.status == StatusCode::OK, || {
+            format!("before the stop ({warm}): HTTP {}", reply.status)
+        })?;
+    }
+    let stopped = &cluster.nodes[1];
+    stopped.pause(true);
+    // Two waves: the first finds the stopped master (its calls time out,
+    // and count toward its breaker); in the second, every other client
+    // must still be decided by Redis.
+    let mut waves = Vec::new();
+    for _ in 0..2 {
+        waves.push(
+            futures_join(
+                keys.iter()
+                    .map(|key| send(s.addr, req(Method::GET, "/s", Some(key.as_bytes()))))
+                    .collect(),
+            )
+            .await,
+        );
+    }
+    stopped.pause(false);
+    // Each client's answer is its master's: the same in both waves.
+    let in_flight = matches!(cell.layer, Layer::Concurrency | Layer::Adaptive);
+    let mut by_redis: Vec<Vec<bool>> = Vec::new();
+    for (wave, replies) in waves.into_iter().enumerate() {
+        let mut this = Vec::new();
+        for (key, reply) in keys.iter().zip(replies) {
+            let reply = reply.map_err(|e| format!("{key}: {e}"))?;
+            match reply.status {
+                StatusCode::OK => {
+                    // In flight, the first wave's permits came back.
+                    let spent = if in_flight { 0 } else { wave as u64 };
+                    let want = u64::from(BUDGET) - 1 - spent;
+                    expect(remaining(&reply) == Some(want), || {
+                        format!(
+                            "wave {wave}, {key}: 200 with {:?} left, not Redis's count ({want})",
+                            remaining(&reply)
+                        )
+                    })?;
+                    this.push(true);
+                }
+                StatusCode::TOO_MANY_REQUESTS => {
+                    expect(reply.header("retry-after") == "1", || {
+                        format!("{key}: 429 without the closed policy's Retry-After: 1")
+                    })?;
+                    this.push(false);
+                }
+                other => return Err(format!("{key}: HTTP {other}")),
+            }
+        }
+        by_redis.push(this);
+    }
+    let healthy = by_redis[0].iter().filter(|r| **r).count();
+    expect((8..24).contains(&healthy), || {
+        format!("{healthy} of 24 clients decided by Redis while one master of three stopped")
+    })?;
+    expect(by_redis[0] == by_redis[1], || {
+        let lost = by_redis[0]
+            .iter()
+            .zip(&by_redis[1])
+            .filter(|(a, b)| **a && !**b)
+            .count();
+        format!("second wave: {lost} clients of healthy masters fell to the policy")
+    })?;
+    Ok(Verdict::Pass)
+}
+
+/// Awaits `futures` side by side.
+async fn futures_join<F: Future + Send + 'static>(futures: Vec<F>) -> Vec<F::Output>
+where
+    F::Output: Send + 'static,
+{
+    let handles: Vec<_> = futures.into_iter().map(tokio::spawn).collect();
+    let mut out = Vec::new();
+    for h in handles {
+        out.push(h.await.unwrap());
+    }
+    out
+}
+
 // ---------------------------------------------------------------------------
 // The run: every row, every layer, both stores.
 
@@ -2053,6 +2185,10 @@ async fn scenario_matrix() {
     // fails instead), the memory cells still run.
     let server = Server::start();
     let redis = server.as_ref().map(Server::url);
+    let cluster = match &server {
+        Some(_) => tokio::task::spawn_blocking(Cluster::start).await.unwrap(),
+        None => None,
+    };
     let mut skipped = 0;
     let mut failures = Vec::new();
     let (mut passed, mut not_applicable) = (0, 0);
@@ -2072,6 +2208,7 @@ async fn scenario_matrix() {
                     layer,
                     backing,
                     redis: url,
+                    cluster: cluster.as_ref(),
                 };
                 let verdict = tokio::time::timeout(Duration::from_secs(60), (row.check)(cell))
                     .await

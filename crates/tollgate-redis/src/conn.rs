@@ -563,6 +563,17 @@ impl Conn {
         if urls.is_empty() {
             return Err(ConfigError::new("url", "no Redis URL given"));
         }
+        if urls
+            .iter()
+            .any(|u| u.starts_with("rediss") && u.ends_with("#insecure"))
+        {
+            // redis-rs's fragment: TLS without checking whose certificate.
+            tracing::warn!(
+                target: "tollgate::redis",
+                "a rediss:// URL ends in #insecure: the server's certificate is not verified, \
+                 so anyone on the path can answer as Redis; give the CA with tls_root_cert"
+            );
+        }
         if urls.len() > 1 || urls.iter().any(|u| cluster_scheme(u)) {
             if tls_root.is_some() {
                 return Err(tls_elsewhere());

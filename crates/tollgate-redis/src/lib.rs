@@ -128,7 +128,15 @@
 //! one with the scheme `redis+cluster://`, are the seed nodes of a Redis
 //! Cluster. `redis+sentinel://[user:password@]host:port[,host:port]/name`
 //! finds the master `name` through Redis Sentinel (the user and password
-//! are the master's) and follows a failover. On a standalone server (a
+//! are the master's) and follows a failover. **TLS**: `rediss://` on a
+//! standalone server (with the system's roots, or a private CA by
+//! [`RedisStoreBuilder::tls_root_cert`]) and on Cluster nodes (system
+//! roots only); no client certificates (mTLS); Sentinel, both the
+//! sentinels and the master it names, is plain TCP, so the master's
+//! password crosses the network in clear — keep Sentinel deployments on a
+//! private network. A `rediss://` URL ending in `#insecure` (redis-rs's
+//! switch for not verifying the certificate) is logged as a warning when
+//! the store is built. On a standalone server (a
 //! DNS name or a virtual IP that a failover moves), Cluster and Sentinel alike,
 //! a call that finds its node lost (the connection broke or was refused,
 //! a demoted master refuses writes, or — three calls in a row to one

@@ -1,0 +1,238 @@
+//! One hot key, 64 concurrent tasks, one local Redis: decisions a second,
+//! latency and what was admitted against the limit's ideal, for
+//! `RedisStore` (a script call per decision), `HotKeys` over it, and
+//! limitador's `AsyncRedisStorage` and `CachedRedisStorage` (defaults).
+//! Rounds of 3 s in a rotating order; medians over the rounds.
+//!
+//! `cargo run --release --manifest-path benches/limitador/Cargo.toml [rounds]`
+//! (Redis from `TOLLGATE_REDIS_URL`, else one started on a free port.)
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use limitador::limit::{Context, Limit as LimitadorLimit};
+use limitador::storage::redis::{AsyncRedisStorage, CachedRedisStorage};
+use limitador::AsyncRateLimiter;
+use tollgate_core::{Limit, Limiter, Rate, Rule, Store};
+use tollgate_redis::testing::{unique_prefix, Server};
+use tollgate_redis::{HotKeys, HotLimiter, RedisLimiter, RedisStore};
+
+const TASKS: usize = 64;
+const ROUND: Duration = Duration::from_secs(3);
+
+/// A limit as both sides state it: `per_second`, with a burst (tollgate's
+/// GCRA) or a one-second window (limitador) of the same size.
+#[derive(Clone, Copy)]
+struct Case {
+    name: &'static str,
+    per_second: u32,
+}
+
+enum Contender {
+    Redis(RedisLimiter),
+    Hot(HotLimiter<RedisLimiter>),
+    Limitador(Arc<AsyncRateLimiter>),
+}
+
+impl Contender {
+    fn name(&self, cached: bool) -> &'static str {
+        match self {
+            Self::Redis(_) => "RedisStore per decision",
+            Self::Hot(_) => "HotKeys",
+            Self::Limitador(_) if cached => "limitador CachedRedisStorage",
+            Self::Limitador(_) => "limitador AsyncRedisStorage",
+        }
+    }
+
+    async fn decide(&self, key: &str) -> bool {
+        match self {
+            Self::Redis(l) => l.decide(key.as_bytes(), 1).await.unwrap().is_allowed(),
+            Self::Hot(l) => l.decide(key.as_bytes(), 1).await.unwrap().is_allowed(),
+            Self::Limitador(l) => {
+                let values: HashMap<String, String> = [("k".to_owned(), key.to_owned())].into();
+                let ctx: Context = values.into();
+                !l.check_rate_limited_and_update(&"bench".into(), &ctx, 1)
+                    .await
+                    .unwrap()
+                    .limited
+            }
+        }
+    }
+}
+
+struct Round {
+    per_second: f64,
+    admitted: u64,
+    /// What the limit admits over the round.
+    ideal: f64,
+    latencies: Vec<Duration>,
+}
+
+/// One round of `ROUND` on a fresh key.
+async fn round(c: Arc<Contender>, case: Case, key: String) -> Round {
+    let admitted = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let deadline = start + ROUND;
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|_| {
+            let (c, key, admitted) = (Arc::clone(&c), key.clone(), Arc::clone(&admitted));
+            tokio::spawn(async move {
+                let mut latencies = Vec::new();
+                while Instant::now() < deadline {
+                    let t = Instant::now();
+                    if c.decide(&key).await {
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                    latencies.push(t.elapsed());
+                }
+                latencies
+            })
+        })
+        .collect();
+    let mut latencies = Vec::new();
+    for t in tasks {
+        latencies.extend(t.await.unwrap());
+    }
+    let took = start.elapsed().as_secs_f64();
+    let rate = f64::from(case.per_second);
+    Round {
+        per_second: latencies.len() as f64 / took,
+        admitted: admitted.load(Ordering::Relaxed),
+        // GCRA: its burst and its rate; limitador's fixed windows of a
+        // second: about its limit each second.
+        ideal: match &*c {
+            Contender::Limitador(_) => rate * took,
+            _ => rate + rate * took,
+        },
+        latencies,
+    }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted.get(i).copied().unwrap_or_default()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+#[tokio::main]
+async fn main() {
+    let rounds: usize = std::env::args()
+        .nth(1)
+        .map_or(5, |r| r.parse().expect("rounds"));
+    let server = match std::env::var("TOLLGATE_REDIS_URL") {
+        Ok(_) => None,
+        Err(_) => Some(Server::start().expect("redis-server on PATH")),
+    };
+    let url = std::env::var("TOLLGATE_REDIS_URL")
+        .unwrap_or_else(|_| server.as_ref().map(Server::url).unwrap_or_default());
+    let cases = [
+        Case {
+            name: "10^9/s (all admitted)",
+            per_second: 1_000_000_000,
+        },
+        Case {
+            name: "10,000/s, burst 10,000",
+            per_second: 10_000,
+        },
+    ];
+    println!("| limit | contender | decisions/s (median) | latency p50 / p99 / max (median round) | admitted a second | admitted vs the limit's own bound |");
+    println!("|---|---|---:|---|---:|---:|");
+    for case in cases {
+        let rule = Rule::new(
+            "hot",
+            Limit::gcra(Rate::per_second(case.per_second), case.per_second),
+        )
+        .unwrap();
+        let store = RedisStore::builder(&url)
+            .prefix(&unique_prefix())
+            .build()
+            .unwrap();
+        let hot = HotKeys::new().over(store.clone()).unwrap();
+        let limit = LimitadorLimit::new(
+            "bench",
+            u64::from(case.per_second),
+            1,
+            Vec::new(),
+            vec!["k".try_into().unwrap()],
+        );
+        let plain = AsyncRateLimiter::new_with_storage(Box::new(
+            AsyncRedisStorage::new(&url).await.unwrap(),
+        ));
+        plain.add_limit(limit.clone());
+        let cached = AsyncRateLimiter::new_with_storage(Box::new(
+            CachedRedisStorage::new(&url).await.unwrap(),
+        ));
+        cached.add_limit(limit);
+        let contenders = [
+            (
+                Arc::new(Contender::Redis(store.limiter(&rule).unwrap())),
+                false,
+            ),
+            (Arc::new(Contender::Hot(hot.limiter(&rule).unwrap())), false),
+            (Arc::new(Contender::Limitador(Arc::new(plain))), false),
+            (Arc::new(Contender::Limitador(Arc::new(cached))), true),
+        ];
+        let mut results: Vec<Vec<Round>> = contenders.iter().map(|_| Vec::new()).collect();
+        for r in 0..rounds {
+            for i in 0..contenders.len() {
+                let which = (i + r) % contenders.len();
+                let (c, _) = &contenders[which];
+                let key = format!("k{r}-{which}-{}", unique_prefix());
+                results[which].push(round(Arc::clone(c), case, key).await);
+                // Let the previous round's background work (leases given
+                // back, cached counters flushed) settle.
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+        }
+        for ((c, cached), rounds) in contenders.iter().zip(results) {
+            let rate = median(rounds.iter().map(|r| r.per_second).collect());
+            let over = median(
+                rounds
+                    .iter()
+                    .map(|r| (r.admitted as f64 / r.ideal - 1.0) * 100.0)
+                    .collect(),
+            );
+            let mid = rounds
+                .iter()
+                .min_by(|a, b| {
+                    (a.per_second - rate)
+                        .abs()
+                        .total_cmp(&(b.per_second - rate).abs())
+                })
+                .unwrap();
+            let mut lat = mid.latencies.clone();
+            lat.sort();
+            let admitted_per_second = median(
+                rounds
+                    .iter()
+                    .map(|r| r.admitted as f64 * r.per_second / r.latencies.len().max(1) as f64)
+                    .collect(),
+            );
+            let (per_second, over) = if case.per_second >= 1_000_000_000 {
+                ("—".to_owned(), "—".to_owned())
+            } else {
+                (
+                    format!("{:.1} k", admitted_per_second / 1_000.0),
+                    format!("{over:+.2} %"),
+                )
+            };
+            println!(
+                "| {} | {} | {:.1} k | {:?} / {:?} / {:?} | {} | {} |",
+                case.name,
+                c.name(*cached),
+                rate / 1_000.0,
+                percentile(&lat, 0.5),
+                percentile(&lat, 0.99),
+                lat.last().copied().unwrap_or_default(),
+                per_second,
+                over,
+            );
+        }
+    }
+}

@@ -417,10 +417,15 @@ struct KeyState {
     /// trip, so the denial cache cannot answer): decisions go to the
     /// store side by side until it admits one again.
     outrun: bool,
-    /// The current lease was granted by the store's failure policy, not
-    /// by the store: its units are never given back to the store, which
-    /// did not count them (fail-open counted nothing; a fallback counted
-    /// them in its own memory, where they lapse).
+    /// The store's failure policy, not the store, gave the key's last
+    /// answer: the current lease's units (if it was granted) are never
+    /// given back to the store, which did not count them (fail-open
+    /// counted nothing; a fallback counted them in its own memory, where
+    /// they lapse); and until the store itself answers again, the key's
+    /// decisions go through the store one by one, so that the policy
+    /// answers each at its own cost (a policy's refusal of a lease — a
+    /// closed store's, or a fallback memory's share too small for the
+    /// batch — says nothing of a smaller cost).
     unowned: bool,
 }
 
@@ -553,6 +558,7 @@ impl<C: Clock> Local<C> {
         // and only where a task can take it.
         let due = self.ahead
             && d.is_allowed()
+            && !s.unowned
             && s.flight.is_none()
             && s.next.is_none()
             && s.units.saturating_mul(2) < s.batch
@@ -659,7 +665,7 @@ impl<C: Clock> Local<C> {
         // per round trip, in turn. Ask the store side by side, as without
         // `HotKeys`, until it admits again (then leases start over, at the
         // smallest batch).
-        if s.outrun {
+        if s.outrun || s.unowned {
             return Step::Through;
         }
         if waited && s.batch.max(cost) >= self.max_batch {
@@ -725,25 +731,30 @@ impl<C: Clock> Local<C> {
         }
         s.failed = d.is_err();
         let Ok(d) = d else { return };
-        s.outrun = outrun(d, sent, self.clock.now());
+        s.unowned = unowned;
+        s.outrun = !unowned && outrun(d, sent, self.clock.now());
         match d.outcome {
             Outcome::Allow { .. } => {
                 s.units = s.units.saturating_add(taken.saturating_sub(cost));
-                s.unowned = unowned;
                 s.spent = cost;
                 s.expires = self.lease_end(now, d);
                 s.remaining = d.remaining;
                 s.whole_at = now.saturating_add(d.reset_after);
             }
-            // Refused this request's own cost: nothing for it until then.
-            Outcome::Deny { retry_after } if taken <= cost => {
+            // Refused this request's own cost (or, a closed store's
+            // policy, every cost alike): nothing for it until then.
+            Outcome::Deny { retry_after }
+                if taken <= cost || (unowned && *d == Decision::closed(d.limit)) =>
+            {
                 s.denied_until = now.saturating_add(retry_after.min(self.max_denial));
                 s.denied_cost = cost;
                 s.remaining = d.remaining;
                 s.whole_at = now.saturating_add(d.reset_after);
                 s.batch = self.min_batch;
             }
-            Outcome::Deny { .. } | Outcome::Never => {}
+            // Refused a batch (the next lease starts small again), or
+            // never: nothing cached for this cost.
+            Outcome::Deny { .. } | Outcome::Never => s.batch = self.min_batch,
         }
     }
 
@@ -751,12 +762,19 @@ impl<C: Clock> Local<C> {
     /// lease) for a key the table holds: a refusal is cached as a lease's
     /// is, and an admission ends the refused spell (the next decision
     /// takes a lease again).
-    fn after_through(&self, key: &[u8], cost: u64, sent: u64, d: &Result<Decision, StoreError>) {
+    fn after_through(
+        &self,
+        key: &[u8],
+        cost: u64,
+        sent: u64,
+        (d, unowned): (&Result<Decision, StoreError>, bool),
+    ) {
         let mut shard = self.shard(key);
         let (Some(s), Ok(d)) = (shard.get_mut(key), d) else {
             return;
         };
-        s.outrun = outrun(d, sent, self.clock.now());
+        s.unowned = unowned;
+        s.outrun = !unowned && outrun(d, sent, self.clock.now());
         if let Outcome::Deny { retry_after } = d.outcome {
             s.denied_until = sent.saturating_add(retry_after.min(self.max_denial));
             s.denied_cost = cost;
@@ -1050,8 +1068,8 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                     Step::Through => {
                         local.store_calls.add();
                         let sent = local.clock.now();
-                        let d = inner.decide(&key, cost).await;
-                        local.after_through(&key, cost, sent, &d);
+                        let (d, unowned) = lease(&inner, &key, cost).await;
+                        local.after_through(&key, cost, sent, (&d, unowned));
                         return d;
                     }
                     Step::Wait(flight) => {
@@ -1121,23 +1139,28 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                         // Not enough for a batch: ask for what is left
                         // (the denial says how much), at least this
                         // request's cost.
-                        if let Ok(Decision {
-                            outcome: Outcome::Deny { .. },
-                            remaining,
-                            ..
-                        }) = d
+                        // The failure policy refused the batch: ask again
+                        // for this cost alone (a fallback memory's share
+                        // may hold it), unless the policy refuses every
+                        // cost alike (a closed store: asking again would
+                        // only cost another timeout).
+                        let again = match &d {
+                            Ok(d) if unowned => !d.is_allowed() && *d != Decision::closed(d.limit),
+                            Ok(d) => matches!(d.outcome, Outcome::Deny { .. }),
+                            Err(_) => false,
+                        };
+                        if let (true, Ok(Decision { remaining, .. })) = (again && batch > cost, &d)
                         {
                             // (Below the cost: ask for the cost alone, for
                             // the exact wait the denial cache keeps.)
-                            let left = remaining.min(batch).max(cost);
-                            // Not when the failure policy answered: the
-                            // store would not answer the second call
-                            // either, and it would cost another timeout.
-                            if batch > cost && !unowned {
-                                local.store_calls.add();
-                                taken = left;
-                                (d, unowned) = lease(&inner, &key, left).await;
-                            }
+                            let left = if unowned {
+                                cost
+                            } else {
+                                (*remaining).min(batch).max(cost)
+                            };
+                            local.store_calls.add();
+                            taken = left;
+                            (d, unowned) = lease(&inner, &key, left).await;
                         }
                         local.settle(&key, cost, taken, sent, (&d, unowned));
                         let mut guard = guard;

@@ -750,8 +750,18 @@ async fn a_hot_decision_on_a_hung_redis_makes_no_call_after_the_policy_answered(
     let d = hot.decide(b"k", 3).await.unwrap();
     let took = start.elapsed();
     assert!(!d.is_allowed());
-    // The give-back runs on its own; let it end before counting.
-    tokio::time::sleep(TIMEOUT * 4).await;
+    // The closed policy's refusal is cached: the next decision makes no
+    // store call.
+    let calls = hot.stats().store_calls;
+    assert!(!hot.decide(b"k", 3).await.unwrap().is_allowed());
+    assert_eq!(hot.stats().store_calls, calls, "a cached refusal");
+    // The give-back runs on its own: wait for it (a loaded machine may
+    // run it late), then count.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while store.stats().timeouts - before.timeouts < 2 && Instant::now() < deadline {
+        tokio::time::sleep(TIMEOUT).await;
+    }
+    tokio::time::sleep(TIMEOUT * 2).await;
     let after = store.stats();
     server.pause(false);
     assert_eq!(after.timeouts - before.timeouts, 2, "{after:?}");
@@ -799,4 +809,37 @@ async fn a_master_that_lost_its_scripts_gets_them_back_while_another_hangs() {
     let info = cluster.nodes[master].cli(&["INFO", "memory"]);
     cluster.nodes[other].pause(false);
     assert!(info.contains("number_of_cached_scripts:1"), "{info}");
+}
+
+/// A hot key's lease larger than a fleet share's whole capacity: the
+/// fallback memory answers the batch "never", which says nothing of a
+/// cost of 1. The decision asks again for its own cost, and the key's
+/// next decisions go through the store one by one (each answered by the
+/// share at its own cost) until Redis answers again: the key is not
+/// refused for the whole outage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_key_s_batch_larger_than_the_fallback_share_refuses_nobody() {
+    let Some(mut server) = Server::start() else {
+        return;
+    };
+    let store = store(&server, FailurePolicy::fallback_share(20));
+    // Leases of up to 64 (a tenth of 1,000); the share holds 50.
+    let rule = Rule::new("share-hot", Limit::gcra(Rate::per_second(1_000), 1_000)).unwrap();
+    let hot = tollgate_redis::HotKeys::new()
+        .ttl(Duration::from_secs(10))
+        .over(store.clone())
+        .unwrap()
+        .limiter(&rule)
+        .unwrap();
+    // Leases of 1, 2, ..., 64, all spent: the next one asks for 64.
+    for _ in 0..127 {
+        assert!(hot.decide(b"k", 1).await.unwrap().is_allowed());
+    }
+    server.kill();
+    let mut admitted = 0;
+    for _ in 0..60 {
+        admitted += usize::from(hot.decide(b"k", 1).await.unwrap().is_allowed());
+    }
+    // The share's 50 (its burst; its rate, 50 a second, adds a few).
+    assert!((50..=55).contains(&admitted), "{admitted} of 60 admitted");
 }

@@ -45,6 +45,10 @@ pub enum FailurePolicy {
     /// limit, more admit more. Retry budgets and escalation ladders are
     /// not divided: each instance's budget already follows its own
     /// traffic, and a strike counts against the client wherever it lands.
+    /// A request that costs more than a share (but not more than the
+    /// whole limit) is refused as too costly until Redis is back; a
+    /// non-critical ceiling keeps its proportion of the share, so the
+    /// critical reserve stays.
     FallbackShare {
         /// The memory the shares are kept in.
         memory: MemoryStore,
@@ -203,6 +207,22 @@ impl ConcurrencyOnFailure {
         let counter = rule.semaphore().in_flight();
         let (mut held, local_id) = match self {
             Self::Memory(m) => {
+                // A ceiling under the rule's max (non-critical traffic held
+                // to a share) keeps its proportion of a fleet share's max,
+                // so the critical reserve outlives the division.
+                let (max, share) = (
+                    rule.semaphore().max(),
+                    tollgate_core::ConcurrencyLimiter::rule(m).semaphore().max(),
+                );
+                let ceiling = if ceiling < max && share < max {
+                    let scaled = u64::from(ceiling)
+                        .saturating_mul(u64::from(share))
+                        .checked_div(u64::from(max))
+                        .unwrap_or(0);
+                    u32::try_from(scaled).unwrap_or(u32::MAX).max(1)
+                } else {
+                    ceiling
+                };
                 let mut got = m.acquire_now(key, permits, ceiling);
                 if let Some(lease) = &mut got.lease {
                     lease.id |= LOCAL_LEASE;

@@ -843,3 +843,36 @@ async fn a_hot_key_s_batch_larger_than_the_fallback_share_refuses_nobody() {
     // The share's 50 (its burst; its rate, 50 a second, adds a few).
     assert!((50..=55).contains(&admitted), "{admitted} of 60 admitted");
 }
+
+/// A fleet share keeps the critical reserve: non-critical traffic held to
+/// half of 8 (a ceiling of 4) is held to half of the share's 2 during an
+/// outage, so a critical request still finds its permit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_share_keeps_the_critical_reserve() {
+    let Some(mut server) = Server::start() else {
+        return;
+    };
+    server.kill();
+    let store = store(&server, FailurePolicy::fallback_share(4));
+    let rule = ConcurrencyRule::new("reserve", 8, Duration::from_secs(30)).unwrap();
+    let c = store.concurrency_limiter(&rule).unwrap();
+    let non_critical = 4;
+    assert!(c
+        .acquire(b"k", 1, non_critical)
+        .await
+        .unwrap()
+        .lease
+        .is_some());
+    assert!(
+        c.acquire(b"k", 1, non_critical)
+            .await
+            .unwrap()
+            .lease
+            .is_none(),
+        "non-critical traffic takes the whole share"
+    );
+    assert!(
+        c.acquire(b"k", 1, u32::MAX).await.unwrap().lease.is_some(),
+        "no reserve left for a critical request"
+    );
+}

@@ -48,10 +48,12 @@ type Connect<C> = Box<dyn Fn() -> tollgate_core::BoxFuture<redis::RedisResult<C>
 /// on, and are paced: after a failed one, the next waits 50 ms, doubling
 /// to 2 s; after a successful one, no replacement comes within a second.
 /// So a dead node costs at most a few connects a second, never one per
-/// call. Every wait is jittered (each a random 50 to 100 % of its
-/// length, and a replacement starts up to 250 ms after the trouble that
-/// asked for it), so that a fleet whose instances all saw the same stall
-/// at the same moment does not reconnect, and read the slot map, in step. Connects are started by calls (the breaker's probes included):
+/// call. Every wait is jittered (a failed connect's backoff a random 50
+/// to 100 % of its length, the quiet time after a connect 1 to 1.25 s,
+/// and a replacement for a node found hung starts up to 250 ms after the
+/// third hung call), so that a fleet whose instances all saw the same
+/// stall at the same moment does not reconnect, and read the slot map, in
+/// step; a node found gone (refused, reset, demoted) is replaced at once. Connects are started by calls (the breaker's probes included):
 /// with no traffic, nothing reconnects until a request comes.
 pub(crate) struct Slot<C> {
     /// The connection in use, and its number: trouble on a connection
@@ -106,7 +108,7 @@ impl<C: Clone + Send + 'static> Slot<C> {
             draws: std::sync::atomic::AtomicU64::new(0),
             seed: std::hash::RandomState::new(),
         });
-        slot.kick();
+        slot.kick(false);
         slot
     }
 
@@ -121,7 +123,7 @@ impl<C: Clone + Send + 'static> Slot<C> {
         if let Some(c) = self.current() {
             return Ok(c);
         }
-        self.kick();
+        self.kick(false);
         notified.await;
         self.current().ok_or_else(|| {
             redis::RedisError::from((redis::ErrorKind::Io, "no Redis connection yet"))
@@ -137,9 +139,12 @@ impl<C: Clone + Send + 'static> Slot<C> {
 
     /// A call on connection `n` failed as a lost node fails: replace it,
     /// unless it was replaced already (or a connect is under way).
-    fn trouble(self: &Arc<Self>, n: u64) {
+    /// `hung`: calls found the node hung (not gone): the replacement
+    /// waits a random moment, as a fleet that saw one stall would
+    /// otherwise replace in step; a node found gone is replaced at once.
+    fn trouble(self: &Arc<Self>, n: u64, hung: bool) {
         if self.current().is_some_and(|(m, _)| m == n) {
-            self.kick();
+            self.kick(hung);
         }
     }
 
@@ -172,10 +177,10 @@ impl<C: Clone + Send + 'static> Slot<C> {
             Err(e) if e.is_timeout() => {
                 if hung.fetch_add(1, Ordering::AcqRel) >= 2 {
                     hung.store(0, Ordering::Release);
-                    self.trouble(n);
+                    self.trouble(n, true);
                 }
             }
-            Err(e) if lost_node(e) => self.trouble(n),
+            Err(e) if lost_node(e) => self.trouble(n, false),
             // An answer, even an error reply: the node is there.
             _ => {
                 if hung.load(Ordering::Relaxed) != 0 {
@@ -196,7 +201,7 @@ impl<C: Clone + Send + 'static> Slot<C> {
     }
 
     /// Starts a connect unless one is under way; it waits for its pace.
-    fn kick(self: &Arc<Self>) {
+    fn kick(self: &Arc<Self>, hung: bool) {
         use std::sync::atomic::Ordering;
         if self.connecting.swap(true, Ordering::AcqRel) {
             return;
@@ -212,8 +217,7 @@ impl<C: Clone + Send + 'static> Slot<C> {
             tokio::runtime::Handle::try_current().unwrap_or_else(|_| self.runtime.clone());
         // A replacement (calls still have the old connection meanwhile)
         // waits a random moment, so a fleet does not replace in step.
-        let replacing = self.current().is_some();
-        let spread = if replacing {
+        let spread = if hung && self.current().is_some() {
             self.jitter(REPLACE_JITTER, 0.0)
         } else {
             Duration::ZERO
@@ -242,7 +246,7 @@ impl<C: Clone + Send + 'static> Slot<C> {
                         .conn
                         .lock()
                         .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((n, conn));
-                    let quiet = slot.jitter(Duration::from_secs(2), 0.5);
+                    let quiet = slot.jitter(Duration::from_millis(1_250), 0.8);
                     *pace = (now.checked_add(quiet).unwrap_or(now), 0);
                 }
                 failed => {

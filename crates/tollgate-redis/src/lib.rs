@@ -145,10 +145,11 @@
 //! is read afresh (redis-rs follows `MOVED`, but would reconnect a dead
 //! master's address forever). Calls go on meanwhile, and the failure
 //! policy answers those that fail. Connects are one at a time: after one
-//! that worked, no replacement for 1 to 2 s; while they fail, the next
-//! waits 50 ms, doubling up to 2 s; a replacement starts up to 250 ms
-//! after the trouble. Every wait is drawn at random within its span, so a
-//! fleet that saw the same stall does not reconnect in step. They are started by calls (the
+//! that worked, no replacement for 1 to 1.25 s; while they fail, the next
+//! waits 50 ms, doubling up to 2 s; a replacement for a node found hung
+//! starts up to 250 ms after its third hung call (one found gone, at
+//! once). Every wait is drawn at random within its span, so a fleet that
+//! saw the same stall does not reconnect in step. They are started by calls (the
 //! breaker's probes included), so a dead node never costs a connect per
 //! call. A user and password in any URL authenticate (ACL users
 //! included) and never appear in the store's errors or `Debug` output.

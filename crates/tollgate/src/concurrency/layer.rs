@@ -298,7 +298,7 @@ impl<K, C, P, St> ConcurrencyLayerBuilder<K, C, P, St> {
     /// `poll_ready`. At most 100,000 requests wait across all keys of one
     /// layer (past that, a key whose own queue has room is refused too, so
     /// a flood of keys cannot grow the queues). A release in this process
-    /// wakes the key's head and its critical waiters at once (a critical
+    /// wakes the key's head and its first critical waiter at once (a critical
     /// request tries wherever it stands in line; see
     /// [`critical`](Self::critical)); for releases elsewhere (another
     /// instance on Redis) the head looks again after a tenth of `max_wait`

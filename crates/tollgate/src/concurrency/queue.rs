@@ -3,8 +3,8 @@
 //!
 //! Only the request at the head of a key's queue tries to acquire (and
 //! critical requests, wherever they stand: the reserve is theirs); a
-//! release of that key wakes the head and every critical waiter, and the
-//! head leaving (got its permit, timed out, cancelled) wakes the next, so
+//! release of that key wakes the head and the first critical waiter, and
+//! the head leaving (got its permit, timed out, cancelled) wakes the next, so
 //! a wake-up is never lost with the waiter that received it. Newcomers join behind the waiters instead of
 //! overtaking them. Releases this process does not see (another instance
 //! on a shared store, another layer on the same rule) are caught by the
@@ -115,18 +115,21 @@ impl Queue {
         self.waiting.load(Ordering::Acquire) > 0
     }
 
-    /// Wakes the head of `key`'s queue and its critical waiters (a permit
-    /// of that key was freed: a non-critical head held to its share may
-    /// not use it, a critical waiter may).
+    /// Wakes the head of `key`'s queue and the first critical waiter
+    /// behind it (a permit of that key was freed: a non-critical head held
+    /// to its share may not use it, a critical waiter may). One each, so a
+    /// release costs at most two acquires however many wait.
     pub(crate) fn wake(&self, key: u64) {
         if self.waiting.load(Ordering::Acquire) == 0 {
             return;
         }
         if let Some(line) = self.lock(key).get(&key) {
-            for (i, (waiter, critical)) in line.iter().enumerate() {
-                if i == 0 || *critical {
-                    waiter.notify_one();
-                }
+            let mut waiters = line.iter();
+            if let Some((head, _)) = waiters.next() {
+                head.notify_one();
+            }
+            if let Some((critical, _)) = waiters.find(|(_, critical)| *critical) {
+                critical.notify_one();
             }
         }
     }

@@ -2093,8 +2093,17 @@ async fn cluster_master_stopped(cell: Cell<'_>) -> CellResult {
             format!("before the stop ({warm}): HTTP {}", reply.status)
         })?;
     }
+    /// Resumes the stopped node however the cell ends (a panic, a
+    /// timeout), so the next cell finds the Cluster whole.
+    struct Resume<'a>(&'a Server);
+    impl Drop for Resume<'_> {
+        fn drop(&mut self) {
+            self.0.pause(false);
+        }
+    }
     let stopped = &cluster.nodes[1];
     stopped.pause(true);
+    let resume = Resume(stopped);
     // Two waves: the first finds the stopped master (its calls time out,
     // and count toward its breaker); in the second, every other client
     // must still be decided by Redis.
@@ -2109,7 +2118,7 @@ async fn cluster_master_stopped(cell: Cell<'_>) -> CellResult {
             .await,
         );
     }
-    stopped.pause(false);
+    drop(resume);
     // Each client's answer is its master's: the same in both waves.
     let in_flight = matches!(cell.layer, Layer::Concurrency | Layer::Adaptive);
     let mut by_redis: Vec<Vec<bool>> = Vec::new();

@@ -694,7 +694,12 @@ async fn a_fail_open_admission_is_never_refunded_to_redis() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     redis.restart();
     // Back on Redis (a fresh one): five charged there.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never back on Redis"
+        );
         let (status, r) = send(false).await;
         assert_eq!(status, 200);
         if r.starts_with("\"one\";r=99;") {

@@ -69,8 +69,9 @@ use tollgate_core::{
 /// A key at a limit that refuses for less than a round trip (its cached
 /// denials are over before they land: thousands a second against a
 /// distant Redis) gains nothing from leases of one unit taken in turn:
-/// its decisions go to the store side by side, as without `HotKeys`,
-/// until the store admits one again. (With 64 tasks on one key limited to
+/// its decisions go to the store side by side (at most 16 at once per
+/// instance, so a flood of one key does not reach the store one call per
+/// request), until the store admits one again. (With 64 tasks on one key limited to
 /// 10,000 a second, local Redis: 0.84× the plain store's decisions a
 /// second, where waiting in turn gave 0.42×; see `benches/README.md`.)
 ///
@@ -417,6 +418,8 @@ struct KeyState {
     /// trip, so the denial cache cannot answer): decisions go to the
     /// store side by side until it admits one again.
     outrun: bool,
+    /// Decisions of the key at the store side by side now (`Step::Aside`).
+    aside: u32,
     /// The store's failure policy, not the store, gave the key's last
     /// answer: the current lease's units (if it was granted) are never
     /// given back to the store, which did not count them (fail-open
@@ -532,7 +535,17 @@ enum Step {
     Wait(Arc<Notify>),
     /// No room to keep the key: decide through the store.
     Through,
+    /// Decide through the store beside the key's other decisions (the
+    /// key is outrun, or its store's policy answers): counted in the
+    /// key's `aside`, which the caller's guard gives back.
+    Aside,
 }
+
+/// Most decisions of one key that go to the store side by side at once
+/// (an outrun key, or one its store's failure policy answers); the rest
+/// wait for a lease as a key at its limit did before, so a flood of one
+/// key costs the store at most this many calls in flight per instance.
+const MAX_ASIDE: u32 = 16;
 
 impl<C: Clock> Local<C> {
     fn shard(&self, key: &[u8]) -> MutexGuard<'_, Keys> {
@@ -665,11 +678,13 @@ impl<C: Clock> Local<C> {
         // per round trip, in turn. Ask the store side by side, as without
         // `HotKeys`, until it admits again (then leases start over, at the
         // smallest batch).
-        if s.outrun || s.unowned {
-            return Step::Through;
+        if (s.outrun || s.unowned) && s.aside < MAX_ASIDE {
+            s.aside = s.aside.saturating_add(1);
+            return Step::Aside;
         }
-        if waited && s.batch.max(cost) >= self.max_batch {
-            return Step::Through;
+        if waited && s.batch.max(cost) >= self.max_batch && s.aside < MAX_ASIDE {
+            s.aside = s.aside.saturating_add(1);
+            return Step::Aside;
         }
         if let Some(flight) = &s.flight {
             return Step::Wait(Arc::clone(flight));
@@ -756,6 +771,11 @@ impl<C: Clock> Local<C> {
             // never: nothing cached for this cost.
             Outcome::Deny { .. } | Outcome::Never => s.batch = self.min_batch,
         }
+    }
+
+    /// Whether the key's last answer came from its store's failure policy.
+    fn unowned(&self, key: &[u8]) -> bool {
+        self.shard(key).get(key).is_some_and(|s| s.unowned)
     }
 
     /// Records what the store answered a decision made through it (not a
@@ -1067,6 +1087,14 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                     Step::Done(d) => return Ok(d),
                     Step::Through => {
                         local.store_calls.add();
+                        return inner.decide(&key, cost).await;
+                    }
+                    Step::Aside => {
+                        let _aside = Aside {
+                            local: &local,
+                            key: &key,
+                        };
+                        local.store_calls.add();
                         let sent = local.clock.now();
                         let (d, unowned) = lease(&inner, &key, cost).await;
                         local.after_through(&key, cost, sent, (&d, unowned));
@@ -1118,15 +1146,24 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                         if give_back > 0 {
                             local.store_calls.add();
                             // A failed give-back only means the units lapse.
-                            // On a task of its own, started before the lease
-                            // below and not waited for: a cancelled request
-                            // still gives them back, and a hung store costs
-                            // this decision one timeout, not one per call.
-                            // (Sent first, it usually lands first; if not,
-                            // the lease asks for what is left.)
-                            let refund = inner.refund(&key, give_back);
+                            // Polled once here (so it is on the connection
+                            // before the lease below), then on a task of its
+                            // own, not waited for: a cancelled request still
+                            // gives them back, and a hung store costs this
+                            // decision one timeout, not one per call.
+                            let mut refund = Box::pin(inner.refund(&key, give_back));
                             match tokio::runtime::Handle::try_current() {
-                                Ok(rt) => drop(rt.spawn(refund)),
+                                Ok(rt) => {
+                                    // Polled once here, so that it is on
+                                    // the connection before the lease is.
+                                    let first = std::future::poll_fn(|cx| {
+                                        std::task::Poll::Ready(refund.as_mut().poll(cx).is_ready())
+                                    })
+                                    .await;
+                                    if !first {
+                                        drop(rt.spawn(refund));
+                                    }
+                                }
                                 Err(_) => {
                                     let _ = refund.await;
                                 }
@@ -1200,8 +1237,29 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
             if local.refund_local(key, cost) {
                 return Box::pin(std::future::ready(Ok(())));
             }
+            // The key's store answered through its failure policy: the
+            // charge was never the store's to give back.
+            if local.unowned(key) {
+                return Box::pin(std::future::ready(Ok(())));
+            }
         }
         Box::pin(self.inner.refund(key, cost))
+    }
+}
+
+/// A decision at the store beside the key's others (`Step::Aside`): its
+/// place is given back however it ends.
+struct Aside<'a, C: Clock> {
+    local: &'a Local<C>,
+    key: &'a [u8],
+}
+
+impl<C: Clock> Drop for Aside<'_, C> {
+    fn drop(&mut self) {
+        let mut shard = self.local.shard(self.key);
+        if let Some(s) = shard.get_mut(self.key) {
+            s.aside = s.aside.saturating_sub(1);
+        }
     }
 }
 

@@ -71,9 +71,10 @@ use tollgate_core::{
 /// distant Redis) gains nothing from leases of one unit taken in turn:
 /// its decisions go to the store side by side (at most 16 at once per
 /// instance, so a flood of one key does not reach the store one call per
-/// request), until the store admits one again. (With 64 tasks on one key limited to
-/// 10,000 a second, local Redis: 0.84× the plain store's decisions a
-/// second, where waiting in turn gave 0.42×; see `benches/README.md`.)
+/// request), until the store admits one again. (With 64 tasks on one
+/// key limited to 10,000 a second, local Redis: 0.70× the plain store's
+/// decisions a second, where waiting in turn gave 0.41×; see
+/// `benches/README.md`.)
 ///
 /// **When the store fails.** Leases already taken keep answering until
 /// they end; then the store's failure policy answers, per request. A

@@ -238,6 +238,11 @@ impl Backend {
                         .unwrap()
                 }),
             )
+            // A 1 MiB download paced at 64 KiB every 100 ms.
+            .route(
+                "/download",
+                get(|| async { Response::new(Body::new(Paced::download())) }),
+            )
             // A handler that never answers.
             .route("/hang", get(std::future::pending::<&'static str>))
             .route(
@@ -315,6 +320,44 @@ impl http_body::Body for Scripted {
             }
             None => Poll::Ready(None),
         }
+    }
+}
+
+/// A paced download: `left` bytes in chunks of 64 KiB, one every 100 ms.
+struct Paced {
+    left: usize,
+    tick: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl Paced {
+    const CHUNK: usize = 64 * 1024;
+    const EVERY: Duration = Duration::from_millis(100);
+
+    fn download() -> Self {
+        Paced {
+            left: 1024 * 1024,
+            tick: Box::pin(tokio::time::sleep(Duration::ZERO)),
+        }
+    }
+}
+
+impl http_body::Body for Paced {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if self.left == 0 {
+            return Poll::Ready(None);
+        }
+        std::task::ready!(self.tick.as_mut().poll(cx));
+        let next = tokio::time::Instant::now() + Self::EVERY;
+        self.tick.as_mut().reset(next);
+        let n = self.left.min(Self::CHUNK);
+        self.left -= n;
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from(vec![b'x'; n])))))
     }
 }
 
@@ -1045,15 +1088,19 @@ async fn long_bodies(cell: Cell<'_>) -> CellResult {
         ..Spec::default()
     };
     // Sixteen clients hold an event stream open from boot, when the
-    // gradient probes at its minimum of 16; then sixteen whose requests
-    // ask for an upgrade (a layer that offers upgrades hands their
-    // permits to the handler).
+    // gradient probes at its minimum of 16; then sixteen paced 1 MiB
+    // downloads; then sixteen requests that ask for an upgrade (a layer
+    // that offers upgrades hands their permits to the handler).
     let upgrade: &[(&str, &str)] = &[("upgrade", "websocket"), ("connection", "upgrade")];
-    for (what, headers) in [("event streams", &[][..]), ("upgrade streams", upgrade)] {
+    for (what, path, headers) in [
+        ("event streams", "/long", &[][..]),
+        ("paced 1 MiB downloads", "/download", &[][..]),
+        ("upgrade streams", "/long", upgrade),
+    ] {
         let s = serve(cell, spec, &backend, true).await;
         let mut streams = Vec::new();
         for i in 0..16 {
-            let o = open_with(s.addr, "/long", &format!("sse-{i}"), headers).await;
+            let o = open_with(s.addr, path, &format!("sse-{i}"), headers).await;
             expect(o.status == StatusCode::OK, || {
                 format!("{what}: stream {i}: HTTP {}", o.status)
             })?;

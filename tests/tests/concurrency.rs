@@ -365,3 +365,110 @@ async fn a_slow_reader_keeps_its_permit_until_the_last_frame() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+/// Concurrency review M2, at the layer: behind a Redis 20 ms and 200 ms
+/// away (each way), a client that sends its next request as soon as the
+/// last response ended is never refused by its own earlier lease (a
+/// release still on its way), a request held for three lease TTLs keeps
+/// its lease the whole time while hundreds of releases queue behind the
+/// latency, and no lease is left held afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_redis_gives_no_false_refusal_no_lapse_and_no_leak() {
+    use tollgate_redis::testing::Delayed;
+    let Some(redis) = Server::start() else { return };
+    const TTL: Duration = Duration::from_secs(1);
+    for delay in [Duration::from_millis(20), Duration::from_millis(200)] {
+        let proxy = Delayed::start(redis.port, delay).await;
+        let prefix = unique_prefix();
+        let slow = RedisStore::builder(&proxy.url())
+            .prefix(&prefix)
+            .timeout(Duration::from_secs(3))
+            .build()
+            .unwrap();
+        let near = RedisStore::builder(&redis.url())
+            .prefix(&prefix)
+            .build()
+            .unwrap();
+        let layer = ConcurrencyLayer::builder("one", 1)
+            .key(Header::named("x-api-key").unwrap())
+            .lease_ttl(TTL)
+            .store(slow.clone())
+            .build()
+            .unwrap();
+        let app = Router::new()
+            .route("/short", get(|| async { "ok" }))
+            // Three lease TTLs of streaming.
+            .route(
+                "/long",
+                get(|| async { Body::new(Slow::new(30, Duration::from_millis(100), false)) }),
+            )
+            .layer(layer);
+        let addr = common::spawn(app).await;
+        let rule = ConcurrencyRule::new("one", 1, TTL).unwrap();
+        let held = near.concurrency_limiter(&rule).unwrap();
+        let key = |k: usize| {
+            let raw = format!("k{k}");
+            let mut key = vec![raw.len() as u8];
+            key.extend_from_slice(raw.as_bytes());
+            key
+        };
+
+        // The long request on key 0: its head back, its body streaming.
+        let (mut long_sender, _long_conn) = connect(addr).await;
+        let long = long_sender.send_request(get_req("/long", 0)).await.unwrap();
+        assert_eq!(long.status(), 200, "{delay:?}");
+        let reading = tokio::spawn(long.into_body().collect());
+
+        // 16 clients (keys 1..=16), each 8 requests back to back.
+        let mut clients = tokio::task::JoinSet::new();
+        for k in 1..=16 {
+            clients.spawn(async move {
+                let mut refused = 0;
+                for _ in 0..8 {
+                    let (mut sender, conn) = connect(addr).await;
+                    let res = sender.send_request(get_req("/short", k)).await.unwrap();
+                    if res.status() == 429 {
+                        refused += 1;
+                    }
+                    res.into_body().collect().await.unwrap();
+                    conn.abort();
+                }
+                refused
+            });
+        }
+        // Meanwhile, key 0's lease is held in Redis at every look.
+        let mut looks = 0;
+        while !reading.is_finished() {
+            let now = held.held(&key(0)).await.unwrap();
+            if reading.is_finished() {
+                break;
+            }
+            assert_eq!(now, 1, "{delay:?}: the long request's lease lapsed");
+            looks += 1;
+            tokio::time::sleep(TTL / 4).await;
+        }
+        assert!(looks >= 8, "{delay:?}: looked {looks} times");
+        reading.await.unwrap().unwrap();
+        let mut refused = 0;
+        while let Some(r) = clients.join_next().await {
+            refused += r.unwrap();
+        }
+        assert_eq!(
+            refused, 0,
+            "{delay:?}: requests refused by their own released leases"
+        );
+
+        // Nothing stays held.
+        slow.flush().await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        for k in 0..=16 {
+            while held.held(&key(k)).await.unwrap() != 0 {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "{delay:?}: key {k}'s lease leaked"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+}

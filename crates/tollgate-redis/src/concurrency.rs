@@ -16,7 +16,7 @@ use tollgate_core::{
 use crate::backend::Backend;
 use crate::keeper::LeaseKeeper;
 use crate::key;
-use crate::leases::{LeaseIds, LiveLeases};
+use crate::leases::{member, LeaseIds, LiveLeases};
 use crate::policy::{ConcurrencyOnFailure, LOCAL_LEASE};
 use crate::scripts::{Acquired, SemaphoreMode};
 use crate::BoxFuture;
@@ -153,14 +153,22 @@ impl BoundConcurrency {
     /// another if a live lease has it; `None` if there is no answer.
     async fn acquire_in_redis(&self, rkey: &str, permits: u32, ceiling: u32) -> Option<Acquire> {
         let ceiling = ceiling.to_string();
+        // This store's releases of the key still on their way: Redis
+        // applies them first, so that a request that follows its own
+        // response at once is not refused by the lease it gave back.
+        let carried = self.leases.carried(rkey);
         for _ in 0..ID_ATTEMPTS {
             let id = self.ids.next();
-            let tail = [ceiling.clone(), id.to_string()];
+            let mut tail = vec![ceiling.clone(), id.to_string()];
+            tail.extend(carried.iter().map(member));
             let reply = self
                 .leases
                 .args
                 .call(&self.backend, SemaphoreMode::Acquire, rkey, permits, &tail)
                 .await;
+            if reply.is_ok() {
+                self.leases.released(rkey, carried.iter().map(|l| l.id));
+            }
             let (maybe_granted, answer) = match reply {
                 Ok(reply) => (true, reply.acquire(permits, id)),
                 Err(fault) => (fault.maybe_sent, None),

@@ -125,12 +125,22 @@ impl LeaseKeeper {
     ) -> BoxFuture<Result<(), StoreError>> {
         leases.forget(&key, lease.id);
         let (done, answer) = oneshot::channel();
+        // Recorded before it is sent (the task may answer at once), and
+        // taken back if it cannot be.
+        leases.releasing(&key, lease);
         let sent = self.jobs.try_send(Job::Release {
             leases: Arc::clone(leases),
             key,
             lease,
             done,
         });
+        if let Err(
+            mpsc::error::TrySendError::Full(Job::Release { key, .. })
+            | mpsc::error::TrySendError::Closed(Job::Release { key, .. }),
+        ) = &sent
+        {
+            leases.released(key, std::iter::once(lease.id));
+        }
         let sent = match sent {
             Ok(()) => Ok(()),
             Err(mpsc::error::TrySendError::Full(_)) => {
@@ -305,6 +315,7 @@ fn handle(
             let chunk: Vec<(Lease, Done)> = batch.by_ref().take(MAX_BATCH).collect();
             if outstanding.batches.load(Ordering::Acquire) >= MAX_PENDING_BATCHES {
                 // Forgotten already, so no longer renewed: they lapse.
+                leases.released(&key, chunk.iter().map(|(lease, _)| lease.id));
                 dropped(chunk);
                 continue;
             }
@@ -366,6 +377,8 @@ async fn release_batch(
         .run(&backend, SemaphoreMode::Release, &key, 0, &members)
         .await
         .map(drop);
+    // Answered (or failed: the leases lapse): acquires carry them no more.
+    leases.released(&key, batch.iter().map(|(lease, _)| lease.id));
     for (_, done) in batch {
         let _ = done.send(result.clone());
     }

@@ -137,13 +137,22 @@ pub(crate) fn member(lease: &Lease) -> String {
     format!("{}:{}", lease.id, lease.permits)
 }
 
+/// Most releases of one key carried on an acquire
+/// ([`LiveLeases::carried`]).
+const MAX_CARRIED: usize = 64;
+
 /// The leases one concurrency limiter granted and has not released, by
-/// Redis key.
+/// Redis key; and the releases handed to the keeper that Redis has not
+/// answered yet, which an acquire of the same key carries (so that a
+/// client whose next request follows its last response at once never
+/// meets its own released lease: the release may still be on its way,
+/// behind a slow Redis or a busy keeper, when the acquire is sent).
 #[derive(Debug)]
 pub(crate) struct LiveLeases {
     pub(crate) args: SemaphoreArgs,
     pub(crate) every: Duration,
     held: Mutex<HashMap<String, HashMap<u64, u32>>>,
+    releasing: Mutex<HashMap<String, Vec<Lease>>>,
     pub(crate) renewing: AtomicBool,
 }
 
@@ -153,6 +162,7 @@ impl LiveLeases {
             args: SemaphoreArgs::new(semaphore),
             every: Duration::from_nanos(semaphore.lease_ttl() / 3),
             held: Mutex::new(HashMap::new()),
+            releasing: Mutex::new(HashMap::new()),
             renewing: AtomicBool::new(false),
         })
     }
@@ -179,6 +189,44 @@ impl LiveLeases {
                 held.remove(key);
             }
         }
+    }
+
+    /// Records a release handed to the keeper (at most [`MAX_CARRIED`]
+    /// a key; past them a release only goes its own way).
+    pub(crate) fn releasing(&self, key: &str, lease: Lease) {
+        let mut releasing = self
+            .releasing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let leases = releasing.entry(key.to_owned()).or_default();
+        if leases.len() < MAX_CARRIED {
+            leases.push(lease);
+        }
+    }
+
+    /// Forgets releases of `key` that Redis has answered (or that an
+    /// acquire carried), by id.
+    pub(crate) fn released(&self, key: &str, ids: impl Iterator<Item = u64> + Clone) {
+        let mut releasing = self
+            .releasing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(leases) = releasing.get_mut(key) {
+            leases.retain(|l| !ids.clone().any(|id| id == l.id));
+            if leases.is_empty() {
+                releasing.remove(key);
+            }
+        }
+    }
+
+    /// The releases of `key` still on their way, as script members, for
+    /// an acquire to carry: Redis applies them before it counts.
+    pub(crate) fn carried(&self, key: &str) -> Vec<Lease> {
+        let releasing = self
+            .releasing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        releasing.get(key).cloned().unwrap_or_default()
     }
 
     /// Leases held now, by key.

@@ -9,7 +9,9 @@
 -- scores stay exact.
 -- ARGV[1] the mode: 'acquire' (ARGV[2] permits, ARGV[8] the ceiling,
 -- already clamped to max, ARGV[9] the new lease's id, chosen by the
--- client), 'release' or 'renew' (ARGV[8..] leases of this key,
+-- client, ARGV[10..] leases of this key the client released whose
+-- releases may still be on their way: released first), 'release' or
+-- 'renew' (ARGV[8..] leases of this key,
 -- "id:permits"), 'held'. ARGV[5] max, ARGV[6] the lease TTL in ns,
 -- ARGV[7] a denial's retry hint in ns.
 -- Ids are the client's (random, up to 19 digits) and handled as strings
@@ -194,6 +196,14 @@ local function main()
     return redis.error_reply('tollgate: a lease id must be a decimal number')
   end
   local held = live_held()
+  local freed = 0
+  for i = 10, #ARGV do
+    if redis.call('ZREM', key, ARGV[i]) == 1 then freed = freed + permits_of(ARGV[i]) end
+  end
+  if freed > 0 then
+    held = redis.call('HINCRBY', meta, 'held', -freed)
+    touch()
+  end
   local remaining = math.max(0, ceiling - held)
   -- Until the budget is whole: until the latest lease lapses.
   local reset = 0

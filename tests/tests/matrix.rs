@@ -160,6 +160,10 @@ const ROWS: &[Row] = &[
         check: |c| Box::pin(store_down(c)),
     },
     Row {
+        name: "6d store slow but in time: its answers, no false 429 back to back",
+        check: |c| Box::pin(store_slow_in_time(c)),
+    },
+    Row {
         name: "6c one Cluster master stopped: only its keys fall to the policy",
         check: |c| Box::pin(cluster_master_stopped(c)),
     },
@@ -1296,6 +1300,94 @@ async fn store_fault(cell: Cell<'_>, fault: &str, url: &str) -> Result<(), Strin
         })?;
     }
     Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Row 6d: a Redis 20 ms away each way, well within the store's timeout:
+// its answers are its own (a limit holds exactly, though the policy would
+// admit everything), and clients that send their next request as soon as
+// the last response ended are never refused by their own released
+// permits, whose releases may still be on their way.
+
+async fn store_slow_in_time(cell: Cell<'_>) -> CellResult {
+    if cell.backing == Backing::Memory {
+        return Ok(Verdict::NotApplicable(
+            "the in-process store answers at once",
+        ));
+    }
+    match cell.layer {
+        Layer::Bandwidth => {
+            return Ok(Verdict::NotApplicable(
+                "pacing never refuses: a slow store only delays the body",
+            ))
+        }
+        Layer::Retry => {
+            return Ok(Verdict::NotApplicable(
+                "a client layer: its budget's deposits and withdrawals are rows 6 and 10",
+            ))
+        }
+        _ => {}
+    }
+    let port: u16 = cell.redis.rsplit(':').next().unwrap().parse().unwrap();
+    let slow = tollgate_redis::testing::Delayed::start(port, Duration::from_millis(20)).await;
+    let url = slow.url();
+    let cell = Cell {
+        redis: &url,
+        ..cell
+    };
+    let backend = Backend::default();
+    let s = serve_on(
+        cell,
+        Spec::default(),
+        backend.router(),
+        true,
+        FailurePolicy::Open,
+    )
+    .await;
+    match cell.layer {
+        Layer::Concurrency | Layer::Adaptive => {
+            // The key's 8 permits, 8 clients, 12 requests each, back to back.
+            let mut clients = tokio::task::JoinSet::new();
+            for c in 0..8 {
+                let addr = s.addr;
+                clients.spawn(async move {
+                    let mut refused = Vec::new();
+                    for i in 0..12 {
+                        let r = send(addr, req(Method::GET, "/s", Some(b"b2b")))
+                            .await
+                            .unwrap();
+                        if r.status != StatusCode::OK {
+                            refused.push(format!("client {c}, request {i}: HTTP {}", r.status));
+                        }
+                    }
+                    refused
+                });
+            }
+            let mut refused = Vec::new();
+            while let Some(r) = clients.join_next().await {
+                refused.extend(r.unwrap());
+            }
+            expect(refused.is_empty(), || {
+                format!("refused by permits their own responses gave back: {refused:?}")
+            })?;
+        }
+        _ => {
+            // GET /s costs 1 of 8: eight pass, the ninth is the store's 429
+            // (failing open would pass it).
+            let mut statuses = Vec::new();
+            for _ in 0..9 {
+                let r = send(s.addr, req(Method::GET, "/s", Some(b"b2b")))
+                    .await
+                    .unwrap();
+                statuses.push(r.status.as_u16());
+            }
+            let want = [200, 200, 200, 200, 200, 200, 200, 200, 429];
+            expect(statuses == want, || {
+                format!("statuses {statuses:?}, want {want:?}")
+            })?;
+        }
+    }
+    Ok(Verdict::Pass)
 }
 
 /// A retry budget on a dead store: `Open` grants every retry (as if there

@@ -109,6 +109,17 @@
 //!   user, API key or plan goes inside it, so that its keys and plans come
 //!   from verified identities (`plan_from_extension`), not from whatever a
 //!   client sends.
+//! - **One decision, or the address first: a choice.** Per-key and
+//!   per-address rules in one policy are one decision (a refusal by
+//!   either charges neither) and sit inside authentication, with it. A
+//!   per-address policy outside authentication protects the authentication
+//!   too, but is a decision of its own: it is charged for requests the
+//!   inner policy refuses. The quickstart takes the first (its
+//!   authentication is cheap); a login endpoint wants the second.
+//! - **Order in axum.** `ServiceBuilder::new().layer(a).layer(b)` puts `a`
+//!   outside `b`, as the diagram reads; `Router::layer(a).layer(b)` puts
+//!   `b` outside `a` (each call wraps what is there). Use one
+//!   `ServiceBuilder` in `Router::layer` to read the order top down.
 //!
 //! # Memory in development, Redis in production
 //!

@@ -10,8 +10,16 @@ use crate::key::{KeyBuf, KeyExtractor};
 use crate::rate_limit::MissingKey;
 
 /// One rule of a [`PolicyLayer`](super::PolicyLayer): a rate limit with
-/// its own name, key and cost. The key is explicit: there is no default
-/// that could make every client share one budget by accident.
+/// its own name, key and cost. The key is explicit: a policy's rules
+/// exist to count by different things (API key, address, route, the
+/// whole service), so no rule assumes one. (The single-limit layers,
+/// `RateLimitLayer`, `QuotaLayer` and `ConcurrencyLayer`, default to
+/// `PeerIp`: one budget per client address.)
+///
+/// The cost is the rule's own too, `Fixed(1)` unless set: give the same
+/// cost function to every rule that should weigh requests alike (a rule
+/// per address that counts requests, not work, may leave it), and to a
+/// `QuotaLayer` beside the policy, which has its own.
 #[derive(Clone)]
 pub struct RateRule<K, C = Fixed> {
     pub(crate) name: String,

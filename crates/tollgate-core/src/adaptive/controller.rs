@@ -5,8 +5,11 @@ use super::AdaptiveLimit;
 /// One completed request, as the controller sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Sample {
-    /// How long the request took, in nanoseconds (from admission to the
-    /// end of the response).
+    /// How long the request took, in nanoseconds: from admission to the
+    /// response's head (the layers sample there, so that a long body —
+    /// an event stream, a download — neither holds the limit nor reads as
+    /// latency), or to its trailers for a gRPC answer whose status comes
+    /// in them.
     pub rtt: u64,
     /// Whether the request failed because the backend was overloaded
     /// (a timeout, a 503, a rejection from further down). Failures that

@@ -318,6 +318,12 @@ pub trait ConcurrencyLimiter: Clone + Send + Sync + 'static {
     /// or less for traffic held to a share of it. Permits above the
     /// ceiling can never be granted ([`Outcome::Never`](crate::Outcome::Never));
     /// 0 peeks. A denial's `retry_after` is the rule's retry hint.
+    ///
+    /// The layers drop an acquire's future unresolved (a client that went
+    /// away, a queue's deadline): a lease granted for a dropped future
+    /// must go back, not hold its permits (the Redis store runs the call
+    /// as a task of its own, which releases what it got when nobody reads
+    /// it).
     fn acquire(&self, key: &[u8], permits: u32, ceiling: u32) -> Self::AcquireFuture;
 
     /// The acquire at once, for stores that need no I/O; `None` (the

@@ -115,7 +115,9 @@ where
                     let Some(w) = waiting.as_mut() else {
                         return Poll::Pending;
                     };
-                    // An error drops the admission, and so its permit.
+                    // An error is returned with the admission still in
+                    // this state: its permit goes back when the caller
+                    // drops the future (at once, in every server).
                     ready!(w.1.poll_ready(cx))?;
                     let Some(w) = waiting.take() else {
                         return Poll::Pending;

@@ -399,7 +399,11 @@ impl<K, C, P, St> ConcurrencyLayerBuilder<K, C, P, St> {
 
     /// Shadow mode: decide and count, but never refuse, and send no
     /// rate-limit headers (a client would back off from a limit that is
-    /// not enforced).
+    /// not enforced). A request the limit would refuse passes at once: it
+    /// does not wait in a [`queue`](Self::queue), so with a queue the
+    /// shadow count of refusals (`outcome="shadow_limited"`)
+    /// includes requests the queue would have served after a wait; read it
+    /// as an upper bound.
     pub fn shadow(mut self, shadow: bool) -> Self {
         self.cfg.shadow = shadow;
         self

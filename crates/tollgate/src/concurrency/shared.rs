@@ -656,6 +656,8 @@ where
             plan,
             keyed,
         } = d;
+        // A queued wait is counted from here, the first acquire included.
+        let arrived = Instant::now();
         let limit = self.plans.get(plan);
         let ceiling = limit.ceiling(critical);
         // Others may have joined the key's queue since `start` looked: a
@@ -670,7 +672,7 @@ where
         let step = if !keyed {
             Step::Pass(None)
         } else if queued {
-            self.wait_turn(&mut key, permits, (ceiling, limit.max), critical)
+            self.wait_turn(&mut key, permits, (ceiling, limit.max), critical, arrived)
                 .await
         } else {
             let first = self
@@ -680,7 +682,7 @@ where
                 .await;
             match self.step(first, true) {
                 Step::Wait(_) => {
-                    self.wait_turn(&mut key, permits, (ceiling, limit.max), critical)
+                    self.wait_turn(&mut key, permits, (ceiling, limit.max), critical, arrived)
                         .await
                 }
                 step => step,
@@ -699,7 +701,9 @@ where
     }
 
     /// Waits in `key`'s queue until the head of it gets a permit, the wait
-    /// runs out, or the queue is full. A critical request tries whenever
+    /// runs out (`max_wait` after the request `arrived`, an acquire still
+    /// in flight then included: it is given up, and a lease it got goes
+    /// back), or the queue is full. A critical request tries whenever
     /// it wakes, wherever it stands: the reserve is for it, and a
     /// non-critical head held to its share must not keep it waiting.
     async fn wait_turn(
@@ -708,6 +712,7 @@ where
         permits: u32,
         (ceiling, max): (u32, u32),
         critical: bool,
+        arrived: Instant,
     ) -> Step {
         let Some(queue) = &self.queue else {
             return Step::Pass(None);
@@ -724,8 +729,7 @@ where
             Step::Reject(Reason::Limited, with_hint(d, limiter))
         };
         let hash = queue.hash(key.as_bytes());
-        let start = Instant::now();
-        let deadline = start.checked_add(queue.max_wait).unwrap_or(start);
+        let deadline = arrived.checked_add(queue.max_wait).unwrap_or(arrived);
         let Some(place) = queue.join(hash, critical) else {
             self.metrics.queue_full.increment(1);
             let peek = limiter.acquire(key.as_bytes(), 0, ceiling).await.ok();
@@ -741,10 +745,12 @@ where
                 if on_timer {
                     self.metrics.rechecks.increment(1);
                 }
-                match self.step(
-                    limiter.acquire(key.as_bytes(), permits, ceiling).await,
-                    true,
-                ) {
+                let acquire = limiter.acquire(key.as_bytes(), permits, ceiling);
+                let Ok(got) = tokio::time::timeout_at(deadline, acquire).await else {
+                    self.metrics.queue_timeout.increment(1);
+                    return refused(last);
+                };
+                match self.step(got, true) {
                     Step::Wait(d) => last = Some(d),
                     Step::Granted(lease, d) => {
                         self.metrics.queued.increment(1);

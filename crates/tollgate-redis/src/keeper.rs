@@ -84,6 +84,8 @@ enum Job {
 pub(crate) struct LeaseKeeper {
     jobs: mpsc::Sender<Job>,
     dropped: metrics::Counter,
+    /// Whether the task's end was logged.
+    gone_told: Arc<std::sync::atomic::AtomicBool>,
 }
 
 fn task_gone() -> StoreError {
@@ -102,7 +104,20 @@ impl LeaseKeeper {
         Self {
             jobs,
             dropped: dropped_releases(),
+            gone_told: Arc::default(),
         }
+    }
+
+    /// The task is gone (its runtime ended): said once, loudly.
+    fn gone(&self) -> StoreError {
+        if !self.gone_told.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "the Redis store's lease task has stopped: the runtime the store was built on \
+                 has ended, so concurrency leases are no longer released or renewed (each holds \
+                 its permits for its lease TTL); build the store on the runtime that serves"
+            );
+        }
+        task_gone()
     }
 
     /// Starts renewing `leases`.
@@ -151,7 +166,7 @@ impl LeaseKeeper {
                     "the lease task's queue is full; the lease lapses within its TTL",
                 ))
             }
-            Err(mpsc::error::TrySendError::Closed(_)) => Err(task_gone()),
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(self.gone()),
         };
         Box::pin(async move {
             sent?;

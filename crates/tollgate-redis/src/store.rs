@@ -256,6 +256,14 @@ impl RedisStoreBuilder {
     /// policy until Redis answers. Must be called inside a Tokio runtime
     /// (the connection and the lease task run as tasks); outside one it
     /// returns an error, as it does without a [`prefix`](Self::prefix).
+    ///
+    /// Build it on the runtime that serves: the lease task (concurrency
+    /// leases' releases and renewals) runs on the runtime the store was
+    /// built on, and if that runtime ends the store goes on deciding, but
+    /// its leases are neither released nor renewed — each holds its
+    /// permits for its lease TTL after its request ends — and a warning
+    /// says so once. (Connections are made on the caller's runtime and
+    /// survive it.)
     pub fn build(self) -> Result<RedisStore, ConfigError> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return Err(ConfigError::new(

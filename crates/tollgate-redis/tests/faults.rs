@@ -660,6 +660,11 @@ fn a_store_outlives_the_runtime_it_was_built_on() {
             .unwrap()
     });
     let l = store.limiter(&rule()).unwrap();
+    let c = store
+        .concurrency_limiter(
+            &tollgate_core::ConcurrencyRule::new("c", 1, Duration::from_secs(30)).unwrap(),
+        )
+        .unwrap();
     drop(setup);
     let serving = tokio::runtime::Runtime::new().unwrap();
     serving.block_on(async {
@@ -677,6 +682,13 @@ fn a_store_outlives_the_runtime_it_was_built_on() {
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+        // The lease task ran on the runtime that ended (documented on
+        // `build`): a lease is granted, and its release says it cannot
+        // be done (logged once), rather than pretending it was.
+        use tollgate_core::ConcurrencyLimiter as _;
+        let lease = c.acquire(b"k", 1, u32::MAX).await.unwrap().lease.unwrap();
+        let err = c.release(b"k", lease).await.unwrap_err();
+        assert!(err.to_string().contains("lease task has stopped"), "{err}");
     });
 }
 

@@ -135,6 +135,7 @@ impl ConcurrencyLayer<PeerIp, Fixed, AllCritical, MemoryStore> {
                 queue: None,
                 service: None,
                 read_only: None,
+                read_only_min_requests: None,
                 is_drop: None,
                 conflict: false,
                 upgrades: false,
@@ -172,6 +173,7 @@ struct Config {
     queue: Option<(usize, Duration)>,
     service: Option<ServiceConfig>,
     read_only: Option<ReadOnly>,
+    read_only_min_requests: Option<u32>,
     is_drop: Option<DropFn>,
     /// A fixed and an adaptive service limit were both asked for.
     conflict: bool,
@@ -350,15 +352,28 @@ impl<K, C, P, St> ConcurrencyLayerBuilder<K, C, P, St> {
     }
 
     /// Read-only mode, with an adaptive service limit: while more than
-    /// `error_rate` (0 to 1) of the requests over the last `window` were
-    /// drops (and at least 20 were seen), only GET, HEAD and OPTIONS go
-    /// through; other methods get 503 with `Retry-After` at once.
+    /// `error_rate` (0 to 1) of the requests over the last `window` (at
+    /// least 1 ms) were drops, and at least
+    /// [`read_only_min_requests`](Self::read_only_min_requests) were seen
+    /// (default 20), only GET, HEAD and OPTIONS go through; other methods
+    /// get 503 with `Retry-After` at once. Errors name `read_only`.
     pub fn read_only_above(mut self, error_rate: f64, window: Duration) -> Self {
+        let min_requests = self.cfg.read_only.as_ref().map_or(20, |r| r.min_requests);
         self.cfg.read_only = Some(ReadOnly {
             threshold: error_rate,
             window,
-            min_requests: 20,
+            min_requests,
         });
+        self
+    }
+
+    /// How many requests the read-only window must have seen before its
+    /// error rate counts (default 20; at least 1): fewer, and one failure
+    /// of a quiet service would turn it read-only. Needs
+    /// [`read_only_above`](Self::read_only_above) (called before or
+    /// after). Errors name `read_only`.
+    pub fn read_only_min_requests(mut self, n: u32) -> Self {
+        self.cfg.read_only_min_requests = Some(n);
         self
     }
 
@@ -448,7 +463,7 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
     /// Validates everything and binds the rules to the store; every error
     /// names its field. Registers the layer's [metrics](crate::observe).
     pub fn build(self) -> Result<ConcurrencyLayer<K, C, P, St>, ConfigError> {
-        let cfg = self.cfg;
+        let mut cfg = self.cfg;
         let rule = |name: &str, max| {
             ConcurrencyRule::new(name, max, cfg.lease_ttl)?.with_retry_after(cfg.retry_after)
         };
@@ -520,11 +535,33 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
                 "needs an adaptive service limit, whose samples it reads",
             ));
         }
+        match (cfg.read_only_min_requests, &mut cfg.read_only) {
+            (Some(0), _) => {
+                return Err(ConfigError::new(
+                    "read_only",
+                    "min_requests must be at least 1",
+                ))
+            }
+            (Some(_), None) => {
+                return Err(ConfigError::new(
+                    "read_only",
+                    "read_only_min_requests needs read_only_above",
+                ))
+            }
+            (Some(n), Some(r)) => r.min_requests = n,
+            (None, _) => {}
+        }
         if let Some(r) = &cfg.read_only {
             if !(r.threshold > 0.0 && r.threshold < 1.0) {
                 return Err(ConfigError::new(
                     "read_only",
                     "error_rate must be between 0 and 1",
+                ));
+            }
+            if r.window < Duration::from_millis(1) {
+                return Err(ConfigError::new(
+                    "read_only",
+                    "window must be at least 1 ms",
                 ));
             }
         }
@@ -539,7 +576,7 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
             Some(ServiceConfig::Fixed(n, max)) => {
                 let r = rule(&n, max).map_err(service_error)?;
                 Some(ServiceLimit::Fixed(Slot {
-                    limiter: self.store.concurrency_limiter(&r)?,
+                    limiter: self.store.concurrency_limiter(&r).map_err(service_error)?,
                     name: r.name().into(),
                     share: share_of(max),
                 }))

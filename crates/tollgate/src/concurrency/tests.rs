@@ -518,6 +518,49 @@ async fn config_errors_name_the_field() {
                 .map(drop),
             "read_only",
         ),
+        // Read-only mode's errors name it, not its window (review m13).
+        (
+            builder(1)
+                .adaptive_service_limit("a", AdaptiveLimit::Aimd(Aimd::new(1, 2, 4).unwrap()))
+                .read_only_above(0.5, Duration::ZERO)
+                .build()
+                .map(drop),
+            "read_only",
+        ),
+        (
+            builder(1)
+                .adaptive_service_limit("a", AdaptiveLimit::Aimd(Aimd::new(1, 2, 4).unwrap()))
+                .read_only_min_requests(0)
+                .read_only_above(0.5, Duration::from_secs(10))
+                .build()
+                .map(drop),
+            "read_only",
+        ),
+        (
+            builder(1)
+                .adaptive_service_limit("a", AdaptiveLimit::Aimd(Aimd::new(1, 2, 4).unwrap()))
+                .read_only_min_requests(5)
+                .build()
+                .map(drop),
+            "read_only",
+        ),
+        // A service limit bound in the store with another maximum.
+        (
+            {
+                let store = MemoryStore::new();
+                builder(1)
+                    .service_limit("s", 4)
+                    .store(store.clone())
+                    .build()
+                    .unwrap();
+                builder(1)
+                    .service_limit("s", 8)
+                    .store(store)
+                    .build()
+                    .map(drop)
+            },
+            "service_limit",
+        ),
         (
             ConcurrencyLayer::builder("bad name", 1).build().map(drop),
             "name",
@@ -652,6 +695,8 @@ async fn a_degraded_service_turns_read_only() {
         .read_only_above(0.5, Duration::from_secs(10))
         .build()
         .unwrap();
+    // (`read_only_min_requests` says how many failures are enough; see
+    // the next test.)
     let failing = Arc::new(AtomicU32::new(1));
     let f2 = Arc::clone(&failing);
     let svc = layer.layer(service_fn(move |_req: Req| {
@@ -935,4 +980,40 @@ async fn a_queued_wait_ends_max_wait_after_arrival_whatever_is_in_flight() {
     assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(arrived.elapsed(), Duration::from_millis(500));
     drop(held);
+}
+
+/// Review m13: read-only mode needed 20 requests in its window, fixed. A
+/// service that sees few requests sets its own number: with 3, three
+/// failing reads turn it read-only, and two do not.
+#[tokio::test(start_paused = true)]
+async fn read_only_mode_counts_after_the_requests_it_is_told() {
+    let limit = AdaptiveLimit::Aimd(Aimd::new(1, 10, 100).unwrap());
+    let layer = builder(100)
+        .adaptive_service_limit("adaptive", limit)
+        .read_only_min_requests(3)
+        .read_only_above(0.5, Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(|req: Req| async move {
+        let mut res = Response::new(String::new());
+        if req.method() == Method::GET {
+            *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+        }
+        Ok::<_, Infallible>(res)
+    }));
+    let post = || {
+        Request::post("/w")
+            .header("x-api-key", "k")
+            .body(String::new())
+            .unwrap()
+    };
+    for _ in 0..2 {
+        assert_eq!(svc.clone().oneshot(req("k")).await.unwrap().status(), 503);
+    }
+    assert_eq!(svc.clone().oneshot(post()).await.unwrap().status(), 200);
+    // Three failures of four: over the threshold, with at least 3 seen.
+    assert_eq!(svc.clone().oneshot(req("k")).await.unwrap().status(), 503);
+    let refused = svc.clone().oneshot(post()).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(refused.headers().contains_key("retry-after"));
 }

@@ -329,7 +329,13 @@ impl<K, C, P, St> ConcurrencyLayerBuilder<K, C, P, St> {
 
     /// Also limits the whole service, in this process, to a limit that
     /// follows its latency and errors (see [`tollgate_core::adaptive`](https://docs.rs/tollgate-core/latest/tollgate_core/adaptive/)).
-    /// Per layer: each layer with one has its own.
+    /// Per layer: each layer with one has its own. A request holds its
+    /// share of it until its response's head (a long body holds only its
+    /// per-key permit). A request weighing more than the limit's `max` is
+    /// refused as too costly; one weighing more than the limit *now* is
+    /// refused with `Retry-After` until the limit grows past its weight,
+    /// so while the backend struggles heavy requests wait longest: keep
+    /// weights well below the limit's minimum.
     pub fn adaptive_service_limit(mut self, name: &str, limit: AdaptiveLimit) -> Self {
         if matches!(self.cfg.service, Some(ServiceConfig::Fixed(..))) {
             self.cfg.conflict = true;

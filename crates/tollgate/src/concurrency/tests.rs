@@ -1017,3 +1017,84 @@ async fn read_only_mode_counts_after_the_requests_it_is_told() {
     assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert!(refused.headers().contains_key("retry-after"));
 }
+
+/// Concurrency review C1, for AIMD: pushed to its minimum (2) by
+/// failures, with sixteen event streams then held open, new requests are
+/// still admitted and the limit still moves: each stream's share of the
+/// adaptive limit ended with its response's head.
+#[tokio::test(start_paused = true)]
+async fn aimd_at_its_minimum_with_streams_open_keeps_admitting_and_moving() {
+    let limit = AdaptiveLimit::Aimd(Aimd::new(2, 16, 64).unwrap());
+    let layer = builder(100)
+        .adaptive_service_limit("adaptive", limit)
+        .build()
+        .unwrap();
+    let (feeds_tx, mut feeds) = mpsc::unbounded_channel::<Feed>();
+    let svc = layer.layer(service_fn(move |req: Req| {
+        let feeds_tx = feeds_tx.clone();
+        async move {
+            let path = req.uri().path().to_owned();
+            let res = match path.as_str() {
+                "/fail" => {
+                    let mut res =
+                        Response::new(ResponseBody::wrap(Chan(mpsc::unbounded_channel().1)));
+                    *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+                    res
+                }
+                "/stream" => {
+                    let (tx, body) = mpsc::unbounded_channel();
+                    let _ = feeds_tx.send(tx);
+                    Response::new(ResponseBody::wrap(Chan(body)))
+                }
+                _ => {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    let (tx, body) = mpsc::unbounded_channel();
+                    drop(tx);
+                    Response::new(ResponseBody::wrap(Chan(body)))
+                }
+            };
+            Ok::<_, Infallible>(res)
+        }
+    }));
+    let on = |path: &str, key: &str| {
+        Request::get(path)
+            .header("x-api-key", key)
+            .body(String::new())
+            .unwrap()
+    };
+    for _ in 0..40 {
+        let res = svc.clone().oneshot(on("/fail", "f")).await.unwrap();
+        assert_eq!(res.status(), 503);
+    }
+    assert_eq!(layer.adaptive_limit(), Some(2), "pushed to its minimum");
+    // Sixteen streams, each held open.
+    let mut streams = Vec::new();
+    for i in 0..16 {
+        let res = svc
+            .clone()
+            .oneshot(on("/stream", &format!("s{i}")))
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 200, "stream {i}");
+        streams.push((res, feeds.recv().await.unwrap()));
+    }
+    // Batches of four at once: the limit grows, and soon admits them all.
+    let mut last_admitted = 0;
+    for batch in 0..30 {
+        let calls: Vec<_> = (0..4)
+            .map(|i| tokio::spawn(svc.clone().oneshot(on("/ok", &format!("b{batch}-{i}")))))
+            .collect();
+        last_admitted = 0;
+        for c in calls {
+            let res = c.await.unwrap().unwrap();
+            if res.status() == 200 {
+                last_admitted += 1;
+            }
+            res.into_body().collect().await.unwrap();
+        }
+    }
+    assert_eq!(last_admitted, 4, "the last batch was admitted whole");
+    let now = layer.adaptive_limit().unwrap();
+    assert!(now >= 4, "the limit moved from its minimum: {now}");
+    assert_eq!(streams.len(), 16, "the streams are still open");
+}

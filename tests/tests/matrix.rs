@@ -176,7 +176,7 @@ const ROWS: &[Row] = &[
         check: |c| Box::pin(key_rotation(c)),
     },
     Row {
-        name: "8 idempotency replays: scoped, never free on a store fault",
+        name: "8 idempotency replays: scoped to body too, never free on a fault or failure",
         check: |c| Box::pin(idempotency(c)),
     },
     Row {
@@ -1749,6 +1749,32 @@ async fn idempotency(cell: Cell<'_>) -> CellResult {
             remaining(&stranger)
         )
     })?;
+    // K with another body (its length says so): charged.
+    let mut other_body = with_idem(Method::POST, "/s", b"i", "K");
+    *other_body.body_mut() = Bytes::from_static(b"another body");
+    let other_body = send(s.addr, other_body).await.unwrap();
+    expect(remaining(&other_body) == Some(5), || {
+        format!(
+            "K with another body: left {:?}, want 5",
+            remaining(&other_body)
+        )
+    })?;
+    // A first request the service fails keeps no marker: its retry is
+    // charged, not replayed free.
+    for want in [4, 3] {
+        let mut failed = with_idem(Method::POST, "/s", b"i", "F");
+        failed
+            .headers_mut()
+            .insert("x-answer", HeaderValue::from_static("status:500"));
+        let r = send(s.addr, failed).await.unwrap();
+        expect(remaining(&r) == Some(want), || {
+            format!(
+                "a failed first request's retry: HTTP {}, left {:?}, want {want}",
+                r.status,
+                remaining(&r)
+            )
+        })?;
+    }
     if cell.backing == Backing::Memory {
         return Ok(Verdict::Pass);
     }

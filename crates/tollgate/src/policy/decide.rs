@@ -238,11 +238,19 @@ where
         refund_consumed(&shared, &report, listed_key(&keys));
         // The idempotency marker too: a cancelled request was not served,
         // so its retry is a first request.
-        let marker = keys.iter().find(|(j, _)| *j == MARKER);
-        if let (Some(idem), Some((_, k))) = (&shared.idempotency, marker) {
-            crate::task::finish(idem.limiter.refund(k.as_bytes(), 1));
-        }
+        release_marker(&shared, &keys);
     })
+}
+
+/// Gives back the idempotency marker among `keys`, if one was taken: the
+/// request was not served (cancelled, failed), so a retry with its
+/// `Idempotency-Key` is a first request, charged as one — not a free
+/// repeat of an answer the service may never have stored.
+pub(super) fn release_marker<B, L: Limiter>(shared: &Shared<B, L>, keys: &[(usize, KeyBytes)]) {
+    let marker = keys.iter().find(|(j, _)| *j == MARKER);
+    if let (Some(idem), Some((_, k))) = (&shared.idempotency, marker) {
+        crate::task::finish(idem.limiter.refund(k.as_bytes(), 1));
+    }
 }
 
 /// A decision as shown after its `cost` was refunded: what remains is back

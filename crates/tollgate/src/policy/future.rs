@@ -14,7 +14,9 @@ use tokio::time::Sleep;
 use tollgate_core::{Decision, Limiter, Outcome};
 use tower_service::Service;
 
-use super::decide::{listed_key, pacing_refund, settle_response, Report, Verdict};
+use super::decide::{
+    listed_key, pacing_refund, release_marker, settle_response, Report, Verdict, MARKER,
+};
 use super::shared::{Shared, MAX_RULES};
 use crate::body::RejectionBody;
 use crate::headers::apply_set;
@@ -160,7 +162,12 @@ where
                         listed_key(&keys),
                         &report.requester,
                     );
-                    if this.shared.response_aware && matches!(verdict, Verdict::Pass { .. }) {
+                    // Response-aware rules, and a taken marker, need their
+                    // keys once the response is in.
+                    let marked = keys.iter().any(|(j, _)| *j == MARKER);
+                    if (this.shared.response_aware || marked)
+                        && matches!(verdict, Verdict::Pass { .. })
+                    {
                         *this.after = Some(keys.clone());
                     }
                     let Some(waiting) = waiting.take() else {
@@ -184,10 +191,24 @@ where
                     future: ready!(poll_paced(cx, sleep, waiting, refund))?,
                 },
                 StateProj::Calling { future } => {
-                    let mut response = ready!(future.poll(cx))?;
+                    let mut response = match ready!(future.poll(cx)) {
+                        Ok(response) => response,
+                        Err(e) => {
+                            if let Some(keys) = this.after.take() {
+                                release_marker(this.shared, &keys);
+                            }
+                            return Poll::Ready(Err(e));
+                        }
+                    };
                     if let Some(keys) = this.after.take() {
                         let status = Completion::of(&response).status();
                         settle_response(this.shared, this.report, status, &keys);
+                        // A failed first request keeps no marker: its
+                        // retry is charged (a service seldom stores a
+                        // failure as the answer to repeat).
+                        if status.is_some_and(|s| s.is_client_error() || s.is_server_error()) {
+                            release_marker(this.shared, &keys);
+                        }
                     }
                     headers(
                         this.shared,

@@ -38,11 +38,22 @@ pub(crate) struct Idempotency<B, L> {
     pub(crate) name: std::sync::Arc<str>,
 }
 
+/// The headers that describe a request's body, in every marker: its
+/// length and type, and the digests of RFC 9530 (`Content-Digest`,
+/// `Repr-Digest`) when the client sends them.
+const REPRESENTATION: [http::header::HeaderName; 4] = [
+    http::header::CONTENT_LENGTH,
+    http::header::CONTENT_TYPE,
+    http::header::HeaderName::from_static("content-digest"),
+    http::header::HeaderName::from_static("repr-digest"),
+];
+
 impl<B, L> Idempotency<B, L> {
     /// The marker's key: the client's key, the method, the route (axum's
-    /// matched route template, else the normalised path the client sent)
-    /// and the idempotency key — so a key repeated on another route or
-    /// method, or by another client, is no repeat. `None` (the request is
+    /// matched route template, else the normalised path the client sent),
+    /// the idempotency key and what the request says of its body (length,
+    /// type, digests) — so a key repeated on another route or method, by
+    /// another client or with another body, is no repeat. `None` (the request is
     /// charged as usual) for a method an `Idempotency-Key` does not apply
     /// to (only `POST` and `PATCH`: the others are idempotent already),
     /// and when the request has no client key or a blank idempotency key.
@@ -59,6 +70,17 @@ impl<B, L> Idempotency<B, L> {
         key.push(req.method().as_str().as_bytes());
         push_route(req, &mut key);
         key.push(idem);
+        // What the request says of its body: a repeat with another body
+        // (another length, type or digest) is no repeat.
+        for name in REPRESENTATION {
+            let mut values = req.headers().get_all(name).iter();
+            match (values.next(), values.next()) {
+                (None, _) => key.push(b""),
+                (Some(v), None) => key.push(v.as_bytes().trim_ascii()),
+                // Sent twice: no repeat can be told apart from another.
+                (Some(_), Some(_)) => return None,
+            }
+        }
         Some(key)
     }
 }

@@ -301,12 +301,19 @@ impl<B, St> PolicyLayerBuilder<B, St> {
 
     /// Idempotent repeats go uncharged: a `POST` or `PATCH` sent again
     /// with the same `Idempotency-Key` by the same client (`client`'s key)
-    /// to the same route (axum's matched route, else the normalised path)
-    /// within `ttl` (at most a day) of the first is let through without
-    /// charging any rule — the service answers it from its idempotency
-    /// store. Concurrent duplicates race on one atomic store decision, so
-    /// exactly one of them is charged. A first request that the rules
-    /// refuse leaves no trace (a retry of it is charged), and a request
+    /// to the same route (axum's matched route, else the normalised path),
+    /// with the same body as far as its headers say (`Content-Length`,
+    /// `Content-Type`, and RFC 9530's `Content-Digest` and `Repr-Digest`
+    /// when sent), within `ttl` (at most a day) of the first, is let
+    /// through without charging any rule — the service answers it from its
+    /// idempotency store. The layer does not read the body itself (it
+    /// would hold every body before deciding, refused ones too): for a
+    /// stricter scope, make `client` a tuple of extractors, e.g. the API
+    /// key and a header your clients must send. Concurrent duplicates race
+    /// on one atomic store decision, so exactly one of them is charged. A
+    /// first request that the rules refuse, or that the service answers
+    /// with a 4xx or 5xx (or an error, or that is cancelled), leaves no
+    /// marker (a retry of it is charged), and a request
     /// whose marker the store could not read or record — it failed, and
     /// its failure policy answered instead — is charged like any other,
     /// whatever that policy is. Only for services that deduplicate by

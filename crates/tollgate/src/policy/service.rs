@@ -300,9 +300,19 @@ where
             request_key(shared, &req),
             &report.requester,
         );
-        // Response-aware rules need their keys once the response is in.
-        let after = (shared.response_aware && matches!(verdict, Verdict::Pass { .. }))
-            .then(|| owned_keys(shared, &report, &req, true));
+        // Response-aware rules, and a taken marker, need their keys once
+        // the response is in.
+        let after = (matches!(verdict, Verdict::Pass { .. })
+            && (shared.response_aware || taken.is_some()))
+        .then(|| {
+            let mut keys = if shared.response_aware {
+                owned_keys(shared, &report, &req, true)
+            } else {
+                Vec::new()
+            };
+            keys.extend(taken.clone().map(|k| (MARKER, k)));
+            keys
+        });
         let state = next(
             shared,
             &report,

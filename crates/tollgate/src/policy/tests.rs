@@ -890,6 +890,90 @@ on_both_paths!(
     a_repeat_is_free_only_on_its_own_method_and_route
 );
 
+/// Review finding 1, its last two points: a key charged once for one
+/// body was replayed free with another body; and a first request that
+/// failed kept its marker, so the failing (expensive) payload was
+/// replayed free for the marker's whole TTL.
+async fn a_repeat_is_free_only_with_its_own_body_and_success<S: Store>(
+    store: S,
+    _clock: ManualClock,
+) {
+    let layer = idempotent_policy(store, 20);
+    let svc = layer.layer(service_fn(|req: Req| async move {
+        let status = match req.headers().get("x-outcome").map(|v| v.as_bytes()) {
+            Some(b"fail") => 500,
+            Some(b"invalid") => 422,
+            _ => 200,
+        };
+        let mut res = Response::new(String::new());
+        *res.status_mut() = http::StatusCode::from_u16(status).unwrap();
+        Ok::<_, Infallible>(res)
+    }));
+    let send = |headers: &[(&'static str, &'static str)], idem: &'static str| {
+        let svc = svc.clone();
+        let mut r = idempotent(http::Method::POST, "/orders", "a", idem);
+        for (name, value) in headers {
+            r.headers_mut().append(*name, value.parse().unwrap());
+        }
+        async move { svc.oneshot(r).await.unwrap() }
+    };
+    let body = [
+        ("content-length", "12"),
+        ("content-digest", "sha-256=:AAA=:"),
+    ];
+    send(&body, "K").await;
+    send(&body, "K").await;
+    assert_eq!(
+        remaining(&layer, 0, "a").await,
+        19,
+        "the same body repeats free"
+    );
+    // Another length, type or digest is another request: charged.
+    for other in [
+        &[
+            ("content-length", "13"),
+            ("content-digest", "sha-256=:AAA=:"),
+        ][..],
+        &[
+            ("content-length", "12"),
+            ("content-digest", "sha-256=:BBB=:"),
+        ][..],
+        &[("content-length", "12")][..],
+        &[
+            ("content-length", "12"),
+            ("content-digest", "sha-256=:AAA=:"),
+            ("content-type", "text/plain"),
+        ][..],
+    ] {
+        send(other, "K").await;
+    }
+    assert_eq!(remaining(&layer, 0, "a").await, 15);
+    // A header sent twice: no marker at all, charged every time.
+    let twice = [("content-length", "12"), ("content-length", "12")];
+    send(&twice, "T").await;
+    send(&twice, "T").await;
+    assert_eq!(remaining(&layer, 0, "a").await, 13);
+    // A first request that fails (5xx, 4xx) keeps no marker: its retry is
+    // charged, and the first success takes the marker.
+    for outcome in ["fail", "invalid"] {
+        let res = send(&[("x-outcome", outcome)], outcome).await;
+        assert!(!res.status().is_success());
+        send(&[("x-outcome", outcome)], outcome).await;
+    }
+    assert_eq!(remaining(&layer, 0, "a").await, 9);
+    send(&[], "fail").await;
+    send(&[], "fail").await;
+    assert_eq!(
+        remaining(&layer, 0, "a").await,
+        8,
+        "charged once, then a repeat"
+    );
+}
+on_both_paths!(
+    idempotency_body_and_failure,
+    a_repeat_is_free_only_with_its_own_body_and_success
+);
+
 async fn idempotent_repeats_are_not_charged_again<S: Store>(store: S, clock: ManualClock) {
     let layer = idempotent_policy(store, 3);
     let svc = layer.layer(service_fn(ok));

@@ -9,6 +9,12 @@
 //!   server-streaming method, at most 2 streams at once per client — the
 //!   permit lasts until the stream ends or the client goes away.
 //!
+//! Each limit keyed by client is bounded per peer address too, at
+//! [`PER_ADDRESS`](crate::PER_ADDRESS) times the client's (checks, cost
+//! units, `Watch` streams), and decided with it as one: rotating
+//! `x-api-key` values from one address buys nothing past the address's
+//! budget.
+//!
 //! Refusals are gRPC statuses: `RESOURCE_EXHAUSTED` with
 //! `grpc-retry-pushback-ms` (the wait, in milliseconds), or
 //! `INVALID_ARGUMENT` for a request with no key.
@@ -23,7 +29,7 @@ use tollgate::core::{ConcurrencyLimiter, Store};
 use tollgate::cost::ByRoute;
 use tollgate::key::{Header, KeyExtractorExt, PeerAddrLayer, PeerIp};
 use tollgate::policy::{PolicyLayer, RateRule};
-use tollgate::{Limit, Rate, RateLimitLayer};
+use tollgate::{Limit, Rate};
 use tonic::body::Body;
 use tonic::codegen::BoxFuture;
 use tonic::server::NamedService;
@@ -174,9 +180,20 @@ where
     // The client: its `x-api-key` metadata, else its address (tonic's
     // connect info, copied by `PeerAddrLayer` outside the router).
     let client = Header::named("x-api-key")?.or(PeerIp::new());
+    let per = crate::PER_ADDRESS;
     let (reporter, health) = tonic_health::server::health_reporter();
-    let health_limit = RateLimitLayer::builder("health", Limit::gcra(Rate::per_second(5), 5))
-        .key(client.clone())
+    // Per client, and per address: one decision.
+    let health_limit = PolicyLayer::builder()
+        .rule(RateRule::new(
+            "health",
+            Limit::gcra(Rate::per_second(5), 5),
+            client.clone(),
+        ))
+        .rule(RateRule::new(
+            "health-address",
+            Limit::gcra(Rate::per_second(5 * per), 5 * per),
+            PeerIp::new(),
+        ))
         .store(store.clone())
         .build()?;
     let health = LimitedHealth(boxed(health_limit.layer(health)));
@@ -187,21 +204,36 @@ where
         .key(client.clone())
         .store(store.clone())
         .build()?;
+    let watchers_address = ConcurrencyLayer::builder("watchers-address", 2 * per)
+        .key(PeerIp::new())
+        .store(store.clone())
+        .build()?;
     let watch_limiter = watchers.limiter().clone();
-    // `Watch` as an HTTP service, so that the concurrency layer wraps its
-    // response body: the permit lasts as long as the stream.
+    // `Watch` as an HTTP service, so that the concurrency layers wrap its
+    // response body: the permits last as long as the stream.
     let watch_stock = stock.clone();
-    let watch = boxed(watchers.layer(tower::service_fn(move |req| {
-        let method = Streams(watch_stock.clone());
-        async move {
-            let mut grpc = tonic::server::Grpc::new(tonic_prost::ProstCodec::default());
-            Ok::<_, Infallible>(grpc.server_streaming(method, req).await)
-        }
-    })));
+    let watch = boxed(
+        watchers_address.layer(watchers.layer(tower::service_fn(move |req| {
+            let method = Streams(watch_stock.clone());
+            async move {
+                let mut grpc = tonic::server::Grpc::new(tonic_prost::ProstCodec::default());
+                Ok::<_, Infallible>(grpc.server_streaming(method, req).await)
+            }
+        }))),
+    );
     let costs = ByRoute::new(1).route(None, REPORT, 10);
     let policy = PolicyLayer::builder()
         .rule(
-            RateRule::new("per-client", Limit::gcra(Rate::per_second(10), 20), client).cost(costs),
+            RateRule::new("per-client", Limit::gcra(Rate::per_second(10), 20), client)
+                .cost(costs.clone()),
+        )
+        .rule(
+            RateRule::new(
+                "per-address",
+                Limit::gcra(Rate::per_second(10 * per), 20 * per),
+                PeerIp::new(),
+            )
+            .cost(costs),
         )
         .store(store)
         .build()?;

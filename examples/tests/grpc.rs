@@ -219,3 +219,48 @@ async fn a_stream_holds_its_permit_until_it_ends() {
     let mut d = watch(&s.channel, "k", 1).await.unwrap();
     assert!(d.message().await.unwrap().is_some());
 }
+
+/// Policy-security review #5: the gRPC quickstart keyed everything on
+/// `x-api-key`, else the peer, with no bound per address, so a fresh key
+/// per call bought a fresh budget without end. Now each limit has an
+/// address's bound beside it: from one address, rotating keys gets
+/// `PER_ADDRESS` times one client's budget, then refusals.
+#[tokio::test]
+async fn rotating_keys_from_one_address_buys_only_the_address_budget() {
+    let s = start().await;
+    let per = tollgate_examples::PER_ADDRESS as usize;
+    // Health: 5 a client, 5 × PER_ADDRESS an address.
+    for i in 0..5 * per {
+        check(&s.channel, Some(&format!("h{i}"))).await.unwrap();
+    }
+    let refused = check(&s.channel, Some("h-fresh")).await.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted);
+    // Watch: 2 streams a client, 2 × PER_ADDRESS an address.
+    let mut open = Vec::new();
+    for i in 0..2 * per {
+        let mut w = watch(&s.channel, &format!("w{i}"), 2).await.unwrap();
+        assert_eq!(w.message().await.unwrap().unwrap().stock, 100);
+        open.push(w);
+    }
+    let refused = watch(&s.channel, "w-fresh", 2).await.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted);
+    assert!(
+        refused.message().contains("watchers-address"),
+        "{refused:?}"
+    );
+    // Every call costs the policy's units, GetItem 1: 20 a client,
+    // 20 × PER_ADDRESS an address, of which the watch calls took theirs
+    // (the refused one too: rates count attempts).
+    let mut served = 0;
+    for i in 0..20 * per {
+        match unary(&s.channel, grpc::GET_ITEM, &format!("g{i}")).await {
+            Ok(_) => served += 1,
+            Err(e) => {
+                assert_eq!(e.code(), Code::ResourceExhausted);
+                assert!(e.message().contains("per-address"), "{e:?}");
+                break;
+            }
+        }
+    }
+    assert_eq!(served, 20 * per - (2 * per + 1));
+}

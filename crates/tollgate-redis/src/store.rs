@@ -100,16 +100,30 @@ impl RedisStore {
     }
 
     /// An audit stream named `name` under this store's prefix, kept to
-    /// about `maxlen` entries (`XADD ... MAXLEN ~`), fed through a queue of
-    /// `capacity` records; see [`RedisAudit`](crate::RedisAudit).
-    pub fn audit_stream(&self, name: &str, maxlen: usize, capacity: usize) -> crate::RedisAudit {
-        crate::RedisAudit::spawn(
+    /// about `maxlen` entries (`XADD ... MAXLEN ~`; 1 to 2^32), fed through
+    /// a queue of `capacity` records (1 to 2^20); see
+    /// [`RedisAudit`](crate::RedisAudit). Errors name `maxlen` or
+    /// `capacity` (a `maxlen` of 0 would keep nothing, a huge one would
+    /// let the stream grow without bound).
+    pub fn audit_stream(
+        &self,
+        name: &str,
+        maxlen: usize,
+        capacity: usize,
+    ) -> Result<crate::RedisAudit, ConfigError> {
+        if !(1..=1 << 32).contains(&maxlen) {
+            return Err(ConfigError::new("maxlen", "must be 1 to 2^32 entries"));
+        }
+        if !(1..=1 << 20).contains(&capacity) {
+            return Err(ConfigError::new("capacity", "must be 1 to 2^20 records"));
+        }
+        Ok(crate::RedisAudit::spawn(
             Arc::clone(&self.backend),
             &self.runtime,
             name.to_owned(),
             maxlen,
             capacity,
-        )
+        ))
     }
 
     /// Whether a breaker is open (Redis is being skipped for some keys: on

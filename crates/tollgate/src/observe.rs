@@ -604,6 +604,90 @@ pub trait AuditSink: Send + Sync + 'static {
     fn record(&self, record: &AuditRecord);
 }
 
+/// What a policy hands its audit sink: at most one record per rule,
+/// client fingerprint and reason in each wall-clock second (the repeats of
+/// a client that floods refused requests are folded, and counted in
+/// `tollgate_audit_folded_total`), and at most `per_second` records a
+/// second in all (the rest counted in `tollgate_audit_suppressed_total`):
+/// a flood of refused requests, each cheap to refuse, cannot make the
+/// audit trail — on Redis, writes on the decisions' own connection —
+/// the flood's amplifier.
+pub(crate) struct AuditGate {
+    sink: std::sync::Arc<dyn AuditSink>,
+    per_second: u32,
+    /// A record's tag (its rule, key, reason and second, hashed) in the
+    /// slot its tag picks: a repeat finds itself there. Lossy (two
+    /// records may share a slot, and then both are sent), never unbounded.
+    seen: Box<[std::sync::atomic::AtomicU64]>,
+    /// The current second (high 32 bits) and the records sent in it.
+    window: std::sync::atomic::AtomicU64,
+    folded: metrics::Counter,
+    suppressed: metrics::Counter,
+}
+
+impl AuditGate {
+    const SLOTS: usize = 4_096;
+    /// The low bits of a tag that pick its slot (`SLOTS` is a power of two).
+    const MASK: u64 = 4_095;
+
+    pub(crate) fn new(sink: std::sync::Arc<dyn AuditSink>, per_second: u32) -> Self {
+        metrics::describe_counter!(
+            "tollgate_audit_folded_total",
+            "Audit records folded: a rule's refusal of a client it already recorded this second"
+        );
+        metrics::describe_counter!(
+            "tollgate_audit_suppressed_total",
+            "Audit records not sent: more than the policy's audit records a second"
+        );
+        Self {
+            sink,
+            per_second,
+            seen: (0..Self::SLOTS)
+                .map(|_| std::sync::atomic::AtomicU64::new(0))
+                .collect(),
+            window: std::sync::atomic::AtomicU64::new(0),
+            folded: metrics::counter!("tollgate_audit_folded_total"),
+            suppressed: metrics::counter!("tollgate_audit_suppressed_total"),
+        }
+    }
+}
+
+impl AuditSink for AuditGate {
+    fn record(&self, r: &AuditRecord) {
+        use std::hash::BuildHasher;
+        use std::sync::atomic::Ordering;
+        let second = r.unix_ms / 1_000;
+        let tag = std::hash::BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default()
+            .hash_one((&*r.rule, r.reason, r.key.0, second))
+            | 1;
+        let slot = usize::try_from(tag & Self::MASK).unwrap_or(0);
+        if let Some(seen) = self.seen.get(slot) {
+            if seen.swap(tag, Ordering::Relaxed) == tag {
+                self.folded.increment(1);
+                return;
+            }
+        }
+        let second = second & u64::from(u32::MAX);
+        let sent = self
+            .window
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
+                let (s, n) = (w >> 32, w & u64::from(u32::MAX));
+                if s != second {
+                    Some(second << 32 | 1)
+                } else if n < u64::from(self.per_second) {
+                    Some(w.saturating_add(1))
+                } else {
+                    None
+                }
+            });
+        if sent.is_err() {
+            self.suppressed.increment(1);
+            return;
+        }
+        self.sink.record(r);
+    }
+}
+
 #[cfg(feature = "redis")]
 impl AuditSink for tollgate_redis::RedisAudit {
     fn record(&self, r: &AuditRecord) {
@@ -617,6 +701,57 @@ impl AuditSink for tollgate_redis::RedisAudit {
                 ("unix_ms", r.unix_ms.to_string()),
             ],
         );
+    }
+}
+
+#[cfg(test)]
+mod audit_gate_tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::{AuditGate, AuditRecord, AuditSink};
+
+    #[derive(Default)]
+    struct Kept(Mutex<Vec<(String, u64)>>);
+
+    impl AuditSink for Kept {
+        fn record(&self, r: &AuditRecord) {
+            self.0.lock().unwrap().push((r.rule.to_string(), r.key.0));
+        }
+    }
+
+    fn record(rule: &str, key: u64, unix_ms: u64) -> AuditRecord {
+        AuditRecord {
+            rule: rule.into(),
+            reason: "limited",
+            key: crate::key::Fingerprint(key),
+            retry_after_ms: 0,
+            unix_ms,
+        }
+    }
+
+    /// Policy-security review #10: a client flooding refused requests
+    /// made one audit write per request. Now: one per rule, client and
+    /// second, and at most `per_second` in all.
+    #[test]
+    fn a_flood_of_refusals_is_one_record_per_client_and_second() {
+        let kept = Arc::new(Kept::default());
+        let gate = AuditGate::new(Arc::clone(&kept) as Arc<dyn AuditSink>, 100);
+        for ms in 0..1_000 {
+            gate.record(&record("per-key", 7, 5_000 + ms));
+        }
+        assert_eq!(kept.0.lock().unwrap().len(), 1, "one record in a second");
+        // The next second, and another rule, are records of their own.
+        gate.record(&record("per-key", 7, 6_000));
+        gate.record(&record("per-ip", 7, 6_000));
+        assert_eq!(kept.0.lock().unwrap().len(), 3);
+        // Distinct clients: at most 100 a second (two sent in it already).
+        for key in 0..1_000 {
+            gate.record(&record("per-key", 1_000 + key, 6_500));
+        }
+        assert_eq!(kept.0.lock().unwrap().len(), 1 + 100);
+        // A new second opens the window again.
+        gate.record(&record("per-key", 42, 7_000));
+        assert_eq!(kept.0.lock().unwrap().len(), 102);
     }
 }
 

@@ -82,6 +82,7 @@ impl<B> PolicyLayer<B, MemoryStore> {
             canary_secret: None,
             audit_secret: None,
             audit: None,
+            audit_per_second: 1_000,
         }
     }
 }
@@ -163,6 +164,7 @@ pub struct PolicyLayerBuilder<B, St> {
     idempotency: Option<(String, Box<dyn DynRule<B>>, std::time::Duration)>,
     log: Option<crate::observe::DecisionLog>,
     audit: Option<(Arc<dyn crate::observe::AuditSink>, Vec<String>)>,
+    audit_per_second: u32,
     route_label: bool,
     on_store_error: OnStoreError,
     requester: Arc<dyn DynRule<B>>,
@@ -220,6 +222,7 @@ impl<B, St> PolicyLayerBuilder<B, St> {
             log: self.log,
             route_label: self.route_label,
             audit: self.audit,
+            audit_per_second: self.audit_per_second,
             on_store_error: self.on_store_error,
             requester: self.requester,
             canary_secret: self.canary_secret,
@@ -285,9 +288,24 @@ impl<B, St> PolicyLayerBuilder<B, St> {
     /// records its denials too (reason `denied`, the key a fingerprint of
     /// the list's key header, else of the client address). Errors name the
     /// field `audit` (a name no rule or access list has).
+    ///
+    /// A client that floods refused requests is recorded once per rule
+    /// and second, its repeats counted in `tollgate_audit_folded_total`;
+    /// and at most [`audit_per_second`](Self::audit_per_second) records
+    /// go to the sink each second, the rest counted in
+    /// `tollgate_audit_suppressed_total`. So refusals, cheap to make, do
+    /// not turn into as many writes (on Redis, on the connection the
+    /// decisions use).
     pub fn audit<A: crate::observe::AuditSink>(mut self, sink: A, rules: &[&str]) -> Self {
         let rules = rules.iter().map(|r| (*r).to_owned()).collect();
         self.audit = Some((Arc::new(sink), rules));
+        self
+    }
+
+    /// At most `n` audit records a second from this policy (default
+    /// 1,000; at least 1, else `build` fails naming `audit`).
+    pub fn audit_per_second(mut self, n: u32) -> Self {
+        self.audit_per_second = n;
         self
     }
 
@@ -619,6 +637,14 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 let denials = access
                     .as_ref()
                     .is_some_and(|a| names.iter().any(|n| **n == **a.name()));
+                if self.audit_per_second == 0 {
+                    return Err(ConfigError::new(
+                        "audit",
+                        "at least one record a second (audit_per_second)",
+                    ));
+                }
+                let gate = crate::observe::AuditGate::new(sink, self.audit_per_second);
+                let sink: Arc<dyn crate::observe::AuditSink> = Arc::new(gate);
                 Some((sink, mask, denials))
             }
         };

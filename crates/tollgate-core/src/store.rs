@@ -106,6 +106,21 @@ pub trait Store: Clone + Send + Sync + 'static {
         self.clone()
     }
 
+    /// A handle that binds as [`rebinding`](Self::rebinding) does — the
+    /// same conflicts with what is bound, the same errors — but changes
+    /// nothing in the store: what it binds is kept apart and dropped with
+    /// it. A reload builds its policy through one first, so that an error
+    /// only this store raises (a name bound by another layer to another
+    /// kind of rule) stops the reload before any rule is rebound, never
+    /// half-way through.
+    ///
+    /// The default is [`rebinding`](Self::rebinding): right for a store
+    /// whose binding changes nothing (Redis, whose state is by name). A
+    /// store that wraps another forwards both.
+    fn checking(&self) -> Self {
+        self.rebinding()
+    }
+
     /// A store for state that must not crowd out the rest (idempotency
     /// markers, which a client creates at will): bounded at `max_keys` of
     /// its own where the store bounds its keys (the in-memory store: a

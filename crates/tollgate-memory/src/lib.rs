@@ -117,6 +117,9 @@ pub struct MemoryStore<C = SystemClock> {
     /// Binding a rule of a bound name with other parameters replaces the
     /// binding (see [`Store::rebinding`]).
     rebinding: bool,
+    /// A checking handle's own bindings ([`Store::checking`]): read over
+    /// the store's, never written to them.
+    staged: Option<Arc<Mutex<HashMap<String, Bound<C>>>>>,
 }
 
 struct Inner<C> {
@@ -138,6 +141,7 @@ impl<C> Clone for MemoryStore<C> {
         Self {
             inner: Arc::clone(&self.inner),
             rebinding: self.rebinding,
+            staged: self.staged.clone(),
         }
     }
 }
@@ -188,6 +192,7 @@ impl<C: Clock> MemoryStore<C> {
                 rules: Mutex::new(HashMap::new()),
             }),
             rebinding: false,
+            staged: None,
         }
     }
 
@@ -374,6 +379,20 @@ impl<C: Clock> Store for MemoryStore<C> {
         Self {
             inner: Arc::clone(&self.inner),
             rebinding: true,
+            staged: None,
+        }
+    }
+
+    /// A rebinding handle whose bindings stay its own (see
+    /// [`Store::checking`]): a name bound to another kind of rule, here or
+    /// by another layer, fails as it would through
+    /// [`rebinding`](Store::rebinding), and nothing bound in the store
+    /// changes.
+    fn checking(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+            rebinding: true,
+            staged: Some(Arc::default()),
         }
     }
 
@@ -551,6 +570,30 @@ impl<C: Clock> MemoryStore<C> {
             .rules
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        if let Some(staged) = &self.staged {
+            // Checking: the store's bindings read, this handle's written.
+            let mut staged = staged.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(bound) = staged.get(name) {
+                return get(bound).ok_or_else(conflict);
+            }
+            let next = match rules.get(name) {
+                None => make(self.inner.shards, Arc::clone(&self.inner.shared)),
+                Some(old) => {
+                    if let Some(found) = get(old) {
+                        return Ok(found);
+                    }
+                    let next = carry(old)
+                        .unwrap_or_else(|| make(self.inner.shards, Arc::clone(&self.inner.shared)));
+                    if std::mem::discriminant(old) != std::mem::discriminant(&next) {
+                        return Err(conflict());
+                    }
+                    next
+                }
+            };
+            let found = get(&next).ok_or_else(conflict);
+            staged.insert(name.to_owned(), next);
+            return found;
+        }
         match rules.entry(name.to_owned()) {
             Entry::Vacant(slot) => {
                 let bound = slot.insert(make(self.inner.shards, Arc::clone(&self.inner.shared)));

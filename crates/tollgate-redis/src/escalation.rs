@@ -47,7 +47,7 @@ impl RedisEscalation {
     pub(crate) fn new(
         backend: Arc<Backend>,
         rule: &EscalationRule,
-        rebinding: bool,
+        rebinding: crate::policy::Rebind,
     ) -> Result<Self, ConfigError> {
         let l = rule.escalation();
         crate::scripts::check_span("period", l.period())?;

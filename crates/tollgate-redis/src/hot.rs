@@ -379,6 +379,14 @@ impl<S: Store, C: Clock> Store for Hot<S, C> {
             clock: Arc::clone(&self.clock),
         }
     }
+
+    fn checking(&self) -> Self {
+        Self {
+            inner: self.inner.checking(),
+            config: Arc::clone(&self.config),
+            clock: Arc::clone(&self.clock),
+        }
+    }
 }
 
 /// How many leases a decision waits to land before it goes to the store

@@ -102,6 +102,16 @@ pub(crate) enum RateOnFailure {
     Memory(MemoryLimiter),
 }
 
+/// How a Redis store handle binds its fallback memory store: as it is,
+/// rebinding ([`Store::rebinding`](tollgate_core::Store::rebinding)) or
+/// checking ([`Store::checking`](tollgate_core::Store::checking)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Rebind {
+    No,
+    Yes,
+    Check,
+}
+
 /// What fail-open answers: admitted, the whole budget reported left.
 fn open_decision(limit: u64) -> Decision {
     Decision {
@@ -115,18 +125,19 @@ fn open_decision(limit: u64) -> Decision {
 /// What fail-closed answers: denied, retry in a second.
 impl FailurePolicy {
     /// The policy to bind a rule's fallback with: through the memory
-    /// store's rebinding handle when the Redis store is rebinding.
-    pub(crate) fn binding(&self, rebinding: bool) -> FailurePolicy {
+    /// store's rebinding (or checking) handle when the Redis store's is.
+    pub(crate) fn binding(&self, mode: Rebind) -> FailurePolicy {
+        let handle = |m: &tollgate_memory::MemoryStore| match mode {
+            Rebind::No => m.clone(),
+            Rebind::Yes => tollgate_core::Store::rebinding(m),
+            Rebind::Check => tollgate_core::Store::checking(m),
+        };
         match self {
-            FailurePolicy::Fallback(m) if rebinding => {
-                FailurePolicy::Fallback(tollgate_core::Store::rebinding(m))
-            }
-            FailurePolicy::FallbackShare { memory, instances } if rebinding => {
-                FailurePolicy::FallbackShare {
-                    memory: tollgate_core::Store::rebinding(memory),
-                    instances: *instances,
-                }
-            }
+            FailurePolicy::Fallback(m) => FailurePolicy::Fallback(handle(m)),
+            FailurePolicy::FallbackShare { memory, instances } => FailurePolicy::FallbackShare {
+                memory: handle(memory),
+                instances: *instances,
+            },
             other => other.clone(),
         }
     }

@@ -45,7 +45,7 @@ impl RedisLimiter {
     pub(crate) fn new(
         backend: Arc<Backend>,
         rule: &Rule,
-        rebinding: bool,
+        rebinding: crate::policy::Rebind,
     ) -> Result<Self, tollgate_core::ConfigError> {
         crate::scripts::check_spans(rule.algorithm())?;
         let script = crate::scripts::for_algorithm(rule.algorithm());

@@ -30,9 +30,9 @@ pub struct RedisStore {
     /// The runtime the store was built in: retry budgets' deposits run
     /// there as tasks, whoever calls them.
     runtime: tokio::runtime::Handle,
-    /// Binding through [`Store::rebinding`]: the fallback memory store (if
-    /// any) rebinds too.
-    rebinding: bool,
+    /// Binding through [`Store::rebinding`] or [`Store::checking`]: the
+    /// fallback memory store (if any) binds that way too.
+    rebinding: crate::policy::Rebind,
 }
 
 impl fmt::Debug for RedisStore {
@@ -350,7 +350,7 @@ impl RedisStoreBuilder {
             keeper,
             ids: Arc::new(LeaseIds::new()),
             runtime,
-            rebinding: false,
+            rebinding: crate::policy::Rebind::No,
         })
     }
 }
@@ -369,7 +369,16 @@ impl Store for RedisStore {
     /// rebinds as [`MemoryStore`](tollgate_memory::MemoryStore) does.
     fn rebinding(&self) -> Self {
         Self {
-            rebinding: true,
+            rebinding: crate::policy::Rebind::Yes,
+            ..self.clone()
+        }
+    }
+
+    /// Binding on Redis changes nothing; the fallback memory store binds
+    /// through its checking handle.
+    fn checking(&self) -> Self {
+        Self {
+            rebinding: crate::policy::Rebind::Check,
             ..self.clone()
         }
     }

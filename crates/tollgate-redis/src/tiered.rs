@@ -146,6 +146,14 @@ impl<R: Store, G: Store> Store for Tiered<R, G> {
             global_rule: self.global_rule.clone(),
         }
     }
+
+    fn checking(&self) -> Self {
+        Self {
+            regional: self.regional.checking(),
+            global: self.global.checking(),
+            global_rule: self.global_rule.clone(),
+        }
+    }
 }
 
 /// A rule bound to a [`Tiered`] store.

@@ -657,9 +657,10 @@ impl AuditSink for AuditGate {
         use std::hash::BuildHasher;
         use std::sync::atomic::Ordering;
         let second = r.unix_ms / 1_000;
-        let tag = std::hash::BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default()
-            .hash_one((&*r.rule, r.reason, r.key.0, second))
-            | 1;
+        let tag =
+            std::hash::BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default()
+                .hash_one((&*r.rule, r.reason, r.key.0, second))
+                | 1;
         let slot = usize::try_from(tag & Self::MASK).unwrap_or(0);
         if let Some(seen) = self.seen.get(slot) {
             if seen.swap(tag, Ordering::Relaxed) == tag {

@@ -251,6 +251,14 @@ impl Store for AnyStore {
         })
     }
 
+    fn checking(&self) -> Self {
+        Self(match &self.0 {
+            Inner::Memory(s) => Inner::Memory(s.checking()),
+            #[cfg(feature = "redis")]
+            Inner::Redis(s) => Inner::Redis(s.checking()),
+        })
+    }
+
     fn apart(&self, max_keys: usize) -> Self {
         Self(match &self.0 {
             Inner::Memory(s) => Inner::Memory(s.apart(max_keys)),

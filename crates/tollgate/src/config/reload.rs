@@ -255,6 +255,15 @@ impl<B, St: Store> Reloader<B, St> {
         // On a throwaway store first: a file that fails to build must not
         // rebind a single rule of the running store.
         file.check::<B>(customize)?;
+        // Then through a checking handle on the running store, which binds
+        // as the rebinding below will and changes nothing: what only that
+        // store refuses (a name another layer binds to another kind of
+        // rule, spans Redis cannot hold) stops the reload here too, not
+        // after the rules before it were rebound.
+        let checked = customize(file.builder::<B>()?).store(self.store.checking());
+        metrics::with_local_recorder(&metrics::NoopRecorder, || checked.build())
+            .map(drop)
+            .map_err(|e| file.config_error(&e))?;
         let next = customize(file.builder::<B>()?)
             .store(self.store.rebinding())
             .build()

@@ -732,3 +732,52 @@ async fn a_reload_keeps_what_load_with_added() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Policy-security review #8.2: a reload checked only on a throwaway
+/// store, so an error only the running store raises — a rule named like
+/// another layer's rule of another kind — stopped the build after the
+/// rules before it were rebound: the failed reload had changed
+/// `per-client`'s binding, and a later one started its budgets afresh.
+/// Now it is checked on the running store, which nothing changes, first.
+#[tokio::test]
+async fn a_reload_only_the_running_store_refuses_rebinds_nothing() {
+    let clock = ManualClock::new();
+    let dir = std::env::temp_dir().join(format!("tollgate-stage-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("policy.toml");
+    let v1 = "[[rules]]\nname = \"per-client\"\nkey = \"header:x-api-key\"\nrate = \"1/min\"\nburst = 1\n";
+    std::fs::write(&path, v1).unwrap();
+    let st = store(&clock);
+    // Another layer's in-flight limit, on the same store.
+    let _other = st
+        .concurrency_limiter(
+            &tollgate_core::ConcurrencyRule::new("in-flight", 4, Duration::from_secs(30)).unwrap(),
+        )
+        .unwrap();
+    let first = PolicyFile::read(&path).unwrap();
+    let layer = first
+        .builder::<String>()
+        .unwrap()
+        .store(st.clone())
+        .build()
+        .unwrap();
+    let reloader = Reloader::new(&path, &first, st.clone(), &layer);
+    // v2: per-client as a fixed window, then a rate rule named like the
+    // other layer's concurrency rule: a fresh store takes it, the running
+    // one does not.
+    let v2 = "[[rules]]\nname = \"per-client\"\nkey = \"header:x-api-key\"\nalgorithm = \"fixed_window\"\nrate = \"1/min\"\n\n[[rules]]\nname = \"in-flight\"\nkey = \"global\"\nrate = \"100/s\"\nburst = 100\n";
+    std::fs::write(&path, v2).unwrap();
+    assert!(reloader.reload().is_err());
+    // per-client is bound as v1 has it: binding v1's rule again shares it
+    // (a rebinding would make it a conflict).
+    let v1_rule = tollgate_core::Rule::new(
+        "per-client",
+        tollgate_core::Limit::gcra(tollgate_core::Rate::per_minute(1), 1),
+    )
+    .unwrap();
+    assert!(
+        st.limiter(&v1_rule).is_ok(),
+        "a failed reload rebound per-client"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

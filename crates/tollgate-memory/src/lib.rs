@@ -119,13 +119,16 @@ pub struct MemoryStore<C = SystemClock> {
     rebinding: bool,
     /// A checking handle's own bindings ([`Store::checking`]): read over
     /// the store's, never written to them.
-    staged: Option<Arc<Mutex<HashMap<String, Bound<C>>>>>,
+    staged: Option<Arc<Bindings<C>>>,
 }
+
+/// Rules bound by name.
+type Bindings<C> = Mutex<HashMap<String, Bound<C>>>;
 
 struct Inner<C> {
     shared: Arc<Shared<C>>,
     shards: usize,
-    rules: Mutex<HashMap<String, Bound<C>>>,
+    rules: Bindings<C>,
 }
 
 enum Bound<C> {

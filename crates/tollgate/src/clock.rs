@@ -6,11 +6,14 @@ use tollgate_core::{duration_to_nanos, Clock, SystemClock};
 /// stands still, and moves exactly as the paused runtime advances. For
 /// tests of whatever waits — pacing, bandwidth limits, queues — so that a
 /// store's decisions and the layer's timers agree on one virtual time. It
-/// is monotonic, so it works in production too ([`SystemClock`] is
-/// faster).
+/// is monotonic, so rate limits work on it in production too
+/// ([`SystemClock`] is faster).
 ///
 /// Its wall-clock time is the system's when it was made, plus Tokio's time
-/// elapsed since.
+/// elapsed since: it never follows the system clock again (an NTP step,
+/// a monotonic clock that stood still while the machine slept), so in a
+/// long-running process calendar quotas' days and months drift from the
+/// wall clock's. Use [`SystemClock`] for quotas in production.
 ///
 /// ```
 /// use tollgate::{MemoryStore, TokioClock};

@@ -688,7 +688,9 @@ where
     let declared = hint.upper().is_some_and(|upper| upper <= limit);
     // Boxed, so that what is left of it can follow what was read.
     let mut body = Box::pin(body);
-    let mut data = Vec::new();
+    // Sized for what the body says it holds (at most `limit`), so that a
+    // declared length is read without the doublings of a growing buffer.
+    let mut data = Vec::with_capacity(usize::try_from(hint.lower()).unwrap_or(0));
     let mut trailers: Option<HeaderMap> = None;
     while let Some(frame) = poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
         match frame.map_err(Into::into)?.into_data() {
@@ -710,6 +712,9 @@ where
             }
         }
     }
+    // What a body of unknown length grew beyond its size is not kept for
+    // the call's life (up to twice its length otherwise).
+    data.shrink_to_fit();
     Ok(Ok((Bytes::from(data), trailers.map(Box::new))))
 }
 
@@ -874,6 +879,12 @@ where
         // stay up, and a storm is what the budget is for.
         if !answer.is_ok_and(|w| w.granted) {
             m.exhausted.increment(1);
+            return result;
+        }
+        // The withdrawal took its time (a store far away): if the wait no
+        // longer fits before the deadline, the answer in hand goes back,
+        // rather than a `DeadlineExceeded` in the middle of the wait.
+        if deadline.is_some_and(|d| Instant::now().checked_add(wait).is_none_or(|at| at >= d)) {
             return result;
         }
         drop(result);

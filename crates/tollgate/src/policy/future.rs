@@ -58,22 +58,41 @@ pin_project! {
     pub struct PolicyFuture<S, B, L>
     where
         S: Service<Request<B>>,
+        L: Limiter,
     {
         #[pin]
         pub(super) state: State<S, B>,
         pub(super) report: Report,
         pub(super) grpc: bool,
         pub(super) shared: Arc<Shared<B, L>>,
-        // The keys of response-aware rules, kept until the response.
+        // The keys of response-aware rules, and a taken idempotency
+        // marker's, kept until the response.
         pub(super) after: Option<Vec<(usize, KeyBytes)>>,
         // A refusal's challenge, for the rule's key.
         pub(super) challenge: Option<http::HeaderValue>,
+    }
+
+    impl<S, B, L> PinnedDrop for PolicyFuture<S, B, L>
+    where
+        S: Service<Request<B>>,
+        L: Limiter,
+    {
+        fn drop(this: Pin<&mut Self>) {
+            // Dropped before its response (the client went away): the
+            // request was not served, so a taken marker goes back and a
+            // retry with its key is charged, not a free repeat.
+            let this = this.project();
+            if let Some(keys) = this.after.take() {
+                release_marker(this.shared, &keys);
+            }
+        }
     }
 }
 
 impl<S, B, L> fmt::Debug for PolicyFuture<S, B, L>
 where
     S: Service<Request<B>>,
+    L: Limiter,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PolicyFuture").finish_non_exhaustive()

@@ -53,7 +53,9 @@ impl<B, L> Idempotency<B, L> {
     /// matched route template, else the normalised path the client sent),
     /// the idempotency key and what the request says of its body (length,
     /// type, digests) — so a key repeated on another route or method, by
-    /// another client or with another body, is no repeat. `None` (the request is
+    /// another client or with another length, type or digest, is no
+    /// repeat; and a request that gives neither a length nor a digest
+    /// carries no marker. `None` (the request is
     /// charged as usual) for a method an `Idempotency-Key` does not apply
     /// to (only `POST` and `PATCH`: the others are idempotent already),
     /// and when the request has no client key or a blank idempotency key.
@@ -71,17 +73,33 @@ impl<B, L> Idempotency<B, L> {
         push_route(req, &mut key);
         key.push(idem);
         // What the request says of its body: a repeat with another body
-        // (another length, type or digest) is no repeat.
-        for name in REPRESENTATION {
+        // (another length, type or digest) is no repeat. A body that says
+        // nothing of itself (no length, no digest: chunked, HTTP/2 without
+        // `content-length`, most gRPC calls) could be any body: no marker,
+        // charged as usual.
+        let mut described = false;
+        // HTTP/1 without a length or chunking: a body of none (RFC 9112,
+        // 6.3), which is a length too.
+        let empty = req.version() <= http::Version::HTTP_11
+            && !req.headers().contains_key(http::header::TRANSFER_ENCODING);
+        for (i, name) in REPRESENTATION.iter().enumerate() {
             let mut values = req.headers().get_all(name).iter();
             match (values.next(), values.next()) {
+                (None, _) if i == 0 && empty => {
+                    described = true;
+                    key.push(b"0");
+                }
                 (None, _) => key.push(b""),
-                (Some(v), None) => key.push(v.as_bytes().trim_ascii()),
+                (Some(v), None) => {
+                    // Every one but the type tells bodies apart.
+                    described |= i != 1;
+                    key.push(v.as_bytes().trim_ascii());
+                }
                 // Sent twice: no repeat can be told apart from another.
                 (Some(_), Some(_)) => return None,
             }
         }
-        Some(key)
+        described.then_some(key)
     }
 }
 

@@ -325,13 +325,20 @@ impl<B, St> PolicyLayerBuilder<B, St> {
     /// when sent), within `ttl` (at most a day) of the first, is let
     /// through without charging any rule — the service answers it from its
     /// idempotency store. The layer does not read the body itself (it
-    /// would hold every body before deciding, refused ones too): for a
-    /// stricter scope, make `client` a tuple of extractors, e.g. the API
-    /// key and a header your clients must send. Concurrent duplicates race
-    /// on one atomic store decision, so exactly one of them is charged. A
-    /// first request that the rules refuse, or that the service answers
-    /// with a 4xx or 5xx (or an error, or that is cancelled), leaves no
-    /// marker (a retry of it is charged), and a request
+    /// would hold every body before deciding, refused ones too), so the
+    /// body's scope is what the client declares: a padded body of the same
+    /// length, or a digest that was never checked, passes as a repeat —
+    /// which is why the service must answer repeats from its own store. A
+    /// request that declares neither a length nor a digest (chunked, most
+    /// gRPC calls) carries no marker and is charged. For a stricter scope,
+    /// make `client` a tuple of extractors, e.g. the API key and a header
+    /// your clients must send. Concurrent duplicates race on one atomic
+    /// store decision, so exactly one of them is charged. A first request
+    /// that the rules refuse, that the service answers with a 4xx or 5xx
+    /// (by its head: a gRPC status in trailers is not seen) or an error,
+    /// or that is cancelled before its response, gives its marker back (a
+    /// retry of it is charged; on Redis the give-back is asynchronous, so
+    /// a retry sent at once may still find it), and a request
     /// whose marker the store could not read or record — it failed, and
     /// its failure policy answered instead — is charged like any other,
     /// whatever that policy is. Only for services that deduplicate by

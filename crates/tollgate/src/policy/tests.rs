@@ -810,12 +810,15 @@ fn with_idempotency(key: &str, idem: &str) -> Req {
     idempotent(http::Method::POST, "/orders", key, idem)
 }
 
+/// A request with an `Idempotency-Key`, and an empty body that says so
+/// (`Content-Length: 0`, as clients send).
 fn idempotent(method: http::Method, path: &str, key: &str, idem: &str) -> Req {
     Request::builder()
         .method(method)
         .uri(path)
         .header("x-api-key", key)
         .header("idempotency-key", idem)
+        .header("content-length", "0")
         .body(String::new())
         .unwrap()
 }
@@ -912,8 +915,13 @@ async fn a_repeat_is_free_only_with_its_own_body_and_success<S: Store>(
     let send = |headers: &[(&'static str, &'static str)], idem: &'static str| {
         let svc = svc.clone();
         let mut r = idempotent(http::Method::POST, "/orders", "a", idem);
-        for (name, value) in headers {
-            r.headers_mut().append(*name, value.parse().unwrap());
+        for (i, (name, value)) in headers.iter().enumerate() {
+            // The first of a name replaces the helper's; a second is sent too.
+            if headers[..i].iter().any(|(n, _)| n == name) {
+                r.headers_mut().append(*name, value.parse().unwrap());
+            } else {
+                r.headers_mut().insert(*name, value.parse().unwrap());
+            }
         }
         async move { svc.oneshot(r).await.unwrap() }
     };
@@ -953,6 +961,24 @@ async fn a_repeat_is_free_only_with_its_own_body_and_success<S: Store>(
     send(&twice, "T").await;
     send(&twice, "T").await;
     assert_eq!(remaining(&layer, 0, "a").await, 13);
+    // A body that declares neither length nor digest (chunked) could be
+    // any body: no marker, charged every time.
+    for _ in 0..2 {
+        let mut chunked = idempotent(http::Method::POST, "/orders", "a", "C");
+        chunked.headers_mut().remove("content-length");
+        chunked
+            .headers_mut()
+            .insert("transfer-encoding", "chunked".parse().unwrap());
+        svc.clone().oneshot(chunked).await.unwrap();
+    }
+    // Over HTTP/2, no length says nothing either.
+    for _ in 0..2 {
+        let mut h2 = idempotent(http::Method::POST, "/orders", "a", "H");
+        h2.headers_mut().remove("content-length");
+        *h2.version_mut() = http::Version::HTTP_2;
+        svc.clone().oneshot(h2).await.unwrap();
+    }
+    assert_eq!(remaining(&layer, 0, "a").await, 9);
     // A first request that fails (5xx, 4xx) keeps no marker: its retry is
     // charged, and the first success takes the marker.
     for outcome in ["fail", "invalid"] {
@@ -960,18 +986,73 @@ async fn a_repeat_is_free_only_with_its_own_body_and_success<S: Store>(
         assert!(!res.status().is_success());
         send(&[("x-outcome", outcome)], outcome).await;
     }
-    assert_eq!(remaining(&layer, 0, "a").await, 9);
+    assert_eq!(remaining(&layer, 0, "a").await, 5);
     send(&[], "fail").await;
     send(&[], "fail").await;
     assert_eq!(
         remaining(&layer, 0, "a").await,
-        8,
+        4,
         "charged once, then a repeat"
     );
 }
 on_both_paths!(
     idempotency_body_and_failure,
     a_repeat_is_free_only_with_its_own_body_and_success
+);
+
+/// The review of the fix for #1: a first request cancelled while its
+/// handler ran kept its marker, so each resend was a free repeat that ran
+/// the handler again (and could be cancelled again). A future dropped
+/// before its response now gives the marker back.
+async fn a_first_request_cancelled_mid_call_leaves_no_marker<S: Store>(
+    store: S,
+    _clock: ManualClock,
+) {
+    let layer = idempotent_policy(store, 20);
+    let called = std::sync::Arc::new(tokio::sync::Notify::new());
+    let hang = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let (c, h) = (std::sync::Arc::clone(&called), std::sync::Arc::clone(&hang));
+    let svc = layer.layer(service_fn(move |_req: Req| {
+        let (c, h) = (std::sync::Arc::clone(&c), std::sync::Arc::clone(&h));
+        async move {
+            c.notify_one();
+            if h.load(std::sync::atomic::Ordering::SeqCst) {
+                std::future::pending::<()>().await;
+            }
+            Ok::<_, Infallible>(Response::new(String::new()))
+        }
+    }));
+    let first =
+        tokio::spawn(
+            svc.clone()
+                .oneshot(idempotent(http::Method::POST, "/orders", "a", "K")),
+        );
+    called.notified().await;
+    first.abort();
+    let _ = first.await;
+    tokio::task::yield_now().await;
+    assert_eq!(remaining(&layer, 0, "a").await, 19);
+    // The resend is a first request: charged, and it takes the marker.
+    hang.store(false, std::sync::atomic::Ordering::SeqCst);
+    let res = svc
+        .clone()
+        .oneshot(idempotent(http::Method::POST, "/orders", "a", "K"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(
+        remaining(&layer, 0, "a").await,
+        18,
+        "the resend was charged"
+    );
+    svc.oneshot(idempotent(http::Method::POST, "/orders", "a", "K"))
+        .await
+        .unwrap();
+    assert_eq!(remaining(&layer, 0, "a").await, 18, "then a repeat is free");
+}
+on_both_paths!(
+    idempotency_cancelled,
+    a_first_request_cancelled_mid_call_leaves_no_marker
 );
 
 async fn idempotent_repeats_are_not_charged_again<S: Store>(store: S, clock: ManualClock) {

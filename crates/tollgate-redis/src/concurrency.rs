@@ -156,7 +156,7 @@ impl BoundConcurrency {
         // This store's releases of the key still on their way: Redis
         // applies them first, so that a request that follows its own
         // response at once is not refused by the lease it gave back.
-        let carried = self.leases.carried(rkey);
+        let mut carried = self.leases.carried(rkey);
         for _ in 0..ID_ATTEMPTS {
             let id = self.ids.next();
             let mut tail = vec![ceiling.clone(), id.to_string()];
@@ -166,9 +166,10 @@ impl BoundConcurrency {
                 .args
                 .call(&self.backend, SemaphoreMode::Acquire, rkey, permits, &tail)
                 .await;
-            if reply.is_ok() {
-                self.leases.released(rkey, carried.iter().map(|l| l.id));
-            }
+            // Sent once: an id taken makes a second call, which carries
+            // them no more (the first applied them, or failed and their
+            // own release calls will).
+            carried.clear();
             let (maybe_granted, answer) = match reply {
                 Ok(reply) => (true, reply.acquire(permits, id)),
                 Err(fault) => (fault.maybe_sent, None),

@@ -219,14 +219,18 @@ impl LiveLeases {
         }
     }
 
-    /// The releases of `key` still on their way, as script members, for
-    /// an acquire to carry: Redis applies them before it counts.
+    /// The releases of `key` still on their way, taken for an acquire to
+    /// carry: Redis applies them before it counts. Taken, not copied, so
+    /// that acquires of a busy key do not each carry the same list (one
+    /// multiplexed connection keeps the calls in order: an acquire sent
+    /// after this one finds them applied). If the call fails they are not
+    /// put back: their own release calls still land.
     pub(crate) fn carried(&self, key: &str) -> Vec<Lease> {
-        let releasing = self
+        let mut releasing = self
             .releasing
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        releasing.get(key).cloned().unwrap_or_default()
+        releasing.remove(key).unwrap_or_default()
     }
 
     /// Leases held now, by key.

@@ -675,6 +675,9 @@ where
             self.wait_turn(&mut key, permits, (ceiling, limit.max), critical, arrived)
                 .await
         } else {
+            // Not cut off at the queue's deadline: an idle key would be
+            // refused for a slow store (which its own timeout bounds); its
+            // time counts against the wait that may follow.
             let first = self
                 .per_key
                 .limiter
@@ -718,15 +721,10 @@ where
             return Step::Pass(None);
         };
         let limiter = &self.per_key.limiter;
-        // What a refusal reports when no acquire said more.
+        // What a refusal reports: the last acquire's answer, if any.
         let refused = |last: Option<Decision>| {
-            let d = last.unwrap_or(Decision {
-                outcome: Outcome::Deny { retry_after: 0 },
-                limit: u64::from(max),
-                remaining: 0,
-                reset_after: 0,
-            });
-            Step::Reject(Reason::Limited, with_hint(d, limiter))
+            let d = last.map_or_else(|| timed_out(limiter, max), |d| with_hint(d, limiter));
+            Step::Reject(Reason::Limited, d)
         };
         let hash = queue.hash(key.as_bytes());
         let deadline = arrived.checked_add(queue.max_wait).unwrap_or(arrived);
@@ -741,6 +739,11 @@ where
         let mut on_timer = false;
         loop {
             let head = place.is_head();
+            if Instant::now() >= deadline {
+                // No acquire sent to be given up at once.
+                self.metrics.queue_timeout.increment(1);
+                return refused(last);
+            }
             if head || critical {
                 if on_timer {
                     self.metrics.rechecks.increment(1);
@@ -778,6 +781,20 @@ where
             }
         }
     }
+}
+
+/// A queued request's refusal when its wait ran out before any acquire
+/// answered.
+fn timed_out<L: ConcurrencyLimiter>(limiter: &L, max: u32) -> Decision {
+    with_hint(
+        Decision {
+            outcome: Outcome::Deny { retry_after: 0 },
+            limit: u64::from(max),
+            remaining: 0,
+            reset_after: 0,
+        },
+        limiter,
+    )
 }
 
 /// The decision with the rule's retry hint as its `retry_after`.

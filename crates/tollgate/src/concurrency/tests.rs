@@ -979,7 +979,31 @@ async fn a_queued_wait_ends_max_wait_after_arrival_whatever_is_in_flight() {
     let refused = svc.clone().oneshot(req("k")).await.unwrap();
     assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(arrived.elapsed(), Duration::from_millis(500));
+    assert!(refused.headers().contains_key("retry-after"));
     drop(held);
+    // A store slower than the whole wait: the first acquire is answered
+    // (an idle key is not refused for a slow store), and no acquire is
+    // sent once the wait has run out.
+    let store = SlowStore(MemoryStore::new(), Duration::from_millis(700));
+    let layer = builder(1)
+        .store(store)
+        .queue(4, Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let (inner, _feeds) = streaming();
+    let svc = layer.layer(inner);
+    let arrived = tokio::time::Instant::now();
+    let held = svc.clone().oneshot(req("k")).await.unwrap();
+    assert_eq!(held.status(), 200);
+    assert_eq!(arrived.elapsed(), Duration::from_millis(700));
+    let arrived = tokio::time::Instant::now();
+    let refused = svc.clone().oneshot(req("k")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        arrived.elapsed(),
+        Duration::from_millis(700),
+        "no acquire after the wait ran out"
+    );
 }
 
 /// Review m13: read-only mode needed 20 requests in its window, fixed. A

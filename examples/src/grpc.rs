@@ -10,10 +10,12 @@
 //!   permit lasts until the stream ends or the client goes away.
 //!
 //! Each limit keyed by client is bounded per peer address too, at
-//! [`PER_ADDRESS`](crate::PER_ADDRESS) times the client's (checks, cost
-//! units, `Watch` streams), and decided with it as one: rotating
-//! `x-api-key` values from one address buys nothing past the address's
-//! budget.
+//! [`PER_ADDRESS`](crate::PER_ADDRESS) times the client's (checks and cost
+//! units, each pair decided as one; `Watch` streams, by a second
+//! in-flight limit around the first): rotating `x-api-key` values from one
+//! address buys nothing past the address's budget. The health service's
+//! own `Watch` stream is held to 8 at once per address. (Behind a proxy
+//! the peer is the proxy: key by `ClientIp` with trusted proxies there.)
 //!
 //! Refusals are gRPC statuses: `RESOURCE_EXHAUSTED` with
 //! `grpc-retry-pushback-ms` (the wait, in milliseconds), or
@@ -196,7 +198,12 @@ where
         ))
         .store(store.clone())
         .build()?;
-    let health = LimitedHealth(boxed(health_limit.layer(health)));
+    // Health's `Watch` is a server stream: open ones held per address.
+    let health_streams = ConcurrencyLayer::builder("health-streams-address", 8)
+        .key(PeerIp::new())
+        .store(store.clone())
+        .build()?;
+    let health = LimitedHealth(boxed(health_limit.layer(health_streams.layer(health))));
 
     let (tx, _) = tokio::sync::watch::channel(100u32);
     let stock = Stock(Arc::new(tx));

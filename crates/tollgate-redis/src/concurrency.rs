@@ -82,6 +82,7 @@ impl RedisConcurrencyLimiter {
         keeper: LeaseKeeper,
         ids: Arc<LeaseIds>,
         rule: &ConcurrencyRule,
+        mode: crate::policy::Rebind,
     ) -> Result<Self, ConfigError> {
         if Duration::from_nanos(rule.semaphore().lease_ttl()) < MIN_LEASE_TTL {
             return Err(ConfigError::new(
@@ -92,7 +93,7 @@ impl RedisConcurrencyLimiter {
             ));
         }
         crate::scripts::check_span("lease_ttl", rule.semaphore().lease_ttl())?;
-        let on_failure = ConcurrencyOnFailure::new(&backend.policy, rule)?;
+        let on_failure = ConcurrencyOnFailure::new(&backend.policy.binding(mode), rule)?;
         let leases = LiveLeases::new(rule.semaphore());
         keeper.watch(&leases);
         Ok(Self {

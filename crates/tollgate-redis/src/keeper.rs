@@ -108,13 +108,17 @@ impl LeaseKeeper {
         }
     }
 
-    /// The task is gone (its runtime ended): said once, loudly.
+    /// The task is gone (its runtime ended): said once, loudly; each
+    /// release it cannot do is counted as dropped.
     fn gone(&self) -> StoreError {
+        self.dropped.increment(1);
         if !self.gone_told.swap(true, Ordering::Relaxed) {
             tracing::warn!(
                 "the Redis store's lease task has stopped: the runtime the store was built on \
-                 has ended, so concurrency leases are no longer released or renewed (each holds \
-                 its permits for its lease TTL); build the store on the runtime that serves"
+                 has ended, so concurrency leases are no longer released or renewed — a \
+                 finished request holds its permits for its lease TTL, and a request that runs \
+                 longer than the TTL loses them (the limit can be exceeded); build the store on \
+                 the runtime that serves"
             );
         }
         task_gone()

@@ -63,6 +63,7 @@ impl RedisQuotaLimiter {
     pub(crate) fn new(
         backend: Arc<Backend>,
         rule: &QuotaRule,
+        mode: crate::policy::Rebind,
     ) -> Result<Self, tollgate_core::ConfigError> {
         let quota = rule.quota();
         let mut params = vec![quota.offset().seconds().to_string()];
@@ -70,7 +71,7 @@ impl RedisQuotaLimiter {
             params.push(period.name().to_owned());
             params.push(limit.to_string());
         }
-        let on_failure = QuotaOnFailure::new(&backend.policy, rule)?;
+        let on_failure = QuotaOnFailure::new(&backend.policy.binding(mode), rule)?;
         Ok(Self {
             bound: Arc::new(BoundQuota {
                 backend,

@@ -20,6 +20,10 @@ use crate::quota::RedisQuotaLimiter;
 use crate::rate::RedisLimiter;
 use crate::retry_budget::RedisRetryBudget;
 
+/// The longest audit stream a store keeps (entries): a few gigabytes of
+/// Redis memory at most.
+const MAX_AUDIT_LEN: usize = 10_000_000;
+
 /// The Redis store. Cheap to clone; clones share connections and the
 /// lease task.
 #[derive(Clone)]
@@ -100,7 +104,7 @@ impl RedisStore {
     }
 
     /// An audit stream named `name` under this store's prefix, kept to
-    /// about `maxlen` entries (`XADD ... MAXLEN ~`; 1 to 2^32), fed through
+    /// about `maxlen` entries (`XADD ... MAXLEN ~`; 1 to 10^7), fed through
     /// a queue of `capacity` records (1 to 2^20); see
     /// [`RedisAudit`](crate::RedisAudit). Errors name `maxlen` or
     /// `capacity` (a `maxlen` of 0 would keep nothing, a huge one would
@@ -111,8 +115,11 @@ impl RedisStore {
         maxlen: usize,
         capacity: usize,
     ) -> Result<crate::RedisAudit, ConfigError> {
-        if !(1..=1 << 32).contains(&maxlen) {
-            return Err(ConfigError::new("maxlen", "must be 1 to 2^32 entries"));
+        if !(1..=MAX_AUDIT_LEN).contains(&maxlen) {
+            return Err(ConfigError::new(
+                "maxlen",
+                "must be 1 to 10,000,000 entries",
+            ));
         }
         if !(1..=1 << 20).contains(&capacity) {
             return Err(ConfigError::new("capacity", "must be 1 to 2^20 records"));
@@ -392,6 +399,7 @@ impl Store for RedisStore {
             self.keeper.clone(),
             Arc::clone(&self.ids),
             rule,
+            self.rebinding,
         )
     }
 
@@ -417,7 +425,7 @@ impl QuotaStore for RedisStore {
     /// Redis with the same prefix, and outlives their restarts: each key
     /// lives until the end of its longest period (plus a margin).
     fn quota_limiter(&self, rule: &QuotaRule) -> Result<RedisQuotaLimiter, ConfigError> {
-        RedisQuotaLimiter::new(Arc::clone(&self.backend), rule)
+        RedisQuotaLimiter::new(Arc::clone(&self.backend), rule, self.rebinding)
     }
 }
 

@@ -607,11 +607,12 @@ pub trait AuditSink: Send + Sync + 'static {
 /// What a policy hands its audit sink: at most one record per rule,
 /// client fingerprint and reason in each wall-clock second (the repeats of
 /// a client that floods refused requests are folded, and counted in
-/// `tollgate_audit_folded_total`), and at most `per_second` records a
-/// second in all (the rest counted in `tollgate_audit_suppressed_total`):
-/// a flood of refused requests, each cheap to refuse, cannot make the
-/// audit trail — on Redis, writes on the decisions' own connection —
-/// the flood's amplifier.
+/// `tollgate_audit_folded_total{rule}`), and at most `per_second` records
+/// a second for each audited rule (the rest counted in
+/// `tollgate_audit_suppressed_total{rule}`): a flood of refused requests,
+/// each cheap to refuse, cannot make the audit trail — on Redis, writes
+/// on the decisions' own connection — the flood's amplifier, and a flood
+/// on one rule cannot crowd out another rule's records.
 pub(crate) struct AuditGate {
     sink: std::sync::Arc<dyn AuditSink>,
     per_second: u32,
@@ -619,7 +620,13 @@ pub(crate) struct AuditGate {
     /// slot its tag picks: a repeat finds itself there. Lossy (two
     /// records may share a slot, and then both are sent), never unbounded.
     seen: Box<[std::sync::atomic::AtomicU64]>,
-    /// The current second (high 32 bits) and the records sent in it.
+    /// Per audited rule (by name): the current second (high 32 bits) and
+    /// the records sent in it, and its counters.
+    rules: Vec<GateRule>,
+}
+
+struct GateRule {
+    name: std::sync::Arc<str>,
     window: std::sync::atomic::AtomicU64,
     folded: metrics::Counter,
     suppressed: metrics::Counter,
@@ -630,14 +637,20 @@ impl AuditGate {
     /// The low bits of a tag that pick its slot (`SLOTS` is a power of two).
     const MASK: u64 = 4_095;
 
-    pub(crate) fn new(sink: std::sync::Arc<dyn AuditSink>, per_second: u32) -> Self {
+    /// A gate for the audited `rules` (and access list), each with
+    /// `per_second` records a second.
+    pub(crate) fn new(
+        sink: std::sync::Arc<dyn AuditSink>,
+        per_second: u32,
+        rules: &[std::sync::Arc<str>],
+    ) -> Self {
         metrics::describe_counter!(
             "tollgate_audit_folded_total",
             "Audit records folded: a rule's refusal of a client it already recorded this second"
         );
         metrics::describe_counter!(
             "tollgate_audit_suppressed_total",
-            "Audit records not sent: more than the policy's audit records a second"
+            "Audit records not sent: more than the policy's audit records a second for the rule"
         );
         Self {
             sink,
@@ -645,9 +658,15 @@ impl AuditGate {
             seen: (0..Self::SLOTS)
                 .map(|_| std::sync::atomic::AtomicU64::new(0))
                 .collect(),
-            window: std::sync::atomic::AtomicU64::new(0),
-            folded: metrics::counter!("tollgate_audit_folded_total"),
-            suppressed: metrics::counter!("tollgate_audit_suppressed_total"),
+            rules: rules
+                .iter()
+                .map(|name| GateRule {
+                    name: std::sync::Arc::clone(name),
+                    window: std::sync::atomic::AtomicU64::new(0),
+                    folded: metrics::counter!("tollgate_audit_folded_total", "rule" => name.to_string()),
+                    suppressed: metrics::counter!("tollgate_audit_suppressed_total", "rule" => name.to_string()),
+                })
+                .collect(),
         }
     }
 }
@@ -656,6 +675,10 @@ impl AuditSink for AuditGate {
     fn record(&self, r: &AuditRecord) {
         use std::hash::BuildHasher;
         use std::sync::atomic::Ordering;
+        // Only the rules it was made for reach a gate.
+        let Some(rule) = self.rules.iter().find(|g| *g.name == *r.rule) else {
+            return;
+        };
         let second = r.unix_ms / 1_000;
         let tag =
             std::hash::BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default()
@@ -664,12 +687,12 @@ impl AuditSink for AuditGate {
         let slot = usize::try_from(tag & Self::MASK).unwrap_or(0);
         if let Some(seen) = self.seen.get(slot) {
             if seen.swap(tag, Ordering::Relaxed) == tag {
-                self.folded.increment(1);
+                rule.folded.increment(1);
                 return;
             }
         }
         let second = second & u64::from(u32::MAX);
-        let sent = self
+        let sent = rule
             .window
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
                 let (s, n) = (w >> 32, w & u64::from(u32::MAX));
@@ -682,7 +705,7 @@ impl AuditSink for AuditGate {
                 }
             });
         if sent.is_err() {
-            self.suppressed.increment(1);
+            rule.suppressed.increment(1);
             return;
         }
         self.sink.record(r);
@@ -736,7 +759,8 @@ mod audit_gate_tests {
     #[test]
     fn a_flood_of_refusals_is_one_record_per_client_and_second() {
         let kept = Arc::new(Kept::default());
-        let gate = AuditGate::new(Arc::clone(&kept) as Arc<dyn AuditSink>, 100);
+        let rules: Vec<Arc<str>> = vec!["per-key".into(), "per-ip".into()];
+        let gate = AuditGate::new(Arc::clone(&kept) as Arc<dyn AuditSink>, 100, &rules);
         for ms in 0..1_000 {
             gate.record(&record("per-key", 7, 5_000 + ms));
         }
@@ -745,14 +769,20 @@ mod audit_gate_tests {
         gate.record(&record("per-key", 7, 6_000));
         gate.record(&record("per-ip", 7, 6_000));
         assert_eq!(kept.0.lock().unwrap().len(), 3);
-        // Distinct clients: at most 100 a second (two sent in it already).
+        // Distinct clients: at most 100 a second for the rule (one sent in
+        // it already).
         for key in 0..1_000 {
             gate.record(&record("per-key", 1_000 + key, 6_500));
         }
-        assert_eq!(kept.0.lock().unwrap().len(), 1 + 100);
+        assert_eq!(kept.0.lock().unwrap().len(), 1 + 1 + 100);
+        // Another rule has a budget of its own that second.
+        for key in 0..50 {
+            gate.record(&record("per-ip", 5_000 + key, 6_700));
+        }
+        assert_eq!(kept.0.lock().unwrap().len(), 102 + 50);
         // A new second opens the window again.
         gate.record(&record("per-key", 42, 7_000));
-        assert_eq!(kept.0.lock().unwrap().len(), 102);
+        assert_eq!(kept.0.lock().unwrap().len(), 153);
     }
 }
 

@@ -650,7 +650,8 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                         "at least one record a second (audit_per_second)",
                     ));
                 }
-                let gate = crate::observe::AuditGate::new(sink, self.audit_per_second);
+                let audited: Vec<Arc<str>> = names.iter().map(|n| n.as_str().into()).collect();
+                let gate = crate::observe::AuditGate::new(sink, self.audit_per_second, &audited);
                 let sink: Arc<dyn crate::observe::AuditSink> = Arc::new(gate);
                 Some((sink, mask, denials))
             }

@@ -1122,3 +1122,137 @@ async fn aimd_at_its_minimum_with_streams_open_keeps_admitting_and_moving() {
     assert!(now >= 4, "the limit moved from its minimum: {now}");
     assert_eq!(streams.len(), 16, "the streams are still open");
 }
+
+/// Concurrency review, missing test 1: a request cancelled while the
+/// service works on it gives the adaptive limit no sample, and its share
+/// of the limit comes back.
+#[tokio::test(start_paused = true)]
+async fn a_cancelled_request_gives_no_sample_and_its_share_back() {
+    let limit = AdaptiveLimit::Aimd(Aimd::new(1, 2, 100).unwrap());
+    let layer = builder(100)
+        .adaptive_service_limit("adaptive", limit)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(|_req: Req| async {
+        std::future::pending::<()>().await;
+        Ok::<_, Infallible>(Response::new(String::new()))
+    }));
+    for round in 0..3 {
+        let mut calls = Vec::new();
+        for i in 0..2 {
+            let mut call = Box::pin(svc.clone().oneshot(req(&format!("k{round}-{i}"))));
+            assert!(futures_poll(&mut call).await.is_none(), "admitted, waiting");
+            calls.push(call);
+        }
+        // The limit (2) is held: a third is refused.
+        let res = svc.clone().oneshot(req("other")).await.unwrap();
+        assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+        // Cancelled: no sample (a drop would lower the limit, a success
+        // could raise it), and both shares back for the next round.
+        drop(calls);
+        assert_eq!(layer.adaptive_limit(), Some(2), "round {round}");
+    }
+}
+
+/// Missing test 2: an inner service's error is a drop for the adaptive
+/// limit, through the layer (the unit tests used a 503).
+#[tokio::test(start_paused = true)]
+async fn an_inner_error_is_a_drop() {
+    let limit = AdaptiveLimit::Aimd(Aimd::new(1, 10, 100).unwrap());
+    let layer = builder(100)
+        .adaptive_service_limit("adaptive", limit)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(|_req: Req| async {
+        Err::<Response<String>, _>(std::io::Error::other("the backend went away"))
+    }));
+    assert!(svc.clone().oneshot(req("k")).await.is_err());
+    assert_eq!(layer.adaptive_limit(), Some(9));
+    assert_eq!(held(&layer, "k").await, 0, "the permit went back");
+}
+
+/// Missing test 5: an inner service that is not ready at once (a buffer
+/// or limit inside), then fails `poll_ready`: the request's permit goes
+/// back, and the error reaches the caller.
+#[tokio::test]
+async fn a_permit_goes_back_when_the_inner_service_fails_to_get_ready() {
+    #[derive(Clone)]
+    struct NotReady(Arc<AtomicU32>);
+    impl Service<Req> for NotReady {
+        type Response = Response<String>;
+        type Error = std::io::Error;
+        type Future = std::future::Ready<Result<Response<String>, std::io::Error>>;
+        fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), std::io::Error>> {
+            // Pending once (waking at once), then an error.
+            if self.0.fetch_add(1, Ordering::SeqCst) % 2 == 0 {
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            Poll::Ready(Err(std::io::Error::other("not ready")))
+        }
+        fn call(&mut self, _req: Req) -> Self::Future {
+            std::future::ready(Ok(Response::new(String::new())))
+        }
+    }
+    let layer = builder(1).build().unwrap();
+    let svc = layer.layer(NotReady(Arc::new(AtomicU32::new(0))));
+    for _ in 0..3 {
+        assert!(svc.clone().oneshot(req("k")).await.is_err());
+        assert_eq!(
+            held(&layer, "k").await,
+            0,
+            "a permit kept after poll_ready failed"
+        );
+    }
+}
+
+/// Missing test 9: read-only mode lets HEAD and OPTIONS through as it
+/// does GET, and refuses a gRPC call with `UNAVAILABLE`.
+#[tokio::test(start_paused = true)]
+async fn read_only_mode_passes_safe_methods_and_answers_grpc_as_grpc() {
+    let limit = AdaptiveLimit::Aimd(Aimd::new(1, 10, 100).unwrap());
+    let layer = builder(100)
+        .adaptive_service_limit("adaptive", limit)
+        .read_only_min_requests(1)
+        .read_only_above(0.5, Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(|req: Req| async move {
+        let mut res = Response::new(String::new());
+        if req.uri().path() == "/fail" {
+            *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+        }
+        Ok::<_, Infallible>(res)
+    }));
+    let on = |method: Method, path: &str| {
+        Request::builder()
+            .method(method)
+            .uri(path)
+            .header("x-api-key", "k")
+            .body(String::new())
+            .unwrap()
+    };
+    // Eight failures: still above half once the three reads below pass.
+    for _ in 0..8 {
+        let res = svc.clone().oneshot(on(Method::GET, "/fail")).await.unwrap();
+        assert_eq!(res.status(), 503);
+    }
+    for method in [Method::GET, Method::HEAD, Method::OPTIONS] {
+        let res = svc.clone().oneshot(on(method.clone(), "/r")).await.unwrap();
+        assert_eq!(res.status(), 200, "{method}");
+    }
+    assert_eq!(
+        svc.clone()
+            .oneshot(on(Method::PUT, "/r"))
+            .await
+            .unwrap()
+            .status(),
+        503
+    );
+    let mut grpc = on(Method::POST, "/svc/Write");
+    grpc.headers_mut()
+        .insert("content-type", "application/grpc".parse().unwrap());
+    let res = svc.clone().oneshot(grpc).await.unwrap();
+    assert_eq!(res.status(), 200, "gRPC refusals are HTTP 200");
+    assert_eq!(res.headers()["grpc-status"], "14", "UNAVAILABLE");
+}

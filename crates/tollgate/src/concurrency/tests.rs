@@ -1184,7 +1184,7 @@ async fn a_permit_goes_back_when_the_inner_service_fails_to_get_ready() {
         type Future = std::future::Ready<Result<Response<String>, std::io::Error>>;
         fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), std::io::Error>> {
             // Pending once (waking at once), then an error.
-            if self.0.fetch_add(1, Ordering::SeqCst) % 2 == 0 {
+            if self.0.fetch_add(1, Ordering::SeqCst).is_multiple_of(2) {
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
             }

@@ -721,3 +721,72 @@ async fn a_fail_open_admission_is_never_refunded_to_redis() {
     let (_, r) = send(false).await;
     assert!(r.starts_with("\"one\";r=94;"), "{r}");
 }
+
+/// Fleet review F2 (the review of HotKeys under a failure policy): a
+/// policy on `HotKeys` over a Redis that is down struck its escalation
+/// ladder (kept in the fallback memory meanwhile) on every refusal the
+/// failure policy gave — they say nothing about the client, as the plain
+/// Redis store already tells the policy — so an outage blocked clients
+/// for an hour. `HotLimiter` now says which answers the policy gave.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_keys_over_a_redis_that_is_down_strike_no_ladder() {
+    // Nothing listens there: every call fails at once.
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        drop(l);
+        format!("redis://127.0.0.1:{port}")
+    };
+    let redis = RedisStore::builder(&dead)
+        .prefix(&unique_prefix())
+        .failure_policy(tollgate::FailurePolicy::fallback())
+        .timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let store = tollgate_redis::HotKeys::new()
+        .rules(["per-key"])
+        .over(redis)
+        .unwrap();
+    let svc = PolicyLayer::builder()
+        .rule(
+            RateRule::new(
+                "per-key",
+                Limit::gcra(Rate::per_minute(1), 1),
+                Header::named("x-api-key").unwrap(),
+            )
+            .escalate(
+                1,
+                Duration::from_secs(60),
+                Duration::from_secs(3_600),
+                Duration::from_secs(3_600),
+            ),
+        )
+        .store(store)
+        .build()
+        .unwrap()
+        .layer(service_fn(|_req: Request<String>| async {
+            Ok::<_, Infallible>(Response::new(String::new()))
+        }));
+    let send = || {
+        let req = Request::get("/")
+            .header("x-api-key", "k")
+            .body(String::new())
+            .unwrap();
+        svc.clone().oneshot(req)
+    };
+    // The fallback memory's one unit, then its refusals.
+    assert_eq!(send().await.unwrap().status(), 200);
+    for n in 0..3 {
+        let res = send().await.unwrap();
+        assert_eq!(res.status(), 429, "request {n}");
+        let wait: u64 = res.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(
+            wait <= 60,
+            "request {n}: the fallback's wait, not an hour's block: {wait} s"
+        );
+    }
+}

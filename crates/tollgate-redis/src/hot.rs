@@ -14,7 +14,8 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tollgate_core::{
     duration_to_nanos, Algorithm, Clock, ConcurrencyRule, ConfigError, Decision, EscalationLimiter,
-    EscalationRule, JointPart, Limiter, Outcome, Rule, Store, StoreError, SystemClock,
+    EscalationRule, JointDecision, JointPart, Limiter, Outcome, Rule, Store, StoreError,
+    SystemClock,
 };
 
 /// Local leases for hot keys, in front of a shared store (Redis): an
@@ -1081,148 +1082,66 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
         if let Some(d) = self.decide_local(local, key, cost, limit) {
             return HotFuture(Inner::Ready(Some(Ok(d))));
         }
-        let (inner, local, key) = (self.inner.clone(), Arc::clone(local), key.to_vec());
-        HotFuture(Inner::Boxed(Box::pin(async move {
-            local.decisions.add();
-            let mut waited = false;
-            let mut landed = 0;
-            loop {
-                let step = local.plan(&key, cost, limit, landed);
-                if !waited && matches!(step, Step::Through | Step::Take { .. }) {
-                    waited = true;
-                    local.waits.add();
-                }
-                match step {
-                    Step::Done(d) => return Ok(d),
-                    Step::Through => {
-                        local.store_calls.add();
-                        return inner.decide(&key, cost).await;
-                    }
-                    Step::Aside => {
-                        let _aside = Aside {
-                            local: &local,
-                            key: &key,
-                        };
-                        local.store_calls.add();
-                        let sent = local.clock.now();
-                        let (d, unowned) = lease(&inner, &key, cost).await;
-                        local.after_through(&key, cost, sent, (&d, unowned));
-                        return d;
-                    }
-                    Step::Wait(flight) => {
-                        let notified = flight.notified();
-                        tokio::pin!(notified);
-                        notified.as_mut().enable();
-                        // The flight may have landed between `plan` and
-                        // `enable`: wait only if it is still in the air.
-                        let still_flying = {
-                            let mut shard = local.shard(&key);
-                            shard
-                                .get_mut(key.as_slice())
-                                .and_then(|s| s.flight.as_ref().map(|f| Arc::ptr_eq(f, &flight)))
-                                .unwrap_or(false)
-                        };
-                        if still_flying {
-                            if !waited {
-                                waited = true;
-                                local.waits.add();
-                            }
-                            notified.await;
+        let f = decide_through(
+            self.inner.clone(),
+            Arc::clone(local),
+            key.to_vec(),
+            cost,
+            limit,
+        );
+        HotFuture(Inner::Boxed(Box::pin(async move { f.await.0 })))
+    }
+
+    /// Each part decided as [`decide`](Self::decide) decides it, side by
+    /// side, each answer saying whether the store's failure policy gave it
+    /// (a lease or a refusal it granted, or its answer through the store),
+    /// so that a policy counts no strike on a refusal that says nothing
+    /// about the client. Not atomic across parts: an admitted part is
+    /// consumed, and the caller refunds it if another refuses.
+    fn decide_joint(
+        parts: &[JointPart<'_, Self>],
+    ) -> Option<tollgate_core::BoxFuture<Vec<JointDecision>>> {
+        let calls: Vec<Pin<Box<dyn Future<Output = (Result<Decision, StoreError>, bool)> + Send>>> =
+            parts
+                .iter()
+                .map(|p| {
+                    let (limiter, key, cost) = (p.limiter, p.key, p.cost);
+                    let local = match (&limiter.local, cost) {
+                        (Some(local), 1..) => local,
+                        // Not leased, or a peek: the store's own answer.
+                        _ => {
+                            let (inner, key) = (limiter.inner.clone(), key.to_vec());
+                            return Box::pin(async move { lease(&inner, &key, cost).await })
+                                as Pin<Box<dyn Future<Output = _> + Send>>;
                         }
-                        landed = landed.saturating_add(1);
-                        // The lease failed (the store did not answer): go
-                        // to the store, whose failure policy answers, side
-                        // by side, rather than each waiter in turn taking
-                        // a lease that times out.
-                        let failed = local
-                            .shard(&key)
-                            .get(key.as_slice())
-                            .is_some_and(|s| s.failed);
-                        if failed {
-                            if !waited {
-                                local.waits.add();
-                            }
-                            local.store_calls.add();
-                            return inner.decide(&key, cost).await;
-                        }
+                    };
+                    let limit = limiter.inner.rule().capacity();
+                    if let Some(d) = limiter.decide_local(local, key, cost, limit) {
+                        let failed = local.unowned(key);
+                        return Box::pin(std::future::ready((Ok(d), failed)));
                     }
-                    Step::Take { batch, give_back } => {
-                        let guard = Flight {
-                            local: &local,
-                            key: &key,
-                            done: false,
-                        };
-                        if give_back > 0 {
-                            local.store_calls.add();
-                            // A failed give-back only means the units lapse.
-                            // Polled once here (so it is on the connection
-                            // before the lease below), then on a task of its
-                            // own, not waited for: a cancelled request still
-                            // gives them back, and a hung store costs this
-                            // decision one timeout, not one per call.
-                            let mut refund = Box::pin(inner.refund(&key, give_back));
-                            match tokio::runtime::Handle::try_current() {
-                                Ok(rt) => {
-                                    // Polled once here, so that it is on
-                                    // the connection before the lease is.
-                                    let first = std::future::poll_fn(|cx| {
-                                        std::task::Poll::Ready(refund.as_mut().poll(cx).is_ready())
-                                    })
-                                    .await;
-                                    if !first {
-                                        drop(rt.spawn(refund));
-                                    }
-                                }
-                                Err(_) => {
-                                    let _ = refund.await;
-                                }
-                            }
-                        }
-                        let sent = local.clock.now();
-                        local.store_calls.add();
-                        let mut taken = batch;
-                        let (mut d, mut unowned) = lease(&inner, &key, batch).await;
-                        // Not enough for a batch: ask for what is left
-                        // (the denial says how much), at least this
-                        // request's cost.
-                        // The failure policy refused the batch: ask again
-                        // for this cost alone (a fallback memory's share
-                        // may hold it), unless the policy refuses every
-                        // cost alike (a closed store: asking again would
-                        // only cost another timeout).
-                        let again = match &d {
-                            Ok(d) if unowned => !d.is_allowed() && *d != Decision::closed(d.limit),
-                            Ok(d) => matches!(d.outcome, Outcome::Deny { .. }),
-                            Err(_) => false,
-                        };
-                        if let (true, Ok(Decision { remaining, .. })) = (again && batch > cost, &d)
-                        {
-                            // (Below the cost: ask for the cost alone, for
-                            // the exact wait the denial cache keeps.)
-                            let left = if unowned {
-                                cost
-                            } else {
-                                (*remaining).min(batch).max(cost)
-                            };
-                            local.store_calls.add();
-                            taken = left;
-                            (d, unowned) = lease(&inner, &key, left).await;
-                        }
-                        local.settle(&key, cost, taken, sent, (&d, unowned));
-                        let mut guard = guard;
-                        guard.done = true;
-                        return d.map(|mut d| {
-                            if d.is_allowed() {
-                                // The rest of the batch is this client's too.
-                                d.remaining =
-                                    d.remaining.saturating_add(taken.saturating_sub(cost));
-                            }
-                            d
-                        });
-                    }
-                }
-            }
-        })))
+                    Box::pin(decide_through(
+                        limiter.inner.clone(),
+                        Arc::clone(local),
+                        key.to_vec(),
+                        cost,
+                        limit,
+                    ))
+                })
+                .collect();
+        let costs: Vec<u64> = parts.iter().map(|p| p.cost).collect();
+        Some(Box::pin(async move {
+            tollgate_core::join_all(calls)
+                .await
+                .into_iter()
+                .zip(costs)
+                .map(|((decision, failed), cost)| JointDecision {
+                    consumed: cost > 0 && decision.as_ref().is_ok_and(Decision::is_allowed),
+                    decision,
+                    failed,
+                })
+                .collect()
+        }))
     }
 
     /// Never from a lease: an exact answer is the store's.
@@ -1253,6 +1172,157 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
             }
         }
         Box::pin(self.inner.refund(key, cost))
+    }
+}
+
+/// A decision that the key's lease could not answer at once: it waits for
+/// a lease in flight, takes one, or goes to the store, as the key's state
+/// says (see `Local::plan`). Also says whether the store's failure policy
+/// answered.
+async fn decide_through<L: Limiter, C: Clock>(
+    inner: L,
+    local: Arc<Local<C>>,
+    key: Vec<u8>,
+    cost: u64,
+    limit: u64,
+) -> (Result<Decision, StoreError>, bool) {
+    local.decisions.add();
+    let mut waited = false;
+    let mut landed = 0;
+    loop {
+        let step = local.plan(&key, cost, limit, landed);
+        if !waited && matches!(step, Step::Through | Step::Take { .. }) {
+            waited = true;
+            local.waits.add();
+        }
+        match step {
+            Step::Done(d) => return (Ok(d), local.unowned(&key)),
+            Step::Through => {
+                local.store_calls.add();
+                return lease(&inner, &key, cost).await;
+            }
+            Step::Aside => {
+                let _aside = Aside {
+                    local: &local,
+                    key: &key,
+                };
+                local.store_calls.add();
+                let sent = local.clock.now();
+                let (d, unowned) = lease(&inner, &key, cost).await;
+                local.after_through(&key, cost, sent, (&d, unowned));
+                return (d, unowned);
+            }
+            Step::Wait(flight) => {
+                let notified = flight.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                // The flight may have landed between `plan` and
+                // `enable`: wait only if it is still in the air.
+                let still_flying = {
+                    let mut shard = local.shard(&key);
+                    shard
+                        .get_mut(key.as_slice())
+                        .and_then(|s| s.flight.as_ref().map(|f| Arc::ptr_eq(f, &flight)))
+                        .unwrap_or(false)
+                };
+                if still_flying {
+                    if !waited {
+                        waited = true;
+                        local.waits.add();
+                    }
+                    notified.await;
+                }
+                landed = landed.saturating_add(1);
+                // The lease failed (the store did not answer): go
+                // to the store, whose failure policy answers, side
+                // by side, rather than each waiter in turn taking
+                // a lease that times out.
+                let failed = local
+                    .shard(&key)
+                    .get(key.as_slice())
+                    .is_some_and(|s| s.failed);
+                if failed {
+                    if !waited {
+                        local.waits.add();
+                    }
+                    local.store_calls.add();
+                    return lease(&inner, &key, cost).await;
+                }
+            }
+            Step::Take { batch, give_back } => {
+                let guard = Flight {
+                    local: &local,
+                    key: &key,
+                    done: false,
+                };
+                if give_back > 0 {
+                    local.store_calls.add();
+                    // A failed give-back only means the units lapse.
+                    // Polled once here (so it is on the connection
+                    // before the lease below), then on a task of its
+                    // own, not waited for: a cancelled request still
+                    // gives them back, and a hung store costs this
+                    // decision one timeout, not one per call.
+                    let mut refund = Box::pin(inner.refund(&key, give_back));
+                    match tokio::runtime::Handle::try_current() {
+                        Ok(rt) => {
+                            // Polled once here, so that it is on
+                            // the connection before the lease is.
+                            let first = std::future::poll_fn(|cx| {
+                                std::task::Poll::Ready(refund.as_mut().poll(cx).is_ready())
+                            })
+                            .await;
+                            if !first {
+                                drop(rt.spawn(refund));
+                            }
+                        }
+                        Err(_) => {
+                            let _ = refund.await;
+                        }
+                    }
+                }
+                let sent = local.clock.now();
+                local.store_calls.add();
+                let mut taken = batch;
+                let (mut d, mut unowned) = lease(&inner, &key, batch).await;
+                // Not enough for a batch: ask for what is left
+                // (the denial says how much), at least this
+                // request's cost.
+                // The failure policy refused the batch: ask again
+                // for this cost alone (a fallback memory's share
+                // may hold it), unless the policy refuses every
+                // cost alike (a closed store: asking again would
+                // only cost another timeout).
+                let again = match &d {
+                    Ok(d) if unowned => !d.is_allowed() && *d != Decision::closed(d.limit),
+                    Ok(d) => matches!(d.outcome, Outcome::Deny { .. }),
+                    Err(_) => false,
+                };
+                if let (true, Ok(Decision { remaining, .. })) = (again && batch > cost, &d) {
+                    // (Below the cost: ask for the cost alone, for
+                    // the exact wait the denial cache keeps.)
+                    let left = if unowned {
+                        cost
+                    } else {
+                        (*remaining).min(batch).max(cost)
+                    };
+                    local.store_calls.add();
+                    taken = left;
+                    (d, unowned) = lease(&inner, &key, left).await;
+                }
+                local.settle(&key, cost, taken, sent, (&d, unowned));
+                let mut guard = guard;
+                guard.done = true;
+                let d = d.map(|mut d| {
+                    if d.is_allowed() {
+                        // The rest of the batch is this client's too.
+                        d.remaining = d.remaining.saturating_add(taken.saturating_sub(cost));
+                    }
+                    d
+                });
+                return (d, unowned);
+            }
+        }
     }
 }
 

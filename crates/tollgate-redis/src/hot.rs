@@ -844,11 +844,7 @@ fn outrun(d: &Decision, sent: u64, now: u64) -> bool {
 /// Asks `inner` for a lease of `units` for `key`: its answer, and whether
 /// the store's failure policy gave it rather than the store (a store that
 /// decides rules together says so; for others, never).
-async fn lease<L: Limiter>(
-    inner: &L,
-    key: &[u8],
-    units: u64,
-) -> (Result<Decision, StoreError>, bool) {
+async fn lease<L: Limiter>(inner: &L, key: &[u8], units: u64) -> Flagged {
     let part = JointPart {
         limiter: inner,
         key,
@@ -1101,34 +1097,33 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
     fn decide_joint(
         parts: &[JointPart<'_, Self>],
     ) -> Option<tollgate_core::BoxFuture<Vec<JointDecision>>> {
-        let calls: Vec<Pin<Box<dyn Future<Output = (Result<Decision, StoreError>, bool)> + Send>>> =
-            parts
-                .iter()
-                .map(|p| {
-                    let (limiter, key, cost) = (p.limiter, p.key, p.cost);
-                    let local = match (&limiter.local, cost) {
-                        (Some(local), 1..) => local,
-                        // Not leased, or a peek: the store's own answer.
-                        _ => {
-                            let (inner, key) = (limiter.inner.clone(), key.to_vec());
-                            return Box::pin(async move { lease(&inner, &key, cost).await })
-                                as Pin<Box<dyn Future<Output = _> + Send>>;
-                        }
-                    };
-                    let limit = limiter.inner.rule().capacity();
-                    if let Some(d) = limiter.decide_local(local, key, cost, limit) {
-                        let failed = local.unowned(key);
-                        return Box::pin(std::future::ready((Ok(d), failed)));
+        let calls: Vec<crate::BoxFuture<Flagged>> = parts
+            .iter()
+            .map(|p| {
+                let (limiter, key, cost) = (p.limiter, p.key, p.cost);
+                let local = match (&limiter.local, cost) {
+                    (Some(local), 1..) => local,
+                    // Not leased, or a peek: the store's own answer.
+                    _ => {
+                        let (inner, key) = (limiter.inner.clone(), key.to_vec());
+                        return Box::pin(async move { lease(&inner, &key, cost).await })
+                            as crate::BoxFuture<Flagged>;
                     }
-                    Box::pin(decide_through(
-                        limiter.inner.clone(),
-                        Arc::clone(local),
-                        key.to_vec(),
-                        cost,
-                        limit,
-                    ))
-                })
-                .collect();
+                };
+                let limit = limiter.inner.rule().capacity();
+                if let Some(d) = limiter.decide_local(local, key, cost, limit) {
+                    let failed = local.unowned(key);
+                    return Box::pin(std::future::ready((Ok(d), failed)));
+                }
+                Box::pin(decide_through(
+                    limiter.inner.clone(),
+                    Arc::clone(local),
+                    key.to_vec(),
+                    cost,
+                    limit,
+                ))
+            })
+            .collect();
         let costs: Vec<u64> = parts.iter().map(|p| p.cost).collect();
         Some(Box::pin(async move {
             tollgate_core::join_all(calls)
@@ -1174,6 +1169,9 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
         Box::pin(self.inner.refund(key, cost))
     }
 }
+
+/// A decision, and whether the store's failure policy gave it.
+type Flagged = (Result<Decision, StoreError>, bool);
 
 /// A decision that the key's lease could not answer at once: it waits for
 /// a lease in flight, takes one, or goes to the store, as the key's state

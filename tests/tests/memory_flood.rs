@@ -1,6 +1,8 @@
 //! A key flood cannot grow the process: the quickstart's whole stack —
 //! policy (per key and per address), daily quota, in-flight limits with
-//! an adaptive service limit, metrics with the Prometheus recorder — is
+//! an adaptive service limit, downloads' in-flight and bandwidth limits
+//! (every fourth client starts one), metrics with the Prometheus
+//! recorder — is
 //! flooded in process with twice `max_keys` distinct clients (a new
 //! `x-api-key` and a new `X-Forwarded-For` address per request), and the
 //! heap, counted by this binary's allocator, stops growing once the store
@@ -85,6 +87,35 @@ async fn flood(app: &axum::Router, from: u32, n: u32) -> u32 {
     let mut refused = 0;
     let peer: SocketAddr = "127.0.0.1:9".parse().unwrap();
     for i in from..from + n {
+        // Every fourth client starts a download too (its bandwidth and
+        // download limits' keys), takes what comes at once and goes away.
+        if i % 4 == 0 {
+            let mut req = Request::get("/api/download")
+                .header("x-api-key", format!("flood-{i}"))
+                .header(
+                    "x-forwarded-for",
+                    format!("10.{}.{}.{}", i >> 16 & 255, i >> 8 & 255, i & 255),
+                )
+                .body(Body::empty())
+                .unwrap();
+            req.extensions_mut().insert(ConnectInfo(peer));
+            let res = app.clone().oneshot(req).await.unwrap();
+            match res.status() {
+                StatusCode::OK => {
+                    // Polled once: a frame within its burst comes at once;
+                    // past a full store's shared budget it would wait on
+                    // a clock that stands still.
+                    let mut body = res.into_body();
+                    std::future::poll_fn(|cx| {
+                        let _ = http_body::Body::poll_frame(std::pin::Pin::new(&mut body), cx);
+                        std::task::Poll::Ready(())
+                    })
+                    .await;
+                }
+                StatusCode::TOO_MANY_REQUESTS => refused += 1,
+                other => panic!("download {i}: HTTP {other}"),
+            }
+        }
         let mut req = Request::get("/api/hello")
             .header("x-api-key", format!("flood-{i}"))
             .header(

@@ -18,10 +18,23 @@
 # tower_governor limit per x-api-key), both allowing every request with
 # their headers on; it prints each limited route's ratio to /healthz.
 #
+#   FLOOD=1 benches/e2e.sh         # a key flood: the quickstart's RSS over time
+#   FLOOD=1 SCRAPE=1 DURATION=600s IDLE=120 benches/e2e.sh
+#
+# FLOOD=1 sends every request of GET /api/hello with a new x-api-key and
+# a new X-Forwarded-For address (never one seen before) for DURATION
+# (default 600 s), then nothing for IDLE seconds (default 60), and prints
+# the server's RSS every SAMPLE seconds (default 10) with the requests
+# sent so far; SCRAPE=1 also fetches /metrics every second, as a
+# Prometheus would. The figures are in benches/README.md.
+#
 # Needs wrk (Debian: apt-get install wrk). Traffic goes to 127.0.0.1 only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+if [ "${FLOOD:-0}" = 1 ]; then
+    DURATION=${DURATION:-600s}
+fi
 DURATION=${DURATION:-10s}
 CONNECTIONS=${CONNECTIONS:-16}
 ADDR=127.0.0.1:${PORT:-3999}
@@ -50,6 +63,46 @@ done
 
 script=$(mktemp)
 trap 'kill $server 2>/dev/null || true; rm -f "$script"' EXIT
+
+if [ "${FLOOD:-0}" = 1 ]; then
+    cat >"$script" <<'LUA'
+local n = 0
+request = function()
+  n = n + 1
+  local ip = math.floor(n / 16777216) % 256 .. "." .. math.floor(n / 65536) % 256 .. "." ..
+    math.floor(n / 256) % 256 .. "." .. n % 256
+  return wrk.format("GET", "/api/hello", { ["x-api-key"] = "flood-" .. n, ["x-forwarded-for"] = ip })
+end
+LUA
+    rss() { awk '/VmRSS/ {printf "%.0f", $2 / 1024}' "/proc/$server/status"; }
+    served() { # requests the server counted so far (allowed and refused)
+        curl -sf "http://$ADDR/metrics" |
+            awk '/^tollgate_requests_total\{.*rule="per-key"/ {s += $NF} END {printf "%.0f", s}'
+    }
+    SAMPLE=${SAMPLE:-10}
+    IDLE=${IDLE:-60}
+    scraper=
+    if [ "${SCRAPE:-0}" = 1 ]; then
+        (while sleep 1; do curl -sf "http://$ADDR/metrics" >/dev/null || true; done) &
+        scraper=$!
+    fi
+    echo "flood: t=0 s rss=$(rss) MB (scrape=${SCRAPE:-0})"
+    wrk -t1 -c"$CONNECTIONS" -d"$DURATION" -s "$script" "http://$ADDR" >/dev/null &
+    flooder=$!
+    start=$(date +%s)
+    while kill -0 "$flooder" 2>/dev/null; do
+        sleep "$SAMPLE"
+        echo "flood: t=$(( $(date +%s) - start )) s rss=$(rss) MB requests=$(served)"
+    done
+    wait "$flooder" || true
+    stopped=$(date +%s)
+    while [ $(( $(date +%s) - stopped )) -lt "$IDLE" ]; do
+        sleep "$SAMPLE"
+        echo "idle:  t=$(( $(date +%s) - start )) s rss=$(rss) MB"
+    done
+    [ -n "$scraper" ] && kill "$scraper" 2>/dev/null
+    exit 0
+fi
 cat >"$script" <<'LUA'
 local n = 0
 local path = os.getenv("E2E_PATH")

@@ -101,3 +101,52 @@ fn the_policy_file_reloads_on_sighup() {
     child.wait().unwrap();
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// The status of `GET path` at `addr`.
+fn get(addr: &str, path: &str) -> u16 {
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// Policy-security review #20: the quickstart served `/metrics` (rule and
+/// plan names, the Redis breaker's state) on its public port only. With
+/// `TOLLGATE_METRICS_ADDR` it serves them on that listener, and the
+/// public port has none.
+#[test]
+fn metrics_go_to_their_own_listener_when_named() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_quickstart"))
+        .env("TOLLGATE_ADDR", "127.0.0.1:0")
+        .env("TOLLGATE_METRICS_ADDR", "127.0.0.1:0")
+        .env_remove("TOLLGATE_REDIS_URL")
+        .env_remove("TOLLGATE_CONFIG")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let (mut public, mut internal) = (None, None);
+    while public.is_none() || internal.is_none() {
+        let line = lines.next().unwrap().unwrap();
+        let Some(rest) = line.split("http://").nth(1) else {
+            continue;
+        };
+        let addr = rest.split(['/', ' ']).next().unwrap().to_owned();
+        if line.starts_with("metrics on") {
+            internal = Some(addr);
+        } else if line.contains("listening on") {
+            public = Some(addr);
+        }
+    }
+    let (public, internal) = (public.unwrap(), internal.unwrap());
+    assert_eq!(get(&public, "/healthz"), 200);
+    assert_eq!(get(&public, "/metrics"), 404, "metrics on the public port");
+    assert_eq!(get(&internal, "/metrics"), 200);
+    child.kill().unwrap();
+    child.wait().unwrap();
+}

@@ -9,7 +9,10 @@
 //! keys the Redis key names, so no client key can be read back from Redis.
 //! `TOLLGATE_CONFIG` names a policy file to use instead of the built-in
 //! `examples/quickstart.toml`; the server reloads it on SIGHUP and when it
-//! changes, and refuses to start if it does not load. Try it:
+//! changes, and refuses to start if it does not load.
+//! `TOLLGATE_METRICS_ADDR` serves `/metrics` on a listener of its own (an
+//! internal address) and not on the public one; unset, the demo serves it
+//! on its public port for convenience. Try it:
 //!
 //! ```text
 //! curl -i -H 'x-api-key: demo' http://127.0.0.1:3000/api/hello
@@ -110,7 +113,26 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             std::process::exit(2);
         }
     };
-    let app = app.merge(tollgate_examples::metrics_route(metrics));
+    // `/metrics` names rules and plans and shows the Redis breaker's
+    // state (which tells a flood when the store is failing open): on an
+    // internal listener when one is named, else on the public port (a
+    // demo's convenience).
+    let metrics_addr = std::env::var("TOLLGATE_METRICS_ADDR")
+        .ok()
+        .filter(|a| !a.trim().is_empty());
+    let app = match &metrics_addr {
+        Some(internal) => {
+            let listener = tokio::net::TcpListener::bind(internal).await?;
+            println!(
+                "metrics on http://{}/metrics (internal)",
+                listener.local_addr()?
+            );
+            let metrics = tollgate_examples::metrics_route(metrics);
+            tokio::spawn(async move { axum::serve(listener, metrics).await });
+            app
+        }
+        None => app.merge(tollgate_examples::metrics_route(metrics)),
+    };
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     println!(
         "tollgate quickstart listening on http://{} ({store})",

@@ -199,6 +199,15 @@ fn load_errors_name_the_line_and_the_field() {
         "{}",
         error(&rule("rate = \"1/s\"\nburst = \"ten\""))
     );
+    // A plan whose stored name ("<rule>:<plan>") is past 64 bytes: found
+    // when the plan is bound, named at its rule (policy-security review
+    // #9: it had no line).
+    let long_plan = format!(
+        "rate = \"1/s\"\nburst = 2\nplans.{} = {{ rate = \"5/s\", burst = 5 }}",
+        "p".repeat(63)
+    );
+    let e = error(&format!("plan_from = \"extension\"\n{}", rule(&long_plan)));
+    assert!(e.starts_with("8:1: rules[1].name: "), "{e}");
     // A rule name twice: placed at the second rule.
     let twice = "[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\n[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\n";
     assert!(

@@ -517,7 +517,16 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
         }
         let mut bound = Vec::with_capacity(self.rules.len());
         for (i, r) in self.rules.into_iter().enumerate() {
-            let rule = Rule::new(&r.name, r.limit)?;
+            // Whatever a rule's binding refuses names the rule, so that a
+            // policy file's error points at its line.
+            let at = |e: ConfigError| {
+                if e.message().starts_with("rules[") {
+                    e
+                } else {
+                    ConfigError::new(e.field(), format!("rules[{i}]: {}", e.message()))
+                }
+            };
+            let rule = Rule::new(&r.name, r.limit).map_err(at)?;
             if bound
                 .iter()
                 .any(|b: &Bound<B, St::Limiter>| *b.responder.rule == *rule.name())
@@ -543,7 +552,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                     ))
                 }
             };
-            let limiter = self.store.limiter(&rule)?;
+            let limiter = self.store.limiter(&rule).map_err(at)?;
             // Metrics carry a `plan` label where the policy has plans.
             let responder = |rule: &Rule, plan: Option<&str>| Responder {
                 rule: rule.name().into(),
@@ -564,8 +573,8 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                     continue;
                 };
                 // Its own state in the store; the rule's name in headers.
-                let stored = Rule::new(format!("{}:{plan}", rule.name()), *limit)?;
-                let shown = Rule::new(rule.name(), *limit)?;
+                let stored = Rule::new(format!("{}:{plan}", rule.name()), *limit).map_err(at)?;
+                let shown = Rule::new(rule.name(), *limit).map_err(at)?;
                 plans.push(Some((
                     self.store.limiter(&stored)?,
                     responder(&shown, Some(plan)),
@@ -586,8 +595,9 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                         period,
                         block,
                         max_block,
-                    )?;
-                    Some(self.store.escalation(&ladder)?)
+                    )
+                    .map_err(at)?;
+                    Some(self.store.escalation(&ladder).map_err(at)?)
                 }
             };
             // Solutions used, each remembered for its challenge's lifetime.
@@ -596,8 +606,8 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 Some(c) => {
                     let once =
                         tollgate_core::Limit::gcra(tollgate_core::Rate::new(1, c.lifetime()), 1);
-                    let used = Rule::new(format!("{}:challenge", rule.name()), once)?;
-                    Some((c, self.store.limiter(&used)?))
+                    let used = Rule::new(format!("{}:challenge", rule.name()), once).map_err(at)?;
+                    Some((c, self.store.limiter(&used).map_err(at)?))
                 }
             };
             bound.push(Bound {

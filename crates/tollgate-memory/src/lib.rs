@@ -376,8 +376,9 @@ impl<C: Clock> Store for MemoryStore<C> {
     /// A handle that replaces a binding of other parameters (see
     /// [`Store::rebinding`]): a rate rule goes on from its keys' states
     /// where [`Algorithm::keeps_state_of`] allows, a concurrency rule keeps
-    /// its held permits, a ladder its strikes and blocks; quotas and retry
-    /// budgets of new parameters start fresh.
+    /// its held permits, a ladder its strikes and blocks, a quota its usage
+    /// where only its budgets change ([`Quota::keeps_state_of`](tollgate_core::Quota::keeps_state_of));
+    /// retry budgets of new parameters start fresh.
     fn rebinding(&self) -> Self {
         Self {
             inner: Arc::clone(&self.inner),
@@ -854,8 +855,15 @@ impl<C: Clock> QuotaStore for MemoryStore<C> {
                     Table::registered(quota.clone(), shards, shared),
                 )
             },
-            // A quota's windows belong to its periods: new ones start fresh.
-            |_| None,
+            // A quota's windows belong to its periods: the same periods
+            // with other budgets go on from each key's usage (as the Redis
+            // store's do); other periods start fresh.
+            |old| match old {
+                Bound::Quota(q, table) if quota.keeps_state_of(q) => {
+                    Some(Bound::Quota(quota.clone(), table.sharing(quota.clone())))
+                }
+                _ => None,
+            },
             |bound| match bound {
                 Bound::Quota(q, table) if q == quota => Some(MemoryQuotaLimiter {
                     rule: rule.clone(),

@@ -454,3 +454,28 @@ fn a_full_store_gives_no_exact_answer_for_a_key_it_does_not_hold() {
     assert!(m.decide_exact_sync(b"c", 1).unwrap().unwrap().is_allowed());
     assert_eq!(s.key_count(), 2);
 }
+
+/// Quota-bandwidth-retry review #19: a rebinding of a quota (a reload
+/// that raises a daily budget) started every key's day afresh in memory,
+/// where Redis keeps the usage. The same periods with other budgets now go
+/// on from each key's usage; other periods start fresh.
+#[test]
+fn rebinding_a_quota_keeps_its_usage_when_only_budgets_change() {
+    use tollgate_core::calendar::{Offset, Period};
+    use tollgate_core::{QuotaRule, QuotaStore};
+    let clock = ManualClock::starting_at(1_796_000_000_000_000_000);
+    let s = MemoryStore::builder().clock(clock).build().unwrap();
+    let daily = |budget| QuotaRule::new("daily", &[(Period::Day, budget)], Offset::UTC).unwrap();
+    let old = s.quota_limiter(&daily(5)).unwrap();
+    for _ in 0..4 {
+        assert!(old.consume_now(b"k", 1).is_allowed());
+    }
+    let re = s.rebinding();
+    let raised = re.quota_limiter(&daily(8)).unwrap();
+    // 4 of the day's 8 used: 4 left (a fresh day would leave 8).
+    assert_eq!(raised.consume_now(b"k", 0).periods()[0].remaining, 4);
+    // Another period (a week) is another count: fresh.
+    let weekly = QuotaRule::new("daily", &[(Period::Week, 8)], Offset::UTC).unwrap();
+    let weekly = re.quota_limiter(&weekly).unwrap();
+    assert_eq!(weekly.consume_now(b"k", 0).periods()[0].remaining, 8);
+}

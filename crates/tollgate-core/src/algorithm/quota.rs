@@ -201,6 +201,19 @@ impl Quota {
         self.offset
     }
 
+    /// Whether a key's state under `old` means the same under this quota:
+    /// the same periods in the same order, from the same offset — only the
+    /// budgets differ. A rebinding (a reload that raises a plan's monthly
+    /// budget) then goes on from each key's usage instead of a fresh
+    /// period.
+    pub fn keeps_state_of(&self, old: &Quota) -> bool {
+        self.offset == old.offset
+            && self
+                .periods()
+                .map(|(period, _)| period)
+                .eq(old.periods().map(|(period, _)| period))
+    }
+
     /// The window `w` counts in at `now`: its own if it is the current one
     /// (or a later one the clock has seen), else a fresh one.
     fn current(&self, period: Period, w: Window, now: u64) -> Window {

@@ -473,9 +473,25 @@ fn rebinding_a_quota_keeps_its_usage_when_only_budgets_change() {
     let re = s.rebinding();
     let raised = re.quota_limiter(&daily(8)).unwrap();
     // 4 of the day's 8 used: 4 left (a fresh day would leave 8).
-    assert_eq!(raised.consume_now(b"k", 0).periods()[0].remaining, 4);
+    assert_eq!(
+        raised
+            .consume_now(b"k", 0)
+            .periods()
+            .first()
+            .unwrap()
+            .remaining,
+        4
+    );
     // Another period (a week) is another count: fresh.
     let weekly = QuotaRule::new("daily", &[(Period::Week, 8)], Offset::UTC).unwrap();
     let weekly = re.quota_limiter(&weekly).unwrap();
-    assert_eq!(weekly.consume_now(b"k", 0).periods()[0].remaining, 8);
+    assert_eq!(
+        weekly
+            .consume_now(b"k", 0)
+            .periods()
+            .first()
+            .unwrap()
+            .remaining,
+        8
+    );
 }

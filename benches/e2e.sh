@@ -82,6 +82,10 @@ LUA
     SAMPLE=${SAMPLE:-10}
     IDLE=${IDLE:-60}
     scraper=
+    flooder=
+    # Whatever ends the run (its end, Ctrl-C), nothing it started is left.
+    trap 'kill $server $scraper $flooder 2>/dev/null || true; rm -f "$script"' EXIT
+    trap 'exit 130' INT TERM
     if [ "${SCRAPE:-0}" = 1 ]; then
         (while sleep 1; do curl -sf "http://$ADDR/metrics" >/dev/null || true; done) &
         scraper=$!

@@ -1093,7 +1093,9 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
     /// (a lease or a refusal it granted, or its answer through the store),
     /// so that a policy counts no strike on a refusal that says nothing
     /// about the client. Not atomic across parts: an admitted part is
-    /// consumed, and the caller refunds it if another refuses.
+    /// consumed, and the caller refunds it if another refuses — except an
+    /// admission the failure policy gave, which is never refunded (Redis
+    /// never counted it).
     fn decide_joint(
         parts: &[JointPart<'_, Self>],
     ) -> Option<tollgate_core::BoxFuture<Vec<JointDecision>>> {
@@ -1131,7 +1133,12 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                 .into_iter()
                 .zip(costs)
                 .map(|((decision, failed), cost)| JointDecision {
-                    consumed: cost > 0 && decision.as_ref().is_ok_and(Decision::is_allowed),
+                    // What the failure policy admitted is not the store's
+                    // to give back: a refund would credit Redis with a
+                    // charge it never made (or go to the wrong store).
+                    consumed: cost > 0
+                        && !failed
+                        && decision.as_ref().is_ok_and(Decision::is_allowed),
                     decision,
                     failed,
                 })

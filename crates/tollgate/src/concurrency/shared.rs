@@ -672,8 +672,14 @@ where
         let step = if !keyed {
             Step::Pass(None)
         } else if queued {
-            self.wait_turn(&mut key, permits, (ceiling, limit.max), critical, arrived)
-                .await
+            self.wait_turn(
+                &mut key,
+                permits,
+                (ceiling, limit.max),
+                critical,
+                (arrived, None),
+            )
+            .await
         } else {
             // Not cut off at the queue's deadline: an idle key would be
             // refused for a slow store (which its own timeout bounds); its
@@ -684,9 +690,15 @@ where
                 .acquire(key.as_bytes(), permits, ceiling)
                 .await;
             match self.step(first, true) {
-                Step::Wait(_) => {
-                    self.wait_turn(&mut key, permits, (ceiling, limit.max), critical, arrived)
-                        .await
+                Step::Wait(d) => {
+                    self.wait_turn(
+                        &mut key,
+                        permits,
+                        (ceiling, limit.max),
+                        critical,
+                        (arrived, Some(d)),
+                    )
+                    .await
                 }
                 step => step,
             }
@@ -704,7 +716,8 @@ where
     }
 
     /// Waits in `key`'s queue until the head of it gets a permit, the wait
-    /// runs out (`max_wait` after the request `arrived`, an acquire still
+    /// runs out (`max_wait` after the request `arrived`; `first` is what its
+    /// first acquire answered, if it made one; an acquire still
     /// in flight then included: it is given up, and a lease it got goes
     /// back), or the queue is full. A critical request tries whenever
     /// it wakes, wherever it stands: the reserve is for it, and a
@@ -715,7 +728,7 @@ where
         permits: u32,
         (ceiling, max): (u32, u32),
         critical: bool,
-        arrived: Instant,
+        (arrived, first): (Instant, Option<Decision>),
     ) -> Step {
         let Some(queue) = &self.queue else {
             return Step::Pass(None);
@@ -733,7 +746,8 @@ where
             let peek = limiter.acquire(key.as_bytes(), 0, ceiling).await.ok();
             return refused(peek.map(|a| a.decision));
         };
-        let mut last = None;
+        // The first acquire's answer, until a later one says more.
+        let mut last = first;
         // Backs off while nothing here wakes it (see `queue`).
         let mut recheck = queue.recheck;
         let mut on_timer = false;

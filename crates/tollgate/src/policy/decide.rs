@@ -236,9 +236,7 @@ where
     let (shared, report) = (Arc::clone(shared), *report);
     Box::new(move || {
         refund_consumed(&shared, &report, listed_key(&keys));
-        // The idempotency marker too: a cancelled request was not served,
-        // so its retry is a first request.
-        release_marker(&shared, &keys);
+        // (A taken idempotency marker goes back with the dropped future.)
     })
 }
 

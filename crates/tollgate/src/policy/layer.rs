@@ -290,20 +290,23 @@ impl<B, St> PolicyLayerBuilder<B, St> {
     /// field `audit` (a name no rule or access list has).
     ///
     /// A client that floods refused requests is recorded once per rule
-    /// and second, its repeats counted in `tollgate_audit_folded_total`;
-    /// and at most [`audit_per_second`](Self::audit_per_second) records
-    /// go to the sink each second, the rest counted in
-    /// `tollgate_audit_suppressed_total`. So refusals, cheap to make, do
-    /// not turn into as many writes (on Redis, on the connection the
-    /// decisions use).
+    /// and second, its repeats counted in
+    /// `tollgate_audit_folded_total{rule}`; and at most
+    /// [`audit_per_second`](Self::audit_per_second) records of each audited
+    /// rule (and access list) go to the sink each second, the rest counted
+    /// in `tollgate_audit_suppressed_total{rule}` — at most that figure
+    /// times the audited names in all. So refusals, cheap to make, do not
+    /// turn into as many writes (on Redis, on the connection the decisions
+    /// use), and a flood on one rule does not silence another's records.
     pub fn audit<A: crate::observe::AuditSink>(mut self, sink: A, rules: &[&str]) -> Self {
         let rules = rules.iter().map(|r| (*r).to_owned()).collect();
         self.audit = Some((Arc::new(sink), rules));
         self
     }
 
-    /// At most `n` audit records a second from this policy (default
-    /// 1,000; at least 1, else `build` fails naming `audit`).
+    /// At most `n` audit records a second for each audited rule or access
+    /// list of this policy (default 1,000; at least 1, else `build` fails
+    /// naming `audit`).
     pub fn audit_per_second(mut self, n: u32) -> Self {
         self.audit_per_second = n;
         self

@@ -413,6 +413,22 @@ fn take(
     }
 }
 
+/// Gives an idempotency marker back if dropped while `key` is set: the
+/// future taking it was dropped before the request could be served (a
+/// spurious give-back costs a duplicate its charge, never a free pass).
+struct TakingMarker<'a, B, L: Limiter> {
+    shared: &'a Shared<B, L>,
+    key: Option<KeyBytes>,
+}
+
+impl<B, L: Limiter> Drop for TakingMarker<'_, B, L> {
+    fn drop(&mut self) {
+        if let Some(key) = self.key.take() {
+            super::decide::release_marker(self.shared, &[(MARKER, key)]);
+        }
+    }
+}
+
 /// A request's idempotency marker.
 enum Marker {
     /// None: no `Idempotency-Key`, or no idempotency in the policy.
@@ -736,12 +752,21 @@ where
                     }
                     Verdict::Pass { .. } => {
                         if let (Some(key), Some(idem)) = (fresh.take(), &shared.idempotency) {
+                            // Dropped while the take is under way (the
+                            // client went away), the marker goes back:
+                            // its resend is a first request, not a free
+                            // repeat of an answer nobody stored.
+                            let mut taking = TakingMarker {
+                                shared: &shared,
+                                key: Some(key.clone()),
+                            };
                             let won = Some(idem.limiter.decide_exact(key.as_bytes(), 1).await);
                             let held = if matches!(&won, Some(Ok(d)) if !d.is_allowed()) {
                                 Some(idem.limiter.decide_exact(key.as_bytes(), 0).await)
                             } else {
                                 None
                             };
+                            taking.key = None;
                             match take(won, || held) {
                                 Take::Taken => keys.push((MARKER, key)),
                                 Take::Repeat => {

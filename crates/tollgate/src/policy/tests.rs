@@ -2050,3 +2050,87 @@ async fn instances_with_one_audit_secret_fingerprint_a_client_alike() {
         .unwrap();
     assert_eq!(short.field(), "audit_secret");
 }
+
+/// A memory store whose idempotency markers (rule `idem`) are decided at
+/// once and answered a second later, as a distant Redis applies a call
+/// before its reply arrives; other rules answer at once.
+#[derive(Clone)]
+struct LateMarkers(MemoryStore<ManualClock>);
+
+#[derive(Clone)]
+struct LateLimiter(tollgate_memory::MemoryLimiter<ManualClock>, bool);
+
+impl Limiter for LateLimiter {
+    type DecideFuture =
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<Decision, StoreError>> + Send>>;
+    type RefundFuture = Ready<Result<(), StoreError>>;
+
+    fn rule(&self) -> &Rule {
+        self.0.rule()
+    }
+
+    fn decide(&self, key: &[u8], cost: u64) -> Self::DecideFuture {
+        let d = self.0.decide_now(key, cost);
+        let late = self.1;
+        Box::pin(async move {
+            if late {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Ok(d)
+        })
+    }
+
+    fn refund(&self, key: &[u8], cost: u64) -> Self::RefundFuture {
+        self.0.refund_now(key, cost);
+        ready(Ok(()))
+    }
+}
+
+impl Store for LateMarkers {
+    type Limiter = LateLimiter;
+    type ConcurrencyLimiter = <MemoryStore<ManualClock> as Store>::ConcurrencyLimiter;
+
+    fn limiter(&self, rule: &Rule) -> Result<LateLimiter, ConfigError> {
+        Ok(LateLimiter(self.0.limiter(rule)?, rule.name() == "idem"))
+    }
+
+    fn concurrency_limiter(
+        &self,
+        rule: &ConcurrencyRule,
+    ) -> Result<Self::ConcurrencyLimiter, ConfigError> {
+        self.0.concurrency_limiter(rule)
+    }
+}
+
+/// The review of the fix for a cancelled first request: dropped while
+/// its marker's take was under way (taken in the store, the answer on its
+/// way back), the request kept the marker, and each resend was a free
+/// repeat. A take dropped half-way now gives the marker back.
+#[tokio::test(start_paused = true)]
+async fn a_request_dropped_while_taking_its_marker_leaves_no_marker() {
+    let clock = ManualClock::starting_at(1);
+    let layer = idempotent_policy(LateMarkers(store(&clock)), 20);
+    let svc = layer.layer(service_fn(ok));
+    let first =
+        tokio::spawn(
+            svc.clone()
+                .oneshot(idempotent(http::Method::POST, "/orders", "a", "K")),
+        );
+    // The peek answers at 1 s, the rules at once, the take's answer at 2 s:
+    // dropped at 1.5 s, with the marker taken in the store.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    first.abort();
+    let _ = first.await;
+    assert_eq!(remaining(&layer, 0, "a").await, 19, "the first was charged");
+    let res = svc
+        .clone()
+        .oneshot(idempotent(http::Method::POST, "/orders", "a", "K"))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(
+        remaining(&layer, 0, "a").await,
+        18,
+        "the resend was charged"
+    );
+}

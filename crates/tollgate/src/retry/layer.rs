@@ -883,7 +883,9 @@ where
         }
         // The withdrawal took its time (a store far away): if the wait no
         // longer fits before the deadline, the answer in hand goes back,
-        // rather than a `DeadlineExceeded` in the middle of the wait.
+        // rather than a `DeadlineExceeded` in the middle of the wait. The
+        // withdrawn retry is spent unused (the budget has no give-back):
+        // it errs toward fewer retries.
         if deadline.is_some_and(|d| Instant::now().checked_add(wait).is_none_or(|at| at >= d)) {
             return result;
         }

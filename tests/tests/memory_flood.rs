@@ -80,26 +80,36 @@ const NOISE: isize = 400_000;
 /// (heap, not RSS), for the quickstart's stack.
 const BYTES_PER_KEY: isize = 560;
 
+/// Client `i`'s `GET path`: its own key and address, through a trusted
+/// proxy.
+fn client(i: u32, path: &str) -> Request<Body> {
+    let mut req = Request::get(path)
+        .header("x-api-key", format!("flood-{i}"))
+        .header(
+            "x-forwarded-for",
+            format!("10.{}.{}.{}", i >> 16 & 255, i >> 8 & 255, i & 255),
+        )
+        .body(Body::empty())
+        .unwrap();
+    let peer: SocketAddr = "127.0.0.1:9".parse().unwrap();
+    req.extensions_mut().insert(ConnectInfo(peer));
+    req
+}
+
 /// Sends `n` requests from new clients; returns how many were refused
 /// (a full store decides new keys in a shared overflow state, whose
 /// budget a flood spends).
 async fn flood(app: &axum::Router, from: u32, n: u32) -> u32 {
     let mut refused = 0;
-    let peer: SocketAddr = "127.0.0.1:9".parse().unwrap();
     for i in from..from + n {
         // Every fourth client starts a download too (its bandwidth and
         // download limits' keys), takes what comes at once and goes away.
         if i % 4 == 0 {
-            let mut req = Request::get("/api/download")
-                .header("x-api-key", format!("flood-{i}"))
-                .header(
-                    "x-forwarded-for",
-                    format!("10.{}.{}.{}", i >> 16 & 255, i >> 8 & 255, i & 255),
-                )
-                .body(Body::empty())
+            let res = app
+                .clone()
+                .oneshot(client(i, "/api/download"))
+                .await
                 .unwrap();
-            req.extensions_mut().insert(ConnectInfo(peer));
-            let res = app.clone().oneshot(req).await.unwrap();
             match res.status() {
                 StatusCode::OK => {
                     // Polled once: a frame within its burst comes at once;
@@ -116,16 +126,7 @@ async fn flood(app: &axum::Router, from: u32, n: u32) -> u32 {
                 other => panic!("download {i}: HTTP {other}"),
             }
         }
-        let mut req = Request::get("/api/hello")
-            .header("x-api-key", format!("flood-{i}"))
-            .header(
-                "x-forwarded-for",
-                format!("10.{}.{}.{}", i >> 16 & 255, i >> 8 & 255, i & 255),
-            )
-            .body(Body::empty())
-            .unwrap();
-        req.extensions_mut().insert(ConnectInfo(peer));
-        let res = app.clone().oneshot(req).await.unwrap();
+        let res = app.clone().oneshot(client(i, "/api/hello")).await.unwrap();
         match res.status() {
             StatusCode::OK => {}
             StatusCode::TOO_MANY_REQUESTS => refused += 1,

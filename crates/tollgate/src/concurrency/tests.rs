@@ -1011,20 +1011,8 @@ async fn a_queued_wait_ends_max_wait_after_arrival_whatever_is_in_flight() {
 /// failing reads turn it read-only, and two do not.
 #[tokio::test(start_paused = true)]
 async fn read_only_mode_counts_after_the_requests_it_is_told() {
-    let limit = AdaptiveLimit::Aimd(Aimd::new(1, 10, 100).unwrap());
-    let layer = builder(100)
-        .adaptive_service_limit("adaptive", limit)
-        .read_only_min_requests(3)
-        .read_only_above(0.5, Duration::from_secs(10))
-        .build()
-        .unwrap();
-    let svc = layer.layer(service_fn(|req: Req| async move {
-        let mut res = Response::new(String::new());
-        if req.method() == Method::GET {
-            *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
-        }
-        Ok::<_, Infallible>(res)
-    }));
+    let layer = read_only_layer(3);
+    let svc = layer.layer(unavailable_when(|req| req.method() == Method::GET));
     let post = || {
         Request::post("/w")
             .header("x-api-key", "k")
@@ -1210,20 +1198,8 @@ async fn a_permit_goes_back_when_the_inner_service_fails_to_get_ready() {
 /// does GET, and refuses a gRPC call with `UNAVAILABLE`.
 #[tokio::test(start_paused = true)]
 async fn read_only_mode_passes_safe_methods_and_answers_grpc_as_grpc() {
-    let limit = AdaptiveLimit::Aimd(Aimd::new(1, 10, 100).unwrap());
-    let layer = builder(100)
-        .adaptive_service_limit("adaptive", limit)
-        .read_only_min_requests(1)
-        .read_only_above(0.5, Duration::from_secs(10))
-        .build()
-        .unwrap();
-    let svc = layer.layer(service_fn(|req: Req| async move {
-        let mut res = Response::new(String::new());
-        if req.uri().path() == "/fail" {
-            *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
-        }
-        Ok::<_, Infallible>(res)
-    }));
+    let layer = read_only_layer(1);
+    let svc = layer.layer(unavailable_when(|req| req.uri().path() == "/fail"));
     let on = |method: Method, path: &str| {
         Request::builder()
             .method(method)
@@ -1255,4 +1231,33 @@ async fn read_only_mode_passes_safe_methods_and_answers_grpc_as_grpc() {
     let res = svc.clone().oneshot(grpc).await.unwrap();
     assert_eq!(res.status(), 200, "gRPC refusals are HTTP 200");
     assert_eq!(res.headers()["grpc-status"], "14", "UNAVAILABLE");
+}
+
+/// A per-key limit of 100 with an AIMD service limit (10 to start) and
+/// read-only mode above half failures over 10 s, after `min` requests.
+fn read_only_layer(
+    min: u32,
+) -> ConcurrencyLayer<Header, crate::cost::Fixed, AllCritical, MemoryStore> {
+    let limit = AdaptiveLimit::Aimd(Aimd::new(1, 10, 100).unwrap());
+    builder(100)
+        .adaptive_service_limit("adaptive", limit)
+        .read_only_min_requests(min)
+        .read_only_above(0.5, Duration::from_secs(10))
+        .build()
+        .unwrap()
+}
+
+/// A service that answers 503 to the requests `fails` picks, 200 to the
+/// rest.
+fn unavailable_when(
+    fails: fn(&Req) -> bool,
+) -> impl Service<Req, Response = Response<String>, Error = Infallible, Future = impl Send> + Clone
+{
+    service_fn(move |req: Req| async move {
+        let mut res = Response::new(String::new());
+        if fails(&req) {
+            *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+        }
+        Ok::<_, Infallible>(res)
+    })
 }

@@ -869,15 +869,9 @@ async fn an_adaptive_limit_is_in_the_policy_even_when_a_key_is_refused_first() {
 async fn a_probe_without_samples_ends_by_time() {
     use tollgate_core::adaptive::Gradient;
     let limit = AdaptiveLimit::Gradient(Gradient::new(2, 20, 100).unwrap());
-    let layer = builder(100)
-        .adaptive_service_limit("adaptive", limit)
-        .build()
-        .unwrap();
+    let layer = adaptive_layer(limit);
     // Answers that never come: no sample ever.
-    let svc = layer.layer(service_fn(|_req: Req| async {
-        std::future::pending::<()>().await;
-        Ok::<_, Infallible>(Response::new(String::new()))
-    }));
+    let svc = layer.layer(never_answers());
     let mut stuck = Vec::new();
     for i in 0..2 {
         let mut call = Box::pin(svc.clone().oneshot(req(&format!("k{i}"))));
@@ -1037,10 +1031,7 @@ async fn read_only_mode_counts_after_the_requests_it_is_told() {
 #[tokio::test(start_paused = true)]
 async fn aimd_at_its_minimum_with_streams_open_keeps_admitting_and_moving() {
     let limit = AdaptiveLimit::Aimd(Aimd::new(2, 16, 64).unwrap());
-    let layer = builder(100)
-        .adaptive_service_limit("adaptive", limit)
-        .build()
-        .unwrap();
+    let layer = adaptive_layer(limit);
     let (feeds_tx, mut feeds) = mpsc::unbounded_channel::<Feed>();
     let svc = layer.layer(service_fn(move |req: Req| {
         let feeds_tx = feeds_tx.clone();
@@ -1117,14 +1108,8 @@ async fn aimd_at_its_minimum_with_streams_open_keeps_admitting_and_moving() {
 #[tokio::test(start_paused = true)]
 async fn a_cancelled_request_gives_no_sample_and_its_share_back() {
     let limit = AdaptiveLimit::Aimd(Aimd::new(1, 2, 100).unwrap());
-    let layer = builder(100)
-        .adaptive_service_limit("adaptive", limit)
-        .build()
-        .unwrap();
-    let svc = layer.layer(service_fn(|_req: Req| async {
-        std::future::pending::<()>().await;
-        Ok::<_, Infallible>(Response::new(String::new()))
-    }));
+    let layer = adaptive_layer(limit);
+    let svc = layer.layer(never_answers());
     for round in 0..3 {
         let mut calls = Vec::new();
         for i in 0..2 {
@@ -1147,10 +1132,7 @@ async fn a_cancelled_request_gives_no_sample_and_its_share_back() {
 #[tokio::test(start_paused = true)]
 async fn an_inner_error_is_a_drop() {
     let limit = AdaptiveLimit::Aimd(Aimd::new(1, 10, 100).unwrap());
-    let layer = builder(100)
-        .adaptive_service_limit("adaptive", limit)
-        .build()
-        .unwrap();
+    let layer = adaptive_layer(limit);
     let svc = layer.layer(service_fn(|_req: Req| async {
         Err::<Response<String>, _>(std::io::Error::other("the backend went away"))
     }));
@@ -1259,5 +1241,25 @@ fn unavailable_when(
             *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
         }
         Ok::<_, Infallible>(res)
+    })
+}
+
+/// A per-key limit of 100 with `limit` as the service's adaptive limit.
+fn adaptive_layer(
+    limit: AdaptiveLimit,
+) -> ConcurrencyLayer<Header, crate::cost::Fixed, AllCritical, MemoryStore> {
+    builder(100)
+        .adaptive_service_limit("adaptive", limit)
+        .build()
+        .unwrap()
+}
+
+/// A service whose answers never come.
+fn never_answers(
+) -> impl Service<Req, Response = Response<String>, Error = Infallible, Future = impl Send> + Clone
+{
+    service_fn(|_req: Req| async {
+        std::future::pending::<()>().await;
+        Ok::<_, Infallible>(Response::new(String::new()))
     })
 }

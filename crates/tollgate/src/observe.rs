@@ -557,25 +557,30 @@ impl DecisionLog {
         if share >= 1.0 {
             return true;
         }
-        thread_local! {
-            static STATE: std::cell::Cell<u64> = std::cell::Cell::new({
-                use std::hash::BuildHasher;
-                std::collections::hash_map::RandomState::new().hash_one(0u8) | 1
-            });
-        }
-        // xorshift64*: cheap, good enough to sample with.
-        let draw = STATE.with(|s| {
-            let mut x = s.get();
-            x ^= x >> 12;
-            x ^= x << 25;
-            x ^= x >> 27;
-            s.set(x);
-            x.wrapping_mul(0x2545_f491_4f6c_dd1d)
-        });
-        #[allow(clippy::cast_precision_loss)]
-        let unit = (draw >> 11) as f64 / (1u64 << 53) as f64;
-        unit < share
+        random_unit() < share
     }
+}
+
+/// A number in [0, 1) from a per-thread xorshift64*: cheap, and good
+/// enough to sample logs with and to spread wake-ups (not for secrets).
+pub(crate) fn random_unit() -> f64 {
+    thread_local! {
+        static STATE: std::cell::Cell<u64> = std::cell::Cell::new({
+            use std::hash::BuildHasher;
+            std::collections::hash_map::RandomState::new().hash_one(0u8) | 1
+        });
+    }
+    let draw = STATE.with(|s| {
+        let mut x = s.get();
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        s.set(x);
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    });
+    #[allow(clippy::cast_precision_loss)]
+    let unit = (draw >> 11) as f64 / (1u64 << 53) as f64;
+    unit
 }
 
 /// One refusal on an audited rule, for an audit trail: never the client

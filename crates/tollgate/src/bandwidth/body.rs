@@ -31,7 +31,15 @@ pub(crate) struct Pacer<L: Limiter> {
     credit: u64,
     /// The rest of the frame being let out.
     pending: Option<Bytes>,
+    /// Tokens asked for in the decision under way: a chunk, or less for
+    /// the end of a body known to be shorter than one.
+    asked: u64,
+    /// What the body says is left after the pending frame, at most (its
+    /// size hint's upper bound, if it has one).
+    rest: Option<u64>,
+    /// The wait for tokens, kept and reset rather than made anew.
     sleep: Option<Pin<Box<Sleep>>>,
+    waiting: bool,
     deciding: Option<Pin<Box<L::DecideFuture>>>,
 }
 
@@ -49,7 +57,10 @@ impl<L: Limiter> Pacer<L> {
             chunk,
             credit: 0,
             pending: None,
+            asked: 0,
+            rest: None,
             sleep: None,
+            waiting: false,
             deciding: None,
         }
     }
@@ -61,15 +72,25 @@ impl<L: Limiter> Pacer<L> {
         match answer {
             Ok(d) => match d.outcome {
                 Outcome::Allow { .. } => {
-                    self.credit = self.credit.saturating_add(u64::from(self.chunk));
+                    self.credit = self.credit.saturating_add(self.asked);
                     true
                 }
                 Outcome::Deny { retry_after } => {
                     let wait = Duration::from_nanos(retry_after);
+                    // Up to an eighth more, at random: bodies of one key
+                    // refused together do not all wake together, each to
+                    // be refused again but one.
+                    let wait =
+                        wait.saturating_add(wait.mul_f64(crate::observe::random_unit() / 8.0));
                     self.metrics.wait.record(wait.as_secs_f64());
-                    self.sleep = Some(Box::pin(tokio::time::sleep(Duration::from_nanos(
-                        retry_after,
-                    ))));
+                    let at = tokio::time::Instant::now()
+                        .checked_add(wait)
+                        .unwrap_or_else(tokio::time::Instant::now);
+                    match &mut self.sleep {
+                        Some(sleep) => sleep.as_mut().reset(at),
+                        None => self.sleep = Some(Box::pin(tokio::time::sleep_until(at))),
+                    }
+                    self.waiting = true;
                     true
                 }
                 Outcome::Never => {
@@ -96,9 +117,9 @@ impl<L: Limiter> Pacer<L> {
     /// The next data to let out, or `Pending` while the budget is empty.
     fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Next> {
         loop {
-            if let Some(sleep) = &mut self.sleep {
+            if let (true, Some(sleep)) = (self.waiting, &mut self.sleep) {
                 ready!(sleep.as_mut().poll(cx));
-                self.sleep = None;
+                self.waiting = false;
             }
             if let Some(deciding) = &mut self.deciding {
                 let answer = ready!(deciding.as_mut().poll(cx));
@@ -123,10 +144,16 @@ impl<L: Limiter> Pacer<L> {
                 }
                 return Poll::Ready(Next::Data(out));
             }
-            match self
-                .limiter
-                .decide_sync(self.key.as_bytes(), u64::from(self.chunk))
-            {
+            // A chunk, or what is left of a body known to be shorter: a
+            // short answer waits for its own bytes, not for a chunk's. (A
+            // body of unknown length takes whole chunks: one store call a
+            // chunk, not one a frame.)
+            let chunk = u64::from(self.chunk);
+            self.asked = match self.rest {
+                Some(rest) => chunk.min((data.len() as u64).saturating_add(rest)).max(1),
+                None => chunk,
+            };
+            match self.limiter.decide_sync(self.key.as_bytes(), self.asked) {
                 Some(answer) => {
                     if !self.answer(answer) {
                         return Poll::Ready(Next::Stop(self.pending.take()));
@@ -134,8 +161,7 @@ impl<L: Limiter> Pacer<L> {
                 }
                 None => {
                     self.deciding = Some(Box::pin(
-                        self.limiter
-                            .decide(self.key.as_bytes(), u64::from(self.chunk)),
+                        self.limiter.decide(self.key.as_bytes(), self.asked),
                     ));
                 }
             }
@@ -237,7 +263,10 @@ where
                         pacer.metrics.bytes.increment(data.len() as u64);
                         return Poll::Ready(Some(Ok(Frame::data(data))));
                     }
-                    Ok(data) => pacer.pending = Some(data),
+                    Ok(data) => {
+                        pacer.rest = this.body.size_hint().upper();
+                        pacer.pending = Some(data);
+                    }
                     // Trailers and other frames cost nothing.
                     Err(frame) => return Poll::Ready(Some(Ok(frame))),
                 },

@@ -198,7 +198,17 @@ impl<K, St> BandwidthLayerBuilder<K, St> {
     /// How many bytes a body takes from the store at once (default: a
     /// quarter of the burst, at most 1 MiB; from 1 to the burst). Larger
     /// chunks mean fewer store calls; smaller ones, a finer share of a
-    /// budget that many bodies draw on at once.
+    /// budget that many bodies draw on at once. A body known to be shorter
+    /// than a chunk (by its size hint) takes only what it holds, so a short
+    /// answer waits for its own bytes, not a chunk's.
+    ///
+    /// Tokens are taken when a chunk is granted, not when its bytes reach
+    /// the client: bodies whose readers are slow hold their chunks' credit
+    /// while the budget refills, and then send together. Over a short
+    /// window a key can send up to its burst plus one chunk per body in
+    /// flight; the chunk is the knob for that bound. Bodies refused
+    /// together wait up to an eighth longer than told, at random, so that
+    /// they do not all wake at once.
     pub fn chunk(mut self, bytes: u32) -> Self {
         self.chunk = Some(bytes);
         self

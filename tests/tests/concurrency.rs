@@ -472,3 +472,63 @@ async fn a_slow_redis_gives_no_false_refusal_no_lapse_and_no_leak() {
         }
     }
 }
+
+/// Concurrency review M3, on Redis: a request queued on one instance for
+/// a permit another instance holds gets it once that one is released —
+/// this instance never sees the release, so its head looks again on a
+/// timer that backs off (a tenth of the wait, at most 100 ms, then twice
+/// as long each time), not one store call every few milliseconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_request_gets_a_permit_another_instance_released() {
+    let Some(redis) = Server::start() else { return };
+    let prefix = unique_prefix();
+    let layer = || {
+        let store = RedisStore::builder(&redis.url())
+            .prefix(&prefix)
+            .timeout(Duration::from_secs(2))
+            .build()
+            .unwrap();
+        ConcurrencyLayer::builder("one", 1)
+            .key(Header::named("x-api-key").unwrap())
+            .queue(4, Duration::from_secs(4))
+            .store(store)
+            .build()
+            .unwrap()
+    };
+    // Instance A streams for about half a second; instance B answers at once.
+    let a = common::spawn(
+        Router::new()
+            .route(
+                "/long",
+                get(|| async { Body::new(Slow::new(5, Duration::from_millis(100), false)) }),
+            )
+            .layer(layer()),
+    )
+    .await;
+    let b = common::spawn(
+        Router::new()
+            .route("/short", get(|| async { "ok" }))
+            .layer(layer()),
+    )
+    .await;
+    let (mut on_a, _conn_a) = connect(a).await;
+    let long = on_a.send_request(get_req("/long", 0)).await.unwrap();
+    assert_eq!(long.status(), 200);
+    let reading = tokio::spawn(long.into_body().collect());
+    let calls_before = redis.script_calls();
+    let started = tokio::time::Instant::now();
+    let (mut on_b, _conn_b) = connect(b).await;
+    let res = on_b.send_request(get_req("/short", 0)).await.unwrap();
+    let waited = started.elapsed();
+    assert_eq!(res.status(), 200, "queued on B while A held the permit");
+    reading.await.unwrap().unwrap();
+    assert!(
+        waited >= Duration::from_millis(400),
+        "admitted before A's stream ended: {waited:?}"
+    );
+    // The first acquire, re-checks 0.1, 0.3 and 0.7 s in (a tenth of the
+    // wait, at most 100 ms, then doubling), A's release: a handful of
+    // script calls, where a fixed 5 ms re-check made a hundred.
+    let calls = redis.script_calls() - calls_before;
+    assert!(calls <= 8, "{calls} script calls for one queued request");
+}

@@ -201,3 +201,70 @@ async fn the_global_tier_can_have_a_limit_of_its_own() {
         .unwrap();
     assert_eq!(err.field(), "global_rule");
 }
+
+/// Fleet review M1, on Redis: two regions, each with a regional Redis (a
+/// prefix of its own here) and the one global Redis 50 ms away (the
+/// delaying proxy), leased through `HotKeys` per region. A region's limit
+/// (100 an hour) and the global one (150 across both) each hold, and
+/// most decisions do not wait for the global round trip.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn regional_and_global_limits_hold_with_the_global_tier_far_and_leased() {
+    use std::time::Duration;
+    use tollgate_redis::testing::{unique_prefix, Delayed, Server};
+    use tollgate_redis::RedisStore;
+    let Some(server) = Server::start() else {
+        return;
+    };
+    let far = Delayed::start(server.port, Duration::from_millis(50)).await;
+    let global_prefix = unique_prefix();
+    let store = |url: &str, prefix: &str| {
+        RedisStore::builder(url)
+            .prefix(prefix)
+            .timeout(Duration::from_secs(1))
+            .build()
+            .unwrap()
+    };
+    let region = |name: &str| {
+        let regional = store(&server.url(), &format!("{global_prefix}-{name}"));
+        // Leases of a second, 10 units at least: the far tier's round
+        // trip (100 ms) is paid once a lease, not once a decision.
+        let global = HotKeys::new()
+            .ttl(Duration::from_secs(1))
+            .min_batch(10)
+            .max_share(0.1)
+            .over(store(&far.url(), &global_prefix))
+            .unwrap();
+        Tiered::new(regional, global)
+            .global_rule(|r: &Rule| Rule::new(r.name(), Limit::gcra(Rate::per_hour(150), 150)))
+            .limiter(&Rule::new("per-key", Limit::gcra(Rate::per_hour(100), 100)).unwrap())
+            .unwrap()
+    };
+    let (eu, us) = (region("eu"), region("us"));
+    let mut admitted = [0u32; 2];
+    for (i, l) in [&eu, &us].into_iter().enumerate() {
+        for _ in 0..120 {
+            admitted[i] += u32::from(l.decide(b"acme", 1).await.unwrap().is_allowed());
+        }
+    }
+    // EU: its region's 100. US: what the global limit has left (50), less
+    // what EU's last lease still holds unspent (at most 10% of 150).
+    assert_eq!(admitted[0], 100, "the regional limit");
+    assert!(
+        (35..=50).contains(&admitted[1]),
+        "US got {} of the global limit's last 50",
+        admitted[1]
+    );
+    assert!(
+        admitted[0] + admitted[1] <= 150,
+        "{admitted:?} past the global limit"
+    );
+    // Most decisions answered from the global lease, not its round trip.
+    for (name, l) in [("eu", &eu), ("us", &us)] {
+        let stats = l.global().stats();
+        eprintln!("{name}: {stats:?}");
+        assert!(
+            stats.waits * 4 <= stats.decisions,
+            "{name}: {stats:?}: a quarter of decisions or more waited for the far tier"
+        );
+    }
+}

@@ -414,6 +414,15 @@ pub trait QuotaLimiter: Clone + Send + Sync + 'static {
 
     /// Adds `units` to every current period's budget for `key`.
     fn grant(&self, key: &[u8], units: u64) -> Self::Future;
+
+    /// What `key` has used, as the store holds it: for dashboards and
+    /// support tools, which must show the truth or an error — never what
+    /// a failure policy answers in the store's place (a fail-open store
+    /// would report whole budgets). The default is `consume(key, 0)`,
+    /// exact for a store with no failure policy.
+    fn usage(&self, key: &[u8]) -> Self::Future {
+        self.consume(key, 0)
+    }
 }
 
 /// A store that keeps retry budgets (see [`RetryBudget`](crate::RetryBudget)):

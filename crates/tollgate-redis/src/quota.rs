@@ -159,4 +159,11 @@ impl QuotaLimiter for RedisQuotaLimiter {
         let key = key.to_vec();
         Box::pin(async move { this.call(QuotaMode::Grant, &key, 0, units).await })
     }
+
+    /// Redis's answer, or the error: never the failure policy's.
+    fn usage(&self, key: &[u8]) -> Self::Future {
+        let this = Arc::clone(&self.bound);
+        let key = key.to_vec();
+        Box::pin(async move { this.call(QuotaMode::Consume, &key, 0, 0).await })
+    }
 }

@@ -197,3 +197,28 @@ async fn a_cost_past_what_lua_counts_exactly_never_fits() {
     let d = quota.consume(b"k", 1 << 53).await.unwrap();
     assert!(d.is_allowed(), "the whole budget fits: {d:?}");
 }
+
+/// Quota-bandwidth-retry review #6: reading a key's usage through
+/// `consume(key, 0)` on a fail-open store that lost Redis reported whole
+/// budgets — the failure policy's answer — to an admin's dashboard.
+/// `usage` is the store's answer or an error.
+#[tokio::test]
+async fn usage_is_redis_s_answer_or_an_error_never_the_failure_policy_s() {
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        drop(l);
+        format!("redis://127.0.0.1:{port}")
+    };
+    let store = RedisStore::builder(&dead)
+        .prefix(&unique_prefix())
+        .failure_policy(tollgate_redis::FailurePolicy::Open)
+        .timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let l = store.quota_limiter(&plan()).unwrap();
+    // The failure policy answers a decision: admitted, whole budgets...
+    assert!(l.consume(b"k", 0).await.unwrap().is_allowed());
+    // ...but not a read of the usage.
+    assert!(l.usage(b"k").await.is_err());
+}

@@ -422,6 +422,10 @@ impl QuotaLimiter for AnyQuotaLimiter {
         forward!(self, |l| l.reset(key))
     }
 
+    fn usage(&self, key: &[u8]) -> Self::Future {
+        forward!(self, |l| l.usage(key))
+    }
+
     fn grant(&self, key: &[u8], units: u64) -> Self::Future {
         forward!(self, |l| l.grant(key, units))
     }

@@ -60,11 +60,45 @@ impl<K, C, St: QuotaStore> QuotaLayer<K, C, St> {
     }
 
     /// The store's handle of this quota, for administration: read a key's
-    /// usage (`consume(key, 0)`), `reset` it, `grant` extra units. Keys
-    /// are as the layer's key extractor builds them
-    /// ([`KeyBuf`](crate::key::KeyBuf)).
+    /// `usage`, `reset` it, `grant` extra units. Its keys are the layer's
+    /// encoding of a request's key ([`KeyBuf`](crate::key::KeyBuf): each
+    /// part behind its length), not the raw header value — a bare
+    /// `b"acme"` names a key no request has, with whole budgets. Take them
+    /// from [`key_for`](Self::key_for), or read with
+    /// [`usage_for`](Self::usage_for).
     pub fn limiter(&self) -> &St::QuotaLimiter {
         &self.shared.plans.default.0
+    }
+
+    /// The store key of `req`'s client, as the layer would extract it
+    /// (build a request with the client's header to name a customer);
+    /// `None` when it has none.
+    pub fn key_for<B>(&self, req: &http::Request<B>) -> Option<Vec<u8>>
+    where
+        K: crate::key::KeyExtractor<B>,
+    {
+        let mut key = crate::key::KeyBuf::new();
+        self.shared.key.extract(req, &mut key)?;
+        Some(key.as_bytes().to_vec())
+    }
+
+    /// What `req`'s client has used of the quota (its default plan's),
+    /// as the store holds it: an error when the store does not answer,
+    /// never a failure policy's whole budgets; `Ok(None)` for a request
+    /// with no key.
+    pub async fn usage_for<B>(
+        &self,
+        req: &http::Request<B>,
+    ) -> Result<Option<tollgate_core::QuotaDecision>, tollgate_core::StoreError>
+    where
+        K: crate::key::KeyExtractor<B>,
+    {
+        match self.key_for(req) {
+            Some(key) => tollgate_core::QuotaLimiter::usage(self.limiter(), &key)
+                .await
+                .map(Some),
+            None => Ok(None),
+        }
     }
 
     /// The store's handle of plan `plan`'s quota (its own usage, under

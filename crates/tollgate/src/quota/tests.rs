@@ -145,8 +145,27 @@ async fn soft_limit_warns_before_the_hard_stop_and_support_can_grant_and_reset()
         svc.clone().oneshot(req("a", 1)).await.unwrap().status(),
         429
     );
-    // Support staff give five more today.
-    let k = key("a");
+    // Support staff give five more today, to the key the layer gives the
+    // client's requests (quota-bandwidth-retry review #6: a bare b"a" is
+    // another key, with whole budgets).
+    let k = layer.key_for(&req("a", 1)).unwrap();
+    assert_eq!(k, key("a"));
+    assert_ne!(k, b"a".to_vec());
+    assert_eq!(
+        layer
+            .usage_for(&req("a", 1))
+            .await
+            .unwrap()
+            .unwrap()
+            .periods()[0]
+            .remaining,
+        0
+    );
+    assert!(layer
+        .usage_for(&Request::new(String::new()))
+        .await
+        .unwrap()
+        .is_none());
     let usage = layer.limiter().grant(&k, 5).await.unwrap();
     assert_eq!(usage.periods()[0].remaining, 5);
     for _ in 0..5 {

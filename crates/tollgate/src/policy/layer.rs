@@ -519,6 +519,33 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
             }
         }
         let mut bound = Vec::with_capacity(self.rules.len());
+        // Files that load but mean little: said once, at build (review #9).
+        if !self.rules.is_empty() {
+            if self.rules.iter().all(|r| r.shadow) {
+                tracing::warn!(
+                    target: "tollgate",
+                    "every rule of this policy is in shadow mode: it counts, and refuses nothing"
+                );
+            }
+            if self.rules.iter().all(|r| r.missing == MissingKey::Skip) {
+                tracing::warn!(
+                    target: "tollgate",
+                    "every rule of this policy lets a request with no key through unlimited \
+                     (missing_key = skip): a client that sends no key is never limited"
+                );
+            }
+        }
+        for r in &self.rules {
+            if let Some((1, _, block, _)) = r.ladder {
+                if block > std::time::Duration::from_secs(86_400) {
+                    tracing::warn!(
+                        target: "tollgate",
+                        rule = %r.name,
+                        "one refusal blocks a key for more than a day (escalate: 1 strike)"
+                    );
+                }
+            }
+        }
         for (i, r) in self.rules.into_iter().enumerate() {
             // Whatever a rule's binding refuses names the rule, so that a
             // policy file's error points at its line.

@@ -1542,10 +1542,16 @@ async fn a_rule_warns_past_its_share_before_it_refuses() {
     }
 }
 
-/// A `tracing` subscriber that keeps the `tollgate::decision` events, as
-/// `field=value` lines.
-#[derive(Clone, Default)]
-struct Events(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+/// A `tracing` subscriber that keeps the events of one target (by default
+/// `tollgate::decision`), as `field=value` lines.
+#[derive(Clone)]
+struct Events(std::sync::Arc<std::sync::Mutex<Vec<String>>>, &'static str);
+
+impl Default for Events {
+    fn default() -> Self {
+        Self(std::sync::Arc::default(), "tollgate::decision")
+    }
+}
 
 impl tracing::Subscriber for Events {
     fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
@@ -1566,7 +1572,7 @@ impl tracing::Subscriber for Events {
                 self.0.push_str(&format!("{}={} ", f.name(), v));
             }
         }
-        if event.metadata().target() == "tollgate::decision" {
+        if event.metadata().target() == self.1 {
             let mut line = Line(String::new());
             event.record(&mut line);
             self.0.lock().unwrap().push(line.0);
@@ -2133,4 +2139,60 @@ async fn a_request_dropped_while_taking_its_marker_leaves_no_marker() {
         18,
         "the resend was charged"
     );
+}
+
+/// Policy-security review #9: files that load but mean little — every
+/// rule in shadow mode, every rule letting keyless requests through
+/// unlimited, one refusal blocking a key for days — built silently. Each
+/// is now said once, when the policy is built.
+#[test]
+fn policies_that_enforce_little_are_said_so_at_build() {
+    let warnings = |build: &dyn Fn() -> Result<PolicyLayer<String>, ConfigError>| {
+        let events = Events(std::sync::Arc::default(), "tollgate");
+        let _guard = tracing::subscriber::set_default(events.clone());
+        build().unwrap();
+        let lines = events.0.lock().unwrap().clone();
+        lines
+    };
+    let one_minute = || Limit::fixed_window(10, Duration::from_secs(60));
+    let all_shadow = warnings(&|| {
+        PolicyLayer::builder()
+            .rule(per_key(one_minute()).shadow(true))
+            .rule(per_ip(one_minute()).shadow(true))
+            .build()
+    });
+    assert!(
+        all_shadow.iter().any(|l| l.contains("shadow mode")),
+        "{all_shadow:?}"
+    );
+    let all_skip = warnings(&|| {
+        PolicyLayer::builder()
+            .rule(per_key(one_minute()).on_missing_key(MissingKey::Skip))
+            .build()
+    });
+    assert!(
+        all_skip.iter().any(|l| l.contains("no key")),
+        "{all_skip:?}"
+    );
+    let harsh = warnings(&|| {
+        PolicyLayer::builder()
+            .rule(per_key(one_minute()).escalate(
+                1,
+                Duration::from_secs(60),
+                Duration::from_secs(3 * 86_400),
+                Duration::from_secs(3 * 86_400),
+            ))
+            .build()
+    });
+    assert!(
+        harsh.iter().any(|l| l.contains("more than a day")),
+        "{harsh:?}"
+    );
+    let sane = warnings(&|| {
+        PolicyLayer::builder()
+            .rule(per_key(one_minute()))
+            .rule(per_ip(one_minute()).shadow(true))
+            .build()
+    });
+    assert!(sane.is_empty(), "{sane:?}");
 }

@@ -105,12 +105,20 @@ impl http_body::Body for Big {
 /// routes that stream, stall, fail and panic (behind `CatchPanicLayer`,
 /// outside the limiter, so a panic unwinds through its future).
 fn app<S: Store>(store: S) -> Router {
-    let layer = ConcurrencyLayer::builder("per-key", 4)
+    app_queued(store, None)
+}
+
+/// [`app`], with requests that find their key full waiting in a queue of
+/// `queue` (length, longest wait) if given.
+fn app_queued<S: Store>(store: S, queue: Option<(usize, Duration)>) -> Router {
+    let mut builder = ConcurrencyLayer::builder("per-key", 4)
         .key(Header::named("x-api-key").unwrap())
         .service_limit("service", 32)
-        .store(store)
-        .build()
-        .unwrap();
+        .store(store);
+    if let Some((len, wait)) = queue {
+        builder = builder.queue(len, wait);
+    }
+    let layer = builder.build().unwrap();
     Router::new()
         .route(
             "/stream",
@@ -330,6 +338,31 @@ async fn ten_thousand_requests_leak_no_permit_in_redis() {
         .unwrap();
     let addr = common::spawn(app(store.clone())).await;
     let tally = storm(addr, 10_000).await;
+    store.flush().await;
+    assert_every_path_ran(&tally);
+    assert_all_released(&store).await;
+}
+
+/// Concurrency review, missing test 4: the storm with a queue, on the
+/// memory store and on Redis: requests that wait in a key's queue — and
+/// are cancelled there, time out there, or get their turn — leave no
+/// permit and no queue place behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storm_through_a_queue_leaks_no_permit() {
+    let queue = Some((8, Duration::from_millis(20)));
+    let store = MemoryStore::new();
+    let addr = common::spawn(app_queued(store.clone(), queue)).await;
+    let tally = storm(addr, 2_000).await;
+    assert_every_path_ran(&tally);
+    assert_all_released(&store).await;
+    let Some(redis) = Server::start() else { return };
+    let store = RedisStore::builder(&redis.url())
+        .prefix(&unique_prefix())
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let addr = common::spawn(app_queued(store.clone(), queue)).await;
+    let tally = storm(addr, 2_000).await;
     store.flush().await;
     assert_every_path_ran(&tally);
     assert_all_released(&store).await;

@@ -88,7 +88,51 @@ fn ping(port: u16) -> bool {
 }
 
 impl Server {
+    /// A server on a port `pick` chooses: a port found free may be taken
+    /// by another test (or, for a cluster node, its bus port + 10000 may
+    /// be) before redis-server binds it, so a server that exits at once
+    /// is started again on another port, up to five times.
+    fn spawn_on(pick: fn() -> u16, dir: PathBuf, cluster: bool) -> Self {
+        for _ in 0..4 {
+            if let Some(server) = Self::try_spawn(pick(), dir.clone(), cluster) {
+                return server;
+            }
+        }
+        Self::spawn(pick(), dir, cluster)
+    }
+
+    /// [`spawn`](Self::spawn), or `None` if the server exits before it
+    /// answers (its port was taken).
+    fn try_spawn(port: u16, dir: PathBuf, cluster: bool) -> Option<Self> {
+        let mut server = Self::start_process(port, dir, cluster);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !ping(port) {
+            let exited = server
+                .child
+                .as_mut()
+                .is_some_and(|c| c.try_wait().is_ok_and(|s| s.is_some()));
+            if exited || Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Some(server)
+    }
+
     fn spawn(port: u16, dir: PathBuf, cluster: bool) -> Self {
+        let server = Self::start_process(port, dir, cluster);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !ping(port) {
+            assert!(
+                Instant::now() < deadline,
+                "redis-server on {port} did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        server
+    }
+
+    fn start_process(port: u16, dir: PathBuf, cluster: bool) -> Self {
         let mut cmd = Command::new("redis-server");
         cmd.args([
             "--port",
@@ -117,26 +161,17 @@ impl Server {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        let server = Self {
+        Self {
             port,
             child: Some(child),
             dir,
             cluster,
-        };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !ping(port) {
-            assert!(
-                Instant::now() < deadline,
-                "redis-server on {port} did not start"
-            );
-            std::thread::sleep(Duration::from_millis(20));
         }
-        server
     }
 
     /// A standalone server, or `None` (skip) if redis-server is missing.
     pub fn start() -> Option<Self> {
-        available().then(|| Self::spawn(free_port(), scratch_dir(), false))
+        available().then(|| Self::spawn_on(free_port, scratch_dir(), false))
     }
 
     /// Its `redis://` URL.
@@ -256,7 +291,7 @@ impl Cluster {
         }
         let dir = scratch_dir();
         let nodes: Vec<Server> = (0..3 * (1 + replicas))
-            .map(|_| Server::spawn(free_cluster_port(), dir.clone(), true))
+            .map(|_| Server::spawn_on(free_cluster_port, dir.clone(), true))
             .collect();
         let addrs: Vec<String> = nodes
             .iter()

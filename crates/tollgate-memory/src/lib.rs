@@ -574,53 +574,47 @@ impl<C: Clock> MemoryStore<C> {
             .rules
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if let Some(staged) = &self.staged {
-            // Checking: the store's bindings read, this handle's written.
-            let mut staged = staged.lock().unwrap_or_else(PoisonError::into_inner);
-            if let Some(bound) = staged.get(name) {
-                return get(bound).ok_or_else(conflict);
-            }
-            let next = match rules.get(name) {
-                None => make(self.inner.shards, Arc::clone(&self.inner.shared)),
-                Some(old) => {
-                    if let Some(found) = get(old) {
-                        return Ok(found);
-                    }
-                    let next = carry(old)
-                        .unwrap_or_else(|| make(self.inner.shards, Arc::clone(&self.inner.shared)));
-                    if std::mem::discriminant(old) != std::mem::discriminant(&next) {
-                        return Err(conflict());
-                    }
-                    next
-                }
-            };
-            let found = get(&next).ok_or_else(conflict);
-            staged.insert(name.to_owned(), next);
-            return found;
-        }
-        match rules.entry(name.to_owned()) {
-            Entry::Vacant(slot) => {
-                let bound = slot.insert(make(self.inner.shards, Arc::clone(&self.inner.shared)));
-                get(bound).ok_or_else(conflict)
-            }
-            Entry::Occupied(mut slot) => {
-                if let Some(found) = get(slot.get()) {
+        // A checking handle reads its own bindings over the store's, and
+        // writes only its own.
+        let mut staged = self
+            .staged
+            .as_ref()
+            .map(|s| s.lock().unwrap_or_else(PoisonError::into_inner));
+        let old = staged
+            .as_ref()
+            .and_then(|s| s.get(name))
+            .or_else(|| rules.get(name));
+        let next = match old {
+            None => make(self.inner.shards, Arc::clone(&self.inner.shared)),
+            Some(old) => {
+                if let Some(found) = get(old) {
                     return Ok(found);
                 }
                 if !self.rebinding {
                     return Err(conflict());
                 }
-                let next = carry(slot.get())
+                let next = carry(old)
                     .unwrap_or_else(|| make(self.inner.shards, Arc::clone(&self.inner.shared)));
                 // A reload rebinds a rule's parameters, never a name bound
                 // to another kind of rule (a quota named like a rate rule).
-                if std::mem::discriminant(slot.get()) != std::mem::discriminant(&next) {
+                if std::mem::discriminant(old) != std::mem::discriminant(&next) {
                     return Err(conflict());
                 }
-                slot.insert(next);
-                get(slot.get()).ok_or_else(conflict)
+                next
             }
-        }
+        };
+        let table = match staged.as_mut() {
+            Some(staged) => &mut **staged,
+            None => &mut *rules,
+        };
+        let bound = match table.entry(name.to_owned()) {
+            Entry::Occupied(mut slot) => {
+                slot.insert(next);
+                slot.into_mut()
+            }
+            Entry::Vacant(slot) => slot.insert(next),
+        };
+        get(bound).ok_or_else(conflict)
     }
 }
 

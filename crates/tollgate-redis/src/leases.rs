@@ -172,6 +172,13 @@ impl LiveLeases {
         self.held.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    fn lock_releasing(&self) -> MutexGuard<'_, HashMap<String, Vec<Lease>>> {
+        // As `lock`: consistent whatever panicked while it was locked.
+        self.releasing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Records a lease Redis granted.
     pub(crate) fn hold(&self, key: String, lease: Lease) {
         self.lock()
@@ -194,10 +201,7 @@ impl LiveLeases {
     /// Records a release handed to the keeper (at most [`MAX_CARRIED`]
     /// a key; past them a release only goes its own way).
     pub(crate) fn releasing(&self, key: &str, lease: Lease) {
-        let mut releasing = self
-            .releasing
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut releasing = self.lock_releasing();
         let leases = releasing.entry(key.to_owned()).or_default();
         if leases.len() < MAX_CARRIED {
             leases.push(lease);
@@ -207,10 +211,7 @@ impl LiveLeases {
     /// Forgets releases of `key` that Redis has answered (or that an
     /// acquire carried), by id.
     pub(crate) fn released(&self, key: &str, ids: impl Iterator<Item = u64> + Clone) {
-        let mut releasing = self
-            .releasing
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut releasing = self.lock_releasing();
         if let Some(leases) = releasing.get_mut(key) {
             leases.retain(|l| !ids.clone().any(|id| id == l.id));
             if leases.is_empty() {
@@ -226,10 +227,7 @@ impl LiveLeases {
     /// after this one finds them applied). If the call fails they are not
     /// put back: their own release calls still land.
     pub(crate) fn carried(&self, key: &str) -> Vec<Lease> {
-        let mut releasing = self
-            .releasing
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut releasing = self.lock_releasing();
         releasing.remove(key).unwrap_or_default()
     }
 

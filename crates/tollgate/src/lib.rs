@@ -165,6 +165,8 @@ pub mod cost;
 pub mod headers;
 mod ip;
 pub mod key;
+#[cfg(test)]
+mod late;
 pub mod observe;
 pub mod outcome;
 pub mod policy;

@@ -899,59 +899,6 @@ async fn futures_poll<F: std::future::Future + Unpin>(f: &mut F) -> Option<F::Ou
     .await
 }
 
-/// A memory store whose acquires answer `delay` late (a distant Redis).
-#[derive(Clone)]
-struct SlowStore(MemoryStore, Duration);
-
-#[derive(Clone)]
-struct SlowLimiter<L>(L, Duration);
-
-impl Store for SlowStore {
-    type Limiter = <MemoryStore as Store>::Limiter;
-    type ConcurrencyLimiter = SlowLimiter<<MemoryStore as Store>::ConcurrencyLimiter>;
-    fn limiter(
-        &self,
-        rule: &tollgate_core::Rule,
-    ) -> Result<Self::Limiter, tollgate_core::ConfigError> {
-        self.0.limiter(rule)
-    }
-    fn concurrency_limiter(
-        &self,
-        rule: &tollgate_core::ConcurrencyRule,
-    ) -> Result<Self::ConcurrencyLimiter, tollgate_core::ConfigError> {
-        Ok(SlowLimiter(self.0.concurrency_limiter(rule)?, self.1))
-    }
-}
-
-impl<L: tollgate_core::ConcurrencyLimiter> tollgate_core::ConcurrencyLimiter for SlowLimiter<L> {
-    type AcquireFuture = Pin<
-        Box<
-            dyn std::future::Future<
-                    Output = Result<tollgate_core::Acquire, tollgate_core::StoreError>,
-                > + Send,
-        >,
-    >;
-    type ReleaseFuture = L::ReleaseFuture;
-    type HeldFuture = L::HeldFuture;
-    fn rule(&self) -> &tollgate_core::ConcurrencyRule {
-        self.0.rule()
-    }
-    /// Decided when the delay is over: dropped before, it takes nothing.
-    fn acquire(&self, key: &[u8], permits: u32, ceiling: u32) -> Self::AcquireFuture {
-        let (inner, delay, key) = (self.0.clone(), self.1, key.to_vec());
-        Box::pin(async move {
-            tokio::time::sleep(delay).await;
-            inner.acquire(&key, permits, ceiling).await
-        })
-    }
-    fn release(&self, key: &[u8], lease: tollgate_core::Lease) -> Self::ReleaseFuture {
-        self.0.release(key, lease)
-    }
-    fn held(&self, key: &[u8]) -> Self::HeldFuture {
-        self.0.held(key)
-    }
-}
-
 /// Concurrency review m7: a queued request's `max_wait` began after its
 /// first acquire, and an acquire in flight at the deadline ran on past
 /// it. Now the wait is counted from the request's arrival and an acquire
@@ -959,7 +906,7 @@ impl<L: tollgate_core::ConcurrencyLimiter> tollgate_core::ConcurrencyLimiter for
 /// away and a wait of 500 ms, the refusal comes at 500 ms, not at 900.
 #[tokio::test(start_paused = true)]
 async fn a_queued_wait_ends_max_wait_after_arrival_whatever_is_in_flight() {
-    let store = SlowStore(MemoryStore::new(), Duration::from_millis(300));
+    let store = crate::late::Late(MemoryStore::new(), Duration::from_millis(300));
     let layer = builder(1)
         .store(store)
         .queue(4, Duration::from_millis(500))
@@ -978,7 +925,7 @@ async fn a_queued_wait_ends_max_wait_after_arrival_whatever_is_in_flight() {
     // A store slower than the whole wait: the first acquire is answered
     // (an idle key is not refused for a slow store), and no acquire is
     // sent once the wait has run out.
-    let store = SlowStore(MemoryStore::new(), Duration::from_millis(700));
+    let store = crate::late::Late(MemoryStore::new(), Duration::from_millis(700));
     let layer = builder(1)
         .store(store)
         .queue(4, Duration::from_millis(500))

@@ -701,69 +701,6 @@ fn the_buffer_limit_is_bounded() {
         .is_ok());
 }
 
-/// A memory store whose retry-budget withdrawals answer `delay` late (a
-/// Redis budget under load).
-#[derive(Clone)]
-struct SlowBudget(MemoryStore<TokioClock>, Duration);
-
-#[derive(Clone)]
-struct SlowWithdrawals<L>(L, Duration);
-
-impl tollgate_core::Store for SlowBudget {
-    type Limiter = <MemoryStore<TokioClock> as tollgate_core::Store>::Limiter;
-    type ConcurrencyLimiter = <MemoryStore<TokioClock> as tollgate_core::Store>::ConcurrencyLimiter;
-    fn limiter(
-        &self,
-        rule: &tollgate_core::Rule,
-    ) -> Result<Self::Limiter, tollgate_core::ConfigError> {
-        self.0.limiter(rule)
-    }
-    fn concurrency_limiter(
-        &self,
-        rule: &tollgate_core::ConcurrencyRule,
-    ) -> Result<Self::ConcurrencyLimiter, tollgate_core::ConfigError> {
-        self.0.concurrency_limiter(rule)
-    }
-}
-
-impl tollgate_core::RetryBudgetStore for SlowBudget {
-    type RetryBudgetLimiter = SlowWithdrawals<
-        <MemoryStore<TokioClock> as tollgate_core::RetryBudgetStore>::RetryBudgetLimiter,
-    >;
-    fn retry_budget(
-        &self,
-        rule: &tollgate_core::RetryBudgetRule,
-    ) -> Result<Self::RetryBudgetLimiter, tollgate_core::ConfigError> {
-        Ok(SlowWithdrawals(self.0.retry_budget(rule)?, self.1))
-    }
-}
-
-impl<L: tollgate_core::RetryBudgetLimiter> tollgate_core::RetryBudgetLimiter
-    for SlowWithdrawals<L>
-{
-    type DepositFuture = L::DepositFuture;
-    type WithdrawFuture = std::pin::Pin<
-        Box<
-            dyn std::future::Future<
-                    Output = Result<tollgate_core::Withdrawal, tollgate_core::StoreError>,
-                > + Send,
-        >,
-    >;
-    fn rule(&self) -> &tollgate_core::RetryBudgetRule {
-        self.0.rule()
-    }
-    fn deposit(&self, key: &[u8]) -> Self::DepositFuture {
-        self.0.deposit(key)
-    }
-    fn withdraw(&self, key: &[u8]) -> Self::WithdrawFuture {
-        let (inner, delay, key) = (self.0.clone(), self.1, key.to_vec());
-        Box::pin(async move {
-            tokio::time::sleep(delay).await;
-            inner.withdraw(&key).await
-        })
-    }
-}
-
 /// Quota-bandwidth-retry review #18: the deadline was checked before the
 /// budget's withdrawal, and a withdrawal slow enough pushed the wait past
 /// it: the caller got `DeadlineExceeded` and the answer in hand was lost.
@@ -772,7 +709,7 @@ impl<L: tollgate_core::RetryBudgetLimiter> tollgate_core::RetryBudgetLimiter
 #[tokio::test(start_paused = true)]
 async fn a_slow_withdrawal_that_leaves_no_time_returns_the_answer_in_hand() {
     let down = Flaky::new(503, &[("retry-after", "2")]);
-    let store = SlowBudget(
+    let store = crate::late::Late(
         MemoryStore::builder()
             .clock(TokioClock::new())
             .build()

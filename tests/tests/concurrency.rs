@@ -272,6 +272,30 @@ async fn storm(addr: SocketAddr, total: usize) -> HashMap<&'static str, usize> {
     Arc::try_unwrap(tally).unwrap().into_inner().unwrap()
 }
 
+/// The store key of `x-api-key: k{k}`, as the layer makes it: one
+/// length-prefixed part.
+fn layer_key(k: usize) -> Vec<u8> {
+    let raw = format!("k{k}");
+    let mut key = vec![raw.len() as u8];
+    key.extend_from_slice(raw.as_bytes());
+    key
+}
+
+/// Waits until `key` holds nothing in `limiter` (a release runs on the
+/// server's or the store's own time), failing with `what` after `within`.
+async fn until_released<L: ConcurrencyLimiter>(
+    limiter: &L,
+    key: &[u8],
+    within: Duration,
+    what: &dyn Fn() -> String,
+) {
+    let deadline = tokio::time::Instant::now() + within;
+    while limiter.held(key).await.unwrap() != 0 {
+        assert!(tokio::time::Instant::now() < deadline, "{}", what());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Every key's permits, and the service's, come back to zero (the server
 /// notices hung-up clients on its own time: wait for it, boundedly).
 async fn assert_all_released<S: Store>(store: &S) {
@@ -285,11 +309,7 @@ async fn assert_all_released<S: Store>(store: &S) {
     loop {
         let mut held = Vec::new();
         for k in 0..KEYS {
-            // The layer's key: one length-prefixed part.
-            let raw = format!("k{k}");
-            let mut key = vec![raw.len() as u8];
-            key.extend_from_slice(raw.as_bytes());
-            held.push(per_key.held(&key).await.unwrap());
+            held.push(per_key.held(&layer_key(k)).await.unwrap());
         }
         held.push(service.held(b"\x00service").await.unwrap());
         if held.iter().all(|&h| h == 0) {
@@ -375,7 +395,7 @@ async fn a_slow_reader_keeps_its_permit_until_the_last_frame() {
     let per_key = store
         .concurrency_limiter(&ConcurrencyRule::new("per-key", 4, Duration::from_secs(30)).unwrap())
         .unwrap();
-    let key = b"\x02k0";
+    let key = &layer_key(0)[..];
     let (mut sender, _conn) = connect(addr).await;
     let res = sender.send_request(get_req("/big", 0)).await.unwrap();
     assert_eq!(res.status(), 200);
@@ -389,14 +409,10 @@ async fn a_slow_reader_keeps_its_permit_until_the_last_frame() {
     }
     let rest = body.collect().await.unwrap().to_bytes();
     assert!(rest.len() > 16 << 20);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while per_key.held(key).await.unwrap() != 0 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not released after the last frame"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_released(&per_key, key, Duration::from_secs(5), &|| {
+        "not released after the last frame".to_owned()
+    })
+    .await;
 }
 
 /// Concurrency review M2, at the layer: behind a Redis 20 ms and 200 ms
@@ -439,12 +455,7 @@ async fn a_slow_redis_gives_no_false_refusal_no_lapse_and_no_leak() {
         let addr = common::spawn(app).await;
         let rule = ConcurrencyRule::new("one", 1, TTL).unwrap();
         let held = near.concurrency_limiter(&rule).unwrap();
-        let key = |k: usize| {
-            let raw = format!("k{k}");
-            let mut key = vec![raw.len() as u8];
-            key.extend_from_slice(raw.as_bytes());
-            key
-        };
+        let key = layer_key;
 
         // The long request on key 0: its head back, its body streaming.
         let (mut long_sender, _long_conn) = connect(addr).await;
@@ -493,15 +504,14 @@ async fn a_slow_redis_gives_no_false_refusal_no_lapse_and_no_leak() {
 
         // Nothing stays held.
         slow.flush().await;
+        // Ten seconds for all of them.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         for k in 0..=16 {
-            while held.held(&key(k)).await.unwrap() != 0 {
-                assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "{delay:?}: key {k}'s lease leaked"
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            until_released(&held, &key(k), left, &|| {
+                format!("{delay:?}: key {k}'s lease leaked")
+            })
+            .await;
         }
     }
 }

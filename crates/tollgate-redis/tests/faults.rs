@@ -704,13 +704,7 @@ async fn a_lease_the_failure_policy_granted_is_never_given_back_to_redis() {
     // One a minute: what Redis has left moves only by what is charged.
     let rule = Rule::new("given", Limit::gcra(Rate::per_minute(1), 100)).unwrap();
     let plain = store.limiter(&rule).unwrap();
-    let hot = tollgate_redis::HotKeys::new()
-        .ttl(Duration::from_secs(10))
-        .max_batch(8)
-        .over(store.clone())
-        .unwrap()
-        .limiter(&rule)
-        .unwrap();
+    let hot = hot_eight(&store, &rule);
     server.pause(true);
     // Leases of 1, 2, 4 and 8 from fail-open; the last holds 7.
     for _ in 0..8 {
@@ -743,13 +737,7 @@ async fn a_hot_decision_on_a_hung_redis_makes_no_call_after_the_policy_answered(
         .build()
         .unwrap();
     let rule = Rule::new("hung", Limit::gcra(Rate::per_minute(1), 100)).unwrap();
-    let hot = tollgate_redis::HotKeys::new()
-        .ttl(Duration::from_secs(10))
-        .max_batch(8)
-        .over(store.clone())
-        .unwrap()
-        .limiter(&rule)
-        .unwrap();
+    let hot = hot_eight(&store, &rule);
     // Leases of 1, 2, 4 and 8 from Redis; the last holds 2 after 13.
     for _ in 0..13 {
         assert!(hot.decide(b"k", 1).await.unwrap().is_allowed());
@@ -887,4 +875,19 @@ async fn a_fleet_share_keeps_the_critical_reserve() {
         c.acquire(b"k", 1, u32::MAX).await.unwrap().lease.is_some(),
         "no reserve left for a critical request"
     );
+}
+
+/// `rule` on `store` through `HotKeys`: leases of ten seconds, at most 8
+/// units.
+fn hot_eight(
+    store: &RedisStore,
+    rule: &Rule,
+) -> tollgate_redis::HotLimiter<tollgate_redis::RedisLimiter> {
+    tollgate_redis::HotKeys::new()
+        .ttl(Duration::from_secs(10))
+        .max_batch(8)
+        .over(store.clone())
+        .unwrap()
+        .limiter(rule)
+        .unwrap()
 }

@@ -1013,6 +1013,30 @@ impl Future for HotFuture {
 }
 
 impl<L: Limiter, C: Clock> HotLimiter<L, C> {
+    /// A leased rule's decision of a cost above 0: from the key's lease at
+    /// once (`Ok`), or the future that goes through the lease's flights
+    /// and the store (`Err`, saying whether the failure policy answered).
+    /// `None` when the rule is not leased, or for a peek: the store
+    /// answers itself.
+    fn leased(
+        &self,
+        key: &[u8],
+        cost: u64,
+    ) -> Option<Result<Decision, impl Future<Output = Flagged> + Send + 'static>> {
+        let local = self.local.as_ref().filter(|_| cost > 0)?;
+        let limit = self.inner.rule().capacity();
+        Some(match self.decide_local(local, key, cost, limit) {
+            Some(d) => Ok(d),
+            None => Err(decide_through(
+                self.inner.clone(),
+                Arc::clone(local),
+                key.to_vec(),
+                cost,
+                limit,
+            )),
+        })
+    }
+
     /// A decision from the key's lease or cached denial, counted; starts
     /// the lease ahead when one is due (on the runtime this runs on; with
     /// none, the key's next decision that runs out asks the store).
@@ -1066,26 +1090,11 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
     }
 
     fn decide(&self, key: &[u8], cost: u64) -> HotFuture {
-        let Some(local) = &self.local else {
-            let f = self.inner.decide(key, cost);
-            return HotFuture(Inner::Boxed(Box::pin(f)));
-        };
-        if cost == 0 {
-            // A peek: the store's view.
-            return HotFuture(Inner::Boxed(Box::pin(self.inner.decide(key, 0))));
+        match self.leased(key, cost) {
+            None => HotFuture(Inner::Boxed(Box::pin(self.inner.decide(key, cost)))),
+            Some(Ok(d)) => HotFuture(Inner::Ready(Some(Ok(d)))),
+            Some(Err(through)) => HotFuture(Inner::Boxed(Box::pin(async move { through.await.0 }))),
         }
-        let limit = self.inner.rule().capacity();
-        if let Some(d) = self.decide_local(local, key, cost, limit) {
-            return HotFuture(Inner::Ready(Some(Ok(d))));
-        }
-        let f = decide_through(
-            self.inner.clone(),
-            Arc::clone(local),
-            key.to_vec(),
-            cost,
-            limit,
-        );
-        HotFuture(Inner::Boxed(Box::pin(async move { f.await.0 })))
     }
 
     /// Each part decided as [`decide`](Self::decide) decides it, side by
@@ -1103,27 +1112,19 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
             .iter()
             .map(|p| {
                 let (limiter, key, cost) = (p.limiter, p.key, p.cost);
-                let local = match (&limiter.local, cost) {
-                    (Some(local), 1..) => local,
+                match limiter.leased(key, cost) {
                     // Not leased, or a peek: the store's own answer.
-                    _ => {
+                    None => {
                         let (inner, key) = (limiter.inner.clone(), key.to_vec());
-                        return Box::pin(async move { lease(&inner, &key, cost).await })
-                            as crate::BoxFuture<Flagged>;
+                        Box::pin(async move { lease(&inner, &key, cost).await })
+                            as crate::BoxFuture<Flagged>
                     }
-                };
-                let limit = limiter.inner.rule().capacity();
-                if let Some(d) = limiter.decide_local(local, key, cost, limit) {
-                    let failed = local.unowned(key);
-                    return Box::pin(std::future::ready((Ok(d), failed)));
+                    Some(Ok(d)) => {
+                        let failed = limiter.local.as_ref().is_some_and(|l| l.unowned(key));
+                        Box::pin(std::future::ready((Ok(d), failed)))
+                    }
+                    Some(Err(through)) => Box::pin(through),
                 }
-                Box::pin(decide_through(
-                    limiter.inner.clone(),
-                    Arc::clone(local),
-                    key.to_vec(),
-                    cost,
-                    limit,
-                ))
             })
             .collect();
         let costs: Vec<u64> = parts.iter().map(|p| p.cost).collect();

@@ -372,3 +372,50 @@ async fn a_renewal_counts_a_lease_redis_lost_again() {
     assert_eq!(lb.held(b"lost").await.unwrap(), 2);
     assert!(lb.acquire(b"lost", 1, ALL).await.unwrap().lease.is_none());
 }
+
+/// Concurrency review, missing test 8: a renewal round that fails (Redis
+/// stopped, the call times out and opens the breaker) leaves the task
+/// running and the leases watched; once Redis answers again the next
+/// round, the breaker's probe, renews them, and a long request keeps its
+/// permits past the TTL it was granted with. (A failed round that forgot
+/// its leases, or a task that ended on it, lets the lease lapse at one
+/// TTL and B take the permits.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_recover_after_a_failed_round_opened_the_breaker() {
+    let Some(server) = Server::start() else {
+        return;
+    };
+    let prefix = unique_prefix();
+    // Renewals every second; one failed round is what a TTL can spare.
+    let ttl = Duration::from_secs(3);
+    let a = RedisStore::builder(&server.url())
+        .prefix(&prefix)
+        .timeout(Duration::from_millis(200))
+        .breaker(1, Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let b = store(&server.url(), &prefix);
+    let (la, lb) = (
+        a.concurrency_limiter(&rule(ttl)).unwrap(),
+        b.concurrency_limiter(&rule(ttl)).unwrap(),
+    );
+    let lease = la.acquire(b"job", 2, ALL).await.unwrap().lease.unwrap();
+    let granted = Instant::now();
+    // Redis stops until the first round has failed and opened A's breaker.
+    server.pause(true);
+    let deadline = Instant::now() + ttl;
+    while !a.breaker_open() {
+        assert!(Instant::now() < deadline, "no renewal round failed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    server.pause(false);
+    // Two TTLs past the grant: only renewed leases are still held.
+    while granted.elapsed() < 2 * ttl {
+        assert_eq!(lb.held(b"job").await.unwrap(), 2, "the lease lapsed");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(!a.breaker_open(), "the probe did not close the breaker");
+    assert!(lb.acquire(b"job", 1, ALL).await.unwrap().lease.is_none());
+    la.release(b"job", lease).await.unwrap();
+    assert_eq!(lb.held(b"job").await.unwrap(), 0);
+}

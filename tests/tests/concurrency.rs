@@ -575,3 +575,122 @@ async fn a_queued_request_gets_a_permit_another_instance_released() {
     let calls = redis.script_calls() - calls_before;
     assert!(calls <= 8, "{calls} script calls for one queued request");
 }
+
+/// Concurrency review, missing test 7: a fixed service limit on a Redis
+/// Cluster whose master for the service's key is stopped. The per-key
+/// lease comes from Redis (its key lives on a live master) and the
+/// service's from the fallback memory store; through the layer, each goes
+/// back to the store that granted it when the response ends — Redis never
+/// sees the memory lease, the memory store never sees Redis's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partial_cluster_failure_sends_each_lease_back_to_its_own_store() {
+    use tokio::sync::Semaphore;
+    use tollgate::FailurePolicy;
+    let Some(cluster) = tokio::task::spawn_blocking(tollgate_redis::testing::Cluster::start)
+        .await
+        .unwrap()
+    else {
+        return;
+    };
+    let memory = MemoryStore::new();
+    let store = RedisStore::builder(&cluster.url())
+        .prefix(&unique_prefix())
+        .timeout(Duration::from_millis(300))
+        .failure_policy(FailurePolicy::Fallback(memory.clone()))
+        .build()
+        .unwrap();
+    let rule = |name, max| ConcurrencyRule::new(name, max, Duration::from_secs(30)).unwrap();
+    let (redis_key, redis_service) = (
+        store.concurrency_limiter(&rule("per-key", 4)).unwrap(),
+        store.concurrency_limiter(&rule("service", 32)).unwrap(),
+    );
+    let (memory_key, memory_service) = (
+        memory.concurrency_limiter(&rule("per-key", 4)).unwrap(),
+        memory.concurrency_limiter(&rule("service", 32)).unwrap(),
+    );
+    let service_on = master_of(&cluster, &redis_service, b"\x00service").await;
+    let mut client = None;
+    for k in 0..64 {
+        if master_of(&cluster, &redis_key, &layer_key(k)).await != service_on {
+            client = Some(k);
+            break;
+        }
+    }
+    let client = client.expect("every client key on the service's master");
+
+    // A handler that says it runs, then waits to be let go.
+    let (entered, go) = (Arc::new(Semaphore::new(0)), Arc::new(Semaphore::new(0)));
+    let layer = ConcurrencyLayer::builder("per-key", 4)
+        .key(Header::named("x-api-key").unwrap())
+        .service_limit("service", 32)
+        .store(store.clone())
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route(
+            "/hold",
+            get({
+                let (entered, go) = (entered.clone(), go.clone());
+                || async move {
+                    entered.add_permits(1);
+                    go.acquire().await.unwrap().forget();
+                    "done"
+                }
+            }),
+        )
+        .layer(layer);
+    let addr = common::spawn(app).await;
+
+    cluster.nodes[service_on].pause(true);
+    let (mut sender, _conn) = connect(addr).await;
+    let request = tokio::spawn(async move {
+        let res = sender.send_request(get_req("/hold", client)).await.unwrap();
+        let status = res.status();
+        res.into_body().collect().await.unwrap();
+        status
+    });
+    entered.acquire().await.unwrap().forget();
+    // Mid-request: the per-key lease on Redis, the service's in memory.
+    assert_eq!(redis_key.held(&layer_key(client)).await.unwrap(), 1);
+    assert_eq!(memory_key.held(&layer_key(client)).await.unwrap(), 0);
+    assert_eq!(memory_service.held(b"\x00service").await.unwrap(), 1);
+    go.add_permits(1);
+    assert_eq!(request.await.unwrap(), 200);
+    until_released(
+        &redis_key,
+        &layer_key(client),
+        Duration::from_secs(5),
+        &|| "the per-key lease stayed on Redis".into(),
+    )
+    .await;
+    until_released(
+        &memory_service,
+        b"\x00service",
+        Duration::from_secs(5),
+        &|| "the service's lease stayed in the fallback memory".into(),
+    )
+    .await;
+    cluster.nodes[service_on].pause(false);
+    // Redis never counted the memory's lease.
+    cluster.wait_until_ok();
+    assert_eq!(redis_service.held(b"\x00service").await.unwrap(), 0);
+}
+
+/// The Cluster master (of the first three nodes) that holds `key` of
+/// `limiter`: a lease taken there, and given back.
+async fn master_of(
+    cluster: &tollgate_redis::testing::Cluster,
+    limiter: &tollgate::redis::RedisConcurrencyLimiter,
+    key: &[u8],
+) -> usize {
+    let mut lease = None;
+    let on = cluster
+        .master_holding(|| {
+            let lease = &mut lease;
+            async move { *lease = limiter.acquire(key, 1, u32::MAX).await.unwrap().lease }
+        })
+        .await
+        .expect("the acquire wrote no key");
+    limiter.release(key, lease.unwrap()).await.unwrap();
+    on
+}

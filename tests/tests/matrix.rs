@@ -191,6 +191,10 @@ const ROWS: &[Row] = &[
         name: "10b hostile costs: 0 and u64::MAX from a header",
         check: |c| Box::pin(hostile_costs(c)),
     },
+    Row {
+        name: "11 a full memory store: rates limit newcomers as a group, quotas never share",
+        check: |c| Box::pin(full_store(c)),
+    },
 ];
 
 // ---------------------------------------------------------------------------
@@ -2417,4 +2421,95 @@ async fn scenario_matrix() {
     );
     assert!(passed > 0, "the matrix ran no cell");
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+// ---------------------------------------------------------------------------
+// Row 11: a key flood fills the memory store (`max_keys`). A rate limit
+// decides the newcomers in a state they share: together they get no more
+// than one key's limit (documented). A quota is a contract: a newcomer is
+// never charged for another's calls (the layer's `OnStoreError` answers
+// for a key the store cannot hold), and the keys held keep their counts.
+
+async fn full_store(cell: Cell<'_>) -> CellResult {
+    if cell.backing == Backing::Redis {
+        return Ok(Verdict::NotApplicable(
+            "Redis holds every key: no key bound in the process",
+        ));
+    }
+    match cell.layer {
+        Layer::Rate | Layer::Policy | Layer::Quota => {}
+        Layer::Concurrency | Layer::Adaptive => {
+            return Ok(Verdict::NotApplicable(
+                "in-flight permits of newcomers are counted as a group and released there \
+                 (the memory store's bounds tests)",
+            ))
+        }
+        Layer::Bandwidth => {
+            return Ok(Verdict::NotApplicable(
+                "pacing newcomers as a group slows, never refuses",
+            ))
+        }
+        Layer::Retry => {
+            return Ok(Verdict::NotApplicable(
+                "a retry budget is keyed by upstream: a few keys, no flood",
+            ))
+        }
+    }
+    for on in [OnStoreError::Admit, OnStoreError::Refuse] {
+        let store = MemoryStore::builder()
+            .max_keys(2)
+            .shards(1)
+            .build()
+            .unwrap();
+        let backend = Backend::default();
+        let spec = Spec {
+            on_store_error: on,
+            ..Spec::default()
+        };
+        let s = common::spawn(protect(cell.layer, store, spec, backend.router()).router).await;
+        // Two clients fill the store.
+        for k in [&b"a"[..], b"b"] {
+            let r = send(s, req(Method::GET, "/s", Some(k))).await.unwrap();
+            expect(r.status == StatusCode::OK, || {
+                format!("{k:?}: HTTP {}", r.status)
+            })?;
+        }
+        // Twelve newcomers, one unit each.
+        let mut statuses = Vec::new();
+        for n in 0..12 {
+            let key = format!("new-{n}");
+            let r = send(s, req(Method::GET, "/s", Some(key.as_bytes())))
+                .await
+                .unwrap();
+            if r.status == StatusCode::TOO_MANY_REQUESTS && r.header("retry-after").is_empty() {
+                return Err(format!("{key}: a 429 without Retry-After"));
+            }
+            statuses.push(r.status.as_u16());
+        }
+        let admitted = statuses.iter().filter(|&&s| s == 200).count();
+        if cell.layer == Layer::Quota {
+            // Nobody's count: each newcomer gets what OnStoreError says.
+            let want = if on == OnStoreError::Admit { 12 } else { 0 };
+            expect(admitted == want, || {
+                format!("{on:?}: {statuses:?}, want {want} admitted (no shared window)")
+            })?;
+        } else {
+            expect(admitted == BUDGET as usize, || {
+                format!("{on:?}: newcomers admitted {admitted}, want one key's budget {BUDGET}")
+            })?;
+        }
+        // "a" kept its own count: the rest of its budget, then a refusal.
+        let mut left = 0;
+        while left <= BUDGET {
+            let r = send(s, req(Method::GET, "/s", Some(b"a"))).await.unwrap();
+            if r.status != StatusCode::OK {
+                break;
+            }
+            left += 1;
+        }
+        expect(left == BUDGET - 1, || {
+            format!("{on:?}: \"a\" had {left} units left, want {}", BUDGET - 1)
+        })?;
+    }
+    Ok(Verdict::Pass)
 }

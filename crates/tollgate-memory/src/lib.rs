@@ -44,7 +44,11 @@
 //!   slots again. A key the shard recently decided in its overflow state
 //!   (one of its last 256 there) starts from that state while it still holds
 //!   spending, so moving never hands it a second budget; other newcomers
-//!   start with a whole one.
+//!   start with a whole one. A quota never shares: a contract's count is
+//!   the key's own, so a new quota key the full store cannot hold gets an
+//!   error ([`MemoryQuotaLimiter::consume_now`]) and the layer's
+//!   `on_store_error` answers; size `max_keys` for the distinct keys of a
+//!   quota's longest period, which its keys live through.
 //!
 //! ```
 //! use tollgate_core::{Limit, Limiter, Rate, Rule, Store};
@@ -205,7 +209,8 @@ impl<C: Clock> MemoryStore<C> {
     }
 
     /// Decisions made against a shard's shared overflow state because the
-    /// store was full.
+    /// store was full (for a quota, which never shares: calls answered
+    /// with an error because the store could not hold the key).
     pub fn overflowed(&self) -> u64 {
         self.inner.shared.overflowed.load(Ordering::Relaxed)
     }
@@ -894,18 +899,20 @@ impl<C> fmt::Debug for MemoryQuotaLimiter<C> {
 }
 
 impl<C: Clock> MemoryQuotaLimiter<C> {
-    /// [`QuotaLimiter::consume`] without the future.
+    /// [`QuotaLimiter::consume`] without the future: `Err` when the store
+    /// is full and cannot hold `key` (a quota is never decided in a state
+    /// other keys share; see [`QuotaLimiter::consume`]).
     #[inline]
-    pub fn consume_now(&self, key: &[u8], cost: u64) -> QuotaDecision {
+    pub fn consume_now(&self, key: &[u8], cost: u64) -> Result<QuotaDecision, StoreError> {
         let t = &self.table;
         let now = t.now();
         // Written in place: the decision is ~260 bytes, and returning it
         // through the lock's closure and the table copied it twice.
         let mut out = QuotaDecision::EMPTY;
-        t.update(key, now, cost > 0, |s| {
+        let (_, slot) = t.update_in(key, now, cost > 0, |s| {
             t.kind.decide_into(s, now, cost, &mut out)
         });
-        out
+        own(slot).map(|()| out)
     }
 
     /// [`QuotaLimiter::refund`] without the future.
@@ -928,11 +935,25 @@ impl<C: Clock> MemoryQuotaLimiter<C> {
         })
     }
 
-    /// [`QuotaLimiter::grant`] without the future.
-    pub fn grant_now(&self, key: &[u8], units: u64) -> QuotaDecision {
+    /// [`QuotaLimiter::grant`] without the future: `Err` when the store is
+    /// full and cannot hold `key` (the units would be lost).
+    pub fn grant_now(&self, key: &[u8], units: u64) -> Result<QuotaDecision, StoreError> {
         let t = &self.table;
         let now = t.now();
-        t.update(key, now, false, |s| t.kind.grant(s, now, units))
+        let (d, slot) = t.update_in(key, now, false, |s| t.kind.grant(s, now, units));
+        own(slot).map(|()| d)
+    }
+}
+
+/// `Err` where a quota's key could not be stored (the store is full).
+fn own(slot: Slot) -> Result<(), StoreError> {
+    match slot {
+        Slot::Own => Ok(()),
+        Slot::Overflow => Err(StoreError::new(
+            tollgate_core::StoreErrorKind::Unavailable,
+            "the store is full (max_keys): a quota is only decided on the key's own count, \
+             so a key it cannot hold is not decided",
+        )),
     }
 }
 
@@ -944,12 +965,12 @@ impl<C: Clock> QuotaLimiter for MemoryQuotaLimiter<C> {
     }
 
     fn consume(&self, key: &[u8], cost: u64) -> Self::Future {
-        ready(Ok(self.consume_now(key, cost)))
+        ready(self.consume_now(key, cost))
     }
 
     #[inline]
     fn consume_sync(&self, key: &[u8], cost: u64) -> Option<Result<QuotaDecision, StoreError>> {
-        Some(Ok(self.consume_now(key, cost)))
+        Some(self.consume_now(key, cost))
     }
 
     fn refund(&self, key: &[u8], cost: u64) -> Self::Future {
@@ -961,7 +982,7 @@ impl<C: Clock> QuotaLimiter for MemoryQuotaLimiter<C> {
     }
 
     fn grant(&self, key: &[u8], units: u64) -> Self::Future {
-        ready(Ok(self.grant_now(key, units)))
+        ready(self.grant_now(key, units))
     }
 }
 

@@ -31,6 +31,12 @@ pub(crate) trait Kind: Send + Sync + 'static {
     /// ([`KeyHasher::hash_few`]), and a stored key's state is updated
     /// under the shard's write lock alone ([`Cell::update_mut`]).
     const FEW_KEYS: bool = false;
+    /// Whether a new key of a full store is decided in its shard's shared
+    /// overflow state. A quota is not: a contract's count must be the
+    /// key's own, so there it is decided on a scratch state that nothing
+    /// keeps, and its limiter answers with an error
+    /// ([`Slot::Overflow`]).
+    const SHARES_OVERFLOW: bool = true;
 }
 
 const SECOND: u64 = 1_000_000_000;
@@ -68,6 +74,7 @@ impl Kind for Quota {
     type State = QuotaState;
     type Cell = Mutex<QuotaState>;
     const WALL: bool = true;
+    const SHARES_OVERFLOW: bool = false;
 
     fn is_idle(&self, state: &QuotaState, now: u64) -> bool {
         Quota::is_idle(self, state, now)
@@ -521,6 +528,9 @@ impl<K: Kind, C: Clock> Table<K, C> {
         f: &mut impl FnMut(&mut K::State) -> R,
     ) -> R {
         self.shared.overflowed.fetch_add(1, Ordering::Relaxed);
+        if !K::SHARES_OVERFLOW {
+            return f(&mut K::State::default());
+        }
         shard.overflow_members.insert(slot);
         shard.overflow.update(f)
     }

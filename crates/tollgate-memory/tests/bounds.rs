@@ -370,8 +370,9 @@ fn a_full_store_sweeping_for_a_quota_keeps_every_rate_key() {
     // A quota key finds it full: the store-wide sweep runs, each table on
     // its own time. Seen on the wall clock (a 2026 date), the rate keys'
     // monotonic states would look decades old and be dropped as idle.
+    // Nothing is idle, so the quota key is not held (and not decided).
     clock.advance(Duration::from_millis(200));
-    assert!(quota.consume_now(b"q", 1).is_allowed());
+    assert!(quota.consume_now(b"q", 1).is_err());
     for key in [&b"a"[..], b"b"] {
         assert!(
             !rate.decide_now(key, 1).is_allowed(),
@@ -468,7 +469,7 @@ fn rebinding_a_quota_keeps_its_usage_when_only_budgets_change() {
     let daily = |budget| QuotaRule::new("daily", &[(Period::Day, budget)], Offset::UTC).unwrap();
     let old = s.quota_limiter(&daily(5)).unwrap();
     for _ in 0..4 {
-        assert!(old.consume_now(b"k", 1).is_allowed());
+        assert!(old.consume_now(b"k", 1).unwrap().is_allowed());
     }
     let re = s.rebinding();
     let raised = re.quota_limiter(&daily(8)).unwrap();
@@ -476,6 +477,7 @@ fn rebinding_a_quota_keeps_its_usage_when_only_budgets_change() {
     assert_eq!(
         raised
             .consume_now(b"k", 0)
+            .unwrap()
             .periods()
             .first()
             .unwrap()
@@ -488,10 +490,48 @@ fn rebinding_a_quota_keeps_its_usage_when_only_budgets_change() {
     assert_eq!(
         weekly
             .consume_now(b"k", 0)
+            .unwrap()
             .periods()
             .first()
             .unwrap()
             .remaining,
         8
     );
+}
+
+/// Quota-bandwidth-retry review #7: a full store decided a new customer's
+/// quota in its shard's overflow state, one window shared by every
+/// newcomer of the shard for the rest of the period: X was charged for Y's
+/// calls (429s with a `Retry-After` of days), and a key that later got its
+/// own slot went on from their usage. A quota is a contract: a key the
+/// store cannot hold gets an error (the layer's `on_store_error` answers
+/// and counts it), never a shared window, and once a slot frees it starts
+/// with its own whole budget.
+#[test]
+fn a_full_store_never_decides_a_quota_in_a_shared_window() {
+    use tollgate_core::calendar::{Offset, Period};
+    use tollgate_core::{QuotaLimiter, QuotaRule, QuotaStore, StoreErrorKind};
+    let clock = ManualClock::starting_at(1_796_000_000_000_000_000);
+    let s = store(&clock, 2, 1);
+    let daily = QuotaRule::new("daily", &[(Period::Day, 5)], Offset::UTC).unwrap();
+    let q = s.quota_limiter(&daily).unwrap();
+    for k in [b"a", b"b"] {
+        assert!(q.consume_sync(k, 1).unwrap().unwrap().is_allowed());
+    }
+    // Full: "c" spends nothing of anyone's, and "d" is not charged for it.
+    for k in [b"c", b"d"] {
+        let err = q.consume_sync(k, 5).unwrap().unwrap_err();
+        assert_eq!(err.kind(), StoreErrorKind::Unavailable, "{k:?}");
+    }
+    assert!(s.overflowed() >= 2, "the refusals are counted");
+    // "a" is reset (nothing used: idle), and its slot goes to "c" at the
+    // next sweep, with a whole day's budget.
+    q.reset_now(b"a");
+    clock.advance(Duration::from_millis(200));
+    let d = q.consume_sync(b"c", 5).unwrap().unwrap();
+    assert!(d.is_allowed(), "{d:?}");
+    assert_eq!(d.periods().first().unwrap().remaining, 0);
+    // "b" kept its own count throughout.
+    let b = q.consume_sync(b"b", 0).unwrap().unwrap();
+    assert_eq!(b.periods().first().unwrap().remaining, 4);
 }

@@ -302,14 +302,15 @@ impl QuotaOnFailure {
         })
     }
 
-    /// What a consume of `cost` for `key` gets at `now` (Unix ns).
+    /// What a consume of `cost` for `key` gets at `now` (Unix ns): `Err`
+    /// where the fallback memory store is full and cannot hold `key`.
     pub(crate) fn consume(
         &self,
         rule: &QuotaRule,
         key: &[u8],
         cost: u64,
         now: u64,
-    ) -> QuotaDecision {
+    ) -> Result<QuotaDecision, StoreError> {
         let open = matches!(self, Self::Open);
         let outcome = match self {
             Self::Memory(m) => return m.consume_now(key, cost),
@@ -337,7 +338,7 @@ impl QuotaOnFailure {
                 }
             })
             .collect();
-        QuotaDecision::new(outcome, &periods)
+        Ok(QuotaDecision::new(outcome, &periods))
     }
 
     /// A refund that did not reach Redis: never made elsewhere (the

@@ -131,10 +131,10 @@ impl QuotaLimiter for RedisQuotaLimiter {
         Box::pin(async move {
             let answer = this.call(QuotaMode::Consume, &key, cost, 0).await;
             // A fault or an unreadable reply: the failure policy answers.
-            Ok(answer.unwrap_or_else(|_| {
+            answer.or_else(|_| {
                 let now = this.backend.unix_now();
                 this.on_failure.consume(&this.rule, &key, cost, now)
-            }))
+            })
         })
     }
 

@@ -382,7 +382,7 @@ impl<C: Clock> Store for MemoryStore<C> {
     /// [`Store::rebinding`]): a rate rule goes on from its keys' states
     /// where [`Algorithm::keeps_state_of`] allows, a concurrency rule keeps
     /// its held permits, a ladder its strikes and blocks, a quota its usage
-    /// where only its budgets change ([`Quota::keeps_state_of`](tollgate_core::Quota::keeps_state_of));
+    /// where only its budgets or its offset change ([`Quota::keeps_state_of`](tollgate_core::Quota::keeps_state_of));
     /// retry budgets of new parameters start fresh.
     fn rebinding(&self) -> Self {
         Self {
@@ -855,8 +855,8 @@ impl<C: Clock> QuotaStore for MemoryStore<C> {
                 )
             },
             // A quota's windows belong to its periods: the same periods
-            // with other budgets go on from each key's usage (as the Redis
-            // store's do); other periods start fresh.
+            // with other budgets or another offset go on from each key's
+            // usage (as the Redis store's do); other periods start fresh.
             |old| match old {
                 Bound::Quota(q, table) if quota.keeps_state_of(q) => {
                     Some(Bound::Quota(quota.clone(), table.sharing(quota.clone())))

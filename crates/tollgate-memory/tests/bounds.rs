@@ -535,3 +535,23 @@ fn a_full_store_never_decides_a_quota_in_a_shared_window() {
     let b = q.consume_sync(b"b", 0).unwrap().unwrap();
     assert_eq!(b.periods().first().unwrap().remaining, 4);
 }
+
+/// Quota review #5, in memory: a reload that moves a quota's offset (for
+/// daylight saving time) goes on from each key's usage, as Redis does,
+/// where a rebinding used to start every key's month afresh.
+#[test]
+fn rebinding_a_quota_to_another_offset_keeps_its_usage() {
+    use tollgate_core::calendar::{unix_nanos, Offset, Period};
+    use tollgate_core::{QuotaRule, QuotaStore};
+    let clock = ManualClock::at_unix(unix_nanos(2026, 11, 10, 12, 0, 0));
+    let s = MemoryStore::builder().clock(clock).build().unwrap();
+    let monthly = |hours| {
+        let offset = Offset::from_hours_minutes(hours, 0).unwrap();
+        QuotaRule::new("monthly", &[(Period::Month, 1_000)], offset).unwrap()
+    };
+    let summer = s.quota_limiter(&monthly(-4)).unwrap();
+    assert!(summer.consume_now(b"k", 30).unwrap().is_allowed());
+    let winter = s.rebinding().quota_limiter(&monthly(-5)).unwrap();
+    let d = winter.consume_now(b"k", 0).unwrap();
+    assert_eq!(d.periods().first().unwrap().remaining, 970);
+}

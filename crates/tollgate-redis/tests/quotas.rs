@@ -109,15 +109,23 @@ async fn quota_keys_live_until_their_longest_period_ends() {
     quota.consume(b"acme", 7).await.unwrap();
     quota.grant(b"acme", 3).await.unwrap();
     let day_start = (unix_nanos(2026, 12, 2, 0, 0, 0) / SECOND).to_string();
+    let day_end = (unix_nanos(2026, 12, 3, 0, 0, 0) / SECOND).to_string();
     let month_start = (unix_nanos(2026, 12, 1, 0, 0, 0) / SECOND).to_string();
+    let month_end = (unix_nanos(2027, 1, 1, 0, 0, 0) / SECOND).to_string();
+    // "start used bonus end".
     assert_eq!(
         server.cli(&["hget", &key, "day"]).trim(),
-        format!("{day_start} 7 3")
+        format!("{day_start} 7 3 {day_end}")
     );
     assert_eq!(
         server.cli(&["hget", &key, "month"]).trim(),
-        format!("{month_start} 7 3")
+        format!("{month_start} 7 3 {month_end}")
     );
+    // A field written before ends were stored still reads: its end is its
+    // start's period's.
+    server.cli(&["hset", &key, "month", &format!("{month_start} 9 0")]);
+    let d = quota.consume(b"acme", 0).await.unwrap();
+    assert_eq!(d.periods()[1].remaining, 1_000 - 9);
     // Until 2027-01-01T00:00Z plus a minute.
     let want = (unix_nanos(2027, 1, 1, 0, 0, 0) - now) / 1_000_000 + 60_000;
     let ttl: u64 = server.cli(&["pttl", &key]).trim().parse().unwrap();
@@ -221,4 +229,46 @@ async fn usage_is_redis_s_answer_or_an_error_never_the_failure_policy_s() {
     assert!(l.consume(b"k", 0).await.unwrap().is_allowed());
     // ...but not a read of the usage.
     assert!(l.usage(b"k").await.is_err());
+}
+
+/// Quota review #5: the script kept a stored window only if it started at
+/// or after now's period at the rule's offset, so a quota whose offset
+/// moved later (summer's −04:00 to winter's −05:00: the month starts at
+/// 05:00Z, not 04:00Z) lost every key's month — and during a rolling
+/// deploy the instances on each offset reset each other's counts. Now the
+/// window stores its end and is read as the core reads it: counted on
+/// through the period it falls in at the new offset, old and new
+/// instances side by side, and December starts afresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offset_moved_for_daylight_saving_keeps_the_month_s_usage() {
+    let Some(server) = Server::start() else {
+        return;
+    };
+    let prefix = unique_prefix();
+    let clock = ManualClock::at_unix(unix_nanos(2026, 11, 10, 12, 0, 0));
+    let monthly = |hours| {
+        let offset = Offset::from_hours_minutes(hours, 0).unwrap();
+        QuotaRule::new("monthly", &[(Period::Month, 1_000)], offset).unwrap()
+    };
+    let (old, new) = (
+        instance(&server, &prefix, &clock),
+        instance(&server, &prefix, &clock),
+    );
+    let (summer, winter) = (
+        old.quota_limiter(&monthly(-4)).unwrap(),
+        new.quota_limiter(&monthly(-5)).unwrap(),
+    );
+    let left = |d: tollgate_core::QuotaDecision| d.periods()[0].remaining;
+    assert_eq!(left(summer.consume(b"k", 30).await.unwrap()), 970);
+    // A rolling deploy: both offsets at once, one count.
+    assert_eq!(left(winter.consume(b"k", 5).await.unwrap()), 965);
+    assert_eq!(left(summer.consume(b"k", 5).await.unwrap()), 960);
+    assert_eq!(left(winter.consume(b"k", 0).await.unwrap()), 960);
+    // Past the summer month's end (04:00Z), still November at −05:00.
+    clock.set(unix_nanos(2026, 12, 1, 4, 30, 0));
+    let d = winter.consume(b"k", 0).await.unwrap();
+    assert_eq!(left(d.clone()), 960);
+    assert_eq!(d.periods()[0].reset_after, 30 * 60 * SECOND);
+    clock.set(unix_nanos(2026, 12, 1, 5, 0, 0));
+    assert_eq!(left(winter.consume(b"k", 0).await.unwrap()), 1_000);
 }

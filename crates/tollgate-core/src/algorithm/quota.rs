@@ -202,28 +202,33 @@ impl Quota {
     }
 
     /// Whether a key's state under `old` means the same under this quota:
-    /// the same periods in the same order, from the same offset — only the
-    /// budgets differ. A rebinding (a reload that raises a plan's monthly
-    /// budget) then goes on from each key's usage instead of a fresh
-    /// period.
+    /// the same periods in the same order — only the budgets or the offset
+    /// differ. A rebinding (a reload that raises a plan's monthly budget,
+    /// or moves the offset for daylight saving time) then goes on from
+    /// each key's usage instead of a fresh period: a window counted at the
+    /// old offset counts on through the period it falls in at the new one.
     pub fn keeps_state_of(&self, old: &Quota) -> bool {
-        self.offset == old.offset
-            && self
-                .periods()
-                .map(|(period, _)| period)
-                .eq(old.periods().map(|(period, _)| period))
+        self.periods()
+            .map(|(period, _)| period)
+            .eq(old.periods().map(|(period, _)| period))
     }
 
     /// The window `w` counts in at `now`: its own if it is the current one
-    /// (or a later one the clock has seen), else a fresh one.
+    /// (or a later one the clock has seen), now's period with `w`'s counts
+    /// if `w` is that period counted at another offset (the quota moved
+    /// its offset, as for daylight saving time: the stored window's middle
+    /// falls in now's period), else a fresh one.
     fn current(&self, period: Period, w: Window, now: u64) -> Window {
         if w.end != 0 && w.start <= now && now < w.end {
             return w;
         }
         let (start, end) = period.bounds(now, self.offset);
+        let middle = w.start + (w.end.saturating_sub(w.start)) / 2;
         if w.end != 0 && w.start >= start {
             // A later period than now's (the clock went back): keep it.
             let (start, end) = period.bounds(w.start, self.offset);
+            Window { start, end, ..w }
+        } else if w.end != 0 && start <= middle && middle < end {
             Window { start, end, ..w }
         } else {
             Window {
@@ -530,6 +535,48 @@ mod tests {
         // Past midnight the day must roll over: the general path's job.
         assert!(!q.decide_current(&mut s, unix_nanos(2026, 12, 4, 0, 0, 0), 1, &mut out));
         assert_eq!(s.windows[0].used, 5);
+    }
+
+    /// Quota review #5: a quota that moves its offset (summer's −04:00 to
+    /// winter's −05:00) goes on counting the period it is in. The stored
+    /// month (from 04:00Z) ends an hour before the month at the new offset
+    /// (05:00Z); in that hour it is still November at −05:00, and the
+    /// usage stays. Then December starts afresh.
+    #[test]
+    fn an_offset_moved_later_keeps_counting_the_same_period() {
+        let at = |h| Offset::from_hours_minutes(h, 0).unwrap();
+        let summer = Quota::new(&[(Period::Month, 1_000)], at(-4)).unwrap();
+        let winter = Quota::new(&[(Period::Month, 1_000)], at(-5)).unwrap();
+        let mut s = QuotaState::default();
+        summer.decide(&mut s, unix_nanos(2026, 11, 10, 12, 0, 0), 30);
+        let left = |q: &Quota, s: &mut QuotaState, now| q.decide(s, now, 0).periods()[0].remaining;
+        assert_eq!(
+            left(&winter, &mut s, unix_nanos(2026, 11, 20, 12, 0, 0)),
+            970
+        );
+        // Past the stored month's end (04:00Z), before winter's (05:00Z).
+        let between = unix_nanos(2026, 12, 1, 4, 30, 0);
+        assert_eq!(left(&winter, &mut s, between), 970);
+        let d = winter.decide(&mut s, between, 5);
+        assert_eq!(d.periods()[0].remaining, 965);
+        assert_eq!(d.periods()[0].reset_after, 30 * 60 * S);
+        assert_eq!(
+            left(&winter, &mut s, unix_nanos(2026, 12, 1, 5, 0, 0)),
+            1_000
+        );
+        // And the other way (back to −04:00 in March): the stored window
+        // holds until its own end, then the next starts at the new offset.
+        let mut s = QuotaState::default();
+        winter.decide(&mut s, unix_nanos(2027, 3, 20, 12, 0, 0), 30);
+        assert_eq!(
+            left(&summer, &mut s, unix_nanos(2027, 3, 31, 12, 0, 0)),
+            970
+        );
+        assert_eq!(left(&summer, &mut s, unix_nanos(2027, 4, 1, 4, 30, 0)), 970);
+        assert_eq!(
+            left(&summer, &mut s, unix_nanos(2027, 4, 1, 5, 0, 0)),
+            1_000
+        );
     }
 
     #[test]

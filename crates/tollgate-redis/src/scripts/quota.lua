@@ -1,8 +1,11 @@
 -- Calendar quota, as tollgate_core::Quota and tollgate_core::calendar.
 -- KEYS[1] a hash, one field per period the rule counts ('minute', 'hour',
--- 'day', 'week', 'month', 'year'), each "start used bonus": the start of
--- the period counted, in Unix seconds (period bounds are whole seconds),
--- the units used in it and the units granted on top of its budget.
+-- 'day', 'week', 'month', 'year'), each "start used bonus end": the start
+-- of the period counted, in Unix seconds (period bounds are whole seconds),
+-- the units used in it, the units granted on top of its budget, and its
+-- end (so a window counted at another offset is still read as counted;
+-- fields written before ends were stored have none: their end is their
+-- start's period's at the rule's offset).
 -- ARGV[1] the mode: 'consume' (ARGV[2] the cost; 0 reads), 'refund'
 -- (ARGV[2] the units to give back), 'reset', 'grant' (ARGV[5] the units,
 -- at most 2^52). ARGV[4] the TTL's margin in ms; ARGV[6] the offset from
@@ -117,27 +120,47 @@ local function main()
     end
     for i = 1, #names do
       if raw[i] then
-        local s, u, b = string.match(raw[i], '^(%d+) (%d+) (%d+)$')
+        local s, u, b, e = string.match(raw[i], '^(%d+) (%d+) (%d+) ?(%d*)$')
         s, u, b = count_of(s), big_of(u), big_of(b)
         if not (s and u and b) or s > MAX_START or b > MAX_LIMIT then corrupt() end
-        stored[i] = {s, u, b}
+        if e == '' then
+          e = select(2, bounds(names[i], s))
+        else
+          e = count_of(e)
+          if not e or e <= s or e > MAX_START + 366 * DAY then corrupt() end
+        end
+        stored[i] = {s, u, b, e}
       end
     end
   end
 
   -- Each period's current window, as Quota::current finds it: the stored
-  -- one if it is now's or a later one (the clock went back), else fresh.
+  -- one if it holds now or is a later one (the clock went back); now's
+  -- period with the stored counts if the stored window is that period
+  -- counted at another offset (its middle falls in now's period); else
+  -- fresh.
   local windows = {}
   local never, wait, latest = false, nil, now_s
   for i = 1, #names do
     local period, w = names[i], stored[i]
     local start, finish = bounds(period, now_s)
     local cur = {start = start, finish = finish, used = 0, bonus = 0, same = false}
-    if w and w[1] >= start then
-      if w[1] ~= start then cur.start, cur.finish = bounds(period, w[1]) end
-      cur.used, cur.bonus = w[2], w[3]
-      -- Refunds go to a stored window that is current.
-      cur.same = cur.start == w[1]
+    if w then
+      local ws, we = w[1], w[4]
+      local middle = ws + idiv(we - ws, 2)
+      local kept = true
+      if ws <= now_s and now_s < we then
+        cur.start, cur.finish = ws, we
+      elseif ws >= start then
+        cur.start, cur.finish = bounds(period, ws)
+      elseif not (start <= middle and middle < finish) then
+        kept = false
+      end
+      if kept then
+        cur.used, cur.bonus = w[2], w[3]
+        -- Refunds go to a stored window that is current.
+        cur.same = cur.start == ws
+      end
     end
     cur.bonus = math.min(cur.bonus + grant, MAX_LIMIT)
     if cur.same and give_back > 0 then cur.used = math.max(0, cur.used - give_back) end
@@ -170,6 +193,7 @@ local function main()
     if write then
       fields[#fields + 1] = names[i]
       fields[#fields + 1] = fmt(cur.start) .. ' ' .. fmt(cur.used) .. ' ' .. fmt(cur.bonus)
+        .. ' ' .. fmt(cur.finish)
     end
   end
   if #fields > 0 then

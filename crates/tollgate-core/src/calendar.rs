@@ -1,5 +1,6 @@
 //! Calendar periods: where a minute, hour, day, ISO week, month or year
-//! begins and ends, in UTC or at a fixed UTC offset, exactly.
+//! begins and ends, in UTC, at a fixed UTC offset, or (feature `tz`) in an
+//! IANA time zone ([`Zone`]), exactly.
 //!
 //! A month is a calendar month — 28, 29, 30 or 31 days — not 30 days (Kong
 //! counts a month as 30 days, and its users trip over it: Kong#2817,
@@ -86,6 +87,25 @@ impl Period {
         (back(start), back(end))
     }
 
+    /// The period containing `unix_nanos` in `zone`: its start (inclusive)
+    /// and end (exclusive), in Unix nanoseconds. In an IANA zone a day runs
+    /// from local midnight to local midnight, however long that is.
+    pub fn bounds_in(self, unix_nanos: u64, zone: &Zone) -> (u64, u64) {
+        if let Some(offset) = zone.fixed() {
+            return self.bounds(unix_nanos, offset);
+        }
+        let secs = i64::try_from(unix_nanos / NANOS).unwrap_or(i64::MAX);
+        let local = secs.saturating_add(zone.offset_at(secs));
+        let (start, end) = self.local_bounds(local);
+        let back = |s: i64| -> u64 {
+            let unix = zone.unix_of_local(s, secs).max(0);
+            u64::try_from(unix).unwrap_or(0).saturating_mul(NANOS)
+        };
+        let (start, end) = (back(start), back(end));
+        // Whatever the zone's data says, the period holds the instant.
+        (start.min(unix_nanos), end.max(unix_nanos.saturating_add(1)))
+    }
+
     /// Bounds in local seconds (offset applied).
     fn local_bounds(self, local: i64) -> (i64, i64) {
         let floor_to = |unit: i64| {
@@ -168,6 +188,175 @@ impl Offset {
     /// Seconds east of UTC.
     pub fn seconds(self) -> i32 {
         self.0
+    }
+}
+
+/// Where a quota's periods begin: at a fixed offset from UTC, or (feature
+/// `tz`) in an IANA time zone such as `Europe/Berlin`, whose days start at
+/// local midnight on both sides of a daylight-saving change (a 23-hour day
+/// in spring, a 25-hour day in autumn).
+///
+/// ```
+/// use tollgate_core::calendar::{Offset, Zone};
+///
+/// let tokyo: Zone = Offset::from_hours_minutes(9, 0)?.into();
+/// assert_eq!(tokyo.fixed(), Some(Offset::from_hours_minutes(9, 0)?));
+/// assert_eq!(Zone::UTC.to_string(), "+00:00");
+/// # Ok::<(), tollgate_core::ConfigError>(())
+/// ```
+#[derive(Clone)]
+pub struct Zone(ZoneKind);
+
+#[derive(Clone)]
+enum ZoneKind {
+    Fixed(Offset),
+    #[cfg(feature = "tz")]
+    Iana(std::sync::Arc<str>, jiff::tz::TimeZone),
+}
+
+impl Zone {
+    /// UTC.
+    pub const UTC: Zone = Zone(ZoneKind::Fixed(Offset::UTC));
+
+    /// The IANA time zone `name` (e.g. `America/New_York`), from the
+    /// system's time zone database (`/usr/share/zoneinfo`), or the copy
+    /// built in where the system has none. An unknown name is an error
+    /// naming the field `time_zone`.
+    #[cfg(feature = "tz")]
+    pub fn iana(name: &str) -> Result<Self, ConfigError> {
+        let tz = jiff::tz::TimeZone::get(name).map_err(|e| {
+            ConfigError::new("time_zone", format!("unknown IANA time zone {name:?}: {e}"))
+        })?;
+        Ok(Self(ZoneKind::Iana(name.into(), tz)))
+    }
+
+    /// The fixed offset, if the zone is one.
+    pub fn fixed(&self) -> Option<Offset> {
+        match &self.0 {
+            ZoneKind::Fixed(o) => Some(*o),
+            #[cfg(feature = "tz")]
+            ZoneKind::Iana(..) => None,
+        }
+    }
+
+    /// The offset from UTC in force at Unix second `secs`.
+    #[cfg_attr(not(feature = "tz"), allow(unused_variables))]
+    fn offset_at(&self, secs: i64) -> i64 {
+        match &self.0 {
+            ZoneKind::Fixed(o) => i64::from(o.0),
+            #[cfg(feature = "tz")]
+            ZoneKind::Iana(_, tz) => jiff::Timestamp::from_second(secs)
+                .map_or(0, |t| i64::from(tz.to_offset(t).seconds())),
+        }
+    }
+
+    /// The Unix second at which the local time `local` (seconds since
+    /// 1970-01-01T00:00 local) begins. A local time the clocks skipped (a
+    /// gap) begins when they skipped it; one they went through twice (a
+    /// fold) at its first occurrence.
+    #[cfg_attr(not(feature = "tz"), allow(unused_variables))]
+    fn unix_of_local(&self, local: i64, near: i64) -> i64 {
+        match &self.0 {
+            ZoneKind::Fixed(o) => local.saturating_sub(i64::from(o.0)),
+            #[cfg(feature = "tz")]
+            ZoneKind::Iana(_, tz) => {
+                use jiff::tz::AmbiguousOffset;
+                let fallback = local.saturating_sub(self.offset_at(near));
+                let Some(dt) = civil(local) else {
+                    return fallback;
+                };
+                let local_of = |o: jiff::tz::Offset| local.saturating_sub(i64::from(o.seconds()));
+                match tz.to_ambiguous_timestamp(dt).offset() {
+                    AmbiguousOffset::Unambiguous { offset } => local_of(offset),
+                    // Skipped: the period begins at the transition, which
+                    // the local time read at the offset before passes.
+                    AmbiguousOffset::Gap { before, after } => {
+                        let (a, b) = (local_of(before), local_of(after));
+                        jiff::Timestamp::from_second(b.min(a))
+                            .ok()
+                            .and_then(|t| tz.following(t).next())
+                            .map_or(a, |t| t.timestamp().as_second())
+                            .clamp(b.min(a), a.max(b))
+                    }
+                    AmbiguousOffset::Fold { before, .. } => local_of(before),
+                }
+            }
+        }
+    }
+}
+
+/// A civil date-time of `local` seconds since 1970-01-01T00:00 (`None`
+/// past the years jiff holds).
+#[cfg(feature = "tz")]
+fn civil(local: i64) -> Option<jiff::civil::DateTime> {
+    let (y, m, d) = civil_from_days(local.div_euclid(DAY));
+    let t = local.rem_euclid(DAY); // [0, 86399]
+    let narrow = |v: i64| i8::try_from(v).ok();
+    jiff::civil::DateTime::new(
+        i16::try_from(y).ok()?,
+        i8::try_from(m).ok()?,
+        i8::try_from(d).ok()?,
+        narrow(t / 3_600)?,
+        narrow(t / 60 % 60)?,
+        narrow(t % 60)?,
+        0,
+    )
+    .ok()
+}
+
+impl From<Offset> for Zone {
+    fn from(offset: Offset) -> Self {
+        Self(ZoneKind::Fixed(offset))
+    }
+}
+
+impl Default for Zone {
+    fn default() -> Self {
+        Self::UTC
+    }
+}
+
+impl PartialEq for Zone {
+    fn eq(&self, other: &Self) -> bool {
+        match (&self.0, &other.0) {
+            (ZoneKind::Fixed(a), ZoneKind::Fixed(b)) => a == b,
+            #[cfg(feature = "tz")]
+            (ZoneKind::Iana(a, _), ZoneKind::Iana(b, _)) => a == b,
+            #[cfg(feature = "tz")]
+            _ => false,
+        }
+    }
+}
+
+impl Eq for Zone {}
+
+impl std::hash::Hash for Zone {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        match &self.0 {
+            ZoneKind::Fixed(o) => o.hash(state),
+            #[cfg(feature = "tz")]
+            ZoneKind::Iana(name, _) => name.hash(state),
+        }
+    }
+}
+
+impl fmt::Display for Zone {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.0 {
+            ZoneKind::Fixed(o) => {
+                let sign = if o.0 < 0 { '-' } else { '+' };
+                let abs = o.0.unsigned_abs();
+                write!(f, "{sign}{:02}:{:02}", abs / 3_600, abs / 60 % 60)
+            }
+            #[cfg(feature = "tz")]
+            ZoneKind::Iana(name, _) => f.write_str(name),
+        }
+    }
+}
+
+impl fmt::Debug for Zone {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Zone({self})")
     }
 }
 
@@ -349,5 +538,72 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// IANA zones: a day runs from local midnight to local midnight on
+    /// the two transition days (23 and 25 hours), in Berlin and New York;
+    /// where midnight itself is skipped (Havana, spring) the day begins at
+    /// the transition, and where it happens twice (Havana, autumn) at the
+    /// first.
+    #[cfg(feature = "tz")]
+    #[test]
+    fn iana_days_run_from_local_midnight_across_daylight_saving() {
+        let hours = |(a, b): (u64, u64)| (b - a) / 3_600 / NANOS;
+        let day = |zone: &str, t: u64| {
+            let (a, b) = Period::Day.bounds_in(t, &Zone::iana(zone).unwrap());
+            assert!(a <= t && t < b, "{zone}: {t} outside its day");
+            (a, b)
+        };
+        let at = |y, m, d, h, mi| unix_nanos(y, m, d, h, mi, 0);
+        // Berlin: 2026-03-29 from 00:00 CET (23:00Z) to 00:00 CEST (22:00Z).
+        let spring = day("Europe/Berlin", at(2026, 3, 29, 12, 0));
+        assert_eq!(spring, (at(2026, 3, 28, 23, 0), at(2026, 3, 29, 22, 0)));
+        assert_eq!(hours(spring), 23);
+        let autumn = day("Europe/Berlin", at(2026, 10, 25, 12, 0));
+        assert_eq!(autumn, (at(2026, 10, 24, 22, 0), at(2026, 10, 25, 23, 0)));
+        assert_eq!(hours(autumn), 25);
+        // The instants around each end belong to the right day.
+        assert_eq!(day("Europe/Berlin", at(2026, 3, 29, 21, 59)).1, spring.1);
+        assert_eq!(day("Europe/Berlin", at(2026, 3, 29, 22, 0)).0, spring.1);
+        assert_eq!(day("Europe/Berlin", at(2026, 10, 25, 22, 59)).1, autumn.1);
+        // New York, whose clocks change at 02:00.
+        let ny = day("America/New_York", at(2026, 3, 8, 12, 0));
+        assert_eq!(ny, (at(2026, 3, 8, 5, 0), at(2026, 3, 9, 4, 0)));
+        let ny = day("America/New_York", at(2026, 11, 1, 12, 0));
+        assert_eq!(ny, (at(2026, 11, 1, 4, 0), at(2026, 11, 2, 5, 0)));
+        // Havana skips midnight on 2026-03-08 (00:00 CST is 01:00 CDT, at
+        // 05:00Z) and goes through it twice on 2026-11-01 (04:00Z, 05:00Z).
+        let gap = day("America/Havana", at(2026, 3, 8, 12, 0));
+        assert_eq!(gap, (at(2026, 3, 8, 5, 0), at(2026, 3, 9, 4, 0)));
+        assert_eq!(day("America/Havana", at(2026, 3, 8, 4, 59)).1, gap.0);
+        let fold = day("America/Havana", at(2026, 11, 1, 12, 0));
+        assert_eq!(fold, (at(2026, 11, 1, 4, 0), at(2026, 11, 2, 5, 0)));
+        assert_eq!(day("America/Havana", at(2026, 11, 1, 4, 30)), fold);
+        // A month and a year in a zone: local midnights at either end.
+        let month = Period::Month.bounds_in(
+            at(2026, 11, 15, 0, 0),
+            &Zone::iana("America/New_York").unwrap(),
+        );
+        assert_eq!(month, (at(2026, 11, 1, 4, 0), at(2026, 12, 1, 5, 0)));
+        let year =
+            Period::Year.bounds_in(at(2026, 7, 1, 0, 0), &Zone::iana("Europe/Berlin").unwrap());
+        assert_eq!(year, (at(2025, 12, 31, 23, 0), at(2026, 12, 31, 23, 0)));
+        // A fixed zone is its offset.
+        let tokyo: Zone = Offset::from_hours_minutes(9, 0).unwrap().into();
+        let t = at(2026, 3, 29, 12, 0);
+        assert_eq!(
+            Period::Day.bounds_in(t, &tokyo),
+            Period::Day.bounds(t, Offset(9 * 3_600))
+        );
+        assert_eq!(Zone::iana("Mars/Olympus").unwrap_err().field(), "time_zone");
+        assert_eq!(
+            Zone::iana("Europe/Berlin").unwrap().to_string(),
+            "Europe/Berlin"
+        );
+        assert_eq!(tokyo.to_string(), "+09:00");
+        assert_eq!(
+            Zone::from(Offset(-(5 * 3_600 + 1_800))).to_string(),
+            "-05:30"
+        );
     }
 }

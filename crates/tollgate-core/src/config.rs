@@ -573,13 +573,13 @@ impl QuotaRule {
     pub fn new(
         name: impl AsRef<str>,
         periods: &[(crate::calendar::Period, u64)],
-        offset: crate::calendar::Offset,
+        zone: impl Into<crate::calendar::Zone>,
     ) -> Result<Self, ConfigError> {
         let name = name.as_ref();
         validate_name(name)?;
         Ok(Self {
             name: name.into(),
-            quota: crate::Quota::new(periods, offset)?,
+            quota: crate::Quota::new(periods, zone)?,
         })
     }
 
@@ -608,7 +608,7 @@ impl QuotaRule {
             .collect();
         Ok(Self {
             name: self.name.clone(),
-            quota: crate::Quota::new(&periods, self.quota.offset())?,
+            quota: crate::Quota::new(&periods, self.quota.zone().clone())?,
         })
     }
 }

@@ -323,7 +323,7 @@ impl QuotaOnFailure {
         let periods: Vec<PeriodStatus> = quota
             .periods()
             .map(|(period, limit)| {
-                let (start, end) = period.bounds(now, quota.offset());
+                let (start, end) = period.bounds_in(now, quota.zone());
                 PeriodStatus {
                     period,
                     limit,

@@ -45,7 +45,8 @@ struct BoundQuota {
     backend: Arc<Backend>,
     rule: QuotaRule,
     periods: Vec<Period>,
-    /// `ARGV[6..]`: the offset, then each period's name and budget.
+    /// `ARGV[6..]`: the offset, then each period's name and budget (for a
+    /// fixed offset; an IANA zone's are made per call).
     params: Vec<String>,
     margin: String,
     on_failure: QuotaOnFailure,
@@ -66,7 +67,12 @@ impl RedisQuotaLimiter {
         mode: crate::policy::Rebind,
     ) -> Result<Self, tollgate_core::ConfigError> {
         let quota = rule.quota();
-        let mut params = vec![quota.offset().seconds().to_string()];
+        // A fixed offset: the script computes the periods' bounds. An IANA
+        // zone: the call passes them (see `call`).
+        let mut params = vec![quota
+            .zone()
+            .fixed()
+            .map_or_else(|| "zone".to_owned(), |o| o.seconds().to_string())];
         for (period, limit) in quota.periods() {
             params.push(period.name().to_owned());
             params.push(limit.to_string());
@@ -101,7 +107,27 @@ impl BoundQuota {
             .name(key::Format::Quota, self.rule.name(), key);
         let cost = crate::scripts::lua_number(cost).to_string();
         let grant = grant.min(Quota::MAX_LIMIT).to_string();
-        let now = self.backend.now_arg();
+        let zone = self.rule.quota().zone();
+        let mut zoned = Vec::new();
+        let now = if zone.fixed().is_some() {
+            self.backend.now_arg()
+        } else {
+            // In an IANA zone the client computes each period's bounds
+            // (local midnights across daylight saving time; Lua has no
+            // time zone database), at its own time, which the script
+            // then decides at: one instant for both.
+            let now = self.backend.unix_now();
+            for (period, limit) in self.rule.quota().periods() {
+                let (start, end) = period.bounds_in(now, zone);
+                zoned.extend([
+                    period.name().to_owned(),
+                    limit.to_string(),
+                    (start / 1_000_000_000).to_string(),
+                    (end / 1_000_000_000).to_string(),
+                ]);
+            }
+            now.to_string()
+        };
         let mut args: Vec<&str> = Vec::with_capacity(self.params.len().saturating_add(5));
         args.extend([
             mode.arg(),
@@ -110,7 +136,12 @@ impl BoundQuota {
             self.margin.as_str(),
             grant.as_str(),
         ]);
-        args.extend(self.params.iter().map(String::as_str));
+        if zoned.is_empty() {
+            args.extend(self.params.iter().map(String::as_str));
+        } else {
+            args.push("zone");
+            args.extend(zoned.iter().map(String::as_str));
+        }
         let reply = self.backend.run(&QUOTA, &[&rkey], &args).await?;
         reply.quota(&self.periods).ok_or_else(|| {
             StoreError::new(StoreErrorKind::Protocol, "unreadable reply to a quota call")

@@ -140,6 +140,7 @@
 //! | `redis` | no | `RedisStore` (standalone, Cluster, Sentinel), re-exported from `tollgate-redis` as `tollgate::redis`; `AnyStore` can hold it |
 //! | `redis-tls` | no | `rediss://` URLs (TLS to Redis), through the system's OpenSSL; implies `redis` |
 //! | `config` | no | `tollgate::config`: a `PolicyLayer` declared in a TOML policy file, validated with line and field, reloaded on SIGHUP and on change |
+//! | `tz` | no | IANA time zones for quotas (`calendar::Zone::iana`, through `jiff`): days from local midnight to local midnight across daylight saving time |
 
 #![forbid(unsafe_code)]
 // The crate README, so that its example is compiled and run as a test.

@@ -1,4 +1,6 @@
-use crate::calendar::{Offset, Period};
+#[cfg(test)]
+use crate::calendar::Offset;
+use crate::calendar::{Period, Zone};
 use crate::{ConfigError, Decision, Outcome};
 
 /// The most periods one quota counts at once (one of each kind).
@@ -43,7 +45,7 @@ pub const MAX_PERIODS: usize = 6;
 pub struct Quota {
     periods: [Option<(Period, u64)>; MAX_PERIODS],
     len: usize,
-    offset: Offset,
+    zone: Zone,
 }
 
 /// One period's count in a [`QuotaState`].
@@ -159,7 +161,7 @@ impl Quota {
     /// Validates: 1 to [`MAX_PERIODS`] periods, each kind at most once,
     /// every budget from 1 to [`Self::MAX_LIMIT`]. Periods are kept in the
     /// order given.
-    pub fn new(periods: &[(Period, u64)], offset: Offset) -> Result<Self, ConfigError> {
+    pub fn new(periods: &[(Period, u64)], zone: impl Into<Zone>) -> Result<Self, ConfigError> {
         if periods.is_empty() || periods.len() > MAX_PERIODS {
             return Err(ConfigError::new(
                 "periods",
@@ -169,7 +171,7 @@ impl Quota {
         let mut quota = Self {
             periods: [None; MAX_PERIODS],
             len: periods.len(),
-            offset,
+            zone: zone.into(),
         };
         for (i, &(period, limit)) in periods.iter().enumerate() {
             if limit == 0 || limit > Self::MAX_LIMIT {
@@ -196,9 +198,10 @@ impl Quota {
         self.periods.iter().take(self.len).flatten().copied()
     }
 
-    /// The offset from UTC that periods align to.
-    pub fn offset(&self) -> Offset {
-        self.offset
+    /// Where its periods begin: a fixed offset from UTC or an IANA time
+    /// zone.
+    pub fn zone(&self) -> &Zone {
+        &self.zone
     }
 
     /// Whether a key's state under `old` means the same under this quota:
@@ -222,12 +225,11 @@ impl Quota {
         if w.end != 0 && w.start <= now && now < w.end {
             return w;
         }
-        let (start, end) = period.bounds(now, self.offset);
-        let middle = w.start + (w.end.saturating_sub(w.start)) / 2;
+        let (start, end) = period.bounds_in(now, &self.zone);
+        let middle = w.start.saturating_add(w.end.saturating_sub(w.start) / 2);
         if w.end != 0 && w.start >= start {
             // A later period than now's (the clock went back): keep it.
-            let (start, end) = period.bounds(w.start, self.offset);
-            Window { start, end, ..w }
+            w
         } else if w.end != 0 && start <= middle && middle < end {
             Window { start, end, ..w }
         } else {
@@ -458,7 +460,7 @@ impl Quota {
     /// until the end of its longest period.
     pub fn lifetime(&self, now: u64) -> u64 {
         self.periods()
-            .map(|(p, _)| p.bounds(now, self.offset).1.saturating_sub(now))
+            .map(|(p, _)| p.bounds_in(now, &self.zone).1.saturating_sub(now))
             .max()
             .unwrap_or(0)
     }

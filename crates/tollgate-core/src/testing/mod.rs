@@ -50,7 +50,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use crate::calendar::{Offset, Period};
+use crate::calendar::{Offset, Period, Zone};
 use crate::{
     Algorithm, ConcurrencyLimiter, ConcurrencyRule, Limit, Limiter, ManualClock, Outcome,
     QuotaDecision, QuotaLimiter, QuotaRule, QuotaStore, Rate, RateAlgorithm, RetryBudgetLimiter,

@@ -101,8 +101,8 @@ fn civil(now: u64) -> String {
     )
 }
 
-fn quota_rule(name: &str, periods: &[(Period, u64)], offset: Offset) -> QuotaRule {
-    QuotaRule::new(name, periods, offset).unwrap()
+fn quota_rule(name: &str, periods: &[(Period, u64)], zone: impl Into<Zone>) -> QuotaRule {
+    QuotaRule::new(name, periods, zone).unwrap()
 }
 
 /// Every quota scenario: traces across the ends of a day, an ISO week,
@@ -113,10 +113,12 @@ fn quota_rule(name: &str, periods: &[(Period, u64)], offset: Offset) -> QuotaRul
 /// scenario gets a fresh store built by `make` around a manual clock set
 /// to its date (the Unix time, in ns).
 pub async fn run_quota<S: QuotaStore>(make: impl Fn(ManualClock) -> S) {
-    for (label, boundary, offset) in quota_boundaries() {
+    for (label, boundary, zone) in quota_boundaries() {
         let clock = ManualClock::at_unix(boundary - 3_600 * SECOND);
-        quota_across_a_boundary(&make(clock.clone()), &clock, label, offset).await;
+        quota_across_a_boundary(&make(clock.clone()), &clock, label, zone).await;
     }
+    let clock = ManualClock::at_unix(0);
+    quota_zone_moves(&make(clock.clone()), &clock).await;
     let clock = ManualClock::at_unix(crate::calendar::unix_nanos(2023, 12, 20, 9, 30, 0));
     quota_over_two_years(&make(clock.clone()), &clock).await;
     let clock = ManualClock::at_unix(UNIX_2026);
@@ -153,13 +155,13 @@ pub async fn run_quota_at<S: QuotaStore>(make: impl Fn(ManualClock) -> S, start:
 
 /// The boundaries the suite crosses: a label, the instant (Unix ns) a
 /// period ends at, and the offset of the quota's periods.
-fn quota_boundaries() -> Vec<(&'static str, u64, Offset)> {
+fn quota_boundaries() -> Vec<(&'static str, u64, Zone)> {
     use crate::calendar::unix_nanos as at;
     let tokyo = Offset::from_hours_minutes(9, 0).unwrap();
     let new_york = Offset::from_hours_minutes(-5, 0).unwrap();
     let utc = Offset::UTC;
     let h = 3_600 * SECOND;
-    vec![
+    let fixed = [
         ("the end of a day", at(2026, 12, 2, 24, 0, 0), utc),
         ("the end of an ISO week", at(2026, 12, 7, 0, 0, 0), utc),
         ("the end of a 31-day month", at(2026, 2, 1, 0, 0, 0), utc),
@@ -201,7 +203,83 @@ fn quota_boundaries() -> Vec<(&'static str, u64, Offset)> {
             at(2026, 3, 1, 0, 0, 0) + 5 * h,
             new_york,
         ),
-    ]
+    ];
+    let mut all: Vec<(&'static str, u64, Zone)> = fixed
+        .into_iter()
+        .map(|(label, at, offset)| (label, at, offset.into()))
+        .collect();
+    // IANA zones on their transition days: local midnight after a
+    // 23-hour day and a 25-hour one, and where midnight is skipped.
+    #[cfg(feature = "tz")]
+    for (label, end, zone) in [
+        (
+            "the end of Berlin's 23-hour day",
+            at(2026, 3, 29, 22, 0, 0),
+            "Europe/Berlin",
+        ),
+        (
+            "the end of Berlin's 25-hour day",
+            at(2026, 10, 25, 23, 0, 0),
+            "Europe/Berlin",
+        ),
+        (
+            "the end of New York's 25-hour day",
+            at(2026, 11, 2, 5, 0, 0),
+            "America/New_York",
+        ),
+        (
+            "Havana's skipped midnight",
+            at(2026, 3, 8, 5, 0, 0),
+            "America/Havana",
+        ),
+    ] {
+        all.push((label, end, Zone::iana(zone).unwrap()));
+    }
+    all
+}
+
+/// A quota whose zone moves — a reload from −04:00 to −05:00 for daylight
+/// saving time — while a rolling deploy runs both: the instances on each
+/// zone count one usage, a window counted at the old offset holds until
+/// its end and then counts on through the period it falls in at the new
+/// one; then December starts afresh. (The clock is set to dates here.)
+pub async fn quota_zone_moves<S: QuotaStore>(store: &S, clock: &ManualClock) {
+    use crate::calendar::unix_nanos as at;
+    let rule = |hours| {
+        let offset = Offset::from_hours_minutes(hours, 0).unwrap();
+        quota_rule("moving", &[(Period::Day, 40), (Period::Month, 100)], offset)
+    };
+    let (summer, winter) = (rule(-4), rule(-5));
+    let old = store.quota_limiter(&summer).unwrap();
+    let new = store.rebinding().quota_limiter(&winter).unwrap();
+    // One reference state, decided by whichever quota the call's is.
+    let mut reference = QuotaReference::new(&summer);
+    for (when, on_new, op) in [
+        (at(2026, 11, 10, 12, 0, 0), false, QuotaOp::Consume(30)),
+        (at(2026, 11, 10, 12, 0, 0), true, QuotaOp::Consume(5)),
+        (at(2026, 11, 10, 12, 0, 1), false, QuotaOp::Consume(5)),
+        (at(2026, 11, 10, 12, 0, 1), true, QuotaOp::Consume(0)),
+        (at(2026, 11, 30, 20, 0, 0), true, QuotaOp::Consume(9)),
+        (at(2026, 12, 1, 3, 59, 59), false, QuotaOp::Consume(1)),
+        (at(2026, 12, 1, 4, 30, 0), true, QuotaOp::Consume(2)),
+        (at(2026, 12, 1, 4, 30, 0), false, QuotaOp::Consume(1)),
+        (at(2026, 12, 1, 4, 59, 59), true, QuotaOp::Refund(1)),
+        (at(2026, 12, 1, 5, 0, 0), true, QuotaOp::Consume(3)),
+        (at(2026, 12, 1, 5, 0, 0), false, QuotaOp::Consume(1)),
+    ] {
+        clock.set(when);
+        reference.quota = if on_new { &winter } else { &summer }.quota().clone();
+        let step = format!(
+            "zone moved, {} {op:?} at {}",
+            if on_new { "-05:00" } else { "-04:00" },
+            civil(when)
+        );
+        if on_new {
+            quota_check(&new, &mut reference, clock, b"dave", op, &step).await;
+        } else {
+            quota_check(&old, &mut reference, clock, b"dave", op, &step).await;
+        }
+    }
 }
 
 /// Random steps over two keys — costs from 0 to a few above the smallest
@@ -273,7 +351,7 @@ pub async fn quota_across_a_boundary<S: QuotaStore>(
     store: &S,
     clock: &ManualClock,
     label: &str,
-    offset: Offset,
+    zone: Zone,
 ) {
     let rule = quota_rule(
         "calendar",
@@ -285,7 +363,7 @@ pub async fn quota_across_a_boundary<S: QuotaStore>(
             (Period::Month, 400),
             (Period::Year, 3_000),
         ],
-        offset,
+        zone,
     );
     let start = crate::Clock::now(clock);
     let boundary = start + 3_600 * SECOND;

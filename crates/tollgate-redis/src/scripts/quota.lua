@@ -27,12 +27,18 @@ local DAY = 86400
 local MAX_LIMIT = 4503599627370496
 -- The last second a u64 of Unix ns reaches.
 local MAX_START = 18446744073
-local offset = tonumber(ARGV[6])
+-- 'zone' in ARGV[6]: an IANA time zone, whose period bounds the client
+-- computed (ARGV[7..] groups of name, budget, start and end of the period
+-- holding now, in Unix seconds; now is the client's, ARGV[3]).
+local zoned = ARGV[6] == 'zone'
+local offset = zoned and 0 or tonumber(ARGV[6])
 local key = KEYS[1]
-local names, limits = {}, {}
-for i = 7, #ARGV - 1, 2 do
+local names, limits, given = {}, {}, {}
+local step = zoned and 4 or 2
+for i = 7, #ARGV - step + 1, step do
   names[#names + 1] = ARGV[i]
   limits[#limits + 1] = tonumber(ARGV[i + 1])
+  if zoned then given[#names] = {count_of(ARGV[i + 2]) or now_s, count_of(ARGV[i + 3]) or now_s + 1} end
 end
 local charge, give_back, grant = 0, 0, 0
 if mode == 'consume' then charge = cost
@@ -123,7 +129,10 @@ local function main()
         local s, u, b, e = string.match(raw[i], '^(%d+) (%d+) (%d+) ?(%d*)$')
         s, u, b = count_of(s), big_of(u), big_of(b)
         if not (s and u and b) or s > MAX_START or b > MAX_LIMIT then corrupt() end
-        if e == '' then
+        if e == '' and zoned then
+          -- Written without its end: its period's if it is now's, else past.
+          if s == given[i][1] then e = given[i][2] else e = s + 1 end
+        elseif e == '' then
           e = select(2, bounds(names[i], s))
         else
           e = count_of(e)
@@ -143,7 +152,8 @@ local function main()
   local never, wait, latest = false, nil, now_s
   for i = 1, #names do
     local period, w = names[i], stored[i]
-    local start, finish = bounds(period, now_s)
+    local start, finish
+    if zoned then start, finish = given[i][1], given[i][2] else start, finish = bounds(period, now_s) end
     local cur = {start = start, finish = finish, used = 0, bonus = 0, same = false}
     if w then
       local ws, we = w[1], w[4]
@@ -152,7 +162,7 @@ local function main()
       if ws <= now_s and now_s < we then
         cur.start, cur.finish = ws, we
       elseif ws >= start then
-        cur.start, cur.finish = bounds(period, ws)
+        cur.start, cur.finish = ws, we
       elseif not (start <= middle and middle < finish) then
         kept = false
       end

@@ -3,7 +3,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::Response;
-use tollgate_core::calendar::{Offset, Period};
+use tollgate_core::calendar::{Offset, Period, Zone};
 use tollgate_core::{ConfigError, QuotaRule, QuotaStore};
 use tollgate_memory::MemoryStore;
 use tower_layer::Layer;
@@ -125,7 +125,7 @@ impl QuotaLayer<PeerIp, Fixed, MemoryStore> {
             cfg: Config {
                 name: name.to_owned(),
                 periods: Vec::new(),
-                offset: Offset::UTC,
+                zone: Zone::UTC,
                 soft: None,
                 shadow: false,
                 headers: true,
@@ -145,7 +145,7 @@ impl QuotaLayer<PeerIp, Fixed, MemoryStore> {
 struct Config {
     name: String,
     periods: Vec<(Period, u64)>,
-    offset: Offset,
+    zone: Zone,
     soft: Option<f64>,
     shadow: bool,
     headers: bool,
@@ -245,9 +245,21 @@ impl<K, C, St> QuotaLayerBuilder<K, C, St> {
     }
 
     /// Aligns periods to `offset` from UTC (default UTC): with +09:00 a
-    /// day starts at midnight in Tokyo.
+    /// day starts at midnight in Tokyo. A fixed offset does not follow
+    /// daylight saving time; [`zone`](Self::zone) does.
     pub fn offset(mut self, offset: Offset) -> Self {
-        self.cfg.offset = offset;
+        self.cfg.zone = offset.into();
+        self
+    }
+
+    /// Aligns periods to `zone`: a fixed offset, or (feature `tz`) an IANA
+    /// time zone (`Zone::iana("Europe/Berlin")?`), where a day runs from
+    /// local midnight to local midnight across daylight saving time.
+    /// Changing it on a running quota (a reload) keeps each key's usage: a
+    /// window counted in the old zone holds until its end, then counts on
+    /// through the period it falls in.
+    pub fn zone(mut self, zone: Zone) -> Self {
+        self.cfg.zone = zone;
         self
     }
 
@@ -350,7 +362,7 @@ impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
         // A plan's quota is a rule of its own in the store; its headers,
         // items and rejection show its budgets under the quota's name.
         let bind = |store_name: &str, periods: &[(Period, u64)]| {
-            let rule = QuotaRule::new(store_name, periods, cfg.offset)?;
+            let rule = QuotaRule::new(store_name, periods, cfg.zone.clone())?;
             let limiter = self.store.quota_limiter(&rule)?;
             // One period: its item is the quota's name; several: name-period.
             let names: Vec<String> = if periods.len() == 1 {

@@ -4,9 +4,12 @@
 //! [`QuotaLayer`] charges each request's cost (the same [`Cost`](crate::cost::Cost)
 //! functions as the other layers) to every period of its key's quota at
 //! once — 1,000 a day *and* 20,000 a month — or, when one of them has no
-//! room, to none. Periods align to calendar boundaries in UTC or a fixed
-//! offset ([`Offset`](tollgate_core::calendar::Offset)): a month is a
-//! calendar month of 28 to 31 days, a week starts on Monday.
+//! room, to none. Periods align to calendar boundaries in UTC, a fixed
+//! offset ([`Offset`](tollgate_core::calendar::Offset)) or, with the `tz`
+//! feature, an IANA time zone ([`Zone`](tollgate_core::calendar::Zone)),
+//! where a day runs from local midnight to local midnight across daylight
+//! saving time: a month is a calendar month of 28 to 31 days, a week
+//! starts on Monday.
 //!
 //! # Why calendar periods, and why a separate layer
 //!

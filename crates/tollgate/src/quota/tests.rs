@@ -117,6 +117,36 @@ async fn offsets_move_midnight() {
     );
 }
 
+/// Quota review #5: an IANA zone's day runs from local midnight to local
+/// midnight on the day its clocks go back (25 hours in Berlin), and its
+/// `Retry-After` and `t` say when that is.
+#[cfg(feature = "tz")]
+#[tokio::test]
+async fn an_iana_zone_s_day_ends_at_local_midnight_across_daylight_saving() {
+    use tollgate_core::calendar::Zone;
+    // 23:30 CET on 2026-10-25, the 25-hour day (22:30Z).
+    let clock = ManualClock::at_unix(unix_nanos(2026, 10, 25, 22, 30, 0));
+    let layer = QuotaLayer::builder("daily")
+        .period(Period::Day, 1)
+        .zone(Zone::iana("Europe/Berlin").unwrap())
+        .key(Header::named("x-api-key").unwrap())
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    let res = svc.clone().oneshot(req("a", 1)).await.unwrap();
+    assert_eq!(res.headers()["ratelimit"], "\"daily\";r=0;t=1800");
+    assert_eq!(res.headers()["ratelimit-policy"], "\"daily\";q=1;w=90000");
+    let res = svc.clone().oneshot(req("a", 1)).await.unwrap();
+    assert_eq!(res.status(), 429);
+    assert_eq!(res.headers()["retry-after"], "1800");
+    clock.set(unix_nanos(2026, 10, 25, 23, 0, 0));
+    assert_eq!(
+        svc.clone().oneshot(req("a", 1)).await.unwrap().status(),
+        200
+    );
+}
+
 #[tokio::test]
 async fn soft_limit_warns_before_the_hard_stop_and_support_can_grant_and_reset() {
     let clock = ManualClock::at_unix(unix_nanos(2026, 12, 2, 12, 0, 0));

@@ -24,8 +24,9 @@
 //!   Shards are swept when they grow, and one shard in turn is looked at
 //!   every few thousand decisions per thread, so memory comes back after a
 //!   flood of one-off keys with no background thread and nothing for the
-//!   user to call ([`MemoryStore::purge_idle`] exists for tests and quiet
-//!   processes).
+//!   user to call ([`MemoryStore::purge_idle`] exists for tests, and
+//!   [`MemoryStoreBuilder::sweep_idle_every`] sweeps on a timer, so a
+//!   process that goes quiet after a flood gives its memory back).
 //! - **Bounded.** [`MemoryStoreBuilder::max_keys`] caps the keys held across
 //!   all rules of the store (default 1,000,000). A store at the bound
 //!   drops the idle keys of the new key's shard and then of every rule,
@@ -175,6 +176,7 @@ impl MemoryStore<SystemClock> {
             clock: SystemClock,
             max_keys: DEFAULT_MAX_KEYS,
             shards: DEFAULT_SHARDS,
+            sweep_every: None,
         }
     }
 }
@@ -244,6 +246,7 @@ pub struct MemoryStoreBuilder<C> {
     clock: C,
     max_keys: usize,
     shards: usize,
+    sweep_every: Option<std::time::Duration>,
 }
 
 impl<C: Clock> MemoryStoreBuilder<C> {
@@ -254,6 +257,7 @@ impl<C: Clock> MemoryStoreBuilder<C> {
             clock,
             max_keys: self.max_keys,
             shards: self.shards,
+            sweep_every: self.sweep_every,
         }
     }
 
@@ -272,8 +276,31 @@ impl<C: Clock> MemoryStoreBuilder<C> {
         self
     }
 
+    /// Drops idle keys on a thread of the store's own every `every` (at
+    /// least 100 ms; default: no thread), so that memory comes back when
+    /// a process goes quiet after a flood: without it idle keys are
+    /// dropped as decisions go on (every few thousand per thread) and when
+    /// the store is full, and a process that gets no request keeps what
+    /// it held. Tables shrink once a sweep leaves them mostly empty. The
+    /// thread skips shards in use and ends when the store and its limiters
+    /// are dropped. A key is idle when its state is whole again: a rate's
+    /// within its burst's time, a quota's when its longest period ends.
+    pub fn sweep_idle_every(mut self, every: std::time::Duration) -> Self {
+        self.sweep_every = Some(every);
+        self
+    }
+
     /// Validates and builds.
     pub fn build(self) -> Result<MemoryStore<C>, ConfigError> {
+        if self
+            .sweep_every
+            .is_some_and(|e| e < std::time::Duration::from_millis(100))
+        {
+            return Err(ConfigError::new(
+                "sweep_idle_every",
+                "must be at least 100 ms",
+            ));
+        }
         if self.max_keys == 0 {
             return Err(ConfigError::new("max_keys", "must be at least 1"));
         }
@@ -283,11 +310,23 @@ impl<C: Clock> MemoryStoreBuilder<C> {
                 "must be a power of two from 1 to 4096",
             ));
         }
-        Ok(MemoryStore::from_parts(
-            Arc::new(self.clock),
-            self.max_keys,
-            self.shards,
-        ))
+        let store = MemoryStore::from_parts(Arc::new(self.clock), self.max_keys, self.shards);
+        if let Some(every) = self.sweep_every {
+            let shared = Arc::downgrade(&store.inner.shared);
+            std::thread::Builder::new()
+                .name("tollgate-sweep".into())
+                .spawn(move || loop {
+                    std::thread::sleep(every);
+                    let Some(shared) = shared.upgrade() else {
+                        return;
+                    };
+                    shared.sweep_idle();
+                })
+                .map_err(|e| {
+                    ConfigError::new("sweep_idle_every", format!("no sweeping thread: {e}"))
+                })?;
+        }
+        Ok(store)
     }
 }
 

@@ -175,6 +175,12 @@ impl<C> Shared<C> {
         {
             return 0;
         }
+        self.sweep_idle()
+    }
+
+    /// Drops idle keys of every table now (busy shards skipped), unpaced;
+    /// returns how many.
+    pub(crate) fn sweep_idle(&self) -> usize {
         let tables: Vec<_> = self
             .tables
             .lock()
@@ -265,6 +271,10 @@ impl Members {
 
 /// A shard never sweeps on growth below this many keys.
 const MIN_SWEEP_LEN: usize = 64;
+
+/// A sweep shrinks a shard's table that has room for more than this many
+/// keys and four times as many as it keeps.
+const MIN_SHRINK: usize = 16;
 
 /// One decision in this many, per thread, checks one shard for idle keys.
 const SWEEP_TICK: u32 = 4096;
@@ -617,7 +627,9 @@ impl<K: Kind, C: Clock> Table<K, C> {
         let after = map.len();
         let removed = before.saturating_sub(after);
         self.shared.keys.fetch_sub(removed, Ordering::AcqRel);
-        if map.capacity() > after.max(MIN_SWEEP_LEN).saturating_mul(4) {
+        // Mostly empty: give the memory back (at any size, so a store
+        // left quiet after a flood shrinks to nothing).
+        if map.capacity() > after.saturating_mul(4).max(MIN_SHRINK) {
             map.shrink_to_fit();
         }
         shard.next_sweep.store(

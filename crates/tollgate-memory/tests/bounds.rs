@@ -555,3 +555,40 @@ fn rebinding_a_quota_to_another_offset_keeps_its_usage() {
     let d = winter.consume_now(b"k", 0).unwrap();
     assert_eq!(d.periods().first().unwrap().remaining, 970);
 }
+
+/// Issue 35: a process that goes quiet after a flood kept every key it
+/// held — sweeps ran only as decisions went on — so memory never came
+/// back. With `sweep_idle_every`, the store's own thread drops idle keys
+/// with no request at all, and stops when the store is gone.
+#[test]
+fn a_quiet_store_s_sweeper_drops_idle_keys_without_a_request() {
+    let err = MemoryStore::builder()
+        .sweep_idle_every(Duration::from_millis(50))
+        .build()
+        .unwrap_err();
+    assert_eq!(err.field(), "sweep_idle_every");
+    let clock = ManualClock::starting_at(1);
+    let s = MemoryStore::builder()
+        .clock(clock.clone())
+        .sweep_idle_every(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let l = s.limiter(&gcra()).unwrap();
+    for i in 0..1_000u32 {
+        assert!(l.decide_now(&i.to_be_bytes(), 1).is_allowed());
+    }
+    assert_eq!(s.key_count(), 1_000);
+    // Not idle yet (a burst of 3 at 1 a second refills in 3 s): kept.
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(s.key_count(), 1_000);
+    clock.advance(Duration::from_secs(5));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while s.key_count() != 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} keys left",
+            s.key_count()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -102,7 +102,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             let shown = format!("redis store at {}", without_password(&url));
             (builder.build()?.into(), shown)
         }
-        _ => (MemoryStore::new().into(), "in-memory store".to_owned()),
+        // Idle keys are dropped every 10 s, so memory comes back when
+        // traffic stops after a flood.
+        _ => {
+            let store = MemoryStore::builder()
+                .sweep_idle_every(std::time::Duration::from_secs(10))
+                .build()?;
+            (store.into(), "in-memory store".to_owned())
+        }
     };
     let built = app(store, &trusted, config.as_ref()).map(|a| (a, shown));
     let (app, store) = match built {

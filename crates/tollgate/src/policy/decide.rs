@@ -215,6 +215,9 @@ pub(super) fn refund_consumed<B, L: Limiter>(
     mut key: impl FnMut(usize, &mut dyn FnMut(&[u8])),
 ) {
     for (i, rule) in shared.rules.iter().enumerate() {
+        if rule.retired() {
+            continue;
+        }
         if let Some((_, cost)) = report.consumed(i) {
             key(i, &mut |k| {
                 crate::task::finish(rule.at(report.plan).0.refund(k, cost));
@@ -297,6 +300,9 @@ pub(super) fn settle_response<B, L: Limiter>(
         let Some(count_if) = &rule.count_if else {
             continue;
         };
+        if rule.retired() {
+            continue;
+        }
         if report.consumed(*i).is_none() || status.is_none_or(|s| count_if(s)) {
             continue;
         }

@@ -35,9 +35,38 @@ pub(super) struct Bound<B, L> {
     pub(super) ladder: Option<Arc<dyn tollgate_core::EscalationLimiter>>,
     /// The share of capacity past which admitted responses warn.
     pub(super) warn_at: Option<f64>,
+    /// Set when a reload replaced this rule by one of other parameters
+    /// (or dropped it): its limiters' refunds would give back by the old
+    /// parameters what the new rule reads by its own, so requests still
+    /// in flight make none.
+    pub(super) retired: std::sync::atomic::AtomicBool,
+}
+
+impl<B, L: tollgate_core::Limiter> Bound<B, L> {
+    /// Whether `next` counts as this rule does: the same name and, plan by
+    /// plan, the same limit.
+    fn same_as(&self, next: &Self) -> bool {
+        self.responder.rule == next.responder.rule
+            && self.limiter.rule() == next.limiter.rule()
+            && self.plans.len() == next.plans.len()
+            && self
+                .plans
+                .iter()
+                .zip(next.plans.iter())
+                .all(|(a, b)| match (a, b) {
+                    (Some((a, _)), Some((b, _))) => a.rule() == b.rule(),
+                    (None, None) => true,
+                    _ => false,
+                })
+    }
 }
 
 impl<B, L> Bound<B, L> {
+    /// Whether a reload retired this rule: refunds are not made.
+    pub(super) fn retired(&self) -> bool {
+        self.retired.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// The limiter and responder of plan `plan` (0: the default).
     pub(super) fn at(&self, plan: u8) -> (&L, &Responder) {
         let variant = usize::from(plan)
@@ -142,9 +171,22 @@ impl<B, L> Current<B, L> {
         self.0.load_full()
     }
 
-    /// Makes `next` the policy of every service from its next request.
-    pub(super) fn replace(&self, next: Arc<Shared<B, L>>) {
-        self.0.store(next);
+    /// Makes `next` the policy of every service from its next request,
+    /// and retires the rules it changes or drops (see [`Bound::retired`]).
+    pub(super) fn replace(&self, next: Arc<Shared<B, L>>)
+    where
+        L: tollgate_core::Limiter,
+    {
+        let old = self.0.swap(Arc::clone(&next));
+        if Arc::ptr_eq(&old, &next) {
+            return;
+        }
+        for rule in old.rules.iter() {
+            if !next.rules.iter().any(|n| rule.same_as(n)) {
+                rule.retired
+                    .store(true, std::sync::atomic::Ordering::Release);
+            }
+        }
     }
 }
 

@@ -50,7 +50,7 @@ async fn remaining<St: Store>(layer: &PolicyLayer<String, St>, i: usize, key: &s
     let r = req(key, key);
     let mut buf = KeyBuf::new();
     let extracted = match limiter.rule().name() {
-        "per-key" => Header::named("x-api-key").unwrap().extract(&r, &mut buf),
+        "per-key" | "kept" => Header::named("x-api-key").unwrap().extract(&r, &mut buf),
         "per-ip" => Header::named("x-ip").unwrap().extract(&r, &mut buf),
         _ => Global.extract(&r, &mut buf),
     };
@@ -2195,4 +2195,70 @@ fn policies_that_enforce_little_are_said_so_at_build() {
             .build()
     });
     assert!(sane.is_empty(), "{sane:?}");
+}
+
+/// Policy-security review #8.4: a request decided before a reload gave
+/// its response-aware refund back through the old rule's limiter, with
+/// the old parameters, onto the state the new rule now reads: a GCRA
+/// refund of one request at one an hour pushed the time the key's budget
+/// is whole back by an hour, a whole burst (and more) under a rule of one
+/// a millisecond. A rule whose parameters changed is retired when the
+/// policy is replaced, and its in-flight refunds are not made; an
+/// unchanged rule's still are.
+#[tokio::test]
+async fn a_refund_in_flight_across_a_reload_never_uses_the_old_parameters() {
+    use std::sync::Arc;
+    use tokio::sync::Semaphore;
+    let clock = ManualClock::starting_at(1);
+    let st = store(&clock);
+    let go = Arc::new(Semaphore::new(0));
+    let handler = {
+        let go = Arc::clone(&go);
+        move |_req: Req| {
+            let go = Arc::clone(&go);
+            async move {
+                go.acquire().await.unwrap().forget();
+                let mut res = Response::new(String::new());
+                *res.status_mut() = http::StatusCode::INTERNAL_SERVER_ERROR;
+                Ok::<_, Infallible>(res)
+            }
+        }
+    };
+    // Failures do not count: a 500 is refunded once it is answered.
+    let rule = |limit, name| {
+        RateRule::new(name, limit, Header::named("x-api-key").unwrap()).count_if(|s| s != 500)
+    };
+    let hourly = || Limit::gcra(Rate::new(1, Duration::from_secs(3_600)), 1);
+    let layer = PolicyLayer::builder()
+        .rule(rule(hourly(), "per-key"))
+        .rule(rule(hourly(), "kept"))
+        .store(st.clone())
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(handler));
+    let in_flight = tokio::spawn(svc.clone().oneshot(req("a", "ip")));
+    tokio::task::yield_now().await;
+    while remaining(&layer, 0, "a").await != 0 {
+        tokio::task::yield_now().await;
+    }
+    // "per-key" becomes a thousand a second in bursts of 2; "kept" stays.
+    let fast = Limit::gcra(Rate::new(1_000, Duration::from_secs(1)), 2);
+    let next = PolicyLayer::builder()
+        .rule(rule(fast, "per-key"))
+        .rule(rule(hourly(), "kept"))
+        .store(st.rebinding())
+        .build()
+        .unwrap();
+    layer.replace(&next);
+    let before = remaining(&layer, 0, "a").await;
+    go.add_permits(1);
+    assert_eq!(in_flight.await.unwrap().unwrap().status(), 500);
+    let after = remaining(&layer, 0, "a").await;
+    assert!(
+        after <= before,
+        "the old rule's refund gave back {} under the new one",
+        after - before
+    );
+    // The unchanged rule got its refund: its budget is whole again.
+    assert_eq!(remaining(&layer, 1, "a").await, 1);
 }

@@ -16,6 +16,7 @@
 //! | `tollgate_retries_total` | counter | `rule`: retries made |
 //! | `tollgate_retry_budget_exhausted_total` | counter | `rule`: retries the budget refused |
 //! | `tollgate_retry_throttled_total` | counter | `rule`: calls refused locally by adaptive throttling |
+//! | `tollgate_retry_hedges_total` | counter | `rule`: hedged attempts sent (each a withdrawal from the budget) |
 //! | `tollgate_retry_budget_remaining` | histogram | `rule`: the retries the budget still held after each withdrawal (granted or refused; not recorded when a store's failure policy answered) |
 //! | `tollgate_concurrency_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `queued` (waited, then allowed), `queue_full`, `queue_timeout`, `shadow_limited`, `missing_key`, `unkeyed`, `store_error`, `read_only` (a write refused while degraded); for an access list (its name as `rule`): `listed_allowed`, `denied` |
 //! | `tollgate_concurrency_in_flight` | gauge | `rule`: permits held through this layer |
@@ -471,6 +472,7 @@ pub(crate) struct RetryMetrics {
     pub(crate) retries: Counter,
     pub(crate) exhausted: Counter,
     pub(crate) throttled: Counter,
+    pub(crate) hedges: Counter,
     /// The budget's balance (in retries) after each withdrawal.
     pub(crate) budget: Histogram,
 }
@@ -493,6 +495,10 @@ impl RetryMetrics {
             "tollgate_retry_throttled_total",
             "Calls refused locally by tollgate's adaptive throttling"
         );
+        metrics::describe_counter!(
+            "tollgate_retry_hedges_total",
+            "Hedged attempts sent by a tollgate retry budget layer"
+        );
         metrics::describe_histogram!(
             RETRY_BUDGET,
             "Retries a tollgate retry budget still held after each withdrawal"
@@ -502,6 +508,7 @@ impl RetryMetrics {
             retries: metrics::counter!("tollgate_retries_total", "rule" => rule.to_owned()),
             exhausted: metrics::counter!("tollgate_retry_budget_exhausted_total", "rule" => rule.to_owned()),
             throttled: metrics::counter!("tollgate_retry_throttled_total", "rule" => rule.to_owned()),
+            hedges: metrics::counter!("tollgate_retry_hedges_total", "rule" => rule.to_owned()),
             budget: metrics::histogram!(RETRY_BUDGET, "rule" => rule.to_owned()),
         }
     }

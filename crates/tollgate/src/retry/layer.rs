@@ -94,6 +94,7 @@ struct Shared<K, L> {
     idempotent_paths: Arc<[Box<str>]>,
     buffer_limit: u64,
     throttle: Option<Throttles>,
+    hedger: Option<super::hedge::Hedger>,
     metrics: RetryMetrics,
 }
 
@@ -164,6 +165,7 @@ impl RetryBudgetLayer<Upstream, MemoryStore> {
             idempotent_paths: Vec::new(),
             buffer_limit: 64 << 10,
             throttle: None,
+            hedge: None,
         }
     }
 }
@@ -185,6 +187,7 @@ pub struct RetryBudgetLayerBuilder<K, St> {
     idempotent_paths: Vec<Box<str>>,
     buffer_limit: u64,
     throttle: Option<f64>,
+    hedge: Option<super::Hedge>,
 }
 
 impl<K: fmt::Debug, St> fmt::Debug for RetryBudgetLayerBuilder<K, St> {
@@ -229,6 +232,7 @@ impl<K, St> RetryBudgetLayerBuilder<K, St> {
             idempotent_paths: self.idempotent_paths,
             buffer_limit: self.buffer_limit,
             throttle: self.throttle,
+            hedge: self.hedge,
         }
     }
 
@@ -251,6 +255,7 @@ impl<K, St> RetryBudgetLayerBuilder<K, St> {
             idempotent_paths: self.idempotent_paths,
             buffer_limit: self.buffer_limit,
             throttle: self.throttle,
+            hedge: self.hedge,
         }
     }
 
@@ -335,6 +340,18 @@ impl<K, St> RetryBudgetLayerBuilder<K, St> {
         self.throttle = Some(k);
         self
     }
+
+    /// Hedged requests (default: none): a call that may be retried and is
+    /// still unanswered after the hedge's delay is sent again, side by
+    /// side, if the budget grants a retry for it; the first answer not
+    /// worth a retry wins and the other attempt is dropped. A hedge is an
+    /// attempt (it counts against [`max_attempts`](Self::max_attempts))
+    /// and a withdrawal, so hedges and retries together stay within the
+    /// budget. See [`Hedge`](super::Hedge).
+    pub fn hedge(mut self, hedge: super::Hedge) -> Self {
+        self.hedge = Some(hedge);
+        self
+    }
 }
 
 impl<K, St: RetryBudgetStore> RetryBudgetLayerBuilder<K, St> {
@@ -359,6 +376,15 @@ impl<K, St: RetryBudgetStore> RetryBudgetLayerBuilder<K, St> {
         }
         if self.deadline.is_some_and(|d| d.is_zero()) {
             return Err(ConfigError::new("deadline", "must be longer than zero"));
+        }
+        if let Some(hedge) = &self.hedge {
+            hedge.validate()?;
+            if self.max_attempts < 2 {
+                return Err(ConfigError::new(
+                    "hedge",
+                    "a hedge is a second attempt: max_attempts must be at least 2",
+                ));
+            }
         }
         if !(1..=super::MAX_BUFFER_LIMIT).contains(&self.buffer_limit) {
             return Err(ConfigError::new(
@@ -398,6 +424,7 @@ impl<K, St: RetryBudgetStore> RetryBudgetLayerBuilder<K, St> {
                 idempotent_paths: self.idempotent_paths.into(),
                 buffer_limit: self.buffer_limit,
                 throttle,
+                hedger: self.hedge.map(super::hedge::Hedger::new),
                 metrics: RetryMetrics::register(rule.name()),
             }),
         })
@@ -519,7 +546,8 @@ where
                     };
                     let shared = Arc::clone(shared);
                     let throttle = throttle.take();
-                    let future = Box::pin(retries(shared, throttle, resume, result, wait, None));
+                    let future =
+                        Box::pin(retries(shared, throttle, resume, (result, 1), wait, None));
                     this.state.set(Call::Boxed { future });
                 }
                 CallProj::Boxed { future } => return future.as_mut().poll(cx),
@@ -571,8 +599,9 @@ where
             }));
         }
         let replayable = is_replayable(&shared, &req);
-        // A body to read before the first attempt: in the boxed future.
-        if replayable && !req.body().is_end_stream() {
+        // A body to read before the first attempt, or a hedge to race
+        // against it: in the boxed future.
+        if replayable && (!req.body().is_end_stream() || shared.hedger.is_some()) {
             return boxed(Box::pin(run(shared, inner, req, None)));
         }
         let key = key(&shared, &req);
@@ -736,7 +765,7 @@ async fn run<S, K, L, B, ResB>(
     deadline: Option<Instant>,
 ) -> Result<Response<ResB>, BoxError>
 where
-    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>>,
+    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Clone,
     S::Error: Into<BoxError>,
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
@@ -763,9 +792,20 @@ where
         (_, Some(body)) => body,
         (None, None) => return Err("a request without a body".into()),
     };
-    let result = attempt(&mut inner, Request::from_parts(parts.clone(), first)).await;
+    let first = Request::from_parts(parts.clone(), first);
+    let (result, attempts) = match (&shared.hedger, &buffered) {
+        (Some(hedger), Some((data, trailers))) => {
+            let again = || {
+                let body = ReplayBody::replay(data.clone(), trailers.as_deref().cloned());
+                Request::from_parts(parts.clone(), body)
+            };
+            hedged(&shared, hedger, &mut inner, first, again, &key, deadline).await
+        }
+        _ => (attempt(&mut inner, first).await, 1),
+    };
     let t = throttle.as_deref();
-    let Some(wait) = after_attempt(&shared, t, &result, 1, buffered.is_some(), deadline) else {
+    let replayable = buffered.is_some();
+    let Some(wait) = after_attempt(&shared, t, &result, attempts, replayable, deadline) else {
         return result;
     };
     let Some(buffered) = buffered else {
@@ -777,7 +817,113 @@ where
         buffered,
         key,
     };
-    retries(shared, throttle, resume, result, wait, deadline).await
+    retries(shared, throttle, resume, (result, attempts), wait, deadline).await
+}
+
+/// The first attempt, and its hedge if it is still unanswered after the
+/// hedge's delay and the budget grants one: the answer, and how many
+/// attempts were made (1 or 2). The first answer not worth a retry wins
+/// and the other attempt is dropped; one worth a retry waits for the
+/// other, whose answer is then the call's.
+async fn hedged<S, K, L, B, ResB>(
+    shared: &Shared<K, L>,
+    hedger: &super::hedge::Hedger,
+    inner: &mut S,
+    first: Request<ReplayBody<B>>,
+    again: impl FnOnce() -> Request<ReplayBody<B>>,
+    key: &KeyBytes,
+    deadline: Option<Instant>,
+) -> (Result<Response<ResB>, BoxError>, u32)
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Clone,
+    S::Error: Into<BoxError>,
+    L: RetryBudgetLimiter,
+{
+    use super::hedge::{race, Raced};
+    let mut other = inner.clone();
+    let started = Instant::now();
+    let mut first = std::pin::pin!(attempt(inner, first));
+    let delay = hedger.delay();
+    let hedge_at = started.checked_add(delay);
+    // No hedge the caller's deadline would cut off before it could help.
+    let Some(hedge_at) = hedge_at.filter(|at| deadline.is_none_or(|d| *at < d)) else {
+        let result = first.await;
+        hedger.record(started.elapsed());
+        return (result, 1);
+    };
+    let mut sleep = std::pin::pin!(tokio::time::sleep_until(hedge_at));
+    let early = poll_fn(|cx| {
+        if let Poll::Ready(result) = first.as_mut().poll(cx) {
+            return Poll::Ready(Some(result));
+        }
+        sleep.as_mut().poll(cx).map(|()| None)
+    })
+    .await;
+    if let Some(result) = early {
+        hedger.record(started.elapsed());
+        return (result, 1);
+    }
+    if !withdraw(shared, key).await {
+        let result = first.await;
+        hedger.record(started.elapsed());
+        return (result, 1);
+    }
+    shared.metrics.hedges.increment(1);
+    let hedge_started = Instant::now();
+    let mut second = std::pin::pin!(attempt(&mut other, again()));
+    let worth_retrying = |result: &Result<Response<ResB>, BoxError>| match result {
+        Ok(res) => classify(
+            shared,
+            Attempt::Response {
+                status: res.status(),
+                headers: res.headers(),
+            },
+        ),
+        Err(error) => classify(shared, Attempt::Error(error)),
+    };
+    let result = match race(first.as_mut(), second.as_mut()).await {
+        Raced::First(result) => {
+            hedger.record(started.elapsed());
+            if !worth_retrying(&result) {
+                return (result, 2);
+            }
+            drop(result);
+            let result = second.await;
+            hedger.record(hedge_started.elapsed());
+            result
+        }
+        Raced::Second(result) => {
+            hedger.record(hedge_started.elapsed());
+            if !worth_retrying(&result) {
+                return (result, 2);
+            }
+            drop(result);
+            let result = first.await;
+            hedger.record(started.elapsed());
+            result
+        }
+    };
+    (result, 2)
+}
+
+/// Withdraws a retry (or hedge) from the budget of `key`: whether it was
+/// granted. A store that fails grants none. Records the balance, and a
+/// refusal as exhausted.
+async fn withdraw<K, L: RetryBudgetLimiter>(shared: &Shared<K, L>, key: &KeyBytes) -> bool {
+    let m = &shared.metrics;
+    let answer = match shared.budget.withdraw_sync(key.as_bytes()) {
+        Some(answer) => answer,
+        None => shared.budget.withdraw(key.as_bytes()).await,
+    };
+    if let Some(balance) = answer.as_ref().ok().and_then(|w| w.balance) {
+        #[allow(clippy::cast_precision_loss)] // a metric's value
+        m.budget.record(balance as f64 / RETRY_UNIT as f64);
+    }
+    let granted = answer.is_ok_and(|w| w.granted);
+    if !granted {
+        m.exhausted.increment(1);
+    }
+    granted
 }
 
 /// One attempt: the service made ready, then called.
@@ -855,7 +1001,7 @@ async fn retries<S, K, L, B, ResB>(
     shared: Arc<Shared<K, L>>,
     throttle: Option<Arc<Throttle>>,
     mut resume: Resume<S>,
-    mut result: Result<Response<ResB>, BoxError>,
+    (mut result, mut attempts): (Result<Response<ResB>, BoxError>, u32),
     mut wait: Duration,
     deadline: Option<Instant>,
 ) -> Result<Response<ResB>, BoxError>
@@ -865,20 +1011,10 @@ where
     L: RetryBudgetLimiter,
 {
     let m = &shared.metrics;
-    let mut attempts: u32 = 1;
     loop {
-        let answer = match shared.budget.withdraw_sync(resume.key.as_bytes()) {
-            Some(answer) => answer,
-            None => shared.budget.withdraw(resume.key.as_bytes()).await,
-        };
-        if let Some(balance) = answer.as_ref().ok().and_then(|w| w.balance) {
-            #[allow(clippy::cast_precision_loss)] // a metric's value
-            m.budget.record(balance as f64 / RETRY_UNIT as f64);
-        }
         // A store that fails allows no retry: retrying is never needed to
         // stay up, and a storm is what the budget is for.
-        if !answer.is_ok_and(|w| w.granted) {
-            m.exhausted.increment(1);
+        if !withdraw(&shared, &resume.key).await {
             return result;
         }
         // The withdrawal took its time (a store far away): if the wait no

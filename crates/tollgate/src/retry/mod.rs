@@ -71,6 +71,17 @@
 //! (as a server, a proxy or a limiter fails a call before any message); a
 //! status in trailers after messages comes too late to retry the call.
 //!
+//! # Hedged requests
+//!
+//! Off by default: [`hedge`](RetryBudgetLayerBuilder::hedge) sends a call
+//! that may be retried again, side by side, when it is still unanswered
+//! after a fixed delay or a percentile of recent attempt latencies
+//! ([`Hedge`]). The first answer not worth a retry wins; the other
+//! attempt is dropped (its request cancelled). Each hedge is a
+//! withdrawal from the budget and an attempt, so hedges and retries
+//! together stay within the budget and `max_attempts`: a slow upstream
+//! never gets twice its load (`tollgate_retry_hedges_total` counts them).
+//!
 //! # Adaptive throttling
 //!
 //! Off by default: [`adaptive_throttling`](RetryBudgetLayerBuilder::adaptive_throttling)
@@ -110,12 +121,14 @@
 //! # }
 //! ```
 
+mod hedge;
 mod layer;
 mod policy;
 #[cfg(test)]
 mod tests;
 mod throttle;
 
+pub use hedge::Hedge;
 pub use layer::{
     DeadlineExceeded, ResponseFuture, RetryBudgetLayer, RetryBudgetLayerBuilder,
     RetryBudgetService, Throttled, Upstream,

@@ -729,3 +729,151 @@ async fn a_slow_withdrawal_that_leaves_no_time_returns_the_answer_in_hand() {
     assert_eq!(down.attempts(), 1);
     assert!(start.elapsed() < Duration::from_secs(3));
 }
+
+/// An upstream whose attempt `n` (from 0) answers 200 after `latency(n)`;
+/// it counts attempts, and attempts dropped before they answered.
+#[derive(Clone)]
+struct Slow {
+    latency: Arc<dyn Fn(u32) -> Duration + Send + Sync>,
+    attempts: Arc<AtomicU32>,
+    cancelled: Arc<AtomicU32>,
+}
+
+impl Slow {
+    fn new(latency: impl Fn(u32) -> Duration + Send + Sync + 'static) -> Self {
+        Self {
+            latency: Arc::new(latency),
+            attempts: Arc::new(AtomicU32::new(0)),
+            cancelled: Arc::new(AtomicU32::new(0)),
+        }
+    }
+
+    fn service(
+        &self,
+    ) -> impl Service<
+        Request<ReplayBody<String>>,
+        Response = Response<String>,
+        Error = Infallible,
+        Future = impl Send,
+    > + Clone
+           + Send
+           + 'static {
+        let this = self.clone();
+        service_fn(move |_req: Request<ReplayBody<String>>| {
+            let this = this.clone();
+            async move {
+                let n = this.attempts.fetch_add(1, Ordering::Relaxed);
+                // Counts a cancellation unless the answer is given.
+                struct Guard(Arc<AtomicU32>, bool);
+                impl Drop for Guard {
+                    fn drop(&mut self) {
+                        if !self.1 {
+                            self.0.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+                let mut guard = Guard(Arc::clone(&this.cancelled), false);
+                tokio::time::sleep((this.latency)(n)).await;
+                guard.1 = true;
+                Ok::<_, Infallible>(Response::new(format!("attempt {n}")))
+            }
+        })
+    }
+}
+
+/// Quota-bandwidth-retry issue, hedging: a call still unanswered after
+/// the hedge's delay is sent again; the faster answer wins and the slow
+/// attempt is dropped.
+#[tokio::test(start_paused = true)]
+async fn a_slow_call_is_hedged_and_the_slow_attempt_is_dropped() {
+    // The first attempt hangs for a second; the hedge answers in 10 ms.
+    let upstream = Slow::new(|n| Duration::from_millis(if n == 0 { 1_000 } else { 10 }));
+    let client = RetryBudgetLayer::builder("hedged")
+        .store(store())
+        .hedge(Hedge::after(Duration::from_millis(50)))
+        .build()
+        .unwrap()
+        .layer(upstream.service());
+    let started = Instant::now();
+    let res = client.oneshot(get()).await.unwrap();
+    assert_eq!(res.into_body(), "attempt 1");
+    assert_eq!(started.elapsed(), Duration::from_millis(60));
+    assert_eq!(upstream.attempts.load(Ordering::Relaxed), 2);
+    assert_eq!(
+        upstream.cancelled.load(Ordering::Relaxed),
+        1,
+        "the loser runs on"
+    );
+}
+
+/// Hedging counts: a hedge is a withdrawal from the same budget as a
+/// retry, so with every call slow enough to be hedged, 200 calls make at
+/// most the budget's 20 % more attempts, not twice as many; and a call
+/// that may not be retried (a `POST`) is never hedged.
+#[tokio::test(start_paused = true)]
+async fn hedges_draw_on_the_retry_budget() {
+    let upstream = Slow::new(|_| Duration::from_millis(100));
+    let client = RetryBudgetLayer::builder("hedged")
+        .budget(0.2, 0, Duration::from_secs(600))
+        .store(store())
+        .hedge(Hedge::after(Duration::from_millis(10)))
+        .build()
+        .unwrap()
+        .layer(upstream.service());
+    for _ in 0..200 {
+        let res = client.clone().oneshot(get()).await.unwrap();
+        assert_eq!(res.status(), 200);
+    }
+    let attempts = upstream.attempts.load(Ordering::Relaxed);
+    assert!(
+        (220..=240).contains(&attempts),
+        "{attempts} attempts for 200 hedged calls"
+    );
+    let before = upstream.attempts.load(Ordering::Relaxed);
+    let post = Request::post("http://upstream.test/orders")
+        .body(String::new())
+        .unwrap();
+    client.oneshot(post).await.unwrap();
+    assert_eq!(upstream.attempts.load(Ordering::Relaxed), before + 1);
+}
+
+/// A percentile hedge learns the upstream's latency: once it has seen
+/// calls answer in about 20 ms, a call slower than its 90th percentile
+/// (here, one of a second) is hedged at about 20 ms, not at the floor.
+#[tokio::test(start_paused = true)]
+async fn a_percentile_hedge_waits_for_the_latency_seen() {
+    let slow_at = Arc::new(AtomicU32::new(u32::MAX));
+    let slow = Arc::clone(&slow_at);
+    let upstream = Slow::new(move |n| {
+        Duration::from_millis(if n == slow.load(Ordering::Relaxed) {
+            1_000
+        } else {
+            20
+        })
+    });
+    let client = RetryBudgetLayer::builder("p90")
+        .budget(0.5, 0, Duration::from_secs(600))
+        .store(store())
+        .hedge(Hedge::percentile(90.0, Duration::from_millis(5)))
+        .build()
+        .unwrap()
+        .layer(upstream.service());
+    for _ in 0..200 {
+        client.clone().oneshot(get()).await.unwrap();
+    }
+    // The first hundred calls were hedged at the 5 ms floor as far as the
+    // budget allowed (half a retry a call: every other one); then none,
+    // as every call answers within the 90th percentile.
+    let attempts = upstream.attempts.load(Ordering::Relaxed);
+    assert!((245..=255).contains(&attempts), "{attempts} attempts");
+    slow_at.store(attempts, Ordering::Relaxed);
+    let started = Instant::now();
+    let res = client.oneshot(get()).await.unwrap();
+    assert_eq!(res.into_body(), format!("attempt {}", attempts + 1));
+    // Hedged at 20 ms's bucket (up to 23.2 ms), answered 20 ms later.
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(40) && took <= Duration::from_millis(44),
+        "{took:?}"
+    );
+}

@@ -379,6 +379,18 @@ pub mod retry {
             .layer(upstream::<ReplayBody<String>>())
     }
 
+    /// [`tollgate`] with its budget in `store` (a Redis store: one budget
+    /// for a fleet).
+    pub fn tollgate_on<St: tollgate::core::RetryBudgetStore>(
+        store: St,
+    ) -> impl Service<Request<String>, Response = Response<String>, Error = BoxError> + Clone {
+        RetryBudgetLayer::builder("bench")
+            .store(store)
+            .build()
+            .unwrap_or_else(|e| unreachable!("{e}"))
+            .layer(upstream::<ReplayBody<String>>())
+    }
+
     /// The upstream behind tower's `Retry` with a `TpsBudget` of the same
     /// budget.
     pub fn tower(

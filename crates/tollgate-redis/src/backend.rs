@@ -136,6 +136,9 @@ pub(crate) struct Backend {
     /// lost master opens its own breaker only.
     breakers: Box<[Breaker]>,
     counters: Counters,
+    /// The retry budgets bound, by rule name: a rule bound twice shares
+    /// its counted deposits (see [`crate::RedisRetryBudget`]).
+    pub(crate) retry_budgets: crate::retry_budget::Bindings,
 }
 
 /// The settings a [`Backend`] is made of.
@@ -167,6 +170,7 @@ impl Backend {
             client_time: config.client_time,
             breakers,
             counters,
+            retry_budgets: crate::retry_budget::Bindings::default(),
         }
     }
 

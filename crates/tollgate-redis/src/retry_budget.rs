@@ -1,14 +1,18 @@
-//! Retry budgets on Redis: one script call per deposit and per withdrawal
-//! (`retry_budget.lua`), one hash per rule and client key holding the
-//! window's ten slots, so every instance on the Redis shares one budget.
+//! Retry budgets on Redis: deposits counted in the process and carried to
+//! Redis in batches, one script call per withdrawal (`retry_budget.lua`),
+//! one hash per rule and client key holding the window's ten slots, so
+//! every instance on the Redis shares one budget.
 //!
 //! Why share it: a retry budget bounds what retries add to an upstream's
 //! load — `ratio` of the calls, plus a floor. Kept per process, the floor
 //! is granted once per instance; kept in Redis, the whole fleet retries
 //! at most `ratio` of the fleet's calls plus one floor.
 
+use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::Duration;
 
 use tokio::runtime::Handle;
 use tollgate_core::{
@@ -31,11 +35,19 @@ use crate::BoxFuture;
 /// is the rule's window plus a second, renewed on every write, so a budget
 /// nobody uses vanishes with its window.
 ///
-/// [`deposit`](RetryBudgetLimiter::deposit) runs as a task on the store's
-/// runtime (the one it was built in), started before `deposit` returns:
-/// the call's time is taken then, and dropping the future — a caller that
-/// does not wait for a deposit — cancels nothing. The future says how it
-/// went.
+/// Deposits are batched: [`deposit_sync`](RetryBudgetLimiter::deposit_sync)
+/// counts the call in the process, and what a key has counted goes to
+/// Redis in one script call every 10 ms, or just before the key's next
+/// withdrawal (so a withdrawal sees every deposit this instance
+/// counted). A client
+/// making 50,000 calls a second to one upstream makes about 100 script
+/// calls a second for them, not 50,000 (and no task per call); the test
+/// `deposits_are_batched_and_withdrawals_see_them` counts them. A deposit
+/// reaches Redis up to 10 ms after its call: in a window of seconds, a
+/// shift of a slot at most. Past 4,096 keys counted at once, a new key's
+/// deposit is a script call of its own, on a task of the store's runtime
+/// (the one it was built in). What is counted and not yet sent when the
+/// budget is dropped is lost (at most 10 ms of calls).
 ///
 /// When Redis does not answer, the store's
 /// [`FailurePolicy`](crate::FailurePolicy) does:
@@ -59,7 +71,17 @@ pub struct RedisRetryBudget {
     bound: Arc<BoundBudget>,
 }
 
-struct BoundBudget {
+/// How often the calls each key counted go to Redis.
+pub(crate) const FLUSH_EVERY: Duration = Duration::from_millis(10);
+
+/// Keys counted at once; a new key past them deposits on its own call.
+pub(crate) const MAX_PENDING_KEYS: usize = 4_096;
+
+/// The retry budgets a store bound, by rule name.
+#[derive(Default)]
+pub(crate) struct Bindings(Mutex<HashMap<String, Weak<BoundBudget>>>);
+
+pub(crate) struct BoundBudget {
     backend: Arc<Backend>,
     runtime: Handle,
     rule: RetryBudgetRule,
@@ -67,6 +89,38 @@ struct BoundBudget {
     params: [String; 3],
     ttl: String,
     on_failure: RetryBudgetOnFailure,
+    /// The slot's length in ns, to batch only calls of one slot.
+    slot_ns: u64,
+    /// Calls counted and not yet deposited in Redis.
+    pending: Mutex<Pending>,
+    /// The flusher's rounds started (counted under the `pending` lock as
+    /// a round takes its batches) and ended, and a wake-up when one ends:
+    /// a withdrawal or a read waits for the round that was under way when
+    /// it took its key's batches, so that it sees every deposit counted
+    /// before it (and in the order they were counted). A round takes at
+    /// most the store's timeout per call.
+    rounds: std::sync::atomic::AtomicU64,
+    rounds_done: std::sync::atomic::AtomicU64,
+    flushed: tokio::sync::Notify,
+}
+
+/// The calls counted by key: each key's batch of now's slot, and batches
+/// of earlier slots, to be sent first and in order (a slot's position in
+/// the window is reused a window later, so two slots' deposits do not
+/// commute).
+#[derive(Default)]
+struct Pending {
+    batches: HashMap<Vec<u8>, Batch>,
+    due: Vec<(Vec<u8>, Batch)>,
+}
+
+/// Calls of one key counted in one slot of the window.
+struct Batch {
+    calls: u64,
+    /// The slot (this process's clock's), and the time argument of the
+    /// batch's first call, which its deposit is made at.
+    slot: u64,
+    at: String,
 }
 
 impl fmt::Debug for RedisRetryBudget {
@@ -89,21 +143,59 @@ impl RedisRetryBudget {
         let slot = window
             .checked_div(tollgate_core::algorithm::RETRY_SLOTS as u64)
             .unwrap_or(1);
+        // The same rule bound again: the same budget, counted deposits
+        // and all.
+        let registry = Arc::clone(&backend);
+        let mut bound_before = registry
+            .retry_budgets
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        bound_before.retain(|_, b| b.strong_count() > 0);
+        if let Some(bound) = bound_before.get(rule.name()).and_then(Weak::upgrade) {
+            if bound.rule == *rule {
+                return Ok(Self { bound });
+            }
+        }
         let on_failure = RetryBudgetOnFailure::new(&backend.policy, rule)?;
-        Ok(Self {
-            bound: Arc::new(BoundBudget {
-                backend,
-                runtime,
-                rule: rule.clone(),
-                params: [
-                    slot.to_string(),
-                    budget.deposit_units().to_string(),
-                    budget.reserve_units().to_string(),
-                ],
-                ttl: crate::scripts::ttl_ms(window).to_string(),
-                on_failure,
-            }),
-        })
+        let bound = Arc::new(BoundBudget {
+            backend,
+            runtime: runtime.clone(),
+            rule: rule.clone(),
+            params: [
+                slot.to_string(),
+                budget.deposit_units().to_string(),
+                budget.reserve_units().to_string(),
+            ],
+            ttl: crate::scripts::ttl_ms(window).to_string(),
+            on_failure,
+            slot_ns: slot.max(1),
+            pending: Mutex::new(Pending::default()),
+            rounds: std::sync::atomic::AtomicU64::new(0),
+            rounds_done: std::sync::atomic::AtomicU64::new(0),
+            flushed: tokio::sync::Notify::new(),
+        });
+        runtime.spawn(flush_every(Arc::downgrade(&bound)));
+        bound_before.insert(rule.name().to_owned(), Arc::downgrade(&bound));
+        Ok(Self { bound })
+    }
+
+    /// Sends every deposit this budget counted to Redis now, and waits
+    /// until they are there (or failed): before a process stops, or where
+    /// another instance must see them at once (tests). Deposits otherwise
+    /// go within 10 ms.
+    pub async fn flush(&self) {
+        let (Pending { batches, due }, round) = {
+            let mut pending = self.bound.lock_pending();
+            (
+                std::mem::take(&mut *pending),
+                self.bound.rounds.load(Ordering::Acquire),
+            )
+        };
+        self.bound.settled(round).await;
+        for (key, batch) in due.into_iter().chain(batches) {
+            let _ = self.bound.deposit_batch(&key, batch).await;
+        }
     }
 
     /// The balance of `key`, in thousandths of a retry
@@ -115,8 +207,11 @@ impl RedisRetryBudget {
         let this = Arc::clone(&self.bound);
         let key = key.to_vec();
         let now = this.backend.now_arg();
+        // What this instance counted is part of the balance.
+        let counted = this.take(&key);
         Box::pin(async move {
-            match this.call(RetryBudgetMode::Balance, &key, &now).await {
+            this.caught_up(&key, counted).await;
+            match this.call(RetryBudgetMode::Balance, &key, &now, 0).await {
                 Ok((_, balance)) => Ok(balance),
                 Err(e) => this.on_failure.balance(&key, e),
             }
@@ -124,22 +219,179 @@ impl RedisRetryBudget {
     }
 }
 
+/// Sends what every key counted to Redis every `FLUSH_EVERY`, until the
+/// budget is dropped: the batches of earlier slots one after another,
+/// then every key's batch of now's slot side by side.
+async fn flush_every(budget: Weak<BoundBudget>) {
+    loop {
+        tokio::time::sleep(FLUSH_EVERY).await;
+        let Some(budget) = budget.upgrade() else {
+            return;
+        };
+        let Pending { batches, due } = {
+            let mut pending = budget.lock_pending();
+            if pending.batches.is_empty() && pending.due.is_empty() {
+                continue;
+            }
+            budget.rounds.fetch_add(1, Ordering::AcqRel);
+            std::mem::take(&mut *pending)
+        };
+        // Ended however it ends (the runtime may drop it mid-round).
+        let _round = RoundDone(Arc::clone(&budget));
+        for (key, batch) in due {
+            let _ = budget.deposit_batch(&key, batch).await;
+        }
+        let mut calls = tokio::task::JoinSet::new();
+        for (key, batch) in batches {
+            let budget = Arc::clone(&budget);
+            calls.spawn(async move { budget.deposit_batch(&key, batch).await });
+        }
+        while calls.join_next().await.is_some() {}
+    }
+}
+
+/// Counts a flusher's round ended when dropped, and wakes who waits.
+struct RoundDone(Arc<BoundBudget>);
+
+impl Drop for RoundDone {
+    fn drop(&mut self) {
+        self.0.rounds_done.fetch_add(1, Ordering::AcqRel);
+        self.0.flushed.notify_waiters();
+    }
+}
+
 impl BoundBudget {
-    /// Runs the script in `mode` for `key` at `now` (the time argument):
-    /// whether it granted, and the balance after; or why there is no
-    /// answer.
+    fn lock_pending(&self) -> std::sync::MutexGuard<'_, Pending> {
+        self.pending.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Waits until the flusher's round `round` (and those before) ended.
+    async fn settled(&self, round: u64) {
+        loop {
+            let flushed = self.flushed.notified();
+            tokio::pin!(flushed);
+            flushed.as_mut().enable();
+            if self.rounds_done.load(Ordering::Acquire) >= round {
+                return;
+            }
+            flushed.await;
+        }
+    }
+
+    /// Counts a call of `key` now; `false` when too many keys are counted
+    /// already.
+    fn count(&self, key: &[u8]) -> bool {
+        let slot = self
+            .backend
+            .unix_now()
+            .checked_div(self.slot_ns)
+            .unwrap_or(0);
+        let mut guard = self.lock_pending();
+        let pending = &mut *guard;
+        if let Some(batch) = pending.batches.get_mut(key) {
+            if batch.slot == slot {
+                batch.calls = batch.calls.saturating_add(1);
+            } else {
+                // A new slot: the earlier one's calls go first, as they are.
+                let fresh = Batch {
+                    calls: 1,
+                    slot,
+                    at: self.backend.now_arg(),
+                };
+                let earlier = std::mem::replace(batch, fresh);
+                pending.due.push((key.to_vec(), earlier));
+            }
+            return true;
+        }
+        if pending.batches.len() >= MAX_PENDING_KEYS || pending.due.len() >= MAX_PENDING_KEYS {
+            return false;
+        }
+        let batch = Batch {
+            calls: 1,
+            slot,
+            at: self.backend.now_arg(),
+        };
+        pending.batches.insert(key.to_vec(), batch);
+        true
+    }
+
+    /// Takes what `key` counted, in the order it was counted, for a call
+    /// of its own to send first, and the flusher's round under way (which
+    /// may hold more of them).
+    fn take(&self, key: &[u8]) -> (Vec<Batch>, u64) {
+        let mut guard = self.lock_pending();
+        let round = self.rounds.load(Ordering::Acquire);
+        let pending = &mut *guard;
+        let mut batches = Vec::new();
+        if pending.due.iter().any(|(k, _)| k == key) {
+            let due = std::mem::take(&mut pending.due);
+            for (k, batch) in due {
+                if k == key {
+                    batches.push(batch);
+                } else {
+                    pending.due.push((k, batch));
+                }
+            }
+        }
+        batches.extend(pending.batches.remove(key));
+        (batches, round)
+    }
+
+    /// Waits for the round `take` named, then sends the batches it gave,
+    /// each at its own time: a call made next sees every deposit counted
+    /// before it, in order, as if each had gone to Redis on its own.
+    async fn caught_up(&self, key: &[u8], (batches, round): (Vec<Batch>, u64)) {
+        self.settled(round).await;
+        for batch in batches {
+            let _ = self.deposit_batch(key, batch).await;
+        }
+    }
+
+    /// Deposits for `batch` of `key` in one script call, at the time of
+    /// its first call; where Redis does not answer, see
+    /// [`not_deposited`](Self::not_deposited).
+    async fn deposit_batch(&self, key: &[u8], batch: Batch) -> Result<(), StoreError> {
+        match self
+            .call(RetryBudgetMode::Deposit, key, &batch.at, batch.calls)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                self.not_deposited(key, batch.calls);
+                Err(e)
+            }
+        }
+    }
+
+    /// Deposits for `calls` calls of `key` that did not reach Redis: in the
+    /// fallback memory (which the withdrawals then use too); with no
+    /// memory to take them they are lost, as a deposit Redis did not
+    /// answer always was (the budget errs toward fewer retries).
+    fn not_deposited(&self, key: &[u8], calls: u64) {
+        if calls > 0 && self.on_failure.deposit(key) {
+            for _ in 1..calls {
+                self.on_failure.deposit(key);
+            }
+        }
+    }
+
+    /// Runs the script in `mode` for `key` at `now` (the time argument),
+    /// carrying the deposits of `calls` calls: whether it granted, and the
+    /// balance after; or why there is no answer.
     async fn call(
         &self,
         mode: RetryBudgetMode,
         key: &[u8],
         now: &str,
+        calls: u64,
     ) -> Result<(bool, u64), StoreError> {
         let rkey = self
             .backend
             .names
             .name(key::Format::RetryBudget, self.rule.name(), key);
         let [slot, deposit, reserve] = &self.params;
-        let args = [mode.arg(), "0", now, &self.ttl, slot, deposit, reserve];
+        let calls = calls.to_string();
+        let args = [mode.arg(), &calls, now, &self.ttl, slot, deposit, reserve];
         let reply = self.backend.run(&RETRY_BUDGET, &[&rkey], &args).await?;
         reply.retry_budget().ok_or_else(|| {
             StoreError::new(
@@ -166,29 +418,43 @@ impl RetryBudgetLimiter for RedisRetryBudget {
     }
 
     fn deposit(&self, key: &[u8]) -> Self::DepositFuture {
+        if self.deposit_sync(key) {
+            return Box::pin(std::future::ready(Ok(())));
+        }
+        // Too many keys counted: a script call of its own, as a task on
+        // the store's runtime, under way whether or not the caller polls
+        // (or keeps) the future.
         let this = Arc::clone(&self.bound);
         let key = key.to_vec();
-        let now = this.backend.now_arg();
-        // A task of its own, on the store's runtime: under way now,
-        // whether or not the caller polls (or keeps) the future.
-        let task = self.bound.runtime.spawn(async move {
-            match this.call(RetryBudgetMode::Deposit, &key, &now).await {
-                Ok(_) => Ok(()),
-                Err(_) if this.on_failure.deposit(&key) => Ok(()),
-                Err(e) => Err(e),
-            }
-        });
+        let batch = Batch {
+            calls: 1,
+            slot: 0,
+            at: this.backend.now_arg(),
+        };
+        let task = self
+            .bound
+            .runtime
+            .spawn(async move { this.deposit_batch(&key, batch).await });
         Box::pin(async move { task.await.unwrap_or_else(|_| Err(task_gone())) })
+    }
+
+    /// Counts the call in the process (see the type's docs): `false` only
+    /// when 4,096 other keys are counted already.
+    fn deposit_sync(&self, key: &[u8]) -> bool {
+        self.bound.count(key)
     }
 
     fn withdraw(&self, key: &[u8]) -> Self::WithdrawFuture {
         let this = Arc::clone(&self.bound);
         let key = key.to_vec();
         let now = this.backend.now_arg();
+        // The calls this key counted go just before it, at their times.
+        let counted = this.take(&key);
         Box::pin(async move {
+            this.caught_up(&key, counted).await;
             // A fault or an unreadable reply: the failure policy answers.
             Ok(
-                match this.call(RetryBudgetMode::Withdraw, &key, &now).await {
+                match this.call(RetryBudgetMode::Withdraw, &key, &now, 0).await {
                     Ok((granted, balance)) => Withdrawal::new(granted, balance),
                     Err(_) => this.on_failure.withdraw(&key),
                 },

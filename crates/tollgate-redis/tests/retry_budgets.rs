@@ -102,6 +102,9 @@ async fn two_instances_share_one_budget() {
         let r = if i % 3 == 0 { &ra } else { &rb };
         r.deposit(b"payments").await.unwrap();
     }
+    // Each instance's deposits reach Redis within 10 ms, or at once on a
+    // flush.
+    rb.flush().await;
     assert_eq!(ra.balance(b"payments").await.unwrap(), 20_000);
     let mut asks = tokio::task::JoinSet::new();
     for i in 0..60 {
@@ -338,6 +341,8 @@ async fn retry_budgets_follow_the_failure_policy_when_redis_dies() {
         );
         b.deposit(b"k").await.unwrap();
         b.deposit(b"k").await.unwrap();
+        // In Redis before it dies.
+        b.flush().await;
     }
 
     server.kill();
@@ -348,8 +353,12 @@ async fn retry_budgets_follow_the_failure_policy_when_redis_dies() {
         let closed = timed("closed withdraw", bc.withdraw(b"k")).await.unwrap();
         assert_eq!(closed, tollgate_core::Withdrawal::blind(false));
     }
-    assert!(timed("open deposit", bo.deposit(b"k")).await.is_err());
-    assert!(timed("closed deposit", bc.deposit(b"k")).await.is_err());
+    // Deposits are counted in the process, and those that cannot reach
+    // Redis are lost where no memory takes them (the budget errs toward
+    // fewer retries).
+    timed("open deposit", bo.deposit(b"k")).await.unwrap();
+    timed("closed deposit", bc.deposit(b"k")).await.unwrap();
+    timed("open flush", bo.flush()).await;
     assert!(timed("open balance", bo.balance(b"k")).await.is_err());
     // Fallback: the memory budget starts empty (Redis's deposits are not
     // there); four calls buy two retries.
@@ -389,4 +398,51 @@ async fn retry_budgets_follow_the_failure_policy_when_redis_dies() {
     bo.deposit(b"k").await.unwrap();
     assert!(bo.withdraw(b"k").await.unwrap().granted);
     assert!(!bo.withdraw(b"k").await.unwrap().granted);
+}
+
+/// Quota-bandwidth-retry review #9: every client call was a script call
+/// (and two tasks). Deposits are now counted in the process and go to
+/// Redis in batches — every 10 ms, or just before the key's next
+/// withdrawal, so withdrawals stay exact: 2,000 calls to one upstream
+/// make a handful of script calls, and a withdrawal right after them sees
+/// every one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deposits_are_batched_and_withdrawals_see_them() {
+    let Some(server) = Server::start() else {
+        return;
+    };
+    let store = instance(&server.url(), &unique_prefix());
+    let rule = RetryBudgetRule::new("batched", 0.1, 0, Duration::from_secs(60)).unwrap();
+    let budget = store.retry_budget(&rule).unwrap();
+    let before = server.script_calls();
+    let started = Instant::now();
+    for i in 0..2_000u32 {
+        assert!(budget.deposit_sync(b"upstream"));
+        if i % 200 == 199 {
+            // Calls spread over a little time, as a client's are.
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    let w = budget.withdraw(b"upstream").await.unwrap();
+    assert!(w.granted);
+    assert_eq!(
+        w.balance,
+        Some(199_000),
+        "2,000 calls at 0.1, one retry taken"
+    );
+    let calls = server.script_calls() - before;
+    // A flush every 10 ms while they ran, then the withdrawal.
+    let ticks = started.elapsed().as_millis() as u64 / 10 + 2;
+    eprintln!(
+        "{calls} script calls for 2,000 deposits and a withdrawal over {:?}",
+        started.elapsed()
+    );
+    assert!(
+        calls <= ticks + 1,
+        "{calls} script calls for 2,000 deposits and a withdrawal ({ticks} flushes at most)"
+    );
+    // Bound twice, one budget: what one binding counted, the other sees.
+    let again = store.retry_budget(&rule).unwrap();
+    assert!(budget.deposit_sync(b"other"));
+    assert_eq!(again.balance(b"other").await.unwrap(), 100);
 }

@@ -3,8 +3,9 @@
 -- p modulo 10, as "index deposited withdrawn" — the index, floor(now /
 -- slot) + 1, and the thousandths of a retry deposited and withdrawn in
 -- it (an absent field is the unused slot, index 0).
--- ARGV[1] the mode: 'deposit' (a call was made), 'withdraw' (a retry is
--- wanted: one retry if the balance has it), 'balance' (a read). ARGV[5]
+-- ARGV[1] the mode: 'deposit' (calls were made: ARGV[2] of them, at
+-- least 1, all in the slot of now), 'withdraw' (a retry is wanted: one
+-- retry if the balance has it), 'balance' (a read). ARGV[5]
 -- the slot's length in ns (1 ms to 2.4 hours: a tenth of the window),
 -- ARGV[6] the deposit per call (at most 10^6), ARGV[7] the floor over the
 -- window (at most 8.64 * 10^13), both in thousandths of a retry.
@@ -26,6 +27,8 @@ local slot = tonumber(ARGV[5])
 local deposit = tonumber(ARGV[6])
 local reserve = tonumber(ARGV[7])
 local key = KEYS[1]
+-- Calls whose deposits this call carries (at most 2^20 at once).
+local calls = math.min(count_of(ARGV[2]) or 0, 1048576)
 local function fmt(n) return string.format('%.0f', n) end
 
 local function main()
@@ -76,9 +79,10 @@ local function main()
 
   if mode == 'deposit' then
     -- A ratio of 0 (the floor alone) deposits nothing: nothing to write.
-    if deposit > 0 then
-      add(deposit, 0)
-      balance = balance + deposit
+    local dep = math.min(deposit * math.max(1, calls), CAP)
+    if dep > 0 then
+      add(dep, 0)
+      balance = balance + dep
     end
     return {1, balance}
   elseif mode == 'withdraw' then

@@ -132,6 +132,15 @@ pub trait Store: Clone + Send + Sync + 'static {
         self.clone()
     }
 
+    /// The longest one call to the store may take before it counts as
+    /// failed (a networked store's timeout), if it has one; `None` (the
+    /// default) for a store that answers in process. Layers in front of a
+    /// store use it to check their own settings (a `HotKeys` lease must
+    /// outlive a call).
+    fn call_timeout(&self) -> Option<std::time::Duration> {
+        None
+    }
+
     /// Binds an escalation ladder. The default: this store keeps none (an
     /// error naming `escalation`).
     fn escalation(&self, rule: &EscalationRule) -> Result<Arc<dyn EscalationLimiter>, ConfigError> {

@@ -261,6 +261,19 @@ impl HotKeys {
         if self.max_keys == 0 {
             return Err(ConfigError::new("hot_keys", "max_keys must be at least 1"));
         }
+        // Fleet review L13: a lease asked for is over once its TTL has
+        // passed since it was asked, so a store slower than the TTL makes
+        // every lease end on arrival (and halves the batch toward 1).
+        if let Some(timeout) = store.call_timeout().filter(|t| self.ttl < *t) {
+            tracing::warn!(
+                target: "tollgate",
+                ttl_ms = self.ttl.as_millis(),
+                timeout_ms = timeout.as_millis(),
+                "hot_keys: the lease TTL is shorter than the store's call timeout: a lease whose \
+                 answer takes longer than the TTL has ended when it lands; keep the TTL above \
+                 the store's round trip"
+            );
+        }
         Ok(Hot {
             inner: store,
             config: Arc::new(self),
@@ -299,6 +312,10 @@ impl<S: fmt::Debug, C> fmt::Debug for Hot<S, C> {
 impl<S: Store, C: Clock> Store for Hot<S, C> {
     type Limiter = HotLimiter<S::Limiter, C>;
     type ConcurrencyLimiter = S::ConcurrencyLimiter;
+
+    fn call_timeout(&self) -> Option<Duration> {
+        self.inner.call_timeout()
+    }
 
     fn limiter(&self, rule: &Rule) -> Result<Self::Limiter, ConfigError> {
         let named = self

@@ -374,6 +374,10 @@ impl Store for RedisStore {
     /// read it under whatever parameters they are given: new parameters go
     /// on from it. The fallback memory store (`FailurePolicy::Fallback`)
     /// rebinds as [`MemoryStore`](tollgate_memory::MemoryStore) does.
+    fn call_timeout(&self) -> Option<Duration> {
+        Some(self.backend.timeout)
+    }
+
     fn rebinding(&self) -> Self {
         Self {
             rebinding: crate::policy::Rebind::Yes,

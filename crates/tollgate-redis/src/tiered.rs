@@ -113,6 +113,11 @@ impl<R: Store, G: Store> Store for Tiered<R, G> {
     type Limiter = TieredLimiter<R::Limiter, G::Limiter>;
     type ConcurrencyLimiter = R::ConcurrencyLimiter;
 
+    /// The longer of the tiers' timeouts.
+    fn call_timeout(&self) -> Option<std::time::Duration> {
+        self.regional.call_timeout().max(self.global.call_timeout())
+    }
+
     fn limiter(&self, rule: &Rule) -> Result<Self::Limiter, ConfigError> {
         let global = match &self.global_rule {
             Some(f) => {

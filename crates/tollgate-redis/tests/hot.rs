@@ -989,3 +989,63 @@ async fn a_key_refused_for_less_than_a_round_trip_goes_to_the_store_side_by_side
     let bound = 10 + 10_000 * took.as_micros() as u64 / 1_000_000 + 10_000 * 50 / 1_000;
     assert!(admitted <= bound, "{admitted} > {bound}");
 }
+
+/// What `tracing` writes while `f` runs, as text.
+fn logged(f: impl FnOnce()) -> String {
+    #[derive(Clone, Default)]
+    struct Buf(Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buf = Buf::default();
+    let writer = buf.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    tracing::subscriber::with_default(subscriber, f);
+    let out = buf.0.lock().unwrap().clone();
+    String::from_utf8(out).unwrap()
+}
+
+/// Fleet review L13: a `HotKeys` TTL shorter than the store's call
+/// timeout makes a slow answer's lease end on arrival, silently; building
+/// it says so. A TTL at or above the timeout (the defaults: 50 ms each),
+/// or a store in process, says nothing.
+#[tokio::test]
+async fn a_lease_ttl_shorter_than_the_store_timeout_is_warned_of() {
+    let redis = |timeout| {
+        RedisStore::builder("redis://127.0.0.1:1")
+            .prefix(&unique_prefix())
+            .timeout(timeout)
+            .build()
+            .unwrap()
+    };
+    let short = logged(|| {
+        HotKeys::new()
+            .ttl(Duration::from_millis(20))
+            .over(redis(Duration::from_millis(200)))
+            .unwrap();
+    });
+    assert!(
+        short.contains("lease TTL is shorter than the store's call timeout"),
+        "{short}"
+    );
+    assert!(short.contains("timeout_ms=200"), "{short}");
+    let fine = logged(|| {
+        HotKeys::new()
+            .over(redis(Duration::from_millis(50)))
+            .unwrap();
+        HotKeys::new()
+            .ttl(Duration::from_millis(1))
+            .over(MemoryStore::new())
+            .unwrap();
+    });
+    assert!(!fine.contains("lease TTL"), "{fine}");
+}

@@ -267,6 +267,14 @@ impl Store for AnyStore {
         })
     }
 
+    fn call_timeout(&self) -> Option<std::time::Duration> {
+        match &self.0 {
+            Inner::Memory(s) => s.call_timeout(),
+            #[cfg(feature = "redis")]
+            Inner::Redis(s) => s.call_timeout(),
+        }
+    }
+
     fn escalation(&self, rule: &EscalationRule) -> Result<Arc<dyn EscalationLimiter>, ConfigError> {
         match &self.0 {
             Inner::Memory(s) => s.escalation(rule),

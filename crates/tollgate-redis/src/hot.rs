@@ -115,6 +115,7 @@ pub struct HotKeys {
     max_keys: usize,
     rules: Option<Vec<String>>,
     ahead: bool,
+    name: Arc<str>,
 }
 
 impl Default for HotKeys {
@@ -137,6 +138,7 @@ impl HotKeys {
             max_keys: 100_000,
             rules: None,
             ahead: false,
+            name: "hot".into(),
         }
     }
 
@@ -208,6 +210,15 @@ impl HotKeys {
         self
     }
 
+    /// The `name` label of this front's metrics (`tollgate_hot_*`;
+    /// default `hot`): give each `HotKeys` its own where two fronts lease
+    /// rules of the same name (a regional and a global tier, two stores),
+    /// so their counts do not add up as one.
+    pub fn name(mut self, name: &str) -> Self {
+        self.name = name.into();
+        self
+    }
+
     /// Leases only the rules named (default: every rule bound through it
     /// that can be leased — a sliding window log or a leaky bucket is
     /// decided per request, through the store). Naming one of those is an
@@ -260,6 +271,12 @@ impl HotKeys {
         }
         if self.max_keys == 0 {
             return Err(ConfigError::new("hot_keys", "max_keys must be at least 1"));
+        }
+        if !crate::store::plain_name(&self.name) {
+            return Err(ConfigError::new(
+                "hot_keys",
+                format!("name {}", crate::store::PLAIN_NAME),
+            ));
         }
         // Fleet review L13: a lease asked for is over once its TTL has
         // passed since it was asked, so a store slower than the TTL makes
@@ -371,9 +388,17 @@ impl<S: Store, C: Clock> Store for Hot<S, C> {
                 per_shard: self.config.max_keys.div_ceil(SHARDS).max(1),
                 hasher: RandomState::new(),
                 shards,
-                decisions: Count::new("tollgate_hot_decisions_total", rule.name()),
-                store_calls: Count::new("tollgate_hot_store_calls_total", rule.name()),
-                waits: Count::new("tollgate_hot_waits_total", rule.name()),
+                decisions: Count::new(
+                    "tollgate_hot_decisions_total",
+                    &self.config.name,
+                    rule.name(),
+                ),
+                store_calls: Count::new(
+                    "tollgate_hot_store_calls_total",
+                    &self.config.name,
+                    rule.name(),
+                ),
+                waits: Count::new("tollgate_hot_waits_total", &self.config.name, rule.name()),
                 ahead: self.config.ahead,
             })),
         })
@@ -489,14 +514,15 @@ impl std::ops::DerefMut for Keys {
     }
 }
 
-/// A count kept for [`HotStats`] and exported as a metric (`rule` label).
+/// A count kept for [`HotStats`] and exported as a metric (`name` and
+/// `rule` labels).
 struct Count {
     n: AtomicU64,
     metric: metrics::Counter,
 }
 
 impl Count {
-    fn new(name: &'static str, rule: &str) -> Self {
+    fn new(name: &'static str, front: &str, rule: &str) -> Self {
         metrics::describe_counter!(
             "tollgate_hot_decisions_total",
             "Decisions of a rule leased by HotKeys"
@@ -511,7 +537,7 @@ impl Count {
         );
         Self {
             n: AtomicU64::new(0),
-            metric: metrics::counter!(name, "rule" => rule.to_owned()),
+            metric: metrics::counter!(name, "name" => front.to_owned(), "rule" => rule.to_owned()),
         }
     }
 

@@ -299,18 +299,9 @@ impl RedisStoreBuilder {
                  and budgets, are not shared with other services on this Redis",
             ));
         };
-        let plain = |s: &str| {
-            !s.is_empty()
-                && s.len() <= 64
-                && s.bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
-        };
         for (field, value) in [("prefix", Some(&prefix)), ("name", self.name.as_ref())] {
-            if value.is_some_and(|v| !plain(v)) {
-                return Err(ConfigError::new(
-                    field,
-                    "must be 1 to 64 ASCII letters, digits, '-', '_', '.' or ':'",
-                ));
+            if value.is_some_and(|v| !plain_name(v)) {
+                return Err(ConfigError::new(field, PLAIN_NAME));
             }
         }
         if self
@@ -445,3 +436,15 @@ impl RetryBudgetStore for RedisStore {
         RedisRetryBudget::new(Arc::clone(&self.backend), self.runtime.clone(), rule)
     }
 }
+
+/// Whether `s` can name a prefix or a metrics label: 1 to 64 ASCII
+/// letters, digits, `-`, `_`, `.` or `:`.
+pub(crate) fn plain_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 64
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
+}
+
+/// What [`plain_name`] allows, for errors.
+pub(crate) const PLAIN_NAME: &str = "must be 1 to 64 ASCII letters, digits, '-', '_', '.' or ':'";

@@ -93,6 +93,13 @@ async fn a_leased_rule_s_counts_are_metrics_by_rule() {
             .unwrap()
             .limiter(&rule)
             .unwrap();
+        // A second front leasing a rule of the same name counts apart.
+        tollgate_redis::HotKeys::new()
+            .name("global")
+            .over(tollgate_memory::MemoryStore::new())
+            .unwrap()
+            .limiter(&rule)
+            .unwrap();
     });
     let keys = keys.0.lock().unwrap().clone();
     for name in [
@@ -100,7 +107,15 @@ async fn a_leased_rule_s_counts_are_metrics_by_rule() {
         "tollgate_hot_store_calls_total",
         "tollgate_hot_waits_total",
     ] {
-        let metric = format!("{name}{{rule=hot-rule}}");
-        assert!(keys.contains(&metric), "{metric} not in {keys:?}");
+        for front in ["hot", "global"] {
+            let metric = format!("{name}{{name={front},rule=hot-rule}}");
+            assert!(keys.contains(&metric), "{metric} not in {keys:?}");
+        }
     }
+    let err = tollgate_redis::HotKeys::new()
+        .name("no spaces")
+        .over(tollgate_memory::MemoryStore::new())
+        .map(drop)
+        .unwrap_err();
+    assert_eq!(err.field(), "hot_keys");
 }

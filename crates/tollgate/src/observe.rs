@@ -30,7 +30,7 @@
 //! | `tollgate_store_calls_total` | counter | `store="redis"`, `name` (the store's name, default its prefix), `result`: `ok`, `error`, `timeout`, `skipped` (breaker open) |
 //! | `tollgate_store_call_seconds` | histogram | `store="redis"`, `name`: each call's time |
 //! | `tollgate_store_breaker_open` | gauge | `store="redis"`, `name`, `prefix`: the share of the store's circuit breakers that are open: 1 while a standalone or Sentinel store's breaker is open; on a Cluster, the share of its per-master breakers (and the fixed slot ranges used before the slot map is read) that are open (alert on `> 0`) |
-//! | `tollgate_hot_decisions_total`, `tollgate_hot_store_calls_total`, `tollgate_hot_waits_total` | counter | `rule`: a rule leased by `HotKeys`: its decisions, the store calls they took, and those that waited for the store (`HotLimiter::stats` has the same counts) |
+//! | `tollgate_hot_decisions_total`, `tollgate_hot_store_calls_total`, `tollgate_hot_waits_total` | counter | `name` (the front's, `HotKeys::name`, default `hot`), `rule`: a rule leased by `HotKeys`: its decisions, the store calls they took, and those that waited for the store (`HotLimiter::stats` has the same counts) |
 //! | `tollgate_audit_dropped_total` | counter | `stream`: audit records a Redis audit stream could not take |
 //! | `tollgate_lease_releases_dropped_total` | counter | `store="redis"`: concurrency lease releases dropped because the lease task's queue was full (65,536 waiting); the leases lapse within their TTL |
 //!

@@ -280,6 +280,43 @@ impl Algorithm {
         }
     }
 
+    /// Whether a refund made by `old`'s parameters gives back, on a state
+    /// this algorithm now reads, what a refund of its own would: the same
+    /// algorithm, or one whose refunds do not depend on what changed (a
+    /// GCRA or leaky bucket of the same rate, whatever its burst or
+    /// delay; a window of the same length, whatever its limit). A request
+    /// decided before a reload that changed its rule refunds only then.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate_core::{Algorithm, Limit, Rate};
+    ///
+    /// let old = Algorithm::new(Limit::gcra(Rate::per_second(10), 20)).unwrap();
+    /// let wider = Algorithm::new(Limit::gcra(Rate::per_second(10), 50)).unwrap();
+    /// let faster = Algorithm::new(Limit::gcra(Rate::per_second(1_000), 20)).unwrap();
+    /// assert!(wider.refunds_alike(&old));
+    /// assert!(!faster.refunds_alike(&old));
+    /// let window = Algorithm::new(Limit::fixed_window(10, Duration::from_secs(1))).unwrap();
+    /// assert!(!window.refunds_alike(&old));
+    /// ```
+    pub fn refunds_alike(&self, old: &Algorithm) -> bool {
+        if self == old {
+            return true;
+        }
+        match (self, old) {
+            (Self::Gcra(a), Self::Gcra(b)) => a.refund_shape() == b.refund_shape(),
+            (Self::LeakyBucket(a), Self::LeakyBucket(b)) => a.refund_shape() == b.refund_shape(),
+            (Self::FixedWindow(a), Self::FixedWindow(b)) => a.state_shape() == b.state_shape(),
+            (Self::SlidingWindowCounter(a), Self::SlidingWindowCounter(b)) => {
+                a.state_shape() == b.state_shape()
+            }
+            (Self::SlidingWindowLog(a), Self::SlidingWindowLog(b)) => {
+                a.state_shape() == b.state_shape()
+            }
+            _ => false,
+        }
+    }
+
     /// The most that may be consumed at once (the `q` of `RateLimit-Policy`).
     pub fn capacity(&self) -> u64 {
         use crate::algorithm::RateAlgorithm as _;

@@ -17,6 +17,11 @@ pub struct Gcra {
 }
 
 impl Gcra {
+    /// What a refund's meaning depends on: the emission interval.
+    pub(crate) fn refund_shape(&self) -> u64 {
+        self.interval
+    }
+
     /// The parameters a stored state's meaning depends on: a rule whose
     /// parameters change keeps its keys' states when these stay the same.
     pub(crate) fn state_shape(&self) -> (u64, u64) {

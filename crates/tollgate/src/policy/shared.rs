@@ -35,26 +35,28 @@ pub(super) struct Bound<B, L> {
     pub(super) ladder: Option<Arc<dyn tollgate_core::EscalationLimiter>>,
     /// The share of capacity past which admitted responses warn.
     pub(super) warn_at: Option<f64>,
-    /// Set when a reload replaced this rule by one of other parameters
-    /// (or dropped it): its limiters' refunds would give back by the old
-    /// parameters what the new rule reads by its own, so requests still
-    /// in flight make none.
+    /// Set when a reload replaced this rule by one whose refunds mean
+    /// something else (another rate, another window; or dropped it): its
+    /// limiters' refunds would give back by the old parameters what the
+    /// new rule reads by its own, so requests still in flight make none.
     pub(super) retired: std::sync::atomic::AtomicBool,
 }
 
 impl<B, L: tollgate_core::Limiter> Bound<B, L> {
-    /// Whether `next` counts as this rule does: the same name and, plan by
-    /// plan, the same limit.
-    fn same_as(&self, next: &Self) -> bool {
+    /// Whether this rule's refunds mean under `next` what they meant here:
+    /// the same name and, plan by plan, a limit whose refunds are alike
+    /// ([`Algorithm::refunds_alike`](tollgate_core::Algorithm::refunds_alike)).
+    fn refunds_alike(&self, next: &Self) -> bool {
+        let alike = |old: &L, new: &L| new.rule().algorithm().refunds_alike(old.rule().algorithm());
         self.responder.rule == next.responder.rule
-            && self.limiter.rule() == next.limiter.rule()
+            && alike(&self.limiter, &next.limiter)
             && self.plans.len() == next.plans.len()
             && self
                 .plans
                 .iter()
                 .zip(next.plans.iter())
                 .all(|(a, b)| match (a, b) {
-                    (Some((a, _)), Some((b, _))) => a.rule() == b.rule(),
+                    (Some((a, _)), Some((b, _))) => alike(a, b),
                     (None, None) => true,
                     _ => false,
                 })
@@ -182,7 +184,7 @@ impl<B, L> Current<B, L> {
             return;
         }
         for rule in old.rules.iter() {
-            if !next.rules.iter().any(|n| rule.same_as(n)) {
+            if !next.rules.iter().any(|n| rule.refunds_alike(n)) {
                 rule.retired
                     .store(true, std::sync::atomic::Ordering::Release);
             }

@@ -25,6 +25,10 @@ pub struct RedisStats {
     pub timeouts: u64,
     /// Calls not made because the breaker was open.
     pub skipped: u64,
+    /// Connects started (the first included; on a Cluster, each goes to
+    /// the seeds and every node): more than one means the connection was
+    /// replaced, or is being.
+    pub connects: u64,
 }
 
 /// One outcome of a store call: counted for [`RedisStats`] and exported
@@ -181,6 +185,7 @@ impl Backend {
             errors: c.errors.get(),
             timeouts: c.timeouts.get(),
             skipped: c.skipped.get(),
+            connects: self.conn.connects(),
         }
     }
 

@@ -26,7 +26,13 @@ pub(crate) enum Conn {
     /// find a node gone: redis-rs follows `MOVED`, but reconnects a dead
     /// node's address forever and never asks for the slot map again, so
     /// after a master fails over only a new connection finds the promoted
-    /// replica.
+    /// replica. A node found hung (three calls in a row time out) asks a
+    /// node for the slot map instead, and replaces the connection only if
+    /// a slot's master changed (a hung master failed over): meanwhile only
+    /// that node's slot ranges time out, and their breaker opens. A new
+    /// connection (seeds, slot map, every node) would not make a stalled
+    /// node answer, and a fleet that saw one node's stall used to
+    /// reconnect to every node in step (fleet review M6).
     Cluster(Arc<Slot<ClusterConnection>>, Duration, Arc<SlotMap>),
     /// A master found through Redis Sentinel, found again after a call
     /// fails (a master switch: the old master refuses writes, or is gone).
@@ -42,8 +48,10 @@ type Connect<C> = Box<dyn Fn() -> tollgate_core::BoxFuture<redis::RedisResult<C>
 /// replacement is made, so a replacement never holds calls up; only a
 /// call that finds no connection at all waits (within its own timeout).
 /// A connection is replaced when a call finds its node gone (refused,
-/// dropped, `READONLY`, `MASTERDOWN`) or after three calls in a row found
-/// it hung (no answer in time): one slow answer is not a lost node.
+/// dropped, `READONLY`, `MASTERDOWN`) or, to one server, after three calls
+/// in a row found it hung (no answer in time): one slow answer is not a
+/// lost node; a Cluster's hung node has the slot map read again, and the
+/// connection replaced only if a master changed.
 /// Connects are one at a time, run on the runtime the store was built
 /// on, and are paced: after a failed one, the next waits 50 ms, doubling
 /// to 2 s; after a successful one, no replacement comes within a second.
@@ -60,6 +68,8 @@ pub(crate) struct Slot<C> {
     /// that was already replaced changes nothing.
     conn: std::sync::Mutex<Option<(u64, C)>>,
     generation: std::sync::atomic::AtomicU64,
+    /// Connects started (each, on a Cluster, to the seeds and every node).
+    attempts: std::sync::atomic::AtomicU64,
     connecting: std::sync::atomic::AtomicBool,
     /// When the next connect may start, and the failed connects in a row.
     pace: std::sync::Mutex<(tokio::time::Instant, u32)>,
@@ -78,7 +88,18 @@ pub(crate) struct Slot<C> {
     /// Draws for the jitter: a random seed and a counter.
     draws: std::sync::atomic::AtomicU64,
     seed: std::hash::RandomState,
+    /// What calls that find a node hung do: `None` (one server) replace
+    /// the connection, a hung connection being the whole store's; a
+    /// Cluster's asks a node for the slot map, and replaces the
+    /// connection only if a slot's master changed (see [`Conn::Cluster`]).
+    check: Option<Check<C>>,
+    /// Whether such a check is under way.
+    checking: std::sync::atomic::AtomicBool,
 }
+
+/// Whether the topology changed, asked on a connection (`true`: replace
+/// it).
+type Check<C> = Box<dyn Fn(C) -> tollgate_core::BoxFuture<bool> + Send + Sync>;
 
 /// The longest a replacement connect waits, at random, after the trouble
 /// that asked for it.
@@ -91,10 +112,12 @@ impl<C: Clone + Send + 'static> Slot<C> {
         ranges: usize,
         connect_timeout: Duration,
         connect: Connect<C>,
+        check: Option<Check<C>>,
     ) -> Arc<Self> {
         let slot = Arc::new(Self {
             conn: std::sync::Mutex::new(None),
             generation: std::sync::atomic::AtomicU64::new(0),
+            attempts: std::sync::atomic::AtomicU64::new(0),
             connecting: std::sync::atomic::AtomicBool::new(false),
             pace: std::sync::Mutex::new((tokio::time::Instant::now(), 0)),
             hung: (0..ranges.max(1))
@@ -107,6 +130,8 @@ impl<C: Clone + Send + 'static> Slot<C> {
             what,
             draws: std::sync::atomic::AtomicU64::new(0),
             seed: std::hash::RandomState::new(),
+            check,
+            checking: std::sync::atomic::AtomicBool::new(false),
         });
         slot.kick(false);
         slot
@@ -177,7 +202,10 @@ impl<C: Clone + Send + 'static> Slot<C> {
             Err(e) if e.is_timeout() => {
                 if hung.fetch_add(1, Ordering::AcqRel) >= 2 {
                     hung.store(0, Ordering::Release);
-                    self.trouble(n, true);
+                    match self.check {
+                        None => self.trouble(n, true),
+                        Some(_) => self.check_topology(n),
+                    }
                 }
             }
             Err(e) if lost_node(e) => self.trouble(n, false),
@@ -189,6 +217,39 @@ impl<C: Clone + Send + 'static> Slot<C> {
             }
         }
         result
+    }
+
+    /// Calls on connection `n` found a node hung: asks (one check at a
+    /// time, on its own task, within the connect timeout) whether a slot's
+    /// master changed — a hung master failed over — and only then replaces
+    /// the connection.
+    fn check_topology(self: &Arc<Self>, n: u64) {
+        use std::sync::atomic::Ordering;
+        if self.checking.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        struct Done<C>(Arc<Slot<C>>);
+        impl<C> Drop for Done<C> {
+            fn drop(&mut self) {
+                self.0.checking.store(false, Ordering::Release);
+            }
+        }
+        let done = Done(Arc::clone(self));
+        let runtime =
+            tokio::runtime::Handle::try_current().unwrap_or_else(|_| self.runtime.clone());
+        runtime.spawn(async move {
+            let slot = &done.0;
+            let (Some(check), Some((m, conn))) = (&slot.check, slot.current()) else {
+                return;
+            };
+            if m != n {
+                return;
+            }
+            let moved = tokio::time::timeout(slot.connect_timeout, check(conn)).await;
+            if moved == Ok(true) {
+                slot.trouble(n, true);
+            }
+        });
     }
 
     /// A random part of `span`: from `low` (a share of 1, at most 1) of it
@@ -233,6 +294,7 @@ impl<C: Clone + Send + 'static> Slot<C> {
                 .checked_add(spread)
                 .map_or(at, |t| t.max(at));
             tokio::time::sleep_until(start).await;
+            slot.attempts.fetch_add(1, Ordering::AcqRel);
             let made = tokio::time::timeout(slot.connect_timeout, (slot.connect)()).await;
             let now = tokio::time::Instant::now();
             let mut pace = slot
@@ -379,6 +441,7 @@ fn sentinel(
             let client = Arc::clone(&client);
             Box::pin(async move { client.lock().await.get_async_connection().await })
         }),
+        None,
     );
     // Just under the store's call timeout, so that a hung master is
     // replaced because of the call that found it so.
@@ -433,14 +496,19 @@ impl SlotMap {
             })
     }
 
-    /// Records a `CLUSTER SLOTS` reply: each slot range's master.
-    fn record(&self, reply: &redis::Value) {
+    /// Records a `CLUSTER SLOTS` reply: each slot range's master. Returns
+    /// whether a slot's master changed (not on the first reply).
+    fn record(&self, reply: &redis::Value) -> bool {
         use redis::Value;
-        let Value::Array(ranges) = reply else { return };
+        let Value::Array(ranges) = reply else {
+            return false;
+        };
+        let mut changed = false;
         let mut masters = self
             .masters
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let first = masters.is_empty();
         for range in ranges {
             let Value::Array(parts) = range else { continue };
             let (Some(Value::Int(start)), Some(Value::Int(end)), Some(Value::Array(master))) =
@@ -476,9 +544,11 @@ impl SlotMap {
                 .into_iter()
                 .flatten()
             {
-                slot.store(group, std::sync::atomic::Ordering::Relaxed);
+                let was = slot.swap(group, std::sync::atomic::Ordering::Relaxed);
+                changed |= !first && was != group;
             }
         }
+        changed
     }
 }
 
@@ -521,6 +591,16 @@ impl Conn {
     /// How many groups of keys the store keeps apart (a breaker and a
     /// hang count each): a Cluster's masters (see [`SlotMap`]); 1 where
     /// every key is on one server.
+    /// Connects started so far (the first included).
+    pub(crate) fn connects(&self) -> u64 {
+        let started =
+            |g: &std::sync::atomic::AtomicU64| g.load(std::sync::atomic::Ordering::Acquire);
+        match self {
+            Self::Standalone(slot, _) | Self::Sentinel(slot, _) => started(&slot.attempts),
+            Self::Cluster(slot, ..) => started(&slot.attempts),
+        }
+    }
+
     pub(crate) fn ranges(&self) -> usize {
         match self {
             Self::Cluster(..) => SlotMap::GROUPS,
@@ -615,6 +695,22 @@ impl Conn {
                         Ok(conn)
                     })
                 }),
+                // A hung node: the slot map again (from a random node, on
+                // the connection in use), and a new connection only if a
+                // slot's master changed.
+                Some({
+                    let map = Arc::clone(&map);
+                    Box::new(move |mut conn: ClusterConnection| {
+                        let map = Arc::clone(&map);
+                        Box::pin(async move {
+                            let slots: redis::RedisResult<redis::Value> = redis::cmd("CLUSTER")
+                                .arg("SLOTS")
+                                .query_async(&mut conn)
+                                .await;
+                            slots.is_ok_and(|reply| map.record(&reply))
+                        })
+                    })
+                }),
             );
             return Ok(Conn::Cluster(slot, timeout.mul_f64(0.9), map));
         }
@@ -645,6 +741,7 @@ impl Conn {
                         .await
                 })
             }),
+            None,
         );
         // Just under the store's call timeout, as for Sentinel.
         Ok(Conn::Standalone(slot, timeout.mul_f64(0.9)))

@@ -514,6 +514,7 @@ async fn one_stopped_master_takes_out_only_its_own_keys() {
     }
     let stopped = stopped.expect("no key on master 0");
     assert_eq!(healthy.len(), 3, "not enough keys on masters 1 and 2");
+    let connects = store.stats().connects;
     cluster.nodes[0].pause(true);
     // Rounds: four decisions on the stopped master's key at once (they
     // time out together, back to back: its range's breaker opens), then
@@ -542,6 +543,16 @@ async fn one_stopped_master_takes_out_only_its_own_keys() {
     }
     // The stopped master's ranges are open; most are not.
     assert!(store.breaker_open());
+    // Fleet review M6: its stall never replaced the whole Cluster
+    // connection (seeds, slot map, every node), which a fleet that saw
+    // the same stall did in step. (A replacement would have started by
+    // now: at most 1.25 s after the last connect, plus 250 ms of jitter.)
+    tokio::time::sleep(Duration::from_millis(1_600)).await;
+    assert_eq!(
+        store.stats().connects,
+        connects,
+        "one master's stall replaced the Cluster connection"
+    );
     cluster.nodes[0].pause(false);
 }
 
@@ -890,4 +901,63 @@ fn hot_eight(
         .unwrap()
         .limiter(rule)
         .unwrap()
+}
+
+/// Fleet review M6, the other half: a Cluster store no longer replaces its
+/// connection for a hung master, so it must still find that master's
+/// replica once the Cluster promotes it. Hung calls ask a node for the
+/// slot map; when a slot's master changed, the connection is replaced,
+/// and the stopped master's keys decide on the promoted replica — with
+/// the master still stopped (not gone: no refused connection says so).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_master_s_keys_move_to_its_promoted_replica() {
+    let Some(cluster) =
+        tokio::task::spawn_blocking(tollgate_redis::testing::Cluster::start_with_replicas)
+            .await
+            .unwrap()
+    else {
+        return;
+    };
+    let store = RedisStore::builder(&cluster.url())
+        .prefix(&unique_prefix())
+        .timeout(Duration::from_millis(300))
+        .failure_policy(FailurePolicy::Closed)
+        .build()
+        .unwrap();
+    let rule = Rule::new(
+        "promoted",
+        Limit::fixed_window(1_000, Duration::from_secs(3_600)),
+    )
+    .unwrap();
+    let l = store.limiter(&rule).unwrap();
+    let mut key = None;
+    for i in 0..200 {
+        let k = format!("promoted-key-{i}");
+        let on = cluster
+            .master_holding(|| async {
+                assert!(l.decide(k.as_bytes(), 1).await.unwrap().is_allowed());
+            })
+            .await;
+        if on == Some(0) {
+            key = Some(k);
+            break;
+        }
+    }
+    let key = key.expect("no key on master 0");
+    let replica = cluster.replica_of(0).expect("master 0 has no replica");
+    cluster.nodes[0].pause(true);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let d = l.decide(key.as_bytes(), 1).await.unwrap();
+        if d.is_allowed() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the stopped master's key never reached its promoted replica"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(cluster.nodes[replica].cli(&["ROLE"]).starts_with("master"));
+    cluster.nodes[0].pause(false);
 }

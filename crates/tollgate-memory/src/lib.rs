@@ -277,7 +277,7 @@ impl<C: Clock> MemoryStoreBuilder<C> {
     }
 
     /// Drops idle keys on a thread of the store's own every `every` (at
-    /// least 100 ms; default: no thread), so that memory comes back when
+    /// least 1 s; default: no thread), so that memory comes back when
     /// a process goes quiet after a flood: without it idle keys are
     /// dropped as decisions go on (every few thousand per thread) and when
     /// the store is full, and a process that gets no request keeps what

@@ -563,14 +563,14 @@ fn rebinding_a_quota_to_another_offset_keeps_its_usage() {
 #[test]
 fn a_quiet_store_s_sweeper_drops_idle_keys_without_a_request() {
     let err = MemoryStore::builder()
-        .sweep_idle_every(Duration::from_millis(50))
+        .sweep_idle_every(Duration::from_millis(500))
         .build()
         .unwrap_err();
     assert_eq!(err.field(), "sweep_idle_every");
     let clock = ManualClock::starting_at(1);
     let s = MemoryStore::builder()
         .clock(clock.clone())
-        .sweep_idle_every(Duration::from_millis(100))
+        .sweep_idle_every(Duration::from_secs(1))
         .build()
         .unwrap();
     let l = s.limiter(&gcra()).unwrap();
@@ -578,8 +578,9 @@ fn a_quiet_store_s_sweeper_drops_idle_keys_without_a_request() {
         assert!(l.decide_now(&i.to_be_bytes(), 1).is_allowed());
     }
     assert_eq!(s.key_count(), 1_000);
-    // Not idle yet (a burst of 3 at 1 a second refills in 3 s): kept.
-    std::thread::sleep(Duration::from_millis(300));
+    // Not idle yet (a burst of 3 at 1 a second refills in 3 s): kept
+    // through a sweep.
+    std::thread::sleep(Duration::from_millis(1_300));
     assert_eq!(s.key_count(), 1_000);
     clock.advance(Duration::from_secs(5));
     let deadline = std::time::Instant::now() + Duration::from_secs(10);

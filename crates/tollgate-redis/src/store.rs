@@ -361,14 +361,14 @@ impl Store for RedisStore {
         RedisLimiter::new(Arc::clone(&self.backend), rule, self.rebinding)
     }
 
-    /// State in Redis is kept by rule name and algorithm, and the scripts
-    /// read it under whatever parameters they are given: new parameters go
-    /// on from it. The fallback memory store (`FailurePolicy::Fallback`)
-    /// rebinds as [`MemoryStore`](tollgate_memory::MemoryStore) does.
     fn call_timeout(&self) -> Option<Duration> {
         Some(self.backend.timeout)
     }
 
+    /// State in Redis is kept by rule name and algorithm, and the scripts
+    /// read it under whatever parameters they are given: new parameters go
+    /// on from it. The fallback memory store (`FailurePolicy::Fallback`)
+    /// rebinds as [`MemoryStore`](tollgate_memory::MemoryStore) does.
     fn rebinding(&self) -> Self {
         Self {
             rebinding: crate::policy::Rebind::Yes,

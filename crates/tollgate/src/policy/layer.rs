@@ -651,7 +651,8 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 count_if: r.count_if,
                 ladder,
                 warn_at: r.warn_at,
-                retired: std::sync::atomic::AtomicBool::new(false),
+                retired: Arc::default(),
+                predecessors: std::sync::Mutex::default(),
             });
         }
         let enforced = || bound.iter().filter(|b| !b.responder.shadow);

@@ -39,7 +39,11 @@ pub(super) struct Bound<B, L> {
     /// something else (another rate, another window; or dropped it): its
     /// limiters' refunds would give back by the old parameters what the
     /// new rule reads by its own, so requests still in flight make none.
-    pub(super) retired: std::sync::atomic::AtomicBool,
+    pub(super) retired: Arc<std::sync::atomic::AtomicBool>,
+    /// The flags of the rules this one succeeded alike across reloads
+    /// (their requests may still be in flight): set with its own, however
+    /// many reloads later.
+    pub(super) predecessors: std::sync::Mutex<Vec<Arc<std::sync::atomic::AtomicBool>>>,
 }
 
 impl<B, L: tollgate_core::Limiter> Bound<B, L> {
@@ -61,6 +65,11 @@ impl<B, L: tollgate_core::Limiter> Bound<B, L> {
                     _ => false,
                 })
     }
+}
+
+/// Locks `m`, a poisoned lock included.
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl<B, L> Bound<B, L> {
@@ -184,9 +193,16 @@ impl<B, L> Current<B, L> {
             return;
         }
         for rule in old.rules.iter() {
-            if !next.rules.iter().any(|n| rule.refunds_alike(n)) {
-                rule.retired
-                    .store(true, std::sync::atomic::Ordering::Release);
+            let mut flags = std::mem::take(&mut *lock(&rule.predecessors));
+            flags.push(Arc::clone(&rule.retired));
+            match next.rules.iter().find(|n| rule.refunds_alike(n)) {
+                // Its successor carries its flags on.
+                Some(successor) => lock(&successor.predecessors).extend(flags),
+                None => {
+                    for flag in flags {
+                        flag.store(true, std::sync::atomic::Ordering::Release);
+                    }
+                }
             }
         }
     }

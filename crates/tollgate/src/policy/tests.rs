@@ -2249,6 +2249,18 @@ async fn a_refund_in_flight_across_a_reload_never_uses_the_old_parameters() {
         .store(st.rebinding())
         .build()
         .unwrap();
+    // Two reloads: the first changes only the burst (refunds alike), the
+    // second the rate. The request decided before both is retired too.
+    let wider = PolicyLayer::builder()
+        .rule(rule(
+            Limit::gcra(Rate::new(1, Duration::from_secs(3_600)), 3),
+            "per-key",
+        ))
+        .rule(rule(hourly(), "kept"))
+        .store(st.rebinding())
+        .build()
+        .unwrap();
+    layer.replace(&wider);
     layer.replace(&next);
     let before = remaining(&layer, 0, "a").await;
     go.add_permits(1);

@@ -75,9 +75,10 @@ impl Hedge {
     }
 }
 
-/// Buckets of attempt latency: bucket `i` counts latencies below
-/// `2^(i/4)` µs (four per doubling, 64 of them: up to about 1,000 s).
-const BUCKETS: usize = 64;
+/// Buckets of attempt latency: bucket `i` counts latencies up to
+/// `2^(i/4)` µs (four per doubling, 128 of them: up to about an hour; the
+/// last takes anything longer).
+const BUCKETS: usize = 128;
 
 /// Samples between halvings of every count, so the percentile follows
 /// the upstream as it changes.
@@ -154,7 +155,7 @@ impl Hedger {
 
 /// The upper bound of bucket `i`, in µs: 2^(i/4).
 fn upper_bound_micros(i: usize) -> u64 {
-    let whole = 1u64 << (i / 4).min(62);
+    let whole = 1u64 << (i / 4).min(40);
     // 2^(1/4), 2^(2/4), 2^(3/4) in thousandths.
     let frac = match i % 4 {
         0 => 1_000u64,
@@ -213,6 +214,19 @@ mod tests {
         let d = h.delay();
         assert!(
             d >= Duration::from_millis(10) && d <= Duration::from_millis(12),
+            "{d:?}"
+        );
+        // Slow upstreams too: a 95th percentile of 400 ms is read as such
+        // (the buckets once ended at 55 ms, and every slower call fell in
+        // the last).
+        let slow = Hedger::new(Hedge::percentile(95.0, Duration::from_millis(1)));
+        for i in 0..1_000u64 {
+            let ms = if i % 20 == 0 { 5_000 } else { 400 };
+            slow.record(Duration::from_millis(ms));
+        }
+        let d = slow.delay();
+        assert!(
+            d >= Duration::from_millis(400) && d <= Duration::from_millis(480),
             "{d:?}"
         );
         let fixed = Hedger::new(Hedge::after(Duration::from_millis(30)));

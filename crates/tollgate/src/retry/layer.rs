@@ -863,10 +863,27 @@ where
         hedger.record(started.elapsed());
         return (result, 1);
     }
-    if !withdraw(shared, key).await {
-        let result = first.await;
-        hedger.record(started.elapsed());
-        return (result, 1);
+    // The withdrawal (a store call, on Redis) runs while the first
+    // attempt may still answer: an answer is never held up by it.
+    let mut withdrawal = std::pin::pin!(withdraw(shared, key));
+    let granted = poll_fn(|cx| {
+        if let Poll::Ready(result) = first.as_mut().poll(cx) {
+            return Poll::Ready(Err(result));
+        }
+        withdrawal.as_mut().poll(cx).map(Ok)
+    })
+    .await;
+    match granted {
+        Err(result) => {
+            hedger.record(started.elapsed());
+            return (result, 1);
+        }
+        Ok(false) => {
+            let result = first.await;
+            hedger.record(started.elapsed());
+            return (result, 1);
+        }
+        Ok(true) => {}
     }
     shared.metrics.hedges.increment(1);
     let hedge_started = Instant::now();
@@ -881,26 +898,37 @@ where
         ),
         Err(error) => classify(shared, Attempt::Error(error)),
     };
+    // An answer worth a retry waits for the other attempt, but no longer
+    // than the hedge's own delay: then it is the call's answer (and the
+    // retries, if any, follow), where a hung attempt would hold it.
+    let patience = delay;
     let result = match race(first.as_mut(), second.as_mut()).await {
         Raced::First(result) => {
             hedger.record(started.elapsed());
             if !worth_retrying(&result) {
                 return (result, 2);
             }
-            drop(result);
-            let result = second.await;
-            hedger.record(hedge_started.elapsed());
-            result
+            match tokio::time::timeout(patience, second.as_mut()).await {
+                Ok(other) => {
+                    hedger.record(hedge_started.elapsed());
+                    other
+                }
+                Err(_) => result,
+            }
         }
         Raced::Second(result) => {
             hedger.record(hedge_started.elapsed());
+            // The first attempt took at least this long (a lower bound:
+            // without it, the slow calls hedges win would leave the
+            // percentile, and the hedge rate would climb).
+            hedger.record(started.elapsed());
             if !worth_retrying(&result) {
                 return (result, 2);
             }
-            drop(result);
-            let result = first.await;
-            hedger.record(started.elapsed());
-            result
+            match tokio::time::timeout(patience, first.as_mut()).await {
+                Ok(other) => other,
+                Err(_) => result,
+            }
         }
     };
     (result, 2)

@@ -877,3 +877,47 @@ async fn a_percentile_hedge_waits_for_the_latency_seen() {
         "{took:?}"
     );
 }
+
+/// Review of the hedging: an answer worth a retry (a 503) waited for the
+/// hedge however long it took, so a hung hedge held the call with an
+/// answer in hand. It now waits at most the hedge's delay, then the
+/// retries go on: here the third attempt answers.
+#[tokio::test(start_paused = true)]
+async fn a_hung_hedge_does_not_hold_a_retryable_answer() {
+    let attempts = Arc::new(AtomicU32::new(0));
+    let upstream = {
+        let attempts = Arc::clone(&attempts);
+        service_fn(move |_req: Request<ReplayBody<String>>| {
+            let n = attempts.fetch_add(1, Ordering::Relaxed);
+            async move {
+                let mut res = Response::new(format!("attempt {n}"));
+                match n {
+                    0 => {
+                        tokio::time::sleep(Duration::from_millis(60)).await;
+                        *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+                    }
+                    1 => std::future::pending::<()>().await,
+                    _ => {}
+                }
+                Ok::<_, Infallible>(res)
+            }
+        })
+    };
+    let client = RetryBudgetLayer::builder("hedged")
+        .budget(1.0, 10, Duration::from_secs(10))
+        .store(store())
+        .backoff(Duration::from_millis(10), Duration::from_millis(20))
+        .hedge(Hedge::after(Duration::from_millis(50)))
+        .build()
+        .unwrap()
+        .layer(upstream);
+    let started = Instant::now();
+    let res = client.oneshot(get()).await.unwrap();
+    assert_eq!(res.into_body(), "attempt 2");
+    // 60 ms for the 503, at most 50 more for the hedge, the backoff.
+    assert!(
+        started.elapsed() <= Duration::from_millis(140),
+        "{:?}",
+        started.elapsed()
+    );
+}

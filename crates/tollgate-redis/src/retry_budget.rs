@@ -37,17 +37,21 @@ use crate::BoxFuture;
 ///
 /// Deposits are batched: [`deposit_sync`](RetryBudgetLimiter::deposit_sync)
 /// counts the call in the process, and what a key has counted goes to
-/// Redis in one script call every 10 ms, or just before the key's next
-/// withdrawal (so a withdrawal sees every deposit this instance
-/// counted). A client
-/// making 50,000 calls a second to one upstream makes about 100 script
-/// calls a second for them, not 50,000 (and no task per call); the test
+/// Redis in one script call every 10 ms (a flush round: each key's
+/// batches in order, the keys side by side, at most 64 script calls at
+/// once), or just before the key's next withdrawal, so that a withdrawal
+/// sees every deposit this instance counted. A client making 50,000 calls
+/// a second to one upstream makes about 100 script calls a second for
+/// them, not 50,000 (and no task per call); the test
 /// `deposits_are_batched_and_withdrawals_see_them` counts them. A deposit
-/// reaches Redis up to 10 ms after its call: in a window of seconds, a
-/// shift of a slot at most. Past 4,096 keys counted at once, a new key's
-/// deposit is a script call of its own, on a task of the store's runtime
-/// (the one it was built in). What is counted and not yet sent when the
-/// budget is dropped is lost (at most 10 ms of calls).
+/// is made at its call's time, and normally reaches Redis within 10 ms.
+/// A withdrawal waits for a round under way at most the store's call
+/// timeout: a slow Redis may let it miss the newest deposits (fewer
+/// retries), never hold it longer. Past 4,096 keys counted at once, a new
+/// key's deposit is a script call of its own, on a task of the store's
+/// runtime (the one it was built in); past 16,384 batches of earlier
+/// slots waiting, the oldest is dropped. What is counted and not yet sent
+/// when the budget is dropped is lost (at most 10 ms of calls).
 ///
 /// When Redis does not answer, the store's
 /// [`FailurePolicy`](crate::FailurePolicy) does:
@@ -238,17 +242,34 @@ async fn flush_every(budget: Weak<BoundBudget>) {
         };
         // Ended however it ends (the runtime may drop it mid-round).
         let _round = RoundDone(Arc::clone(&budget));
-        for (key, batch) in due {
-            let _ = budget.deposit_batch(&key, batch).await;
+        // Each key's batches in the order counted (earlier slots first),
+        // the keys side by side, at most `ROUND_CALLS` calls at once.
+        let mut by_key: HashMap<Vec<u8>, Vec<Batch>> = HashMap::new();
+        for (key, batch) in due.into_iter().chain(batches) {
+            by_key.entry(key).or_default().push(batch);
         }
         let mut calls = tokio::task::JoinSet::new();
-        for (key, batch) in batches {
+        for (key, batches) in by_key {
+            if calls.len() >= ROUND_CALLS {
+                calls.join_next().await;
+            }
             let budget = Arc::clone(&budget);
-            calls.spawn(async move { budget.deposit_batch(&key, batch).await });
+            calls.spawn(async move {
+                for batch in batches {
+                    let _ = budget.deposit_batch(&key, batch).await;
+                }
+            });
         }
         while calls.join_next().await.is_some() {}
     }
 }
+
+/// Script calls one flush round has in flight at once.
+const ROUND_CALLS: usize = 64;
+
+/// Batches of earlier slots kept at once (past it, the oldest is lost:
+/// the budget errs toward fewer retries).
+const MAX_DUE: usize = 4 * MAX_PENDING_KEYS;
 
 /// Counts a flusher's round ended when dropped, and wakes who waits.
 struct RoundDone(Arc<BoundBudget>);
@@ -266,16 +287,21 @@ impl BoundBudget {
     }
 
     /// Waits until the flusher's round `round` (and those before) ended.
+    /// Waits at most the store's call timeout: a round slowed by a slow
+    /// Redis never holds a withdrawal longer than one call would take.
     async fn settled(&self, round: u64) {
-        loop {
-            let flushed = self.flushed.notified();
-            tokio::pin!(flushed);
-            flushed.as_mut().enable();
-            if self.rounds_done.load(Ordering::Acquire) >= round {
-                return;
+        let wait = async {
+            loop {
+                let flushed = self.flushed.notified();
+                tokio::pin!(flushed);
+                flushed.as_mut().enable();
+                if self.rounds_done.load(Ordering::Acquire) >= round {
+                    return;
+                }
+                flushed.await;
             }
-            flushed.await;
-        }
+        };
+        let _ = tokio::time::timeout(self.backend.timeout, wait).await;
     }
 
     /// Counts a call of `key` now; `false` when too many keys are counted
@@ -299,6 +325,9 @@ impl BoundBudget {
                     at: self.backend.now_arg(),
                 };
                 let earlier = std::mem::replace(batch, fresh);
+                if pending.due.len() >= MAX_DUE {
+                    pending.due.remove(0);
+                }
                 pending.due.push((key.to_vec(), earlier));
             }
             return true;

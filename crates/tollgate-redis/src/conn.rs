@@ -95,11 +95,19 @@ pub(crate) struct Slot<C> {
     check: Option<Check<C>>,
     /// Whether such a check is under way.
     checking: std::sync::atomic::AtomicBool,
+    /// Checks in a row that found no change, and when the last was
+    /// (breaker clock, ns): a node hung through three within 10 s is a
+    /// connection gone bad (half open, dropped by a firewall), replaced.
+    unchanged: std::sync::Mutex<(u32, u64)>,
 }
 
 /// Whether the topology changed, asked on a connection (`true`: replace
 /// it).
 type Check<C> = Box<dyn Fn(C) -> tollgate_core::BoxFuture<bool> + Send + Sync>;
+
+/// Within this many ns, three topology checks that find no change mean a
+/// node's connection has gone bad rather than the node stalled briefly.
+const PERSISTENT_HANG: u64 = 10_000_000_000;
 
 /// The longest a replacement connect waits, at random, after the trouble
 /// that asked for it.
@@ -132,6 +140,7 @@ impl<C: Clone + Send + 'static> Slot<C> {
             seed: std::hash::RandomState::new(),
             check,
             checking: std::sync::atomic::AtomicBool::new(false),
+            unchanged: std::sync::Mutex::new((0, 0)),
         });
         slot.kick(false);
         slot
@@ -246,7 +255,28 @@ impl<C: Clone + Send + 'static> Slot<C> {
                 return;
             }
             let moved = tokio::time::timeout(slot.connect_timeout, check(conn)).await;
-            if moved == Ok(true) {
+            let replace = moved == Ok(true) || {
+                let now = crate::breaker::now_nanos();
+                let mut unchanged = slot
+                    .unchanged
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                let recent = now.saturating_sub(unchanged.1) < PERSISTENT_HANG;
+                *unchanged = (
+                    if recent {
+                        unchanged.0.saturating_add(1)
+                    } else {
+                        1
+                    },
+                    now,
+                );
+                unchanged.0 >= 3
+            };
+            if replace {
+                *slot
+                    .unchanged
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = (0, 0);
                 slot.trouble(n, true);
             }
         });
@@ -468,6 +498,9 @@ pub(crate) struct SlotMap {
     owner: Box<[std::sync::atomic::AtomicU8]>,
     /// The masters seen, by address, in the order first seen.
     masters: std::sync::Mutex<Vec<String>>,
+    /// The last reply's ranges and masters (start, end, address), sorted:
+    /// what a topology check compares with.
+    last: std::sync::Mutex<Vec<(i64, i64, String)>>,
 }
 
 impl SlotMap {
@@ -481,6 +514,7 @@ impl SlotMap {
                 })
                 .collect(),
             masters: std::sync::Mutex::new(Vec::new()),
+            last: std::sync::Mutex::new(Vec::new()),
         }
     }
 
@@ -497,18 +531,18 @@ impl SlotMap {
     }
 
     /// Records a `CLUSTER SLOTS` reply: each slot range's master. Returns
-    /// whether a slot's master changed (not on the first reply).
+    /// whether a range's master (by address) changed since the last reply
+    /// (not on the first).
     fn record(&self, reply: &redis::Value) -> bool {
         use redis::Value;
         let Value::Array(ranges) = reply else {
             return false;
         };
-        let mut changed = false;
+        let mut seen: Vec<(i64, i64, String)> = Vec::new();
         let mut masters = self
             .masters
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let first = masters.is_empty();
         for range in ranges {
             let Value::Array(parts) = range else { continue };
             let (Some(Value::Int(start)), Some(Value::Int(end)), Some(Value::Array(master))) =
@@ -525,6 +559,7 @@ impl SlotMap {
                 continue;
             };
             let address = format!("{host}:{port}");
+            seen.push((*start, *end, address.clone()));
             let index = match masters.iter().position(|m| *m == address) {
                 Some(i) => i,
                 None => {
@@ -544,10 +579,17 @@ impl SlotMap {
                 .into_iter()
                 .flatten()
             {
-                let was = slot.swap(group, std::sync::atomic::Ordering::Relaxed);
-                changed |= !first && was != group;
+                slot.store(group, std::sync::atomic::Ordering::Relaxed);
             }
         }
+        drop(masters);
+        seen.sort();
+        let mut last = self
+            .last
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let changed = !last.is_empty() && *last != seen;
+        *last = seen;
         changed
     }
 }
@@ -913,17 +955,34 @@ mod tests {
         let range = |start: i64, end: i64, port: i64| {
             Value::Array(vec![Value::Int(start), Value::Int(end), master(port)])
         };
-        map.record(&Value::Array(vec![
-            range(0, 5_460, 7000),
-            range(5_461, 10_922, 7001),
-            range(10_923, 16_383, 7002),
-        ]));
+        let three = || {
+            Value::Array(vec![
+                range(0, 5_460, 7000),
+                range(5_461, 10_922, 7001),
+                range(10_923, 16_383, 7002),
+            ])
+        };
+        assert!(!map.record(&three()), "the first reply is no change");
+        assert!(!map.record(&three()), "the same masters");
         assert_ne!(map.group_of(&a), map.group_of(&b), "two masters");
         assert_eq!(map.group_of(&a), SLOT_RANGES);
         assert_eq!(map.group_of(&b), SLOT_RANGES + 1);
         // A failover: the replica at 7003 now holds 7000's slots.
-        map.record(&Value::Array(vec![range(0, 5_460, 7003)]));
+        assert!(map.record(&Value::Array(vec![
+            range(0, 5_460, 7003),
+            range(5_461, 10_922, 7001),
+            range(10_923, 16_383, 7002),
+        ])));
         assert_eq!(map.group_of(&a), SLOT_RANGES + 3);
+        // By address, not by breaker group: past 64 masters seen, a move
+        // between two addresses that share a group is still a change.
+        let other = SlotMap::new();
+        let one = |port| Value::Array(vec![range(0, 16_383, port)]);
+        for port in 8000..8070 {
+            other.record(&one(port));
+        }
+        assert!(!other.record(&one(8069)));
+        assert!(other.record(&one(8069 - 64)));
         // Garbage changes nothing.
         map.record(&Value::Int(3));
         map.record(&Value::Array(vec![Value::Array(vec![Value::Int(1)])]));

@@ -961,3 +961,41 @@ async fn a_hung_master_s_keys_move_to_its_promoted_replica() {
     assert!(cluster.nodes[replica].cli(&["ROLE"]).starts_with("master"));
     cluster.nodes[0].pause(false);
 }
+
+/// Review of the M6 fix: a master whose calls keep hanging while the slot
+/// map stays the same is a connection gone bad (half open, dropped by a
+/// firewall or a load balancer's idle timeout) rather than a brief stall:
+/// three topology checks in a row within 10 s that find no change replace
+/// the connection (which a brief stall never reaches).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_master_hung_for_long_has_the_connection_replaced() {
+    let Some((cluster, store, l)) = closed_cluster("long-hang").await else {
+        return;
+    };
+    let mut stopped = None;
+    for i in 0..200 {
+        let key = format!("long-hang-{i}");
+        let on = cluster
+            .master_holding(|| async {
+                assert!(l.decide(key.as_bytes(), 1).await.unwrap().is_allowed());
+            })
+            .await;
+        if on == Some(0) {
+            stopped = Some(key);
+            break;
+        }
+    }
+    let stopped = stopped.expect("no key on master 0");
+    let connects = store.stats().connects;
+    cluster.nodes[0].pause(true);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while store.stats().connects == connects {
+        assert!(
+            Instant::now() < deadline,
+            "a master hung for 30 s never had the connection replaced"
+        );
+        let _ = l.decide(stopped.as_bytes(), 1).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    cluster.nodes[0].pause(false);
+}

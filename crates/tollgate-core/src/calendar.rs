@@ -95,13 +95,21 @@ impl Period {
             return self.bounds(unix_nanos, offset);
         }
         let secs = i64::try_from(unix_nanos / NANOS).unwrap_or(i64::MAX);
-        let local = secs.saturating_add(zone.offset_at(secs));
+        let offset = zone.offset_at(secs);
+        // A minute or an hour is the clock's at the instant's own offset:
+        // in a fold (clocks going back) 01:xx happens twice, each an hour
+        // of its own.
+        if matches!(self, Period::Minute | Period::Hour) {
+            let offset = Offset(i32::try_from(offset).unwrap_or(0));
+            return self.bounds(unix_nanos, offset);
+        }
+        let local = secs.saturating_add(offset);
         let (start, end) = self.local_bounds(local);
-        let back = |s: i64| -> u64 {
-            let unix = zone.unix_of_local(s, secs).max(0);
+        let back = |s: i64, end: bool| -> u64 {
+            let unix = zone.unix_of_local(s, secs, end).max(0);
             u64::try_from(unix).unwrap_or(0).saturating_mul(NANOS)
         };
-        let (start, end) = (back(start), back(end));
+        let (start, end) = (back(start, false), back(end, true));
         // Whatever the zone's data says, the period holds the instant.
         (start.min(unix_nanos), end.max(unix_nanos.saturating_add(1)))
     }
@@ -251,11 +259,13 @@ impl Zone {
     }
 
     /// The Unix second at which the local time `local` (seconds since
-    /// 1970-01-01T00:00 local) begins. A local time the clocks skipped (a
-    /// gap) begins when they skipped it; one they went through twice (a
-    /// fold) at its first occurrence.
+    /// 1970-01-01T00:00 local) begins, as the start (`end` false) or the
+    /// end of the period holding the instant `near`. A local time the
+    /// clocks skipped (a gap) begins when they skipped it; one they went
+    /// through twice (a fold) is, as a start, its latest occurrence not
+    /// after `near`, and as an end, its first after `near`.
     #[cfg_attr(not(feature = "tz"), allow(unused_variables))]
-    fn unix_of_local(&self, local: i64, near: i64) -> i64 {
+    fn unix_of_local(&self, local: i64, near: i64, end: bool) -> i64 {
         match &self.0 {
             ZoneKind::Fixed(o) => local.saturating_sub(i64::from(o.0)),
             #[cfg(feature = "tz")]
@@ -278,7 +288,16 @@ impl Zone {
                             .map_or(a, |t| t.timestamp().as_second())
                             .clamp(b.min(a), a.max(b))
                     }
-                    AmbiguousOffset::Fold { before, .. } => local_of(before),
+                    AmbiguousOffset::Fold { before, after } => {
+                        let (first, second) = (local_of(before), local_of(after));
+                        let (first, second) = (first.min(second), first.max(second));
+                        match end {
+                            false if second <= near => second,
+                            false => first,
+                            true if first > near => first,
+                            true => second,
+                        }
+                    }
                 }
             }
         }
@@ -576,9 +595,26 @@ mod tests {
         let gap = day("America/Havana", at(2026, 3, 8, 12, 0));
         assert_eq!(gap, (at(2026, 3, 8, 5, 0), at(2026, 3, 9, 4, 0)));
         assert_eq!(day("America/Havana", at(2026, 3, 8, 4, 59)).1, gap.0);
+        // Its first midnight starts the day for the hour between them; a
+        // window taken then lasts the 25 hours, one taken later 24.
+        let early = day("America/Havana", at(2026, 11, 1, 4, 30));
+        assert_eq!(early, (at(2026, 11, 1, 4, 0), at(2026, 11, 2, 5, 0)));
         let fold = day("America/Havana", at(2026, 11, 1, 12, 0));
-        assert_eq!(fold, (at(2026, 11, 1, 4, 0), at(2026, 11, 2, 5, 0)));
-        assert_eq!(day("America/Havana", at(2026, 11, 1, 4, 30)), fold);
+        assert_eq!(fold, (at(2026, 11, 1, 5, 0), at(2026, 11, 2, 5, 0)));
+        // Minutes and hours in New York's fold (01:xx twice, 05:xxZ and
+        // 06:xxZ): each occurrence is a period of its own.
+        let ny = Zone::iana("America/New_York").unwrap();
+        let hour = |t| Period::Hour.bounds_in(t, &ny);
+        assert_eq!(
+            hour(at(2026, 11, 1, 5, 30)),
+            (at(2026, 11, 1, 5, 0), at(2026, 11, 1, 6, 0))
+        );
+        assert_eq!(
+            hour(at(2026, 11, 1, 6, 30)),
+            (at(2026, 11, 1, 6, 0), at(2026, 11, 1, 7, 0))
+        );
+        let minute = Period::Minute.bounds_in(at(2026, 11, 1, 6, 30), &ny);
+        assert_eq!(minute, (at(2026, 11, 1, 6, 30), at(2026, 11, 1, 6, 31)));
         // A month and a year in a zone: local midnights at either end.
         let month = Period::Month.bounds_in(
             at(2026, 11, 15, 0, 0),

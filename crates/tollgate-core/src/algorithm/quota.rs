@@ -227,7 +227,7 @@ impl Quota {
         }
         let (start, end) = period.bounds_in(now, &self.zone);
         let middle = w.start.saturating_add(w.end.saturating_sub(w.start) / 2);
-        if w.end != 0 && w.start >= start {
+        if w.end != 0 && w.start > now {
             // A later period than now's (the clock went back): keep it.
             w
         } else if w.end != 0 && start <= middle && middle < end {

@@ -232,6 +232,16 @@ fn quota_boundaries() -> Vec<(&'static str, u64, Zone)> {
             at(2026, 3, 8, 5, 0, 0),
             "America/Havana",
         ),
+        (
+            "New York's repeated hour",
+            at(2026, 11, 1, 6, 0, 0),
+            "America/New_York",
+        ),
+        (
+            "Havana's repeated midnight",
+            at(2026, 11, 1, 5, 0, 0),
+            "America/Havana",
+        ),
     ] {
         all.push((label, end, Zone::iana(zone).unwrap()));
     }

@@ -161,7 +161,7 @@ local function main()
       local kept = true
       if ws <= now_s and now_s < we then
         cur.start, cur.finish = ws, we
-      elseif ws >= start then
+      elseif ws > now_s then
         cur.start, cur.finish = ws, we
       elseif not (start <= middle and middle < finish) then
         kept = false

@@ -94,17 +94,7 @@ fn script_calls(url: &str) -> u64 {
         .arg("commandstats")
         .query(&mut conn)
         .unwrap();
-    info.lines()
-        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-        .filter_map(|l| {
-            l.split("calls=")
-                .nth(1)?
-                .split(',')
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
-        .sum()
+    tollgate_redis::testing::script_calls_in(&info)
 }
 
 criterion_group!(benches, retry_overhead);

@@ -292,14 +292,13 @@ impl<C: Clock> MemoryStoreBuilder<C> {
 
     /// Validates and builds.
     pub fn build(self) -> Result<MemoryStore<C>, ConfigError> {
+        // Each sweep passes over every key (under each shard's lock in
+        // turn): not more often than once a second.
         if self
             .sweep_every
-            .is_some_and(|e| e < std::time::Duration::from_millis(100))
+            .is_some_and(|e| e < std::time::Duration::from_secs(1))
         {
-            return Err(ConfigError::new(
-                "sweep_idle_every",
-                "must be at least 100 ms",
-            ));
+            return Err(ConfigError::new("sweep_idle_every", "must be at least 1 s"));
         }
         if self.max_keys == 0 {
             return Err(ConfigError::new("max_keys", "must be at least 1"));

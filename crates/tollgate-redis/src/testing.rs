@@ -192,18 +192,7 @@ impl Server {
     /// Calls of scripts it has run (`INFO commandstats`: `EVALSHA` and
     /// `EVAL`), 0 if it does not answer.
     pub fn script_calls(&self) -> u64 {
-        self.cli(&["INFO", "commandstats"])
-            .lines()
-            .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-            .filter_map(|l| {
-                l.split("calls=")
-                    .nth(1)?
-                    .split(',')
-                    .next()?
-                    .parse::<u64>()
-                    .ok()
-            })
-            .sum()
+        script_calls_in(&self.cli(&["INFO", "commandstats"]))
     }
 
     /// Whether it runs (it was not killed).
@@ -595,4 +584,21 @@ async fn delay_one_way(
     }
     drop(tx);
     let _ = writer.await;
+}
+
+/// The script calls (`EVALSHA` and `EVAL`) an `INFO commandstats` reply
+/// counts.
+pub fn script_calls_in(commandstats: &str) -> u64 {
+    commandstats
+        .lines()
+        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .filter_map(|l| {
+            l.split("calls=")
+                .nth(1)?
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
 }

@@ -930,20 +930,7 @@ async fn a_hung_master_s_keys_move_to_its_promoted_replica() {
     )
     .unwrap();
     let l = store.limiter(&rule).unwrap();
-    let mut key = None;
-    for i in 0..200 {
-        let k = format!("promoted-key-{i}");
-        let on = cluster
-            .master_holding(|| async {
-                assert!(l.decide(k.as_bytes(), 1).await.unwrap().is_allowed());
-            })
-            .await;
-        if on == Some(0) {
-            key = Some(k);
-            break;
-        }
-    }
-    let key = key.expect("no key on master 0");
+    let key = key_on_master_0(&cluster, &l, "promoted-key").await;
     let replica = cluster.replica_of(0).expect("master 0 has no replica");
     cluster.nodes[0].pause(true);
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
@@ -972,20 +959,7 @@ async fn a_master_hung_for_long_has_the_connection_replaced() {
     let Some((cluster, store, l)) = closed_cluster("long-hang").await else {
         return;
     };
-    let mut stopped = None;
-    for i in 0..200 {
-        let key = format!("long-hang-{i}");
-        let on = cluster
-            .master_holding(|| async {
-                assert!(l.decide(key.as_bytes(), 1).await.unwrap().is_allowed());
-            })
-            .await;
-        if on == Some(0) {
-            stopped = Some(key);
-            break;
-        }
-    }
-    let stopped = stopped.expect("no key on master 0");
+    let stopped = key_on_master_0(&cluster, &l, "long-hang").await;
     let connects = store.stats().connects;
     cluster.nodes[0].pause(true);
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -998,4 +972,27 @@ async fn a_master_hung_for_long_has_the_connection_replaced() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     cluster.nodes[0].pause(false);
+}
+
+/// A key `{name}-{i}` whose state lives on the Cluster's master 0 (each
+/// one tried is decided once, allowed).
+async fn key_on_master_0(
+    cluster: &tollgate_redis::testing::Cluster,
+    l: &RedisLimiter,
+    name: &str,
+) -> String {
+    let mut found = None;
+    for i in 0..200 {
+        let key = format!("{name}-{i}");
+        let on = cluster
+            .master_holding(|| async {
+                assert!(l.decide(key.as_bytes(), 1).await.unwrap().is_allowed());
+            })
+            .await;
+        if on == Some(0) {
+            found = Some(key);
+            break;
+        }
+    }
+    found.expect("no key on master 0")
 }

@@ -403,6 +403,13 @@ fn lost_node(e: &redis::RedisError) -> bool {
         || e.is_connection_dropped()
         || e.is_connection_refusal()
         || matches!(e.code(), Some("READONLY" | "MASTERDOWN"))
+        // Before Redis 7 a script's write on a replica fails as a script
+        // error that carries the reply: `ERR Error running script ...
+        // -READONLY You can't write against a read only replica.`
+        || (e.code() == Some("ERR")
+            && e
+                .detail()
+                .is_some_and(|d| d.contains("-READONLY") || d.contains("-MASTERDOWN")))
 }
 
 /// `redis+sentinel://[user:password@]host:port[,host:port...]/service`:

@@ -35,6 +35,13 @@ async fn an_acl_user_from_the_url_and_a_password_that_never_shows() {
         "~*",
         "+@all",
     ]);
+    // ACL users came with Redis 6.0: on Redis 5.0 (which
+    // `.ci/redis-versions` runs) there is nothing to test here.
+    if ok.contains("unknown command")
+        && server.cli(&["INFO", "server"]).contains("redis_version:5.")
+    {
+        return;
+    }
     assert_eq!(ok.trim(), "OK");
     let port = server.url().rsplit(':').next().unwrap().to_owned();
     let rule = Rule::new("per-key", Limit::gcra(Rate::per_second(1), 1)).unwrap();

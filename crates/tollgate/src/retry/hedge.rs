@@ -107,11 +107,9 @@ impl Hedger {
             Kind::After(d) => return d,
             Kind::Percentile { share, min } => (share, min),
         };
-        let counts: Vec<u64> = self
-            .counts
-            .iter()
-            .map(|c| c.load(Ordering::Relaxed))
-            .collect();
+        // Read once, on the stack: this runs for every call hedged.
+        let counts: [u64; BUCKETS] =
+            std::array::from_fn(|i| self.counts.get(i).map_or(0, |c| c.load(Ordering::Relaxed)));
         let total: u64 = counts.iter().sum();
         if total < 100 {
             return min;
@@ -137,12 +135,8 @@ impl Hedger {
         if matches!(self.hedge.kind, Kind::After(_)) {
             return;
         }
-        let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX).max(1);
-        // ⌈4·log2(µs)⌉, in integer steps.
-        let i = (0..BUCKETS)
-            .find(|&i| upper_bound_micros(i) >= micros)
-            .unwrap_or(BUCKETS - 1);
-        if let Some(c) = self.counts.get(i) {
+        let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        if let Some(c) = self.counts.get(bucket(micros)) {
             c.fetch_add(1, Ordering::Relaxed);
         }
         if self.seen.fetch_add(1, Ordering::Relaxed) % DECAY_EVERY == DECAY_EVERY - 1 {
@@ -151,6 +145,16 @@ impl Hedger {
             }
         }
     }
+}
+
+/// The first bucket whose bound holds `micros`: one of the five from
+/// 4·⌊log2(µs)⌋ (every bucket below ends under 2^⌊log2(µs)⌋).
+fn bucket(micros: u64) -> usize {
+    let micros = micros.max(1);
+    let floor_log2 = usize::try_from(micros.ilog2()).unwrap_or(0);
+    (floor_log2.saturating_mul(4)..BUCKETS)
+        .find(|&i| upper_bound_micros(i) >= micros)
+        .unwrap_or(BUCKETS - 1)
 }
 
 /// The upper bound of bucket `i`, in µs: 2^(i/4).
@@ -232,6 +236,18 @@ mod tests {
         let fixed = Hedger::new(Hedge::after(Duration::from_millis(30)));
         fixed.record(Duration::from_secs(1));
         assert_eq!(fixed.delay(), Duration::from_millis(30));
+    }
+
+    #[test]
+    fn a_latency_lands_in_the_first_bucket_that_holds_it() {
+        let full_scan = |micros: u64| {
+            (0..BUCKETS)
+                .find(|&i| upper_bound_micros(i) >= micros.max(1))
+                .unwrap_or(BUCKETS - 1)
+        };
+        for micros in (0..5_000u64).chain([65_536, 400_000, 3_600_000_000, u64::MAX]) {
+            assert_eq!(bucket(micros), full_scan(micros), "{micros} µs");
+        }
     }
 
     #[test]

@@ -468,9 +468,15 @@ async fn quotas_follow_the_failure_policy_when_redis_dies() {
 async fn closed_cluster(
     name: &str,
 ) -> Option<(tollgate_redis::testing::Cluster, RedisStore, RedisLimiter)> {
-    let cluster = tokio::task::spawn_blocking(tollgate_redis::testing::Cluster::start)
-        .await
-        .unwrap()?;
+    closed_cluster_from(tollgate_redis::testing::Cluster::start, name).await
+}
+
+/// [`closed_cluster`] on the Cluster `start` makes (one with replicas).
+async fn closed_cluster_from(
+    start: fn() -> Option<tollgate_redis::testing::Cluster>,
+    name: &str,
+) -> Option<(tollgate_redis::testing::Cluster, RedisStore, RedisLimiter)> {
+    let cluster = tokio::task::spawn_blocking(start).await.unwrap()?;
     let store = RedisStore::builder(&cluster.url())
         .prefix(&unique_prefix())
         .timeout(Duration::from_millis(300))
@@ -911,25 +917,10 @@ fn hot_eight(
 /// the master still stopped (not gone: no refused connection says so).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_master_s_keys_move_to_its_promoted_replica() {
-    let Some(cluster) =
-        tokio::task::spawn_blocking(tollgate_redis::testing::Cluster::start_with_replicas)
-            .await
-            .unwrap()
-    else {
+    let start = tollgate_redis::testing::Cluster::start_with_replicas;
+    let Some((cluster, _store, l)) = closed_cluster_from(start, "promoted").await else {
         return;
     };
-    let store = RedisStore::builder(&cluster.url())
-        .prefix(&unique_prefix())
-        .timeout(Duration::from_millis(300))
-        .failure_policy(FailurePolicy::Closed)
-        .build()
-        .unwrap();
-    let rule = Rule::new(
-        "promoted",
-        Limit::fixed_window(1_000, Duration::from_secs(3_600)),
-    )
-    .unwrap();
-    let l = store.limiter(&rule).unwrap();
     let key = key_on_master_0(&cluster, &l, "promoted-key").await;
     let replica = cluster.replica_of(0).expect("master 0 has no replica");
     cluster.nodes[0].pause(true);

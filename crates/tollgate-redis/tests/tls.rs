@@ -117,16 +117,19 @@ fn store(url: &str, root: Option<Vec<u8>>) -> RedisStore {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rediss_with_a_ca_of_its_own() {
-    let Ok(version) = Command::new("redis-server").arg("--version").output() else {
+    if Command::new("redis-server")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
         assert!(
             std::env::var("TOLLGATE_REQUIRE_REDIS").map_or(true, |v| v != "1"),
             "redis-server is not on PATH and TOLLGATE_REQUIRE_REDIS=1"
         );
         return;
-    };
+    }
     // TLS came with Redis 6.0, and a build without `BUILD_TLS=yes` has
     // none (`.ci/redis-versions` builds 5.0 and 6.2 so): nothing to test.
-    let _ = version;
     // (A made-up directive after `tls-port` stops the server at once: a
     // build with TLS stops on it, one without on `tls-port`.)
     let tls_built = Command::new("redis-server")

@@ -204,6 +204,8 @@ fn quota_boundaries() -> Vec<(&'static str, u64, Zone)> {
             new_york,
         ),
     ];
+    // Without the `tz` feature, only the fixed offsets.
+    #[cfg_attr(not(feature = "tz"), allow(unused_mut))]
     let mut all: Vec<(&'static str, u64, Zone)> = fixed
         .into_iter()
         .map(|(label, at, offset)| (label, at, offset.into()))

@@ -115,7 +115,7 @@ pub(crate) struct BoundBudget {
 #[derive(Default)]
 struct Pending {
     batches: HashMap<Vec<u8>, Batch>,
-    due: Vec<(Vec<u8>, Batch)>,
+    due: std::collections::VecDeque<(Vec<u8>, Batch)>,
 }
 
 /// Calls of one key counted in one slot of the window.
@@ -224,8 +224,8 @@ impl RedisRetryBudget {
 }
 
 /// Sends what every key counted to Redis every `FLUSH_EVERY`, until the
-/// budget is dropped: the batches of earlier slots one after another,
-/// then every key's batch of now's slot side by side.
+/// budget is dropped: each key's batches in the order counted (earlier
+/// slots first), the keys side by side.
 async fn flush_every(budget: Weak<BoundBudget>) {
     loop {
         tokio::time::sleep(FLUSH_EVERY).await;
@@ -326,9 +326,9 @@ impl BoundBudget {
                 };
                 let earlier = std::mem::replace(batch, fresh);
                 if pending.due.len() >= MAX_DUE {
-                    pending.due.remove(0);
+                    pending.due.pop_front();
                 }
-                pending.due.push((key.to_vec(), earlier));
+                pending.due.push_back((key.to_vec(), earlier));
             }
             return true;
         }
@@ -358,7 +358,7 @@ impl BoundBudget {
                 if k == key {
                     batches.push(batch);
                 } else {
-                    pending.due.push((k, batch));
+                    pending.due.push_back((k, batch));
                 }
             }
         }

@@ -195,6 +195,10 @@ const ROWS: &[Row] = &[
         name: "11 a full memory store: rates limit newcomers as a group, quotas never share",
         check: |c| Box::pin(full_store(c)),
     },
+    Row {
+        name: "12 hedged calls: each hedge a withdrawal, none from a failing store",
+        check: |c| Box::pin(hedged_calls(c)),
+    },
 ];
 
 // ---------------------------------------------------------------------------
@@ -616,6 +620,7 @@ fn dead_redis() -> String {
 fn client<St: RetryBudgetStore>(
     store: St,
     addr: SocketAddr,
+    hedged: bool,
 ) -> impl Service<
     Request<Body>,
     Response = Response<Body>,
@@ -633,13 +638,17 @@ fn client<St: RetryBudgetStore>(
             Ok::<_, tollgate::BoxError>(res)
         },
     );
-    RetryBudgetLayer::builder("m")
+    let mut builder = RetryBudgetLayer::builder("m")
         .store(store)
         .max_attempts(3)
-        .backoff(Duration::from_millis(1), Duration::from_millis(2))
-        .build()
-        .unwrap()
-        .layer(upstream)
+        .backoff(Duration::from_millis(1), Duration::from_millis(2));
+    if hedged {
+        // Half a retry a call and no floor: a hedge every other call.
+        builder = builder
+            .budget(0.5, 0, Duration::from_secs(60))
+            .hedge(tollgate::retry::Hedge::after(Duration::from_millis(20)));
+    }
+    builder.build().unwrap().layer(upstream)
 }
 
 /// A request to `path` with `key` as `x-api-key` (none: no header).
@@ -893,10 +902,12 @@ async fn retried_on(
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, upstream).await });
     let call = with_store(cell, policy, |store| match (store, failing) {
-        (StoreChoice::Memory(s), false) => Box::pin(call_once(client(s, addr))) as CallFuture,
-        (StoreChoice::Redis(s), false) => Box::pin(call_once(client(s, addr))),
-        (StoreChoice::Memory(s), true) => Box::pin(call_once(client(Failing(s), addr))),
-        (StoreChoice::Redis(s), true) => Box::pin(call_once(client(Failing(s), addr))),
+        (StoreChoice::Memory(s), false) => {
+            Box::pin(call_once(client(s, addr, false))) as CallFuture
+        }
+        (StoreChoice::Redis(s), false) => Box::pin(call_once(client(s, addr, false))),
+        (StoreChoice::Memory(s), true) => Box::pin(call_once(client(Failing(s), addr, false))),
+        (StoreChoice::Redis(s), true) => Box::pin(call_once(client(Failing(s), addr, false))),
     });
     call.await?;
     Ok(calls.load(Ordering::SeqCst))
@@ -2512,4 +2523,78 @@ async fn full_store(cell: Cell<'_>) -> CellResult {
         })?;
     }
     Ok(Verdict::Pass)
+}
+
+// ---------------------------------------------------------------------------
+// Row 12: hedged requests (the retry layer's `hedge`) against an upstream
+// slow enough that every call is worth a hedge. Each hedge is a
+// withdrawal from the budget (half a retry a call, no floor): ten calls
+// make at most fifteen attempts, and some hedges are sent; a budget store
+// that fails grants none, and each call is one attempt.
+
+async fn hedged_calls(cell: Cell<'_>) -> CellResult {
+    if cell.layer != Layer::Retry {
+        return Ok(Verdict::NotApplicable(
+            "a hedge is the retry layer's (a client's second attempt)",
+        ));
+    }
+    for failing in [false, true] {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let seen = Arc::clone(&calls);
+        let upstream = Router::new().route(
+            "/r",
+            get(move || {
+                seen.fetch_add(1, Ordering::SeqCst);
+                async {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    "slow"
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, upstream).await });
+        let policy = tollgate::FailurePolicy::Closed;
+        type Calls = Pin<Box<dyn Future<Output = Result<(), String>> + Send>>;
+        let run = with_store(cell, policy, |store| -> Calls {
+            match (store, failing) {
+                (StoreChoice::Memory(s), false) => Box::pin(ten_calls(client(s, addr, true))),
+                (StoreChoice::Redis(s), false) => Box::pin(ten_calls(client(s, addr, true))),
+                (StoreChoice::Memory(s), true) => {
+                    Box::pin(ten_calls(client(Failing(s), addr, true)))
+                }
+                (StoreChoice::Redis(s), true) => {
+                    Box::pin(ten_calls(client(Failing(s), addr, true)))
+                }
+            }
+        });
+        run.await?;
+        // Hedges dropped at their call's answer may still be counted by
+        // the upstream a moment later: let them land.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let attempts = calls.load(Ordering::SeqCst);
+        if failing {
+            expect(attempts == 10, || {
+                format!("{attempts} attempts for 10 calls on a failing budget store, want 10")
+            })?;
+        } else {
+            expect((11..=15).contains(&attempts), || {
+                format!(
+                    "{attempts} attempts for 10 hedged calls at half a retry each, want 11 to 15"
+                )
+            })?;
+        }
+    }
+    Ok(Verdict::Pass)
+}
+
+/// Ten calls, one after another, through `client`.
+async fn ten_calls<C>(client: C) -> Result<(), String>
+where
+    C: Service<Request<Body>, Response = Response<Body>, Error = tollgate::BoxError> + Clone,
+{
+    for _ in 0..10 {
+        call_once(client.clone()).await?;
+    }
+    Ok(())
 }

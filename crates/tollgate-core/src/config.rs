@@ -14,11 +14,14 @@ use crate::algorithm::{
 };
 use crate::clock::duration_to_nanos;
 
-/// A configuration value was rejected. The message names the field.
+/// A configuration value was rejected. The message names the field, and
+/// where the field belongs to one item of a list (a policy's third rule),
+/// [`item`](Self::item) says which.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError {
     field: &'static str,
     message: Cow<'static, str>,
+    item: Option<(&'static str, usize)>,
 }
 
 impl ConfigError {
@@ -27,12 +30,27 @@ impl ConfigError {
         Self {
             field,
             message: message.into(),
+            item: None,
         }
+    }
+
+    /// The same error, about item `index` of the list `list` (`"rules"`,
+    /// 2: the third rule). An error that names its item already keeps it.
+    #[must_use]
+    pub fn in_item(mut self, list: &'static str, index: usize) -> Self {
+        self.item.get_or_insert((list, index));
+        self
     }
 
     /// The offending field, e.g. `"burst"`.
     pub fn field(&self) -> &'static str {
         self.field
+    }
+
+    /// The list and index of the item the field belongs to, if any:
+    /// `Some(("rules", 2))` for the third rule's field.
+    pub fn item(&self) -> Option<(&'static str, usize)> {
+        self.item
     }
 
     /// Why it was rejected.
@@ -41,9 +59,14 @@ impl ConfigError {
     }
 }
 
+/// `invalid `burst`: must be at least 1`, or with its item,
+/// `invalid `rules[2].burst`: must be at least 1`.
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "invalid `{}`: {}", self.field, self.message)
+        match self.item {
+            Some((list, i)) => write!(f, "invalid `{list}[{i}].{}`: {}", self.field, self.message),
+            None => write!(f, "invalid `{}`: {}", self.field, self.message),
+        }
     }
 }
 

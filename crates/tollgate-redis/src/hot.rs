@@ -614,10 +614,19 @@ impl<C: Clock> Local<C> {
     /// A local answer, if the lease or the denial cache has one, and the
     /// size of a lease to take ahead, if one is due now (it is marked in
     /// flight: the caller must take it, see [`refill`](Self::refill)).
-    fn local(&self, key: &[u8], cost: u64, limit: u64) -> Option<(Decision, Option<AheadDue>)> {
+    fn local(
+        &self,
+        key: &[u8],
+        cost: u64,
+        limit: u64,
+        owned_only: bool,
+    ) -> Option<(Decision, Option<AheadDue>)> {
         let now = self.clock.now();
         let mut shard = self.shard(key);
         let s = shard.get_mut(key)?;
+        if owned_only && s.unowned {
+            return None;
+        }
         let d = answer(s, now, cost, limit)?;
         // Due once the lease is half spent (a key that spends less within
         // a TTL is not hot: its next lease is taken when it needs one),
@@ -1068,7 +1077,7 @@ impl<L: Limiter, C: Clock> HotLimiter<L, C> {
     ) -> Option<Result<Decision, impl Future<Output = Flagged> + Send + 'static>> {
         let local = self.local.as_ref().filter(|_| cost > 0)?;
         let limit = self.inner.rule().capacity();
-        Some(match self.decide_local(local, key, cost, limit) {
+        Some(match self.decide_local(local, key, cost, limit, false) {
             Some(d) => Ok(d),
             None => Err(decide_through(
                 self.inner.clone(),
@@ -1083,14 +1092,19 @@ impl<L: Limiter, C: Clock> HotLimiter<L, C> {
     /// A decision from the key's lease or cached denial, counted; starts
     /// the lease ahead when one is due (on the runtime this runs on; with
     /// none, the key's next decision that runs out asks the store).
+    ///
+    /// `owned_only`: not for a key whose last answer was its store's
+    /// failure policy's (a synchronous answer cannot say so; see
+    /// [`decide_sync`](Limiter::decide_sync)).
     fn decide_local(
         &self,
         local: &Arc<Local<C>>,
         key: &[u8],
         cost: u64,
         limit: u64,
+        owned_only: bool,
     ) -> Option<Decision> {
-        let (d, ahead) = local.local(key, cost, limit)?;
+        let (d, ahead) = local.local(key, cost, limit, owned_only)?;
         local.decisions.add();
         if let Some((batch, flight)) = ahead {
             // Built before the task: however it ends — never polled (its
@@ -1200,7 +1214,10 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
         if cost == 0 {
             return None;
         }
-        let d = self.decide_local(local, key, cost, self.inner.rule().capacity())?;
+        // Not for a key the failure policy answers: the decision must say
+        // so (a policy strikes no ladder on it), which only
+        // `decide_joint`'s answers can.
+        let d = self.decide_local(local, key, cost, self.inner.rule().capacity(), true)?;
         Some(Ok(d))
     }
 

@@ -669,20 +669,18 @@ fn access(a: &Spanned<super::spec::AccessSpec>, client: &ClientIp) -> Result<Acc
     Ok(list)
 }
 
-/// Places a builder's error: builder messages about a rule start with
-/// `rules[i]`; the rest belong to the file's top-level tables.
+/// Places a builder's error: one about a rule names it
+/// ([`ConfigError::item`]); the rest belong to the file's top-level
+/// tables.
 pub(super) fn config_error(file: &FileSpec, e: &ConfigError) -> Option<Problem> {
     let message = e.message();
-    if let Some(rest) = message.strip_prefix("rules[") {
-        let (index, tail) = rest.split_once(']')?;
-        let i: usize = index.parse().ok()?;
+    if let Some(("rules", i)) = e.item() {
         let r = file.rules.get(i)?;
-        let tail = tail.trim_start_matches(':').trim();
-        let field = match e.field() {
-            "rules" => format!("rules[{i}].name"),
-            f => format!("rules[{i}].{f}"),
-        };
-        return Some((Some(r.span()), field, tail.to_owned()));
+        return Some((
+            Some(r.span()),
+            format!("rules[{i}].{}", e.field()),
+            message.to_owned(),
+        ));
     }
     let span = match e.field() {
         "access" => file.access.as_ref().map(Spanned::span),

@@ -313,7 +313,9 @@ impl PolicyFile {
     }
 
     /// Places a builder's [`ConfigError`](tollgate_core::ConfigError)
-    /// in the file: at the rule it names (`rules[2]: …`), or the file.
+    /// in the file: at the rule it names
+    /// ([`ConfigError::item`](tollgate_core::ConfigError::item)), or the
+    /// file.
     pub fn config_error(&self, e: &tollgate_core::ConfigError) -> FileError {
         build::config_error(&self.spec, e)
             .map(|(span, field, message)| {

@@ -341,56 +341,6 @@ pub(super) fn requester_of<B, L>(
     id
 }
 
-/// The challenges' ids of the rules a solution passed `req` past
-/// (`key(i, f)` hands rule `i`'s key to `f`), to give back should it be
-/// refused.
-pub(super) fn cleared_ids<B, L>(
-    shared: &super::shared::Shared<B, L>,
-    report: &super::decide::Report,
-    req: &http::Request<B>,
-    key: impl super::decide::KeyOf,
-) -> Vec<(usize, [u8; 16])> {
-    let mut ids = Vec::new();
-    for (i, rule) in shared.rules.iter().enumerate() {
-        if report.cleared(i) {
-            key(i, &mut |k| {
-                ids.extend(verified(rule, req, k, &report.requester).map(|id| (i, id)))
-            });
-        }
-    }
-    ids
-}
-
-/// A refused request was not served: gives back the passes of the
-/// challenges it used, found again from `req` (`key(i, f)` hands rule
-/// `i`'s key to `f`).
-pub(super) fn give_back<B, L: tollgate_core::Limiter>(
-    shared: &super::shared::Shared<B, L>,
-    report: &super::decide::Report,
-    req: &http::Request<B>,
-    key: impl super::decide::KeyOf,
-) {
-    give_back_cleared(shared, report, &cleared_ids(shared, report, req, key));
-}
-
-/// A refused request was not served: gives back the passes of the
-/// challenges it used (those of `ids` whose rule the report says a
-/// solution passed), so that the client may use them again.
-pub(super) fn give_back_cleared<B, L: tollgate_core::Limiter>(
-    shared: &super::shared::Shared<B, L>,
-    report: &super::decide::Report,
-    ids: &[(usize, [u8; 16])],
-) {
-    for (i, id) in ids {
-        if !report.cleared(*i) {
-            continue;
-        }
-        if let Some((_, used)) = shared.rules.get(*i).and_then(|r| r.challenge.as_ref()) {
-            crate::task::finish(used.refund(id, 1));
-        }
-    }
-}
-
 /// Whether a verified solution `id` is used for the first time, by the
 /// store's answer to taking its mark (`None`: the store failed, and the
 /// rule decides as if there were no solution). Counted.

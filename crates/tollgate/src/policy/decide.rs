@@ -25,10 +25,6 @@ pub(super) struct Report {
     /// Bit `i`: a solution to rule `i`'s challenge passed the request
     /// past it (the challenge's pass is given back if it is refused).
     cleared: u16,
-    /// Bit `i`: rule `i`'s challenge was settled on the synchronous path
-    /// (its solution checked and counted, its first use asked, or no
-    /// solution sent) before its rate was handed to the asynchronous one.
-    checked: u16,
     /// Bit `i`: rule `i`'s decision is a failure policy's (the store did
     /// not answer): a denial of it is no strike toward a block.
     faulted: u16,
@@ -54,7 +50,6 @@ impl Report {
             shadow: 0,
             unconsumed: 0,
             cleared: 0,
-            checked: 0,
             faulted: 0,
             plan: 0,
             requester: [0; 16],
@@ -94,16 +89,6 @@ impl Report {
     /// Whether a solution passed the request past rule `i`.
     pub(super) fn cleared(&self, i: usize) -> bool {
         self.cleared & bit(i) != 0
-    }
-
-    /// Rule `i`'s challenge was settled on the synchronous path.
-    pub(super) fn set_checked(&mut self, i: usize) {
-        self.checked |= bit(i);
-    }
-
-    /// Whether rule `i`'s challenge was settled already.
-    pub(super) fn checked(&self, i: usize) -> bool {
-        self.checked & bit(i) != 0
     }
 
     /// Whether rule `i` only watches this request.
@@ -314,47 +299,6 @@ pub(super) fn settle_response<B, L: Limiter>(
     }
 }
 
-/// After a denial: a strike on the ladder of every enforced rule that
-/// refused the request for now; the longest block a strike starts (or
-/// finds running) is the answer, replacing the rule's own.
-pub(super) fn strike_sync<B, L>(
-    shared: &Shared<B, L>,
-    report: &Report,
-    mut key: impl FnMut(usize, &mut dyn FnMut(&[u8])),
-) -> Option<(usize, u64)> {
-    let mut longest: Option<(usize, u64)> = None;
-    for (i, (rule, slot)) in shared.rules.iter().zip(&report.decided).enumerate() {
-        let (Some(ladder), Some((d, _))) = (&rule.ladder, slot) else {
-            continue;
-        };
-        // A failure policy's denial says nothing about the client.
-        if report.shadows(i) || report.faulted(i) || !matches!(d.outcome, Outcome::Deny { .. }) {
-            continue;
-        }
-        rule.responder.metrics.strike.increment(1);
-        key(i, &mut |k| match ladder.strike_sync(k) {
-            Some(Ok(tollgate_core::algorithm::Strike::Blocked { for_ns, .. })) => {
-                if longest.is_none_or(|(_, l)| for_ns > l) {
-                    longest = Some((i, for_ns));
-                }
-            }
-            Some(Ok(_)) => {}
-            Some(Err(e)) => {
-                rule.responder.metrics.store_error.increment(1);
-                crate::observe::store_fault("rate", ladder.rule().name(), &e);
-            }
-            // A store that needs I/O for its ladder decides on the other
-            // path; never reached with the stores here.
-            None => {
-                crate::task::finish(ladder.strike(k));
-            }
-        });
-    }
-    longest
-}
-
-/// A refusal by an audited rule goes to the audit sink; `key(i)` gives
-/// rule `i`'s key bytes (hashed before they leave).
 /// Now, in Unix milliseconds (0 before 1970).
 fn unix_ms() -> u64 {
     std::time::SystemTime::now()
@@ -386,6 +330,8 @@ pub(super) fn audit_denied<B, L>(shared: &Shared<B, L>, req: &http::Request<B>) 
     });
 }
 
+/// A refusal by an audited rule goes to the audit sink; `key(i)` gives
+/// rule `i`'s key bytes (hashed before they leave).
 pub(super) fn audit<B, L>(
     shared: &Shared<B, L>,
     report: &Report,

@@ -14,10 +14,9 @@ use tokio::time::Sleep;
 use tollgate_core::{Decision, Limiter, Outcome};
 use tower_service::Service;
 
-use super::decide::{
-    listed_key, pacing_refund, release_marker, settle_response, Report, Verdict, MARKER,
-};
+use super::decide::{pacing_refund, release_marker, settle_response, Report, Verdict};
 use super::shared::{Shared, MAX_RULES};
+use super::walk::Walk;
 use crate::body::RejectionBody;
 use crate::headers::apply_set;
 use crate::key::KeyBytes;
@@ -25,8 +24,8 @@ use crate::outcome::Completion;
 use crate::rate_limit::{poll_paced, Inner, Refund};
 use crate::rejection::{LimitKind, Reason, Rejected};
 
-pub(super) type Deciding =
-    Pin<Box<dyn Future<Output = (Report, Verdict, Vec<(usize, KeyBytes)>)> + Send>>;
+/// A walk waiting for its store.
+pub(super) type Deciding = Pin<Box<dyn Future<Output = Walk> + Send>>;
 
 pin_project! {
     #[project = StateProj]
@@ -99,32 +98,59 @@ where
     }
 }
 
-/// The state a verdict leads to.
+impl<S, B, L> PolicyFuture<S, B, L>
+where
+    S: Service<Request<B>>,
+    L: Limiter,
+{
+    pub(super) fn new(
+        shared: Arc<Shared<B, L>>,
+        state: State<S, B>,
+        report: Report,
+        grpc: bool,
+    ) -> Self {
+        Self {
+            state,
+            report,
+            grpc,
+            shared,
+            after: None,
+            challenge: None,
+        }
+    }
+}
+
+/// The state a decided walk leads to, the keys kept until the response
+/// ([`Walk::after`]), and a refusal's challenge.
+#[allow(clippy::type_complexity)]
 pub(super) fn next<S, B, L>(
     shared: &Arc<Shared<B, L>>,
-    report: &Report,
-    verdict: Verdict,
+    walk: &Walk,
     req: Request<B>,
     inner: Inner<'_, S>,
-    keys: impl FnOnce(&Request<B>) -> Vec<(usize, KeyBytes)>,
-) -> State<S, B>
+) -> (
+    State<S, B>,
+    Option<Vec<(usize, KeyBytes)>>,
+    Option<http::HeaderValue>,
+)
 where
     S: Service<Request<B>> + Clone,
     B: 'static,
     L: Limiter,
 {
+    let (report, verdict) = (&walk.report, walk.verdict);
     #[cfg(feature = "axum")]
     if shared.route_label {
         count_by_route(shared, report, verdict, &req);
     }
-    match verdict {
+    let state = match verdict {
         Verdict::Pass { delay: 0 } | Verdict::Repeat => State::Calling {
             future: inner.call(req),
         },
         // Needs tokio's timer (a runtime with time enabled, as axum's and
         // tonic's servers have).
         Verdict::Pass { delay } => {
-            let refund = pacing_refund(shared, report, keys(&req));
+            let refund = pacing_refund(shared, report, walk.owned_keys(shared, false));
             State::Pacing {
                 sleep: Box::pin(tokio::time::sleep(Duration::from_nanos(delay))),
                 waiting: Some(Box::new((req, inner.clone_for_later()))),
@@ -135,7 +161,8 @@ where
         | Verdict::MissingKey { .. }
         | Verdict::Denied
         | Verdict::Blocked { .. } => State::Rejected { verdict },
-    }
+    };
+    (state, walk.after(shared), walk.challenge(shared))
 }
 
 /// Counts each rule's decision of `req` under its matched route (see
@@ -173,34 +200,17 @@ where
         loop {
             let next_state = match this.state.as_mut().project() {
                 StateProj::Deciding { decide, waiting } => {
-                    let (report, verdict, keys) = ready!(decide.as_mut().poll(cx));
-                    *this.report = report;
-                    *this.challenge = super::challenge::for_verdict(
-                        this.shared,
-                        verdict,
-                        listed_key(&keys),
-                        &report.requester,
-                    );
-                    // Response-aware rules, and a taken marker, need their
-                    // keys once the response is in.
-                    let marked = keys.iter().any(|(j, _)| *j == MARKER);
-                    if (this.shared.response_aware || marked)
-                        && matches!(verdict, Verdict::Pass { .. })
-                    {
-                        *this.after = Some(keys.clone());
-                    }
+                    let walk = ready!(decide.as_mut().poll(cx));
                     let Some(waiting) = waiting.take() else {
                         return Poll::Pending;
                     };
                     let (req, inner) = *waiting;
-                    next(
-                        this.shared,
-                        this.report,
-                        verdict,
-                        req,
-                        Inner::Owned(inner),
-                        |_| keys,
-                    )
+                    let (state, after, challenge) =
+                        next(this.shared, &walk, req, Inner::Owned(inner));
+                    *this.report = walk.report;
+                    *this.after = after;
+                    *this.challenge = challenge;
+                    state
                 }
                 StateProj::Pacing {
                     sleep,

@@ -502,11 +502,12 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
             for name in std::iter::once(r.name.clone()).chain(plan_names) {
                 if !stored.insert(name.clone()) {
                     return Err(ConfigError::new(
-                        "rules",
+                        "name",
                         format!(
-                            "rules[{i}]: the name {name:?} is taken (rules and their plans share the store)"
+                            "the name {name:?} is taken (rules and their plans share the store)"
                         ),
-                    ));
+                    )
+                    .in_item("rules", i));
                 }
             }
         }
@@ -549,25 +550,17 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
         for (i, r) in self.rules.into_iter().enumerate() {
             // Whatever a rule's binding refuses names the rule, so that a
             // policy file's error points at its line.
-            let at = |e: ConfigError| {
-                if e.message().starts_with("rules[") {
-                    e
-                } else {
-                    ConfigError::new(e.field(), format!("rules[{i}]: {}", e.message()))
-                }
-            };
+            let at = |e: ConfigError| e.in_item("rules", i);
             let rule = Rule::new(&r.name, r.limit).map_err(at)?;
             if bound
                 .iter()
                 .any(|b: &Bound<B, St::Limiter>| *b.responder.rule == *rule.name())
             {
                 return Err(ConfigError::new(
-                    "rules",
-                    format!(
-                        "rules[{i}]: the name {:?} is taken by another rule",
-                        rule.name()
-                    ),
-                ));
+                    "name",
+                    format!("the name {:?} is taken by another rule", rule.name()),
+                )
+                .in_item("rules", i));
             }
             let canary = match r.canary {
                 None => None,
@@ -576,10 +569,10 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                     Some(canary(rule.name(), share, self.canary_secret.as_deref()))
                 }
                 Some(_) => {
-                    return Err(ConfigError::new(
-                        "canary",
-                        format!("rules[{i}]: the share must be from 0.0 to 1.0"),
-                    ))
+                    return Err(
+                        ConfigError::new("canary", "the share must be from 0.0 to 1.0")
+                            .in_item("rules", i),
+                    )
                 }
             };
             let limiter = self.store.limiter(&rule).map_err(at)?;
@@ -606,15 +599,15 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 let stored = Rule::new(format!("{}:{plan}", rule.name()), *limit).map_err(at)?;
                 let shown = Rule::new(rule.name(), *limit).map_err(at)?;
                 plans.push(Some((
-                    self.store.limiter(&stored)?,
+                    self.store.limiter(&stored).map_err(at)?,
                     responder(&shown, Some(plan)),
                 )));
             }
             if r.warn_at.is_some_and(|s| !(s > 0.0 && s <= 1.0)) {
-                return Err(ConfigError::new(
-                    "warn_at",
-                    format!("rules[{i}]: the share must be above 0 and at most 1"),
-                ));
+                return Err(
+                    ConfigError::new("warn_at", "the share must be above 0 and at most 1")
+                        .in_item("rules", i),
+                );
             }
             let ladder = match r.ladder {
                 None => None,

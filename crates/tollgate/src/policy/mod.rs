@@ -158,6 +158,7 @@ mod service;
 mod shared;
 #[cfg(test)]
 mod tests;
+mod walk;
 
 pub use access::{Access, AccessList};
 pub use challenge::{Challenge, ProofOfWork, CHALLENGE_HEADER, SOLUTION_HEADER};

@@ -99,19 +99,13 @@ impl<B, L> Bound<B, L> {
         self.canary.is_some_and(|c| !in_canary(c, key))
     }
 
-    /// The key of a request this rule keyed before: no metrics, no
-    /// warning. `false` when it had none (and was skipped or refused).
-    pub(super) fn key_again(&self, req: &Request<B>, key: &mut KeyBuf) -> bool {
-        let extracted = self.rule.key(req, key);
-        self.keying
-            .resolve(extracted, key, &self.responder.rule, None)
-            == Keyed::Key
-    }
-
-    pub(super) fn key(&self, req: &Request<B>, key: &mut KeyBuf) -> Keyed {
+    /// The request's key under this rule, into `key`, counted (a missing
+    /// one in `unkeyed` or `missing_key`), and whether it is the
+    /// request's own (`false` for a shared fallback key).
+    pub(super) fn key(&self, req: &Request<B>, key: &mut KeyBuf) -> (Keyed, bool) {
         let m = &self.responder.metrics;
         let extracted = self.rule.key(req, key);
-        match self.keying.resolve(
+        let keyed = match self.keying.resolve(
             extracted,
             key,
             &self.responder.rule,
@@ -121,7 +115,8 @@ impl<B, L> Bound<B, L> {
             // never refuse: a keyless request is left to the others.
             Keyed::Reject if self.responder.shadow || self.canary.is_some() => Keyed::Skip,
             keyed => keyed,
-        }
+        };
+        (keyed, extracted.is_some())
     }
 }
 

@@ -403,17 +403,27 @@ fn configuration_errors_name_the_field() {
         .rule(RateRule::new("same", limit, Global))
         .rule(RateRule::new("same", limit, Global).cost(Fixed(2)));
     let err = e(twice);
-    assert_eq!(err.field(), "rules");
-    assert!(err.to_string().contains("rules[1]"), "{err}");
-    let bad = PolicyLayer::builder().rule(RateRule::new("bad name", limit, Global));
-    assert_eq!(e(bad).field(), "name");
+    // The rule is named by index, not in the message (a policy file
+    // places the error at the rule's line by it).
+    assert_eq!((err.field(), err.item()), ("name", Some(("rules", 1))));
+    assert_eq!(
+        err.to_string(),
+        "invalid `rules[1].name`: the name \"same\" is taken (rules and their plans share the store)"
+    );
+    let bad = PolicyLayer::builder()
+        .rule(RateRule::new("good", limit, Global))
+        .rule(RateRule::new("bad name", limit, Global));
+    let err = e(bad);
+    assert_eq!((err.field(), err.item()), ("name", Some(("rules", 1))));
+    assert!(!err.message().contains("rules["), "{err}");
     // A rule named like another's plan, a plan with no source, key lists
     // with no header, an idempotency name taken by a rule.
     let clash = PolicyLayer::builder()
         .plan_from_extension()
         .rule(RateRule::new("api", limit, Global).plan("pro", limit))
         .rule(RateRule::new("api:pro", limit, Global));
-    assert_eq!(e(clash).field(), "rules");
+    let err = e(clash);
+    assert_eq!((err.field(), err.item()), ("name", Some(("rules", 1))));
     let sourceless =
         PolicyLayer::builder().rule(RateRule::new("api", limit, Global).plan("pro", limit));
     assert_eq!(e(sourceless).field(), "plans");
@@ -427,7 +437,8 @@ fn configuration_errors_name_the_field() {
     assert_eq!(e(taken).field(), "idempotency");
     for share in [-0.1, 1.5, f64::NAN] {
         let canary = PolicyLayer::builder().rule(RateRule::new("c", limit, Global).canary(share));
-        assert_eq!(e(canary).field(), "canary", "{share}");
+        let err = e(canary);
+        assert_eq!((err.field(), err.item()), ("canary", Some(("rules", 0))));
     }
 }
 

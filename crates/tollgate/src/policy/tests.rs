@@ -2285,3 +2285,78 @@ async fn a_refund_in_flight_across_a_reload_never_uses_the_old_parameters() {
     // The unchanged rule got its refund: its budget is whole again.
     assert_eq!(remaining(&layer, 1, "a").await, 1);
 }
+
+/// The policy-security review's design point: a request's walk through
+/// the policy extracts each rule's key once, whatever it meets on the way
+/// (a ladder asked first, an idempotency marker, a refusal's refunds and
+/// strikes, a response-aware rule, the decision log), and the walk is
+/// the same on both paths. Before, the key was extracted again on several
+/// branches (four times for a refusal on a laddered rule).
+async fn each_rules_key_is_extracted_once_per_request<S: Store>(store: S, _clock: ManualClock) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = {
+        let calls = Arc::clone(&calls);
+        move |req: &Req, key: &mut crate::key::KeyBuf| {
+            calls.fetch_add(1, Ordering::Relaxed);
+            key.push(req.headers().get("x-api-key")?.as_bytes());
+            Some(())
+        }
+    };
+    let layer = PolicyLayer::builder()
+        .rule(
+            RateRule::new(
+                "counted",
+                Limit::fixed_window(2, Duration::from_secs(60)),
+                counted,
+            )
+            .count_if(|s| s.is_success())
+            .escalate(
+                1,
+                Duration::from_secs(60),
+                Duration::from_secs(1),
+                Duration::from_secs(1),
+            ),
+        )
+        .rule(RateRule::new(
+            "all",
+            Limit::fixed_window(100, Duration::from_secs(60)),
+            Global,
+        ))
+        .idempotency(
+            "idem",
+            Header::named("x-api-key").unwrap(),
+            Duration::from_secs(60),
+        )
+        .store(store)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    let send = |r: Req| {
+        let svc = svc.clone();
+        async move { svc.oneshot(r).await.unwrap().status() }
+    };
+    let mut expected = Vec::new();
+    // Admitted, a first request with a marker, then its repeat, then a
+    // refusal (refunds the other rule, strikes the ladder), then a
+    // request the ladder blocks.
+    for (r, status) in [
+        (req("a", "1.1.1.1"), 200),
+        (with_idempotency("a", "order-1"), 200),
+        (with_idempotency("a", "order-1"), 200),
+        (req("a", "1.1.1.1"), 429),
+        (req("a", "1.1.1.1"), 429),
+    ] {
+        let before = calls.load(Ordering::Relaxed);
+        expected.push((status, 1));
+        let got = send(r).await.as_u16();
+        let extracted = calls.load(Ordering::Relaxed) - before;
+        assert_eq!(
+            (got, extracted),
+            (status, 1),
+            "requests so far: {expected:?}"
+        );
+    }
+}
+on_both_paths!(keys_once, each_rules_key_is_extracted_once_per_request);

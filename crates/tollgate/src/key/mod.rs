@@ -101,6 +101,24 @@ impl KeyBytes {
     pub(crate) fn as_bytes(&self) -> &[u8] {
         self.0.raw()
     }
+
+    /// Builds a key in `slot` (not copied there: see
+    /// [`extract`](Self::extract)) with `build`, which says whether to
+    /// keep it; a key not kept leaves the slot empty.
+    #[inline]
+    pub(crate) fn build_in<R>(
+        slot: &mut Option<Self>,
+        build: impl FnOnce(&mut KeyBuf) -> (bool, R),
+    ) -> R {
+        let key = slot.insert(Self(KeyBuf::new()));
+        let (keep, result) = build(&mut key.0);
+        if keep {
+            key.0.as_bytes();
+        } else {
+            *slot = None;
+        }
+        result
+    }
 }
 
 /// A point to roll a [`KeyBuf`] back to (see [`KeyBuf::mark`]).

@@ -36,7 +36,7 @@ use super::decide::{
     Report, Verdict, MARKER,
 };
 use super::shared::{Keyed, Shared, MAX_RULES};
-use crate::key::{KeyBuf, KeyBytes};
+use crate::key::KeyBytes;
 
 /// The step a walk is at.
 #[derive(Debug, Clone, Copy)]
@@ -110,6 +110,7 @@ pub(super) struct Walk {
 
 impl Walk {
     /// Reads what the steps need from `req`, once.
+    #[inline]
     pub(super) fn start<B, L>(shared: &Shared<B, L>, req: &Request<B>) -> Self {
         let mut report = Report::new();
         report.plan = shared.plans.of(req);
@@ -131,30 +132,32 @@ impl Walk {
                 Step::Marker
             },
         };
-        for (i, rule) in shared.rules.iter().enumerate().take(MAX_RULES) {
-            let mut key = KeyBuf::new();
-            let (keyed, own) = rule.key(req, &mut key);
-            match keyed {
-                Keyed::Key => {}
-                Keyed::Skip => continue,
-                Keyed::Reject => {
+        for (i, (rule, slot)) in shared.rules.iter().zip(&mut walk.keys).enumerate() {
+            // Built where the walk keeps it.
+            let keyed = KeyBytes::build_in(slot, |key| {
+                let (keyed, own) = rule.key(req, key);
+                (keyed == Keyed::Key, (keyed, own))
+            });
+            let key = match (keyed, slot) {
+                ((Keyed::Key, own), Some(key)) => {
+                    if own {
+                        walk.own |= bit(i);
+                    }
+                    key.as_bytes()
+                }
+                ((Keyed::Reject, _), _) => {
                     walk.missing = walk.missing.or(Some(i));
                     continue;
                 }
-            }
-            if own {
-                walk.own |= bit(i);
-            }
-            if rule.shadows(key.as_bytes()) {
+                _ => continue,
+            };
+            if rule.shadows(key) {
                 walk.report.shadow |= bit(i);
             }
             if let (Some(cost), Some(solution)) = (walk.costs.get_mut(i), walk.solutions.get_mut(i))
             {
                 *cost = rule.rule.cost(req);
-                *solution = challenge::solved(rule, req, key.as_bytes(), &walk.report.requester);
-            }
-            if let Some(slot) = walk.keys.get_mut(i) {
-                *slot = Some(KeyBytes::new(&mut key));
+                *solution = challenge::solved(rule, req, key, &walk.report.requester);
             }
         }
         if let Some(idem) = &shared.idempotency {
@@ -164,6 +167,7 @@ impl Walk {
     }
 
     /// Rule `i`'s key, if it has one.
+    #[inline]
     fn key(&self, i: usize) -> Option<&[u8]> {
         self.keys.get(i)?.as_ref().map(KeyBytes::as_bytes)
     }
@@ -179,6 +183,7 @@ impl Walk {
 
     /// Rule `i`'s key, where its ladder counts it: the request's own key
     /// (never a shared fallback one), of a rule that enforces it.
+    #[inline]
     fn ladder_key(&self, i: usize) -> Option<&[u8]> {
         (self.own & bit(i) != 0 && !self.report.shadows(i))
             .then(|| self.key(i))
@@ -210,6 +215,7 @@ impl Walk {
 
     /// Whether rule `i` is decided by its limit: it has a key, and no
     /// solution passed the request past it.
+    #[inline]
     fn decides(&self, i: usize) -> bool {
         self.key(i).is_some() && !self.report.cleared(i)
     }
@@ -268,29 +274,28 @@ impl Walk {
                     }
                 }
                 Step::Rules(from) => {
-                    let Some(i) = (from..n).find(|&i| self.decides(i)) else {
-                        self.step = Step::Settle;
-                        continue;
-                    };
-                    let (Some(rule), Some(key), Some(&cost)) =
-                        (shared.rules.get(i), self.key(i), self.costs.get(i))
-                    else {
-                        self.step = Step::Rules(i.saturating_add(1));
-                        continue;
-                    };
-                    match rule.at(self.report.plan).0.decide_sync(key, cost) {
-                        Some(decision) => self.on_rule(
-                            shared,
-                            i,
-                            JointDecision {
-                                consumed: decision.as_ref().is_ok_and(Decision::is_allowed),
-                                decision,
-                                failed: false,
-                            },
-                        ),
-                        None => return Some(Io::Rules(i)),
+                    for i in from..n {
+                        let (Some(rule), Some(&cost)) = (shared.rules.get(i), self.costs.get(i))
+                        else {
+                            break;
+                        };
+                        if !self.decides(i) {
+                            continue;
+                        }
+                        let key = self.key(i).unwrap_or_default();
+                        let Some(decision) = rule.at(self.report.plan).0.decide_sync(key, cost)
+                        else {
+                            self.step = Step::Rules(i);
+                            return Some(Io::Rules(i));
+                        };
+                        let answer = JointDecision {
+                            consumed: decision.as_ref().is_ok_and(Decision::is_allowed),
+                            decision,
+                            failed: false,
+                        };
+                        self.on_rule(shared, i, answer);
                     }
-                    self.step = Step::Rules(i.saturating_add(1));
+                    self.step = Step::Settle;
                 }
                 Step::Settle => {
                     self.verdict = settle(shared, &mut self.report);
@@ -520,6 +525,7 @@ impl Walk {
 
     /// Rules: rule `i`'s decision; a store's error is the rule's failure
     /// policy (admit, consuming nothing, or refuse).
+    #[inline]
     fn on_rule<B, L>(&mut self, shared: &Shared<B, L>, i: usize, answer: JointDecision) {
         let (Some(rule), Some(&cost)) = (shared.rules.get(i), self.costs.get(i)) else {
             return;

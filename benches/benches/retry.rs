@@ -97,5 +97,57 @@ fn script_calls(url: &str) -> u64 {
     tollgate_redis::testing::script_calls_in(&info)
 }
 
-criterion_group!(benches, retry_overhead);
+/// Deposits into one upstream's budget from one thread and from two at
+/// once (this VM has two cores): tollgate's memory budget (`deposit_now`:
+/// the key's lookup and its slot under the shard's lock) against tower's
+/// `TpsBudget` (atomics). Time per deposit per thread; with two threads,
+/// what contention costs each. Group `retry_deposits`.
+fn retry_deposits(c: &mut Criterion) {
+    use std::sync::{Arc, Barrier};
+    use std::time::{Duration, Instant};
+    use tollgate_core::{RetryBudgetRule, RetryBudgetStore};
+    use tower::retry::budget::{Budget, TpsBudget};
+
+    /// `iters` calls of `deposit` on each of `threads` threads started
+    /// together; the slowest thread's time.
+    fn run(threads: usize, iters: u64, deposit: Arc<dyn Fn() + Send + Sync>) -> Duration {
+        let barrier = Arc::new(Barrier::new(threads));
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                let (barrier, deposit) = (Arc::clone(&barrier), Arc::clone(&deposit));
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    let start = Instant::now();
+                    for _ in 0..iters {
+                        deposit();
+                    }
+                    start.elapsed()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .max()
+            .unwrap_or_default()
+    }
+
+    let store = tollgate_memory::MemoryStore::builder().build().unwrap();
+    let rule = RetryBudgetRule::new("deposits", 0.2, 10, Duration::from_secs(10)).unwrap();
+    let budget = store.retry_budget(&rule).unwrap();
+    let tollgate: Arc<dyn Fn() + Send + Sync> = Arc::new(move || budget.deposit_now(b"upstream"));
+    let tps = TpsBudget::new(Duration::from_secs(10), 10, 0.2);
+    let tower: Arc<dyn Fn() + Send + Sync> = Arc::new(move || tps.deposit());
+    let mut g = c.benchmark_group("retry_deposits");
+    for threads in [1, 2] {
+        for (name, deposit) in [("tollgate", &tollgate), ("tower", &tower)] {
+            g.bench_function(format!("{name}_{threads}t"), |b| {
+                b.iter_custom(|iters| run(threads, iters, Arc::clone(deposit)))
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, retry_overhead, retry_deposits);
 criterion_main!(benches);

@@ -674,13 +674,14 @@ fn access(a: &Spanned<super::spec::AccessSpec>, client: &ClientIp) -> Result<Acc
 /// tables.
 pub(super) fn config_error(file: &FileSpec, e: &ConfigError) -> Option<Problem> {
     let message = e.message();
-    if let Some(("rules", i)) = e.item() {
-        let r = file.rules.get(i)?;
-        return Some((
-            Some(r.span()),
-            format!("rules[{i}].{}", e.field()),
-            message.to_owned(),
-        ));
+    if let Some((list, i)) = e.item() {
+        // (A rule added in code, past the file's, has no line.)
+        let span = match list {
+            "rules" => file.rules.get(i).map(Spanned::span),
+            _ => None,
+        };
+        let field = format!("{list}[{i}].{}", e.field());
+        return Some((span, field, message.to_owned()));
     }
     let span = match e.field() {
         "access" => file.access.as_ref().map(Spanned::span),

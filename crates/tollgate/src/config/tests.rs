@@ -790,3 +790,18 @@ async fn a_reload_only_the_running_store_refuses_rebinds_nothing() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Policy-security review (the review of the walk): a builder error about
+/// a rule the file does not hold (added in code after the file's) still
+/// names the rule; one about a file's rule is placed at its line.
+#[test]
+fn builder_errors_name_their_rule_by_index() {
+    let file = PolicyFile::parse(QUICK).unwrap();
+    let past = tollgate_core::ConfigError::new("burst", "must be at least 1").in_item("rules", 40);
+    let e = file.config_error(&past);
+    assert_eq!((e.field(), e.line()), ("rules[40].burst", 0));
+    let first = tollgate_core::ConfigError::new("burst", "must be at least 1").in_item("rules", 0);
+    let e = file.config_error(&first);
+    assert_eq!(e.field(), "rules[0].burst");
+    assert!(e.line() > 0, "{e}");
+}

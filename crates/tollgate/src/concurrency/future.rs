@@ -8,8 +8,10 @@ use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use super::adaptive::Adaptive;
+use super::admission::{Admission, Admitted};
+use super::limits::BoxFuture;
 use super::permit::{PermitBody, Sampling};
-use super::shared::{Admission, Admitted, BoxFuture, Items, Responder};
+use super::respond::{Items, Responder};
 use crate::body::RejectionBody;
 use crate::outcome::Completion;
 use crate::rejection::Rejected;
@@ -105,7 +107,7 @@ where
                             rejected: Some((rejected, items)),
                         },
                         // `admit` never defers again; let it through.
-                        Admission::Defer(_) => State::Readying {
+                        Admission::Defer(..) => State::Readying {
                             admitted: None,
                             waiting: waiting.take(),
                         },

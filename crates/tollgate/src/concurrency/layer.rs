@@ -10,9 +10,11 @@ use tollgate_memory::MemoryStore;
 use tower_layer::Layer;
 
 use super::adaptive::{non_critical_ceiling, Adaptive, DropFn, ReadOnly};
+use super::critical::AllCritical;
+use super::limits::{Limits, PlanLimit, ServiceLimit, StoreLimit};
 use super::queue::Queue;
+use super::respond::{RejectFn, Responder};
 use super::service::ConcurrencyService;
-use super::shared::{AllCritical, PlanLimit, RejectFn, Responder, ServiceLimit, Shared, Slot};
 use crate::cost::Fixed;
 use crate::headers::ConcurrencyHeaders;
 use crate::key::PeerIp;
@@ -42,7 +44,7 @@ use crate::rejection::{LimitKind, OnStoreError, Rejected, Rendered};
 /// # Ok::<(), tollgate::ConfigError>(())
 /// ```
 pub struct ConcurrencyLayer<K = PeerIp, C = Fixed, P = AllCritical, St: Store = MemoryStore> {
-    shared: Arc<Shared<K, C, P, St::ConcurrencyLimiter>>,
+    shared: Arc<Limits<K, C, P, St::ConcurrencyLimiter>>,
 }
 
 impl<K, C, P, St: Store> Clone for ConcurrencyLayer<K, C, P, St> {
@@ -517,7 +519,7 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
             Some((len, wait)) => Some(Arc::new(Queue::new(len, wait, per_key_rule.name()))),
         };
         let name: Arc<str> = per_key_rule.name().into();
-        let per_key = Slot {
+        let per_key = StoreLimit {
             limiter: self.store.concurrency_limiter(&per_key_rule)?,
             name: Arc::clone(&name),
             // (Each plan has its own share.)
@@ -581,7 +583,7 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
             }
             Some(ServiceConfig::Fixed(n, max)) => {
                 let r = rule(&n, max).map_err(service_error)?;
-                Some(ServiceLimit::Fixed(Slot {
+                Some(ServiceLimit::Fixed(StoreLimit {
                     limiter: self.store.concurrency_limiter(&r).map_err(service_error)?,
                     name: r.name().into(),
                     share: share_of(max),
@@ -648,7 +650,7 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
             plans: cfg.plans.iter().map(|(_, max)| responder(*max)).collect(),
         };
         Ok(ConcurrencyLayer {
-            shared: Arc::new(Shared {
+            shared: Arc::new(Limits {
                 key: self.key,
                 cost: self.cost,
                 critical: self.critical,

@@ -106,19 +106,23 @@
 //! ```
 
 mod adaptive;
+mod admission;
+mod critical;
 mod future;
 mod layer;
+mod limits;
 mod permit;
 mod queue;
+mod respond;
 mod service;
-mod shared;
 #[cfg(test)]
 mod tests;
+mod wait;
 
 pub use crate::outcome::Completion;
+pub use critical::{AllCritical, Critical};
 pub use future::ResponseFuture;
 pub use layer::{ConcurrencyLayer, ConcurrencyLayerBuilder};
 pub use permit::{Permit, PermitBody, UpgradePermit};
 pub use service::ConcurrencyService;
-pub use shared::{AllCritical, Critical};
 pub use tollgate_core::adaptive::{AdaptiveLimit, Aimd, Gradient};

@@ -79,6 +79,13 @@ impl Held {
     }
 
     pub(crate) fn set_service(&mut self, lease: Lease) {
+        // One weight for every lease held: a granted lease holds exactly
+        // the permits asked (the `ConcurrencyLimiter` contract), so the
+        // per-key lease's is the same.
+        debug_assert!(
+            self.flags & PER_KEY == 0 || self.weight == lease.permits,
+            "a store granted a lease of other permits than asked"
+        );
         self.service = lease.id;
         self.weight = lease.permits;
         self.flags |= SERVICE;

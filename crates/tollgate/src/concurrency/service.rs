@@ -5,9 +5,11 @@ use http::{Request, Response};
 use tollgate_core::Store;
 use tower_service::Service;
 
+use super::admission::Admission;
+use super::critical::Critical;
 use super::future::{ResponseFuture, State};
+use super::limits::Limits;
 use super::permit::PermitBody;
-use super::shared::{Admission, Critical, Shared};
 use crate::body::RejectionBody;
 use crate::cost::Cost;
 use crate::key::KeyExtractor;
@@ -15,7 +17,7 @@ use crate::key::KeyExtractor;
 /// The service of [`ConcurrencyLayer`](super::ConcurrencyLayer).
 pub struct ConcurrencyService<S, K, C, P, St: Store> {
     inner: S,
-    shared: Arc<Shared<K, C, P, St::ConcurrencyLimiter>>,
+    shared: Arc<Limits<K, C, P, St::ConcurrencyLimiter>>,
 }
 
 impl<S: Clone, K, C, P, St: Store> Clone for ConcurrencyService<S, K, C, P, St> {
@@ -39,7 +41,7 @@ impl<S: std::fmt::Debug, K, C, P, St: Store> std::fmt::Debug
 }
 
 impl<S, K, C, P, St: Store> ConcurrencyService<S, K, C, P, St> {
-    pub(crate) fn new(inner: S, shared: Arc<Shared<K, C, P, St::ConcurrencyLimiter>>) -> Self {
+    pub(crate) fn new(inner: S, shared: Arc<Limits<K, C, P, St::ConcurrencyLimiter>>) -> Self {
         Self { inner, shared }
     }
 }

@@ -247,9 +247,9 @@ async fn a_request_refused_per_key_takes_nothing_from_the_service() {
     for _ in 0..5 {
         assert_eq!(svc.clone().oneshot(req("k")).await.unwrap().status(), 429);
     }
-    assert_eq!(service.held_now(super::shared::SERVICE_KEY), 1);
+    assert_eq!(service.held_now(super::limits::SERVICE_KEY), 1);
     drop(first);
-    assert_eq!(service.held_now(super::shared::SERVICE_KEY), 0);
+    assert_eq!(service.held_now(super::limits::SERVICE_KEY), 0);
 }
 
 #[tokio::test]
@@ -1209,4 +1209,129 @@ fn never_answers(
         std::future::pending::<()>().await;
         Ok::<_, Infallible>(Response::new(String::new()))
     })
+}
+
+/// A memory store whose service-wide limit answers only through its
+/// future (as if it were kept elsewhere), counting the per-key acquires
+/// and releases.
+#[derive(Clone)]
+struct SlowService {
+    memory: MemoryStore,
+    acquires: Arc<AtomicU32>,
+    releases: Arc<AtomicU32>,
+}
+
+#[derive(Clone)]
+struct SlowServiceLimiter {
+    inner: <MemoryStore as Store>::ConcurrencyLimiter,
+    acquires: Arc<AtomicU32>,
+    releases: Arc<AtomicU32>,
+}
+
+impl tollgate_core::ConcurrencyLimiter for SlowServiceLimiter {
+    type AcquireFuture = <<MemoryStore as Store>::ConcurrencyLimiter as tollgate_core::ConcurrencyLimiter>::AcquireFuture;
+    type ReleaseFuture = <<MemoryStore as Store>::ConcurrencyLimiter as tollgate_core::ConcurrencyLimiter>::ReleaseFuture;
+    type HeldFuture = <<MemoryStore as Store>::ConcurrencyLimiter as tollgate_core::ConcurrencyLimiter>::HeldFuture;
+
+    fn rule(&self) -> &tollgate_core::ConcurrencyRule {
+        self.inner.rule()
+    }
+
+    fn acquire(&self, key: &[u8], permits: u32, ceiling: u32) -> Self::AcquireFuture {
+        if key != super::limits::SERVICE_KEY {
+            self.acquires.fetch_add(1, Ordering::SeqCst);
+        }
+        self.inner.acquire(key, permits, ceiling)
+    }
+
+    fn acquire_sync(
+        &self,
+        key: &[u8],
+        permits: u32,
+        ceiling: u32,
+    ) -> Option<Result<tollgate_core::Acquire, tollgate_core::StoreError>> {
+        if key == super::limits::SERVICE_KEY {
+            return None;
+        }
+        self.acquires.fetch_add(1, Ordering::SeqCst);
+        self.inner.acquire_sync(key, permits, ceiling)
+    }
+
+    fn release(&self, key: &[u8], lease: tollgate_core::Lease) -> Self::ReleaseFuture {
+        if key != super::limits::SERVICE_KEY {
+            self.releases.fetch_add(1, Ordering::SeqCst);
+        }
+        self.inner.release(key, lease)
+    }
+
+    fn held(&self, key: &[u8]) -> Self::HeldFuture {
+        self.inner.held(key)
+    }
+}
+
+impl Store for SlowService {
+    type Limiter = <MemoryStore as Store>::Limiter;
+    type ConcurrencyLimiter = SlowServiceLimiter;
+
+    fn limiter(
+        &self,
+        rule: &tollgate_core::Rule,
+    ) -> Result<Self::Limiter, tollgate_core::ConfigError> {
+        self.memory.limiter(rule)
+    }
+
+    fn concurrency_limiter(
+        &self,
+        rule: &tollgate_core::ConcurrencyRule,
+    ) -> Result<SlowServiceLimiter, tollgate_core::ConfigError> {
+        Ok(SlowServiceLimiter {
+            inner: self.memory.concurrency_limiter(rule)?,
+            acquires: Arc::clone(&self.acquires),
+            releases: Arc::clone(&self.releases),
+        })
+    }
+
+    fn escalation(
+        &self,
+        rule: &tollgate_core::EscalationRule,
+    ) -> Result<Arc<dyn tollgate_core::EscalationLimiter>, tollgate_core::ConfigError> {
+        self.memory.escalation(rule)
+    }
+}
+
+/// The concurrency review's design point (one admission path): a store
+/// that answers the per-key limit at once and the service limit only
+/// through its future used to have the per-key permit taken, given back,
+/// and taken again through the other path (two acquires and a release
+/// per request: another request could take the permit in between). The
+/// admission now goes on from where it stopped: one acquire, and one
+/// release when the response ends.
+#[tokio::test]
+async fn an_admission_that_waits_for_a_limit_goes_on_from_where_it_stopped() {
+    let store = SlowService {
+        memory: MemoryStore::new(),
+        acquires: Arc::new(AtomicU32::new(0)),
+        releases: Arc::new(AtomicU32::new(0)),
+    };
+    let layer = builder(2)
+        .service_limit("service", 10)
+        .store(store.clone())
+        .build()
+        .unwrap();
+    let (inner, _feeds) = streaming();
+    let svc = layer.layer(inner);
+    let res = svc.clone().oneshot(req("k")).await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(
+        (
+            store.acquires.load(Ordering::SeqCst),
+            store.releases.load(Ordering::SeqCst)
+        ),
+        (1, 0),
+        "one per-key acquire, nothing given back while the response is out"
+    );
+    assert_eq!(held(&layer, "k").await, 1);
+    drop(res);
+    assert_eq!(store.releases.load(Ordering::SeqCst), 1);
+    assert_eq!(held(&layer, "k").await, 0);
 }

@@ -197,6 +197,13 @@ impl KeyBuf {
         }
     }
 
+    /// The bytes of a key already finished ([`as_bytes`](Self::as_bytes)
+    /// was called since its last part), without `&mut`.
+    #[inline]
+    pub(crate) fn raw_bytes(&self) -> &[u8] {
+        self.raw()
+    }
+
     #[inline]
     fn raw(&self) -> &[u8] {
         self.buf.get(..self.len).unwrap_or_default()

@@ -237,6 +237,7 @@ where
 
     /// Whether others wait in `key`'s queue (a non-critical request then
     /// goes behind them, not past).
+    #[inline(always)]
     fn others_wait(&self, p: &Pending) -> bool {
         !p.critical
             && p.keyed

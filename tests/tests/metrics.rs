@@ -180,7 +180,7 @@ async fn the_quickstart_serves_what_its_layers_decided_as_prometheus_text() {
     assert!(exprs.len() >= 6, "{exprs:?}");
     let alerts = std::fs::read_to_string(root.join("examples/prometheus/alerts.yml")).unwrap();
     let alert_count = alerts.matches("- alert:").count();
-    assert_eq!(alert_count, 4);
+    assert_eq!(alert_count, 5);
     exprs.push(alerts);
     if redis.is_some() {
         for name in exprs.iter().flat_map(|e| names_in(e)) {

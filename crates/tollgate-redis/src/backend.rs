@@ -94,6 +94,16 @@ impl Counters {
             "tollgate_store_breaker_open",
             "1 while the Redis store's circuit breaker is open"
         );
+        metrics::describe_counter!(
+            "tollgate_store_node_calls_total",
+            "Calls to the Redis store by node (a Cluster master's address; `server` \
+             for one server) and result: for shard balance"
+        );
+        metrics::describe_histogram!(
+            "tollgate_store_node_call_seconds",
+            metrics::Unit::Seconds,
+            "Time of each call to the Redis store, by node"
+        );
         Self {
             ok: Tally::new("ok", name),
             errors: Tally::new("error", name),
@@ -110,6 +120,44 @@ impl Counters {
                 "store" => "redis",
                 "name" => name.to_owned(),
                 "prefix" => prefix.to_owned()
+            ),
+        }
+    }
+}
+
+/// One Cluster node's calls (a master's, by address), for shard balance:
+/// `tollgate_store_node_calls_total{store="redis", name, node, result}`
+/// and `tollgate_store_node_call_seconds{store="redis", name, node}`.
+#[derive(Debug)]
+struct Node {
+    ok: metrics::Counter,
+    errors: metrics::Counter,
+    timeouts: metrics::Counter,
+    skipped: metrics::Counter,
+    latency: metrics::Histogram,
+}
+
+impl Node {
+    fn register(name: &str, node: String) -> Self {
+        let calls = |result: &'static str| {
+            metrics::counter!(
+                "tollgate_store_node_calls_total",
+                "store" => "redis",
+                "name" => name.to_owned(),
+                "node" => node.clone(),
+                "result" => result
+            )
+        };
+        Self {
+            ok: calls("ok"),
+            errors: calls("error"),
+            timeouts: calls("timeout"),
+            skipped: calls("skipped"),
+            latency: metrics::histogram!(
+                "tollgate_store_node_call_seconds",
+                "store" => "redis",
+                "name" => name.to_owned(),
+                "node" => node
             ),
         }
     }
@@ -140,6 +188,12 @@ pub(crate) struct Backend {
     /// lost master opens its own breaker only.
     breakers: Box<[Breaker]>,
     counters: Counters,
+    /// The store's name in its metrics.
+    name: Arc<str>,
+    /// Per group (a Cluster master, see `breakers`), its node's metrics,
+    /// registered at the group's first call (by then a master's address
+    /// is known).
+    nodes: Box<[std::sync::OnceLock<Node>]>,
     /// The retry budgets bound, by rule name: a rule bound twice shares
     /// its counted deposits (see [`crate::RedisRetryBudget`]).
     pub(crate) retry_budgets: crate::retry_budget::Bindings,
@@ -165,6 +219,13 @@ impl Backend {
         let breakers = (0..config.conn.ranges())
             .map(|_| (config.breaker)())
             .collect();
+        let nodes: Box<[std::sync::OnceLock<Node>]> = (0..config.conn.ranges())
+            .map(|_| std::sync::OnceLock::new())
+            .collect();
+        // One server: its node is known now, and exported with the rest.
+        if let [one] = &*nodes {
+            one.get_or_init(|| Node::register(&config.name, config.conn.group_name(0)));
+        }
         Self {
             conn: config.conn,
             prefix: config.prefix,
@@ -174,6 +235,8 @@ impl Backend {
             client_time: config.client_time,
             breakers,
             counters,
+            name: config.name,
+            nodes,
             retry_budgets: crate::retry_budget::Bindings::default(),
         }
     }
@@ -254,9 +317,16 @@ impl Backend {
                 error: StoreError::new(StoreErrorKind::Unavailable, "no breaker"),
                 maybe_sent: false,
             })?;
+        let node = self.node(range);
+        let count = |pick: fn(&Node) -> &metrics::Counter| {
+            if let Some(n) = node {
+                pick(n).increment(1);
+            }
+        };
         let attempt = breaker.enter(now_nanos());
         if attempt.pass() == Pass::Skip {
             self.counters.skipped.add();
+            count(|n| &n.skipped);
             self.show_breaker();
             return Err(Fault {
                 error: StoreError::new(StoreErrorKind::Unavailable, "circuit breaker open"),
@@ -265,21 +335,26 @@ impl Backend {
         }
         let started = std::time::Instant::now();
         let answer = tokio::time::timeout(self.timeout, self.conn.invoke(script, keys, args)).await;
-        self.counters
-            .latency
-            .record(started.elapsed().as_secs_f64());
+        let took = started.elapsed().as_secs_f64();
+        self.counters.latency.record(took);
+        if let Some(n) = node {
+            n.latency.record(took);
+        }
         let result = match answer {
             Ok(Ok(reply)) => Ok(reply),
             Ok(Err(e)) if e.is_timeout() => {
                 self.counters.timeouts.add();
+                count(|n| &n.timeouts);
                 Err(StoreError::new(StoreErrorKind::Timeout, e.to_string()))
             }
             Ok(Err(e)) => {
                 self.counters.errors.add();
+                count(|n| &n.errors);
                 Err(StoreError::new(StoreErrorKind::Unavailable, e.to_string()))
             }
             Err(_) => {
                 self.counters.timeouts.add();
+                count(|n| &n.timeouts);
                 Err(StoreError::new(
                     StoreErrorKind::Timeout,
                     format!("no answer within {:?}", self.timeout),
@@ -289,6 +364,7 @@ impl Backend {
         match &result {
             Ok(_) => {
                 self.counters.ok.add();
+                count(|n| &n.ok);
                 attempt.success();
                 self.show_breaker();
             }
@@ -302,6 +378,13 @@ impl Backend {
             error,
             maybe_sent: true,
         })
+    }
+
+    /// Group `range`'s node metrics, registered at its first call (every
+    /// group has its cell).
+    fn node(&self, range: usize) -> Option<&Node> {
+        let cell = self.nodes.get(range)?;
+        Some(cell.get_or_init(|| Node::register(&self.name, self.conn.group_name(range))))
     }
 
     /// Sets the breaker gauge from the breaker's state now (read after the

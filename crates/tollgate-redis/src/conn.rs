@@ -657,6 +657,27 @@ impl Conn {
         }
     }
 
+    /// Group `group`'s name in the per-node metrics: on a Cluster its
+    /// master's address (`host:port`), or `unmapped` for a fixed slot
+    /// range (keys called before the slot map named their master);
+    /// `server` where every key is on one server (standalone, or the
+    /// master a Sentinel set names).
+    pub(crate) fn group_name(&self, group: usize) -> String {
+        match self {
+            Self::Cluster(_, _, map) => group
+                .checked_sub(SLOT_RANGES)
+                .and_then(|i| {
+                    map.masters
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .get(i)
+                        .cloned()
+                })
+                .unwrap_or_else(|| "unmapped".to_owned()),
+            Self::Standalone(..) | Self::Sentinel(..) => "server".to_owned(),
+        }
+    }
+
     /// The group of a call on `keys` (see [`ranges`](Self::ranges)).
     pub(crate) fn range_of(&self, keys: &[&str]) -> usize {
         match (self, keys.first()) {

@@ -99,6 +99,10 @@
 //!   [`RedisStore::stats`] and as the metric
 //!   `tollgate_store_calls_total{store="redis", result=ok|error|timeout|skipped}`,
 //!   with each call's time in `tollgate_store_call_seconds{store="redis"}`
+//!   (both also per node, for shard balance:
+//!   `tollgate_store_node_calls_total` and
+//!   `tollgate_store_node_call_seconds`, `node` a Cluster master's
+//!   address, registered at its first call),
 //!   and `tollgate_store_breaker_open{store="redis"}` the share of
 //!   breakers open (1 while the one breaker of a standalone or Sentinel
 //!   store is open; on a Cluster the share of breakers open, by master and

@@ -420,12 +420,36 @@ fn sentinel(
     connect_timeout: Duration,
     timeout: Duration,
 ) -> Result<Option<Conn>, ConfigError> {
-    let Some(rest) = url.strip_prefix("redis+sentinel://") else {
-        return Ok(None);
+    // `rediss+sentinel://`: TLS to the sentinels and to the master they
+    // name (its certificate checked against the system's roots, or
+    // `SSL_CERT_FILE`; `#insecure` at the end checks none).
+    let (tls, rest) = match (
+        url.strip_prefix("rediss+sentinel://"),
+        url.strip_prefix("redis+sentinel://"),
+    ) {
+        (Some(rest), _) => (true, rest),
+        (None, Some(rest)) => (false, rest),
+        (None, None) => return Ok(None),
     };
     let bad = |m: &str| {
-        ConfigError::new("url", format!("sentinel URL: {m} (redis+sentinel://[user:password@]host:port[,host:port]/service)"))
+        ConfigError::new("url", format!("sentinel URL: {m} (redis[s]+sentinel://[user:password@]host:port[,host:port]/service)"))
     };
+    let (rest, insecure) = match rest.strip_suffix("#insecure") {
+        Some(rest) if tls => (rest, true),
+        _ => (rest, false),
+    };
+    if tls && !cfg!(feature = "tls") {
+        return Err(bad(
+            "rediss+sentinel:// needs tollgate-redis's `tls` feature",
+        ));
+    }
+    if insecure {
+        tracing::warn!(
+            target: "tollgate::redis",
+            "a rediss+sentinel:// URL ends in #insecure: neither the sentinels' nor the \
+             master's certificate is verified, so anyone on the path can answer as Redis"
+        );
+    }
     let (hosts, service) = rest
         .rsplit_once('/')
         .ok_or_else(|| bad("no service name"))?;
@@ -440,7 +464,11 @@ fn sentinel(
         .split(',')
         .map(str::trim)
         .filter(|h| !h.is_empty())
-        .map(|h| format!("redis://{h}"))
+        .map(|h| match (tls, insecure) {
+            (false, _) => format!("redis://{h}"),
+            (true, false) => format!("rediss://{h}"),
+            (true, true) => format!("rediss://{h}/#insecure"),
+        })
         .collect();
     if sentinels.is_empty() {
         return Err(bad("no sentinel address"));
@@ -460,7 +488,15 @@ fn sentinel(
             info = info.set_password(password);
         }
     }
-    let node = SentinelNodeConnectionInfo::default().set_redis_connection_info(info);
+    let mut node = SentinelNodeConnectionInfo::default().set_redis_connection_info(info);
+    if tls {
+        // The master's password goes only over TLS, as the sentinels' do.
+        node = node.set_tls_mode(if insecure {
+            redis::TlsMode::Insecure
+        } else {
+            redis::TlsMode::Secure
+        });
+    }
     let client = SentinelClient::build(
         sentinels,
         service.to_owned(),
@@ -701,8 +737,14 @@ impl Conn {
                 "a root certificate of your own is for a standalone rediss:// URL only",
             )
         };
-        if url.trim().starts_with("redis+sentinel://") && tls_root.is_some() {
-            return Err(tls_elsewhere());
+        let sentinel_url =
+            |u: &str| u.starts_with("redis+sentinel://") || u.starts_with("rediss+sentinel://");
+        if sentinel_url(url.trim()) && tls_root.is_some() {
+            return Err(ConfigError::new(
+                "tls_root_cert",
+                "a root certificate of your own is for a standalone rediss:// URL only; \
+                 for rediss+sentinel://, put the CA in the system's roots or SSL_CERT_FILE",
+            ));
         }
         if let Some(conn) = sentinel(url.trim(), connect_timeout, timeout)? {
             return Ok(conn);

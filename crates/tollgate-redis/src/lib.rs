@@ -130,17 +130,20 @@
 //! Connection strings: one `redis://` (or `rediss://`) URL is a standalone
 //! server (auto-reconnecting, multiplexed); several, comma-separated, or
 //! one with the scheme `redis+cluster://`, are the seed nodes of a Redis
-//! Cluster. `redis+sentinel://[user:password@]host:port[,host:port]/name`
+//! Cluster. `redis[s]+sentinel://[user:password@]host:port[,host:port]/name`
 //! finds the master `name` through Redis Sentinel (the user and password
 //! are the master's) and follows a failover. **TLS**: `rediss://` on a
 //! standalone server (with the system's roots, or a private CA by
 //! [`RedisStoreBuilder::tls_root_cert`]) and on Cluster nodes (system
-//! roots only); no client certificates (mTLS); Sentinel, both the
-//! sentinels and the master it names, is plain TCP, so the master's
-//! password crosses the network in clear — keep Sentinel deployments on a
-//! private network. A `rediss://` URL ending in `#insecure` (redis-rs's
-//! switch for not verifying the certificate) is logged as a warning when
-//! the store is built. On a standalone server (a
+//! roots only); `rediss+sentinel://` for Sentinel over TLS, to the
+//! sentinels and to the master they name (the master's password then
+//! never crosses the network in clear; system roots only: a private CA
+//! goes in the system's roots or `SSL_CERT_FILE`); no client
+//! certificates (mTLS), and no password for the sentinels themselves. A
+//! `redis+sentinel://` URL is plain TCP throughout: keep such deployments
+//! on a private network. A `rediss://` or `rediss+sentinel://` URL ending
+//! in `#insecure` (redis-rs's switch for not verifying the certificate)
+//! is logged as a warning when the store is built. On a standalone server (a
 //! DNS name or a virtual IP that a failover moves), Cluster and Sentinel alike,
 //! a call that finds its node lost (the connection broke or was refused,
 //! a demoted master refuses writes, or — three calls in a row to one

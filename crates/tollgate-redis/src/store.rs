@@ -212,8 +212,8 @@ impl RedisStoreBuilder {
     /// of the system's roots (feature `tls`): a private CA, or a test's
     /// self-signed one. For a standalone `rediss://` URL only: building a
     /// store with it and a cluster or Sentinel URL is an error naming
-    /// `tls_root_cert` (their connections use the system's roots, and
-    /// Sentinel connections are plain TCP).
+    /// `tls_root_cert` (their connections use the system's roots, or
+    /// `SSL_CERT_FILE`: `rediss+sentinel://` too).
     #[cfg(feature = "tls")]
     pub fn tls_root_cert(mut self, pem: impl Into<Vec<u8>>) -> Self {
         self.tls_root = Some(pem.into());

@@ -602,3 +602,188 @@ pub fn script_calls_in(commandstats: &str) -> u64 {
         })
         .sum()
 }
+
+/// TLS for tests: a CA of the test's own, a certificate for 127.0.0.1
+/// signed by it, and TLS-only `redis-server` processes (standalone, or a
+/// sentinel) using them. `openssl` must be on `PATH`.
+#[derive(Debug)]
+pub struct Tls {
+    dir: PathBuf,
+}
+
+impl Tls {
+    /// The certificates, or `None` (skip) where `redis-server` is missing
+    /// or was built without TLS (it came with Redis 6.0, and a build
+    /// without `BUILD_TLS=yes` has none: `.ci/redis-versions` builds 5.0
+    /// and 6.2 so).
+    pub fn start() -> Option<Self> {
+        if !available() {
+            return None;
+        }
+        // A made-up directive after `tls-port` stops the server at once:
+        // a build with TLS stops on it, one without on `tls-port`.
+        let built = Command::new("redis-server")
+            .args(["--tls-port", "0", "--port", "0", "--not-a-directive", "0"])
+            .output()
+            .is_ok_and(|o| {
+                let said = [&o.stdout[..], &o.stderr[..]].concat();
+                !String::from_utf8_lossy(&said).contains(">>> 'tls-port")
+            });
+        if !built {
+            eprintln!("skipping: this redis-server was built without TLS");
+            return None;
+        }
+        let tls = Self { dir: scratch_dir() };
+        tls.openssl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=tollgate test CA",
+        ]);
+        tls.openssl(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+            "-subj",
+            "/CN=localhost",
+        ]);
+        std::fs::write(
+            tls.path("ext.cnf"),
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\n",
+        )
+        .unwrap();
+        tls.openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.crt",
+            "-days",
+            "1",
+            "-extfile",
+            "ext.cnf",
+        ]);
+        Some(tls)
+    }
+
+    fn openssl(&self, args: &[&str]) {
+        let ok = Command::new("openssl")
+            .args(args)
+            .current_dir(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "openssl {args:?}");
+    }
+
+    /// The path of one of its files (`ca.crt`, `server.crt`, ...).
+    pub fn path(&self, file: &str) -> PathBuf {
+        self.dir.join(file)
+    }
+
+    /// The CA's certificate (PEM).
+    pub fn ca(&self) -> Vec<u8> {
+        std::fs::read(self.path("ca.crt")).unwrap()
+    }
+
+    /// The settings of a TLS-only server (or sentinel) on `port`, in a
+    /// config file's syntax.
+    fn config(&self, port: u16) -> String {
+        let p = |f: &str| self.path(f).display().to_string();
+        format!(
+            "port 0\ntls-port {port}\nbind 127.0.0.1\ntls-cert-file {}\ntls-key-file {}\n\
+             tls-ca-cert-file {}\ntls-auth-clients no\ntls-replication yes\ndir {}\n",
+            p("server.crt"),
+            p("server.key"),
+            p("ca.crt"),
+            self.dir.display()
+        )
+    }
+
+    /// A TLS-only `redis-server` (no plain port), killed on drop.
+    pub fn server(&self) -> TlsProcess {
+        self.spawn("server", "save \"\"\nappendonly no\n", false)
+    }
+
+    /// A TLS-only sentinel monitoring `master` (a [`server`](Self::server)
+    /// of this CA) as service `tollgate`, killed on drop; it reaches the
+    /// master over TLS too.
+    pub fn sentinel(&self, master: &TlsProcess) -> TlsProcess {
+        let extra = format!(
+            "sentinel monitor tollgate 127.0.0.1 {} 1\nsentinel down-after-milliseconds tollgate 1000\n",
+            master.port
+        );
+        self.spawn("sentinel", &extra, true)
+    }
+
+    fn spawn(&self, name: &str, extra: &str, sentinel: bool) -> TlsProcess {
+        let port = free_port();
+        let conf = self.path(&format!("{name}-{port}.conf"));
+        std::fs::write(&conf, format!("{}{extra}", self.config(port))).unwrap();
+        let mut command = Command::new("redis-server");
+        command.arg(&conf);
+        if sentinel {
+            command.arg("--sentinel");
+        }
+        let child = command
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let process = TlsProcess {
+            port,
+            child: Some(child),
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "the TLS {name} did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        process
+    }
+}
+
+impl Drop for Tls {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A TLS-only `redis-server` or sentinel of [`Tls`], killed on drop.
+#[derive(Debug)]
+pub struct TlsProcess {
+    /// Its TLS port on 127.0.0.1.
+    pub port: u16,
+    child: Option<Child>,
+}
+
+impl Drop for TlsProcess {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}

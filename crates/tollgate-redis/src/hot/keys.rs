@@ -13,31 +13,141 @@ use tollgate_core::{Decision, Outcome};
 pub(super) const MAX_LANDINGS: u32 = 3;
 pub(super) const SHARDS: usize = 16;
 
-/// One key's lease and cached denial.
+/// A lease of a key's units, taken from the store in one call: spent
+/// here, with no I/O, until it runs out or ends.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Lease {
+    /// Units held and not spent.
+    units: u64,
+    /// When it ends (local clock).
+    expires: u64,
+    /// Units spent from it (what a refund may give back to it).
+    spent: u64,
+}
+
+impl Lease {
+    /// A lease of `units`, ending at `expires`, none spent.
+    pub(super) fn new(units: u64, expires: u64) -> Self {
+        Self {
+            units,
+            expires,
+            spent: 0,
+        }
+    }
+
+    /// Whether it is on at `now`.
+    pub(super) fn on(&self, now: u64) -> bool {
+        now < self.expires
+    }
+
+    /// The units it holds.
+    pub(super) fn units(&self) -> u64 {
+        self.units
+    }
+
+    /// Takes: `taken` units landed for a decision of `cost` (spent at
+    /// once), ending at `expires`, beside what it still holds.
+    pub(super) fn take(&mut self, taken: u64, cost: u64, expires: u64) {
+        self.units = self.units.saturating_add(taken.saturating_sub(cost));
+        self.spent = cost;
+        self.expires = expires;
+    }
+
+    /// Spends `cost` if it holds that much and is on at `now`.
+    pub(super) fn spend(&mut self, cost: u64, now: u64) -> bool {
+        if cost == 0 || self.units < cost || !self.on(now) {
+            return false;
+        }
+        self.units = self.units.saturating_sub(cost);
+        self.spent = self.spent.saturating_add(cost);
+        true
+    }
+
+    /// Gives it up: the units it held (for the caller to give back to the
+    /// store, or let lapse).
+    pub(super) fn give_back(&mut self) -> u64 {
+        self.spent = 0;
+        std::mem::take(&mut self.units)
+    }
+
+    /// Takes back `units` a refund returns, if it is still on at `now`
+    /// and they were spent from it.
+    pub(super) fn refund(&mut self, units: u64, now: u64) -> bool {
+        if !self.on(now) || self.spent < units {
+            return false;
+        }
+        self.spent = self.spent.saturating_sub(units);
+        self.units = self.units.saturating_add(units);
+        true
+    }
+}
+
+/// A refusal the store gave, kept: the key is answered "refused" here
+/// until `until` for what costs at least `cost`.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Denial {
+    until: u64,
+    cost: u64,
+}
+
+impl Denial {
+    /// Refuses a cost of at least `cost` until `until`.
+    pub(super) fn new(until: u64, cost: u64) -> Self {
+        Self { until, cost }
+    }
+
+    /// The wait it answers a decision of `cost` at `now` with, if it
+    /// refuses it.
+    pub(super) fn refuses(&self, now: u64, cost: u64) -> Option<u64> {
+        (self.until > now && cost >= self.cost).then(|| self.until.saturating_sub(now))
+    }
+
+    /// Whether it is over at `now`.
+    pub(super) fn over(&self, now: u64) -> bool {
+        self.until <= now
+    }
+}
+
+/// What the store last said of a key's budget: what it had left, and
+/// when it was to be whole (local clock): the headers of local decisions.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Budget {
+    remaining: u64,
+    whole_at: u64,
+}
+
+impl Budget {
+    /// What `d`, counted at `at`, says of the budget.
+    pub(super) fn of(d: &Decision, at: u64) -> Self {
+        Self {
+            remaining: d.remaining,
+            whole_at: at.saturating_add(d.reset_after),
+        }
+    }
+
+    /// When it is whole (local clock).
+    pub(super) fn whole_at(&self) -> u64 {
+        self.whole_at
+    }
+}
+
+/// One key's leases and cached denial.
 #[derive(Debug, Default)]
 pub(super) struct KeyState {
-    /// Units leased and not spent.
-    pub(super) units: u64,
-    /// When the lease ends (local clock).
-    pub(super) expires: u64,
-    /// Until when the key is answered "denied" locally.
-    pub(super) denied_until: u64,
+    /// The lease being spent.
+    pub(super) lease: Lease,
+    /// A lease taken ahead (see `HotKeys::refill_ahead`), spent once the
+    /// current one is out or over.
+    pub(super) next: Option<Lease>,
+    /// The store's last refusal, answered here while it holds.
+    pub(super) denial: Denial,
+    /// The store's last word on the key's budget.
+    pub(super) budget: Budget,
     /// The units the next lease asks for.
     pub(super) batch: u64,
-    /// What the store had left after the last lease, and when its budget
-    /// was to be whole (local clock): the headers of local decisions.
-    pub(super) remaining: u64,
-    pub(super) whole_at: u64,
-    /// Units of the current lease spent (what a local refund may give
-    /// back), and the smallest cost the cached denial refuses.
-    pub(super) spent: u64,
-    pub(super) denied_cost: u64,
     /// A lease being taken (for a decision, or ahead): waiters are woken
     /// when it is in.
     pub(super) flight: Option<Arc<Notify>>,
-    /// A lease taken ahead (see `HotKeys::refill_ahead`): its units and
-    /// when it ends, spent once the current one is out or over.
-    pub(super) next: Option<(u64, u64)>,
     /// The last lease asked for got no answer (the store failed).
     pub(super) failed: bool,
     /// The store's last refusal of the key had ended by the time it
@@ -62,9 +172,16 @@ pub(super) struct KeyState {
 impl KeyState {
     pub(super) fn idle(&self, now: u64) -> bool {
         self.flight.is_none()
-            && self.expires <= now
-            && self.denied_until <= now
-            && self.next.is_none_or(|(_, end)| end <= now)
+            && !self.lease.on(now)
+            && self.denial.over(now)
+            && self.next.is_none_or(|next| !next.on(now))
+    }
+
+    /// The store refused a decision of `cost` for `wait` at `at`
+    /// (capped at `max`): kept as the key's denial.
+    pub(super) fn refused(&mut self, d: &Decision, cost: u64, (at, wait, max): (u64, u64, u64)) {
+        self.denial = Denial::new(at.saturating_add(wait.min(max)), cost);
+        self.budget = Budget::of(d, at);
     }
 }
 
@@ -118,38 +235,34 @@ pub(super) fn unreachable_shards() -> ! {
 /// The local answer of `s` at `now` to a decision of `cost`, if any.
 pub(super) fn answer(s: &mut KeyState, now: u64, cost: u64, limit: u64) -> Option<Decision> {
     // The cached denial refuses what costs at least what it refused.
-    if s.denied_until > now && cost >= s.denied_cost {
-        let wait = s.denied_until.saturating_sub(now);
+    if let Some(wait) = s.denial.refuses(now, cost) {
         return Some(Decision {
             outcome: Outcome::Deny { retry_after: wait },
             limit,
             remaining: 0,
-            reset_after: s.whole_at.saturating_sub(now).max(wait),
+            reset_after: s.budget.whole_at.saturating_sub(now).max(wait),
         });
     }
     // The current lease is out or over: the one taken ahead, if it is
-    // still on, takes its place (what the current one held lapses).
-    if cost > 0 && (s.units < cost || now >= s.expires) {
-        if let Some((units, end)) = s.next.take() {
-            // What the replaced lease still holds lapses (fewer than this
-            // cost, or its time is over): given back later, it could
-            // credit a later window than the one that counted it.
-            if now < end {
-                s.spent = 0;
-                s.units = units;
-                s.expires = end;
-            }
+    // still on, takes its place (what the current one held lapses: given
+    // back later, it could credit a later window than the one that
+    // counted it).
+    if cost > 0 && (s.lease.units < cost || !s.lease.on(now)) {
+        if let Some(next) = s.next.take().filter(|next| next.on(now)) {
+            s.lease = next;
         }
     }
-    if cost > 0 && s.units >= cost && now < s.expires {
-        s.units = s.units.saturating_sub(cost);
-        s.spent = s.spent.saturating_add(cost);
-        let ahead = s.next.map_or(0, |(units, _)| units);
+    if s.lease.spend(cost, now) {
+        let ahead = s.next.map_or(0, |next| next.units);
         return Some(Decision {
             outcome: Outcome::Allow { delay: 0 },
             limit,
-            remaining: s.remaining.saturating_add(s.units).saturating_add(ahead),
-            reset_after: s.whole_at.saturating_sub(now),
+            remaining: s
+                .budget
+                .remaining
+                .saturating_add(s.lease.units)
+                .saturating_add(ahead),
+            reset_after: s.budget.whole_at.saturating_sub(now),
         });
     }
     None

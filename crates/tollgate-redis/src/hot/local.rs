@@ -8,7 +8,9 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use tokio::sync::Notify;
 use tollgate_core::{Clock, Decision, Limiter, Outcome, StoreError};
 
-use super::keys::{answer, end_flight, outrun, unreachable_shards, Keys, MAX_LANDINGS, SHARDS};
+use super::keys::{
+    answer, end_flight, outrun, unreachable_shards, Budget, Keys, Lease, MAX_LANDINGS, SHARDS,
+};
 use super::through::lease;
 
 /// A count kept for [`HotStats`] and exported as a metric (`name` and
@@ -133,7 +135,7 @@ impl<C: Clock> Local<C> {
             && !s.unowned
             && s.flight.is_none()
             && s.next.is_none()
-            && s.units.saturating_mul(2) < s.batch
+            && s.lease.units().saturating_mul(2) < s.batch
             && tokio::runtime::Handle::try_current().is_ok();
         if !due {
             return Some((d, None));
@@ -172,9 +174,8 @@ impl<C: Clock> Local<C> {
             // key's next decision asks the store (or its policy) again.
             Ok(_) if unowned => {}
             Ok(d) if d.is_allowed() => {
-                s.next = Some((batch, self.lease_end(sent, &d)));
-                s.remaining = d.remaining;
-                s.whole_at = sent.saturating_add(d.reset_after);
+                s.next = Some(Lease::new(batch, self.lease_end(sent, &d)));
+                s.budget = Budget::of(&d, sent);
             }
             // Not that much left: the key runs near its limit, and its
             // next lease starts small again.
@@ -263,18 +264,17 @@ impl<C: Clock> Local<C> {
         // GCRA's idle time, a bucket at capacity), and a refund then would
         // credit capacity that time already gave back — up to another
         // `rate × ttl` beyond the bound.
-        let ended = s.expires <= now;
+        let ended = !s.lease.on(now);
         let recent = if self.windowed {
             // The lease's window is still the store's, and stays so for a
             // TTL more: a give-back that reached the store after its window
             // rolled over would come off the next window's count.
-            !ended && now.saturating_add(self.ttl) < s.whole_at
+            !ended && now.saturating_add(self.ttl) < s.budget.whole_at()
         } else {
             !ended
         };
-        let left = std::mem::take(&mut s.units);
+        let left = s.lease.give_back();
         let give_back = if recent && !s.unowned { left } else { 0 };
-        s.spent = 0;
         if s.batch == 0 {
             s.batch = self.min_batch;
         } else if !ended {
@@ -315,21 +315,15 @@ impl<C: Clock> Local<C> {
         s.outrun = !unowned && outrun(d, sent, self.clock.now());
         match d.outcome {
             Outcome::Allow { .. } => {
-                s.units = s.units.saturating_add(taken.saturating_sub(cost));
-                s.spent = cost;
-                s.expires = self.lease_end(now, d);
-                s.remaining = d.remaining;
-                s.whole_at = now.saturating_add(d.reset_after);
+                s.lease.take(taken, cost, self.lease_end(now, d));
+                s.budget = Budget::of(d, now);
             }
             // Refused this request's own cost (or, a closed store's
             // policy, every cost alike): nothing for it until then.
             Outcome::Deny { retry_after }
                 if taken <= cost || (unowned && *d == Decision::closed(d.limit)) =>
             {
-                s.denied_until = now.saturating_add(retry_after.min(self.max_denial));
-                s.denied_cost = cost;
-                s.remaining = d.remaining;
-                s.whole_at = now.saturating_add(d.reset_after);
+                s.refused(d, cost, (now, retry_after, self.max_denial));
                 s.batch = self.min_batch;
             }
             // Refused a batch (the next lease starts small again), or
@@ -361,10 +355,7 @@ impl<C: Clock> Local<C> {
         s.unowned = unowned;
         s.outrun = !unowned && outrun(d, sent, self.clock.now());
         if let Outcome::Deny { retry_after } = d.outcome {
-            s.denied_until = sent.saturating_add(retry_after.min(self.max_denial));
-            s.denied_cost = cost;
-            s.remaining = d.remaining;
-            s.whole_at = sent.saturating_add(d.reset_after);
+            s.refused(d, cost, (sent, retry_after, self.max_denial));
         }
     }
 
@@ -376,13 +367,8 @@ impl<C: Clock> Local<C> {
     pub(super) fn refund_local(&self, key: &[u8], units: u64) -> bool {
         let now = self.clock.now();
         let mut shard = self.shard(key);
-        match shard.get_mut(key) {
-            Some(s) if s.expires > now && s.spent >= units => {
-                s.spent = s.spent.saturating_sub(units);
-                s.units = s.units.saturating_add(units);
-                true
-            }
-            _ => false,
-        }
+        shard
+            .get_mut(key)
+            .is_some_and(|s| s.lease.refund(units, now))
     }
 }

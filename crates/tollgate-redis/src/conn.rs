@@ -436,7 +436,8 @@ fn sentinel(
     };
     let (rest, insecure) = match rest.strip_suffix("#insecure") {
         Some(rest) if tls => (rest, true),
-        _ => (rest, false),
+        Some(_) => return Err(bad("#insecure is for rediss+sentinel:// (TLS) only")),
+        None => (rest, false),
     };
     if tls && !cfg!(feature = "tls") {
         return Err(bad(

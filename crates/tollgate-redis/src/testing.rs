@@ -722,17 +722,26 @@ impl Tls {
         )
     }
 
-    /// A TLS-only `redis-server` (no plain port), killed on drop.
-    pub fn server(&self) -> TlsProcess {
-        self.spawn("server", "save \"\"\nappendonly no\n", false)
+    /// A TLS-only `redis-server` (no plain port), killed on drop; with
+    /// `password`, one that requires it.
+    pub fn server(&self, password: Option<&str>) -> TlsProcess {
+        let auth = password.map_or_else(String::new, |p| format!("requirepass {p}\n"));
+        self.spawn(
+            "server",
+            &format!("save \"\"\nappendonly no\n{auth}"),
+            false,
+        )
     }
 
     /// A TLS-only sentinel monitoring `master` (a [`server`](Self::server)
-    /// of this CA) as service `tollgate`, killed on drop; it reaches the
-    /// master over TLS too.
-    pub fn sentinel(&self, master: &TlsProcess) -> TlsProcess {
+    /// of this CA, which requires `password` if given) as service
+    /// `tollgate`, killed on drop; it reaches the master over TLS too.
+    pub fn sentinel(&self, master: &TlsProcess, password: Option<&str>) -> TlsProcess {
+        let auth = password.map_or_else(String::new, |p| {
+            format!("sentinel auth-pass tollgate {p}\n")
+        });
         let extra = format!(
-            "sentinel monitor tollgate 127.0.0.1 {} 1\nsentinel down-after-milliseconds tollgate 1000\n",
+            "sentinel monitor tollgate 127.0.0.1 {} 1\nsentinel down-after-milliseconds tollgate 1000\n{auth}",
             master.port
         );
         self.spawn("sentinel", &extra, true)

@@ -50,9 +50,10 @@ async fn a_store_reaches_a_tls_sentinel_and_its_tls_master() {
     let Some(tls) = Tls::start() else {
         return;
     };
-    let master = tls.server();
-    let sentinel = tls.sentinel(&master);
-    let at = format!("127.0.0.1:{}/tollgate", sentinel.port);
+    // The master requires a password: it goes to the master over TLS.
+    let master = tls.server(Some("s3cret"));
+    let sentinel = tls.sentinel(&master, Some("s3cret"));
+    let at = format!(":s3cret@127.0.0.1:{}/tollgate", sentinel.port);
     // Plain text to a TLS-only sentinel: no answer.
     assert!(!redis_answers(&limiter(&format!("redis+sentinel://{at}"))).await);
     // TLS, but the CA is not among the roots: no answer either.
@@ -62,6 +63,19 @@ async fn a_store_reaches_a_tls_sentinel_and_its_tls_master() {
     // The CA among the roots: the sentinel, then the master, over TLS.
     std::env::set_var("SSL_CERT_FILE", tls.path("ca.crt"));
     assert!(redis_answers(&limiter(&format!("rediss+sentinel://{at}"))).await);
+    // The master's password is sent (a wrong one gets no answer).
+    let wrong = format!(
+        "rediss+sentinel://:wrong@127.0.0.1:{}/tollgate",
+        sentinel.port
+    );
+    assert!(!redis_answers(&limiter(&wrong)).await);
+    // `#insecure` is for TLS: on a plain URL, an error.
+    let e = RedisStore::builder(&format!("redis+sentinel://{at}#insecure"))
+        .prefix("p")
+        .build()
+        .unwrap_err();
+    assert_eq!(e.field(), "url");
+    assert!(!e.to_string().contains("s3cret"), "{e}");
     // A root of one's own is for a standalone URL: here, an error that
     // says where the CA goes.
     let e = RedisStore::builder(&format!("rediss+sentinel://{at}"))

@@ -27,7 +27,7 @@ async fn rediss_with_a_ca_of_its_own() {
     let Some(tls) = Tls::start() else {
         return;
     };
-    let server = tls.server();
+    let server = tls.server(None);
     let port = server.port;
     let url = format!("rediss://127.0.0.1:{port}");
     let rule = Rule::new("per-key", Limit::gcra(Rate::per_minute(1), 2)).unwrap();

@@ -18,11 +18,11 @@
 //!     back the challenges' passes it used.
 //!
 //! Each step asks the store once per rule. A store that answers at once
-//! (memory) runs the whole walk inside `call`
-//! ([`Walk::advance`]); a step whose store needs I/O stops the walk with
-//! the call it waits for ([`Io`]), which [`Walk::decide`] makes, hands
-//! back to the same step, and walks on. The steps, and what they make of an answer, are
-//! written once for both.
+//! (memory) runs the whole walk inside `call` ([`Walk::advance`]); a step
+//! whose store needs I/O stops the walk with the call it waits for
+//! ([`Io`]), which [`Walk::decide`] makes, hands back to the same step,
+//! and walks on. The steps, and what they make of an answer, are written
+//! once for both.
 
 use std::sync::Arc;
 

@@ -13,18 +13,15 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use axum::body::{Body, Bytes};
-use axum::http::Method;
 use axum::routing::{get, post};
 use axum::Router;
 use tollgate::bandwidth::BandwidthLayer;
-use tollgate::calendar::Period;
 use tollgate::concurrency::{AdaptiveLimit, ConcurrencyLayer, Gradient};
 use tollgate::config::{FileError, PolicyFile};
 use tollgate::core::QuotaStore;
-use tollgate::cost::ByRoute;
 use tollgate::key::{ClientIp, Header, KeyExtractorExt};
 use tollgate::policy::PolicyLayer;
-use tollgate::{ConfigError, QuotaLayer};
+use tollgate::ConfigError;
 
 /// The size of `GET /api/download`'s body.
 pub const DOWNLOAD_BYTES: usize = 1 << 20;
@@ -147,26 +144,14 @@ pub fn quickstart_app_with<S: QuotaStore>(
         .key(address.clone())
         .store(store.clone())
         .build()?;
-    // The quota's costs (the rate policy's are in its file).
-    let costs = ByRoute::new(1)
-        .route(Some(Method::POST), "/api/orders", 3)
-        .route(Some(Method::POST), "/api/reports", 10);
-    let daily = QuotaLayer::builder("daily")
-        .period(Period::Day, 1_000)
-        .plan("pro", &[(Period::Day, 10_000)])
-        .plan_from_header("x-plan")?
-        .soft_limit(0.8)
-        .key(client.clone())
-        .cost(costs.clone())
-        .store(store.clone())
-        .build()?;
-    // Ten times a client's day per address (a pro client's whole day).
-    let daily_address = QuotaLayer::builder("daily-address")
-        .period(Period::Day, 10_000)
-        .key(address.clone())
-        .cost(costs)
-        .store(store.clone())
-        .build()?;
+    // The day's quotas, per client and per address, as `quickstart.toml`
+    // declares them beside the rates (a file of one's own that declares
+    // none has none).
+    let quota = |name: &str| {
+        let declared = policy.quota_names().contains(&name);
+        declared.then(|| policy.quota(name, &store)).transpose()
+    };
+    let (daily, daily_address) = (quota("daily")?, quota("daily-address")?);
     // One decision for two rates, declared in `quickstart.toml`: a rate
     // per client, and one per address so that rotating API keys from one
     // address buys no fresh budgets. A request either rule refuses costs
@@ -203,8 +188,8 @@ pub fn quickstart_app_with<S: QuotaStore>(
                 .layer(in_flight_address)
                 .layer(in_flight)
                 .layer(limit.clone())
-                .layer(daily_address)
-                .layer(daily),
+                .option_layer(daily_address)
+                .option_layer(daily),
         );
     let router = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))

@@ -7,13 +7,14 @@ use std::time::Duration;
 use toml::Spanned;
 
 use super::parts::{FileCost, FileKey};
-use super::spec::{self, CostSpec, FileSpec, LimitSpec, RuleSpec};
+use super::spec::{self, CostSpec, FileSpec, LimitSpec, QuotaSpec, RuleSpec};
 use crate::cost::{BodyLength, ByMethod, ByRoute, Fixed, HeaderCost, QueryCost};
 use crate::key::{ClientIp, ForwardedHeader, DEFAULT_IPV6_PREFIX};
 use crate::observe::DecisionLog;
 use crate::policy::{AccessList, PolicyLayerBuilder, RateRule};
 use crate::rate_limit::MissingKey;
 use crate::MemoryStore;
+use tollgate_core::calendar::{Offset, Period, Zone};
 use tollgate_core::{Algorithm, ConfigError, Limit, Rate};
 
 /// A problem: where (if known), the field path, what.
@@ -50,12 +51,15 @@ fn field_at(text: &str, offset: usize) -> String {
         .map_or(text.len(), |i| offset.saturating_add(i));
     let before = text.get(..line_end).unwrap_or(text);
     let mut table = String::new();
-    let mut rules: usize = 0;
+    // Entries of each `[[list]]` so far.
+    let mut entries: std::collections::BTreeMap<String, usize> = Default::default();
     for line in before.lines() {
         let line = line.trim();
-        if line.starts_with("[[rules]]") {
-            rules = rules.saturating_add(1);
-            table = format!("rules[{}]", rules.saturating_sub(1));
+        if let Some(list) = line.strip_prefix("[[").and_then(|l| l.split("]]").next()) {
+            let list = list.trim();
+            let n = entries.entry(list.to_owned()).or_insert(0);
+            table = format!("{list}[{n}]");
+            *n = n.saturating_add(1);
         } else if let Some(name) = line.strip_prefix('[').and_then(|l| l.split(']').next()) {
             if !line.starts_with("[[") {
                 table = name.trim().to_owned();
@@ -331,8 +335,18 @@ fn method_named(name: &str) -> Option<http::Method> {
 }
 
 fn rule_cost(file: &FileSpec, r: &RuleSpec, path: &str) -> Result<FileCost, Problem> {
+    cost_of(file, r.cost.as_ref(), path)
+}
+
+/// The cost `c` of the entry at `path` names: a whole number, or a
+/// `[costs.<name>]` table; 1 when there is none.
+fn cost_of(
+    file: &FileSpec,
+    c: Option<&Spanned<toml::Value>>,
+    path: &str,
+) -> Result<FileCost, Problem> {
     let field = format!("{path}.cost");
-    let Some(c) = &r.cost else {
+    let Some(c) = c else {
         return Ok(FileCost::Fixed(Fixed(1)));
     };
     match c.get_ref() {
@@ -365,8 +379,9 @@ fn share(value: &Spanned<f64>, field: String, above_zero: bool) -> Result<f64, P
     }
 }
 
-/// A builder holding everything `file` declares.
-pub(super) fn builder<B>(file: &FileSpec) -> Result<PolicyLayerBuilder<B, MemoryStore>, Problem> {
+/// The client address `client-ip` keys read, as the file says (trusted
+/// proxies, their header, the IPv6 prefix), and that prefix.
+fn client_ip(file: &FileSpec) -> Result<(ClientIp, u8), Problem> {
     let v6_prefix = match &file.ipv6_prefix {
         None => DEFAULT_IPV6_PREFIX,
         Some(p) if (32..=128).contains(p.get_ref()) => *p.get_ref(),
@@ -396,7 +411,32 @@ pub(super) fn builder<B>(file: &FileSpec) -> Result<PolicyLayerBuilder<B, Memory
             }
         });
     }
-    let client = client.ipv6_prefix(v6_prefix);
+    Ok((client.ipv6_prefix(v6_prefix), v6_prefix))
+}
+
+/// What `missing_key` says at `field`.
+fn missing_key(m: &Spanned<String>, field: String) -> Result<MissingKey, Problem> {
+    Ok(match m.get_ref().as_str() {
+        "reject" => MissingKey::Reject,
+        "skip" => MissingKey::Skip,
+        other => match other.strip_prefix("fallback:") {
+            Some(k) if !k.is_empty() => {
+                MissingKey::Fallback(bytes::Bytes::copy_from_slice(k.as_bytes()))
+            }
+            _ => {
+                return Err(at(
+                    m,
+                    field,
+                    "must be \"reject\", \"skip\" or \"fallback:<shared key>\"",
+                ))
+            }
+        },
+    })
+}
+
+/// A builder holding everything `file` declares.
+pub(super) fn builder<B>(file: &FileSpec) -> Result<PolicyLayerBuilder<B, MemoryStore>, Problem> {
+    let (client, v6_prefix) = client_ip(file)?;
     let mut b = crate::policy::PolicyLayer::builder()
         .headers(file.headers.unwrap_or(true))
         .legacy_headers(file.legacy_headers.unwrap_or(false));
@@ -516,22 +556,7 @@ fn rule(
     let mut rule = RateRule::new(r.name.get_ref(), lim, key).cost(file_cost);
     let mut capacity = base.capacity();
     if let Some(m) = &r.missing_key {
-        rule = rule.on_missing_key(match m.get_ref().as_str() {
-            "reject" => MissingKey::Reject,
-            "skip" => MissingKey::Skip,
-            other => match other.strip_prefix("fallback:") {
-                Some(k) if !k.is_empty() => {
-                    MissingKey::Fallback(bytes::Bytes::copy_from_slice(k.as_bytes()))
-                }
-                _ => {
-                    return Err(at(
-                        m,
-                        field("missing_key"),
-                        "must be \"reject\", \"skip\" or \"fallback:<shared key>\"",
-                    ))
-                }
-            },
-        });
+        rule = rule.on_missing_key(missing_key(m, field("missing_key"))?);
     }
     if let Some(s) = r.shadow {
         rule = rule.shadow(s);
@@ -678,6 +703,7 @@ pub(super) fn config_error(file: &FileSpec, e: &ConfigError) -> Option<Problem> 
         // (A rule added in code, past the file's, has no line.)
         let span = match list {
             "rules" => file.rules.get(i).map(Spanned::span),
+            "quotas" => file.quotas.get(i).map(Spanned::span),
             _ => None,
         };
         let field = format!("{list}[{i}].{}", e.field());
@@ -691,4 +717,135 @@ pub(super) fn config_error(file: &FileSpec, e: &ConfigError) -> Option<Problem> 
         _ => None,
     };
     Some((span, e.field().to_owned(), message.to_owned()))
+}
+
+/// Each period's limit of a `limits` table (or a plan's) at `field`.
+fn periods(
+    table: &Spanned<std::collections::BTreeMap<String, Spanned<i64>>>,
+    field: &str,
+) -> Result<Vec<(Period, u64)>, Problem> {
+    let mut periods = Vec::with_capacity(table.get_ref().len());
+    for (name, limit) in table.get_ref() {
+        let f = format!("{field}.{name}");
+        let period = Period::ALL
+            .into_iter()
+            .find(|p| p.name() == name)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Period::ALL.iter().map(|p| p.name()).collect();
+                at(
+                    limit,
+                    f.clone(),
+                    format!("is not a period: one of {}", names.join(", ")),
+                )
+            })?;
+        periods.push((period, plain_cost(*limit.get_ref(), &limit.span(), f)?));
+    }
+    if periods.is_empty() {
+        return Err(at(
+            table,
+            field.to_owned(),
+            "name at least one period, e.g. { day = 1000 }",
+        ));
+    }
+    Ok(periods)
+}
+
+/// Where periods start: `UTC`, an offset from it (`+05:30`, `-04:00`),
+/// or an IANA time zone (feature `tz`).
+fn zone(value: &Spanned<String>, field: String) -> Result<Zone, Problem> {
+    let text = value.get_ref().trim();
+    if text.eq_ignore_ascii_case("utc") || text == "Z" {
+        return Ok(Zone::UTC);
+    }
+    if let Some(sign) = text.chars().next().filter(|c| *c == '+' || *c == '-') {
+        let bad = || {
+            at(
+                value,
+                field.clone(),
+                "an offset is +HH:MM or -HH:MM, e.g. \"-05:00\"",
+            )
+        };
+        let (h, m) = text
+            .get(1..)
+            .and_then(|t| t.split_once(':'))
+            .ok_or_else(bad)?;
+        let (h, m): (i32, u32) = (h.parse().map_err(|_| bad())?, m.parse().map_err(|_| bad())?);
+        let h = if sign == '-' { h.saturating_neg() } else { h };
+        let offset = Offset::from_hours_minutes(h, m)
+            .map_err(|e| at(value, field.clone(), e.message().to_owned()))?;
+        return Ok(offset.into());
+    }
+    #[cfg(feature = "tz")]
+    {
+        Zone::iana(text).map_err(|e| at(value, field, e.message().to_owned()))
+    }
+    #[cfg(not(feature = "tz"))]
+    Err(at(
+        value,
+        field,
+        "an IANA time zone needs tollgate's tz feature (or give an offset such as \"-05:00\")",
+    ))
+}
+
+/// The quota builder of `file`'s `[[quotas]]` entry `i`, on a new memory
+/// store: everything it declares, checked but not yet bound to a store.
+pub(super) fn quota(
+    file: &FileSpec,
+    i: usize,
+) -> Result<crate::quota::QuotaLayerBuilder<FileKey, FileCost, MemoryStore>, Problem> {
+    let Some(spanned) = file.quotas.get(i) else {
+        return Err((None, "quotas".to_owned(), format!("no quota {i}")));
+    };
+    let q: &QuotaSpec = spanned.get_ref();
+    let path = format!("quotas[{i}]");
+    let field = |f: &str| format!("{path}.{f}");
+    let (client, v6_prefix) = client_ip(file)?;
+    let key = FileKey::parse(q.key.get_ref(), &client, v6_prefix)
+        .map_err(|m| at(&q.key, field("key"), m))?;
+    let mut b = crate::QuotaLayer::builder(q.name.get_ref())
+        .key(key)
+        .cost(cost_of(file, q.cost.as_ref(), &path)?);
+    for (period, limit) in periods(&q.limits, &field("limits"))? {
+        b = b.period(period, limit);
+    }
+    for (plan, limits) in &q.plans {
+        b = b.plan(plan, &periods(limits, &field(&format!("plans.{plan}")))?);
+    }
+    if !q.plans.is_empty() {
+        let Some(p) = &file.plan_from else {
+            return Err(at(
+                spanned,
+                field("plans"),
+                "plans are named, but the file sets no plan_from",
+            ));
+        };
+        b = match p.get_ref().as_str() {
+            "extension" => b.plan_from_extension(),
+            other => match other.strip_prefix("header:") {
+                Some(h) => b
+                    .plan_from_header(h.trim())
+                    .map_err(|e| at(p, "plan_from".to_owned(), e.message().to_owned()))?,
+                None => {
+                    return Err(at(
+                        p,
+                        "plan_from".to_owned(),
+                        "must be \"extension\" or \"header:<name>\"",
+                    ))
+                }
+            },
+        };
+    }
+    if let Some(m) = &q.missing_key {
+        b = b.on_missing_key(missing_key(m, field("missing_key"))?);
+    }
+    if let Some(s) = &q.soft_limit {
+        b = b.soft_limit(share(s, field("soft_limit"), true)?);
+    }
+    if let Some(z) = &q.zone {
+        b = b.zone(zone(z, field("zone"))?);
+    }
+    if let Some(s) = q.shadow {
+        b = b.shadow(s);
+    }
+    Ok(b.headers(file.headers.unwrap_or(true)))
 }

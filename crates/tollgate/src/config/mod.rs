@@ -67,6 +67,24 @@
 //! | `escalate` | `{ strikes, period, block, max_block }` |
 //! | `plans.<plan>` | the plan's own `rate`, `burst`, `max_delay` (the rule's algorithm) |
 //!
+//! Each `[[quotas]]` entry is a calendar quota, built by name as a
+//! [`QuotaLayer`](crate::QuotaLayer) with [`PolicyFile::quota`]:
+//!
+//! | field | meaning |
+//! |---|---|
+//! | `name` | the quota's name (each once among the quotas) |
+//! | `key` | as a rule's |
+//! | `limits` | each period's limit: `{ day = 1000, month = 20000 }`; periods `minute`, `hour`, `day`, `week`, `month`, `year` |
+//! | `cost` | as a rule's |
+//! | `plans.<plan>` | the plan's own limits, as `limits` (the file's `plan_from` says the plan) |
+//! | `soft_limit` | the share of a period past which responses warn (above 0, at most 1) |
+//! | `zone` | where periods start: `"UTC"` (default), an offset (`"-05:00"`), or an IANA name (`"America/New_York"`, feature `tz`) |
+//! | `missing_key`, `shadow` | as a rule's |
+//!
+//! A [`Reloader`] checks the quotas of a new file (one that does not load
+//! is refused) but applies only its rules: a quota's change takes effect
+//! when its layer is built again.
+//!
 //! What a file cannot hold is code: a custom rejection, an audit sink, a
 //! plan closure. Set those on the builder and declare the rest in the
 //! file (see [`PolicyFile::builder`]).
@@ -269,7 +287,23 @@ impl PolicyFile {
         let b = customize(b);
         metrics::with_local_recorder(&metrics::NoopRecorder, || b.build())
             .map(drop)
-            .map_err(|e| self.config_error(&e))
+            .map_err(|e| self.config_error(&e))?;
+        // Every quota, built on a throwaway store: each name once.
+        let names = self.quota_names();
+        for (i, name) in names.iter().enumerate() {
+            if names.get(..i).is_some_and(|before| before.contains(name)) {
+                let e = tollgate_core::ConfigError::new(
+                    "name",
+                    format!("the name {name:?} is taken by another quota"),
+                );
+                return Err(self.config_error(&e.in_item("quotas", i)));
+            }
+            let b = self.quota_builder(i)?;
+            metrics::with_local_recorder(&metrics::NoopRecorder, || b.build())
+                .map(drop)
+                .map_err(|e| self.config_error(&e.in_item("quotas", i)))?;
+        }
+        Ok(())
     }
 
     /// Trusts `ranges` (CIDRs) as proxies for `client-ip` keys when the
@@ -298,6 +332,49 @@ impl PolicyFile {
             .store(store.clone())
             .build()
             .map_err(|e| self.config_error(&e))
+    }
+
+    /// The names of the file's `[[quotas]]`, in the file's order.
+    pub fn quota_names(&self) -> Vec<&str> {
+        self.spec
+            .quotas
+            .iter()
+            .map(|q| q.get_ref().name.get_ref().as_str())
+            .collect()
+    }
+
+    /// The calendar quota the file declares as the `[[quotas]]` entry
+    /// named `name`, on `store` (a [`QuotaLayer`](crate::QuotaLayer)).
+    /// Errors name the quota's line and field; an unknown name names
+    /// `quotas`.
+    pub fn quota<St: tollgate_core::QuotaStore>(
+        &self,
+        name: &str,
+        store: &St,
+    ) -> Result<crate::QuotaLayer<FileKey, FileCost, St>, FileError> {
+        let Some(i) = self.quota_names().iter().position(|n| *n == name) else {
+            return Err(FileError {
+                origin: self.origin.clone(),
+                line: 0,
+                column: 0,
+                field: "quotas".to_owned(),
+                message: format!("no [[quotas]] entry is named {name:?}"),
+            });
+        };
+        self.quota_builder(i)?
+            .store(store.clone())
+            .build()
+            .map_err(|e| self.config_error(&e.in_item("quotas", i)))
+    }
+
+    fn quota_builder(
+        &self,
+        i: usize,
+    ) -> Result<crate::quota::QuotaLayerBuilder<FileKey, FileCost, crate::MemoryStore>, FileError>
+    {
+        build::quota(&self.spec, i).map_err(|(span, field, message)| {
+            FileError::at(&self.text, self.origin.as_deref(), span, field, message)
+        })
     }
 
     /// A builder holding everything the file declares, on a new memory

@@ -30,6 +30,8 @@ pub(super) struct FileSpec {
     #[serde(default)]
     pub(super) rules: Vec<Spanned<RuleSpec>>,
     #[serde(default)]
+    pub(super) quotas: Vec<Spanned<QuotaSpec>>,
+    #[serde(default)]
     pub(super) access: Option<Spanned<AccessSpec>>,
     #[serde(default)]
     pub(super) idempotency: Option<Spanned<IdempotencySpec>>,
@@ -67,6 +69,31 @@ pub(super) struct RuleSpec {
     pub(super) escalate: Option<Spanned<EscalateSpec>>,
     #[serde(default)]
     pub(super) plans: BTreeMap<String, Spanned<LimitSpec>>,
+}
+
+/// One `[[quotas]]` entry: a calendar quota (a `QuotaLayer`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct QuotaSpec {
+    pub(super) name: Spanned<String>,
+    pub(super) key: Spanned<String>,
+    /// Each period's limit: `{ day = 1000, month = 20000 }`.
+    pub(super) limits: Spanned<BTreeMap<String, Spanned<i64>>>,
+    #[serde(default)]
+    pub(super) cost: Option<Spanned<toml::Value>>,
+    #[serde(default)]
+    pub(super) missing_key: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) soft_limit: Option<Spanned<f64>>,
+    /// Where periods start: `UTC` (the default), an offset (`+05:30`,
+    /// `-04:00`), or an IANA name (feature `tz`).
+    #[serde(default)]
+    pub(super) zone: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) shadow: Option<bool>,
+    /// Each plan's limits, as `limits`.
+    #[serde(default)]
+    pub(super) plans: BTreeMap<String, Spanned<BTreeMap<String, Spanned<i64>>>>,
 }
 
 /// A plan's numbers; which apply depends on the rule's algorithm.

@@ -805,3 +805,130 @@ fn builder_errors_name_their_rule_by_index() {
     assert_eq!(e.field(), "rules[0].burst");
     assert!(e.line() > 0, "{e}");
 }
+
+/// `QUICK` with calendar quotas: a day per client (more on the pro
+/// plan), and one per address.
+fn with_quotas(extra: &str) -> String {
+    format!(
+        r#"{QUICK}
+[[quotas]]
+name = "daily"
+key = "header:x-api-key | client-ip"
+limits = {{ day = 2 }}
+cost = "api"
+soft_limit = 0.5
+plans.pro = {{ day = 4 }}
+
+[[quotas]]
+name = "daily-address"
+key = "client-ip"
+limits = {{ day = 100, month = 1000 }}
+zone = "-05:00"
+{extra}"#
+    )
+}
+
+/// Issue 32, a first step: a policy file declares calendar quotas too,
+/// each built as a `QuotaLayer` by name, with its key, cost, plans and
+/// soft limit.
+#[tokio::test]
+async fn a_file_declares_quotas_as_well() {
+    // Noon, 2026-12-05 UTC: no period ends during the test.
+    let clock = ManualClock::starting_at(1_796_472_000_000_000_000);
+    let file = PolicyFile::parse(&with_quotas("")).unwrap();
+    assert_eq!(file.quota_names(), ["daily", "daily-address"]);
+    let daily = file.quota("daily", &store(&clock)).unwrap();
+    assert_eq!(daily.rule_name(), "daily");
+    let mut svc = daily.layer(ok_service());
+    // A read costs 1 of the day's 2; the soft limit (half) warns.
+    assert_eq!(
+        status(&mut svc, req("GET", "/a", "k")).await.0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        status(&mut svc, req("GET", "/a", "k")).await.0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        status(&mut svc, req("GET", "/a", "k")).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // An order costs 3, over a fresh client's day of 2; the pro plan's 4
+    // has room for it.
+    assert_eq!(
+        status(&mut svc, req("POST", "/api/orders", "other"))
+            .await
+            .0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let mut pro = req("POST", "/api/orders", "pro-client");
+    pro.headers_mut().insert("x-plan", "pro".parse().unwrap());
+    assert_eq!(status(&mut svc, pro).await.0, StatusCode::OK);
+    // The other quota: per address, two periods, its own zone.
+    let address = file.quota("daily-address", &store(&clock)).unwrap();
+    assert_eq!(address.rule_name(), "daily-address");
+    // An unknown name.
+    let e = file.quota("weekly", &store(&clock)).unwrap_err();
+    assert_eq!(e.field(), "quotas");
+}
+
+#[test]
+fn quota_errors_name_the_line_and_the_field() {
+    let e = |extra: &str| error(&with_quotas(extra));
+    let last = with_quotas("").lines().count();
+    let at = |line: usize, rest: &str| format!("{line}:{rest}");
+    let q = |body: &str| format!("\n[[quotas]]\nname = \"q\"\nkey = \"global\"\n{body}");
+    assert_eq!(
+        e(&q("limits = { fortnight = 5 }")),
+        at(last + 5, "24: quotas[2].limits.fortnight: is not a period: one of minute, hour, day, week, month, year")
+    );
+    assert_eq!(
+        e(&q("limits = { day = 0 }")),
+        at(last + 5, "18: quotas[2].limits.day: must be at least 1")
+    );
+    assert_eq!(
+        e(&q("limits = {}")),
+        at(
+            last + 5,
+            "10: quotas[2].limits: name at least one period, e.g. { day = 1000 }"
+        )
+    );
+    assert!(
+        e(&q("limits = { day = 5 }\nsoft_limit = 1.5")).starts_with(&at(
+            last + 6,
+            "14: quotas[2].soft_limit: must be above 0 and at most 1"
+        ))
+    );
+    assert!(
+        e(&q("limits = { day = 5 }\ncost = \"pricey\"")).starts_with(&at(
+            last + 6,
+            "8: quotas[2].cost: no [costs.pricey] is declared"
+        ))
+    );
+    assert!(e(&q("limits = { day = 5 }\nzone = \"+25:00\""))
+        .starts_with(&at(last + 6, "8: quotas[2].zone: ")));
+    assert!(e(&q("limits = { day = 5 }\nmissing_key = \"maybe\""))
+        .starts_with(&at(last + 6, "15: quotas[2].missing_key: must be")));
+    assert!(e(&q("limits = { day = 5 }\nlimts = 3"))
+        .starts_with(&at(last + 6, "1: quotas[2].limts: unknown field")));
+    assert!(
+        e(&q("")).starts_with(&format!(
+            "{}:1: quotas[2]: missing field `limits`",
+            last + 2
+        )),
+        "{}",
+        e(&q(""))
+    );
+    // A name twice: the second is refused, at its entry.
+    assert!(
+        e("\n[[quotas]]\nname = \"daily\"\nkey = \"global\"\nlimits = { day = 1 }").starts_with(
+            &at(
+                last + 2,
+                "1: quotas[2].name: the name \"daily\" is taken by another quota"
+            )
+        )
+    );
+    // Plans with no plan source in the file.
+    let no_source = with_quotas("").replace("plan_from = \"header:x-plan\"", "");
+    assert!(error(&no_source).contains("plan"), "{}", error(&no_source));
+}

@@ -15,8 +15,6 @@ use std::task::{Context, Poll};
 use axum::body::{Body, Bytes};
 use axum::routing::{get, post};
 use axum::Router;
-use tollgate::bandwidth::BandwidthLayer;
-use tollgate::concurrency::{AdaptiveLimit, ConcurrencyLayer, Gradient};
 use tollgate::config::{FileError, PolicyFile};
 use tollgate::core::QuotaStore;
 use tollgate::key::{ClientIp, Header, KeyExtractorExt};
@@ -27,11 +25,6 @@ use tollgate::ConfigError;
 pub const DOWNLOAD_BYTES: usize = 1 << 20;
 /// The size of its chunks.
 pub const DOWNLOAD_CHUNK: usize = 16 << 10;
-/// The download rate per client: 256 KiB/s, so a download takes about
-/// 4 s and two of them are easy to catch in flight.
-pub const DOWNLOAD_RATE: u32 = 256 << 10;
-/// The download burst per client: 64 KiB.
-pub const DOWNLOAD_BURST: u32 = 64 << 10;
 /// How many times a client's limit one address gets, for every limit
 /// keyed by API key: rotating keys from one address buys at most this.
 pub const PER_ADDRESS: u32 = 4;
@@ -106,52 +99,21 @@ pub fn quickstart_app_with<S: QuotaStore>(
     policy: &PolicyFile,
 ) -> Result<(Router, PolicyLayer<Body, S>), Error> {
     let address = ClientIp::trusting(trusted_proxies)?;
-    let client = Header::named("x-api-key")?.or(address.clone());
+    let _client = Header::named("x-api-key")?.or(address.clone());
     let store_for_login = store.clone();
-    // Plans: `x-plan: pro` (a demo; in production the plan comes from
-    // authentication, as a `Plan` extension) gets more of every limit.
-    let downloads = ConcurrencyLayer::builder("downloads", 2)
-        .plan("pro", 4)
-        .plan_from_header("x-plan")?
-        .key(client.clone())
-        .store(store.clone())
-        .build()?;
-    let downloads_address = ConcurrencyLayer::builder("downloads-address", 2 * PER_ADDRESS)
-        .key(address.clone())
-        .store(store.clone())
-        .build()?;
-    let download_rate = BandwidthLayer::builder("download-rate", DOWNLOAD_RATE, DOWNLOAD_BURST)
-        .key(client.clone())
-        .store(store.clone())
-        .build()?;
-    let download_rate_address = BandwidthLayer::builder(
-        "download-rate-address",
-        DOWNLOAD_RATE * PER_ADDRESS,
-        DOWNLOAD_BURST * PER_ADDRESS,
-    )
-    .key(address.clone())
-    .store(store.clone())
-    .build()?;
-    let in_flight = ConcurrencyLayer::builder("per-client", 64)
-        .key(client.clone())
-        .store(store.clone())
-        .adaptive_service_limit(
-            "service",
-            AdaptiveLimit::Gradient(Gradient::new(16, 64, 512)?),
-        )
-        .build()?;
-    let in_flight_address = ConcurrencyLayer::builder("per-address", 64 * PER_ADDRESS)
-        .key(address.clone())
-        .store(store.clone())
-        .build()?;
-    // The day's quotas, per client and per address, as `quickstart.toml`
-    // declares them beside the rates (a file of one's own that declares
-    // none has none).
-    let quota = |name: &str| {
-        let declared = policy.quota_names().contains(&name);
-        declared.then(|| policy.quota(name, &store)).transpose()
-    };
-    let (daily, daily_address) = (quota("daily")?, quota("daily-address")?);
+    // Every limit as `quickstart.toml` declares it, by name (a file of
+    // one's own declares each of them, or the server names the missing
+    // entry and stops). Plans: `x-plan: pro` (a demo; in production the
+    // plan comes from authentication, as a `Plan` extension) gets more of
+    // every limit.
+    let downloads = policy.concurrency("downloads", &store)?;
+    let downloads_address = policy.concurrency("downloads-address", &store)?;
+    let download_rate = policy.bandwidth("download-rate", &store)?;
+    let download_rate_address = policy.bandwidth("download-rate-address", &store)?;
+    let in_flight = policy.concurrency("per-client", &store)?;
+    let in_flight_address = policy.concurrency("per-address", &store)?;
+    let daily = policy.quota("daily", &store)?;
+    let daily_address = policy.quota("daily-address", &store)?;
     // One decision for two rates, declared in `quickstart.toml`: a rate
     // per client, and one per address so that rotating API keys from one
     // address buys no fresh budgets. A request either rule refuses costs
@@ -188,8 +150,8 @@ pub fn quickstart_app_with<S: QuotaStore>(
                 .layer(in_flight_address)
                 .layer(in_flight)
                 .layer(limit.clone())
-                .option_layer(daily_address)
-                .option_layer(daily),
+                .layer(daily_address)
+                .layer(daily),
         );
     let router = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))

@@ -7,7 +7,9 @@ use std::time::Duration;
 use toml::Spanned;
 
 use super::parts::{FileCost, FileKey};
-use super::spec::{self, CostSpec, FileSpec, LimitSpec, QuotaSpec, RuleSpec};
+use super::spec::{
+    self, BandwidthSpec, ConcurrencySpec, CostSpec, FileSpec, LimitSpec, QuotaSpec, RuleSpec,
+};
 use crate::cost::{BodyLength, ByMethod, ByRoute, Fixed, HeaderCost, QueryCost};
 use crate::key::{ClientIp, ForwardedHeader, DEFAULT_IPV6_PREFIX};
 use crate::observe::DecisionLog;
@@ -704,6 +706,8 @@ pub(super) fn config_error(file: &FileSpec, e: &ConfigError) -> Option<Problem> 
         let span = match list {
             "rules" => file.rules.get(i).map(Spanned::span),
             "quotas" => file.quotas.get(i).map(Spanned::span),
+            "concurrency" => file.concurrency.get(i).map(Spanned::span),
+            "bandwidth" => file.bandwidth.get(i).map(Spanned::span),
             _ => None,
         };
         let field = format!("{list}[{i}].{}", e.field());
@@ -717,6 +721,35 @@ pub(super) fn config_error(file: &FileSpec, e: &ConfigError) -> Option<Problem> 
         _ => None,
     };
     Some((span, e.field().to_owned(), message.to_owned()))
+}
+
+/// Sets `b`'s plan source from the file's `plan_from`, for the entry at
+/// `field` that names plans.
+macro_rules! plan_source {
+    ($file:expr, $b:expr, $spanned:expr, $field:expr) => {{
+        let Some(p) = &$file.plan_from else {
+            return Err(at(
+                $spanned,
+                $field,
+                "plans are named, but the file sets no plan_from",
+            ));
+        };
+        match p.get_ref().as_str() {
+            "extension" => $b.plan_from_extension(),
+            other => match other.strip_prefix("header:") {
+                Some(h) => $b
+                    .plan_from_header(h.trim())
+                    .map_err(|e| at(p, "plan_from".to_owned(), e.message().to_owned()))?,
+                None => {
+                    return Err(at(
+                        p,
+                        "plan_from".to_owned(),
+                        "must be \"extension\" or \"header:<name>\"",
+                    ))
+                }
+            },
+        }
+    }};
 }
 
 /// Each period's limit of a `limits` table (or a plan's) at `field`.
@@ -812,28 +845,7 @@ pub(super) fn quota(
         b = b.plan(plan, &periods(limits, &field(&format!("plans.{plan}")))?);
     }
     if !q.plans.is_empty() {
-        let Some(p) = &file.plan_from else {
-            return Err(at(
-                spanned,
-                field("plans"),
-                "plans are named, but the file sets no plan_from",
-            ));
-        };
-        b = match p.get_ref().as_str() {
-            "extension" => b.plan_from_extension(),
-            other => match other.strip_prefix("header:") {
-                Some(h) => b
-                    .plan_from_header(h.trim())
-                    .map_err(|e| at(p, "plan_from".to_owned(), e.message().to_owned()))?,
-                None => {
-                    return Err(at(
-                        p,
-                        "plan_from".to_owned(),
-                        "must be \"extension\" or \"header:<name>\"",
-                    ))
-                }
-            },
-        };
+        b = plan_source!(file, b, spanned, field("plans"));
     }
     if let Some(m) = &q.missing_key {
         b = b.on_missing_key(missing_key(m, field("missing_key"))?);
@@ -848,4 +860,223 @@ pub(super) fn quota(
         b = b.shadow(s);
     }
     Ok(b.headers(file.headers.unwrap_or(true)))
+}
+
+/// The concurrency builder of `file`'s `[[concurrency]]` entry `i`, on a
+/// new memory store.
+pub(super) fn concurrency(
+    file: &FileSpec,
+    i: usize,
+) -> Result<
+    crate::concurrency::ConcurrencyLayerBuilder<
+        FileKey,
+        FileCost,
+        crate::concurrency::AllCritical,
+        MemoryStore,
+    >,
+    Problem,
+> {
+    let Some(spanned) = file.concurrency.get(i) else {
+        return Err((None, "concurrency".to_owned(), format!("no entry {i}")));
+    };
+    let c: &ConcurrencySpec = spanned.get_ref();
+    let path = format!("concurrency[{i}]");
+    let field = |f: &str| format!("{path}.{f}");
+    let (client, v6_prefix) = client_ip(file)?;
+    let key = FileKey::parse(c.key.get_ref(), &client, v6_prefix)
+        .map_err(|m| at(&c.key, field("key"), m))?;
+    let max = whole(*c.max.get_ref(), &c.max, field("max"), 1)?;
+    let mut b = crate::ConcurrencyLayer::builder(c.name.get_ref(), max)
+        .key(key)
+        .cost(cost_of(file, c.cost.as_ref(), &path)?);
+    for (plan, m) in &c.plans {
+        b = b.plan(
+            plan,
+            whole(*m.get_ref(), m, field(&format!("plans.{plan}")), 1)?,
+        );
+    }
+    if !c.plans.is_empty() {
+        b = plan_source!(file, b, spanned, field("plans"));
+    }
+    if let Some(q) = &c.queue {
+        let q = q.get_ref();
+        let len = whole(*q.max_len.get_ref(), &q.max_len, field("queue.max_len"), 1)?;
+        let wait = duration(&q.max_wait, field("queue.max_wait"))?;
+        b = b.queue(usize::try_from(len).unwrap_or(usize::MAX), wait);
+    }
+    if let Some(sv) = &c.service {
+        if c.adaptive.is_some() {
+            return Err(at(
+                sv,
+                field("service"),
+                "a service limit is fixed (service) or adaptive (adaptive), not both",
+            ));
+        }
+        let sv = sv.get_ref();
+        b = b.service_limit(
+            sv.name.get_ref(),
+            whole(*sv.max.get_ref(), &sv.max, field("service.max"), 1)?,
+        );
+    }
+    if let Some(a) = &c.adaptive {
+        let a = a.get_ref();
+        let n =
+            |v: &Spanned<i64>, f: &str| whole(*v.get_ref(), v, field(&format!("adaptive.{f}")), 1);
+        let (min, initial, max) = (
+            n(&a.min, "min")?,
+            n(&a.initial, "initial")?,
+            n(&a.max, "max")?,
+        );
+        let place = |e: ConfigError| {
+            let v = match e.field() {
+                "min" => &a.min,
+                "initial" => &a.initial,
+                _ => &a.max,
+            };
+            at(
+                v,
+                field(&format!("adaptive.{}", e.field())),
+                e.message().to_owned(),
+            )
+        };
+        let limit = match a.algorithm.get_ref().as_str() {
+            "gradient" => tollgate_core::adaptive::AdaptiveLimit::Gradient(
+                tollgate_core::adaptive::Gradient::new(min, initial, max).map_err(place)?,
+            ),
+            "aimd" => tollgate_core::adaptive::AdaptiveLimit::Aimd(
+                tollgate_core::adaptive::Aimd::new(min, initial, max).map_err(place)?,
+            ),
+            _ => {
+                return Err(at(
+                    &a.algorithm,
+                    field("adaptive.algorithm"),
+                    "must be \"gradient\" or \"aimd\"",
+                ))
+            }
+        };
+        b = b.adaptive_service_limit(a.name.get_ref(), limit);
+    }
+    if let Some(r) = &c.read_only {
+        let r = r.get_ref();
+        b = b.read_only_above(
+            share(&r.above, field("read_only.above"), true)?,
+            duration(&r.window, field("read_only.window"))?,
+        );
+        if let Some(n) = &r.min_requests {
+            b = b.read_only_min_requests(whole(
+                *n.get_ref(),
+                n,
+                field("read_only.min_requests"),
+                1,
+            )?);
+        }
+    }
+    if let Some(m) = &c.missing_key {
+        b = b.on_missing_key(missing_key(m, field("missing_key"))?);
+    }
+    if let Some(s) = c.shadow {
+        b = b.shadow(s);
+    }
+    if let Some(t) = &c.lease_ttl {
+        b = b.lease_ttl(duration(t, field("lease_ttl"))?);
+    }
+    if let Some(t) = &c.retry_after {
+        b = b.retry_after(duration(t, field("retry_after"))?);
+    }
+    Ok(b.headers(file.headers.unwrap_or(true)))
+}
+
+/// A number of bytes: a whole number, or a string such as `"64 KiB"`
+/// (`B`, `KB`, `KiB`, `MB`, `MiB`, `GB`, `GiB`; with `per_second`, ending
+/// in `/s`), at least 1 and at most `u32::MAX`.
+fn bytes(value: &Spanned<toml::Value>, field: String, per_second: bool) -> Result<u32, Problem> {
+    let example = if per_second {
+        "\"256 KiB/s\""
+    } else {
+        "\"64 KiB\""
+    };
+    let bad = || {
+        at(
+            value,
+            field.clone(),
+            format!("is not a number of bytes like {example}"),
+        )
+    };
+    let n: u64 = match value.get_ref() {
+        toml::Value::Integer(n) => u64::try_from(*n).map_err(|_| bad())?,
+        toml::Value::String(text) => {
+            let mut text = text.trim();
+            if per_second {
+                text = text.strip_suffix("/s").ok_or_else(bad)?.trim_end();
+            }
+            let split = text
+                .find(|c: char| !c.is_ascii_digit())
+                .unwrap_or(text.len());
+            let (digits, unit) = text.split_at(split);
+            let n: u64 = digits.parse().map_err(|_| bad())?;
+            let unit: u64 = match unit.trim() {
+                "" | "B" => 1,
+                "KB" => 1_000,
+                "KiB" => 1 << 10,
+                "MB" => 1_000_000,
+                "MiB" => 1 << 20,
+                "GB" => 1_000_000_000,
+                "GiB" => 1 << 30,
+                _ => return Err(bad()),
+            };
+            n.checked_mul(unit).ok_or_else(bad)?
+        }
+        _ => return Err(bad()),
+    };
+    match u32::try_from(n) {
+        Ok(v) if v >= 1 => Ok(v),
+        Ok(_) => Err(at(value, field, "must be at least 1 byte")),
+        Err(_) => Err(at(
+            value,
+            field,
+            format!("must be at most {} bytes", u32::MAX),
+        )),
+    }
+}
+
+/// The bandwidth builder of `file`'s `[[bandwidth]]` entry `i`, on a new
+/// memory store.
+pub(super) fn bandwidth(
+    file: &FileSpec,
+    i: usize,
+) -> Result<crate::bandwidth::BandwidthLayerBuilder<FileKey, MemoryStore>, Problem> {
+    let Some(spanned) = file.bandwidth.get(i) else {
+        return Err((None, "bandwidth".to_owned(), format!("no entry {i}")));
+    };
+    let w: &BandwidthSpec = spanned.get_ref();
+    let path = format!("bandwidth[{i}]");
+    let field = |f: &str| format!("{path}.{f}");
+    let (client, v6_prefix) = client_ip(file)?;
+    let key = FileKey::parse(w.key.get_ref(), &client, v6_prefix)
+        .map_err(|m| at(&w.key, field("key"), m))?;
+    let rate = bytes(&w.rate, field("rate"), true)?;
+    let burst = bytes(&w.burst, field("burst"), false)?;
+    let mut b = crate::bandwidth::BandwidthLayer::builder(w.name.get_ref(), rate, burst).key(key);
+    if let Some(d) = &w.direction {
+        use crate::bandwidth::Direction;
+        b = b.direction(match d.get_ref().as_str() {
+            "responses" => Direction::Responses,
+            "requests" => Direction::Requests,
+            "both" => Direction::Both,
+            _ => {
+                return Err(at(
+                    d,
+                    field("direction"),
+                    "must be \"responses\", \"requests\" or \"both\"",
+                ))
+            }
+        });
+    }
+    if let Some(c) = &w.chunk {
+        b = b.chunk(bytes(c, field("chunk"), false)?);
+    }
+    if let Some(m) = &w.missing_key {
+        b = b.on_missing_key(missing_key(m, field("missing_key"))?);
+    }
+    Ok(b)
 }

@@ -81,8 +81,27 @@
 //! | `zone` | where periods start: `"UTC"` (default), an offset (`"-05:00"`), or an IANA name (`"America/New_York"`, feature `tz`) |
 //! | `missing_key`, `shadow` | as a rule's |
 //!
-//! A [`Reloader`] checks the quotas of a new file (one that does not load
-//! is refused) but applies only its rules: a quota's change takes effect
+//! Each `[[concurrency]]` entry is an in-flight limit, built by name as a
+//! [`ConcurrencyLayer`](crate::ConcurrencyLayer) with
+//! [`PolicyFile::concurrency`]: `name`, `key`, `max` (permits per key),
+//! `cost` (permits a request holds), `plans.<plan> = max`,
+//! `queue = { max_len, max_wait }`, a service-wide limit, fixed
+//! (`service = { name, max }`) or adaptive (`adaptive = { name,
+//! algorithm = "gradient" | "aimd", min, initial, max }`),
+//! `read_only = { above, window, min_requests }`, `missing_key`, `shadow`,
+//! `lease_ttl`, `retry_after`. (Which requests are critical is code:
+//! [`critical`](crate::concurrency::ConcurrencyLayerBuilder::critical).)
+//!
+//! Each `[[bandwidth]]` entry paces bodies per key, built by name as a
+//! [`BandwidthLayer`](crate::bandwidth::BandwidthLayer) with
+//! [`PolicyFile::bandwidth`]: `name`, `key`, `rate` (bytes a second: a
+//! number or `"256 KiB/s"`), `burst` and `chunk` (bytes: a number or
+//! `"64 KiB"`; `B`, `KB`, `KiB`, `MB`, `MiB`, `GB`, `GiB`), `direction`
+//! (`"responses"`, `"requests"`, `"both"`), `missing_key`.
+//!
+//! Names are unique within each list. A [`Reloader`] checks every section
+//! of a new file (one that does not load is refused) but applies only its
+//! rules: a quota's, in-flight limit's or pacing's change takes effect
 //! when its layer is built again.
 //!
 //! What a file cannot hold is code: a custom rejection, an audit sink, a
@@ -288,20 +307,24 @@ impl PolicyFile {
         metrics::with_local_recorder(&metrics::NoopRecorder, || b.build())
             .map(drop)
             .map_err(|e| self.config_error(&e))?;
-        // Every quota, built on a throwaway store: each name once.
-        let names = self.quota_names();
-        for (i, name) in names.iter().enumerate() {
-            if names.get(..i).is_some_and(|before| before.contains(name)) {
-                let e = tollgate_core::ConfigError::new(
-                    "name",
-                    format!("the name {name:?} is taken by another quota"),
-                );
-                return Err(self.config_error(&e.in_item("quotas", i)));
+        // Every other limit, built on a throwaway store: each name once
+        // in its list.
+        for (list, names) in [
+            ("quotas", self.quota_names()),
+            ("concurrency", self.concurrency_names()),
+            ("bandwidth", self.bandwidth_names()),
+        ] {
+            for (i, name) in names.iter().enumerate() {
+                if names.get(..i).is_some_and(|before| before.contains(name)) {
+                    let e = tollgate_core::ConfigError::new(
+                        "name",
+                        format!("the name {name:?} is taken by another entry of [[{list}]]"),
+                    );
+                    return Err(self.config_error(&e.in_item(list, i)));
+                }
+                self.check_entry(list, i)?
+                    .map_err(|e| self.config_error(&e.in_item(list, i)))?;
             }
-            let b = self.quota_builder(i)?;
-            metrics::with_local_recorder(&metrics::NoopRecorder, || b.build())
-                .map(drop)
-                .map_err(|e| self.config_error(&e.in_item("quotas", i)))?;
         }
         Ok(())
     }
@@ -336,45 +359,111 @@ impl PolicyFile {
 
     /// The names of the file's `[[quotas]]`, in the file's order.
     pub fn quota_names(&self) -> Vec<&str> {
-        self.spec
-            .quotas
-            .iter()
-            .map(|q| q.get_ref().name.get_ref().as_str())
-            .collect()
+        names(&self.spec.quotas, |q| &q.name)
+    }
+
+    /// The names of the file's `[[concurrency]]` limits, in order.
+    pub fn concurrency_names(&self) -> Vec<&str> {
+        names(&self.spec.concurrency, |c| &c.name)
+    }
+
+    /// The names of the file's `[[bandwidth]]` limits, in order.
+    pub fn bandwidth_names(&self) -> Vec<&str> {
+        names(&self.spec.bandwidth, |b| &b.name)
     }
 
     /// The calendar quota the file declares as the `[[quotas]]` entry
     /// named `name`, on `store` (a [`QuotaLayer`](crate::QuotaLayer)).
-    /// Errors name the quota's line and field; an unknown name names
+    /// Errors name the entry's line and field; an unknown name names
     /// `quotas`.
     pub fn quota<St: tollgate_core::QuotaStore>(
         &self,
         name: &str,
         store: &St,
     ) -> Result<crate::QuotaLayer<FileKey, FileCost, St>, FileError> {
-        let Some(i) = self.quota_names().iter().position(|n| *n == name) else {
-            return Err(FileError {
-                origin: self.origin.clone(),
-                line: 0,
-                column: 0,
-                field: "quotas".to_owned(),
-                message: format!("no [[quotas]] entry is named {name:?}"),
-            });
-        };
-        self.quota_builder(i)?
-            .store(store.clone())
+        let i = self.entry("quotas", &self.quota_names(), name)?;
+        let b = build::quota(&self.spec, i).map_err(|p| self.placed(p))?;
+        b.store(store.clone())
             .build()
             .map_err(|e| self.config_error(&e.in_item("quotas", i)))
     }
 
-    fn quota_builder(
+    /// The in-flight limits the file declares as the `[[concurrency]]`
+    /// entry named `name`, on `store` (a
+    /// [`ConcurrencyLayer`](crate::ConcurrencyLayer)). Errors as
+    /// [`quota`](Self::quota)'s.
+    pub fn concurrency<St: tollgate_core::Store>(
         &self,
+        name: &str,
+        store: &St,
+    ) -> Result<
+        crate::ConcurrencyLayer<FileKey, FileCost, crate::concurrency::AllCritical, St>,
+        FileError,
+    > {
+        let i = self.entry("concurrency", &self.concurrency_names(), name)?;
+        let b = build::concurrency(&self.spec, i).map_err(|p| self.placed(p))?;
+        b.store(store.clone())
+            .build()
+            .map_err(|e| self.config_error(&e.in_item("concurrency", i)))
+    }
+
+    /// The pacing the file declares as the `[[bandwidth]]` entry named
+    /// `name`, on `store` (a
+    /// [`BandwidthLayer`](crate::bandwidth::BandwidthLayer)). Errors as
+    /// [`quota`](Self::quota)'s.
+    pub fn bandwidth<St: tollgate_core::Store>(
+        &self,
+        name: &str,
+        store: &St,
+    ) -> Result<crate::bandwidth::BandwidthLayer<FileKey, St>, FileError> {
+        let i = self.entry("bandwidth", &self.bandwidth_names(), name)?;
+        let b = build::bandwidth(&self.spec, i).map_err(|p| self.placed(p))?;
+        b.store(store.clone())
+            .build()
+            .map_err(|e| self.config_error(&e.in_item("bandwidth", i)))
+    }
+
+    /// Builds entry `i` of `[[list]]` on a throwaway memory store,
+    /// recording no metrics: the file's problem, or the builder's error.
+    fn check_entry(
+        &self,
+        list: &str,
         i: usize,
-    ) -> Result<crate::quota::QuotaLayerBuilder<FileKey, FileCost, crate::MemoryStore>, FileError>
-    {
-        build::quota(&self.spec, i).map_err(|(span, field, message)| {
-            FileError::at(&self.text, self.origin.as_deref(), span, field, message)
+    ) -> Result<Result<(), tollgate_core::ConfigError>, FileError> {
+        let quiet = &metrics::NoopRecorder;
+        Ok(match list {
+            "quotas" => {
+                let b = build::quota(&self.spec, i).map_err(|p| self.placed(p))?;
+                metrics::with_local_recorder(quiet, || b.build().map(drop))
+            }
+            "concurrency" => {
+                let b = build::concurrency(&self.spec, i).map_err(|p| self.placed(p))?;
+                metrics::with_local_recorder(quiet, || b.build().map(drop))
+            }
+            _ => {
+                let b = build::bandwidth(&self.spec, i).map_err(|p| self.placed(p))?;
+                metrics::with_local_recorder(quiet, || b.build().map(drop))
+            }
         })
+    }
+
+    /// The index of the `[[list]]` entry named `name`.
+    fn entry(&self, list: &str, names: &[&str], name: &str) -> Result<usize, FileError> {
+        names
+            .iter()
+            .position(|n| *n == name)
+            .ok_or_else(|| FileError {
+                origin: self.origin.clone(),
+                line: 0,
+                column: 0,
+                field: list.to_owned(),
+                message: format!("no [[{list}]] entry is named {name:?}"),
+            })
+    }
+
+    /// A problem, placed in the file.
+    fn placed(&self, (span, field, message): build::Problem) -> FileError {
+        FileError::at(&self.text, self.origin.as_deref(), span, field, message)
     }
 
     /// A builder holding everything the file declares, on a new memory
@@ -406,6 +495,13 @@ impl PolicyFile {
                 message: e.message().to_owned(),
             })
     }
+}
+
+/// The names of `list`'s entries (`name` reads one).
+fn names<T>(list: &[toml::Spanned<T>], name: impl Fn(&T) -> &toml::Spanned<String>) -> Vec<&str> {
+    list.iter()
+        .map(|e| name(e.get_ref()).get_ref().as_str())
+        .collect()
 }
 
 #[cfg(test)]

@@ -32,6 +32,10 @@ pub(super) struct FileSpec {
     #[serde(default)]
     pub(super) quotas: Vec<Spanned<QuotaSpec>>,
     #[serde(default)]
+    pub(super) concurrency: Vec<Spanned<ConcurrencySpec>>,
+    #[serde(default)]
+    pub(super) bandwidth: Vec<Spanned<BandwidthSpec>>,
+    #[serde(default)]
     pub(super) access: Option<Spanned<AccessSpec>>,
     #[serde(default)]
     pub(super) idempotency: Option<Spanned<IdempotencySpec>>,
@@ -94,6 +98,98 @@ pub(super) struct QuotaSpec {
     /// Each plan's limits, as `limits`.
     #[serde(default)]
     pub(super) plans: BTreeMap<String, Spanned<BTreeMap<String, Spanned<i64>>>>,
+}
+
+/// One `[[concurrency]]` entry: in-flight limits (a `ConcurrencyLayer`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ConcurrencySpec {
+    pub(super) name: Spanned<String>,
+    pub(super) key: Spanned<String>,
+    /// Permits in flight per key.
+    pub(super) max: Spanned<i64>,
+    /// Permits a request holds (a cost), 1 by default.
+    #[serde(default)]
+    pub(super) cost: Option<Spanned<toml::Value>>,
+    /// Each plan's own `max`.
+    #[serde(default)]
+    pub(super) plans: BTreeMap<String, Spanned<i64>>,
+    #[serde(default)]
+    pub(super) queue: Option<Spanned<QueueSpec>>,
+    /// A fixed service-wide limit.
+    #[serde(default)]
+    pub(super) service: Option<Spanned<ServiceSpec>>,
+    /// An adaptive service-wide limit.
+    #[serde(default)]
+    pub(super) adaptive: Option<Spanned<AdaptiveSpec>>,
+    #[serde(default)]
+    pub(super) read_only: Option<Spanned<ReadOnlySpec>>,
+    #[serde(default)]
+    pub(super) missing_key: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) shadow: Option<bool>,
+    #[serde(default)]
+    pub(super) lease_ttl: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) retry_after: Option<Spanned<String>>,
+}
+
+/// A concurrency limit's queue.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct QueueSpec {
+    pub(super) max_len: Spanned<i64>,
+    pub(super) max_wait: Spanned<String>,
+}
+
+/// A fixed service-wide limit.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ServiceSpec {
+    pub(super) name: Spanned<String>,
+    pub(super) max: Spanned<i64>,
+}
+
+/// An adaptive service-wide limit.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct AdaptiveSpec {
+    pub(super) name: Spanned<String>,
+    /// `gradient` or `aimd`.
+    pub(super) algorithm: Spanned<String>,
+    pub(super) min: Spanned<i64>,
+    pub(super) initial: Spanned<i64>,
+    pub(super) max: Spanned<i64>,
+}
+
+/// Read-only mode above an error rate.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ReadOnlySpec {
+    pub(super) above: Spanned<f64>,
+    pub(super) window: Spanned<String>,
+    #[serde(default)]
+    pub(super) min_requests: Option<Spanned<i64>>,
+}
+
+/// One `[[bandwidth]]` entry: bodies paced per key (a `BandwidthLayer`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct BandwidthSpec {
+    pub(super) name: Spanned<String>,
+    pub(super) key: Spanned<String>,
+    /// Bytes a second: a number, or `"256 KiB/s"`.
+    pub(super) rate: Spanned<toml::Value>,
+    /// Bytes at once: a number, or `"64 KiB"`.
+    pub(super) burst: Spanned<toml::Value>,
+    /// `responses` (default), `requests` or `both`.
+    #[serde(default)]
+    pub(super) direction: Option<Spanned<String>>,
+    /// Bytes a body takes from the store at once.
+    #[serde(default)]
+    pub(super) chunk: Option<Spanned<toml::Value>>,
+    #[serde(default)]
+    pub(super) missing_key: Option<Spanned<String>>,
 }
 
 /// A plan's numbers; which apply depends on the rule's algorithm.

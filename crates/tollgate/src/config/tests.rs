@@ -924,11 +924,129 @@ fn quota_errors_name_the_line_and_the_field() {
         e("\n[[quotas]]\nname = \"daily\"\nkey = \"global\"\nlimits = { day = 1 }").starts_with(
             &at(
                 last + 2,
-                "1: quotas[2].name: the name \"daily\" is taken by another quota"
+                "1: quotas[2].name: the name \"daily\" is taken by another entry of [[quotas]]"
             )
         )
     );
     // Plans with no plan source in the file.
     let no_source = with_quotas("").replace("plan_from = \"header:x-plan\"", "");
     assert!(error(&no_source).contains("plan"), "{}", error(&no_source));
+}
+
+/// `QUICK` with in-flight limits and download pacing.
+fn with_limits(extra: &str) -> String {
+    format!(
+        r#"{QUICK}
+[[concurrency]]
+name = "per-client"
+key = "header:x-api-key"
+max = 1
+plans.pro = 2
+queue = {{ max_len = 4, max_wait = "50ms" }}
+adaptive = {{ name = "service", algorithm = "aimd", min = 4, initial = 8, max = 64 }}
+read_only = {{ above = 0.5, window = "10s", min_requests = 20 }}
+lease_ttl = "30s"
+
+[[bandwidth]]
+name = "download-rate"
+key = "client-ip"
+rate = "256 KiB/s"
+burst = 65536
+direction = "both"
+chunk = "16 KiB"
+{extra}"#
+    )
+}
+
+/// Issue 32: a policy file declares in-flight limits and pacing too,
+/// each built by name.
+#[tokio::test(start_paused = true)]
+async fn a_file_declares_in_flight_limits_and_pacing() {
+    let clock = ManualClock::starting_at(1_796_472_000_000_000_000);
+    let file = PolicyFile::parse(&with_limits("")).unwrap();
+    assert_eq!(file.concurrency_names(), ["per-client"]);
+    assert_eq!(file.bandwidth_names(), ["download-rate"]);
+    let layer = file.concurrency("per-client", &store(&clock)).unwrap();
+    assert_eq!(layer.rule_name(), "per-client");
+    assert_eq!(layer.adaptive_limit(), Some(8));
+    let svc = layer.layer(ok_service());
+    // One in flight per key: the first response holds its permit until
+    // its body is done; the second waits its 50 ms in the queue, then is
+    // refused. The pro plan holds two.
+    let first = svc.clone().oneshot(req("GET", "/a", "k")).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let second = svc.clone().oneshot(req("GET", "/a", "k")).await.unwrap();
+    assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
+    let pro = || {
+        let mut r = req("GET", "/a", "p");
+        r.headers_mut().insert("x-plan", "pro".parse().unwrap());
+        r
+    };
+    let _p1 = svc.clone().oneshot(pro()).await.unwrap();
+    let p2 = svc.clone().oneshot(pro()).await.unwrap();
+    assert_eq!(p2.status(), StatusCode::OK);
+    drop(first);
+    assert_eq!(
+        svc.clone()
+            .oneshot(req("GET", "/a", "k"))
+            .await
+            .unwrap()
+            .status(),
+        StatusCode::OK
+    );
+    file.bandwidth("download-rate", &store(&clock)).unwrap();
+}
+
+#[test]
+fn in_flight_and_pacing_errors_name_the_line_and_the_field() {
+    let e = |extra: &str| error(&with_limits(extra));
+    let last = with_limits("").lines().count();
+    let c = |body: &str| format!("\n[[concurrency]]\nname = \"c\"\nkey = \"global\"\n{body}");
+    let b = |body: &str| format!("\n[[bandwidth]]\nname = \"b\"\nkey = \"global\"\n{body}");
+    let at = |line: usize, rest: &str| format!("{line}:{rest}");
+    assert!(
+        e(&c("max = 0")).starts_with(&at(last + 5, "7: concurrency[1].max: must be at least 1"))
+    );
+    assert!(
+        e(&c("max = 2\nqueue = { max_len = 0, max_wait = \"1s\" }")).starts_with(&at(
+            last + 6,
+            "21: concurrency[1].queue.max_len: must be at least 1"
+        ))
+    );
+    let adaptive = "max = 2\nadaptive = { name = \"s\", algorithm = \"gradient\", min = 8, initial = 4, max = 16 }";
+    assert!(
+        e(&c(adaptive)).contains("concurrency[1].adaptive."),
+        "{}",
+        e(&c(adaptive))
+    );
+    assert!(e(&c("max = 2\nadaptive = { name = \"s\", algorithm = \"vegas\", min = 1, initial = 1, max = 1 }"))
+        .contains("concurrency[1].adaptive.algorithm: must be \"gradient\" or \"aimd\""));
+    assert!(e(&c("max = 2\nservice = { name = \"s\", max = 9 }\nadaptive = { name = \"t\", algorithm = \"aimd\", min = 1, initial = 1, max = 2 }"))
+        .contains("concurrency[1].service: a service limit is fixed"));
+    assert!(
+        e(&c("max = 2\nread_only = { above = 2.0, window = \"1s\" }"))
+            .contains("concurrency[1].read_only.above: must be above 0 and at most 1")
+    );
+    assert!(
+        e(&c("max = 2\nplans.pro = 0")).contains("concurrency[1].plans.pro: must be at least 1")
+    );
+    assert!(e(&b("rate = \"256 KiB\"\nburst = 1")).starts_with(&at(
+        last + 5,
+        "8: bandwidth[1].rate: is not a number of bytes like \"256 KiB/s\""
+    )));
+    assert!(e(&b("rate = \"1 parsec/s\"\nburst = 1"))
+        .contains("bandwidth[1].rate: is not a number of bytes"));
+    assert!(e(&b("rate = 100\nburst = 0")).contains("bandwidth[1].burst: must be at least 1 byte"));
+    assert!(e(&b("rate = \"8 GiB/s\"\nburst = 1")).contains("bandwidth[1].rate: must be at most"));
+    assert!(e(&b("rate = 100\nburst = 10\ndirection = \"sideways\""))
+        .contains("bandwidth[1].direction: must be \"responses\", \"requests\" or \"both\""));
+    // The builder's own checks, placed: a chunk above the burst.
+    assert!(
+        e(&b("rate = 100\nburst = 10\nchunk = 20")).contains("bandwidth[1].chunk"),
+        "{}",
+        e(&b("rate = 100\nburst = 10\nchunk = 20"))
+    );
+    // Each name once per list.
+    assert!(e("\n[[bandwidth]]\nname = \"download-rate\"\nkey = \"global\"\nrate = 1\nburst = 1")
+        .contains("bandwidth[1].name: the name \"download-rate\" is taken by another entry of [[bandwidth]]"));
 }

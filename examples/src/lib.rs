@@ -17,7 +17,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use tollgate::config::{FileError, PolicyFile};
 use tollgate::core::QuotaStore;
-use tollgate::key::{ClientIp, Header, KeyExtractorExt};
+use tollgate::key::ClientIp;
 use tollgate::policy::PolicyLayer;
 use tollgate::ConfigError;
 
@@ -29,7 +29,8 @@ pub const DOWNLOAD_CHUNK: usize = 16 << 10;
 /// keyed by API key: rotating keys from one address buys at most this.
 pub const PER_ADDRESS: u32 = 4;
 
-/// The quickstart's API:
+/// The quickstart's API, with the limits of the built-in policy file
+/// (`examples/quickstart.toml`, which a file of one's own replaces):
 ///
 /// - one budget per client of 10 requests per second with bursts of 20,
 ///   where an order costs 3 and a report 10 (`x-plan: pro`: 100 a second
@@ -74,12 +75,12 @@ pub fn quickstart_app<S: QuotaStore>(
 /// or a layer's configuration error.
 pub type Error = Box<dyn std::error::Error + Send + Sync>;
 
-/// The quickstart's built-in rate policy (per-key and per-ip), as a
-/// policy file: `examples/quickstart.toml`.
+/// The quickstart's built-in policy file, `examples/quickstart.toml`:
+/// every limit of [`quickstart_app`].
 pub const QUICKSTART_POLICY: &str = include_str!("../quickstart.toml");
 
-/// The quickstart's rate policy: the file at `path`, else the built-in
-/// one; `trusted_proxies` apply where the file names none.
+/// The quickstart's policy: the file at `path`, else the built-in one;
+/// `trusted_proxies` apply where the file names none.
 pub fn quickstart_policy(
     path: Option<&std::path::Path>,
     trusted_proxies: &[String],
@@ -91,15 +92,13 @@ pub fn quickstart_policy(
     file.default_trusted_proxies(trusted_proxies)
 }
 
-/// [`quickstart_app`] with its rate policy from `policy`; also returns
+/// [`quickstart_app`] with its limits from `policy`; also returns
 /// that policy's layer, for a [`Reloader`](tollgate::config::Reloader).
 pub fn quickstart_app_with<S: QuotaStore>(
     store: S,
     trusted_proxies: &[String],
     policy: &PolicyFile,
 ) -> Result<(Router, PolicyLayer<Body, S>), Error> {
-    let address = ClientIp::trusting(trusted_proxies)?;
-    let _client = Header::named("x-api-key")?.or(address.clone());
     let store_for_login = store.clone();
     // Every limit as `quickstart.toml` declares it, by name (a file of
     // one's own declares each of them, or the server names the missing

@@ -702,16 +702,8 @@ fn access(a: &Spanned<super::spec::AccessSpec>, client: &ClientIp) -> Result<Acc
 pub(super) fn config_error(file: &FileSpec, e: &ConfigError) -> Option<Problem> {
     let message = e.message();
     if let Some((list, i)) = e.item() {
-        // (A rule added in code, past the file's, has no line.)
-        let span = match list {
-            "rules" => file.rules.get(i).map(Spanned::span),
-            "quotas" => file.quotas.get(i).map(Spanned::span),
-            "concurrency" => file.concurrency.get(i).map(Spanned::span),
-            "bandwidth" => file.bandwidth.get(i).map(Spanned::span),
-            _ => None,
-        };
-        let field = format!("{list}[{i}].{}", e.field());
-        return Some((span, field, message.to_owned()));
+        let (span, name) = entry_field(file, list, i, e.field());
+        return Some((span, format!("{list}[{i}].{name}"), message.to_owned()));
     }
     let span = match e.field() {
         "access" => file.access.as_ref().map(Spanned::span),
@@ -785,7 +777,7 @@ fn periods(
 
 /// Where periods start: `UTC`, an offset from it (`+05:30`, `-04:00`),
 /// or an IANA time zone (feature `tz`).
-fn zone(value: &Spanned<String>, field: String) -> Result<Zone, Problem> {
+pub(super) fn zone(value: &Spanned<String>, field: String) -> Result<Zone, Problem> {
     let text = value.get_ref().trim();
     if text.eq_ignore_ascii_case("utc") || text == "Z" {
         return Ok(Zone::UTC);
@@ -802,9 +794,26 @@ fn zone(value: &Spanned<String>, field: String) -> Result<Zone, Problem> {
             .get(1..)
             .and_then(|t| t.split_once(':'))
             .ok_or_else(bad)?;
-        let (h, m): (i32, u32) = (h.parse().map_err(|_| bad())?, m.parse().map_err(|_| bad())?);
-        let h = if sign == '-' { h.saturating_neg() } else { h };
-        let offset = Offset::from_hours_minutes(h, m)
+        // Digits only (no second sign), two for the minutes.
+        let digits = |t: &str| {
+            (!t.is_empty() && t.len() <= 2 && t.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| t.parse::<i32>().ok())
+                .flatten()
+        };
+        let (Some(h), Some(m)) = (digits(h), digits(m).filter(|_| m.len() == 2)) else {
+            return Err(bad());
+        };
+        if m >= 60 {
+            return Err(at(value, field, "minutes must be below 60"));
+        }
+        // The sign is the whole offset's: -00:30 is west of UTC.
+        let seconds = h.saturating_mul(3_600).saturating_add(m.saturating_mul(60));
+        let seconds = if sign == '-' {
+            seconds.saturating_neg()
+        } else {
+            seconds
+        };
+        let offset = Offset::from_seconds(seconds)
             .map_err(|e| at(value, field.clone(), e.message().to_owned()))?;
         return Ok(offset.into());
     }
@@ -851,7 +860,7 @@ pub(super) fn quota(
         b = b.on_missing_key(missing_key(m, field("missing_key"))?);
     }
     if let Some(s) = &q.soft_limit {
-        b = b.soft_limit(share(s, field("soft_limit"), true)?);
+        b = b.soft_limit(*s.get_ref());
     }
     if let Some(z) = &q.zone {
         b = b.zone(zone(z, field("zone"))?);
@@ -958,10 +967,8 @@ pub(super) fn concurrency(
     }
     if let Some(r) = &c.read_only {
         let r = r.get_ref();
-        b = b.read_only_above(
-            share(&r.above, field("read_only.above"), true)?,
-            duration(&r.window, field("read_only.window"))?,
-        );
+        let window = duration(&r.window, field("read_only.window"))?;
+        b = b.read_only_above(*r.above.get_ref(), window);
         if let Some(n) = &r.min_requests {
             b = b.read_only_min_requests(whole(
                 *n.get_ref(),
@@ -1024,7 +1031,13 @@ fn bytes(value: &Spanned<toml::Value>, field: String, per_second: bool) -> Resul
                 "GiB" => 1 << 30,
                 _ => return Err(bad()),
             };
-            n.checked_mul(unit).ok_or_else(bad)?
+            n.checked_mul(unit).ok_or_else(|| {
+                at(
+                    value,
+                    field.clone(),
+                    format!("must be at most {} bytes", u32::MAX),
+                )
+            })?
         }
         _ => return Err(bad()),
     };
@@ -1079,4 +1092,66 @@ pub(super) fn bandwidth(
         b = b.on_missing_key(missing_key(m, field("missing_key"))?);
     }
     Ok(b)
+}
+
+/// Where a builder's error about field `field` of entry `i` of `[[list]]`
+/// lies in the file, and the file's name for that field (the builders
+/// name some fields otherwise: a bandwidth's `bytes_per_second` is the
+/// file's `rate`). Else the entry, and the builder's name.
+fn entry_field(
+    file: &FileSpec,
+    list: &str,
+    i: usize,
+    field: &'static str,
+) -> (Option<Range<usize>>, String) {
+    fn span<T>(v: &Spanned<T>) -> Option<Range<usize>> {
+        Some(v.span())
+    }
+    let found: Option<(Option<Range<usize>>, &str)> = match list {
+        // A name's error is the entry's (a name taken, or too long with a
+        // plan's suffix): placed at the entry.
+        "rules" => file.rules.get(i).map(|r| match field {
+            "rules" | "name" => (Some(r.span()), "name"),
+            _ => (Some(r.span()), field),
+        }),
+        "quotas" => file.quotas.get(i).map(|q| {
+            let v = q.get_ref();
+            match field {
+                "limit" | "periods" => (span(&v.limits), "limits"),
+                "soft_limit" => (v.soft_limit.as_ref().and_then(span), "soft_limit"),
+                "time_zone" | "offset" => (v.zone.as_ref().and_then(span), "zone"),
+                _ => (Some(q.span()), field),
+            }
+        }),
+        "concurrency" => file.concurrency.get(i).map(|c| {
+            let v = c.get_ref();
+            match field {
+                "max" => (span(&v.max), "max"),
+                "queue" => (v.queue.as_ref().and_then(span), "queue"),
+                "service_limit" => match (&v.service, &v.adaptive) {
+                    (Some(s), _) => (span(s), "service"),
+                    (None, Some(a)) => (span(a), "adaptive"),
+                    _ => (Some(c.span()), field),
+                },
+                "read_only" => (v.read_only.as_ref().and_then(span), "read_only"),
+                "lease_ttl" => (v.lease_ttl.as_ref().and_then(span), "lease_ttl"),
+                "retry_after" => (v.retry_after.as_ref().and_then(span), "retry_after"),
+                _ => (Some(c.span()), field),
+            }
+        }),
+        "bandwidth" => file.bandwidth.get(i).map(|w| {
+            let v = w.get_ref();
+            match field {
+                "bytes_per_second" | "rate" => (span(&v.rate), "rate"),
+                "burst" => (span(&v.burst), "burst"),
+                "chunk" => (v.chunk.as_ref().and_then(span), "chunk"),
+                _ => (Some(w.span()), field),
+            }
+        }),
+        _ => None,
+    };
+    match found {
+        Some((span, name)) => (span, name.to_owned()),
+        None => (None, field.to_owned()),
+    }
 }

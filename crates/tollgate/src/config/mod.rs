@@ -309,19 +309,26 @@ impl PolicyFile {
             .map_err(|e| self.config_error(&e))?;
         // Every other limit, built on a throwaway store: each name once
         // in its list.
+        // Names are one store's: a quota named like a rule would be
+        // refused by the store the layers share.
+        let mut taken: Vec<(&str, &str)> = names(&self.spec.rules, |r| &r.name)
+            .into_iter()
+            .map(|n| ("rules", n))
+            .collect();
         for (list, names) in [
             ("quotas", self.quota_names()),
             ("concurrency", self.concurrency_names()),
             ("bandwidth", self.bandwidth_names()),
         ] {
             for (i, name) in names.iter().enumerate() {
-                if names.get(..i).is_some_and(|before| before.contains(name)) {
+                if let Some((other, _)) = taken.iter().find(|(_, n)| n == name) {
                     let e = tollgate_core::ConfigError::new(
                         "name",
-                        format!("the name {name:?} is taken by another entry of [[{list}]]"),
+                        format!("the name {name:?} is taken by another entry of [[{other}]]"),
                     );
                     return Err(self.config_error(&e.in_item(list, i)));
                 }
+                taken.push((list, name));
                 self.check_entry(list, i)?
                     .map_err(|e| self.config_error(&e.in_item(list, i)))?;
             }
@@ -421,6 +428,28 @@ impl PolicyFile {
         b.store(store.clone())
             .build()
             .map_err(|e| self.config_error(&e.in_item("bandwidth", i)))
+    }
+
+    /// The sections a reload does not apply that differ from `before`'s
+    /// (`[[quotas]]`, `[[concurrency]]`, `[[bandwidth]]`, and `[costs]`
+    /// where any of them names one).
+    pub(crate) fn unapplied_changes(&self, before: &Self) -> Vec<&'static str> {
+        let (a, b) = (&self.spec, &before.spec);
+        let mut changed = Vec::new();
+        if a.quotas != b.quotas {
+            changed.push("[[quotas]]");
+        }
+        if a.concurrency != b.concurrency {
+            changed.push("[[concurrency]]");
+        }
+        if a.bandwidth != b.bandwidth {
+            changed.push("[[bandwidth]]");
+        }
+        let others = !a.quotas.is_empty() || !a.concurrency.is_empty() || !a.bandwidth.is_empty();
+        if others && a.costs != b.costs {
+            changed.push("[costs]");
+        }
+        changed
     }
 
     /// Builds entry `i` of `[[list]]` on a throwaway memory store,

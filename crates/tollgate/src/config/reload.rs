@@ -269,6 +269,19 @@ impl<B, St: Store> Reloader<B, St> {
             .build()
             .map_err(|e| file.config_error(&e))?;
         self.layer.replace(&next);
+        // What a reload does not apply, said when it changed: the other
+        // sections are read when their layers are built (at start).
+        if let Ok(before) = PolicyFile::parse_unchecked(&running, None) {
+            let changed = file.unapplied_changes(&before);
+            if !changed.is_empty() {
+                tracing::warn!(
+                    target: "tollgate::config",
+                    sections = %changed.join(", "),
+                    "policy reloaded: its rules apply now; the changed sections apply when \
+                     their layers are built again (at the next start)"
+                );
+            }
+        }
         file.text().clone_into(&mut running);
         Ok(Reloaded::Applied)
     }

@@ -76,7 +76,7 @@ pub(super) struct RuleSpec {
 }
 
 /// One `[[quotas]]` entry: a calendar quota (a `QuotaLayer`).
-#[derive(Debug, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct QuotaSpec {
     pub(super) name: Spanned<String>,
@@ -101,7 +101,7 @@ pub(super) struct QuotaSpec {
 }
 
 /// One `[[concurrency]]` entry: in-flight limits (a `ConcurrencyLayer`).
-#[derive(Debug, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct ConcurrencySpec {
     pub(super) name: Spanned<String>,
@@ -135,7 +135,7 @@ pub(super) struct ConcurrencySpec {
 }
 
 /// A concurrency limit's queue.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct QueueSpec {
     pub(super) max_len: Spanned<i64>,
@@ -143,7 +143,7 @@ pub(super) struct QueueSpec {
 }
 
 /// A fixed service-wide limit.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct ServiceSpec {
     pub(super) name: Spanned<String>,
@@ -151,7 +151,7 @@ pub(super) struct ServiceSpec {
 }
 
 /// An adaptive service-wide limit.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct AdaptiveSpec {
     pub(super) name: Spanned<String>,
@@ -163,7 +163,7 @@ pub(super) struct AdaptiveSpec {
 }
 
 /// Read-only mode above an error rate.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct ReadOnlySpec {
     pub(super) above: Spanned<f64>,
@@ -173,7 +173,7 @@ pub(super) struct ReadOnlySpec {
 }
 
 /// One `[[bandwidth]]` entry: bodies paced per key (a `BandwidthLayer`).
-#[derive(Debug, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct BandwidthSpec {
     pub(super) name: Spanned<String>,
@@ -205,7 +205,7 @@ pub(super) struct LimitSpec {
 }
 
 /// A cost function.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct CostSpec {
     #[serde(default)]
@@ -225,7 +225,7 @@ pub(super) struct CostSpec {
 }
 
 /// One `routes` entry of a cost.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RouteCost {
     #[serde(default)]

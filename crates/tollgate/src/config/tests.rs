@@ -896,7 +896,7 @@ fn quota_errors_name_the_line_and_the_field() {
     assert!(
         e(&q("limits = { day = 5 }\nsoft_limit = 1.5")).starts_with(&at(
             last + 6,
-            "14: quotas[2].soft_limit: must be above 0 and at most 1"
+            "14: quotas[2].soft_limit: must be more than 0 and at most 1"
         ))
     );
     assert!(
@@ -1024,8 +1024,8 @@ fn in_flight_and_pacing_errors_name_the_line_and_the_field() {
     assert!(e(&c("max = 2\nservice = { name = \"s\", max = 9 }\nadaptive = { name = \"t\", algorithm = \"aimd\", min = 1, initial = 1, max = 2 }"))
         .contains("concurrency[1].service: a service limit is fixed"));
     assert!(
-        e(&c("max = 2\nread_only = { above = 2.0, window = \"1s\" }"))
-            .contains("concurrency[1].read_only.above: must be above 0 and at most 1")
+        e(&c("max = 2\nadaptive = { name = \"s\", algorithm = \"aimd\", min = 1, initial = 1, max = 2 }\nread_only = { above = 2.0, window = \"1s\" }"))
+            .contains("concurrency[1].read_only: error_rate must be between 0 and 1")
     );
     assert!(
         e(&c("max = 2\nplans.pro = 0")).contains("concurrency[1].plans.pro: must be at least 1")
@@ -1049,4 +1049,66 @@ fn in_flight_and_pacing_errors_name_the_line_and_the_field() {
     // Each name once per list.
     assert!(e("\n[[bandwidth]]\nname = \"download-rate\"\nkey = \"global\"\nrate = 1\nburst = 1")
         .contains("bandwidth[1].name: the name \"download-rate\" is taken by another entry of [[bandwidth]]"));
+}
+
+/// Review of the new sections: offsets keep their sign (`-00:30` is west
+/// of UTC; a second sign is refused), the builders' own bounds are
+/// placed at the file's fields, names are one store's across the lists,
+/// and a reload says which sections it does not apply.
+#[test]
+fn offsets_bounds_names_and_unapplied_sections() {
+    use tollgate_core::calendar::Offset;
+    let zone =
+        |text: &str| super::build::zone(&toml::Spanned::new(0..0, text.to_owned()), "zone".into());
+    assert_eq!(
+        zone("-00:30").unwrap().fixed(),
+        Some(Offset::from_seconds(-1_800).unwrap())
+    );
+    assert_eq!(
+        zone("+5:30").unwrap().fixed(),
+        Some(Offset::from_seconds(19_800).unwrap())
+    );
+    assert_eq!(zone("UTC").unwrap().fixed(), Some(Offset::UTC));
+    for bad in [
+        "--05:00",
+        "+-05:00",
+        "+05:+30",
+        "+05:3",
+        "+05:30:00",
+        "+0530",
+        "+05:60",
+        "+19:00",
+    ] {
+        assert!(zone(bad).is_err(), "{bad}");
+    }
+    let e = |extra: &str| error(&with_limits(extra));
+    let last = with_limits("").lines().count();
+    let b = |body: &str| format!("\n[[bandwidth]]\nname = \"b\"\nkey = \"global\"\n{body}");
+    let c = |body: &str| format!("\n[[concurrency]]\nname = \"c\"\nkey = \"global\"\n{body}");
+    // The builder's bound (a billion bytes a second), at `rate`'s line.
+    assert!(
+        e(&b("rate = \"1 GiB/s\"\nburst = 1"))
+            .starts_with(&format!("{}:8: bandwidth[1].rate: ", last + 5)),
+        "{}",
+        e(&b("rate = \"1 GiB/s\"\nburst = 1"))
+    );
+    assert!(e(&c(
+        "max = 2\nqueue = { max_len = 20000, max_wait = \"1s\" }"
+    ))
+    .starts_with(&format!("{}:9: concurrency[1].queue: ", last + 6)));
+    assert!(
+        e(&c("max = 2\nread_only = { above = 1.0, window = \"1s\" }"))
+            .starts_with(&format!("{}:13: concurrency[1].read_only: ", last + 6))
+    );
+    // A quota named like a rule.
+    assert!(
+        e("\n[[quotas]]\nname = \"per-key\"\nkey = \"global\"\nlimits = { day = 1 }").contains(
+            "quotas[0].name: the name \"per-key\" is taken by another entry of [[rules]]"
+        )
+    );
+    // A reload names what it does not apply.
+    let before = PolicyFile::parse(&with_limits("")).unwrap();
+    let after = PolicyFile::parse(&with_limits("").replace("max = 1\n", "max = 3\n")).unwrap();
+    assert_eq!(after.unapplied_changes(&before), ["[[concurrency]]"]);
+    assert!(before.unapplied_changes(&before).is_empty());
 }

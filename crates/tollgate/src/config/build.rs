@@ -744,6 +744,13 @@ macro_rules! plan_source {
     }};
 }
 
+/// The key `key` of the entry at `path` names, read as the file says
+/// (`client-ip` by its trusted proxies and IPv6 prefix).
+fn file_key(file: &FileSpec, key: &Spanned<String>, path: &str) -> Result<FileKey, Problem> {
+    let (client, v6_prefix) = client_ip(file)?;
+    FileKey::parse(key.get_ref(), &client, v6_prefix).map_err(|m| at(key, format!("{path}.key"), m))
+}
+
 /// Each period's limit of a `limits` table (or a plan's) at `field`.
 fn periods(
     table: &Spanned<std::collections::BTreeMap<String, Spanned<i64>>>,
@@ -841,9 +848,7 @@ pub(super) fn quota(
     let q: &QuotaSpec = spanned.get_ref();
     let path = format!("quotas[{i}]");
     let field = |f: &str| format!("{path}.{f}");
-    let (client, v6_prefix) = client_ip(file)?;
-    let key = FileKey::parse(q.key.get_ref(), &client, v6_prefix)
-        .map_err(|m| at(&q.key, field("key"), m))?;
+    let key = file_key(file, &q.key, &path)?;
     let mut b = crate::QuotaLayer::builder(q.name.get_ref())
         .key(key)
         .cost(cost_of(file, q.cost.as_ref(), &path)?);
@@ -891,9 +896,7 @@ pub(super) fn concurrency(
     let c: &ConcurrencySpec = spanned.get_ref();
     let path = format!("concurrency[{i}]");
     let field = |f: &str| format!("{path}.{f}");
-    let (client, v6_prefix) = client_ip(file)?;
-    let key = FileKey::parse(c.key.get_ref(), &client, v6_prefix)
-        .map_err(|m| at(&c.key, field("key"), m))?;
+    let key = file_key(file, &c.key, &path)?;
     let max = whole(*c.max.get_ref(), &c.max, field("max"), 1)?;
     let mut b = crate::ConcurrencyLayer::builder(c.name.get_ref(), max)
         .key(key)
@@ -1064,9 +1067,7 @@ pub(super) fn bandwidth(
     let w: &BandwidthSpec = spanned.get_ref();
     let path = format!("bandwidth[{i}]");
     let field = |f: &str| format!("{path}.{f}");
-    let (client, v6_prefix) = client_ip(file)?;
-    let key = FileKey::parse(w.key.get_ref(), &client, v6_prefix)
-        .map_err(|m| at(&w.key, field("key"), m))?;
+    let key = file_key(file, &w.key, &path)?;
     let rate = bytes(&w.rate, field("rate"), true)?;
     let burst = bytes(&w.burst, field("burst"), false)?;
     let mut b = crate::bandwidth::BandwidthLayer::builder(w.name.get_ref(), rate, burst).key(key);

@@ -364,6 +364,133 @@ impl PolicyFile {
             .map_err(|e| self.config_error(&e))
     }
 
+    /// What the file declares, one line per limit, in the file's words:
+    /// its rules, quotas, in-flight limits and pacing, each with its key
+    /// and numbers (for `tollgate-check`, and for logs at start).
+    pub fn describe(&self) -> Vec<String> {
+        use std::fmt::Write as _;
+        let value = |v: &toml::Value| match v {
+            toml::Value::String(s) => s.clone(),
+            toml::Value::Integer(n) => n.to_string(),
+            toml::Value::Float(x) => x.to_string(),
+            toml::Value::Boolean(b) => b.to_string(),
+            _ => "(a table)".to_owned(),
+        };
+        let plans = |names: Vec<&String>| {
+            if names.is_empty() {
+                String::new()
+            } else {
+                let names: Vec<&str> = names.iter().map(|n| n.as_str()).collect();
+                format!("; plans {}", names.join(", "))
+            }
+        };
+        let mut lines = Vec::new();
+        for r in &self.spec.rules {
+            let r = r.get_ref();
+            let mut line = format!(
+                "rule {:?}: key {}; {}",
+                r.name.get_ref(),
+                r.key.get_ref(),
+                r.algorithm
+                    .as_ref()
+                    .map_or("gcra", |a| a.get_ref().as_str())
+            );
+            if let Some(rate) = &r.rate {
+                let _ = write!(line, " {}", rate.get_ref());
+            }
+            if let Some(burst) = &r.burst {
+                let _ = write!(line, ", burst {}", burst.get_ref());
+            }
+            if let Some(c) = &r.cost {
+                let _ = write!(line, "; cost {}", value(c.get_ref()));
+            }
+            line.push_str(&plans(r.plans.keys().collect()));
+            lines.push(line);
+        }
+        for q in &self.spec.quotas {
+            let q = q.get_ref();
+            let limits: Vec<String> = q
+                .limits
+                .get_ref()
+                .iter()
+                .map(|(p, n)| format!("{n} a {p}", n = n.get_ref()))
+                .collect();
+            let mut line = format!(
+                "quota {:?}: key {}; {}",
+                q.name.get_ref(),
+                q.key.get_ref(),
+                limits.join(", ")
+            );
+            if let Some(c) = &q.cost {
+                let _ = write!(line, "; cost {}", value(c.get_ref()));
+            }
+            if let Some(z) = &q.zone {
+                let _ = write!(line, "; zone {}", z.get_ref());
+            }
+            line.push_str(&plans(q.plans.keys().collect()));
+            lines.push(line);
+        }
+        for c in &self.spec.concurrency {
+            let c = c.get_ref();
+            let mut line = format!(
+                "in flight {:?}: key {}; at most {} per key",
+                c.name.get_ref(),
+                c.key.get_ref(),
+                c.max.get_ref()
+            );
+            if let Some(q) = &c.queue {
+                let q = q.get_ref();
+                let _ = write!(
+                    line,
+                    "; queue {} for {}",
+                    q.max_len.get_ref(),
+                    q.max_wait.get_ref()
+                );
+            }
+            if let Some(sv) = &c.service {
+                let sv = sv.get_ref();
+                let _ = write!(
+                    line,
+                    "; service {:?} at most {}",
+                    sv.name.get_ref(),
+                    sv.max.get_ref()
+                );
+            }
+            if let Some(a) = &c.adaptive {
+                let a = a.get_ref();
+                let _ = write!(
+                    line,
+                    "; service {:?} adaptive ({}) from {} to {}, starting at {}",
+                    a.name.get_ref(),
+                    a.algorithm.get_ref(),
+                    a.min.get_ref(),
+                    a.max.get_ref(),
+                    a.initial.get_ref()
+                );
+            }
+            line.push_str(&plans(c.plans.keys().collect()));
+            lines.push(line);
+        }
+        for w in &self.spec.bandwidth {
+            let w = w.get_ref();
+            let bytes = |v: &toml::Value, unit: &str| match v {
+                toml::Value::Integer(n) => format!("{n} bytes{unit}"),
+                other => value(other),
+            };
+            lines.push(format!(
+                "bandwidth {:?}: key {}; {}, bursts of {}; {}",
+                w.name.get_ref(),
+                w.key.get_ref(),
+                bytes(w.rate.get_ref(), "/s"),
+                bytes(w.burst.get_ref(), ""),
+                w.direction
+                    .as_ref()
+                    .map_or("responses", |d| d.get_ref().as_str())
+            ));
+        }
+        lines
+    }
+
     /// The names of the file's `[[quotas]]`, in the file's order.
     pub fn quota_names(&self) -> Vec<&str> {
         names(&self.spec.quotas, |q| &q.name)

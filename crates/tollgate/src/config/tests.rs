@@ -1112,3 +1112,21 @@ fn offsets_bounds_names_and_unapplied_sections() {
     assert_eq!(after.unapplied_changes(&before), ["[[concurrency]]"]);
     assert!(before.unapplied_changes(&before).is_empty());
 }
+
+/// The README's configuration example loads, and declares what it says.
+#[cfg(feature = "tz")]
+#[test]
+fn the_readme_configuration_example_loads() {
+    let readme = include_str!("../../../../README.md");
+    let section = readme.split("## Configuration").nth(1).unwrap();
+    let example = section
+        .split("```toml\n")
+        .nth(1)
+        .and_then(|s| s.split("```").next())
+        .unwrap();
+    let file = PolicyFile::parse(example).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(file.quota_names(), ["daily"]);
+    assert_eq!(file.concurrency_names(), ["per-client"]);
+    assert_eq!(file.bandwidth_names(), ["download-rate"]);
+    assert_eq!(file.describe().len(), 4);
+}

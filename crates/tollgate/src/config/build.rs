@@ -744,6 +744,26 @@ macro_rules! plan_source {
     }};
 }
 
+/// A cost known at load above every plan's `capacity`: such a request
+/// could never pass (always 429). Surely a mistake; said at `cost`.
+fn never_passes(
+    costliest: Option<(u64, String)>,
+    cost: Option<&Spanned<toml::Value>>,
+    capacity: u64,
+    field: String,
+) -> Result<(), Problem> {
+    match (costliest, cost) {
+        (Some((n, what)), Some(c)) if n > capacity => Err(at(
+            c,
+            field,
+            format!(
+                "{what} costs {n}, more than this limit ever admits at once ({capacity}, every plan included): such a request could never pass"
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// The key `key` of the entry at `path` names, read as the file says
 /// (`client-ip` by its trusted proxies and IPv6 prefix).
 fn file_key(file: &FileSpec, key: &Spanned<String>, path: &str) -> Result<FileKey, Problem> {
@@ -849,15 +869,24 @@ pub(super) fn quota(
     let path = format!("quotas[{i}]");
     let field = |f: &str| format!("{path}.{f}");
     let key = file_key(file, &q.key, &path)?;
+    let cost = cost_of(file, q.cost.as_ref(), &path)?;
+    let costliest = cost.costliest();
     let mut b = crate::QuotaLayer::builder(q.name.get_ref())
         .key(key)
-        .cost(cost_of(file, q.cost.as_ref(), &path)?);
-    for (period, limit) in periods(&q.limits, &field("limits"))? {
+        .cost(cost);
+    // What one request may cost at most and still pass: its plan's
+    // smallest period limit, the most of any plan.
+    let default = periods(&q.limits, &field("limits"))?;
+    let mut capacity = default.iter().map(|(_, n)| *n).min().unwrap_or(0);
+    for (period, limit) in default {
         b = b.period(period, limit);
     }
     for (plan, limits) in &q.plans {
-        b = b.plan(plan, &periods(limits, &field(&format!("plans.{plan}")))?);
+        let limits = periods(limits, &field(&format!("plans.{plan}")))?;
+        capacity = capacity.max(limits.iter().map(|(_, n)| *n).min().unwrap_or(0));
+        b = b.plan(plan, &limits);
     }
+    never_passes(costliest, q.cost.as_ref(), capacity, field("cost"))?;
     if !q.plans.is_empty() {
         b = plan_source!(file, b, spanned, field("plans"));
     }
@@ -898,15 +927,18 @@ pub(super) fn concurrency(
     let field = |f: &str| format!("{path}.{f}");
     let key = file_key(file, &c.key, &path)?;
     let max = whole(*c.max.get_ref(), &c.max, field("max"), 1)?;
+    let cost = cost_of(file, c.cost.as_ref(), &path)?;
+    let costliest = cost.costliest();
     let mut b = crate::ConcurrencyLayer::builder(c.name.get_ref(), max)
         .key(key)
-        .cost(cost_of(file, c.cost.as_ref(), &path)?);
+        .cost(cost);
+    let mut capacity = u64::from(max);
     for (plan, m) in &c.plans {
-        b = b.plan(
-            plan,
-            whole(*m.get_ref(), m, field(&format!("plans.{plan}")), 1)?,
-        );
+        let plan_max = whole(*m.get_ref(), m, field(&format!("plans.{plan}")), 1)?;
+        capacity = capacity.max(u64::from(plan_max));
+        b = b.plan(plan, plan_max);
     }
+    never_passes(costliest, c.cost.as_ref(), capacity, field("cost"))?;
     if !c.plans.is_empty() {
         b = plan_source!(file, b, spanned, field("plans"));
     }

@@ -815,7 +815,7 @@ fn with_quotas(extra: &str) -> String {
 name = "daily"
 key = "header:x-api-key | client-ip"
 limits = {{ day = 2 }}
-cost = "api"
+cost = {{ default = 1, routes = [{{ method = "POST", path = "/api/orders", cost = 3 }}] }}
 soft_limit = 0.5
 plans.pro = {{ day = 4 }}
 
@@ -1129,4 +1129,18 @@ fn the_readme_configuration_example_loads() {
     assert_eq!(file.concurrency_names(), ["per-client"]);
     assert_eq!(file.bandwidth_names(), ["download-rate"]);
     assert_eq!(file.describe().len(), 4);
+}
+
+/// Review of the new sections: a cost known at load above every plan's
+/// limit could never pass, and is refused at `cost` (as a rule's is).
+#[test]
+fn a_cost_no_plan_can_hold_is_refused_at_load() {
+    let e = error(&with_quotas("").replace(
+        "cost = { default = 1, routes = [{ method = \"POST\", path = \"/api/orders\", cost = 3 }] }",
+        "cost = \"api\"",
+    ));
+    assert!(e.contains("quotas[0].cost: "), "{e}");
+    assert!(e.contains("could never pass"), "{e}");
+    let e = error(&with_limits("").replace("max = 1\n", "max = 1\ncost = 3\n"));
+    assert!(e.contains("concurrency[0].cost: every request costs 3, more than this limit ever admits at once (2, every plan included)"), "{e}");
 }

@@ -63,9 +63,16 @@ fn field_at(text: &str, offset: usize) -> String {
             table = format!("{list}[{n}]");
             *n = n.saturating_add(1);
         } else if let Some(name) = line.strip_prefix('[').and_then(|l| l.split(']').next()) {
-            if !line.starts_with("[[") {
-                table = name.trim().to_owned();
-            }
+            let name = name.trim();
+            // A sub-table of the latest entry of a `[[list]]` (e.g.
+            // `[concurrency.queue]`) is that entry's.
+            table = match name.split_once('.') {
+                Some((list, rest)) => match entries.get(list) {
+                    Some(n) => format!("{list}[{}].{rest}", n.saturating_sub(1)),
+                    None => name.to_owned(),
+                },
+                None => name.to_owned(),
+            };
         }
     }
     // The key on the offending line: before its `=`, or the word at the

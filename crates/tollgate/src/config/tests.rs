@@ -1144,3 +1144,25 @@ fn a_cost_no_plan_can_hold_is_refused_at_load() {
     let e = error(&with_limits("").replace("max = 1\n", "max = 1\ncost = 3\n"));
     assert!(e.contains("concurrency[0].cost: every request costs 3, more than this limit ever admits at once (2, every plan included)"), "{e}");
 }
+
+/// A sub-table of a `[[list]]` entry keeps the entry's index in an
+/// error's field path; a table of its own (`[costs.api]`) does not.
+#[test]
+fn a_sub_table_of_an_entry_is_named_by_the_entry() {
+    let text = with_limits(
+        "\n[[concurrency]]\nname = \"c\"\nkey = \"global\"\nmax = 2\n\n[concurrency.queue]\nmax_len = 3\nmax_wiat = \"1s\"\n",
+    );
+    let e = error(&text);
+    assert!(
+        e.contains(": concurrency[1].queue.max_wiat: unknown field"),
+        "{e}"
+    );
+    // A `[[rules]]` entry's plan table after it is the entry's too.
+    let plan = error(
+        "plan_from = \"extension\"\n[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\n\n[rules.plans.pro]\nrate = \"2/s\"\nburts = 2\n",
+    );
+    assert!(
+        plan.contains(": rules[0].plans.pro.burts: unknown field"),
+        "{plan}"
+    );
+}

@@ -443,6 +443,46 @@ fn missing_key(m: &Spanned<String>, field: String) -> Result<MissingKey, Problem
     })
 }
 
+/// `$b` with its plan source from `plan_from` (`$p`): `"extension"` or
+/// `"header:<name>"`. (A macro: the builders of the policy, quota and
+/// concurrency layers each have these methods, and no trait in common.)
+macro_rules! plan_source {
+    ($b:expr, $p:expr) => {{
+        let p: &Spanned<String> = $p;
+        match p.get_ref().as_str() {
+            "extension" => $b.plan_from_extension(),
+            other => match other.strip_prefix("header:") {
+                Some(h) => $b
+                    .plan_from_header(h.trim())
+                    .map_err(|e| at(p, "plan_from".to_owned(), e.message().to_owned()))?,
+                None => {
+                    return Err(at(
+                        p,
+                        "plan_from".to_owned(),
+                        "must be \"extension\" or \"header:<name>\"",
+                    ))
+                }
+            },
+        }
+    }};
+}
+
+/// The file's `plan_from`, for the entry `spanned` (at `field`) that
+/// names plans: a file that names plans must say where they come from.
+fn plan_from<'a, T>(
+    file: &'a FileSpec,
+    spanned: &Spanned<T>,
+    field: String,
+) -> Result<&'a Spanned<String>, Problem> {
+    file.plan_from.as_ref().ok_or_else(|| {
+        at(
+            spanned,
+            field,
+            "plans are named, but the file sets no plan_from",
+        )
+    })
+}
+
 /// A builder holding everything `file` declares.
 pub(super) fn builder<B>(file: &FileSpec) -> Result<PolicyLayerBuilder<B, MemoryStore>, Problem> {
     let (client, v6_prefix) = client_ip(file)?;
@@ -464,21 +504,7 @@ pub(super) fn builder<B>(file: &FileSpec) -> Result<PolicyLayerBuilder<B, Memory
         }
     }
     if let Some(p) = &file.plan_from {
-        b = match p.get_ref().as_str() {
-            "extension" => b.plan_from_extension(),
-            other => match other.strip_prefix("header:") {
-                Some(h) => b
-                    .plan_from_header(h.trim())
-                    .map_err(|e| at(p, "plan_from".to_owned(), e.message().to_owned()))?,
-                None => {
-                    return Err(at(
-                        p,
-                        "plan_from".to_owned(),
-                        "must be \"extension\" or \"header:<name>\"",
-                    ))
-                }
-            },
-        };
+        b = plan_source!(b, p);
     }
     if file.rules.is_empty() {
         return Err((
@@ -648,19 +674,12 @@ fn rule(
         capacity = capacity.max(plan_capacity);
         rule = rule.plan(plan, lim);
     }
-    // A cost known at load above every plan's capacity: such a request
-    // could never pass (always 429). Surely a mistake; say so now.
-    if let (Some((cost, what)), Some(c)) = (costliest, &r.cost) {
-        if cost > capacity {
-            return Err(at(
-                c,
-                field("cost"),
-                format!(
-                    "{what} costs {cost}, more than this rule ever admits at once ({capacity}, every plan included): such a request could never pass"
-                ),
-            ));
-        }
-    }
+    never_passes(
+        costliest,
+        r.cost.as_ref(),
+        (capacity, "rule"),
+        field("cost"),
+    )?;
     Ok(rule)
 }
 
@@ -722,41 +741,13 @@ pub(super) fn config_error(file: &FileSpec, e: &ConfigError) -> Option<Problem> 
     Some((span, e.field().to_owned(), message.to_owned()))
 }
 
-/// Sets `b`'s plan source from the file's `plan_from`, for the entry at
-/// `field` that names plans.
-macro_rules! plan_source {
-    ($file:expr, $b:expr, $spanned:expr, $field:expr) => {{
-        let Some(p) = &$file.plan_from else {
-            return Err(at(
-                $spanned,
-                $field,
-                "plans are named, but the file sets no plan_from",
-            ));
-        };
-        match p.get_ref().as_str() {
-            "extension" => $b.plan_from_extension(),
-            other => match other.strip_prefix("header:") {
-                Some(h) => $b
-                    .plan_from_header(h.trim())
-                    .map_err(|e| at(p, "plan_from".to_owned(), e.message().to_owned()))?,
-                None => {
-                    return Err(at(
-                        p,
-                        "plan_from".to_owned(),
-                        "must be \"extension\" or \"header:<name>\"",
-                    ))
-                }
-            },
-        }
-    }};
-}
-
 /// A cost known at load above every plan's `capacity`: such a request
 /// could never pass (always 429). Surely a mistake; said at `cost`.
+/// (`kind`: what the entry is, `rule` or `limit`, for the message.)
 fn never_passes(
     costliest: Option<(u64, String)>,
     cost: Option<&Spanned<toml::Value>>,
-    capacity: u64,
+    (capacity, kind): (u64, &str),
     field: String,
 ) -> Result<(), Problem> {
     match (costliest, cost) {
@@ -764,7 +755,7 @@ fn never_passes(
             c,
             field,
             format!(
-                "{what} costs {n}, more than this limit ever admits at once ({capacity}, every plan included): such a request could never pass"
+                "{what} costs {n}, more than this {kind} ever admits at once ({capacity}, every plan included): such a request could never pass"
             ),
         )),
         _ => Ok(()),
@@ -893,9 +884,14 @@ pub(super) fn quota(
         capacity = capacity.max(limits.iter().map(|(_, n)| *n).min().unwrap_or(0));
         b = b.plan(plan, &limits);
     }
-    never_passes(costliest, q.cost.as_ref(), capacity, field("cost"))?;
+    never_passes(
+        costliest,
+        q.cost.as_ref(),
+        (capacity, "limit"),
+        field("cost"),
+    )?;
     if !q.plans.is_empty() {
-        b = plan_source!(file, b, spanned, field("plans"));
+        b = plan_source!(b, plan_from(file, spanned, field("plans"))?);
     }
     if let Some(m) = &q.missing_key {
         b = b.on_missing_key(missing_key(m, field("missing_key"))?);
@@ -945,9 +941,14 @@ pub(super) fn concurrency(
         capacity = capacity.max(u64::from(plan_max));
         b = b.plan(plan, plan_max);
     }
-    never_passes(costliest, c.cost.as_ref(), capacity, field("cost"))?;
+    never_passes(
+        costliest,
+        c.cost.as_ref(),
+        (capacity, "limit"),
+        field("cost"),
+    )?;
     if !c.plans.is_empty() {
-        b = plan_source!(file, b, spanned, field("plans"));
+        b = plan_source!(b, plan_from(file, spanned, field("plans"))?);
     }
     if let Some(q) = &c.queue {
         let q = q.get_ref();

@@ -288,12 +288,7 @@ impl Walk {
                             self.step = Step::Rules(i);
                             return Some(Io::Rules(i));
                         };
-                        let answer = JointDecision {
-                            consumed: decision.as_ref().is_ok_and(Decision::is_allowed),
-                            decision,
-                            failed: false,
-                        };
-                        self.on_rule(shared, i, answer);
+                        self.on_rule(shared, i, alone(decision, cost));
                     }
                     self.step = Step::Settle;
                 }
@@ -458,11 +453,7 @@ impl Walk {
                     .await
                     .into_iter()
                     .zip(&joint)
-                    .map(|(decision, p)| JointDecision {
-                        consumed: p.cost > 0 && decision.as_ref().is_ok_and(Decision::is_allowed),
-                        decision,
-                        failed: false,
-                    })
+                    .map(|(decision, p)| alone(decision, p.cost))
                     .collect()
             }
         };
@@ -680,6 +671,16 @@ impl Walk {
     pub(super) fn after<B, L>(&self, shared: &Shared<B, L>) -> Option<Vec<(usize, KeyBytes)>> {
         (matches!(self.verdict, Verdict::Pass { .. }) && (shared.response_aware || self.taken))
             .then(|| self.owned_keys(shared, true))
+    }
+}
+
+/// A rule's answer decided on its own (not together with the others):
+/// what it admitted at a cost is consumed.
+fn alone(decision: Result<Decision, StoreError>, cost: u64) -> JointDecision {
+    JointDecision {
+        consumed: cost > 0 && decision.as_ref().is_ok_and(Decision::is_allowed),
+        decision,
+        failed: false,
     }
 }
 

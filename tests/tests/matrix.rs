@@ -148,6 +148,10 @@ const ROWS: &[Row] = &[
         check: |c| Box::pin(path_forms(c)),
     },
     Row {
+        name: "3d a limit scoped to routes: others pass it unkeyed and uncharged",
+        check: |c| Box::pin(scoped_routes(c)),
+    },
+    Row {
         name: "4 long-lived responses freeze nothing",
         check: |c| Box::pin(long_bodies(c)),
     },
@@ -414,6 +418,9 @@ struct Spec {
     /// Its budget: units (rate, quota), permits (concurrency), bytes per
     /// second (bandwidth).
     budget: u32,
+    /// The routes the limit is scoped to (method, pattern); every route
+    /// if `None`.
+    routes: Option<(&'static str, &'static str)>,
 }
 
 fn aimd_5() -> AdaptiveLimit {
@@ -437,6 +444,7 @@ impl Default for Spec {
             on_store_error: OnStoreError::Admit,
             rule: "m",
             budget: BUDGET,
+            routes: None,
         }
     }
 }
@@ -463,19 +471,39 @@ where
     };
     let key = TestKey(spec.key);
     let slow = Rate::new(1, Duration::from_secs(3_600));
+    let routes = spec.routes.map(|(method, pattern)| {
+        tollgate::Routes::new()
+            .route(
+                Some(Method::from_bytes(method.as_bytes()).unwrap()),
+                pattern,
+            )
+            .unwrap()
+    });
+    // Every limit's builder takes the same `routes`.
+    macro_rules! scoped {
+        ($builder:expr) => {
+            match &routes {
+                Some(r) => $builder.routes(r.clone()),
+                None => $builder,
+            }
+        };
+    }
     let mut adaptive_limit = None;
     let router = match layer {
         Layer::Rate => router.layer(
-            RateLimitLayer::builder(spec.rule, Limit::gcra(slow, spec.budget))
-                .key(key)
-                .cost(cost)
-                .on_store_error(spec.on_store_error)
-                .store(store)
-                .build()
-                .unwrap(),
+            scoped!(
+                RateLimitLayer::builder(spec.rule, Limit::gcra(slow, spec.budget))
+                    .key(key)
+                    .cost(cost)
+                    .on_store_error(spec.on_store_error)
+                    .store(store)
+            )
+            .build()
+            .unwrap(),
         ),
         Layer::Policy => {
-            let mut rule = RateRule::new(spec.rule, Limit::gcra(slow, spec.budget), key).cost(cost);
+            let mut rule =
+                scoped!(RateRule::new(spec.rule, Limit::gcra(slow, spec.budget), key).cost(cost));
             if let Some(status) = spec.count_if {
                 rule = rule.count_if(move |s| s.as_u16() == status);
             }
@@ -488,22 +516,22 @@ where
             router.layer(policy.store(store).build().unwrap())
         }
         Layer::Quota => router.layer(
-            QuotaLayer::builder(spec.rule)
+            scoped!(QuotaLayer::builder(spec.rule)
                 .period(Period::Day, u64::from(spec.budget))
                 .key(key)
                 .cost(cost)
                 .on_store_error(spec.on_store_error)
-                .store(store)
-                .build()
-                .unwrap(),
+                .store(store))
+            .build()
+            .unwrap(),
         ),
         Layer::Concurrency | Layer::Adaptive => {
-            let mut b = ConcurrencyLayer::builder(spec.rule, spec.budget)
+            let mut b = scoped!(ConcurrencyLayer::builder(spec.rule, spec.budget)
                 .key(key)
                 .cost(cost)
                 .on_store_error(spec.on_store_error)
                 .store(store)
-                .upgrades(true);
+                .upgrades(true));
             if layer == Layer::Adaptive {
                 b = b
                     .adaptive_service_limit("svc", (spec.adaptive)())
@@ -515,11 +543,11 @@ where
             router.layer(built)
         }
         Layer::Bandwidth => router.layer(
-            BandwidthLayer::builder(spec.rule, 1 << 20, spec.budget)
+            scoped!(BandwidthLayer::builder(spec.rule, 1 << 20, spec.budget)
                 .key(key)
-                .store(store)
-                .build()
-                .unwrap(),
+                .store(store))
+            .build()
+            .unwrap(),
         ),
         Layer::Retry => panic!("the retry layer is a client's: see `client`"),
     };
@@ -1038,6 +1066,50 @@ async fn path_forms(cell: Cell<'_>) -> CellResult {
             .unwrap();
         charged_as_get(&format!("GET {path}"), &r)?;
     }
+    Ok(Verdict::Pass)
+}
+
+async fn scoped_routes(cell: Cell<'_>) -> CellResult {
+    if cell.layer == Layer::Retry {
+        return Ok(Verdict::NotApplicable("a client's layer: no routes"));
+    }
+    // A body's pace has no fields to read: there the keyless requests tell.
+    let fields = cell.layer != Layer::Bandwidth;
+    let backend = Backend::default();
+    let spec = Spec {
+        routes: Some(("GET", "/r")),
+        ..Spec::default()
+    };
+    let s = serve(cell, spec, &backend, true).await;
+    // Out of scope: another route, another method, no key at all (in
+    // scope, the default refuses it with a 400). Nothing is charged and
+    // the limit says nothing.
+    for (method, path, key) in [
+        (Method::GET, "/s", Some(&b"k"[..])),
+        (Method::POST, "/r", Some(b"k")),
+        (Method::GET, "/s", None),
+        (Method::POST, "/r", None),
+    ] {
+        let r = send(s.addr, req(method.clone(), path, key)).await.unwrap();
+        expect(r.status == StatusCode::OK, || {
+            format!("{method} {path} (key {key:?}): HTTP {}", r.status)
+        })?;
+        expect(!fields || remaining(&r).is_none(), || {
+            format!("{method} {path} out of scope has the limit's fields: {r:?}")
+        })?;
+    }
+    // In scope, in every form of the path and by HEAD: the first charge
+    // is the only one so far; a keyless one is refused.
+    let r = send(s.addr, req(Method::HEAD, "/x/../r/", Some(b"k")))
+        .await
+        .unwrap();
+    if fields {
+        charged_as_get("HEAD /x/../r/ after four out of scope", &r)?;
+    }
+    let r = send(s.addr, req(Method::GET, "/r", None)).await.unwrap();
+    expect(r.status == StatusCode::BAD_REQUEST, || {
+        format!("GET /r without a key: HTTP {}", r.status)
+    })?;
     Ok(Verdict::Pass)
 }
 

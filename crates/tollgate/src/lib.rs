@@ -175,6 +175,7 @@ pub mod quota;
 pub mod rate_limit;
 pub mod rejection;
 pub mod retry;
+mod routes;
 pub mod store;
 mod task;
 mod ways;
@@ -189,6 +190,7 @@ pub use rate_limit::{
 };
 pub use rejection::OnStoreError;
 pub use retry::{RetryBudgetLayer, RetryBudgetService};
+pub use routes::Routes;
 pub use store::AnyStore;
 pub use tollgate_core::{
     self as core, calendar, Algorithm, Clock, ConcurrencyLimiter, ConfigError, Decision, Limit,

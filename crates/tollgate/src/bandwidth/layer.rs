@@ -96,6 +96,7 @@ impl BandwidthLayer<PeerIp, MemoryStore> {
             store: MemoryStore::new(),
             direction: Direction::default(),
             missing: MissingKey::default(),
+            routes: None,
         }
     }
 }
@@ -110,6 +111,7 @@ pub struct BandwidthLayerBuilder<K, St> {
     store: St,
     direction: Direction,
     missing: MissingKey,
+    routes: Option<crate::Routes>,
 }
 
 impl<K: fmt::Debug, St> fmt::Debug for BandwidthLayerBuilder<K, St> {
@@ -171,6 +173,7 @@ impl<K, St> BandwidthLayerBuilder<K, St> {
             store: self.store,
             direction: self.direction,
             missing: self.missing,
+            routes: self.routes,
         }
     }
 
@@ -186,6 +189,7 @@ impl<K, St> BandwidthLayerBuilder<K, St> {
             store,
             direction: self.direction,
             missing: self.missing,
+            routes: self.routes,
         }
     }
 
@@ -223,6 +227,14 @@ impl<K, St> BandwidthLayerBuilder<K, St> {
         self.missing = missing;
         self
     }
+
+    /// Only requests to `routes` are limited by this layer; others pass
+    /// it untouched (not counted, no headers from it). An empty set is a
+    /// build error.
+    pub fn routes(mut self, routes: crate::Routes) -> Self {
+        self.routes = Some(routes);
+        self
+    }
 }
 
 impl<K, St: Store> BandwidthLayerBuilder<K, St> {
@@ -238,6 +250,7 @@ impl<K, St: Store> BandwidthLayerBuilder<K, St> {
         if self.burst == 0 {
             return Err(ConfigError::new("burst", "must be at least 1"));
         }
+        crate::Routes::check(self.routes.as_ref())?;
         let (refill, interval) = bucket(self.rate, self.burst);
         let rule = Rule::new(
             &self.name,
@@ -255,7 +268,7 @@ impl<K, St: Store> BandwidthLayerBuilder<K, St> {
                 limiter: self.store.limiter(&rule)?,
                 chunk,
                 direction: self.direction,
-                keying: Keying::new(self.missing),
+                keying: Keying::new(self.missing).scoped(self.routes),
                 metrics: (
                     Arc::new(BandwidthMetrics::register(&self.name, "request")),
                     Arc::new(BandwidthMetrics::register(&self.name, "response")),
@@ -326,32 +339,35 @@ where
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
         let shared = &self.shared;
         let mut buf = KeyBuf::new();
-        let extracted = shared.key.extract(&req, &mut buf);
         let (unkeyed, missing) = &shared.keyless;
         let rule = shared.limiter.rule().name();
-        let key = match (shared.keying).resolve(extracted, &mut buf, rule, Some((unkeyed, missing)))
-        {
-            Keyed::Key => Some(KeyBytes::new(&mut buf)),
-            Keyed::Skip => None,
-            Keyed::Reject => {
-                let rejected = Rejected {
-                    rule: Arc::from(rule),
-                    kind: LimitKind::Bandwidth,
-                    reason: Reason::MissingKey,
-                    decision: None,
-                    grpc: is_grpc(&req),
-                };
-                let response = crate::rejection::mark(if rejected.grpc {
-                    rejected.to_grpc_response()
-                } else {
-                    rejected.to_problem_response()
-                });
-                return ResponseFuture {
-                    state: State::Rejected {
-                        response: Some(response),
-                    },
-                    pacer: None,
-                };
+        let key = if !shared.keying.applies(&req) {
+            None
+        } else {
+            let extracted = shared.key.extract(&req, &mut buf);
+            match (shared.keying).resolve(extracted, &mut buf, rule, Some((unkeyed, missing))) {
+                Keyed::Key => Some(KeyBytes::new(&mut buf)),
+                Keyed::Skip => None,
+                Keyed::Reject => {
+                    let rejected = Rejected {
+                        rule: Arc::from(rule),
+                        kind: LimitKind::Bandwidth,
+                        reason: Reason::MissingKey,
+                        decision: None,
+                        grpc: is_grpc(&req),
+                    };
+                    let response = crate::rejection::mark(if rejected.grpc {
+                        rejected.to_grpc_response()
+                    } else {
+                        rejected.to_problem_response()
+                    });
+                    return ResponseFuture {
+                        state: State::Rejected {
+                            response: Some(response),
+                        },
+                        pacer: None,
+                    };
+                }
             }
         };
         let d = shared.direction;

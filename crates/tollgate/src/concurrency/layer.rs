@@ -145,6 +145,7 @@ impl ConcurrencyLayer<PeerIp, Fixed, AllCritical, MemoryStore> {
                 plans: Vec::new(),
                 plan_source: None,
                 access: None,
+                routes: None,
             },
         }
     }
@@ -184,6 +185,7 @@ struct Config {
     plans: Vec<(String, u32)>,
     plan_source: Option<Named>,
     access: Option<AccessList>,
+    routes: Option<crate::Routes>,
 }
 
 /// Builds a [`ConcurrencyLayer`]; see [`ConcurrencyLayer::builder`].
@@ -456,6 +458,15 @@ impl<K, C, P, St> ConcurrencyLayerBuilder<K, C, P, St> {
         self
     }
 
+    /// Only requests to `routes` are limited by this layer; others pass
+    /// it untouched (no permit of any limit here, service-wide and read-only mode
+    /// included; not counted; no headers from it). An empty set is a
+    /// build error.
+    pub fn routes(mut self, routes: crate::Routes) -> Self {
+        self.cfg.routes = Some(routes);
+        self
+    }
+
     /// Replaces the HTTP rejection (gRPC requests keep the gRPC one). The
     /// layer still adds `Retry-After` and the `RateLimit` headers.
     pub fn rejection<F>(mut self, f: F) -> Self
@@ -479,6 +490,7 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
             cfg.plans.iter().map(|(plan, _)| plan.as_str()),
             cfg.plan_source.is_some(),
         )?;
+        crate::Routes::check(cfg.routes.as_ref())?;
         // The default plan's max, and each plan's, as a rule's would be.
         rule(&cfg.name, cfg.max)?;
         for (plan, max) in &cfg.plans {
@@ -658,7 +670,7 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
                 plans,
                 service,
                 queue,
-                keying: Keying::new(cfg.missing),
+                keying: Keying::new(cfg.missing).scoped(cfg.routes),
                 shadow: cfg.shadow,
                 metrics: ConcurrencyMetrics::register(&name),
                 share: cfg.share,

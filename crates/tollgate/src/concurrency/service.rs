@@ -66,6 +66,13 @@ where
     fn call(&mut self, mut req: Request<ReqB>) -> Self::Future {
         let plan = self.shared.plans.index(&req);
         let responder = Arc::clone(&self.shared.plans.get(plan).responder);
+        if !self.shared.keying.applies(&req) {
+            let state = State::Calling {
+                future: self.inner.call(req),
+                admitted: None,
+            };
+            return ResponseFuture::new(state, responder);
+        }
         let admission = self.shared.start(&req, plan);
         responder.count_route(&req, &admission);
         let state = match admission {

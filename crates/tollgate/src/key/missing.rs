@@ -53,6 +53,8 @@ pub(crate) enum Keyed {
 pub(crate) struct Keying {
     missing: MissingKey,
     warned: AtomicBool,
+    /// The routes the layer or rule applies to (`None`: every request).
+    routes: Option<crate::Routes>,
 }
 
 impl Keying {
@@ -60,7 +62,21 @@ impl Keying {
         Self {
             missing,
             warned: AtomicBool::new(false),
+            routes: None,
         }
+    }
+
+    /// Scoped to `routes`, if any.
+    pub(crate) fn scoped(mut self, routes: Option<crate::Routes>) -> Self {
+        self.routes = routes;
+        self
+    }
+
+    /// Whether `req` is in the scope of the layer or rule: a request to
+    /// another route passes it untouched (no key read, nothing counted).
+    #[inline]
+    pub(crate) fn applies<B>(&self, req: &http::Request<B>) -> bool {
+        crate::Routes::applies(self.routes.as_ref(), req)
     }
 
     /// What to do with a request whose key extraction gave `extracted`

@@ -147,6 +147,7 @@ struct Unbound<B> {
     ladder: Option<super::rule::Ladder>,
     challenge: Option<Arc<dyn super::Challenge>>,
     warn_at: Option<f64>,
+    routes: Option<crate::Routes>,
 }
 
 /// The most plans one policy knows.
@@ -204,6 +205,7 @@ impl<B, St> PolicyLayerBuilder<B, St> {
             ladder: rule.ladder,
             challenge: rule.challenge,
             warn_at: rule.warn_at,
+            routes: rule.routes,
         });
         self
     }
@@ -552,6 +554,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
             // policy file's error points at its line.
             let at = |e: ConfigError| e.in_item("rules", i);
             let rule = Rule::new(&r.name, r.limit).map_err(at)?;
+            crate::Routes::check(r.routes.as_ref()).map_err(at)?;
             if bound
                 .iter()
                 .any(|b: &Bound<B, St::Limiter>| *b.responder.rule == *rule.name())
@@ -637,7 +640,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 rule: r.rule,
                 challenge,
                 limiter,
-                keying: Keying::new(r.missing),
+                keying: Keying::new(r.missing).scoped(r.routes),
                 canary,
                 responder: responder(&rule, default_plan),
                 plans: plans.into(),

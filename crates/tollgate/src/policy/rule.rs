@@ -34,6 +34,7 @@ pub struct RateRule<K, C = Fixed> {
     pub(crate) ladder: Option<Ladder>,
     pub(crate) challenge: Option<Arc<dyn super::Challenge>>,
     pub(crate) warn_at: Option<f64>,
+    pub(crate) routes: Option<crate::Routes>,
 }
 
 /// An escalation ladder's parameters: strikes, period, first block,
@@ -78,6 +79,7 @@ impl<K> RateRule<K, Fixed> {
             ladder: None,
             challenge: None,
             warn_at: None,
+            routes: None,
         }
     }
 }
@@ -98,7 +100,16 @@ impl<K, C> RateRule<K, C> {
             ladder: self.ladder,
             challenge: self.challenge,
             warn_at: self.warn_at,
+            routes: self.routes,
         }
+    }
+
+    /// Only requests to `routes` are decided by this rule; others pass
+    /// it (not counted, no headers from it). An empty set is a build
+    /// error.
+    pub fn routes(mut self, routes: crate::Routes) -> Self {
+        self.routes = Some(routes);
+        self
     }
 
     /// The ladder's first step: once a key has used `share` (above 0, at

@@ -103,6 +103,9 @@ impl<B, L> Bound<B, L> {
     /// one in `unkeyed` or `missing_key`), and whether it is the
     /// request's own (`false` for a shared fallback key).
     pub(super) fn key(&self, req: &Request<B>, key: &mut KeyBuf) -> (Keyed, bool) {
+        if !self.keying.applies(req) {
+            return (Keyed::Skip, false);
+        }
         let m = &self.responder.metrics;
         let extracted = self.rule.key(req, key);
         let keyed = match self.keying.resolve(

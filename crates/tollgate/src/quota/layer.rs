@@ -137,6 +137,7 @@ impl QuotaLayer<PeerIp, Fixed, MemoryStore> {
                 plans: Vec::new(),
                 plan_source: None,
                 access: None,
+                routes: None,
             },
         }
     }
@@ -157,6 +158,7 @@ struct Config {
     plans: Vec<(String, Vec<(Period, u64)>)>,
     plan_source: Option<Named>,
     access: Option<AccessList>,
+    routes: Option<crate::Routes>,
 }
 
 /// Builds a [`QuotaLayer`]; see [`QuotaLayer::builder`].
@@ -335,6 +337,14 @@ impl<K, C, St> QuotaLayerBuilder<K, C, St> {
         self
     }
 
+    /// Only requests to `routes` are limited by this layer; others pass
+    /// it untouched (not counted, no headers from it). An empty set is a
+    /// build error.
+    pub fn routes(mut self, routes: crate::Routes) -> Self {
+        self.cfg.routes = Some(routes);
+        self
+    }
+
     /// Replaces the HTTP rejection (gRPC requests keep the gRPC one). The
     /// layer still adds `Retry-After` and the `RateLimit` headers.
     pub fn rejection<F>(mut self, f: F) -> Self
@@ -351,6 +361,7 @@ impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
     /// its field.
     pub fn build(self) -> Result<QuotaLayer<K, C, St>, ConfigError> {
         let cfg = self.cfg;
+        crate::Routes::check(cfg.routes.as_ref())?;
         if let Some(soft) = cfg.soft {
             if !(soft > 0.0 && soft <= 1.0) {
                 return Err(ConfigError::new(
@@ -416,7 +427,7 @@ impl<K, C, St: QuotaStore> QuotaLayerBuilder<K, C, St> {
                     default,
                     plans: bound,
                 },
-                keying: Keying::new(cfg.missing),
+                keying: Keying::new(cfg.missing).scoped(cfg.routes),
                 refund_unserved: cfg.refund_unserved,
                 access: cfg
                     .access

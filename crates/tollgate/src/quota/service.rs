@@ -331,6 +331,10 @@ where
         let shared = &self.shared;
         let (limiter, responder) = shared.plans.of(&req);
         let responder = Arc::clone(responder);
+        if !shared.keying.applies(&req) {
+            let state = State::calling(self.inner.call(req));
+            return ResponseFuture { state, responder };
+        }
         if let Some(listed) = &shared.access {
             match listed.check(&req) {
                 Access::Unlisted => {}

@@ -74,6 +74,7 @@ impl RateLimitLayer<PeerIp, Fixed, MemoryStore> {
                 on_store_error: OnStoreError::default(),
                 rejection: None,
                 route_label: false,
+                routes: None,
             },
         }
     }
@@ -169,6 +170,7 @@ struct Config {
     on_store_error: OnStoreError,
     rejection: Option<RejectFn>,
     route_label: bool,
+    routes: Option<crate::Routes>,
 }
 
 impl<K: fmt::Debug, C: fmt::Debug, St> fmt::Debug for RateLimitLayerBuilder<K, C, St> {
@@ -256,6 +258,14 @@ impl<K, C, St> RateLimitLayerBuilder<K, C, St> {
         self
     }
 
+    /// Only requests to `routes` are limited by this layer; others pass
+    /// it untouched (not counted, no headers from it). An empty set is a
+    /// build error.
+    pub fn routes(mut self, routes: crate::Routes) -> Self {
+        self.cfg.routes = Some(routes);
+        self
+    }
+
     /// Replaces the HTTP rejection (gRPC requests keep the gRPC one). The
     /// layer still adds `Retry-After` and the `RateLimit` headers.
     pub fn rejection<F>(mut self, f: F) -> Self
@@ -283,13 +293,14 @@ impl<K, C, St: Store> RateLimitLayerBuilder<K, C, St> {
     pub fn build(self) -> Result<RateLimitLayer<K, C, St>, ConfigError> {
         let cfg = self.cfg;
         let rule = Rule::new(&cfg.name, cfg.limit)?;
+        crate::Routes::check(cfg.routes.as_ref())?;
         let limiter = self.store.limiter(&rule)?;
         Ok(RateLimitLayer {
             shared: Arc::new(Shared {
                 key: self.key,
                 cost: self.cost,
                 limiter,
-                keying: Keying::new(cfg.missing),
+                keying: Keying::new(cfg.missing).scoped(cfg.routes),
                 responder: Arc::new(Responder {
                     rule: rule.name().into(),
                     headers: Headers::new(&rule, cfg.headers, cfg.legacy_headers),

@@ -54,6 +54,9 @@ where
     C: Cost<ReqB>,
     L: Limiter,
 {
+    if !shared.keying.applies(&req) {
+        return State::calling(inner.call(req));
+    }
     let mut key = KeyBuf::new();
     let m = &shared.responder.metrics;
     let extracted = shared.key.extract(&req, &mut key);

@@ -1,0 +1,277 @@
+//! Which requests a limit applies to: path patterns in the router's
+//! syntax, each with an optional method.
+
+use std::sync::Arc;
+
+use http::{Method, Request};
+use tollgate_core::ConfigError;
+
+use crate::key::normalize_path;
+use crate::key::request::{method_of, original_path};
+
+/// A set of routes: a request matches if its method and path match any
+/// of them. Give one to a limit's builder (`routes`) to scope the limit
+/// to those routes; a request elsewhere passes that limit untouched
+/// (not counted, not refused, no headers from it).
+///
+/// Patterns use axum's syntax: literal segments, `{name}` for exactly one
+/// segment, and `{*name}` (last) for one or more. Paths compare
+/// normalised ([`normalize_path`]), as the client sent them or as the
+/// layer sees them inside `Router::nest` (prefix stripped), as
+/// [`ByRoute`](crate::cost::ByRoute) costs do; a `HEAD` matches `GET`
+/// entries (a router runs the `GET` handler for it).
+///
+/// ```
+/// use http::{Method, Request};
+/// use tollgate::Routes;
+///
+/// let downloads = Routes::new()
+///     .route(Some(Method::GET), "/api/download")?
+///     .route(None, "/files/{*path}")?
+///     .route(Some(Method::POST), "/users/{id}/avatar")?;
+/// let req = |m: Method, p: &str| Request::builder().method(m).uri(p).body(()).unwrap();
+/// assert!(downloads.matches(&req(Method::GET, "/api/download")));
+/// assert!(downloads.matches(&req(Method::HEAD, "/api/download"))); // HEAD is GET
+/// assert!(downloads.matches(&req(Method::DELETE, "/files/a/b.txt")));
+/// assert!(downloads.matches(&req(Method::POST, "/users/7/avatar")));
+/// assert!(!downloads.matches(&req(Method::POST, "/api/download")));
+/// assert!(!downloads.matches(&req(Method::GET, "/files"))); // `{*path}` needs a segment
+/// # Ok::<(), tollgate::ConfigError>(())
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct Routes {
+    entries: Arc<[Entry]>,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    method: Option<Method>,
+    pattern: Box<[Segment]>,
+    text: Box<str>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Segment {
+    Literal(Box<str>),
+    /// `{name}`: one segment.
+    Param,
+    /// `{*name}`: one segment or more, to the end.
+    Rest,
+}
+
+impl Routes {
+    /// No routes yet: add them with [`route`](Self::route). A limit given
+    /// an empty set is a build error (it would apply nowhere).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Also requests to `pattern` with `method` (any method if `None`).
+    /// An error names what is wrong with `pattern`: it must start with
+    /// `/`; a `{param}` is a whole segment; `{*rest}` comes last.
+    pub fn route(self, method: Option<Method>, pattern: &str) -> Result<Self, ConfigError> {
+        let parsed = parse(pattern).map_err(|why| ConfigError::new("routes", why))?;
+        let mut entries = self.entries.to_vec();
+        entries.push(Entry {
+            method,
+            pattern: parsed,
+            text: pattern.into(),
+        });
+        Ok(Self {
+            entries: entries.into(),
+        })
+    }
+
+    /// Whether there are no routes.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Each route as written: `GET /api/download`, `/files/{*path}`.
+    pub fn describe(&self) -> Vec<String> {
+        self.entries
+            .iter()
+            .map(|e| match &e.method {
+                Some(m) => format!("{m} {}", e.text),
+                None => e.text.to_string(),
+            })
+            .collect()
+    }
+
+    /// Whether `req` goes to one of these routes.
+    pub fn matches<B>(&self, req: &Request<B>) -> bool {
+        let (method, as_get) = (req.method(), method_of(req));
+        let mut methods = self
+            .entries
+            .iter()
+            .filter(|e| e.method.as_ref().is_none_or(|m| m == method || m == as_get))
+            .peekable();
+        if methods.peek().is_none() {
+            return false;
+        }
+        let (original, local) = (original_path(req), req.uri().path());
+        let original = normalize_path(original);
+        // Inside a nest the layer sees a shorter path; outside, the same.
+        let local = (local != &*original).then(|| normalize_path(local));
+        methods.any(|e| {
+            path_matches(&e.pattern, &original)
+                || local
+                    .as_deref()
+                    .is_some_and(|l| path_matches(&e.pattern, l))
+        })
+    }
+
+    /// Whether `req` is in scope of `routes`: every request is, where
+    /// there are none.
+    #[inline]
+    pub(crate) fn applies<B>(routes: Option<&Self>, req: &Request<B>) -> bool {
+        routes.is_none_or(|r| r.matches(req))
+    }
+
+    /// A builder's check: a set given must have a route.
+    pub(crate) fn check(routes: Option<&Self>) -> Result<(), ConfigError> {
+        match routes {
+            Some(r) if r.is_empty() => Err(ConfigError::new(
+                "routes",
+                "is empty: the limit would apply to no request",
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// `pattern`'s segments, normalised as request paths are.
+fn parse(pattern: &str) -> Result<Box<[Segment]>, String> {
+    if !pattern.starts_with('/') {
+        return Err(format!("{pattern:?} must start with \"/\""));
+    }
+    let parts: Vec<&str> = pattern.split('/').filter(|s| !s.is_empty()).collect();
+    let last = parts.len().saturating_sub(1);
+    let mut out = Vec::with_capacity(parts.len());
+    for (i, part) in parts.iter().enumerate() {
+        let segment = match part.strip_prefix('{').and_then(|p| p.strip_suffix('}')) {
+            Some(name) => {
+                let (rest, name) = match name.strip_prefix('*') {
+                    Some(name) => (true, name),
+                    None => (false, name),
+                };
+                if name.is_empty() || name.contains(['{', '}', '*']) {
+                    return Err(format!(
+                        "{pattern:?}: {part:?} is not a parameter like \"{{id}}\" or \"{{*rest}}\""
+                    ));
+                }
+                if rest && i != last {
+                    return Err(format!("{pattern:?}: {part:?} must be the last segment"));
+                }
+                if rest {
+                    Segment::Rest
+                } else {
+                    Segment::Param
+                }
+            }
+            None if part.contains(['{', '}']) => {
+                return Err(format!(
+                "{pattern:?}: {part:?} mixes a parameter with text: a parameter is a whole segment"
+            ))
+            }
+            None if *part == "." || *part == ".." || part.contains('%') => {
+                return Err(format!(
+                    "{pattern:?}: write {part:?} as the path it stands for"
+                ))
+            }
+            None => Segment::Literal((*part).into()),
+        };
+        out.push(segment);
+    }
+    Ok(out.into())
+}
+
+/// Whether the normalised `path` matches `pattern`.
+fn path_matches(pattern: &[Segment], path: &str) -> bool {
+    let mut segments = path.split('/').filter(|s| !s.is_empty());
+    for want in pattern {
+        match want {
+            Segment::Rest => return segments.next().is_some(),
+            Segment::Param => {
+                if segments.next().is_none() {
+                    return false;
+                }
+            }
+            Segment::Literal(l) => {
+                if segments.next() != Some(l) {
+                    return false;
+                }
+            }
+        }
+    }
+    segments.next().is_none()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(method: Method, uri: &str) -> Request<()> {
+        Request::builder().method(method).uri(uri).body(()).unwrap()
+    }
+
+    #[test]
+    fn patterns_match_as_the_router_routes() {
+        let r = Routes::new()
+            .route(None, "/")
+            .unwrap()
+            .route(Some(Method::GET), "/users/{id}")
+            .unwrap()
+            .route(None, "/static/{*path}")
+            .unwrap();
+        assert!(r.matches(&req(Method::GET, "/")));
+        assert!(r.matches(&req(Method::GET, "/users/7")));
+        assert!(r.matches(&req(Method::HEAD, "/users/7")));
+        assert!(!r.matches(&req(Method::PUT, "/users/7")));
+        assert!(!r.matches(&req(Method::GET, "/users")));
+        assert!(!r.matches(&req(Method::GET, "/users/7/posts")));
+        assert!(r.matches(&req(Method::PUT, "/static/a")));
+        assert!(r.matches(&req(Method::PUT, "/static/a/b/c.css")));
+        assert!(!r.matches(&req(Method::PUT, "/static")));
+        assert!(!r.matches(&req(Method::PUT, "/staticx/a")));
+    }
+
+    #[test]
+    fn a_path_written_another_way_is_the_same_path() {
+        let r = Routes::new()
+            .route(Some(Method::POST), "/api/reports/")
+            .unwrap();
+        for same in [
+            "/api/reports",
+            "/api//reports",
+            "/api/./reports/",
+            "/api/x/../reports",
+            "/%61pi/reports",
+            "/api/reports?x=1",
+        ] {
+            assert!(r.matches(&req(Method::POST, same)), "{same}");
+        }
+        assert!(!r.matches(&req(Method::POST, "/api/reports/x/..%2F")));
+        assert!(!r.matches(&req(Method::POST, "/api")));
+    }
+
+    #[test]
+    fn bad_patterns_are_named() {
+        for (bad, why) in [
+            ("api", "must start with"),
+            ("/a/{*rest}/b", "last segment"),
+            ("/a/{}", "not a parameter"),
+            ("/a/{id}.png", "whole segment"),
+            ("/a/{x{y}}", "not a parameter"),
+            ("/a/../b", "as the path"),
+            ("/a/%2e", "as the path"),
+        ] {
+            let e = Routes::new().route(None, bad).unwrap_err();
+            assert_eq!(e.field(), "routes");
+            assert!(e.to_string().contains(why), "{bad}: {e}");
+        }
+        assert!(Routes::check(Some(&Routes::new())).is_err());
+        assert!(Routes::check(None).is_ok());
+        assert!(Routes::applies::<()>(None, &req(Method::GET, "/x")));
+    }
+}

@@ -334,6 +334,39 @@ fn cost_table(value: &Spanned<toml::Value>, field: &str) -> Result<CostSpec, Pro
     }
 }
 
+/// A `routes` list: each entry a path pattern, after a method if any
+/// (`"GET /api/download"`, `"/files/{*path}"`).
+fn routes(list: &Spanned<Vec<Spanned<String>>>, field: String) -> Result<crate::Routes, Problem> {
+    if list.get_ref().is_empty() {
+        return Err(at(
+            list,
+            field,
+            "is empty: the limit would apply to no request (leave it out for every route)",
+        ));
+    }
+    let mut out = crate::Routes::new();
+    for (i, entry) in list.get_ref().iter().enumerate() {
+        let text = entry.get_ref().trim();
+        let (method, pattern) = match text.split_once(char::is_whitespace) {
+            Some((m, p)) => {
+                let method = method_named(m).ok_or_else(|| {
+                    at(
+                        entry,
+                        format!("{field}[{i}]"),
+                        format!("{m:?} is not an HTTP method in upper case, like \"GET\""),
+                    )
+                })?;
+                (Some(method), p.trim())
+            }
+            None => (None, text),
+        };
+        out = out
+            .route(method, pattern)
+            .map_err(|e| at(entry, format!("{field}[{i}]"), e.message().to_owned()))?;
+    }
+    Ok(out)
+}
+
 /// An HTTP method as requests carry it: upper case (a lower-case name
 /// would be an extension method no request sends, silently never matched).
 fn method_named(name: &str) -> Option<http::Method> {
@@ -592,6 +625,9 @@ fn rule(
     let mut capacity = base.capacity();
     if let Some(m) = &r.missing_key {
         rule = rule.on_missing_key(missing_key(m, field("missing_key"))?);
+    }
+    if let Some(list) = &r.routes {
+        rule = rule.routes(routes(list, field("routes"))?);
     }
     if let Some(s) = r.shadow {
         rule = rule.shadow(s);
@@ -896,6 +932,9 @@ pub(super) fn quota(
     if let Some(m) = &q.missing_key {
         b = b.on_missing_key(missing_key(m, field("missing_key"))?);
     }
+    if let Some(list) = &q.routes {
+        b = b.routes(routes(list, field("routes"))?);
+    }
     if let Some(s) = &q.soft_limit {
         b = b.soft_limit(*s.get_ref());
     }
@@ -1024,6 +1063,9 @@ pub(super) fn concurrency(
     if let Some(m) = &c.missing_key {
         b = b.on_missing_key(missing_key(m, field("missing_key"))?);
     }
+    if let Some(list) = &c.routes {
+        b = b.routes(routes(list, field("routes"))?);
+    }
     if let Some(s) = c.shadow {
         b = b.shadow(s);
     }
@@ -1131,6 +1173,9 @@ pub(super) fn bandwidth(
     }
     if let Some(m) = &w.missing_key {
         b = b.on_missing_key(missing_key(m, field("missing_key"))?);
+    }
+    if let Some(list) = &w.routes {
+        b = b.routes(routes(list, field("routes"))?);
     }
     Ok(b)
 }

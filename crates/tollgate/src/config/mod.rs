@@ -384,6 +384,18 @@ impl PolicyFile {
                 format!("; plans {}", names.join(", "))
             }
         };
+        // Where a limit applies: the routes it names, else every route.
+        let scope = |routes: &Option<toml::Spanned<Vec<toml::Spanned<String>>>>| match routes {
+            Some(list) => {
+                let list: Vec<&str> = list
+                    .get_ref()
+                    .iter()
+                    .map(|r| r.get_ref().as_str())
+                    .collect();
+                format!("; on {}", list.join(", "))
+            }
+            None => String::new(),
+        };
         let mut lines = Vec::new();
         for r in &self.spec.rules {
             let r = r.get_ref();
@@ -405,6 +417,7 @@ impl PolicyFile {
                 let _ = write!(line, "; cost {}", value(c.get_ref()));
             }
             line.push_str(&plans(r.plans.keys().collect()));
+            line.push_str(&scope(&r.routes));
             lines.push(line);
         }
         for q in &self.spec.quotas {
@@ -428,6 +441,7 @@ impl PolicyFile {
                 let _ = write!(line, "; zone {}", z.get_ref());
             }
             line.push_str(&plans(q.plans.keys().collect()));
+            line.push_str(&scope(&q.routes));
             lines.push(line);
         }
         for c in &self.spec.concurrency {
@@ -469,6 +483,7 @@ impl PolicyFile {
                 );
             }
             line.push_str(&plans(c.plans.keys().collect()));
+            line.push_str(&scope(&c.routes));
             lines.push(line);
         }
         for w in &self.spec.bandwidth {
@@ -478,14 +493,15 @@ impl PolicyFile {
                 other => value(other),
             };
             lines.push(format!(
-                "bandwidth {:?}: key {}; {}, bursts of {}; {}",
+                "bandwidth {:?}: key {}; {}, bursts of {}; {}{}",
                 w.name.get_ref(),
                 w.key.get_ref(),
                 bytes(w.rate.get_ref(), "/s"),
                 bytes(w.burst.get_ref(), ""),
                 w.direction
                     .as_ref()
-                    .map_or("responses", |d| d.get_ref().as_str())
+                    .map_or("responses", |d| d.get_ref().as_str()),
+                scope(&w.routes)
             ));
         }
         lines

@@ -73,6 +73,10 @@ pub(super) struct RuleSpec {
     pub(super) escalate: Option<Spanned<EscalateSpec>>,
     #[serde(default)]
     pub(super) plans: BTreeMap<String, Spanned<LimitSpec>>,
+    /// The routes the limit applies to (`"GET /api/download"`,
+    /// `"/files/{*path}"`); every route if absent.
+    #[serde(default)]
+    pub(super) routes: Option<Spanned<Vec<Spanned<String>>>>,
 }
 
 /// One `[[quotas]]` entry: a calendar quota (a `QuotaLayer`).
@@ -98,6 +102,10 @@ pub(super) struct QuotaSpec {
     /// Each plan's limits, as `limits`.
     #[serde(default)]
     pub(super) plans: BTreeMap<String, Spanned<BTreeMap<String, Spanned<i64>>>>,
+    /// The routes the limit applies to (`"GET /api/download"`,
+    /// `"/files/{*path}"`); every route if absent.
+    #[serde(default)]
+    pub(super) routes: Option<Spanned<Vec<Spanned<String>>>>,
 }
 
 /// One `[[concurrency]]` entry: in-flight limits (a `ConcurrencyLayer`).
@@ -132,6 +140,10 @@ pub(super) struct ConcurrencySpec {
     pub(super) lease_ttl: Option<Spanned<String>>,
     #[serde(default)]
     pub(super) retry_after: Option<Spanned<String>>,
+    /// The routes the limit applies to (`"GET /api/download"`,
+    /// `"/files/{*path}"`); every route if absent.
+    #[serde(default)]
+    pub(super) routes: Option<Spanned<Vec<Spanned<String>>>>,
 }
 
 /// A concurrency limit's queue.
@@ -190,6 +202,10 @@ pub(super) struct BandwidthSpec {
     pub(super) chunk: Option<Spanned<toml::Value>>,
     #[serde(default)]
     pub(super) missing_key: Option<Spanned<String>>,
+    /// The routes the limit applies to (`"GET /api/download"`,
+    /// `"/files/{*path}"`); every route if absent.
+    #[serde(default)]
+    pub(super) routes: Option<Spanned<Vec<Spanned<String>>>>,
 }
 
 /// A plan's numbers; which apply depends on the rule's algorithm.

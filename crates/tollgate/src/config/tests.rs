@@ -1166,3 +1166,116 @@ fn a_sub_table_of_an_entry_is_named_by_the_entry() {
         "{plan}"
     );
 }
+
+/// Issue 32: which routes a limit applies to is declared in the file;
+/// a request elsewhere passes the limit uncharged, and `describe` says
+/// where each applies.
+#[tokio::test]
+async fn a_file_scopes_each_limit_to_its_routes() {
+    let clock = ManualClock::starting_at(1_796_472_000_000_000_000);
+    let text = r#"
+[[rules]]
+name = "reports"
+key = "header:x-api-key"
+rate = "1/h"
+burst = 1
+routes = ["POST /api/reports", "/api/reports/{id}"]
+
+[[quotas]]
+name = "downloads"
+key = "header:x-api-key"
+limits = { day = 1 }
+routes = ["GET /files/{*path}"]
+"#;
+    let file = PolicyFile::parse(text).unwrap();
+    assert_eq!(
+        file.describe(),
+        [
+            "rule \"reports\": key header:x-api-key; gcra 1/h, burst 1; on POST /api/reports, /api/reports/{id}",
+            "quota \"downloads\": key header:x-api-key; 1 a day; on GET /files/{*path}",
+        ]
+    );
+    let mut policy = file
+        .layer::<String, _>(&store(&clock))
+        .unwrap()
+        .layer(ok_service());
+    let mut quota = file
+        .quota("downloads", &store(&clock))
+        .unwrap()
+        .layer(ok_service());
+    for _ in 0..3 {
+        // Out of scope: no key needed, nothing charged.
+        assert_eq!(
+            status(&mut policy, req("GET", "/api/reports", "")).await.0,
+            StatusCode::OK
+        );
+        assert_eq!(
+            status(&mut quota, req("GET", "/files", "")).await.0,
+            StatusCode::OK
+        );
+        assert_eq!(
+            status(&mut quota, req("POST", "/files/a", "k")).await.0,
+            StatusCode::OK
+        );
+    }
+    for (method, path) in [("POST", "/api/reports"), ("DELETE", "/api/reports/7")] {
+        let mut policy = file
+            .layer::<String, _>(&store(&clock))
+            .unwrap()
+            .layer(ok_service());
+        assert_eq!(
+            status(&mut policy, req(method, path, "k")).await.0,
+            StatusCode::OK
+        );
+        assert_eq!(
+            status(&mut policy, req(method, path, "k")).await.0,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{method} {path}"
+        );
+    }
+    assert_eq!(
+        status(&mut quota, req("HEAD", "/files/a/b", "k")).await.0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        status(&mut quota, req("GET", "/files/c", "k")).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+#[test]
+fn route_errors_name_the_entry_and_the_route() {
+    const BASE: &str = "[[rules]]\nname = \"base\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\n";
+    let q = |routes: &str| {
+        error(&format!(
+            "{BASE}[[quotas]]\nname = \"q\"\nkey = \"global\"\nlimits = {{ day = 5 }}\nroutes = {routes}\n"
+        ))
+    };
+    assert_eq!(
+        q("[]"),
+        "10:10: quotas[0].routes: is empty: the limit would apply to no request (leave it out for every route)"
+    );
+    assert_eq!(
+        q(r#"["/a", "get /b"]"#),
+        "10:17: quotas[0].routes[1]: \"get\" is not an HTTP method in upper case, like \"GET\""
+    );
+    assert_eq!(
+        q(r#"["/a/{*rest}/b"]"#),
+        "10:11: quotas[0].routes[0]: \"/a/{*rest}/b\": \"{*rest}\" must be the last segment"
+    );
+    assert!(q(r#"["a"]"#).starts_with("10:11: quotas[0].routes[0]: \"a\" must start with"));
+    let c = error(&format!(
+        "{BASE}[[concurrency]]\nname = \"c\"\nkey = \"global\"\nmax = 1\nroutes = [\"/x/{{id}}.png\"]\n"
+    ));
+    assert!(c.starts_with("10:11: concurrency[0].routes[0]: "), "{c}");
+    let b = error(&format!(
+        "{BASE}[[bandwidth]]\nname = \"b\"\nkey = \"global\"\nrate = 1\nburst = 1\nroutes = [\"x\"]\n"
+    ));
+    assert!(b.starts_with("11:11: bandwidth[0].routes[0]: "), "{b}");
+    let r =
+        error("[[rules]]\nname = \"r\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\nroutes = [\"PUT\"]\n");
+    assert!(
+        r.starts_with("6:11: rules[0].routes[0]: \"PUT\" must start with"),
+        "{r}"
+    );
+}

@@ -15,10 +15,9 @@ use std::task::{Context, Poll};
 use axum::body::{Body, Bytes};
 use axum::routing::{get, post};
 use axum::Router;
-use tollgate::config::{FileError, PolicyFile};
+use tollgate::config::{FileError, PolicyFile, Tollgate};
 use tollgate::core::QuotaStore;
 use tollgate::key::ClientIp;
-use tollgate::policy::PolicyLayer;
 use tollgate::ConfigError;
 
 /// The size of `GET /api/download`'s body.
@@ -93,31 +92,20 @@ pub fn quickstart_policy(
 }
 
 /// [`quickstart_app`] with its limits from `policy`; also returns
-/// that policy's layer, for a [`Reloader`](tollgate::config::Reloader).
+/// the layer that holds them, for its [`Tollgate::reloader`].
 pub fn quickstart_app_with<S: QuotaStore>(
     store: S,
     trusted_proxies: &[String],
     policy: &PolicyFile,
-) -> Result<(Router, PolicyLayer<Body, S>), Error> {
+) -> Result<(Router, Tollgate<S>), Error> {
     let store_for_login = store.clone();
-    // Every limit as `quickstart.toml` declares it, by name (a file of
-    // one's own declares each of them, or the server names the missing
-    // entry and stops). Plans: `x-plan: pro` (a demo; in production the
-    // plan comes from authentication, as a `Plan` extension) gets more of
-    // every limit.
-    let downloads = policy.concurrency("downloads", &store)?;
-    let downloads_address = policy.concurrency("downloads-address", &store)?;
-    let download_rate = policy.bandwidth("download-rate", &store)?;
-    let download_rate_address = policy.bandwidth("download-rate-address", &store)?;
-    let in_flight = policy.concurrency("per-client", &store)?;
-    let in_flight_address = policy.concurrency("per-address", &store)?;
-    let daily = policy.quota("daily", &store)?;
-    let daily_address = policy.quota("daily-address", &store)?;
-    // One decision for two rates, declared in `quickstart.toml`: a rate
-    // per client, and one per address so that rotating API keys from one
-    // address buys no fresh budgets. A request either rule refuses costs
-    // neither.
-    let limit = policy.layer::<Body, _>(&store)?;
+    // Every limit as `quickstart.toml` declares it, in one layer: rates,
+    // then requests in flight, then quotas, then pacing (the download's
+    // in-flight limits and pacing apply to its route alone, as the file
+    // says). Plans: `x-plan: pro` (a demo; in production the plan comes
+    // from authentication, as a `Plan` extension) gets more of every
+    // limit.
+    let gate = Tollgate::new(policy, &store)?;
     let api = Router::new()
         .route(
             "/api/hello",
@@ -127,31 +115,10 @@ pub fn quickstart_app_with<S: QuotaStore>(
         .route("/api/reports", post(|| async { "Report generated.\n" }))
         .route(
             "/api/download",
-            get(|| async { Body::new(Chunks(DOWNLOAD_BYTES)) })
-                // The permits (outer) last until the paced body (inner)
-                // ends; the body is paced per client and per address.
-                .route_layer(
-                    tower::ServiceBuilder::new()
-                        .layer(downloads_address)
-                        .layer(downloads)
-                        .layer(download_rate_address)
-                        .layer(download_rate),
-                ),
+            get(|| async { Body::new(Chunks(DOWNLOAD_BYTES)) }),
         )
         // route_layer: only matched routes are limited; a 404 costs nothing.
-        // Outermost first: in flight, then the rate, then the day's quota,
-        // so a request refused early spends nothing further in. One
-        // ServiceBuilder, as axum recommends for several middleware: axum
-        // boxes the stack (its future, its body, the service's clone per
-        // request) once, where each route_layer would be boxed again.
-        .route_layer(
-            tower::ServiceBuilder::new()
-                .layer(in_flight_address)
-                .layer(in_flight)
-                .layer(limit.clone())
-                .layer(daily_address)
-                .layer(daily),
-        );
+        .route_layer(gate.clone());
     let router = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .merge(api)
@@ -160,7 +127,7 @@ pub fn quickstart_app_with<S: QuotaStore>(
             ClientIp::trusting(trusted_proxies)?,
             &challenge_secret()?,
         )?);
-    Ok((router, limit))
+    Ok((router, gate))
 }
 
 /// The secret the login challenges are signed with:

@@ -17,7 +17,7 @@ fn tollgate_check_lists_every_limit_or_names_the_problem() {
         "rule \"per-key\": key header:x-api-key | client-ip; gcra 10/s, burst 20; cost api; plans pro",
         "quota \"daily\": key header:x-api-key | client-ip; 1000 a day; cost api; plans pro",
         "in flight \"per-client\": key header:x-api-key | client-ip; at most 64 per key; service \"service\" adaptive (gradient) from 16 to 512, starting at 64",
-        "bandwidth \"download-rate\": key header:x-api-key | client-ip; 256 KiB/s, bursts of 64 KiB; responses",
+        "bandwidth \"download-rate\": key header:x-api-key | client-ip; 256 KiB/s, bursts of 64 KiB; responses; on GET /api/download",
     ] {
         assert!(stdout.lines().any(|l| l == line), "{line:?} not in:\n{stdout}");
     }

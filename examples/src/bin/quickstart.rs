@@ -23,7 +23,6 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use tollgate::config::Reloader;
 use tollgate::{AnyStore, FailurePolicy, MemoryStore, RedisStore};
 
 /// Builds the app on `store` (memory or Redis, chosen at run time), and
@@ -38,7 +37,8 @@ fn app(
     if let Some(path) = config {
         // Every reloaded file gets the environment's proxies, as the first.
         let trusted = trusted.to_vec();
-        Reloader::new(path, &policy, store, &layer)
+        layer
+            .reloader(path, &policy, store, |b| b)
             .prepare(move |f| f.default_trusted_proxies(&trusted))
             .spawn(Duration::from_secs(2));
         println!(

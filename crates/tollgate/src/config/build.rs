@@ -336,7 +336,10 @@ fn cost_table(value: &Spanned<toml::Value>, field: &str) -> Result<CostSpec, Pro
 
 /// A `routes` list: each entry a path pattern, after a method if any
 /// (`"GET /api/download"`, `"/files/{*path}"`).
-fn routes(list: &Spanned<Vec<Spanned<String>>>, field: String) -> Result<crate::Routes, Problem> {
+pub(super) fn routes(
+    list: &Spanned<Vec<Spanned<String>>>,
+    field: String,
+) -> Result<crate::Routes, Problem> {
     if list.get_ref().is_empty() {
         return Err(at(
             list,

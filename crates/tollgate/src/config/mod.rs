@@ -132,6 +132,8 @@
 //! running stays.
 
 mod build;
+#[cfg(feature = "axum")]
+mod gate;
 mod parts;
 mod reload;
 mod spec;
@@ -140,6 +142,8 @@ use std::fmt;
 use std::ops::Range;
 use std::path::Path;
 
+#[cfg(feature = "axum")]
+pub use gate::{AnyBody, Next, Tollgate};
 pub use parts::{FileCost, FileKey};
 pub use reload::{Reloaded, Reloader};
 

@@ -14,6 +14,11 @@ use crate::MemoryStore;
 
 type Prepare = Arc<dyn Fn(PolicyFile) -> Result<PolicyFile, FileError> + Send + Sync>;
 
+/// What a reload also applies: the other sections' layers, built from
+/// the file on a store handle, and applied by the closure returned.
+type Also<St> =
+    Arc<dyn Fn(&PolicyFile, &St) -> Result<Box<dyn FnOnce() + Send>, FileError> + Send + Sync>;
+
 type Customize<B> = Arc<
     dyn Fn(PolicyLayerBuilder<B, MemoryStore>) -> PolicyLayerBuilder<B, MemoryStore> + Send + Sync,
 >;
@@ -45,6 +50,7 @@ pub struct Reloader<B, St: Store> {
     layer: PolicyLayer<B, St>,
     customize: Option<Customize<B>>,
     prepare: Option<Prepare>,
+    also: Option<Also<St>>,
     /// The text of the policy running.
     running: Mutex<String>,
     /// The text last tried, applied or not: polls skip it, so a bad file
@@ -142,6 +148,7 @@ impl<B, St: Store> Reloader<B, St> {
             layer: layer.clone(),
             customize: None,
             prepare: None,
+            also: None,
             running: Mutex::new(file.text().to_owned()),
             tried: Mutex::new(file.text().to_owned()),
             settling: Mutex::new(file.text().to_owned()),
@@ -172,6 +179,21 @@ impl<B, St: Store> Reloader<B, St> {
         F: Fn(PolicyFile) -> Result<PolicyFile, FileError> + Send + Sync + 'static,
     {
         self.prepare = Some(Arc::new(f));
+        self
+    }
+
+    /// What a reload applies besides the rules: `f` builds the other
+    /// sections from the new file on a store handle (a checking one
+    /// first, then the rebinding one) and returns what swaps them in,
+    /// called with the rules' swap ([`Tollgate::reloader`](super::Tollgate::reloader)).
+    pub(super) fn also<F>(mut self, f: F) -> Self
+    where
+        F: Fn(&PolicyFile, &St) -> Result<Box<dyn FnOnce() + Send>, FileError>
+            + Send
+            + Sync
+            + 'static,
+    {
+        self.also = Some(Arc::new(f));
         self
     }
 
@@ -264,14 +286,30 @@ impl<B, St: Store> Reloader<B, St> {
         metrics::with_local_recorder(&metrics::NoopRecorder, || checked.build())
             .map(drop)
             .map_err(|e| file.config_error(&e))?;
+        if let Some(also) = &self.also {
+            let checking = self.store.checking();
+            metrics::with_local_recorder(&metrics::NoopRecorder, || also(&file, &checking))
+                .map(drop)?;
+        }
         let next = customize(file.builder::<B>()?)
             .store(self.store.rebinding())
             .build()
             .map_err(|e| file.config_error(&e))?;
+        let swap_others = match &self.also {
+            Some(also) => Some(also(&file, &self.store.rebinding())?),
+            None => None,
+        };
         self.layer.replace(&next);
+        if let Some(swap) = swap_others {
+            swap();
+        }
         // What a reload does not apply, said when it changed: the other
         // sections are read when their layers are built (at start).
-        if let Ok(before) = PolicyFile::parse_unchecked(&running, None) {
+        let before = match self.also {
+            Some(_) => None,
+            None => PolicyFile::parse_unchecked(&running, None).ok(),
+        };
+        if let Some(before) = before {
             let changed = file.unapplied_changes(&before);
             if !changed.is_empty() {
                 tracing::warn!(

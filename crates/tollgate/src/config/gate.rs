@@ -1,0 +1,554 @@
+//! One layer for everything a policy file declares.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use arc_swap::ArcSwap;
+use axum::body::Body;
+use http::{Request, Response};
+use tollgate_core::{QuotaStore, Store};
+use tower_layer::Layer;
+use tower_service::Service;
+
+use super::{build, FileCost, FileError, FileKey, PolicyFile};
+use crate::bandwidth::BandwidthLayer;
+use crate::concurrency::AllCritical;
+use crate::policy::{PolicyLayer, PolicyLayerBuilder, PolicyService};
+use crate::{BoxError, ConcurrencyLayer, MemoryStore, QuotaLayer, Routes};
+
+type Quota<St> = QuotaLayer<FileKey, FileCost, St>;
+type InFlight<St> = ConcurrencyLayer<FileKey, FileCost, AllCritical, St>;
+type Pacing<St> = BandwidthLayer<FileKey, St>;
+
+/// Every limit a policy file declares, in one Tower layer: the access
+/// lists and `[[rules]]` (one [`PolicyLayer`]), then each
+/// `[[concurrency]]` entry, then each `[[quotas]]` entry, then each
+/// `[[bandwidth]]` entry, in the file's order. Cheap refusals outside,
+/// lasting charges inside: a request refused by a limit goes no further
+/// in, so it spends nothing of the limits after it (a request refused
+/// for want of a permit costs no quota, not even a store call to charge
+/// and refund it); a limit scoped to other `routes` is passed by without
+/// a word.
+///
+/// Reloads ([`reloader`](Self::reloader)) apply to every section at once:
+/// the rules as [`Reloader`](super::Reloader) applies them, and the other
+/// limits rebuilt on the same store, where an unchanged limit keeps its
+/// state (its counts, its permits held) and a changed one goes on from
+/// it.
+///
+/// Requests and responses are axum's [`Body`]: the layer fits an axum
+/// `Router` (`layer` or `route_layer`) and any Tower stack of that body.
+///
+/// ```
+/// use tollgate::config::{PolicyFile, Tollgate};
+/// use tollgate::MemoryStore;
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let file = PolicyFile::parse(r#"
+/// [[rules]]
+/// name = "per-ip"
+/// key = "client-ip"
+/// rate = "10/s"
+/// burst = 20
+///
+/// [[quotas]]
+/// name = "daily"
+/// key = "client-ip"
+/// limits = { day = 1000 }
+///
+/// [[concurrency]]
+/// name = "downloads"
+/// key = "client-ip"
+/// max = 2
+/// routes = ["GET /download"]
+/// "#)?;
+/// let gate = Tollgate::new(&file, &MemoryStore::new())?;
+/// let app: axum::Router = axum::Router::new()
+///     .route("/", axum::routing::get(|| async { "hi" }))
+///     .route("/download", axum::routing::get(|| async { "a file" }))
+///     .route_layer(gate);
+/// # let _ = app;
+/// # Ok(())
+/// # }
+/// ```
+pub struct Tollgate<St: Store + QuotaStore> {
+    policy: PolicyLayer<Body, St>,
+    limits: Arc<ArcSwap<Limits<St>>>,
+}
+
+impl<St: Store + QuotaStore> Clone for Tollgate<St> {
+    fn clone(&self) -> Self {
+        Self {
+            policy: self.policy.clone(),
+            limits: Arc::clone(&self.limits),
+        }
+    }
+}
+
+impl<St: Store + QuotaStore> fmt::Debug for Tollgate<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tollgate")
+            .field("rules", &self.policy.rule_names())
+            .field("limits", &self.limits.load().names())
+            .finish()
+    }
+}
+
+/// The limits after the rules, in the order a request meets them.
+pub(super) struct Limits<St: Store + QuotaStore>(Box<[Scoped<St>]>);
+
+struct Scoped<St: Store + QuotaStore> {
+    /// Where the limit applies (`None`: everywhere); the layer checks it
+    /// too, this skips building its service for other routes.
+    routes: Option<Routes>,
+    name: String,
+    limit: Limit<St>,
+}
+
+enum Limit<St: Store + QuotaStore> {
+    Quota(Quota<St>),
+    InFlight(InFlight<St>),
+    Pacing(Pacing<St>),
+}
+
+impl<St: Store + QuotaStore> Limits<St> {
+    fn names(&self) -> Vec<&str> {
+        self.0.iter().map(|s| s.name.as_str()).collect()
+    }
+
+    /// Builds every limit after the rules that `file` declares, on
+    /// `store`.
+    pub(super) fn build(file: &PolicyFile, store: &St) -> Result<Self, FileError> {
+        let spec = &file.spec;
+        let mut out = Vec::new();
+        let routes = |list: &Option<toml::Spanned<Vec<toml::Spanned<String>>>>, field: String| {
+            list.as_ref()
+                .map(|l| build::routes(l, field))
+                .transpose()
+                .map_err(|p| file.placed(p))
+        };
+        for (i, c) in spec.concurrency.iter().enumerate() {
+            let c = c.get_ref();
+            out.push(Scoped {
+                routes: routes(&c.routes, format!("concurrency[{i}].routes"))?,
+                name: c.name.get_ref().clone(),
+                limit: Limit::InFlight(file.concurrency(c.name.get_ref(), store)?),
+            });
+        }
+        for (i, q) in spec.quotas.iter().enumerate() {
+            let q = q.get_ref();
+            out.push(Scoped {
+                routes: routes(&q.routes, format!("quotas[{i}].routes"))?,
+                name: q.name.get_ref().clone(),
+                limit: Limit::Quota(file.quota(q.name.get_ref(), store)?),
+            });
+        }
+        for (i, w) in spec.bandwidth.iter().enumerate() {
+            let w = w.get_ref();
+            out.push(Scoped {
+                routes: routes(&w.routes, format!("bandwidth[{i}].routes"))?,
+                name: w.name.get_ref().clone(),
+                limit: Limit::Pacing(file.bandwidth(w.name.get_ref(), store)?),
+            });
+        }
+        Ok(Self(out.into()))
+    }
+}
+
+impl<St: Store + QuotaStore> Tollgate<St> {
+    /// Every limit `file` declares, on `store`. Errors name the file's
+    /// line and field.
+    pub fn new(file: &PolicyFile, store: &St) -> Result<Self, FileError> {
+        Self::with(file, store, |b| b)
+    }
+
+    /// [`new`](Self::new), with what a file cannot hold added to the
+    /// rules' builder (a rejection, an audit sink, a plan closure). Give
+    /// a [`reloader`](Self::reloader) the same closure, so that a reload
+    /// keeps them.
+    pub fn with<F>(file: &PolicyFile, store: &St, customize: F) -> Result<Self, FileError>
+    where
+        F: Fn(PolicyLayerBuilder<Body, MemoryStore>) -> PolicyLayerBuilder<Body, MemoryStore>,
+    {
+        let policy = customize(file.builder::<Body>()?)
+            .store(store.clone())
+            .build()
+            .map_err(|e| file.config_error(&e))?;
+        let limits = Limits::build(file, store)?;
+        Ok(Self {
+            policy,
+            limits: Arc::new(ArcSwap::from_pointee(limits)),
+        })
+    }
+
+    /// The rules' layer, which this one runs first (its rule names, its
+    /// limiters).
+    pub fn policy(&self) -> &PolicyLayer<Body, St> {
+        &self.policy
+    }
+
+    /// The names of the limits after the rules, in the order a request
+    /// meets them: in-flight limits, quotas, pacing.
+    pub fn limit_names(&self) -> Vec<String> {
+        self.limits
+            .load()
+            .names()
+            .into_iter()
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// A [`Reloader`](super::Reloader) that keeps this layer in step with
+    /// the file at `path` (which `file` was read from): every section
+    /// applies on reload. `customize` as given to [`with`](Self::with)
+    /// (`|b| b` for none).
+    pub fn reloader<F>(
+        &self,
+        path: impl AsRef<std::path::Path>,
+        file: &PolicyFile,
+        store: St,
+        customize: F,
+    ) -> super::Reloader<Body, St>
+    where
+        F: Fn(PolicyLayerBuilder<Body, MemoryStore>) -> PolicyLayerBuilder<Body, MemoryStore>
+            + Send
+            + Sync
+            + 'static,
+        St: Send + Sync + 'static,
+    {
+        let limits = Arc::clone(&self.limits);
+        super::Reloader::new(path, file, store, &self.policy)
+            .customize(customize)
+            .also(move |file, store| {
+                let next = Limits::build(file, store)?;
+                let limits = Arc::clone(&limits);
+                Ok(Box::new(move || limits.store(Arc::new(next))))
+            })
+    }
+}
+
+impl<S, St> Layer<S> for Tollgate<St>
+where
+    St: Store + QuotaStore,
+{
+    type Service = PolicyService<Next<S, St>, Body, St>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        self.policy.layer(Next {
+            inner,
+            limits: Arc::clone(&self.limits),
+            now: None,
+            from: 0,
+        })
+    }
+}
+
+/// The rest of a [`Tollgate`] after the rules: the limits from `from` on,
+/// then the service. Each limit's service is made for the request (a
+/// layer's service is a few `Arc`s), its future boxed.
+pub struct Next<S, St: Store + QuotaStore> {
+    inner: S,
+    limits: Arc<ArcSwap<Limits<St>>>,
+    /// The limits this request started with: a reload meanwhile changes
+    /// the next request, not this one.
+    now: Option<Arc<Limits<St>>>,
+    from: usize,
+}
+
+impl<S: Clone, St: Store + QuotaStore> Clone for Next<S, St> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            limits: Arc::clone(&self.limits),
+            now: self.now.clone(),
+            from: self.from,
+        }
+    }
+}
+
+impl<S, St: Store + QuotaStore> fmt::Debug for Next<S, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Next")
+            .field("from", &self.from)
+            .finish_non_exhaustive()
+    }
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl<S, St, ResB> Service<Request<Body>> for Next<S, St>
+where
+    S: Service<Request<Body>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResB: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+    St: Store + QuotaStore,
+{
+    type Response = Response<Body>;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<Response<Body>, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let limits = match &self.now {
+            Some(now) => Arc::clone(now),
+            None => self.limits.load_full(),
+        };
+        // The service made ready goes on with the request.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let found = limits
+            .0
+            .iter()
+            .enumerate()
+            .skip(self.from)
+            .find(|(_, s)| Routes::applies(s.routes.as_ref(), &req));
+        let Some((at, scoped)) = found else {
+            let mut inner = inner;
+            let call = inner.call(req);
+            return Box::pin(async move { Ok(call.await?.map(Body::new)) });
+        };
+        let next = Next {
+            inner,
+            limits: Arc::clone(&self.limits),
+            now: Some(Arc::clone(&limits)),
+            from: at.saturating_add(1),
+        };
+        match &scoped.limit {
+            Limit::Quota(l) => Box::pin(oneshot(l.layer(next), req)),
+            Limit::InFlight(l) => {
+                let svc = l.layer(next);
+                Box::pin(async move { Ok(oneshot(svc, req).await?.map(Body::new)) })
+            }
+            Limit::Pacing(l) => {
+                let svc = l.layer(AnyBody(next));
+                Box::pin(async move { Ok(oneshot(svc, req).await?.map(Body::new)) })
+            }
+        }
+    }
+}
+
+/// A service called once it is ready: the future of `S::call` after
+/// `S::poll_ready`.
+async fn oneshot<S, R>(mut svc: S, req: R) -> Result<S::Response, S::Error>
+where
+    S: Service<R>,
+{
+    std::future::poll_fn(|cx| svc.poll_ready(cx)).await?;
+    svc.call(req).await
+}
+
+/// A request body of any kind, as the rest of the stack takes it: what a
+/// pacing layer hands on (its paced body) goes on as a [`Body`].
+#[derive(Clone)]
+pub struct AnyBody<N>(N);
+
+impl<N: fmt::Debug> fmt::Debug for AnyBody<N> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl<N, B> Service<Request<B>> for AnyBody<N>
+where
+    N: Service<Request<Body>>,
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    type Response = N::Response;
+    type Error = N::Error;
+    type Future = N::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        self.0.call(req.map(Body::new))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::time::Duration;
+
+    use http::StatusCode;
+    use tollgate_core::ManualClock;
+    use tower::{service_fn, ServiceExt};
+
+    use super::*;
+
+    const FILE: &str = r#"
+[[rules]]
+name = "rate"
+key = "header:x-api-key"
+rate = "1/s"
+burst = 2
+
+[[quotas]]
+name = "daily"
+key = "header:x-api-key"
+limits = { day = 3 }
+
+[[concurrency]]
+name = "slow"
+key = "header:x-api-key"
+max = 1
+routes = ["GET /slow"]
+"#;
+
+    /// A body that never ends: a response that holds what it holds.
+    struct Open;
+
+    impl http_body::Body for Open {
+        type Data = bytes::Bytes;
+        type Error = Infallible;
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, Infallible>>> {
+            Poll::Pending
+        }
+    }
+
+    fn app(
+        gate: &Tollgate<MemoryStore<ManualClock>>,
+    ) -> impl Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Clone {
+        gate.layer(service_fn(|r: Request<Body>| async move {
+            Ok::<_, Infallible>(if r.uri().path() == "/slow" {
+                Response::new(Body::new(Open))
+            } else {
+                Response::new(Body::from("ok"))
+            })
+        }))
+    }
+
+    fn req(path: &str, key: &str) -> Request<Body> {
+        Request::get(path)
+            .header("x-api-key", key)
+            .body(Body::empty())
+            .unwrap()
+    }
+
+    fn store(clock: &ManualClock) -> MemoryStore<ManualClock> {
+        MemoryStore::builder().clock(clock.clone()).build().unwrap()
+    }
+
+    /// What `rule`'s item of the `RateLimit` field says is left.
+    fn left(res: &Response<Body>, rule: &str) -> Option<u64> {
+        let field = res.headers().get("ratelimit")?.to_str().ok()?;
+        let item = field
+            .split(", ")
+            .find(|i| i.starts_with(&format!("{rule:?};")))?;
+        item.split(';')
+            .find_map(|p| p.strip_prefix("r="))?
+            .parse()
+            .ok()
+    }
+
+    async fn send<S>(svc: &S, r: Request<Body>) -> Response<Body>
+    where
+        S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Clone,
+    {
+        svc.clone().oneshot(r).await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn one_layer_stacks_rules_then_quotas_then_in_flight_limits() {
+        // Noon UTC: no day ends during the test.
+        let clock = ManualClock::starting_at(1_796_472_000_000_000_000);
+        let file = PolicyFile::parse(FILE).unwrap();
+        let gate = Tollgate::new(&file, &store(&clock)).unwrap();
+        assert_eq!(gate.limit_names(), ["slow", "daily"]);
+        let svc = app(&gate);
+        // The burst of 2 passes and draws on the day's 3; the third is
+        // refused by the rate, before the quota: it costs none of the day.
+        let r = send(&svc, req("/a", "k")).await;
+        assert_eq!((r.status(), left(&r, "daily")), (StatusCode::OK, Some(2)));
+        assert_eq!(send(&svc, req("/a", "k")).await.status(), StatusCode::OK);
+        let r = send(&svc, req("/a", "k")).await;
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        clock.advance(Duration::from_secs(1));
+        // One request a second from here: the day's last unit, then the
+        // quota refuses.
+        let r = send(&svc, req("/a", "k")).await;
+        assert_eq!((r.status(), left(&r, "daily")), (StatusCode::OK, Some(0)));
+        clock.advance(Duration::from_secs(1));
+        let r = send(&svc, req("/a", "k")).await;
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert!(r.headers().get("retry-after").is_some());
+        // The in-flight limit applies to GET /slow alone: one open
+        // response there refuses a second, not a request elsewhere.
+        let held = send(&svc, req("/slow", "s")).await;
+        assert_eq!(held.status(), StatusCode::OK);
+        clock.advance(Duration::from_secs(1));
+        let r = send(&svc, req("/slow", "s")).await;
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        clock.advance(Duration::from_secs(1));
+        assert_eq!(send(&svc, req("/a", "s")).await.status(), StatusCode::OK);
+        // The permit goes back with the body.
+        drop(held);
+        clock.advance(Duration::from_secs(1));
+        assert_eq!(send(&svc, req("/slow", "s")).await.status(), StatusCode::OK);
+    }
+
+    #[tokio::test]
+    async fn a_reload_applies_every_section_and_keeps_each_limits_state() {
+        let clock = ManualClock::starting_at(1_796_472_000_000_000_000);
+        let dir = std::env::temp_dir().join(format!("tollgate-gate-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("policy.toml");
+        std::fs::write(&path, FILE).unwrap();
+        let file = PolicyFile::read(&path).unwrap();
+        let st = store(&clock);
+        let gate = Tollgate::new(&file, &st).unwrap();
+        let reloader = gate.reloader(&path, &file, st, |b| b);
+        let svc = app(&gate);
+        let r = send(&svc, req("/a", "k")).await;
+        assert_eq!(left(&r, "daily"), Some(2));
+        // A new rate and a larger day: the day's count goes on (1 used of
+        // 10), and the in-flight limit grows to 2.
+        let next = FILE
+            .replace("rate = \"1/s\"", "rate = \"100/s\"")
+            .replace("day = 3", "day = 10")
+            .replace("max = 1", "max = 2");
+        std::fs::write(&path, &next).unwrap();
+        assert_eq!(reloader.reload().unwrap(), super::super::Reloaded::Applied);
+        clock.advance(Duration::from_secs(1));
+        let r = send(&svc, req("/a", "k")).await;
+        assert_eq!((r.status(), left(&r, "daily")), (StatusCode::OK, Some(8)));
+        let _one = send(&svc, req("/slow", "s")).await;
+        let two = send(&svc, req("/slow", "s")).await;
+        assert_eq!(two.status(), StatusCode::OK);
+        // A file whose quota cannot be built is refused whole: the new
+        // rate in it does not apply either.
+        let bad = next
+            .replace("rate = \"100/s\"", "rate = \"1/h\"")
+            .replace("day = 10", "day = 0");
+        std::fs::write(&path, bad).unwrap();
+        let e = reloader.reload().unwrap_err();
+        assert_eq!(e.field(), "quotas[0].limits.day", "{e}");
+        for _ in 0..2 {
+            assert_eq!(send(&svc, req("/a", "r")).await.status(), StatusCode::OK);
+        }
+        clock.advance(Duration::from_secs(1));
+        // 100 a second refills the burst in a second; 1 an hour would not.
+        assert_eq!(send(&svc, req("/a", "r")).await.status(), StatusCode::OK);
+        let r = send(&svc, req("/a", "k")).await;
+        assert_eq!(left(&r, "daily"), Some(7));
+        // The in-flight limit is 2 still.
+        assert_eq!(
+            send(&svc, req("/slow", "s")).await.status(),
+            StatusCode::TOO_MANY_REQUESTS
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -125,7 +125,7 @@ fn plain_whole(n: i64, span: &Range<usize>, field: String, least: u32) -> Result
     Err((Some(span.clone()), field, message))
 }
 
-fn duration(value: &Spanned<String>, field: String) -> Result<Duration, Problem> {
+pub(super) fn duration(value: &Spanned<String>, field: String) -> Result<Duration, Problem> {
     spec::duration(value.get_ref()).map_err(|m| at(value, field, m))
 }
 

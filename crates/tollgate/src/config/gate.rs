@@ -230,6 +230,42 @@ impl<St: Store + QuotaStore> Tollgate<St> {
     }
 }
 
+impl Tollgate<crate::AnyStore> {
+    /// Everything the file at `path` declares, the store included
+    /// (`[store]`; the in-memory store without it), and a
+    /// [`Reloader`](super::Reloader) for it: call
+    /// [`spawn`](super::Reloader::spawn) to reload on SIGHUP and on
+    /// change. Call it inside a Tokio runtime (a Redis store starts its
+    /// connection task). A change to `[store]` applies at the next start
+    /// (a reload says so in the log); every other section applies on
+    /// reload.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use tollgate::config::Tollgate;
+    ///
+    /// # async fn run() -> Result<(), tollgate::config::FileError> {
+    /// let (gate, reloader) = Tollgate::from_file("policy.toml")?;
+    /// reloader.spawn(Duration::from_secs(2));
+    /// let app: axum::Router = axum::Router::new()
+    ///     .route("/", axum::routing::get(|| async { "hi" }))
+    ///     .route_layer(gate);
+    /// # let _ = app;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn from_file(
+        path: impl AsRef<std::path::Path>,
+    ) -> Result<(Self, super::Reloader<Body, crate::AnyStore>), FileError> {
+        let path = path.as_ref();
+        let file = PolicyFile::read(path)?;
+        let store = file.store()?;
+        let gate = Self::new(&file, &store)?;
+        let reloader = gate.reloader(path, &file, store, |b| b);
+        Ok((gate, reloader))
+    }
+}
+
 impl<S, St> Layer<S> for Tollgate<St>
 where
     St: Store + QuotaStore,

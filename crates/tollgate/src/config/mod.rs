@@ -137,6 +137,7 @@ mod gate;
 mod parts;
 mod reload;
 mod spec;
+mod store;
 
 use std::fmt;
 use std::ops::Range;
@@ -311,6 +312,9 @@ impl PolicyFile {
         metrics::with_local_recorder(&metrics::NoopRecorder, || b.build())
             .map(drop)
             .map_err(|e| self.config_error(&e))?;
+        if let Some(st) = &self.spec.store {
+            store::plan(st).map_err(|p| self.placed(p))?;
+        }
         // Every other limit, built on a throwaway store: each name once
         // in its list.
         // Names are one store's: a quota named like a rule would be
@@ -511,6 +515,36 @@ impl PolicyFile {
         lines
     }
 
+    /// The store the file's `[store]` section describes: the in-memory
+    /// store (the default, also without the section), or Redis, its URL
+    /// read from the file (`url`, which may not hold a password), an
+    /// environment variable (`url_env`) or a file (`url_file`), as is the
+    /// key secret (`key_secret_env`). A Redis store starts its connection
+    /// task on the current Tokio runtime. Errors name the field, never a
+    /// secret.
+    ///
+    /// ```toml
+    /// [store]
+    /// kind = "redis"
+    /// url_env = "REDIS_URL"           # redis://, rediss://, redis+sentinel://, a Cluster's list
+    /// prefix = "my-service"
+    /// failure_policy = "fallback/4"   # open, closed, fallback, fallback/N instances
+    /// timeout = "50ms"
+    /// ```
+    pub fn store(&self) -> Result<crate::AnyStore, FileError> {
+        let plan = match &self.spec.store {
+            Some(st) => store::plan(st).map_err(|p| self.placed(p))?,
+            None => store::StorePlan::Memory {
+                max_keys: None,
+                sweep_idle_every: None,
+            },
+        };
+        store::build(&plan).map_err(|(field, message)| {
+            let span = self.spec.store.as_ref().map(toml::Spanned::span);
+            FileError::at(&self.text, self.origin.as_deref(), span, field, message)
+        })
+    }
+
     /// The names of the file's `[[quotas]]`, in the file's order.
     pub fn quota_names(&self) -> Vec<&str> {
         names(&self.spec.quotas, |q| &q.name)
@@ -591,6 +625,9 @@ impl PolicyFile {
         }
         if a.bandwidth != b.bandwidth {
             changed.push("[[bandwidth]]");
+        }
+        if a.store != b.store {
+            changed.push("[store]");
         }
         let others = !a.quotas.is_empty() || !a.concurrency.is_empty() || !a.bandwidth.is_empty();
         if others && a.costs != b.costs {

@@ -305,18 +305,18 @@ impl<B, St: Store> Reloader<B, St> {
         }
         // What a reload does not apply, said when it changed: the other
         // sections are read when their layers are built (at start).
-        let before = match self.also {
-            Some(_) => None,
-            None => PolicyFile::parse_unchecked(&running, None).ok(),
-        };
-        if let Some(before) = before {
-            let changed = file.unapplied_changes(&before);
+        if let Ok(before) = PolicyFile::parse_unchecked(&running, None) {
+            let mut changed = file.unapplied_changes(&before);
+            // With the other layers reloaded too, only the store stays.
+            if self.also.is_some() {
+                changed.retain(|c| *c == "[store]");
+            }
             if !changed.is_empty() {
                 tracing::warn!(
                     target: "tollgate::config",
                     sections = %changed.join(", "),
-                    "policy reloaded: its rules apply now; the changed sections apply when \
-                     their layers are built again (at the next start)"
+                    "policy reloaded; the changed sections apply when their layers \
+                     (or the store) are built again (at the next start)"
                 );
             }
         }

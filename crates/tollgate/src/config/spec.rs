@@ -41,6 +41,62 @@ pub(super) struct FileSpec {
     pub(super) idempotency: Option<Spanned<IdempotencySpec>>,
     #[serde(default)]
     pub(super) decision_log: Option<Spanned<LogSpec>>,
+    #[serde(default)]
+    pub(super) store: Option<Spanned<StoreSpec>>,
+}
+
+/// `[store]`: where the limits keep their state.
+#[derive(Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct StoreSpec {
+    /// `memory` or `redis`.
+    pub(super) kind: Spanned<String>,
+    #[serde(default)]
+    pub(super) max_keys: Option<Spanned<i64>>,
+    #[serde(default)]
+    pub(super) sweep_idle_every: Option<Spanned<String>>,
+    /// A Redis URL without a password.
+    #[serde(default)]
+    pub(super) url: Option<Spanned<String>>,
+    /// The environment variable that holds the Redis URL.
+    #[serde(default)]
+    pub(super) url_env: Option<Spanned<String>>,
+    /// The file that holds the Redis URL.
+    #[serde(default)]
+    pub(super) url_file: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) prefix: Option<Spanned<String>>,
+    /// `open`, `closed`, `fallback` or `fallback/N`.
+    #[serde(default)]
+    pub(super) failure_policy: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) timeout: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) connect_timeout: Option<Spanned<String>>,
+    /// The environment variable that holds the key secret.
+    #[serde(default)]
+    pub(super) key_secret_env: Option<Spanned<String>>,
+}
+
+impl StoreSpec {
+    /// The names of the optional fields given.
+    pub(super) fn fields_set(&self) -> Vec<&'static str> {
+        [
+            ("max_keys", self.max_keys.is_some()),
+            ("sweep_idle_every", self.sweep_idle_every.is_some()),
+            ("url", self.url.is_some()),
+            ("url_env", self.url_env.is_some()),
+            ("url_file", self.url_file.is_some()),
+            ("prefix", self.prefix.is_some()),
+            ("failure_policy", self.failure_policy.is_some()),
+            ("timeout", self.timeout.is_some()),
+            ("connect_timeout", self.connect_timeout.is_some()),
+            ("key_secret_env", self.key_secret_env.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(name, set)| set.then_some(name))
+        .collect()
+    }
 }
 
 /// One `[[rules]]` entry.

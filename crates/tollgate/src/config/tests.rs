@@ -1279,3 +1279,81 @@ fn route_errors_name_the_entry_and_the_route() {
         "{r}"
     );
 }
+
+/// Issue 32: `[store]` names the store: memory (the default) or Redis,
+/// its URL and key secret from the environment or a file, never printed.
+#[tokio::test]
+async fn the_store_section_builds_the_store_and_keeps_secrets_out_of_errors() {
+    const BASE: &str =
+        "[[rules]]\nname = \"base\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\n\n";
+    let file = |store: &str| PolicyFile::parse(&format!("{BASE}[store]\n{store}"));
+    let error = |store: &str| {
+        let e = file(store).unwrap_err();
+        format!(
+            "{}:{}: {}: {}",
+            e.line(),
+            e.column(),
+            e.field(),
+            e.message()
+        )
+    };
+    // No section, or kind = "memory": the in-memory store.
+    assert!(PolicyFile::parse(BASE).unwrap().store().is_ok());
+    let mem = file("kind = \"memory\"\nmax_keys = 1000\nsweep_idle_every = \"10s\"\n").unwrap();
+    assert!(matches!(mem.store(), Ok(s) if format!("{s:?}").contains("Memory")));
+    assert_eq!(
+        error("kind = \"etcd\"\n"),
+        "8:8: store.kind: must be \"memory\" or \"redis\""
+    );
+    assert_eq!(
+        error("kind = \"memory\"\nprefix = \"x\"\n"),
+        "7:1: store.prefix: is a setting of kind = \"redis\", not of kind = \"memory\""
+    );
+    assert_eq!(
+        error("kind = \"memory\"\nmax_keys = 0\n"),
+        "9:12: store.max_keys: must be at least 1"
+    );
+    assert_eq!(
+        error("kind = \"redis\"\nprefix = \"x\"\n"),
+        "7:1: store.url: is missing: a Redis store needs one of url, url_env or url_file"
+    );
+    // A password in the file is refused, and not repeated.
+    let e = error("kind = \"redis\"\nurl = \"redis://app:hunter2@h:6379\"\nprefix = \"x\"\n");
+    assert!(e.starts_with("9:7: store.url: holds a password"), "{e}");
+    assert!(!e.contains("hunter2"), "{e}");
+    assert!(
+        error("kind = \"redis\"\nurl_env = \"U\"\nfailure_policy = \"fallback/0\"\n")
+            .starts_with("10:18: store.failure_policy: must be")
+    );
+    assert!(
+        error("kind = \"redis\"\nurl_env = \"U\"\ntimeout = \"soon\"\n")
+            .starts_with("10:11: store.timeout: ")
+    );
+    // The URL from a variable that is not set: named, and no value.
+    let redis = file(
+        "kind = \"redis\"\nurl_env = \"TOLLGATE_TEST_UNSET_URL\"\nprefix = \"t\"\nfailure_policy = \"fallback/4\"\n",
+    )
+    .unwrap();
+    let e = redis.store().unwrap_err();
+    assert_eq!(e.field(), "store.url_env");
+    assert!(e.message().contains("TOLLGATE_TEST_UNSET_URL"), "{e}");
+    // From a file: read and trimmed; a builder's error names the
+    // file's field.
+    let dir = std::env::temp_dir().join(format!("tollgate-store-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let url_file = dir.join("url");
+    std::fs::write(&url_file, "redis://:s3cret@127.0.0.1:1\n").unwrap();
+    let from_file = |extra: &str| {
+        file(&format!(
+            "kind = \"redis\"\nurl_file = {:?}\n{extra}",
+            url_file.display().to_string()
+        ))
+        .unwrap()
+        .store()
+    };
+    let e = from_file("").unwrap_err();
+    assert_eq!(e.field(), "store.prefix", "{e}");
+    assert!(!e.to_string().contains("s3cret"), "{e}");
+    assert!(from_file("prefix = \"t\"\ntimeout = \"50ms\"\n").is_ok());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,0 +1,282 @@
+//! `[store]`: where every limit of the file keeps its state.
+
+use std::time::Duration;
+
+use toml::Spanned;
+
+use super::build::{duration, Problem};
+use super::spec::StoreSpec;
+
+/// What `[store]` says, checked: a store to build.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum StorePlan {
+    Memory {
+        max_keys: Option<usize>,
+        sweep_idle_every: Option<Duration>,
+    },
+    Redis(RedisPlan),
+}
+
+/// A Redis store's settings. The URL is read when the store is built,
+/// from where the file says (never from the file itself when it holds a
+/// password).
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct RedisPlan {
+    pub(super) url: UrlFrom,
+    pub(super) prefix: Option<String>,
+    pub(super) failure_policy: Option<(String, Option<u32>)>,
+    pub(super) timeout: Option<Duration>,
+    pub(super) connect_timeout: Option<Duration>,
+    pub(super) key_secret_env: Option<String>,
+}
+
+/// Where a Redis URL comes from.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum UrlFrom {
+    /// Written in the file (no password in it).
+    File(String),
+    /// An environment variable's value.
+    Env(String),
+    /// A file's contents (e.g. a mounted secret), trimmed.
+    Path(String),
+}
+
+const MEMORY_ONLY: [&str; 2] = ["max_keys", "sweep_idle_every"];
+const REDIS_ONLY: [&str; 8] = [
+    "url",
+    "url_env",
+    "url_file",
+    "prefix",
+    "failure_policy",
+    "timeout",
+    "connect_timeout",
+    "key_secret_env",
+];
+
+fn at<T>(value: &Spanned<T>, field: &str, message: impl Into<String>) -> Problem {
+    (Some(value.span()), format!("store.{field}"), message.into())
+}
+
+/// Checks `[store]`: every field known for its kind, every value in
+/// bounds. Nothing is connected to and no environment read.
+pub(super) fn plan(spanned: &Spanned<StoreSpec>) -> Result<StorePlan, Problem> {
+    let s = spanned.get_ref();
+    let set = s.fields_set();
+    let kind = s.kind.get_ref().as_str();
+    let (foreign, other) = match kind {
+        "memory" => (&REDIS_ONLY[..], "redis"),
+        "redis" => (&MEMORY_ONLY[..], "memory"),
+        _ => return Err(at(&s.kind, "kind", "must be \"memory\" or \"redis\"")),
+    };
+    if let Some(f) = set.iter().find(|f| foreign.contains(f)) {
+        return Err((
+            Some(spanned.span()),
+            format!("store.{f}"),
+            format!("is a setting of kind = \"{other}\", not of kind = \"{kind}\""),
+        ));
+    }
+    let dur = |v: &Option<Spanned<String>>, f: &str| {
+        v.as_ref()
+            .map(|v| duration(v, format!("store.{f}")))
+            .transpose()
+    };
+    if kind == "memory" {
+        let max_keys = match &s.max_keys {
+            Some(n) if *n.get_ref() < 1 => return Err(at(n, "max_keys", "must be at least 1")),
+            Some(n) => Some(usize::try_from(*n.get_ref()).unwrap_or(usize::MAX)),
+            None => None,
+        };
+        return Ok(StorePlan::Memory {
+            max_keys,
+            sweep_idle_every: dur(&s.sweep_idle_every, "sweep_idle_every")?,
+        });
+    }
+    let url = match (&s.url, &s.url_env, &s.url_file) {
+        (Some(u), None, None) => {
+            if has_password(u.get_ref()) {
+                return Err(at(
+                    u,
+                    "url",
+                    "holds a password: name the variable that holds the URL (url_env) or a file (url_file) instead",
+                ));
+            }
+            UrlFrom::File(u.get_ref().clone())
+        }
+        (None, Some(e), None) if !e.get_ref().is_empty() => UrlFrom::Env(e.get_ref().clone()),
+        (None, None, Some(p)) if !p.get_ref().is_empty() => UrlFrom::Path(p.get_ref().clone()),
+        (None, None, None) => {
+            return Err((
+                Some(spanned.span()),
+                "store.url".to_owned(),
+                "is missing: a Redis store needs one of url, url_env or url_file".to_owned(),
+            ))
+        }
+        _ => {
+            return Err((
+                Some(spanned.span()),
+                "store.url".to_owned(),
+                "give one of url, url_env or url_file (not empty)".to_owned(),
+            ))
+        }
+    };
+    let failure_policy = match &s.failure_policy {
+        None => None,
+        Some(p) => Some(failure_policy(p)?),
+    };
+    Ok(StorePlan::Redis(RedisPlan {
+        url,
+        prefix: s.prefix.as_ref().map(|p| p.get_ref().clone()),
+        failure_policy,
+        timeout: dur(&s.timeout, "timeout")?,
+        connect_timeout: dur(&s.connect_timeout, "connect_timeout")?,
+        key_secret_env: s.key_secret_env.as_ref().map(|k| k.get_ref().clone()),
+    }))
+}
+
+/// `open`, `closed`, `fallback`, or `fallback/N` (the limit shared by N
+/// instances while Redis is away).
+fn failure_policy(p: &Spanned<String>) -> Result<(String, Option<u32>), Problem> {
+    let text = p.get_ref().trim();
+    let shape = "must be \"open\", \"closed\", \"fallback\" or \"fallback/N\" (N instances share each limit while Redis is away)";
+    match text.split_once('/') {
+        None if ["open", "closed", "fallback"].contains(&text) => Ok((text.to_owned(), None)),
+        Some(("fallback", n)) => match n.trim().parse::<u32>() {
+            Ok(n) if n >= 1 => Ok(("fallback".to_owned(), Some(n))),
+            _ => Err(at(p, "failure_policy", shape)),
+        },
+        _ => Err(at(p, "failure_policy", shape)),
+    }
+}
+
+/// Whether a Redis URL (or a comma-separated list of them) carries a
+/// password: `redis://user:secret@host`, `redis://:secret@host`.
+fn has_password(url: &str) -> bool {
+    url.split(',').any(|one| {
+        let rest = one.split_once("://").map_or(one, |(_, r)| r);
+        let authority = rest.split(['/', '?', '#']).next().unwrap_or(rest);
+        authority
+            .rsplit_once('@')
+            .and_then(|(creds, _)| creds.split_once(':'))
+            .is_some_and(|(_, password)| !password.is_empty())
+    })
+}
+
+/// The store `plan` describes: a memory store at once; a Redis store with
+/// its URL read from where the file says (its connection task starts on
+/// the current Tokio runtime). Errors name the field, never a secret.
+pub(super) fn build(plan: &StorePlan) -> Result<crate::AnyStore, (String, String)> {
+    let named = |field: &str, e: tollgate_core::ConfigError| {
+        (format!("store.{field}"), e.message().to_owned())
+    };
+    match plan {
+        StorePlan::Memory {
+            max_keys,
+            sweep_idle_every,
+        } => {
+            let mut b = crate::MemoryStore::builder();
+            if let Some(n) = max_keys {
+                b = b.max_keys(*n);
+            }
+            if let Some(every) = sweep_idle_every {
+                b = b.sweep_idle_every(*every);
+            }
+            let store = b.build().map_err(|e| {
+                let field = e.field();
+                named(field, e)
+            })?;
+            Ok(store.into())
+        }
+        #[cfg(feature = "redis")]
+        StorePlan::Redis(r) => redis(r).map(Into::into),
+        #[cfg(not(feature = "redis"))]
+        StorePlan::Redis(_) => Err((
+            "store.kind".to_owned(),
+            "is \"redis\", and this build has no Redis store (the crate's `redis` feature)"
+                .to_owned(),
+        )),
+    }
+}
+
+#[cfg(feature = "redis")]
+fn redis(r: &RedisPlan) -> Result<crate::RedisStore, (String, String)> {
+    let url = match &r.url {
+        UrlFrom::File(u) => u.clone(),
+        UrlFrom::Env(var) => std::env::var(var).map_err(|_| {
+            (
+                "store.url_env".to_owned(),
+                format!("the environment variable {var} is not set (or not UTF-8)"),
+            )
+        })?,
+        UrlFrom::Path(path) => std::fs::read_to_string(path)
+            .map(|t| t.trim().to_owned())
+            .map_err(|e| {
+                (
+                    "store.url_file".to_owned(),
+                    format!("cannot read {path}: {e}"),
+                )
+            })?,
+    };
+    let mut b = crate::RedisStore::builder(&url);
+    if let Some(p) = &r.prefix {
+        b = b.prefix(p);
+    }
+    if let Some((policy, n)) = &r.failure_policy {
+        use crate::FailurePolicy;
+        b = b.failure_policy(match (policy.as_str(), n) {
+            ("open", _) => FailurePolicy::Open,
+            ("closed", _) => FailurePolicy::Closed,
+            (_, Some(n)) => FailurePolicy::fallback_share(*n),
+            _ => FailurePolicy::fallback(),
+        });
+    }
+    if let Some(t) = r.timeout {
+        b = b.timeout(t);
+    }
+    if let Some(t) = r.connect_timeout {
+        b = b.connect_timeout(t);
+    }
+    if let Some(var) = &r.key_secret_env {
+        let secret = std::env::var(var).map_err(|_| {
+            (
+                "store.key_secret_env".to_owned(),
+                format!("the environment variable {var} is not set (or not UTF-8)"),
+            )
+        })?;
+        b = b.key_secret(secret);
+    }
+    // A builder's error names its own field (`url`, `timeout`); the URL
+    // itself is never part of the message.
+    b.build().map_err(|e| {
+        let field = match e.field() {
+            "url" => match &r.url {
+                UrlFrom::File(_) => "url",
+                UrlFrom::Env(_) => "url_env",
+                UrlFrom::Path(_) => "url_file",
+            },
+            "key_secret" => "key_secret_env",
+            f => f,
+        };
+        (format!("store.{field}"), e.message().to_owned())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::has_password;
+
+    #[test]
+    fn passwords_in_urls_are_seen() {
+        for (url, secret) in [
+            ("redis://127.0.0.1:6379", false),
+            ("redis://:s3cret@h:6379/0", true),
+            ("rediss://app:s3cret@h", true),
+            ("redis://app@h", false),
+            ("redis://app:@h", false),
+            ("redis+sentinel://h1,h2/mymaster", false),
+            ("redis://h/0?x=a@b", false),
+            ("redis://h1:7000,redis://:pw@h2:7001", true),
+        ] {
+            assert_eq!(has_password(url), secret, "{url}");
+        }
+    }
+}

@@ -175,7 +175,7 @@ pub mod quota;
 pub mod rate_limit;
 pub mod rejection;
 pub mod retry;
-mod routes;
+pub(crate) mod routes;
 pub mod store;
 mod task;
 mod ways;

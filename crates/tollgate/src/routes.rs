@@ -1,6 +1,7 @@
 //! Which requests a limit applies to: path patterns in the router's
 //! syntax, each with an optional method.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use http::{Method, Request};
@@ -100,24 +101,20 @@ impl Routes {
 
     /// Whether `req` goes to one of these routes.
     pub fn matches<B>(&self, req: &Request<B>) -> bool {
-        let (method, as_get) = (req.method(), method_of(req));
-        let mut methods = self
-            .entries
-            .iter()
-            .filter(|e| e.method.as_ref().is_none_or(|m| m == method || m == as_get))
-            .peekable();
-        if methods.peek().is_none() {
-            return false;
-        }
-        let (original, local) = (original_path(req), req.uri().path());
-        let original = normalize_path(original);
-        // Inside a nest the layer sees a shorter path; outside, the same.
-        let local = (local != &*original).then(|| normalize_path(local));
-        methods.any(|e| {
-            path_matches(&e.pattern, &original)
-                || local
-                    .as_deref()
-                    .is_some_and(|l| path_matches(&e.pattern, l))
+        self.entries.iter().any(|e| e.method_matches(req)) && self.matches_target(&Target::of(req))
+    }
+
+    /// Whether the request `target` reads goes to one of these routes.
+    pub(crate) fn matches_target(&self, target: &Target<'_>) -> bool {
+        self.entries.iter().any(|e| {
+            e.method
+                .as_ref()
+                .is_none_or(|m| m == target.method || m == target.as_get)
+                && (path_matches(&e.pattern, &target.original)
+                    || target
+                        .local
+                        .as_deref()
+                        .is_some_and(|l| path_matches(&e.pattern, l)))
         })
     }
 
@@ -136,6 +133,39 @@ impl Routes {
                 "is empty: the limit would apply to no request",
             )),
             _ => Ok(()),
+        }
+    }
+}
+
+impl Entry {
+    fn method_matches<B>(&self, req: &Request<B>) -> bool {
+        self.method
+            .as_ref()
+            .is_none_or(|m| m == req.method() || m == method_of(req))
+    }
+}
+
+/// A request's method and path as routes compare them, read once for
+/// every set of routes a request meets.
+pub(crate) struct Target<'a> {
+    method: &'a Method,
+    as_get: &'a Method,
+    original: Cow<'a, str>,
+    /// The path inside `Router::nest`, where it differs.
+    local: Option<Cow<'a, str>>,
+}
+
+impl<'a> Target<'a> {
+    pub(crate) fn of<B>(req: &'a Request<B>) -> Self {
+        let (original, local) = (original_path(req), req.uri().path());
+        let original = normalize_path(original);
+        // Inside a nest the layer sees a shorter path; outside, the same.
+        let local = (local != &*original).then(|| normalize_path(local));
+        Self {
+            method: req.method(),
+            as_get: method_of(req),
+            original,
+            local,
         }
     }
 }
@@ -186,9 +216,13 @@ fn parse(pattern: &str) -> Result<Box<[Segment]>, String> {
     Ok(out.into())
 }
 
-/// Whether the normalised `path` matches `pattern`.
+/// Whether the normalised `path` matches `pattern` (bytes: every request
+/// is matched against every scoped limit's routes).
 fn path_matches(pattern: &[Segment], path: &str) -> bool {
-    let mut segments = path.split('/').filter(|s| !s.is_empty());
+    let mut segments = path
+        .as_bytes()
+        .split(|c| *c == b'/')
+        .filter(|s| !s.is_empty());
     for want in pattern {
         match want {
             Segment::Rest => return segments.next().is_some(),
@@ -198,7 +232,7 @@ fn path_matches(pattern: &[Segment], path: &str) -> bool {
                 }
             }
             Segment::Literal(l) => {
-                if segments.next() != Some(l) {
+                if segments.next() != Some(l.as_bytes()) {
                     return false;
                 }
             }

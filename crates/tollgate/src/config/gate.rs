@@ -115,6 +115,27 @@ enum Limit<St: Store + QuotaStore> {
 }
 
 impl<St: Store + QuotaStore> Limits<St> {
+    /// Bit `i`: limit `i` (of the first 64) applies to `req`. The
+    /// request's path is read once for every limit's routes.
+    fn applying_to<B>(&self, req: &Request<B>) -> u64 {
+        let mut target = None;
+        let mut bits = 0u64;
+        for (i, s) in self.0.iter().take(64).enumerate() {
+            let applies = match &s.routes {
+                None => true,
+                Some(r) => {
+                    r.matches_target(target.get_or_insert_with(|| crate::routes::Target::of(req)))
+                }
+            };
+            if applies {
+                bits |= 1u64
+                    .checked_shl(u32::try_from(i).unwrap_or(u32::MAX))
+                    .unwrap_or(0);
+            }
+        }
+        bits
+    }
+
     fn names(&self) -> Vec<&str> {
         self.0.iter().map(|s| s.name.as_str()).collect()
     }
@@ -278,6 +299,7 @@ where
             limits: Arc::clone(&self.limits),
             now: None,
             from: 0,
+            applies: 0,
         })
     }
 }
@@ -292,6 +314,9 @@ pub struct Next<S, St: Store + QuotaStore> {
     /// the next request, not this one.
     now: Option<Arc<Limits<St>>>,
     from: usize,
+    /// Bit `i`: limit `i` applies to this request (its routes read once,
+    /// by the first `Next`); limits from 64 on are matched where met.
+    applies: u64,
 }
 
 impl<S: Clone, St: Store + QuotaStore> Clone for Next<S, St> {
@@ -301,6 +326,7 @@ impl<S: Clone, St: Store + QuotaStore> Clone for Next<S, St> {
             limits: Arc::clone(&self.limits),
             now: self.now.clone(),
             from: self.from,
+            applies: self.applies,
         }
     }
 }
@@ -333,9 +359,13 @@ where
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let limits = match &self.now {
-            Some(now) => Arc::clone(now),
-            None => self.limits.load_full(),
+        let (limits, applies) = match &self.now {
+            Some(now) => (Arc::clone(now), self.applies),
+            None => {
+                let limits = self.limits.load_full();
+                let applies = limits.applying_to(&req);
+                (limits, applies)
+            }
         };
         // The service made ready goes on with the request.
         let clone = self.inner.clone();
@@ -345,7 +375,10 @@ where
             .iter()
             .enumerate()
             .skip(self.from)
-            .find(|(_, s)| Routes::applies(s.routes.as_ref(), &req));
+            .find(|(i, s)| match u32::try_from(*i) {
+                Ok(bit) if bit < 64 => applies.checked_shr(bit).is_some_and(|b| b & 1 == 1),
+                _ => Routes::applies(s.routes.as_ref(), &req),
+            });
         let Some((at, scoped)) = found else {
             let mut inner = inner;
             let call = inner.call(req);
@@ -356,6 +389,7 @@ where
             limits: Arc::clone(&self.limits),
             now: Some(Arc::clone(&limits)),
             from: at.saturating_add(1),
+            applies,
         };
         match &scoped.limit {
             Limit::Quota(l) => Box::pin(oneshot(l.layer(next), req)),
@@ -534,6 +568,35 @@ routes = ["GET /slow"]
         drop(held);
         clock.advance(Duration::from_secs(1));
         assert_eq!(send(&svc, req("/slow", "s")).await.status(), StatusCode::OK);
+    }
+
+    /// Routes are read once per request for the first 64 limits, and
+    /// where met for the rest: both scope alike.
+    #[tokio::test]
+    async fn limits_past_the_sixty_fourth_are_scoped_too() {
+        let clock = ManualClock::starting_at(1_796_472_000_000_000_000);
+        let mut text = FILE.to_owned();
+        for i in 0..70 {
+            text.push_str(&format!(
+                "\n[[quotas]]\nname = \"q{i}\"\nkey = \"global\"\nlimits = {{ day = 1 }}\nroutes = [\"/q{i}\"]\n"
+            ));
+        }
+        let file = PolicyFile::parse(&text).unwrap();
+        let gate = Tollgate::new(&file, &store(&clock)).unwrap();
+        let svc = app(&gate);
+        for path in ["/q0", "/q63", "/q64", "/q69"] {
+            let key = format!("key-{path}");
+            assert_eq!(send(&svc, req(path, &key)).await.status(), StatusCode::OK);
+            clock.advance(Duration::from_secs(1));
+            let r = send(&svc, req(path, &key)).await;
+            assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS, "{path}");
+            clock.advance(Duration::from_secs(1));
+        }
+        // Elsewhere, none of them: only the rule and the day's quota.
+        let r = send(&svc, req("/q", "other")).await;
+        assert_eq!(r.status(), StatusCode::OK);
+        let field = r.headers()["ratelimit"].to_str().unwrap();
+        assert!(!field.contains("\"q"), "{field}");
     }
 
     #[tokio::test]

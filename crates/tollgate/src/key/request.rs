@@ -150,14 +150,7 @@ pub(crate) fn original_path<B>(req: &Request<B>) -> &str {
 /// already in that form (the usual case) are not copied.
 pub fn normalize_path(path: &str) -> Cow<'_, str> {
     let b = path.as_bytes();
-    let clean = b.first() == Some(&b'/')
-        && (b.len() == 1 || b.last() != Some(&b'/'))
-        && !b.contains(&b'%')
-        && !b.windows(2).any(|w| w == b"//")
-        && !path
-            .split('/')
-            .any(|segment| segment == "." || segment == "..");
-    if clean {
+    if is_normal(b) {
         return Cow::Borrowed(path);
     }
     let decoded = decode_unreserved(b);
@@ -182,6 +175,33 @@ pub fn normalize_path(path: &str) -> Cow<'_, str> {
     // Only ASCII was decoded, and only escapes of ASCII: still UTF-8 where
     // the input was; a lossy read never panics where it was not.
     Cow::Owned(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// Whether `b` is a path in [`normalize_path`]'s form already: from `/`,
+/// no escape, no empty segment, no `.` or `..` segment, no trailing `/`
+/// (one pass over the bytes: every request's path is looked at).
+fn is_normal(b: &[u8]) -> bool {
+    if b.first() != Some(&b'/') || (b.len() > 1 && b.last() == Some(&b'/')) {
+        return false;
+    }
+    let mut segment_start = 0;
+    for (i, &c) in b.iter().enumerate() {
+        match c {
+            b'%' => return false,
+            b'/' if i > 0 => {
+                // The segment that ends here: empty, `.` or `..`.
+                let segment = b.get(segment_start..i).unwrap_or_default();
+                if matches!(segment, b"" | b"." | b"..") {
+                    return false;
+                }
+                segment_start = i.saturating_add(1);
+            }
+            b'/' => segment_start = 1,
+            _ => {}
+        }
+    }
+    let last = b.get(segment_start..).unwrap_or_default();
+    !(segment_start < b.len() && matches!(last, b"." | b".."))
 }
 
 /// `%XX` of an unreserved character (ALPHA, DIGIT, `-._~`) decoded, any
@@ -277,6 +297,33 @@ mod tests {
             assert_eq!(normalize_path(raw), want, "{raw}");
         }
         assert!(matches!(normalize_path("/users/42"), Cow::Borrowed(_)));
+    }
+
+    /// The one-pass check says what the definition says, on every path of
+    /// up to six characters from an alphabet of the characters that
+    /// matter.
+    #[test]
+    fn the_quick_check_is_the_definition() {
+        let defined = |p: &str| {
+            let b = p.as_bytes();
+            b.first() == Some(&b'/')
+                && (b.len() == 1 || b.last() != Some(&b'/'))
+                && !b.contains(&b'%')
+                && !b.windows(2).any(|w| w == b"//")
+                && !p.split('/').any(|s| s == "." || s == "..")
+        };
+        let alphabet = ['/', '.', 'a', '%'];
+        let mut paths = vec![String::new()];
+        for _ in 0..6 {
+            let longer: Vec<String> = paths
+                .iter()
+                .flat_map(|p| alphabet.iter().map(move |c| format!("{p}{c}")))
+                .collect();
+            for p in paths.iter().chain(&longer) {
+                assert_eq!(super::is_normal(p.as_bytes()), defined(p), "{p:?}");
+            }
+            paths = longer;
+        }
     }
 
     #[test]

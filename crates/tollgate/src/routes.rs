@@ -48,6 +48,9 @@ pub struct Routes {
 struct Entry {
     method: Option<Method>,
     pattern: Box<[Segment]>,
+    /// The whole path, where the pattern has no parameter: compared at
+    /// once.
+    exact: Option<Box<str>>,
     text: Box<str>,
 }
 
@@ -73,9 +76,27 @@ impl Routes {
     pub fn route(self, method: Option<Method>, pattern: &str) -> Result<Self, ConfigError> {
         let parsed = parse(pattern).map_err(|why| ConfigError::new("routes", why))?;
         let mut entries = self.entries.to_vec();
+        let exact = parsed
+            .iter()
+            .all(|s| matches!(s, Segment::Literal(_)))
+            .then(|| {
+                let joined: String = parsed
+                    .iter()
+                    .filter_map(|s| match s {
+                        Segment::Literal(l) => Some(format!("/{l}")),
+                        _ => None,
+                    })
+                    .collect();
+                if joined.is_empty() {
+                    "/".into()
+                } else {
+                    joined.into_boxed_str()
+                }
+            });
         entries.push(Entry {
             method,
             pattern: parsed,
+            exact,
             text: pattern.into(),
         });
         Ok(Self {
@@ -110,11 +131,8 @@ impl Routes {
             e.method
                 .as_ref()
                 .is_none_or(|m| m == target.method || m == target.as_get)
-                && (path_matches(&e.pattern, &target.original)
-                    || target
-                        .local
-                        .as_deref()
-                        .is_some_and(|l| path_matches(&e.pattern, l)))
+                && (e.path_matches(&target.original)
+                    || target.local.as_deref().is_some_and(|l| e.path_matches(l)))
         })
     }
 
@@ -138,6 +156,15 @@ impl Routes {
 }
 
 impl Entry {
+    /// Whether the normalised `path` matches this route's pattern.
+    #[inline]
+    fn path_matches(&self, path: &str) -> bool {
+        match &self.exact {
+            Some(exact) => **exact == *path,
+            None => path_matches(&self.pattern, path),
+        }
+    }
+
     fn method_matches<B>(&self, req: &Request<B>) -> bool {
         self.method
             .as_ref()

@@ -1183,6 +1183,151 @@ pub(super) fn bandwidth(
     Ok(b)
 }
 
+/// Entry `i` of `[[retry_budgets]]`, as a builder on a memory store.
+pub(super) fn retry_budget(
+    file: &FileSpec,
+    i: usize,
+) -> Result<crate::retry::RetryBudgetLayerBuilder<super::RetryKey, MemoryStore>, Problem> {
+    use super::RetryKey;
+    let Some(spanned) = file.retry_budgets.get(i) else {
+        return Err((None, "retry_budgets".to_owned(), format!("no entry {i}")));
+    };
+    let r: &super::spec::RetrySpec = spanned.get_ref();
+    let path = format!("retry_budgets[{i}]");
+    let field = |f: &str| format!("{path}.{f}");
+    let key = match &r.key {
+        None => RetryKey::Upstream,
+        Some(k) if k.get_ref().trim() == "upstream" => RetryKey::Upstream,
+        Some(k) => RetryKey::File(file_key(file, k, &path)?),
+    };
+    let mut b = crate::retry::RetryBudgetLayer::builder(r.name.get_ref()).key(key);
+    if r.ratio.is_some() || r.min_per_second.is_some() || r.window.is_some() {
+        let ratio = r.ratio.as_ref().map_or(0.2, |v| *v.get_ref());
+        let floor = match &r.min_per_second {
+            None => 10,
+            Some(n) => u32::try_from(*n.get_ref())
+                .map_err(|_| at(n, field("min_per_second"), "must be from 0 to 4294967295"))?,
+        };
+        let window = match &r.window {
+            None => Duration::from_secs(10),
+            Some(w) => duration(w, field("window"))?,
+        };
+        b = b.budget(ratio, floor, window);
+    }
+    if let Some(n) = &r.max_attempts {
+        b = b.max_attempts(whole(*n.get_ref(), n, field("max_attempts"), 1)?);
+    }
+    if let Some(bo) = &r.backoff {
+        let bo = bo.get_ref();
+        b = b.backoff(
+            duration(&bo.base, field("backoff.base"))?,
+            duration(&bo.cap, field("backoff.cap"))?,
+        );
+    }
+    if let Some(w) = &r.max_server_wait {
+        b = b.max_server_wait(duration(w, field("max_server_wait"))?);
+    }
+    if let Some(d) = &r.deadline {
+        b = b.deadline(duration(d, field("deadline"))?);
+    }
+    if let Some(any) = r.retry_any_method {
+        b = b.retry_any_method(any);
+    }
+    for p in &r.idempotent_paths {
+        b = b.idempotent_path(p);
+    }
+    if let Some(l) = &r.buffer_limit {
+        b = b.buffer_limit(u64::from(bytes(l, field("buffer_limit"), false)?));
+    }
+    if let Some(k) = &r.adaptive_throttling {
+        b = b.adaptive_throttling(*k.get_ref());
+    }
+    if let Some(list) = &r.retry_on {
+        let on = retry_on(list, &field("retry_on"))?;
+        b = b.classify(move |attempt| on.retries(&attempt));
+    }
+    Ok(b)
+}
+
+/// Which outcomes a file's retry budget retries.
+#[derive(Debug, Default)]
+struct RetryOn {
+    /// An error of the inner service (a connect error, a timeout).
+    errors: bool,
+    statuses: Vec<u16>,
+    grpc: Vec<u16>,
+}
+
+impl RetryOn {
+    fn retries(&self, attempt: &crate::retry::Attempt<'_>) -> bool {
+        use crate::retry::Attempt;
+        match attempt {
+            Attempt::Error(_) => self.errors && attempt.is_retryable_by_default(),
+            Attempt::Response { status, headers } => {
+                match headers
+                    .get("grpc-status")
+                    .map(|v| crate::outcome::GrpcCode::parse(v.as_bytes()))
+                {
+                    Some(code) if code != crate::outcome::GrpcCode::OK => {
+                        self.grpc.contains(&code.0)
+                    }
+                    _ => self.statuses.contains(&status.as_u16()),
+                }
+            }
+        }
+    }
+}
+
+/// The gRPC status codes by name, as `retry_on` names them.
+const GRPC_CODES: [&str; 17] = [
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+];
+
+fn retry_on(list: &Spanned<Vec<Spanned<toml::Value>>>, field: &str) -> Result<RetryOn, Problem> {
+    let mut on = RetryOn::default();
+    for (i, v) in list.get_ref().iter().enumerate() {
+        let bad = || {
+            at(
+                v,
+                format!("{field}[{i}]"),
+                "must be \"error\", an HTTP status from 400 to 599, or a gRPC code by name (\"UNAVAILABLE\")",
+            )
+        };
+        match v.get_ref() {
+            toml::Value::Integer(n) if (400..=599).contains(n) => {
+                on.statuses.push(u16::try_from(*n).map_err(|_| bad())?);
+            }
+            toml::Value::String(s) if s == "error" => on.errors = true,
+            toml::Value::String(s) => {
+                let code = GRPC_CODES
+                    .iter()
+                    .position(|c| c == s)
+                    .filter(|c| *c != 0)
+                    .ok_or_else(bad)?;
+                on.grpc.push(u16::try_from(code).map_err(|_| bad())?);
+            }
+            _ => return Err(bad()),
+        }
+    }
+    Ok(on)
+}
+
 /// Where a builder's error about field `field` of entry `i` of `[[list]]`
 /// lies in the file, and the file's name for that field (the builders
 /// name some fields otherwise: a bandwidth's `bytes_per_second` is the
@@ -1235,6 +1380,22 @@ fn entry_field(
                 "burst" => (span(&v.burst), "burst"),
                 "chunk" => (v.chunk.as_ref().and_then(span), "chunk"),
                 _ => (Some(w.span()), field),
+            }
+        }),
+        "retry_budgets" => file.retry_budgets.get(i).map(|r| {
+            let v = r.get_ref();
+            match field {
+                "ratio" => (v.ratio.as_ref().and_then(span), "ratio"),
+                "min_per_second" => (v.min_per_second.as_ref().and_then(span), "min_per_second"),
+                "window" => (v.window.as_ref().and_then(span), "window"),
+                "max_attempts" => (v.max_attempts.as_ref().and_then(span), "max_attempts"),
+                "backoff" => (v.backoff.as_ref().and_then(span), "backoff"),
+                "buffer_limit" => (v.buffer_limit.as_ref().and_then(span), "buffer_limit"),
+                "adaptive_throttling" => (
+                    v.adaptive_throttling.as_ref().and_then(span),
+                    "adaptive_throttling",
+                ),
+                _ => (Some(r.span()), field),
             }
         }),
         _ => None,

@@ -145,7 +145,7 @@ use std::path::Path;
 
 #[cfg(feature = "axum")]
 pub use gate::{AnyBody, Next, Tollgate};
-pub use parts::{FileCost, FileKey};
+pub use parts::{FileCost, FileKey, RetryKey};
 pub use reload::{Reloaded, Reloader};
 
 /// A policy file that loaded: parsed and checked, ready to build layers.
@@ -327,6 +327,7 @@ impl PolicyFile {
             ("quotas", self.quota_names()),
             ("concurrency", self.concurrency_names()),
             ("bandwidth", self.bandwidth_names()),
+            ("retry_budgets", self.retry_budget_names()),
         ] {
             for (i, name) in names.iter().enumerate() {
                 if let Some((other, _)) = taken.iter().find(|(_, n)| n == name) {
@@ -512,6 +513,21 @@ impl PolicyFile {
                 scope(&w.routes)
             ));
         }
+        for r in &self.spec.retry_budgets {
+            let r = r.get_ref();
+            let mut line = format!(
+                "retry budget {:?}: key {}",
+                r.name.get_ref(),
+                r.key.as_ref().map_or("upstream", |k| k.get_ref().as_str())
+            );
+            if let Some(ratio) = &r.ratio {
+                let _ = write!(line, "; ratio {}", ratio.get_ref());
+            }
+            if let Some(n) = &r.max_attempts {
+                let _ = write!(line, "; at most {} attempts", n.get_ref());
+            }
+            lines.push(line);
+        }
         lines
     }
 
@@ -611,6 +627,40 @@ impl PolicyFile {
             .map_err(|e| self.config_error(&e.in_item("bandwidth", i)))
     }
 
+    /// The names of the file's `[[retry_budgets]]`, in order.
+    pub fn retry_budget_names(&self) -> Vec<&str> {
+        names(&self.spec.retry_budgets, |r| &r.name)
+    }
+
+    /// The retry budget the file declares as the `[[retry_budgets]]`
+    /// entry named `name`, on `store` (a
+    /// [`RetryBudgetLayer`](crate::RetryBudgetLayer), for a client's
+    /// stack). Errors as [`quota`](Self::quota)'s.
+    ///
+    /// ```toml
+    /// [[retry_budgets]]
+    /// name = "payments-api"
+    /// key = "upstream"                  # the default: one budget per upstream host
+    /// ratio = 0.1                       # retries at most 10 % of calls...
+    /// min_per_second = 5                # ...plus 5 a second
+    /// window = "10s"
+    /// max_attempts = 3
+    /// backoff = { base = "50ms", cap = "2s" }
+    /// deadline = "5s"
+    /// retry_on = ["error", 502, 503, 504, "UNAVAILABLE"]
+    /// ```
+    pub fn retry_budget<St: tollgate_core::RetryBudgetStore>(
+        &self,
+        name: &str,
+        store: &St,
+    ) -> Result<crate::RetryBudgetLayer<RetryKey, St>, FileError> {
+        let i = self.entry("retry_budgets", &self.retry_budget_names(), name)?;
+        let b = build::retry_budget(&self.spec, i).map_err(|p| self.placed(p))?;
+        b.store(store.clone())
+            .build()
+            .map_err(|e| self.config_error(&e.in_item("retry_budgets", i)))
+    }
+
     /// The sections a reload does not apply that differ from `before`'s
     /// (`[[quotas]]`, `[[concurrency]]`, `[[bandwidth]]`, and `[costs]`
     /// where any of them names one).
@@ -628,6 +678,9 @@ impl PolicyFile {
         }
         if a.store != b.store {
             changed.push("[store]");
+        }
+        if a.retry_budgets != b.retry_budgets {
+            changed.push("[[retry_budgets]]");
         }
         let others = !a.quotas.is_empty() || !a.concurrency.is_empty() || !a.bandwidth.is_empty();
         if others && a.costs != b.costs {
@@ -653,8 +706,12 @@ impl PolicyFile {
                 let b = build::concurrency(&self.spec, i).map_err(|p| self.placed(p))?;
                 metrics::with_local_recorder(quiet, || b.build().map(drop))
             }
-            _ => {
+            "bandwidth" => {
                 let b = build::bandwidth(&self.spec, i).map_err(|p| self.placed(p))?;
+                metrics::with_local_recorder(quiet, || b.build().map(drop))
+            }
+            _ => {
+                let b = build::retry_budget(&self.spec, i).map_err(|p| self.placed(p))?;
                 metrics::with_local_recorder(quiet, || b.build().map(drop))
             }
         })

@@ -35,6 +35,26 @@ impl<B> KeyExtractor<B> for Part {
     }
 }
 
+/// Whose budget a `[[retry_budgets]]` entry's call draws on: the
+/// upstream's host (`key = "upstream"`, the default), or a key as the
+/// other entries write it.
+#[derive(Debug, Clone)]
+pub enum RetryKey {
+    /// [`Upstream`](crate::retry::Upstream).
+    Upstream,
+    /// A [`FileKey`].
+    File(FileKey),
+}
+
+impl<B> KeyExtractor<B> for RetryKey {
+    fn extract(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()> {
+        match self {
+            Self::Upstream => crate::retry::Upstream.extract(req, key),
+            Self::File(k) => k.extract(req, key),
+        }
+    }
+}
+
 /// A key a policy file declares, e.g. `"header:x-api-key | client-ip"`.
 /// It writes the same store keys as the extractors built in code
 /// (`Header::named("x-api-key")?.or(ClientIp::…)`), so moving a rule

@@ -43,6 +43,54 @@ pub(super) struct FileSpec {
     pub(super) decision_log: Option<Spanned<LogSpec>>,
     #[serde(default)]
     pub(super) store: Option<Spanned<StoreSpec>>,
+    #[serde(default)]
+    pub(super) retry_budgets: Vec<Spanned<RetrySpec>>,
+}
+
+/// One `[[retry_budgets]]` entry: a client's retries under a budget (a
+/// `RetryBudgetLayer`).
+#[derive(Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RetrySpec {
+    pub(super) name: Spanned<String>,
+    /// `upstream` (the default: the upstream's host), or a key as the
+    /// other entries write it.
+    #[serde(default)]
+    pub(super) key: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) ratio: Option<Spanned<f64>>,
+    #[serde(default)]
+    pub(super) min_per_second: Option<Spanned<i64>>,
+    #[serde(default)]
+    pub(super) window: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) max_attempts: Option<Spanned<i64>>,
+    #[serde(default)]
+    pub(super) backoff: Option<Spanned<BackoffSpec>>,
+    #[serde(default)]
+    pub(super) max_server_wait: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) deadline: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) retry_any_method: Option<bool>,
+    #[serde(default)]
+    pub(super) idempotent_paths: Vec<String>,
+    #[serde(default)]
+    pub(super) buffer_limit: Option<Spanned<toml::Value>>,
+    #[serde(default)]
+    pub(super) adaptive_throttling: Option<Spanned<f64>>,
+    /// Which outcomes are retried: `"error"`, HTTP statuses, gRPC codes
+    /// by name (`"UNAVAILABLE"`).
+    #[serde(default)]
+    pub(super) retry_on: Option<Spanned<Vec<Spanned<toml::Value>>>>,
+}
+
+/// A retry budget's backoff.
+#[derive(Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct BackoffSpec {
+    pub(super) base: Spanned<String>,
+    pub(super) cap: Spanned<String>,
 }
 
 /// `[store]`: where the limits keep their state.

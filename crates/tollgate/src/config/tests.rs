@@ -1129,6 +1129,16 @@ fn the_readme_configuration_example_loads() {
     assert_eq!(file.concurrency_names(), ["per-client"]);
     assert_eq!(file.bandwidth_names(), ["download-rate"]);
     assert_eq!(file.describe().len(), 4);
+    // The second example, a client's retries and the store, loads with
+    // the first.
+    let second = section
+        .split("```toml\n")
+        .nth(2)
+        .and_then(|s| s.split("```").next())
+        .unwrap();
+    let file = PolicyFile::parse(&format!("{example}\n{second}")).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(file.retry_budget_names(), ["payments"]);
+    assert_eq!(file.describe().len(), 5);
 }
 
 /// Review of the new sections: a cost known at load above every plan's
@@ -1356,4 +1366,82 @@ async fn the_store_section_builds_the_store_and_keeps_secrets_out_of_errors() {
     assert!(!e.to_string().contains("s3cret"), "{e}");
     assert!(from_file("prefix = \"t\"\ntimeout = \"50ms\"\n").is_ok());
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Issue 32: a client's retry budget from the file: its budget, its
+/// attempts, and which outcomes it retries.
+#[tokio::test(start_paused = true)]
+async fn a_file_declares_retry_budgets_for_clients() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let text = format!(
+        "{QUICK}\n[[retry_budgets]]\nname = \"upstream\"\nmax_attempts = 3\nbackoff = {{ base = \"1ms\", cap = \"5ms\" }}\nretry_on = [\"error\", 500, \"UNAVAILABLE\"]\n\n[[retry_budgets]]\nname = \"per-tenant\"\nkey = \"header:x-tenant\"\nratio = 0.5\nmin_per_second = 0\n"
+    );
+    let file = PolicyFile::parse(&text).unwrap();
+    assert_eq!(file.retry_budget_names(), ["upstream", "per-tenant"]);
+    assert!(file
+        .describe()
+        .contains(&"retry budget \"upstream\": key upstream; at most 3 attempts".to_owned()));
+    // An upstream that answers `answer` (a status, or a gRPC code) and
+    // counts its calls.
+    let calls_for = |status: u16, grpc: Option<&'static str>| {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&calls);
+        let svc = service_fn(move |_r: Request<crate::retry::ReplayBody<String>>| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            let mut res = Response::new(String::new());
+            *res.status_mut() = StatusCode::from_u16(status).unwrap();
+            if let Some(code) = grpc {
+                res.headers_mut()
+                    .insert("grpc-status", code.parse().unwrap());
+            }
+            async move { Ok::<_, Infallible>(res) }
+        });
+        (calls, svc)
+    };
+    let layer = file.retry_budget("upstream", &MemoryStore::new()).unwrap();
+    for (status, grpc, attempts) in [
+        (500, None, 3),       // named: retried
+        (503, None, 1),       // not named: an answer
+        (200, Some("14"), 3), // UNAVAILABLE
+        (200, Some("8"), 1),  // RESOURCE_EXHAUSTED, not named
+        (200, None, 1),
+    ] {
+        let (calls, svc) = calls_for(status, grpc);
+        let _ = layer
+            .layer(svc)
+            .oneshot(
+                Request::get("http://api.example/x")
+                    .body(String::new())
+                    .unwrap(),
+            )
+            .await;
+        assert_eq!(calls.load(Ordering::SeqCst), attempts, "{status} {grpc:?}");
+    }
+    // Errors name the entry and the field.
+    let e = |entry: &str| {
+        error(&format!(
+            "{QUICK}\n[[retry_budgets]]\nname = \"r\"\n{entry}"
+        ))
+    };
+    let last = QUICK.lines().count();
+    assert_eq!(
+        e("retry_on = [\"error\", 200]\n"),
+        format!("{}:22: retry_budgets[0].retry_on[1]: must be \"error\", an HTTP status from 400 to 599, or a gRPC code by name (\"UNAVAILABLE\")", last + 4)
+    );
+    assert!(e("retry_on = [\"OK\"]\n").contains("retry_budgets[0].retry_on[0]"));
+    assert!(
+        e("ratio = -0.5\n").starts_with(&format!("{}:9: retry_budgets[0].ratio: ", last + 4)),
+        "{}",
+        e("ratio = -0.5\n")
+    );
+    assert!(e("max_attempts = 0\n").contains("retry_budgets[0].max_attempts"));
+    assert!(e("key = \"header:\"\n").contains("retry_budgets[0].key"));
+    assert!(e("backoff = { base = \"1ms\" }\n").contains("missing field `cap`"));
+    // A name another list holds.
+    let taken = error(&format!("{QUICK}\n[[retry_budgets]]\nname = \"per-key\"\n"));
+    assert!(
+        taken.contains("retry_budgets[0].name: the name \"per-key\" is taken"),
+        "{taken}"
+    );
 }

@@ -9,7 +9,9 @@ use tollgate_core::Decision;
 use super::adaptive::Adaptive;
 use super::admission::Admission;
 use crate::headers::{ConcurrencyHeaders, Item};
-use crate::rejection::{Reason, Rejected, Rendered};
+#[cfg(feature = "axum")]
+use crate::rejection::Reason;
+use crate::rejection::{Rejected, Rendered};
 
 pub(crate) type RejectFn = Arc<dyn Fn(&Rejected) -> Response<Bytes> + Send + Sync>;
 

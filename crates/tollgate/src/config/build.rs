@@ -4,7 +4,7 @@
 use std::ops::Range;
 use std::time::Duration;
 
-use toml::Spanned;
+use super::spec::Spanned;
 
 use super::parts::{FileCost, FileKey};
 use super::spec::{

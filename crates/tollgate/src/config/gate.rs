@@ -145,7 +145,8 @@ impl<St: Store + QuotaStore> Limits<St> {
     pub(super) fn build(file: &PolicyFile, store: &St) -> Result<Self, FileError> {
         let spec = &file.spec;
         let mut out = Vec::new();
-        let routes = |list: &Option<toml::Spanned<Vec<toml::Spanned<String>>>>, field: String| {
+        let routes = |list: &Option<super::spec::Spanned<Vec<super::spec::Spanned<String>>>>,
+                      field: String| {
             list.as_ref()
                 .map(|l| build::routes(l, field))
                 .transpose()

@@ -351,7 +351,7 @@ impl PolicyFile {
     /// Errors name `trusted_proxies`.
     pub fn default_trusted_proxies(mut self, ranges: &[String]) -> Result<Self, FileError> {
         if self.spec.trusted_proxies.is_none() && !ranges.is_empty() {
-            self.spec.trusted_proxies = Some(toml::Spanned::new(0..0, ranges.to_vec()));
+            self.spec.trusted_proxies = Some(spec::Spanned::new(0..0, ranges.to_vec()));
             self.builder::<()>()?;
         }
         Ok(self)
@@ -394,7 +394,7 @@ impl PolicyFile {
             }
         };
         // Where a limit applies: the routes it names, else every route.
-        let scope = |routes: &Option<toml::Spanned<Vec<toml::Spanned<String>>>>| match routes {
+        let scope = |routes: &Option<spec::Spanned<Vec<spec::Spanned<String>>>>| match routes {
             Some(list) => {
                 let list: Vec<&str> = list
                     .get_ref()
@@ -556,7 +556,7 @@ impl PolicyFile {
             },
         };
         store::build(&plan).map_err(|(field, message)| {
-            let span = self.spec.store.as_ref().map(toml::Spanned::span);
+            let span = self.spec.store.as_ref().map(spec::Spanned::span);
             FileError::at(&self.text, self.origin.as_deref(), span, field, message)
         })
     }
@@ -767,8 +767,69 @@ impl PolicyFile {
     }
 }
 
+#[cfg(feature = "schema")]
+fn without_null(v: &mut serde_json::Value) {
+    use serde_json::Value;
+    match v {
+        Value::Object(map) => {
+            if map.get("default") == Some(&Value::Null) {
+                map.remove("default");
+            }
+            if let Some(Value::Array(types)) = map.get_mut("type") {
+                types.retain(|t| t != "null");
+                if let [only] = types.as_slice() {
+                    let only = only.clone();
+                    map.insert("type".into(), only);
+                }
+            }
+            if let Some(Value::Array(any)) = map.get_mut("anyOf") {
+                any.retain(|a| a.get("type").is_none_or(|t| t != "null"));
+                if let [only] = any.as_slice() {
+                    let only = only.clone();
+                    map.remove("anyOf");
+                    if let Value::Object(inner) = only {
+                        for (k, val) in inner {
+                            map.entry(k).or_insert(val);
+                        }
+                    }
+                }
+            }
+            map.values_mut().for_each(without_null);
+        }
+        Value::Array(items) => items.iter_mut().for_each(without_null),
+        _ => {}
+    }
+}
+
+/// A JSON Schema (draft 2020-12) of the policy file, generated from the
+/// types that read it: editors that read JSON Schema (through
+/// taplo's `#:schema` directive or Even Better TOML's settings) check a
+/// file while it is written. The crate ships it as `policy.schema.json`.
+/// It describes the file's shape: names, types, which fields each entry
+/// takes; the bounds a value must keep and how entries refer to each
+/// other are checked when the file loads ([`PolicyFile::parse`],
+/// `tollgate-check`).
+/// TOML has no null: an optional field is one left out, so the schema's
+/// `null` alternatives (of `Option` fields) and `null` defaults go.
+#[cfg(feature = "schema")]
+pub fn json_schema() -> String {
+    let mut schema = schemars::schema_for!(spec::FileSpec);
+    schema.insert("title".into(), "tollgate policy file".into());
+    schema.insert(
+        "description".into(),
+        "Every limit of a service: [[rules]], [[quotas]], [[concurrency]], [[bandwidth]], \
+         [[retry_budgets]], [store] (see the tollgate crate's `config` module)"
+            .into(),
+    );
+    let mut value = schema.to_value();
+    without_null(&mut value);
+    let mut text = serde_json::to_string_pretty(&value).unwrap_or_default();
+    text.push('\n');
+    text
+}
+
 /// The names of `list`'s entries (`name` reads one).
-fn names<T>(list: &[toml::Spanned<T>], name: impl Fn(&T) -> &toml::Spanned<String>) -> Vec<&str> {
+fn names<T>(list: &[spec::Spanned<T>], name: impl Fn(&T) -> &spec::Spanned<String>) -> Vec<&str> {
     list.iter()
         .map(|e| name(e.get_ref()).get_ref().as_str())
         .collect()

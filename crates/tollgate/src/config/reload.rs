@@ -186,6 +186,7 @@ impl<B, St: Store> Reloader<B, St> {
     /// sections from the new file on a store handle (a checking one
     /// first, then the rebinding one) and returns what swaps them in,
     /// called with the rules' swap ([`Tollgate::reloader`](super::Tollgate::reloader)).
+    #[cfg(feature = "axum")]
     pub(super) fn also<F>(mut self, f: F) -> Self
     where
         F: Fn(&PolicyFile, &St) -> Result<Box<dyn FnOnce() + Send>, FileError>

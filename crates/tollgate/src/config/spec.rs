@@ -5,10 +5,82 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde::Deserialize;
-use toml::Spanned;
+
+/// A value and where it is in the file (`toml::Spanned`), which the
+/// schema describes as the value itself.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(transparent)]
+pub(super) struct Spanned<T>(toml::Spanned<T>);
+
+impl<T> Spanned<T> {
+    pub(super) fn new(span: std::ops::Range<usize>, value: T) -> Self {
+        Self(toml::Spanned::new(span, value))
+    }
+
+    pub(super) fn get_ref(&self) -> &T {
+        self.0.get_ref()
+    }
+
+    pub(super) fn span(&self) -> std::ops::Range<usize> {
+        self.0.span()
+    }
+}
+
+#[cfg(feature = "schema")]
+impl<T: schemars::JsonSchema> schemars::JsonSchema for Spanned<T> {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        T::schema_name()
+    }
+
+    fn schema_id() -> std::borrow::Cow<'static, str> {
+        T::schema_id()
+    }
+
+    fn json_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        T::json_schema(generator)
+    }
+
+    fn inline_schema() -> bool {
+        T::inline_schema()
+    }
+}
+
+/// What the schema says of the fields the file reads as TOML values and
+/// sorts out itself.
+#[cfg(feature = "schema")]
+mod values {
+    /// A cost: a number, a `[costs.NAME]` by name, or a cost table.
+    #[derive(schemars::JsonSchema)]
+    #[schemars(untagged)]
+    #[allow(dead_code)]
+    pub(super) enum Cost {
+        Units(u64),
+        Named(String),
+        Table(super::CostSpec),
+    }
+
+    /// A number of bytes, or text such as `"64 KiB"` (`"256 KiB/s"`).
+    #[derive(schemars::JsonSchema)]
+    #[schemars(untagged)]
+    #[allow(dead_code)]
+    pub(super) enum Bytes {
+        Count(u64),
+        Text(String),
+    }
+
+    /// `"error"`, an HTTP status, or a gRPC code by name.
+    #[derive(schemars::JsonSchema)]
+    #[schemars(untagged)]
+    #[allow(dead_code)]
+    pub(super) enum RetryOn {
+        Status(u16),
+        Name(String),
+    }
+}
 
 /// The whole file.
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct FileSpec {
     #[serde(default)]
@@ -26,6 +98,7 @@ pub(super) struct FileSpec {
     #[serde(default)]
     pub(super) plan_from: Option<Spanned<String>>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(with = "BTreeMap<String, CostSpec>"))]
     pub(super) costs: BTreeMap<String, Spanned<toml::Value>>,
     #[serde(default)]
     pub(super) rules: Vec<Spanned<RuleSpec>>,
@@ -50,6 +123,7 @@ pub(super) struct FileSpec {
 /// One `[[retry_budgets]]` entry: a client's retries under a budget (a
 /// `RetryBudgetLayer`).
 #[derive(Debug, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct RetrySpec {
     pub(super) name: Spanned<String>,
@@ -76,17 +150,20 @@ pub(super) struct RetrySpec {
     #[serde(default)]
     pub(super) idempotent_paths: Vec<String>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<values::Bytes>"))]
     pub(super) buffer_limit: Option<Spanned<toml::Value>>,
     #[serde(default)]
     pub(super) adaptive_throttling: Option<Spanned<f64>>,
     /// Which outcomes are retried: `"error"`, HTTP statuses, gRPC codes
     /// by name (`"UNAVAILABLE"`).
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<Vec<values::RetryOn>>"))]
     pub(super) retry_on: Option<Spanned<Vec<Spanned<toml::Value>>>>,
 }
 
 /// A retry budget's backoff.
 #[derive(Debug, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct BackoffSpec {
     pub(super) base: Spanned<String>,
@@ -95,6 +172,7 @@ pub(super) struct BackoffSpec {
 
 /// `[store]`: where the limits keep their state.
 #[derive(Debug, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct StoreSpec {
     /// `memory` or `redis`.
@@ -149,6 +227,7 @@ impl StoreSpec {
 
 /// One `[[rules]]` entry.
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct RuleSpec {
     pub(super) name: Spanned<String>,
@@ -162,6 +241,7 @@ pub(super) struct RuleSpec {
     #[serde(default)]
     pub(super) max_delay: Option<Spanned<String>>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<values::Cost>"))]
     pub(super) cost: Option<Spanned<toml::Value>>,
     #[serde(default)]
     pub(super) missing_key: Option<Spanned<String>>,
@@ -185,6 +265,7 @@ pub(super) struct RuleSpec {
 
 /// One `[[quotas]]` entry: a calendar quota (a `QuotaLayer`).
 #[derive(Debug, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct QuotaSpec {
     pub(super) name: Spanned<String>,
@@ -192,6 +273,7 @@ pub(super) struct QuotaSpec {
     /// Each period's limit: `{ day = 1000, month = 20000 }`.
     pub(super) limits: Spanned<BTreeMap<String, Spanned<i64>>>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<values::Cost>"))]
     pub(super) cost: Option<Spanned<toml::Value>>,
     #[serde(default)]
     pub(super) missing_key: Option<Spanned<String>>,
@@ -214,6 +296,7 @@ pub(super) struct QuotaSpec {
 
 /// One `[[concurrency]]` entry: in-flight limits (a `ConcurrencyLayer`).
 #[derive(Debug, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct ConcurrencySpec {
     pub(super) name: Spanned<String>,
@@ -222,6 +305,7 @@ pub(super) struct ConcurrencySpec {
     pub(super) max: Spanned<i64>,
     /// Permits a request holds (a cost), 1 by default.
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<values::Cost>"))]
     pub(super) cost: Option<Spanned<toml::Value>>,
     /// Each plan's own `max`.
     #[serde(default)]
@@ -252,6 +336,7 @@ pub(super) struct ConcurrencySpec {
 
 /// A concurrency limit's queue.
 #[derive(Debug, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct QueueSpec {
     pub(super) max_len: Spanned<i64>,
@@ -260,6 +345,7 @@ pub(super) struct QueueSpec {
 
 /// A fixed service-wide limit.
 #[derive(Debug, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct ServiceSpec {
     pub(super) name: Spanned<String>,
@@ -268,6 +354,7 @@ pub(super) struct ServiceSpec {
 
 /// An adaptive service-wide limit.
 #[derive(Debug, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct AdaptiveSpec {
     pub(super) name: Spanned<String>,
@@ -280,6 +367,7 @@ pub(super) struct AdaptiveSpec {
 
 /// Read-only mode above an error rate.
 #[derive(Debug, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct ReadOnlySpec {
     pub(super) above: Spanned<f64>,
@@ -290,19 +378,23 @@ pub(super) struct ReadOnlySpec {
 
 /// One `[[bandwidth]]` entry: bodies paced per key (a `BandwidthLayer`).
 #[derive(Debug, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct BandwidthSpec {
     pub(super) name: Spanned<String>,
     pub(super) key: Spanned<String>,
     /// Bytes a second: a number, or `"256 KiB/s"`.
+    #[cfg_attr(feature = "schema", schemars(with = "values::Bytes"))]
     pub(super) rate: Spanned<toml::Value>,
     /// Bytes at once: a number, or `"64 KiB"`.
+    #[cfg_attr(feature = "schema", schemars(with = "values::Bytes"))]
     pub(super) burst: Spanned<toml::Value>,
     /// `responses` (default), `requests` or `both`.
     #[serde(default)]
     pub(super) direction: Option<Spanned<String>>,
     /// Bytes a body takes from the store at once.
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<values::Bytes>"))]
     pub(super) chunk: Option<Spanned<toml::Value>>,
     #[serde(default)]
     pub(super) missing_key: Option<Spanned<String>>,
@@ -314,6 +406,7 @@ pub(super) struct BandwidthSpec {
 
 /// A plan's numbers; which apply depends on the rule's algorithm.
 #[derive(Debug, Default, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct LimitSpec {
     #[serde(default)]
@@ -326,6 +419,7 @@ pub(super) struct LimitSpec {
 
 /// A cost function.
 #[derive(Debug, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct CostSpec {
     #[serde(default)]
@@ -346,6 +440,7 @@ pub(super) struct CostSpec {
 
 /// One `routes` entry of a cost.
 #[derive(Debug, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct RouteCost {
     #[serde(default)]
@@ -356,6 +451,7 @@ pub(super) struct RouteCost {
 
 /// An escalation ladder.
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct EscalateSpec {
     pub(super) strikes: Spanned<i64>,
@@ -366,6 +462,7 @@ pub(super) struct EscalateSpec {
 
 /// `[access]`.
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct AccessSpec {
     #[serde(default)]
@@ -386,6 +483,7 @@ pub(super) struct AccessSpec {
 
 /// `[idempotency]`.
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct IdempotencySpec {
     pub(super) name: Spanned<String>,
@@ -395,6 +493,7 @@ pub(super) struct IdempotencySpec {
 
 /// `[decision_log]`.
 #[derive(Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct LogSpec {
     #[serde(default)]

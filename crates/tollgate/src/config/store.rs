@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use toml::Spanned;
+use super::spec::Spanned;
 
 use super::build::{duration, Problem};
 use super::spec::StoreSpec;

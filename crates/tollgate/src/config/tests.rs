@@ -1059,7 +1059,7 @@ fn in_flight_and_pacing_errors_name_the_line_and_the_field() {
 fn offsets_bounds_names_and_unapplied_sections() {
     use tollgate_core::calendar::Offset;
     let zone =
-        |text: &str| super::build::zone(&toml::Spanned::new(0..0, text.to_owned()), "zone".into());
+        |text: &str| super::build::zone(&spec::Spanned::new(0..0, text.to_owned()), "zone".into());
     assert_eq!(
         zone("-00:30").unwrap().fixed(),
         Some(Offset::from_seconds(-1_800).unwrap())
@@ -1444,4 +1444,48 @@ async fn a_file_declares_retry_budgets_for_clients() {
         taken.contains("retry_budgets[0].name: the name \"per-key\" is taken"),
         "{taken}"
     );
+}
+
+/// Issue 32: the JSON Schema checked in (`policy.schema.json`) is the one
+/// the file's types generate; `TOLLGATE_BLESS=1` writes it anew.
+#[cfg(feature = "schema")]
+#[test]
+fn the_checked_in_schema_is_the_generated_one() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/policy.schema.json");
+    let generated = super::json_schema();
+    if std::env::var_os("TOLLGATE_BLESS").is_some() {
+        std::fs::write(path, &generated).unwrap();
+    }
+    let checked_in = std::fs::read_to_string(path).unwrap_or_default();
+    assert!(
+        checked_in == generated,
+        "policy.schema.json is stale: TOLLGATE_BLESS=1 cargo test -p tollgate --features schema --lib schema"
+    );
+    let v: serde_json::Value = serde_json::from_str(&generated).unwrap();
+    for section in [
+        "rules",
+        "quotas",
+        "concurrency",
+        "bandwidth",
+        "retry_budgets",
+        "store",
+        "access",
+        "idempotency",
+        "decision_log",
+        "costs",
+        "plan_from",
+    ] {
+        assert!(v["properties"].get(section).is_some(), "{section}");
+    }
+    // Unknown fields are refused, as the file's reader refuses them.
+    assert_eq!(v["additionalProperties"], false);
+    let quota = &v["$defs"]["QuotaSpec"];
+    assert_eq!(quota["additionalProperties"], false, "{quota}");
+    let required: Vec<&str> = quota["required"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_str().unwrap())
+        .collect();
+    assert_eq!(required, ["name", "key", "limits"]);
 }

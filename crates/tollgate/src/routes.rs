@@ -16,11 +16,16 @@ use crate::key::request::{method_of, original_path};
 /// (not counted, not refused, no headers from it).
 ///
 /// Patterns use axum's syntax: literal segments, `{name}` for exactly one
-/// segment, and `{*name}` (last) for one or more. Paths compare
-/// normalised ([`normalize_path`]), as the client sent them or as the
-/// layer sees them inside `Router::nest` (prefix stripped), as
-/// [`ByRoute`](crate::cost::ByRoute) costs do; a `HEAD` matches `GET`
-/// entries (a router runs the `GET` handler for it).
+/// segment, and `{*name}` (last) for one or more (`:id` and `*rest`, the
+/// older syntax, are refused rather than read as literal text). A request
+/// matches when any view of its path does: normalised
+/// ([`normalize_path`]) as the client sent it or as the layer sees it
+/// inside `Router::nest` (prefix stripped), as
+/// [`ByRoute`](crate::cost::ByRoute) costs do; as a router splits it
+/// (`/users/./avatar` reaches `/users/{id}/avatar` with `id` = `.`); or,
+/// inside an axum router, the route it matched. So no way of writing a
+/// path routed to a limited route escapes the limit. A `HEAD` matches
+/// `GET` entries (a router runs the `GET` handler for it).
 ///
 /// ```
 /// use http::{Method, Request};
@@ -125,14 +130,24 @@ impl Routes {
         self.entries.iter().any(|e| e.method_matches(req)) && self.matches_target(&Target::of(req))
     }
 
-    /// Whether the request `target` reads goes to one of these routes.
+    /// Whether the request `target` reads goes to one of these routes: by
+    /// its path in normal form (as the client sent it, or inside a nest),
+    /// by its path as a router matches it (`/users/./avatar` reaches
+    /// `/users/{id}/avatar` with `id` `.`), or by the route axum matched.
     pub(crate) fn matches_target(&self, target: &Target<'_>) -> bool {
         self.entries.iter().any(|e| {
             e.method
                 .as_ref()
                 .is_none_or(|m| m == target.method || m == target.as_get)
                 && (e.path_matches(&target.original)
-                    || target.local.as_deref().is_some_and(|l| e.path_matches(l)))
+                    || target.local.as_deref().is_some_and(|l| e.path_matches(l))
+                    || raw_matches(&e.pattern, target.raw)
+                    || target
+                        .raw_original
+                        .is_some_and(|r| raw_matches(&e.pattern, r))
+                    || target
+                        .matched
+                        .is_some_and(|m| template_matches(&e.pattern, m)))
         })
     }
 
@@ -180,6 +195,12 @@ pub(crate) struct Target<'a> {
     original: Cow<'a, str>,
     /// The path inside `Router::nest`, where it differs.
     local: Option<Cow<'a, str>>,
+    /// The path as the request has it (the router's view).
+    raw: &'a str,
+    /// The path as the client sent it, where a nest stripped a prefix.
+    raw_original: Option<&'a str>,
+    /// The route axum matched (`/users/{id}`), where it did.
+    matched: Option<&'a str>,
 }
 
 impl<'a> Target<'a> {
@@ -188,11 +209,15 @@ impl<'a> Target<'a> {
         let original = normalize_path(original);
         // Inside a nest the layer sees a shorter path; outside, the same.
         let local = (local != &*original).then(|| normalize_path(local));
+        let raw_original = original_path(req);
         Self {
             method: req.method(),
             as_get: method_of(req),
             original,
             local,
+            raw: req.uri().path(),
+            raw_original: (raw_original != req.uri().path()).then_some(raw_original),
+            matched: matched_path(req),
         }
     }
 }
@@ -201,6 +226,11 @@ impl<'a> Target<'a> {
 fn parse(pattern: &str) -> Result<Box<[Segment]>, String> {
     if !pattern.starts_with('/') {
         return Err(format!("{pattern:?} must start with \"/\""));
+    }
+    if pattern.contains(['?', '#']) {
+        return Err(format!(
+            "{pattern:?}: a route is a path, without a query or a fragment"
+        ));
     }
     let parts: Vec<&str> = pattern.split('/').filter(|s| !s.is_empty()).collect();
     let last = parts.len().saturating_sub(1);
@@ -226,6 +256,11 @@ fn parse(pattern: &str) -> Result<Box<[Segment]>, String> {
                     Segment::Param
                 }
             }
+            None if part.starts_with([':', '*']) => {
+                return Err(format!(
+                    "{pattern:?}: {part:?} would be a path of its own: write parameters as \"{{id}}\" and \"{{*rest}}\" (axum 0.8's syntax)"
+                ))
+            }
             None if part.contains(['{', '}']) => {
                 return Err(format!(
                 "{pattern:?}: {part:?} mixes a parameter with text: a parameter is a whole segment"
@@ -241,6 +276,62 @@ fn parse(pattern: &str) -> Result<Box<[Segment]>, String> {
         out.push(segment);
     }
     Ok(out.into())
+}
+
+/// The route axum matched, where the layer sits inside a router.
+fn matched_path<B>(req: &Request<B>) -> Option<&str> {
+    #[cfg(feature = "axum")]
+    if let Some(m) = req.extensions().get::<axum::extract::MatchedPath>() {
+        return Some(m.as_str());
+    }
+    let _ = req;
+    None
+}
+
+/// Whether `path`, as a router splits it (no normalising: `.` and empty
+/// segments are segments, a trailing `/` is one more), matches `pattern`.
+fn raw_matches(pattern: &[Segment], path: &str) -> bool {
+    let mut left = path.strip_prefix('/');
+    if pattern.is_empty() {
+        return left == Some("");
+    }
+    for want in pattern {
+        let Some(text) = left else { return false };
+        let (segment, after) = match text.split_once('/') {
+            Some((segment, after)) => (segment, Some(after)),
+            None => (text, None),
+        };
+        let fits = match want {
+            Segment::Rest => return !text.is_empty(),
+            Segment::Param => !segment.is_empty(),
+            Segment::Literal(l) => segment == &**l,
+        };
+        if !fits {
+            return false;
+        }
+        left = after;
+    }
+    left.is_none()
+}
+
+/// Whether the route template axum matched (`/users/{id}/avatar`) is
+/// `pattern`, whatever its parameters are named.
+fn template_matches(pattern: &[Segment], template: &str) -> bool {
+    let mut segments = template.split('/').filter(|s| !s.is_empty());
+    for want in pattern {
+        let Some(segment) = segments.next() else {
+            return false;
+        };
+        let fits = match want {
+            Segment::Rest => segment.starts_with("{*"),
+            Segment::Param => segment.starts_with('{') && !segment.starts_with("{*"),
+            Segment::Literal(l) => segment == &**l,
+        };
+        if !fits {
+            return false;
+        }
+    }
+    segments.next().is_none()
 }
 
 /// Whether the normalised `path` matches `pattern` (bytes: every request
@@ -316,6 +407,44 @@ mod tests {
         assert!(!r.matches(&req(Method::POST, "/api")));
     }
 
+    /// Review of the routes: a router matches the path as sent, so
+    /// `/users/./avatar` reaches `/users/{id}/avatar`; the limit applies
+    /// there too, and wherever axum says it matched the route.
+    #[test]
+    fn the_routers_view_of_a_path_is_matched_too() {
+        let r = Routes::new()
+            .route(Some(Method::POST), "/users/{id}/avatar")
+            .unwrap()
+            .route(None, "/files/{*path}")
+            .unwrap();
+        for path in [
+            "/users/./avatar",
+            "/users/../avatar",
+            "/users/%2E%2E/avatar",
+            "/files//",
+            "/files/x/..",
+            "/files/./",
+        ] {
+            let method = if path.starts_with("/users") {
+                Method::POST
+            } else {
+                Method::GET
+            };
+            assert!(r.matches(&req(method, path)), "{path}");
+        }
+        assert!(!r.matches(&req(Method::POST, "/users//avatar")));
+        assert!(!r.matches(&req(Method::POST, "/users/7/avatar/x")));
+        // Inside a router: the route axum matched, its parameters named
+        // as they may be.
+        let users = parse("/users/{id}/avatar").unwrap();
+        assert!(template_matches(&users, "/users/{user}/avatar"));
+        assert!(!template_matches(&users, "/users/{*rest}"));
+        assert!(!template_matches(&users, "/users/{id}"));
+        assert!(!template_matches(&users, "/users/{id}/avatar/{x}"));
+        assert!(template_matches(&parse("/f/{*p}").unwrap(), "/f/{*path}"));
+        assert!(template_matches(&parse("/").unwrap(), "/"));
+    }
+
     #[test]
     fn bad_patterns_are_named() {
         for (bad, why) in [
@@ -326,6 +455,10 @@ mod tests {
             ("/a/{x{y}}", "not a parameter"),
             ("/a/../b", "as the path"),
             ("/a/%2e", "as the path"),
+            ("/users/:id", "axum 0.8's syntax"),
+            ("/files/*path", "axum 0.8's syntax"),
+            ("/a?x=1", "without a query"),
+            ("/a#b", "without a query"),
         ] {
             let e = Routes::new().route(None, bad).unwrap_err();
             assert_eq!(e.field(), "routes");

@@ -98,14 +98,44 @@ impl<St: Store + QuotaStore> fmt::Debug for Tollgate<St> {
 }
 
 /// The limits after the rules, in the order a request meets them.
-pub(super) struct Limits<St: Store + QuotaStore>(Box<[Scoped<St>]>);
+pub(super) struct Limits<St: Store + QuotaStore> {
+    limits: Box<[Scoped<St>]>,
+    /// The file they were built from: a reload keeps the limits whose
+    /// entries did not change.
+    text: String,
+}
 
 struct Scoped<St: Store + QuotaStore> {
     /// Where the limit applies (`None`: everywhere); the layer checks it
     /// too, this skips building its service for other routes.
     routes: Option<Routes>,
+    /// The entry's list (`quotas`) and name.
+    list: &'static str,
     name: String,
     limit: Limit<St>,
+}
+
+impl<St: Store + QuotaStore> Clone for Limit<St> {
+    fn clone(&self) -> Self {
+        match self {
+            Self::Quota(l) => Self::Quota(l.clone()),
+            Self::InFlight(l) => Self::InFlight(l.clone()),
+            Self::Pacing(l) => Self::Pacing(l.clone()),
+        }
+    }
+}
+
+/// Whether what every limit after the rules reads beyond its own entry
+/// (client addresses, plans, named costs, headers) is the same in both.
+fn same_context(a: &super::spec::FileSpec, b: &super::spec::FileSpec) -> bool {
+    a.trusted_proxies == b.trusted_proxies
+        && a.forwarded_header == b.forwarded_header
+        && a.ipv6_prefix == b.ipv6_prefix
+        && a.plan_from == b.plan_from
+        && a.costs == b.costs
+        && a.headers == b.headers
+        && a.legacy_headers == b.legacy_headers
+        && a.route_label == b.route_label
 }
 
 enum Limit<St: Store + QuotaStore> {
@@ -120,7 +150,7 @@ impl<St: Store + QuotaStore> Limits<St> {
     fn applying_to<B>(&self, req: &Request<B>) -> u64 {
         let mut target = None;
         let mut bits = 0u64;
-        for (i, s) in self.0.iter().take(64).enumerate() {
+        for (i, s) in self.limits.iter().take(64).enumerate() {
             let applies = match &s.routes {
                 None => true,
                 Some(r) => {
@@ -137,13 +167,32 @@ impl<St: Store + QuotaStore> Limits<St> {
     }
 
     fn names(&self) -> Vec<&str> {
-        self.0.iter().map(|s| s.name.as_str()).collect()
+        self.limits.iter().map(|s| s.name.as_str()).collect()
     }
 
     /// Builds every limit after the rules that `file` declares, on
     /// `store`.
-    pub(super) fn build(file: &PolicyFile, store: &St) -> Result<Self, FileError> {
+    pub(super) fn build(
+        file: &PolicyFile,
+        store: &St,
+        before: Option<&Self>,
+    ) -> Result<Self, FileError> {
         let spec = &file.spec;
+        // What a reload can keep: the limit an entry built before, if
+        // neither the entry nor what it reads beyond it changed (its in-
+        // process state — an adaptive limit, a queue, read-only mode —
+        // goes on; store state is kept either way).
+        let before_spec = before.and_then(|b| PolicyFile::parse_unchecked(&b.text, None).ok());
+        let kept = |list: &str, name: &str, same: &dyn Fn(&super::spec::FileSpec) -> bool| {
+            let (b, old) = (before?, before_spec.as_ref()?);
+            if !same_context(&old.spec, spec) || !same(&old.spec) {
+                return None;
+            }
+            b.limits
+                .iter()
+                .find(|s| s.list == list && s.name == name)
+                .map(|s| s.limit.clone())
+        };
         let mut out = Vec::new();
         let routes = |list: &Option<super::spec::Spanned<Vec<super::spec::Spanned<String>>>>,
                       field: String| {
@@ -154,35 +203,62 @@ impl<St: Store + QuotaStore> Limits<St> {
         };
         for (i, c) in spec.concurrency.iter().enumerate() {
             let c = c.get_ref();
+            let name = c.name.get_ref();
+            let same =
+                |old: &super::spec::FileSpec| old.concurrency.iter().any(|o| o.get_ref() == c);
+            let limit = match kept("concurrency", name, &same) {
+                Some(limit) => limit,
+                None => Limit::InFlight(file.concurrency(name, store)?),
+            };
             out.push(Scoped {
                 routes: routes(&c.routes, format!("concurrency[{i}].routes"))?,
-                name: c.name.get_ref().clone(),
-                limit: Limit::InFlight(file.concurrency(c.name.get_ref(), store)?),
+                list: "concurrency",
+                name: name.clone(),
+                limit,
             });
         }
         for (i, q) in spec.quotas.iter().enumerate() {
             let q = q.get_ref();
+            let name = q.name.get_ref();
+            let same = |old: &super::spec::FileSpec| old.quotas.iter().any(|o| o.get_ref() == q);
+            let limit = match kept("quotas", name, &same) {
+                Some(limit) => limit,
+                None => Limit::Quota(file.quota(name, store)?),
+            };
             out.push(Scoped {
                 routes: routes(&q.routes, format!("quotas[{i}].routes"))?,
-                name: q.name.get_ref().clone(),
-                limit: Limit::Quota(file.quota(q.name.get_ref(), store)?),
+                list: "quotas",
+                name: name.clone(),
+                limit,
             });
         }
         for (i, w) in spec.bandwidth.iter().enumerate() {
             let w = w.get_ref();
+            let name = w.name.get_ref();
+            let same = |old: &super::spec::FileSpec| old.bandwidth.iter().any(|o| o.get_ref() == w);
+            let limit = match kept("bandwidth", name, &same) {
+                Some(limit) => limit,
+                None => Limit::Pacing(file.bandwidth(name, store)?),
+            };
             out.push(Scoped {
                 routes: routes(&w.routes, format!("bandwidth[{i}].routes"))?,
-                name: w.name.get_ref().clone(),
-                limit: Limit::Pacing(file.bandwidth(w.name.get_ref(), store)?),
+                list: "bandwidth",
+                name: name.clone(),
+                limit,
             });
         }
-        Ok(Self(out.into()))
+        Ok(Self {
+            limits: out.into(),
+            text: file.text().to_owned(),
+        })
     }
 }
 
 impl<St: Store + QuotaStore> Tollgate<St> {
     /// Every limit `file` declares, on `store`. Errors name the file's
-    /// line and field.
+    /// line and field. The file's `[store]`, if any, is not read: the
+    /// limits run on `store` ([`from_file`](Self::from_file) builds the
+    /// file's).
     pub fn new(file: &PolicyFile, store: &St) -> Result<Self, FileError> {
         Self::with(file, store, |b| b)
     }
@@ -199,7 +275,7 @@ impl<St: Store + QuotaStore> Tollgate<St> {
             .store(store.clone())
             .build()
             .map_err(|e| file.config_error(&e))?;
-        let limits = Limits::build(file, store)?;
+        let limits = Limits::build(file, store, None)?;
         Ok(Self {
             policy,
             limits: Arc::new(ArcSwap::from_pointee(limits)),
@@ -221,6 +297,35 @@ impl<St: Store + QuotaStore> Tollgate<St> {
             .into_iter()
             .map(str::to_owned)
             .collect()
+    }
+
+    /// The running in-flight limit of the `[[concurrency]]` entry named
+    /// `name` (for its [`adaptive_limit`](crate::ConcurrencyLayer::adaptive_limit),
+    /// [`limiter`](crate::ConcurrencyLayer::limiter)): the one a reload
+    /// put in place.
+    pub fn concurrency(&self, name: &str) -> Option<InFlight<St>> {
+        self.limits
+            .load()
+            .limits
+            .iter()
+            .find_map(|s| match &s.limit {
+                Limit::InFlight(l) if s.name == name => Some(l.clone()),
+                _ => None,
+            })
+    }
+
+    /// The running quota of the `[[quotas]]` entry named `name` (for its
+    /// [`usage_for`](crate::QuotaLayer::usage_for) and
+    /// [`limiter`](crate::QuotaLayer::limiter), a support tool's view).
+    pub fn quota(&self, name: &str) -> Option<Quota<St>> {
+        self.limits
+            .load()
+            .limits
+            .iter()
+            .find_map(|s| match &s.limit {
+                Limit::Quota(l) if s.name == name => Some(l.clone()),
+                _ => None,
+            })
     }
 
     /// A [`Reloader`](super::Reloader) that keeps this layer in step with
@@ -245,7 +350,7 @@ impl<St: Store + QuotaStore> Tollgate<St> {
         super::Reloader::new(path, file, store, &self.policy)
             .customize(customize)
             .also(move |file, store| {
-                let next = Limits::build(file, store)?;
+                let next = Limits::build(file, store, Some(&limits.load()))?;
                 let limits = Arc::clone(&limits);
                 Ok(Box::new(move || limits.store(Arc::new(next))))
             })
@@ -372,7 +477,7 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let found = limits
-            .0
+            .limits
             .iter()
             .enumerate()
             .skip(self.from)
@@ -533,7 +638,7 @@ routes = ["GET /slow"]
     }
 
     #[tokio::test]
-    async fn one_layer_stacks_rules_then_quotas_then_in_flight_limits() {
+    async fn one_layer_stacks_rules_then_in_flight_limits_then_quotas() {
         // Noon UTC: no day ends during the test.
         let clock = ManualClock::starting_at(1_796_472_000_000_000_000);
         let file = PolicyFile::parse(FILE).unwrap();
@@ -598,6 +703,50 @@ routes = ["GET /slow"]
         assert_eq!(r.status(), StatusCode::OK);
         let field = r.headers()["ratelimit"].to_str().unwrap();
         assert!(!field.contains("\"q"), "{field}");
+    }
+
+    /// Review of the composed layer: a reload keeps the limits whose
+    /// entries did not change as they run — an adaptive limit what it
+    /// learned — and builds the changed ones afresh.
+    #[tokio::test]
+    async fn a_reload_keeps_an_unchanged_limits_process_state() {
+        let clock = ManualClock::starting_at(1_796_472_000_000_000_000);
+        let text = format!(
+            "{FILE}\n[[concurrency]]\nname = \"adaptive\"\nkey = \"header:x-api-key\"\nmax = 100\nadaptive = {{ name = \"svc\", algorithm = \"aimd\", min = 1, initial = 8, max = 16 }}\n"
+        );
+        let dir = std::env::temp_dir().join(format!("tollgate-keep-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("policy.toml");
+        std::fs::write(&path, &text).unwrap();
+        let file = PolicyFile::read(&path).unwrap();
+        let st = store(&clock);
+        let gate = Tollgate::new(&file, &st).unwrap();
+        let reloader = gate.reloader(&path, &file, st, |b| b);
+        let svc = gate.layer(service_fn(|_r: Request<Body>| async move {
+            let mut res = Response::new(Body::empty());
+            *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            Ok::<_, Infallible>(res)
+        }));
+        let adaptive = || gate.concurrency("adaptive").unwrap().adaptive_limit();
+        assert_eq!(adaptive(), Some(8));
+        // A 503 is a drop: the limit backs off.
+        let _ = send(&svc, req("/a", "k")).await;
+        let learned = adaptive().unwrap();
+        assert!(learned < 8, "{learned}");
+        // Another rate, the same in-flight entry: what it learned stays.
+        std::fs::write(&path, text.replace("rate = \"1/s\"", "rate = \"2/s\"")).unwrap();
+        reloader.reload().unwrap();
+        assert_eq!(adaptive(), Some(learned));
+        // Its own entry changed: built afresh.
+        std::fs::write(
+            &path,
+            text.replace("rate = \"1/s\"", "rate = \"2/s\"")
+                .replace("max = 100", "max = 99"),
+        )
+        .unwrap();
+        reloader.reload().unwrap();
+        assert_eq!(adaptive(), Some(8));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[tokio::test]

@@ -1,5 +1,6 @@
-//! Policy files: a [`PolicyLayer`](crate::policy::PolicyLayer) declared in
-//! TOML, and reloaded while the server runs (feature `config`).
+//! Policy files: every limit of a service declared in TOML — one
+//! [`Tollgate`] layer (feature `axum`) or each layer by name — and
+//! reloaded while the server runs (feature `config`).
 //!
 //! ```
 //! use tollgate::config::PolicyFile;
@@ -66,6 +67,7 @@
 //! | `count_if` | statuses that count (response-aware), e.g. `[401, 403]` |
 //! | `escalate` | `{ strikes, period, block, max_block }` |
 //! | `plans.<plan>` | the plan's own `rate`, `burst`, `max_delay` (the rule's algorithm) |
+//! | `routes` | the routes it applies to, e.g. `["GET /api/download", "/files/{*path}", "/users/{id}"]` (axum's syntax; every route without it): see [`Routes`](crate::Routes) |
 //!
 //! Each `[[quotas]]` entry is a calendar quota, built by name as a
 //! [`QuotaLayer`](crate::QuotaLayer) with [`PolicyFile::quota`]:
@@ -79,7 +81,7 @@
 //! | `plans.<plan>` | the plan's own limits, as `limits` (the file's `plan_from` says the plan) |
 //! | `soft_limit` | the share of a period past which responses warn (above 0, at most 1) |
 //! | `zone` | where periods start: `"UTC"` (default), an offset (`"-05:00"`), or an IANA name (`"America/New_York"`, feature `tz`) |
-//! | `missing_key`, `shadow` | as a rule's |
+//! | `missing_key`, `shadow`, `routes` | as a rule's |
 //!
 //! Each `[[concurrency]]` entry is an in-flight limit, built by name as a
 //! [`ConcurrencyLayer`](crate::ConcurrencyLayer) with
@@ -89,7 +91,7 @@
 //! (`service = { name, max }`) or adaptive (`adaptive = { name,
 //! algorithm = "gradient" | "aimd", min, initial, max }`),
 //! `read_only = { above, window, min_requests }`, `missing_key`, `shadow`,
-//! `lease_ttl`, `retry_after`. (Which requests are critical is code:
+//! `lease_ttl`, `retry_after`, `routes`. (Which requests are critical is code:
 //! [`critical`](crate::concurrency::ConcurrencyLayerBuilder::critical).)
 //!
 //! Each `[[bandwidth]]` entry paces bodies per key, built by name as a
@@ -97,12 +99,33 @@
 //! [`PolicyFile::bandwidth`]: `name`, `key`, `rate` (bytes a second: a
 //! number or `"256 KiB/s"`), `burst` and `chunk` (bytes: a number or
 //! `"64 KiB"`; `B`, `KB`, `KiB`, `MB`, `MiB`, `GB`, `GiB`), `direction`
-//! (`"responses"`, `"requests"`, `"both"`), `missing_key`.
+//! (`"responses"`, `"requests"`, `"both"`), `missing_key`, `routes`.
 //!
-//! Names are unique within each list. A [`Reloader`] checks every section
-//! of a new file (one that does not load is refused) but applies only its
-//! rules: a quota's, in-flight limit's or pacing's change takes effect
-//! when its layer is built again.
+//! Each `[[retry_budgets]]` entry is a client's retry budget, built by
+//! name as a [`RetryBudgetLayer`](crate::RetryBudgetLayer) with
+//! [`PolicyFile::retry_budget`]: `name`, `key` (`"upstream"`, the
+//! default, or a key as above), `ratio`, `min_per_second`, `window`,
+//! `max_attempts`, `backoff = { base, cap }`, `max_server_wait`,
+//! `deadline`, `retry_any_method`, `idempotent_paths`, `buffer_limit`,
+//! `adaptive_throttling`, `retry_on` (`"error"`, HTTP statuses from 400 to
+//! 599, gRPC codes by name such as `"UNAVAILABLE"`).
+//!
+//! `[store]` is where the limits keep their state ([`PolicyFile::store`],
+//! used by [`Tollgate::from_file`]): `kind = "memory"` (the default;
+//! `max_keys`, `sweep_idle_every`) or `kind = "redis"` with `url` (no
+//! password in it), `url_env` or `url_file`, `prefix`, `failure_policy`
+//! (`"open"`, `"closed"`, `"fallback"`, `"fallback/N"`), `timeout`,
+//! `connect_timeout`, and `key_secret_env` or `key_secret_file`. Files
+//! named are read relative to the working directory.
+//!
+//! Names are unique across the lists (one store holds them all). A
+//! [`Reloader`] checks every section of a new file (one that does not
+//! load is refused). The reloader of a [`Tollgate`] applies every section
+//! but `[store]` and `[[retry_budgets]]`; a [`PolicyLayer`]'s own applies
+//! its rules, and a change to the other sections takes effect when their
+//! layers are built again (it is logged).
+//!
+//! [`PolicyLayer`]: crate::PolicyLayer
 //!
 //! What a file cannot hold is code: a custom rejection, an audit sink, a
 //! plan closure. Set those on the builder and declare the rest in the

@@ -308,9 +308,15 @@ impl<B, St: Store> Reloader<B, St> {
         // sections are read when their layers are built (at start).
         if let Ok(before) = PolicyFile::parse_unchecked(&running, None) {
             let mut changed = file.unapplied_changes(&before);
-            // With the other layers reloaded too, only the store stays.
+            // With the other layers reloaded too, what stays is what no
+            // layer here is built from (the store, a client's retries).
             if self.also.is_some() {
-                changed.retain(|c| *c == "[store]");
+                changed.retain(|c| {
+                    !matches!(
+                        *c,
+                        "[[quotas]]" | "[[concurrency]]" | "[[bandwidth]]" | "[costs]"
+                    )
+                });
             }
             if !changed.is_empty() {
                 tracing::warn!(

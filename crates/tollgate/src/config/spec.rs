@@ -202,6 +202,9 @@ pub(super) struct StoreSpec {
     /// The environment variable that holds the key secret.
     #[serde(default)]
     pub(super) key_secret_env: Option<Spanned<String>>,
+    /// The file that holds the key secret.
+    #[serde(default)]
+    pub(super) key_secret_file: Option<Spanned<String>>,
 }
 
 impl StoreSpec {
@@ -218,6 +221,7 @@ impl StoreSpec {
             ("timeout", self.timeout.is_some()),
             ("connect_timeout", self.connect_timeout.is_some()),
             ("key_secret_env", self.key_secret_env.is_some()),
+            ("key_secret_file", self.key_secret_file.is_some()),
         ]
         .into_iter()
         .filter_map(|(name, set)| set.then_some(name))

@@ -28,6 +28,7 @@ pub(super) struct RedisPlan {
     pub(super) timeout: Option<Duration>,
     pub(super) connect_timeout: Option<Duration>,
     pub(super) key_secret_env: Option<String>,
+    pub(super) key_secret_file: Option<String>,
 }
 
 /// Where a Redis URL comes from.
@@ -42,7 +43,7 @@ pub(super) enum UrlFrom {
 }
 
 const MEMORY_ONLY: [&str; 2] = ["max_keys", "sweep_idle_every"];
-const REDIS_ONLY: [&str; 8] = [
+const REDIS_ONLY: [&str; 9] = [
     "url",
     "url_env",
     "url_file",
@@ -51,6 +52,7 @@ const REDIS_ONLY: [&str; 8] = [
     "timeout",
     "connect_timeout",
     "key_secret_env",
+    "key_secret_file",
 ];
 
 fn at<T>(value: &Spanned<T>, field: &str, message: impl Into<String>) -> Problem {
@@ -119,6 +121,13 @@ pub(super) fn plan(spanned: &Spanned<StoreSpec>) -> Result<StorePlan, Problem> {
             ))
         }
     };
+    if let (Some(_), Some(file)) = (&s.key_secret_env, &s.key_secret_file) {
+        return Err(at(
+            file,
+            "key_secret_file",
+            "give one of key_secret_env or key_secret_file",
+        ));
+    }
     let failure_policy = match &s.failure_policy {
         None => None,
         Some(p) => Some(failure_policy(p)?),
@@ -130,6 +139,7 @@ pub(super) fn plan(spanned: &Spanned<StoreSpec>) -> Result<StorePlan, Problem> {
         timeout: dur(&s.timeout, "timeout")?,
         connect_timeout: dur(&s.connect_timeout, "connect_timeout")?,
         key_secret_env: s.key_secret_env.as_ref().map(|k| k.get_ref().clone()),
+        key_secret_file: s.key_secret_file.as_ref().map(|k| k.get_ref().clone()),
     }))
 }
 
@@ -154,10 +164,18 @@ fn has_password(url: &str) -> bool {
     url.split(',').any(|one| {
         let rest = one.split_once("://").map_or(one, |(_, r)| r);
         let authority = rest.split(['/', '?', '#']).next().unwrap_or(rest);
-        authority
+        let in_authority = authority
             .rsplit_once('@')
             .and_then(|(creds, _)| creds.split_once(':'))
-            .is_some_and(|(_, password)| !password.is_empty())
+            .is_some_and(|(_, password)| !password.is_empty());
+        // `redis+unix:///run/redis.sock?pass=...`: a password in the query.
+        let in_query = one.split_once('?').is_some_and(|(_, query)| {
+            query.split('&').any(|pair| {
+                let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+                matches!(key, "pass" | "password") && !value.is_empty()
+            })
+        });
+        in_authority || in_query
     })
 }
 
@@ -244,15 +262,33 @@ fn redis(r: &RedisPlan) -> Result<crate::RedisStore, (String, String)> {
         })?;
         b = b.key_secret(secret);
     }
+    if let Some(path) = &r.key_secret_file {
+        let secret = std::fs::read_to_string(path)
+            .map(|t| t.trim().to_owned())
+            .map_err(|e| {
+                (
+                    "store.key_secret_file".to_owned(),
+                    format!("cannot read {path}: {e}"),
+                )
+            })?;
+        b = b.key_secret(secret);
+    }
     // A builder's error names its own field (`url`, `timeout`); the URL
     // itself is never part of the message.
     b.build().map_err(|e| {
+        if e.field() == "prefix" && r.prefix.is_none() {
+            return (
+                "store.prefix".to_owned(),
+                "is missing: name your service (prefix = \"my-service\") so that its keys, and budgets, are not shared with other services on this Redis".to_owned(),
+            );
+        }
         let field = match e.field() {
             "url" => match &r.url {
                 UrlFrom::File(_) => "url",
                 UrlFrom::Env(_) => "url_env",
                 UrlFrom::Path(_) => "url_file",
             },
+            "key_secret" if r.key_secret_file.is_some() => "key_secret_file",
             "key_secret" => "key_secret_env",
             f => f,
         };
@@ -275,6 +311,8 @@ mod tests {
             ("redis+sentinel://h1,h2/mymaster", false),
             ("redis://h/0?x=a@b", false),
             ("redis://h1:7000,redis://:pw@h2:7001", true),
+            ("redis+unix:///run/redis.sock?db=1&pass=s3cret", true),
+            ("redis+unix:///run/redis.sock?db=1", false),
         ] {
             assert_eq!(has_password(url), secret, "{url}");
         }

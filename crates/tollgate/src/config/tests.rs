@@ -1365,6 +1365,32 @@ async fn the_store_section_builds_the_store_and_keeps_secrets_out_of_errors() {
     assert_eq!(e.field(), "store.prefix", "{e}");
     assert!(!e.to_string().contains("s3cret"), "{e}");
     assert!(from_file("prefix = \"t\"\ntimeout = \"50ms\"\n").is_ok());
+    assert!(
+        e.message()
+            .starts_with("is missing: name your service (prefix = "),
+        "{e}"
+    );
+    // The key secret from a file (16 to 64 bytes), or from one place only.
+    let secret = dir.join("secret");
+    std::fs::write(&secret, "0123456789abcdef0123\n").unwrap();
+    let with_secret = format!(
+        "prefix = \"t\"\nkey_secret_file = {:?}\n",
+        secret.display().to_string()
+    );
+    assert!(from_file(&with_secret).is_ok());
+    std::fs::write(&secret, "short").unwrap();
+    let e = from_file(&with_secret).unwrap_err();
+    assert_eq!(e.field(), "store.key_secret_file", "{e}");
+    assert!(!e.to_string().contains("short"), "{e}");
+    assert!(error(
+        "kind = \"redis\"\nurl_env = \"U\"\nkey_secret_env = \"K\"\nkey_secret_file = \"f\"\n"
+    )
+    .contains("store.key_secret_file: give one of key_secret_env or key_secret_file"));
+    // A password in a Unix socket URL's query is a password too.
+    assert!(error(
+        "kind = \"redis\"\nurl = \"redis+unix:///run/r.sock?pass=pw\"\nprefix = \"t\"\n"
+    )
+    .contains("store.url: holds a password"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

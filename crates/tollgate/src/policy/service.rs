@@ -57,7 +57,7 @@ where
     }
 
     /// One request, top to bottom: the access lists, then the walk
-    /// through the rules ([`Walk`]: keys extracted once; ladders,
+    /// through the rules (keys extracted once; ladders,
     /// idempotency, challenges, rules, escalation), at once where the
     /// store answers at once, else in the future.
     fn call(&mut self, req: Request<B>) -> Self::Future {

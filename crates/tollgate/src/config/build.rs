@@ -1260,21 +1260,38 @@ struct RetryOn {
 
 impl RetryOn {
     fn retries(&self, attempt: &crate::retry::Attempt<'_>) -> bool {
+        use crate::outcome::{Completion, GrpcCode};
         use crate::retry::Attempt;
         match attempt {
             Attempt::Error(_) => self.errors && attempt.is_retryable_by_default(),
-            Attempt::Response { status, headers } => {
-                match headers
-                    .get("grpc-status")
-                    .map(|v| crate::outcome::GrpcCode::parse(v.as_bytes()))
-                {
-                    Some(code) if code != crate::outcome::GrpcCode::OK => {
-                        self.grpc.contains(&code.0)
-                    }
-                    _ => self.statuses.contains(&status.as_u16()),
+            // Read as every layer reads an answer: `grpc-status` on an
+            // HTTP 200 is a gRPC outcome; any other status is HTTP's,
+            // which a gRPC client reads as the code gRPC maps it to (a
+            // load balancer's 503 is `UNAVAILABLE`).
+            Attempt::Response { status, headers } => match Completion::from_parts(*status, headers)
+            {
+                Completion::Grpc(code) => code != GrpcCode::OK && self.grpc.contains(&code.0),
+                Completion::Response(s) => {
+                    self.statuses.contains(&s.as_u16())
+                        || grpc_of_http(s.as_u16()).is_some_and(|c| self.grpc.contains(&c))
                 }
-            }
+                Completion::Error => false,
+            },
         }
+    }
+}
+
+/// The gRPC code a gRPC client reads an HTTP status without one as
+/// (gRPC's "HTTP to gRPC status code mapping").
+fn grpc_of_http(status: u16) -> Option<u16> {
+    match status {
+        200 => None,
+        400 => Some(13),                   // INTERNAL
+        401 => Some(16),                   // UNAUTHENTICATED
+        403 => Some(7),                    // PERMISSION_DENIED
+        404 => Some(12),                   // UNIMPLEMENTED
+        429 | 502 | 503 | 504 => Some(14), // UNAVAILABLE
+        _ => Some(2),                      // UNKNOWN
     }
 }
 

@@ -100,9 +100,9 @@ impl<St: Store + QuotaStore> fmt::Debug for Tollgate<St> {
 /// The limits after the rules, in the order a request meets them.
 pub(super) struct Limits<St: Store + QuotaStore> {
     limits: Box<[Scoped<St>]>,
-    /// The file they were built from: a reload keeps the limits whose
-    /// entries did not change.
-    text: String,
+    /// The file they were built from, as prepared (a reloader's `prepare`
+    /// applied): a reload keeps the limits whose entries did not change.
+    spec: super::spec::FileSpec,
 }
 
 struct Scoped<St: Store + QuotaStore> {
@@ -182,10 +182,9 @@ impl<St: Store + QuotaStore> Limits<St> {
         // neither the entry nor what it reads beyond it changed (its in-
         // process state — an adaptive limit, a queue, read-only mode —
         // goes on; store state is kept either way).
-        let before_spec = before.and_then(|b| PolicyFile::parse_unchecked(&b.text, None).ok());
         let kept = |list: &str, name: &str, same: &dyn Fn(&super::spec::FileSpec) -> bool| {
-            let (b, old) = (before?, before_spec.as_ref()?);
-            if !same_context(&old.spec, spec) || !same(&old.spec) {
+            let b = before?;
+            if !same_context(&b.spec, spec) || !same(&b.spec) {
                 return None;
             }
             b.limits
@@ -249,7 +248,7 @@ impl<St: Store + QuotaStore> Limits<St> {
         }
         Ok(Self {
             limits: out.into(),
-            text: file.text().to_owned(),
+            spec: spec.clone(),
         })
     }
 }
@@ -718,10 +717,19 @@ routes = ["GET /slow"]
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("policy.toml");
         std::fs::write(&path, &text).unwrap();
-        let file = PolicyFile::read(&path).unwrap();
+        // Proxies trusted from outside the file, as the quickstart does:
+        // applied to every file read (review: a reload compared the
+        // prepared file with the raw one and kept nothing).
+        let proxies = ["10.0.0.0/8".to_owned()];
+        let file = PolicyFile::read(&path)
+            .unwrap()
+            .default_trusted_proxies(&proxies)
+            .unwrap();
         let st = store(&clock);
         let gate = Tollgate::new(&file, &st).unwrap();
-        let reloader = gate.reloader(&path, &file, st, |b| b);
+        let reloader = gate
+            .reloader(&path, &file, st, |b| b)
+            .prepare(move |f| f.default_trusted_proxies(&proxies));
         let svc = gate.layer(service_fn(|_r: Request<Body>| async move {
             let mut res = Response::new(Body::empty());
             *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;

@@ -79,7 +79,7 @@ mod values {
 }
 
 /// The whole file.
-#[derive(Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct FileSpec {
@@ -122,7 +122,7 @@ pub(super) struct FileSpec {
 
 /// One `[[retry_budgets]]` entry: a client's retries under a budget (a
 /// `RetryBudgetLayer`).
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct RetrySpec {
@@ -162,7 +162,7 @@ pub(super) struct RetrySpec {
 }
 
 /// A retry budget's backoff.
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct BackoffSpec {
@@ -171,7 +171,7 @@ pub(super) struct BackoffSpec {
 }
 
 /// `[store]`: where the limits keep their state.
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct StoreSpec {
@@ -230,7 +230,7 @@ impl StoreSpec {
 }
 
 /// One `[[rules]]` entry.
-#[derive(Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct RuleSpec {
@@ -268,7 +268,7 @@ pub(super) struct RuleSpec {
 }
 
 /// One `[[quotas]]` entry: a calendar quota (a `QuotaLayer`).
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct QuotaSpec {
@@ -299,7 +299,7 @@ pub(super) struct QuotaSpec {
 }
 
 /// One `[[concurrency]]` entry: in-flight limits (a `ConcurrencyLayer`).
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct ConcurrencySpec {
@@ -339,7 +339,7 @@ pub(super) struct ConcurrencySpec {
 }
 
 /// A concurrency limit's queue.
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct QueueSpec {
@@ -348,7 +348,7 @@ pub(super) struct QueueSpec {
 }
 
 /// A fixed service-wide limit.
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct ServiceSpec {
@@ -357,7 +357,7 @@ pub(super) struct ServiceSpec {
 }
 
 /// An adaptive service-wide limit.
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct AdaptiveSpec {
@@ -370,7 +370,7 @@ pub(super) struct AdaptiveSpec {
 }
 
 /// Read-only mode above an error rate.
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct ReadOnlySpec {
@@ -381,7 +381,7 @@ pub(super) struct ReadOnlySpec {
 }
 
 /// One `[[bandwidth]]` entry: bodies paced per key (a `BandwidthLayer`).
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct BandwidthSpec {
@@ -409,7 +409,7 @@ pub(super) struct BandwidthSpec {
 }
 
 /// A plan's numbers; which apply depends on the rule's algorithm.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Clone, Debug, Default, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct LimitSpec {
@@ -422,7 +422,7 @@ pub(super) struct LimitSpec {
 }
 
 /// A cost function.
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct CostSpec {
@@ -443,7 +443,7 @@ pub(super) struct CostSpec {
 }
 
 /// One `routes` entry of a cost.
-#[derive(Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct RouteCost {
@@ -454,7 +454,7 @@ pub(super) struct RouteCost {
 }
 
 /// An escalation ladder.
-#[derive(Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct EscalateSpec {
@@ -465,7 +465,7 @@ pub(super) struct EscalateSpec {
 }
 
 /// `[access]`.
-#[derive(Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct AccessSpec {
@@ -486,7 +486,7 @@ pub(super) struct AccessSpec {
 }
 
 /// `[idempotency]`.
-#[derive(Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct IdempotencySpec {
@@ -496,7 +496,7 @@ pub(super) struct IdempotencySpec {
 }
 
 /// `[decision_log]`.
-#[derive(Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct LogSpec {

@@ -159,24 +159,54 @@ fn failure_policy(p: &Spanned<String>) -> Result<(String, Option<u32>), Problem>
 }
 
 /// Whether a Redis URL (or a comma-separated list of them) carries a
-/// password: `redis://user:secret@host`, `redis://:secret@host`.
+/// password: `redis://user:secret@host`, `redis://:secret@host`, a
+/// Sentinel list's `redis+sentinel://:p,w@h1,h2/svc` (its password may
+/// hold a comma), or a query's `pass=` (`redis+unix:///r.sock?pass=...`,
+/// its key percent-encoded or not).
 fn has_password(url: &str) -> bool {
-    url.split(',').any(|one| {
+    let in_authority = |one: &str| {
         let rest = one.split_once("://").map_or(one, |(_, r)| r);
         let authority = rest.split(['/', '?', '#']).next().unwrap_or(rest);
-        let in_authority = authority
+        authority
             .rsplit_once('@')
             .and_then(|(creds, _)| creds.split_once(':'))
-            .is_some_and(|(_, password)| !password.is_empty());
-        // `redis+unix:///run/redis.sock?pass=...`: a password in the query.
-        let in_query = one.split_once('?').is_some_and(|(_, query)| {
+            .is_some_and(|(_, password)| !password.is_empty())
+    };
+    let in_query = |one: &str| {
+        one.split_once('?').is_some_and(|(_, query)| {
             query.split('&').any(|pair| {
                 let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-                matches!(key, "pass" | "password") && !value.is_empty()
+                let key = percent_decoded(key);
+                matches!(key.as_str(), "pass" | "password") && !value.is_empty()
             })
-        });
-        in_authority || in_query
-    })
+        })
+    };
+    in_authority(url) || url.split(',').any(|one| in_authority(one) || in_query(one))
+}
+
+/// `text` with its `%XX` escapes decoded (ASCII letters only matter here),
+/// `+` as a space, lower-cased as query keys compare.
+fn percent_decoded(text: &str) -> String {
+    let b = text.as_bytes();
+    let hex = |c: Option<&u8>| c.and_then(|c| char::from(*c).to_digit(16));
+    let mut out = String::with_capacity(b.len());
+    let mut i = 0;
+    while let Some(&c) = b.get(i) {
+        let escape = (c == b'%')
+            .then(|| hex(b.get(i.saturating_add(1))).zip(hex(b.get(i.saturating_add(2)))))
+            .flatten();
+        match escape {
+            Some((hi, lo)) => {
+                out.push(char::from_u32(hi.saturating_mul(16).saturating_add(lo)).unwrap_or('?'));
+                i = i.saturating_add(3);
+            }
+            None => {
+                out.push(if c == b'+' { ' ' } else { char::from(c) });
+                i = i.saturating_add(1);
+            }
+        }
+    }
+    out
 }
 
 /// The store `plan` describes: a memory store at once; a Redis store with
@@ -313,6 +343,9 @@ mod tests {
             ("redis://h1:7000,redis://:pw@h2:7001", true),
             ("redis+unix:///run/redis.sock?db=1&pass=s3cret", true),
             ("redis+unix:///run/redis.sock?db=1", false),
+            ("redis+unix:///run/redis.sock?p%61ss=s3cret", true),
+            ("redis+sentinel://:p,w@h1,h2/svc", true),
+            ("redis+sentinel://h1,h2/svc", false),
         ] {
             assert_eq!(has_password(url), secret, "{url}");
         }

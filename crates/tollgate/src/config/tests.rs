@@ -1428,7 +1428,10 @@ async fn a_file_declares_retry_budgets_for_clients() {
     let layer = file.retry_budget("upstream", &MemoryStore::new()).unwrap();
     for (status, grpc, attempts) in [
         (500, None, 3),       // named: retried
-        (503, None, 1),       // not named: an answer
+        (500, Some("2"), 3),  // an HTTP 500, whatever its grpc-status says
+        (503, None, 3),       // UNAVAILABLE to a gRPC client, which it names
+        (404, None, 1),       // UNIMPLEMENTED to one: not named
+        (200, Some("2"), 1),  // UNKNOWN: not named
         (200, Some("14"), 3), // UNAVAILABLE
         (200, Some("8"), 1),  // RESOURCE_EXHAUSTED, not named
         (200, None, 1),

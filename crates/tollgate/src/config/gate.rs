@@ -77,6 +77,8 @@ type Pacing<St> = BandwidthLayer<FileKey, St>;
 pub struct Tollgate<St: Store + QuotaStore> {
     policy: PolicyLayer<Body, St>,
     limits: Arc<ArcSwap<Limits<St>>>,
+    /// Rules and quotas only ([`for_decisions`](Self::for_decisions)).
+    decisions_only: bool,
 }
 
 impl<St: Store + QuotaStore> Clone for Tollgate<St> {
@@ -84,6 +86,7 @@ impl<St: Store + QuotaStore> Clone for Tollgate<St> {
         Self {
             policy: self.policy.clone(),
             limits: Arc::clone(&self.limits),
+            decisions_only: self.decisions_only,
         }
     }
 }
@@ -176,8 +179,29 @@ impl<St: Store + QuotaStore> Limits<St> {
         file: &PolicyFile,
         store: &St,
         before: Option<&Self>,
+        decisions_only: bool,
     ) -> Result<Self, FileError> {
         let spec = &file.spec;
+        if decisions_only {
+            let left: Vec<&str> = (spec
+                .concurrency
+                .iter()
+                .map(|c| c.get_ref().name.get_ref().as_str()))
+            .chain(
+                spec.bandwidth
+                    .iter()
+                    .map(|b| b.get_ref().name.get_ref().as_str()),
+            )
+            .collect();
+            if !left.is_empty() {
+                tracing::warn!(
+                    target: "tollgate::config",
+                    limits = %left.join(", "),
+                    "in-flight limits and pacing need to see the response: a decision endpoint \
+                     leaves them out"
+                );
+            }
+        }
         // What a reload can keep: the limit an entry built before, if
         // neither the entry nor what it reads beyond it changed (its in-
         // process state — an adaptive limit, a queue, read-only mode —
@@ -200,7 +224,12 @@ impl<St: Store + QuotaStore> Limits<St> {
                 .transpose()
                 .map_err(|p| file.placed(p))
         };
-        for (i, c) in spec.concurrency.iter().enumerate() {
+        let in_flight = if decisions_only {
+            &[][..]
+        } else {
+            &spec.concurrency[..]
+        };
+        for (i, c) in in_flight.iter().enumerate() {
             let c = c.get_ref();
             let name = c.name.get_ref();
             let same =
@@ -231,7 +260,12 @@ impl<St: Store + QuotaStore> Limits<St> {
                 limit,
             });
         }
-        for (i, w) in spec.bandwidth.iter().enumerate() {
+        let pacing = if decisions_only {
+            &[][..]
+        } else {
+            &spec.bandwidth[..]
+        };
+        for (i, w) in pacing.iter().enumerate() {
             let w = w.get_ref();
             let name = w.name.get_ref();
             let same = |old: &super::spec::FileSpec| old.bandwidth.iter().any(|o| o.get_ref() == w);
@@ -274,11 +308,25 @@ impl<St: Store + QuotaStore> Tollgate<St> {
             .store(store.clone())
             .build()
             .map_err(|e| file.config_error(&e))?;
-        let limits = Limits::build(file, store, None)?;
+        let limits = Limits::build(file, store, None, false)?;
         Ok(Self {
             policy,
             limits: Arc::new(ArcSwap::from_pointee(limits)),
+            decisions_only: false,
         })
+    }
+
+    /// The limits of `file` that a decision alone can enforce — its rules
+    /// and quotas — for a decision endpoint that sees a request but never
+    /// its response (`tollgate-server`, behind a gateway's
+    /// `auth_request`). In-flight limits and pacing need the response's
+    /// lifetime: they are left out, and said so in the log.
+    pub fn for_decisions(file: &PolicyFile, store: &St) -> Result<Self, FileError> {
+        let mut gate = Self::new(file, store)?;
+        gate.decisions_only = true;
+        gate.limits
+            .store(Arc::new(Limits::build(file, store, None, true)?));
+        Ok(gate)
     }
 
     /// The rules' layer, which this one runs first (its rule names, its
@@ -346,10 +394,11 @@ impl<St: Store + QuotaStore> Tollgate<St> {
         St: Send + Sync + 'static,
     {
         let limits = Arc::clone(&self.limits);
+        let decisions_only = self.decisions_only;
         super::Reloader::new(path, file, store, &self.policy)
             .customize(customize)
             .also(move |file, store| {
-                let next = Limits::build(file, store, Some(&limits.load()))?;
+                let next = Limits::build(file, store, Some(&limits.load()), decisions_only)?;
                 let limits = Arc::clone(&limits);
                 Ok(Box::new(move || limits.store(Arc::new(next))))
             })

@@ -338,6 +338,7 @@ impl PolicyFile {
         if let Some(st) = &self.spec.store {
             store::plan(st).map_err(|p| self.placed(p))?;
         }
+        self.server()?;
         // Every other limit, built on a throwaway store: each name once
         // in its list.
         // Names are one store's: a quota named like a rule would be
@@ -584,6 +585,38 @@ impl PolicyFile {
         })
     }
 
+    /// What `[server]` says: where `tollgate-server` listens. Errors name
+    /// the field (an address that is not `host:port` with an IP).
+    pub fn server(&self) -> Result<ServerSettings, FileError> {
+        let Some(server) = &self.spec.server else {
+            return Ok(ServerSettings::default());
+        };
+        let addr = |v: &Option<spec::Spanned<String>>, field: &str| {
+            v.as_ref()
+                .map(|a| {
+                    a.get_ref()
+                        .trim()
+                        .parse::<std::net::SocketAddr>()
+                        .map_err(|_| {
+                            self.placed((
+                                Some(a.span()),
+                                format!("server.{field}"),
+                                format!(
+                                    "{:?} is not an address like \"127.0.0.1:8081\"",
+                                    a.get_ref()
+                                ),
+                            ))
+                        })
+                })
+                .transpose()
+        };
+        let s = server.get_ref();
+        Ok(ServerSettings {
+            listen: addr(&s.listen, "listen")?,
+            metrics: addr(&s.metrics, "metrics")?,
+        })
+    }
+
     /// The names of the file's `[[quotas]]`, in the file's order.
     pub fn quota_names(&self) -> Vec<&str> {
         names(&self.spec.quotas, |q| &q.name)
@@ -705,6 +738,9 @@ impl PolicyFile {
         if a.retry_budgets != b.retry_budgets {
             changed.push("[[retry_budgets]]");
         }
+        if a.server != b.server {
+            changed.push("[server]");
+        }
         let others = !a.quotas.is_empty() || !a.concurrency.is_empty() || !a.bandwidth.is_empty();
         if others && a.costs != b.costs {
             changed.push("[costs]");
@@ -822,6 +858,17 @@ fn without_null(v: &mut serde_json::Value) {
         Value::Array(items) => items.iter_mut().for_each(without_null),
         _ => {}
     }
+}
+
+/// Where `tollgate-server` listens, as the file's `[server]` says
+/// ([`PolicyFile::server`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ServerSettings {
+    /// The decision endpoints' address.
+    pub listen: Option<std::net::SocketAddr>,
+    /// Where `/metrics` is served (on `listen` if `None`).
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 /// A JSON Schema (draft 2020-12) of the policy file, generated from the

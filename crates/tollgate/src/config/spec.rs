@@ -118,6 +118,23 @@ pub(super) struct FileSpec {
     pub(super) store: Option<Spanned<StoreSpec>>,
     #[serde(default)]
     pub(super) retry_budgets: Vec<Spanned<RetrySpec>>,
+    /// Read by `tollgate-server` only.
+    #[serde(default)]
+    pub(super) server: Option<Spanned<ServerSpec>>,
+}
+
+/// `[server]`: where `tollgate-server` listens.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub(super) struct ServerSpec {
+    /// The decision endpoints' address, e.g. `"127.0.0.1:8081"`.
+    #[serde(default)]
+    pub(super) listen: Option<Spanned<String>>,
+    /// Where `/metrics` is served, e.g. `"127.0.0.1:9091"` (on `listen`
+    /// if absent).
+    #[serde(default)]
+    pub(super) metrics: Option<Spanned<String>>,
 }
 
 /// One `[[retry_budgets]]` entry: a client's retries under a budget (a

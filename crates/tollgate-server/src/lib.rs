@@ -1,0 +1,263 @@
+//! tollgate's limits as a decision server, for gateways that ask another
+//! service whether a request may pass: NGINX `auth_request`, Traefik
+//! `ForwardAuth`, Caddy `forward_auth`. Services in any language behind
+//! them get the same rates and quotas, from the same policy file and
+//! store, as the Tower layers give Rust services.
+//!
+//! The gateway sends each request's method, URI, client address and
+//! headers (forwarding headers: `X-Original-Method` and `X-Original-URI`
+//! as NGINX is configured to send them, `X-Forwarded-Method` and
+//! `X-Forwarded-Uri` as Traefik and Caddy send them, `X-Forwarded-For`);
+//! the server decides that request with the file's `[[rules]]` and
+//! `[[quotas]]` and answers:
+//!
+//! - `/check`: `200` with the `RateLimit` and `RateLimit-Policy` fields to
+//!   copy to the response, or the limiter's refusal as it is — `429` with
+//!   `Retry-After`, the fields and a problem document (Traefik and Caddy
+//!   hand a non-2xx answer to the client);
+//! - `/auth_request`: the same, except that a refusal is `403` with the
+//!   limiter's status in `Tollgate-Status`: NGINX's `auth_request` passes
+//!   only `401` and `403` on, and its config turns that `403` into the
+//!   `429` (see `examples/nginx/tollgate.conf`);
+//! - `/healthz`: `200 ok`.
+//!
+//! In-flight limits and pacing need to see the response's lifetime, which
+//! a decision never does: a file's `[[concurrency]]` and `[[bandwidth]]`
+//! entries are left out (and said so in the log). A quota is charged when
+//! the request is allowed; the server does not see whether the upstream
+//! served it.
+//!
+//! The client address is `X-Forwarded-For`'s, read as `client-ip` keys
+//! read it: the file's `trusted_proxies` must name the gateway's
+//! addresses, or every request is keyed by the gateway's own address.
+//!
+//! ```
+//! use tollgate::config::{PolicyFile, Tollgate};
+//! use tollgate::MemoryStore;
+//! use tower::ServiceExt;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let file = PolicyFile::parse(
+//!     r#"
+//!     [[rules]]
+//!     name = "per-key"
+//!     key = "header:x-api-key"
+//!     rate = "10/s"
+//!     burst = 2
+//!     "#,
+//! )?;
+//! let app = tollgate_server::decisions(Tollgate::for_decisions(&file, &MemoryStore::new())?);
+//! let check = || {
+//!     http::Request::get("/check")
+//!         .header("x-original-method", "GET")
+//!         .header("x-original-uri", "/api/hello")
+//!         .header("x-api-key", "demo")
+//!         .body(axum::body::Body::empty())
+//! };
+//! assert_eq!(app.clone().oneshot(check()?).await?.status(), 200);
+//! assert_eq!(app.clone().oneshot(check()?).await?.status(), 200);
+//! let refused = app.oneshot(check()?).await?;
+//! assert_eq!(refused.status(), 429);
+//! assert!(refused.headers().contains_key("retry-after"));
+//! # Ok(())
+//! # }
+//! ```
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+
+use axum::body::Body;
+use axum::extract::{ConnectInfo, State};
+use axum::routing::{any, get};
+use axum::Router;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Uri};
+use tollgate::config::Tollgate;
+use tollgate::core::QuotaStore;
+use tower::ServiceExt;
+
+pub mod metrics;
+
+/// The header that carries the limiter's own status on
+/// `/auth_request`'s refusals (which answer `403`).
+pub const TOLLGATE_STATUS: HeaderName = HeaderName::from_static("tollgate-status");
+
+/// Request headers of the subrequest itself, not the original request's:
+/// not handed to the limits.
+const OWN: [&str; 6] = [
+    "x-original-method",
+    "x-original-uri",
+    "x-forwarded-method",
+    "x-forwarded-uri",
+    "content-length",
+    "transfer-encoding",
+];
+
+/// The decision endpoints (`/check`, `/auth_request`, `/healthz`) over
+/// `gate`'s limits (build it with
+/// [`Tollgate::for_decisions`](tollgate::config::Tollgate::for_decisions)).
+/// Serve it with the peer's address
+/// (`into_make_service_with_connect_info::<SocketAddr>()`, as [`serve`]
+/// does): `client-ip` keys fall back to it.
+pub fn decisions<St: QuotaStore + Send + Sync + 'static>(gate: Tollgate<St>) -> Router
+where
+    St::Limiter: Send + Sync,
+{
+    Router::new()
+        .route(
+            "/check",
+            any(|State(gate): State<Tollgate<St>>, req: Request<Body>| {
+                decide(gate, req, Refusal::AsIs)
+            }),
+        )
+        .route(
+            "/auth_request",
+            any(|State(gate): State<Tollgate<St>>, req: Request<Body>| {
+                decide(gate, req, Refusal::Forbidden)
+            }),
+        )
+        .route("/healthz", get(|| async { "ok\n" }))
+        .with_state(gate)
+}
+
+/// How a refusal is answered.
+#[derive(Debug, Clone, Copy)]
+enum Refusal {
+    /// As the limiter answers it (429, 400).
+    AsIs,
+    /// `403`, the limiter's status in [`TOLLGATE_STATUS`].
+    Forbidden,
+}
+
+/// Decides the request `req` describes.
+async fn decide<St: QuotaStore>(
+    gate: Tollgate<St>,
+    req: Request<Body>,
+    refusal: Refusal,
+) -> Response<Body> {
+    let peer = req.extensions().get::<ConnectInfo<SocketAddr>>().copied();
+    let original = match original(req.headers(), req.method()) {
+        Ok(original) => original,
+        Err(why) => return problem(StatusCode::BAD_REQUEST, why),
+    };
+    let (method, uri) = original;
+    let mut decided = Request::new(Body::empty());
+    *decided.method_mut() = method;
+    *decided.uri_mut() = uri;
+    for (name, value) in req.headers() {
+        if !OWN.contains(&name.as_str()) {
+            decided.headers_mut().append(name, value.clone());
+        }
+    }
+    if let Some(peer) = peer {
+        decided.extensions_mut().insert(peer);
+    }
+    let allow = tower::service_fn(|_req: Request<Body>| async {
+        Ok::<_, Infallible>(Response::new(Body::empty()))
+    });
+    let answer = match tower::Layer::layer(&gate, allow).oneshot(decided).await {
+        Ok(answer) => answer,
+        Err(never) => match never {},
+    };
+    if answer.status().is_success() {
+        // Allowed: the fields to copy, no body.
+        let (parts, _) = answer.into_parts();
+        return Response::from_parts(parts, Body::empty());
+    }
+    match refusal {
+        Refusal::AsIs => answer,
+        Refusal::Forbidden => {
+            let (mut parts, body) = answer.into_parts();
+            let status = parts.status;
+            parts
+                .headers
+                .insert(TOLLGATE_STATUS, HeaderValue::from(status.as_u16()));
+            parts.status = StatusCode::FORBIDDEN;
+            Response::from_parts(parts, body)
+        }
+    }
+}
+
+/// The original request's method and URI, from the forwarding headers
+/// (`X-Original-*` first, as NGINX is configured to send them, then
+/// Traefik's and Caddy's `X-Forwarded-*`). Without a method header the
+/// subrequest's own is the original's (NGINX's `auth_request` keeps it).
+fn original(headers: &HeaderMap, own: &Method) -> Result<(Method, Uri), &'static str> {
+    let first = |names: [&str; 2]| names.iter().find_map(|n| headers.get(*n));
+    let method = match first(["x-original-method", "x-forwarded-method"]) {
+        Some(m) => Method::from_bytes(m.as_bytes()).map_err(|_| {
+            "the original method (X-Original-Method, X-Forwarded-Method) is not a method"
+        })?,
+        None => own.clone(),
+    };
+    let uri = first(["x-original-uri", "x-forwarded-uri"]).ok_or(
+        "no original URI: the gateway sends it as X-Original-URI (NGINX: proxy_set_header X-Original-URI $request_uri) or X-Forwarded-Uri",
+    )?;
+    let uri = Uri::try_from(uri.as_bytes())
+        .ok()
+        .filter(|u| u.path().starts_with('/'))
+        .ok_or(
+            "the original URI (X-Original-URI, X-Forwarded-Uri) is not a path like /api/hello?x=1",
+        )?;
+    Ok((method, uri))
+}
+
+/// A problem document (RFC 9457) about the subrequest itself.
+fn problem(status: StatusCode, detail: &str) -> Response<Body> {
+    let title = status.canonical_reason().unwrap_or("Error");
+    let body = format!(
+        "{{\"type\":\"about:blank\",\"title\":\"{title}\",\"status\":{},\"detail\":\"{}\"}}",
+        status.as_u16(),
+        detail.replace('\\', "\\\\").replace('"', "\\\"")
+    );
+    let mut response = Response::new(Body::from(body));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    response
+}
+
+/// Serves `app` on `listener` with the peer's address, until ctrl-c or
+/// SIGTERM; requests under way finish first.
+pub async fn serve(listener: tokio::net::TcpListener, app: Router) -> std::io::Result<()> {
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown())
+    .await
+}
+
+/// Resolves on ctrl-c, or SIGTERM (Unix): what a process manager sends.
+pub async fn shutdown() {
+    #[cfg(unix)]
+    {
+        let term = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(_) => std::future::pending::<()>().await,
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            () = term => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// Logs to stderr through `tracing` (reloads, rejected policy files, store
+/// faults), without module paths.
+pub fn init_logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}

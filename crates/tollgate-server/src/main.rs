@@ -1,0 +1,58 @@
+//! `tollgate-server policy.toml`: the decision endpoints over a policy
+//! file's rules and quotas, on the file's `[store]`, listening where its
+//! `[server]` says (default `127.0.0.1:8081`; `TOLLGATE_SERVER_ADDR`
+//! overrides it). The file reloads on SIGHUP and when it changes.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tollgate::config::{PolicyFile, Tollgate};
+
+/// Where the decision endpoints listen without a `[server] listen`.
+const DEFAULT_LISTEN: &str = "127.0.0.1:8081";
+
+#[tokio::main]
+async fn main() {
+    tollgate_server::init_logs();
+    if let Err(e) = run().await {
+        eprintln!("tollgate-server: {e}");
+        std::process::exit(2);
+    }
+}
+
+async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let path = std::env::args_os()
+        .nth(1)
+        .or_else(|| std::env::var_os("TOLLGATE_POLICY"))
+        .ok_or("usage: tollgate-server policy.toml (or TOLLGATE_POLICY=policy.toml)")?;
+    let file = PolicyFile::read(&path)?;
+    let settings = file.server()?;
+    // Before the limits are built: each registers its metrics then.
+    let metrics = tollgate_server::metrics::prometheus()?;
+    let store = file.store()?;
+    let gate = Tollgate::for_decisions(&file, &store)?;
+    gate.reloader(&path, &file, store, |b| b)
+        .spawn(Duration::from_secs(2));
+    let listen: SocketAddr = match std::env::var("TOLLGATE_SERVER_ADDR") {
+        Ok(addr) if !addr.trim().is_empty() => addr.trim().parse()?,
+        _ => settings.listen.unwrap_or(DEFAULT_LISTEN.parse()?),
+    };
+    let mut app = tollgate_server::decisions(gate);
+    match settings.metrics {
+        Some(addr) => {
+            let listener = tokio::net::TcpListener::bind(addr).await?;
+            println!("metrics on http://{}/metrics", listener.local_addr()?);
+            let route = tollgate_server::metrics::metrics_route(metrics);
+            tokio::spawn(async move { tollgate_server::serve(listener, route).await });
+        }
+        None => app = app.merge(tollgate_server::metrics::metrics_route(metrics)),
+    }
+    let listener = tokio::net::TcpListener::bind(listen).await?;
+    println!(
+        "tollgate-server deciding for {} on http://{} (/check, /auth_request)",
+        std::path::Path::new(&path).display(),
+        listener.local_addr()?
+    );
+    tollgate_server::serve(listener, app).await?;
+    Ok(())
+}

@@ -543,11 +543,20 @@ pub(super) fn builder<B>(file: &FileSpec) -> Result<PolicyLayerBuilder<B, Memory
         b = plan_source!(b, p);
     }
     if file.rules.is_empty() {
-        return Err((
-            None,
-            "rules".to_owned(),
-            "declare 1 to 8 [[rules]]".to_owned(),
-        ));
+        let others = !file.quotas.is_empty()
+            || !file.concurrency.is_empty()
+            || !file.bandwidth.is_empty()
+            || !file.retry_budgets.is_empty();
+        if !others {
+            return Err((
+                None,
+                "rules".to_owned(),
+                "declare a limit: [[rules]] (1 to 8), [[quotas]], [[concurrency]], [[bandwidth]] or [[retry_budgets]]".to_owned(),
+            ));
+        }
+        // The rules' layer passes every request (its access lists, if
+        // any, still apply): the limits are in the other sections.
+        b = b.allow_no_rules();
     }
     for (i, r) in file.rules.iter().enumerate() {
         b = b.rule(rule(file, r, i, &client, v6_prefix)?);

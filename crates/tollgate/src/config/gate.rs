@@ -806,6 +806,57 @@ routes = ["GET /slow"]
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// Review of the composed layer: a file of quotas (or in-flight
+    /// limits) alone needs no rule; one may come with a reload.
+    #[tokio::test]
+    async fn a_file_without_rules_is_its_other_limits() {
+        let clock = ManualClock::starting_at(1_796_472_000_000_000_000);
+        let quota_only =
+            "[[quotas]]\nname = \"daily\"\nkey = \"header:x-api-key\"\nlimits = { day = 1 }\n";
+        let dir = std::env::temp_dir().join(format!("tollgate-norules-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("policy.toml");
+        std::fs::write(&path, quota_only).unwrap();
+        let file = PolicyFile::read(&path).unwrap();
+        let st = store(&clock);
+        let gate = Tollgate::new(&file, &st).unwrap();
+        assert!(gate.policy().rule_names().is_empty());
+        let reloader = gate.reloader(&path, &file, st, |b| b);
+        let svc = app(&gate);
+        let r = send(&svc, req("/a", "k")).await;
+        assert_eq!((r.status(), left(&r, "daily")), (StatusCode::OK, Some(0)));
+        assert_eq!(
+            r.headers()["ratelimit-policy"],
+            "\"daily\";q=1;w=86400",
+            "no fields of an empty policy"
+        );
+        assert_eq!(
+            send(&svc, req("/a", "k")).await.status(),
+            StatusCode::TOO_MANY_REQUESTS
+        );
+        // A rule added by a reload applies from then on.
+        std::fs::write(
+            &path,
+            format!("{quota_only}\n[[rules]]\nname = \"rate\"\nkey = \"global\"\nrate = \"1/h\"\nburst = 1\n"),
+        )
+        .unwrap();
+        reloader.reload().unwrap();
+        assert_eq!(
+            send(&svc, req("/a", "other")).await.status(),
+            StatusCode::OK
+        );
+        let r = send(&svc, req("/a", "third")).await;
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert!(
+            r.headers()["ratelimit"]
+                .to_str()
+                .unwrap()
+                .contains("\"rate\""),
+            "{r:?}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[tokio::test]
     async fn a_reload_applies_every_section_and_keeps_each_limits_state() {
         let clock = ManualClock::starting_at(1_796_472_000_000_000_000);

@@ -50,7 +50,8 @@
 //! default), `plan_from` (`"extension"` or `"header:<name>"`), named
 //! `[costs.<name>]`, `[access]`, `[idempotency]` and `[decision_log]`.
 //!
-//! Each `[[rules]]` entry (1 to 8, decided in order):
+//! Each `[[rules]]` entry (up to 8, decided in order; a file whose limits
+//! are all in its other sections needs none):
 //!
 //! | field | meaning |
 //! |---|---|

@@ -225,7 +225,10 @@ fn load_errors_name_the_line_and_the_field() {
         error("[[rules]]\nname = \"a\"\nkey = \"cookie\"\nrate = \"1/s\"\nburst = 1\n")
             .starts_with("3:7: rules[0].key: \"cookie\" is not a key part")
     );
-    assert_eq!(error(""), "0:0: rules: declare 1 to 8 [[rules]]");
+    assert_eq!(
+        error(""),
+        "0:0: rules: declare a limit: [[rules]] (1 to 8), [[quotas]], [[concurrency]], [[bandwidth]] or [[retry_budgets]]"
+    );
     assert!(
         error("[[rules]\nname = 1").starts_with("1:"),
         "{}",

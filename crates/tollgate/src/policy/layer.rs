@@ -83,6 +83,7 @@ impl<B> PolicyLayer<B, MemoryStore> {
             audit_secret: None,
             audit: None,
             audit_per_second: 1_000,
+            no_rules: false,
         }
     }
 }
@@ -171,6 +172,9 @@ pub struct PolicyLayerBuilder<B, St> {
     requester: Arc<dyn DynRule<B>>,
     canary_secret: Option<Arc<[u8]>>,
     audit_secret: Option<Arc<[u8]>>,
+    /// A policy of no rules builds (a file whose limits are all in other
+    /// sections: its access lists and the rest still apply).
+    no_rules: bool,
 }
 
 impl<B, St> fmt::Debug for PolicyLayerBuilder<B, St> {
@@ -229,7 +233,16 @@ impl<B, St> PolicyLayerBuilder<B, St> {
             requester: self.requester,
             canary_secret: self.canary_secret,
             audit_secret: self.audit_secret,
+            no_rules: self.no_rules,
         }
+    }
+
+    /// Lets a policy of no rules build: a policy file whose limits are all
+    /// in its other sections.
+    #[cfg(feature = "config")]
+    pub(crate) fn allow_no_rules(mut self) -> Self {
+        self.no_rules = true;
+        self
     }
 
     /// A secret (16 to 64 bytes, the same on every instance) that audit
@@ -455,7 +468,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
         {
             return Err(ConfigError::new("audit_secret", "must be 16 to 64 bytes"));
         }
-        if self.rules.is_empty() || self.rules.len() > MAX_RULES {
+        if (self.rules.is_empty() && !self.no_rules) || self.rules.len() > MAX_RULES {
             return Err(ConfigError::new(
                 "rules",
                 format!("a policy holds 1 to {MAX_RULES} rules"),

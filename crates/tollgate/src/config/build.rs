@@ -520,7 +520,57 @@ fn plan_from<'a, T>(
 }
 
 /// A builder holding everything `file` declares.
-pub(super) fn builder<B>(file: &FileSpec) -> Result<PolicyLayerBuilder<B, MemoryStore>, Problem> {
+/// Where the challenge secret comes from when a builder is made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Secrets {
+    /// Read from where `[challenge]` says (building for real).
+    Read,
+    /// A stand-in: checking a file's shape, on a machine that may not
+    /// hold the secret.
+    Placeholder,
+}
+
+/// The challenge secret `[challenge]` names.
+fn challenge_secret(file: &FileSpec, secrets: Secrets) -> Result<Option<Vec<u8>>, Problem> {
+    let Some(c) = &file.challenge else {
+        return Ok(None);
+    };
+    let spec = c.get_ref();
+    let secret = match (&spec.secret_env, &spec.secret_file) {
+        (Some(_), Some(f)) => {
+            return Err(at(f, "challenge.secret_file".to_owned(), "give one of secret_env or secret_file"))
+        }
+        (None, None) => {
+            return Err(at(c, "challenge.secret_env".to_owned(), "is missing: name the variable (secret_env) or the file (secret_file) that holds the secret"))
+        }
+        _ if secrets == Secrets::Placeholder => return Ok(Some(vec![0x5a; 32])),
+        (Some(var), None) => std::env::var(var.get_ref()).map_err(|_| {
+            at(var, "challenge.secret_env".to_owned(), format!("the environment variable {} is not set (or not UTF-8)", var.get_ref()))
+        })?,
+        (None, Some(path)) => std::fs::read_to_string(path.get_ref())
+            .map(|t| t.trim().to_owned())
+            .map_err(|e| at(path, "challenge.secret_file".to_owned(), format!("cannot read {}: {e}", path.get_ref())))?,
+    };
+    if !(16..=64).contains(&secret.len()) {
+        let (span, field) = match (&spec.secret_env, &spec.secret_file) {
+            (Some(v), _) => (v.span(), "challenge.secret_env"),
+            (_, Some(f)) => (f.span(), "challenge.secret_file"),
+            _ => (c.span(), "challenge"),
+        };
+        return Err((
+            Some(span),
+            field.to_owned(),
+            "the secret must be 16 to 64 bytes".to_owned(),
+        ));
+    }
+    Ok(Some(secret.into_bytes()))
+}
+
+pub(super) fn builder<B>(
+    file: &FileSpec,
+    secrets: Secrets,
+) -> Result<PolicyLayerBuilder<B, MemoryStore>, Problem> {
+    let secret = challenge_secret(file, secrets)?;
     let (client, v6_prefix) = client_ip(file)?;
     let mut b = crate::policy::PolicyLayer::builder()
         .headers(file.headers.unwrap_or(true))
@@ -559,7 +609,16 @@ pub(super) fn builder<B>(file: &FileSpec) -> Result<PolicyLayerBuilder<B, Memory
         b = b.allow_no_rules();
     }
     for (i, r) in file.rules.iter().enumerate() {
-        b = b.rule(rule(file, r, i, &client, v6_prefix)?);
+        b = b.rule(rule(file, r, i, &client, v6_prefix, secret.as_deref())?);
+    }
+    if let Some(requester) = file
+        .challenge
+        .as_ref()
+        .and_then(|c| c.get_ref().requester.as_ref())
+    {
+        let key = FileKey::parse(requester.get_ref(), &client, v6_prefix)
+            .map_err(|m| at(requester, "challenge.requester".to_owned(), m))?;
+        b = b.challenge_requester(key);
     }
     if let Some(a) = &file.access {
         b = b.access(access(a, &client)?);
@@ -601,6 +660,7 @@ fn rule(
     i: usize,
     client: &ClientIp,
     v6_prefix: u8,
+    secret: Option<&[u8]>,
 ) -> Result<RateRule<FileKey, FileCost>, Problem> {
     let r = spanned.get_ref();
     let path = format!("rules[{i}]");
@@ -640,6 +700,33 @@ fn rule(
     }
     if let Some(list) = &r.routes {
         rule = rule.routes(routes(list, field("routes"))?);
+    }
+    if let Some(c) = &r.challenge {
+        let spec = c.get_ref();
+        let secret = secret.ok_or_else(|| {
+            at(
+                c,
+                field("challenge"),
+                "needs the secret of a [challenge] section (secret_env or secret_file)",
+            )
+        })?;
+        let difficulty = u8::try_from(*spec.difficulty.get_ref()).map_err(|_| {
+            at(
+                &spec.difficulty,
+                field("challenge.difficulty"),
+                "must be 1 to 32 bits",
+            )
+        })?;
+        let window = duration(&spec.window, field("challenge.window"))?;
+        let pow = crate::policy::ProofOfWork::new(secret, difficulty, window).map_err(|e| {
+            let (span, name) = match e.field() {
+                "difficulty" => (spec.difficulty.span(), "challenge.difficulty"),
+                "window" => (spec.window.span(), "challenge.window"),
+                _ => (c.span(), "challenge"),
+            };
+            (Some(span), field(name), e.message().to_owned())
+        })?;
+        rule = rule.challenge(pow);
     }
     if let Some(s) = r.shadow {
         rule = rule.shadow(s);

@@ -67,6 +67,7 @@
 //! | `warn_at` | the share of capacity past which responses warn |
 //! | `count_if` | statuses that count (response-aware), e.g. `[401, 403]` |
 //! | `escalate` | `{ strikes, period, block, max_block }` |
+//! | `challenge` | `{ difficulty, window }`: a proof-of-work challenge in its refusals (see [`ProofOfWork`](crate::policy::ProofOfWork)), signed with `[challenge]`'s secret |
 //! | `plans.<plan>` | the plan's own `rate`, `burst`, `max_delay` (the rule's algorithm) |
 //! | `routes` | the routes it applies to, e.g. `["GET /api/download", "/files/{*path}", "/users/{id}"]` (axum's syntax; every route without it): see [`Routes`](crate::Routes) |
 //!
@@ -118,6 +119,12 @@
 //! (`"open"`, `"closed"`, `"fallback"`, `"fallback/N"`), `timeout`,
 //! `connect_timeout`, and `key_secret_env` or `key_secret_file`. Files
 //! named are read relative to the working directory.
+//!
+//! `[challenge]` holds what the rules' challenges share: the secret they
+//! are signed with (`secret_env` or `secret_file`, 16 to 64 bytes, the
+//! same on every instance; read when the policy is built, never needed
+//! to check a file) and whose challenge a refusal's is (`requester`, a
+//! key; the peer's address by default).
 //!
 //! Names are unique across the lists (one store holds them all). A
 //! [`Reloader`] checks every section of a new file (one that does not
@@ -328,7 +335,11 @@ impl PolicyFile {
             crate::policy::PolicyLayerBuilder<B, crate::MemoryStore>,
         ) -> crate::policy::PolicyLayerBuilder<B, crate::MemoryStore>,
     ) -> Result<(), FileError> {
-        let mut b = self.builder::<B>()?;
+        // The challenge secret is read when the policy is built for real:
+        // a check on another machine (`tollgate-check`) needs only the
+        // file's shape.
+        let mut b = build::builder::<B>(&self.spec, build::Secrets::Placeholder)
+            .map_err(|p| self.placed(p))?;
         if self.spec.plan_from.is_none() {
             b = b.plan_from_extension();
         }
@@ -803,7 +814,7 @@ impl PolicyFile {
     pub fn builder<B>(
         &self,
     ) -> Result<crate::policy::PolicyLayerBuilder<B, crate::MemoryStore>, FileError> {
-        build::builder(&self.spec).map_err(|(span, field, message)| {
+        build::builder(&self.spec, build::Secrets::Read).map_err(|(span, field, message)| {
             FileError::at(&self.text, self.origin.as_deref(), span, field, message)
         })
     }

@@ -121,6 +121,36 @@ pub(super) struct FileSpec {
     /// Read by `tollgate-server` only.
     #[serde(default)]
     pub(super) server: Option<Spanned<ServerSpec>>,
+    #[serde(default)]
+    pub(super) challenge: Option<Spanned<ChallengeSpec>>,
+}
+
+/// `[challenge]`: what every rule's proof-of-work challenge shares.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub(super) struct ChallengeSpec {
+    /// The environment variable that holds the secret challenges are
+    /// signed with (16 to 64 bytes, the same on every instance).
+    #[serde(default)]
+    pub(super) secret_env: Option<Spanned<String>>,
+    /// The file that holds it.
+    #[serde(default)]
+    pub(super) secret_file: Option<Spanned<String>>,
+    /// Whose challenge it is: a key (default: the peer's address).
+    #[serde(default)]
+    pub(super) requester: Option<Spanned<String>>,
+}
+
+/// A rule's `challenge`.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub(super) struct RuleChallengeSpec {
+    /// Leading zero bits a solution's SHA-256 needs (1 to 32).
+    pub(super) difficulty: Spanned<i64>,
+    /// How long a challenge holds: `"5m"` (1 s to 1 h).
+    pub(super) window: Spanned<String>,
 }
 
 /// `[server]`: where `tollgate-server` listens.
@@ -276,6 +306,9 @@ pub(super) struct RuleSpec {
     pub(super) count_if: Option<Spanned<Vec<u16>>>,
     #[serde(default)]
     pub(super) escalate: Option<Spanned<EscalateSpec>>,
+    /// A proof-of-work challenge in this rule's refusals.
+    #[serde(default)]
+    pub(super) challenge: Option<Spanned<RuleChallengeSpec>>,
     #[serde(default)]
     pub(super) plans: BTreeMap<String, Spanned<LimitSpec>>,
     /// The routes the limit applies to (`"GET /api/download"`,

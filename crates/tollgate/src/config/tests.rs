@@ -1521,3 +1521,93 @@ fn the_checked_in_schema_is_the_generated_one() {
         .collect();
     assert_eq!(required, ["name", "key", "limits"]);
 }
+
+/// Issue 32: a rule's proof-of-work challenge from the file, its secret
+/// from the environment or a file; checking a file needs no secret.
+#[tokio::test]
+async fn a_file_declares_challenges_and_reads_their_secret_when_built() {
+    let var = format!("TOLLGATE_TEST_CHALLENGE_{}", std::process::id());
+    let text = |section: &str| {
+        format!(
+            "[challenge]\n{section}\nrequester = \"client-ip\"\n\n[[rules]]\nname = \"login\"\nkey = \"header:x-user\"\nrate = \"1/h\"\nburst = 1\nchallenge = {{ difficulty = 8, window = \"60s\" }}\n"
+        )
+    };
+    let with_env = text(&format!("secret_env = \"{var}\""));
+    // Checked without the secret: the shape alone.
+    let file = PolicyFile::parse(&with_env).unwrap();
+    let e = file.layer::<String, _>(&MemoryStore::new()).unwrap_err();
+    assert_eq!(e.field(), "challenge.secret_env", "{e}");
+    assert!(e.message().contains(&var), "{e}");
+    std::env::set_var(&var, "a secret every instance shares");
+    let mut svc = file
+        .layer::<String, _>(&MemoryStore::new())
+        .unwrap()
+        .layer(ok_service());
+    let login = || {
+        let mut r = req("POST", "/login", "");
+        r.headers_mut().insert("x-user", "alice".parse().unwrap());
+        r
+    };
+    assert_eq!(
+        svc.ready()
+            .await
+            .unwrap()
+            .call(login())
+            .await
+            .unwrap()
+            .status(),
+        StatusCode::OK
+    );
+    let refused = svc.ready().await.unwrap().call(login()).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let challenge = refused.headers()["tollgate-challenge"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    // Solved, it passes once.
+    let solution = crate::policy::ProofOfWork::solve(&challenge, 20).unwrap();
+    let mut solved = login();
+    solved
+        .headers_mut()
+        .insert("tollgate-solution", solution.parse().unwrap());
+    assert_eq!(
+        svc.ready()
+            .await
+            .unwrap()
+            .call(solved)
+            .await
+            .unwrap()
+            .status(),
+        StatusCode::OK
+    );
+    // Errors name the field; the secret is never shown.
+    let bad = |section: &str, rule: &str| {
+        error(&format!(
+            "[challenge]\n{section}\n\n[[rules]]\nname = \"r\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\n{rule}\n"
+        ))
+    };
+    let ok_secret = format!("secret_env = \"{var}\"");
+    assert!(bad(
+        &ok_secret,
+        "challenge = { difficulty = 33, window = \"60s\" }"
+    )
+    .contains("rules[0].challenge.difficulty: must be 1 to 32 bits"));
+    assert!(bad(
+        &ok_secret,
+        "challenge = { difficulty = 8, window = \"2h\" }"
+    )
+    .contains("rules[0].challenge.window: must be whole seconds"));
+    assert!(bad("", "challenge = { difficulty = 8, window = \"60s\" }")
+        .contains("challenge.secret_env: is missing"));
+    assert!(bad("secret_env = \"A\"\nsecret_file = \"/x\"", "")
+        .contains("challenge.secret_file: give one of secret_env or secret_file"));
+    let no_section = error("[[rules]]\nname = \"r\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\nchallenge = { difficulty = 8, window = \"60s\" }\n");
+    assert!(
+        no_section.contains("rules[0].challenge: needs the secret of a [challenge] section"),
+        "{no_section}"
+    );
+    std::env::set_var(&var, "short");
+    let e = file.layer::<String, _>(&MemoryStore::new()).unwrap_err();
+    assert_eq!(e.field(), "challenge.secret_env");
+    assert!(!e.to_string().contains("short"), "{e}");
+}

@@ -202,89 +202,127 @@ impl<St: Store + QuotaStore> Limits<St> {
                 );
             }
         }
-        // What a reload can keep: the limit an entry built before, if
-        // neither the entry nor what it reads beyond it changed (its in-
-        // process state — an adaptive limit, a queue, read-only mode —
-        // goes on; store state is kept either way).
-        let kept = |list: &str, name: &str, same: &dyn Fn(&super::spec::FileSpec) -> bool| {
-            let b = before?;
-            if !same_context(&b.spec, spec) || !same(&b.spec) {
-                return None;
-            }
-            b.limits
-                .iter()
-                .find(|s| s.list == list && s.name == name)
-                .map(|s| s.limit.clone())
-        };
+        // A decision endpoint never sees a response: no in-flight limits
+        // or pacing.
         let mut out = Vec::new();
-        let routes = |list: &Option<super::spec::Spanned<Vec<super::spec::Spanned<String>>>>,
-                      field: String| {
-            list.as_ref()
-                .map(|l| build::routes(l, field))
-                .transpose()
-                .map_err(|p| file.placed(p))
+        let mut section = |list, entries, build: &dyn Fn(&str) -> Result<Limit<St>, FileError>| {
+            entries_of(file, before, list, entries, build, &mut out)
         };
-        let in_flight = if decisions_only {
-            &[][..]
-        } else {
-            &spec.concurrency[..]
-        };
-        for (i, c) in in_flight.iter().enumerate() {
-            let c = c.get_ref();
-            let name = c.name.get_ref();
-            let same =
-                |old: &super::spec::FileSpec| old.concurrency.iter().any(|o| o.get_ref() == c);
-            let limit = match kept("concurrency", name, &same) {
-                Some(limit) => limit,
-                None => Limit::InFlight(file.concurrency(name, store)?),
-            };
-            out.push(Scoped {
-                routes: routes(&c.routes, format!("concurrency[{i}].routes"))?,
-                list: "concurrency",
-                name: name.clone(),
-                limit,
-            });
-        }
-        for (i, q) in spec.quotas.iter().enumerate() {
-            let q = q.get_ref();
-            let name = q.name.get_ref();
-            let same = |old: &super::spec::FileSpec| old.quotas.iter().any(|o| o.get_ref() == q);
-            let limit = match kept("quotas", name, &same) {
-                Some(limit) => limit,
-                None => Limit::Quota(file.quota(name, store)?),
-            };
-            out.push(Scoped {
-                routes: routes(&q.routes, format!("quotas[{i}].routes"))?,
-                list: "quotas",
-                name: name.clone(),
-                limit,
-            });
-        }
-        let pacing = if decisions_only {
-            &[][..]
-        } else {
-            &spec.bandwidth[..]
-        };
-        for (i, w) in pacing.iter().enumerate() {
-            let w = w.get_ref();
-            let name = w.name.get_ref();
-            let same = |old: &super::spec::FileSpec| old.bandwidth.iter().any(|o| o.get_ref() == w);
-            let limit = match kept("bandwidth", name, &same) {
-                Some(limit) => limit,
-                None => Limit::Pacing(file.bandwidth(name, store)?),
-            };
-            out.push(Scoped {
-                routes: routes(&w.routes, format!("bandwidth[{i}].routes"))?,
-                list: "bandwidth",
-                name: name.clone(),
-                limit,
-            });
-        }
+        section(
+            "concurrency",
+            Entries::InFlight(if decisions_only {
+                &[][..]
+            } else {
+                &spec.concurrency
+            }),
+            &|name| file.concurrency(name, store).map(Limit::InFlight),
+        )?;
+        section("quotas", Entries::Quota(&spec.quotas), &|name| {
+            file.quota(name, store).map(Limit::Quota)
+        })?;
+        section(
+            "bandwidth",
+            Entries::Pacing(if decisions_only {
+                &[][..]
+            } else {
+                &spec.bandwidth
+            }),
+            &|name| file.bandwidth(name, store).map(Limit::Pacing),
+        )?;
         Ok(Self {
             limits: out.into(),
             spec: spec.clone(),
         })
     }
+}
+
+/// One section's entries, as the file holds them.
+enum Entries<'a> {
+    InFlight(&'a [super::spec::Spanned<super::spec::ConcurrencySpec>]),
+    Quota(&'a [super::spec::Spanned<super::spec::QuotaSpec>]),
+    Pacing(&'a [super::spec::Spanned<super::spec::BandwidthSpec>]),
+}
+
+type RoutesSpec = Option<super::spec::Spanned<Vec<super::spec::Spanned<String>>>>;
+
+impl Entries<'_> {
+    /// Entry `i`'s name and routes.
+    fn entry(&self, i: usize) -> Option<(&String, &RoutesSpec)> {
+        match self {
+            Self::InFlight(e) => e
+                .get(i)
+                .map(|e| (e.get_ref().name.get_ref(), &e.get_ref().routes)),
+            Self::Quota(e) => e
+                .get(i)
+                .map(|e| (e.get_ref().name.get_ref(), &e.get_ref().routes)),
+            Self::Pacing(e) => e
+                .get(i)
+                .map(|e| (e.get_ref().name.get_ref(), &e.get_ref().routes)),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Self::InFlight(e) => e.len(),
+            Self::Quota(e) => e.len(),
+            Self::Pacing(e) => e.len(),
+        }
+    }
+
+    /// Whether `old` holds entry `i` as it is.
+    fn unchanged_in(&self, i: usize, old: &super::spec::FileSpec) -> bool {
+        fn holds<T: PartialEq>(
+            list: &[super::spec::Spanned<T>],
+            e: Option<&super::spec::Spanned<T>>,
+        ) -> bool {
+            e.is_some_and(|e| list.iter().any(|o| o.get_ref() == e.get_ref()))
+        }
+        match self {
+            Self::InFlight(e) => holds(&old.concurrency, e.get(i)),
+            Self::Quota(e) => holds(&old.quotas, e.get(i)),
+            Self::Pacing(e) => holds(&old.bandwidth, e.get(i)),
+        }
+    }
+}
+
+/// Builds `entries` of `[[list]]` into `out`, each with its routes; on a
+/// reload, an entry that neither changed nor reads anything that changed
+/// beyond it keeps the limit `before` built, which goes on as it runs (its
+/// in-process state — an adaptive limit, a queue, read-only mode; store
+/// state is kept either way).
+fn entries_of<St: Store + QuotaStore>(
+    file: &PolicyFile,
+    before: Option<&Limits<St>>,
+    list: &'static str,
+    entries: Entries<'_>,
+    build: &dyn Fn(&str) -> Result<Limit<St>, FileError>,
+    out: &mut Vec<Scoped<St>>,
+) -> Result<(), FileError> {
+    for i in 0..entries.len() {
+        let Some((name, routes)) = entries.entry(i) else {
+            continue;
+        };
+        let kept = before
+            .filter(|b| same_context(&b.spec, &file.spec) && entries.unchanged_in(i, &b.spec))
+            .and_then(|b| b.limits.iter().find(|s| s.list == list && s.name == *name))
+            .map(|s| s.limit.clone());
+        let limit = match kept {
+            Some(limit) => limit,
+            None => build(name)?,
+        };
+        let routes = routes
+            .as_ref()
+            .map(|l| build::routes(l, format!("{list}[{i}].routes")))
+            .transpose()
+            .map_err(|p| file.placed(p))?;
+        out.push(Scoped {
+            routes,
+            list,
+            name: name.clone(),
+            limit,
+        });
+    }
+    Ok(())
 }
 
 impl<St: Store + QuotaStore> Tollgate<St> {

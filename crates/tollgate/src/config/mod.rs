@@ -734,25 +734,17 @@ impl PolicyFile {
     /// where any of them names one).
     pub(crate) fn unapplied_changes(&self, before: &Self) -> Vec<&'static str> {
         let (a, b) = (&self.spec, &before.spec);
-        let mut changed = Vec::new();
-        if a.quotas != b.quotas {
-            changed.push("[[quotas]]");
-        }
-        if a.concurrency != b.concurrency {
-            changed.push("[[concurrency]]");
-        }
-        if a.bandwidth != b.bandwidth {
-            changed.push("[[bandwidth]]");
-        }
-        if a.store != b.store {
-            changed.push("[store]");
-        }
-        if a.retry_budgets != b.retry_budgets {
-            changed.push("[[retry_budgets]]");
-        }
-        if a.server != b.server {
-            changed.push("[server]");
-        }
+        let mut changed: Vec<&'static str> = [
+            (a.quotas != b.quotas, "[[quotas]]"),
+            (a.concurrency != b.concurrency, "[[concurrency]]"),
+            (a.bandwidth != b.bandwidth, "[[bandwidth]]"),
+            (a.store != b.store, "[store]"),
+            (a.retry_budgets != b.retry_budgets, "[[retry_budgets]]"),
+            (a.server != b.server, "[server]"),
+        ]
+        .into_iter()
+        .filter_map(|(differs, section)| differs.then_some(section))
+        .collect();
         let others = !a.quotas.is_empty() || !a.concurrency.is_empty() || !a.bandwidth.is_empty();
         if others && a.costs != b.costs {
             changed.push("[costs]");

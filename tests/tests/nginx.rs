@@ -156,8 +156,29 @@ async fn nginx_auth_request_enforces_each_clients_limit() {
         2,
         "a refusal reached the upstream"
     );
-    // Another client is another budget.
-    let r = send(addr, from("203.0.113.10")).await.unwrap();
-    assert_eq!(r.status, 200, "{r:?}");
+    // Another client is another budget; what a client writes left of
+    // its own address in X-Forwarded-For is not its address: NGINX
+    // appends the peer it saw, and the server reads right to left,
+    // skipping the trusted proxy only.
+    for spoof in ["198.51.100.1", "198.51.100.2", "198.51.100.3"] {
+        let r = send(addr, from(&format!("{spoof}, 203.0.113.10")))
+            .await
+            .unwrap();
+        let want = if spoof.ends_with('3') { 429 } else { 200 };
+        assert_eq!(r.status, want, "{spoof}: {r:?}");
+    }
+    // A refusal that is not a rate's keeps its own status: an unreadable
+    // X-Forwarded-For names no client, and the rule refuses a request
+    // without its key (400, not a 429 to retry).
+    let r = send(
+        addr,
+        Request::get("/api/hello")
+            .header("x-forwarded-for", "bad")
+            .body(Bytes::new())
+            .unwrap(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 400, "{r:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -48,16 +48,10 @@ async fn server() -> std::net::SocketAddr {
     addr
 }
 
-/// A subrequest as NGINX sends it (`X-Original-*`), or as Traefik and
-/// Caddy do (`X-Forwarded-*`).
-fn ask(
-    endpoint: &str,
-    nginx: bool,
-    method: &str,
-    uri: &str,
-    headers: &[(&str, &str)],
-) -> Request<Bytes> {
-    let (m, u) = if nginx {
+/// A subrequest as NGINX sends it to `/auth_request` (`X-Original-*`),
+/// or as Traefik and Caddy send it to `/check` (`X-Forwarded-*`).
+fn ask(endpoint: &str, method: &str, uri: &str, headers: &[(&str, &str)]) -> Request<Bytes> {
+    let (m, u) = if endpoint == "/auth_request" {
         ("x-original-method", "x-original-uri")
     } else {
         ("x-forwarded-method", "x-forwarded-uri")
@@ -90,20 +84,20 @@ async fn a_gateway_gets_each_original_requests_decision() {
     let key = [("x-api-key", "k1")];
     // Three units a key: a read costs 1 (its fields to copy come back
     // with the 200), a report 2.
-    let r = send(addr, ask("/check", true, "GET", "/api/hello?x=1", &key))
+    let r = send(addr, ask("/check", "GET", "/api/hello?x=1", &key))
         .await
         .unwrap();
     assert_eq!(r.status, 200);
     assert_eq!(left(&r, "per-key"), Some(2));
     assert!(r.header("ratelimit-policy").contains("\"per-key\";q=3"));
-    let r = send(addr, ask("/check", false, "POST", "/api/reports", &key))
+    let r = send(addr, ask("/check", "POST", "/api/reports", &key))
         .await
         .unwrap();
     assert_eq!(r.status, 200, "{r:?}");
     assert_eq!(left(&r, "per-key"), Some(0));
     // The next is refused as the layer refuses it: 429, Retry-After, the
     // fields, a problem document.
-    let r = send(addr, ask("/check", true, "GET", "/api/hello", &key))
+    let r = send(addr, ask("/check", "GET", "/api/hello", &key))
         .await
         .unwrap();
     assert_eq!(r.status, 429);
@@ -112,7 +106,7 @@ async fn a_gateway_gets_each_original_requests_decision() {
     assert!(r.body.contains("\"rule\":\"per-key\""), "{}", r.body);
     // On /auth_request a refusal is a 403 NGINX passes on, with the
     // limiter's status and the same fields.
-    let r = send(addr, ask("/auth_request", true, "GET", "/api/hello", &key))
+    let r = send(addr, ask("/auth_request", "GET", "/api/hello", &key))
         .await
         .unwrap();
     assert_eq!(r.status, 403);
@@ -122,13 +116,7 @@ async fn a_gateway_gets_each_original_requests_decision() {
     // Another key is another budget.
     let r = send(
         addr,
-        ask(
-            "/auth_request",
-            true,
-            "GET",
-            "/api/hello",
-            &[("x-api-key", "k2")],
-        ),
+        ask("/auth_request", "GET", "/api/hello", &[("x-api-key", "k2")]),
     )
     .await
     .unwrap();
@@ -146,21 +134,61 @@ async fn clients_are_told_apart_by_the_gateways_forwarded_for() {
         let headers: Vec<(&str, &str)> = h.iter().map(|(n, v)| (*n, v.as_str())).collect();
         // The export quota (one a day per address) applies to its route
         // only.
-        let r = send(addr, ask("/check", false, "GET", "/api/export", &headers))
+        let r = send(addr, ask("/check", "GET", "/api/export", &headers))
             .await
             .unwrap();
         assert_eq!(r.status, 200, "{ip}");
         assert_eq!(left(&r, "exports"), Some(0), "{ip}: {r:?}");
-        let r = send(addr, ask("/check", false, "GET", "/api/export", &headers))
+        let r = send(addr, ask("/check", "GET", "/api/export", &headers))
             .await
             .unwrap();
         assert_eq!(r.status, 429, "{ip}");
-        let r = send(addr, ask("/check", false, "GET", "/api/other", &headers))
+        let r = send(addr, ask("/check", "GET", "/api/other", &headers))
             .await
             .unwrap();
         assert_eq!(r.status, 200, "{ip}");
         assert!(r.header("ratelimit").find("exports").is_none(), "{r:?}");
     }
+}
+
+/// Review of the server: each endpoint reads only the headers its
+/// gateway sets. Through Traefik or Caddy (which overwrite
+/// `X-Forwarded-*` and pass the client's other headers on), a client's
+/// own `X-Original-*` names nothing; through NGINX, its
+/// `X-Forwarded-Method` names nothing.
+#[tokio::test]
+async fn a_client_cannot_name_the_request_it_is_charged_for() {
+    let addr = server().await;
+    // A report (2 of the key's 3) with a forged cheap read beside it.
+    let forged = [
+        ("x-api-key", "forger"),
+        ("x-original-method", "GET"),
+        ("x-original-uri", "/x"),
+    ];
+    let r = send(addr, ask("/check", "POST", "/api/reports", &forged))
+        .await
+        .unwrap();
+    assert_eq!(left(&r, "per-key"), Some(1), "charged as a report: {r:?}");
+    let forged = [("x-api-key", "forger2"), ("x-forwarded-method", "GET")];
+    let mut req = ask("/auth_request", "POST", "/api/reports", &forged);
+    req.headers_mut().remove("x-original-method");
+    *req.method_mut() = http::Method::POST;
+    let r = send(addr, req).await.unwrap();
+    assert_eq!(left(&r, "per-key"), Some(1), "charged as a report: {r:?}");
+    // A URI NGINX passes on but `http` refuses is decided, not a 400
+    // (which NGINX would turn into a 500).
+    let r = send(
+        addr,
+        ask(
+            "/auth_request",
+            "GET",
+            "/s?q=<b>\"x\"",
+            &[("x-api-key", "odd")],
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
 }
 
 #[tokio::test]
@@ -172,12 +200,14 @@ async fn a_subrequest_without_the_original_uri_is_a_clear_400() {
         .unwrap();
     let r = send(addr, req).await.unwrap();
     assert_eq!(r.status, 400);
-    assert!(r.body.contains("X-Original-URI"), "{}", r.body);
-    let r = send(addr, ask("/check", true, "G E T", "/x", &[]))
-        .await
-        .unwrap();
+    assert!(r.body.contains("X-Forwarded-Uri"), "{}", r.body);
+    let req = Request::get("/auth_request").body(Bytes::new()).unwrap();
+    let r = send(addr, req).await.unwrap();
     assert_eq!(r.status, 400);
-    let r = send(addr, ask("/check", true, "GET", "http://[bad", &[]))
+    assert!(r.body.contains("X-Original-URI $request_uri"), "{}", r.body);
+    let r = send(addr, ask("/check", "G E T", "/x", &[])).await.unwrap();
+    assert_eq!(r.status, 400);
+    let r = send(addr, ask("/check", "GET", "http://[bad", &[]))
         .await
         .unwrap();
     assert_eq!(r.status, 400);

@@ -5,31 +5,43 @@
 //! store, as the Tower layers give Rust services.
 //!
 //! The gateway sends each request's method, URI, client address and
-//! headers (forwarding headers: `X-Original-Method` and `X-Original-URI`
-//! as NGINX is configured to send them, `X-Forwarded-Method` and
-//! `X-Forwarded-Uri` as Traefik and Caddy send them, `X-Forwarded-For`);
-//! the server decides that request with the file's `[[rules]]` and
-//! `[[quotas]]` and answers:
+//! headers; the server decides that request with the file's `[[rules]]`
+//! and `[[quotas]]` and answers:
 //!
-//! - `/check`: `200` with the `RateLimit` and `RateLimit-Policy` fields to
-//!   copy to the response, or the limiter's refusal as it is — `429` with
-//!   `Retry-After`, the fields and a problem document (Traefik and Caddy
-//!   hand a non-2xx answer to the client);
-//! - `/auth_request`: the same, except that a refusal is `403` with the
-//!   limiter's status in `Tollgate-Status`: NGINX's `auth_request` passes
-//!   only `401` and `403` on, and its config turns that `403` into the
-//!   `429` (see `examples/nginx/tollgate.conf`);
+//! - `/check`, for Traefik's `ForwardAuth` and Caddy's `forward_auth`: the
+//!   original method and URI from `X-Forwarded-Method` and
+//!   `X-Forwarded-Uri` (which those gateways set, over any the client
+//!   sent); `200` with the `RateLimit` and `RateLimit-Policy` fields (the
+//!   gateway's `authResponseHeaders` / `copy_headers` put them on the
+//!   request to the upstream), or the limiter's refusal as it is — `429`
+//!   with `Retry-After`, the fields and a problem document, which both
+//!   gateways hand to the client;
+//! - `/auth_request`, for NGINX's `auth_request`: the original method and
+//!   URI from `X-Original-Method` and `X-Original-URI` (which its config
+//!   sets); a refusal is `403` with the limiter's status in
+//!   `Tollgate-Status`, since `auth_request` passes only `401` and `403`
+//!   on: `examples/nginx/tollgate.conf` answers the client with that
+//!   status, `Retry-After` and the fields;
 //! - `/healthz`: `200 ok`.
+//!
+//! Each endpoint reads only its gateway's headers: the other family comes
+//! from the client, through a gateway that passes it on.
 //!
 //! In-flight limits and pacing need to see the response's lifetime, which
 //! a decision never does: a file's `[[concurrency]]` and `[[bandwidth]]`
-//! entries are left out (and said so in the log). A quota is charged when
-//! the request is allowed; the server does not see whether the upstream
-//! served it.
+//! entries are left out (and said so in the log). What needs the response
+//! or the body is refused at start, naming its field: a rule's
+//! `count_if`, `[idempotency]`, costs by `bytes_per_unit`. A quota is
+//! charged when the request is allowed; the server does not see whether
+//! the upstream served it.
 //!
 //! The client address is `X-Forwarded-For`'s, read as `client-ip` keys
 //! read it: the file's `trusted_proxies` must name the gateway's
 //! addresses, or every request is keyed by the gateway's own address.
+//! `peer-ip` is always the gateway's; `forwarded_header = "forwarded"`
+//! reads a header none of these gateways sets (the client's, then);
+//! `plan_from = "extension"` has no extension to read, and a
+//! `"header:..."` plan must be a header the gateway sets.
 //!
 //! ```
 //! use tollgate::config::{PolicyFile, Tollgate};
@@ -50,8 +62,8 @@
 //! let app = tollgate_server::decisions(Tollgate::for_decisions(&file, &MemoryStore::new())?);
 //! let check = || {
 //!     http::Request::get("/check")
-//!         .header("x-original-method", "GET")
-//!         .header("x-original-uri", "/api/hello")
+//!         .header("x-forwarded-method", "GET")
+//!         .header("x-forwarded-uri", "/api/hello")
 //!         .header("x-api-key", "demo")
 //!         .body(axum::body::Body::empty())
 //! };
@@ -120,13 +132,30 @@ where
         .with_state(gate)
 }
 
-/// How a refusal is answered.
+/// Which gateway an endpoint answers: where it reads the original
+/// request, and how it answers a refusal.
 #[derive(Debug, Clone, Copy)]
 enum Refusal {
-    /// As the limiter answers it (429, 400).
+    /// `/check` (Traefik, Caddy): `X-Forwarded-Method` and
+    /// `X-Forwarded-Uri`, which those gateways set (and overwrite); a
+    /// refusal as the limiter answers it (429, 400).
     AsIs,
-    /// `403`, the limiter's status in [`TOLLGATE_STATUS`].
+    /// `/auth_request` (NGINX): `X-Original-Method` and `X-Original-URI`,
+    /// which its config sets; a refusal is `403`, the limiter's status in
+    /// [`TOLLGATE_STATUS`].
     Forbidden,
+}
+
+impl Refusal {
+    /// The headers this gateway sets for the original method and URI.
+    /// Only these are read: the other family would come from the client,
+    /// through a gateway that passes it on unchanged.
+    fn headers(self) -> [&'static str; 2] {
+        match self {
+            Self::AsIs => ["x-forwarded-method", "x-forwarded-uri"],
+            Self::Forbidden => ["x-original-method", "x-original-uri"],
+        }
+    }
 }
 
 /// Decides the request `req` describes.
@@ -136,7 +165,7 @@ async fn decide<St: QuotaStore>(
     refusal: Refusal,
 ) -> Response<Body> {
     let peer = req.extensions().get::<ConnectInfo<SocketAddr>>().copied();
-    let original = match original(req.headers(), req.method()) {
+    let original = match original(req.headers(), req.method(), refusal) {
         Ok(original) => original,
         Err(why) => return problem(StatusCode::BAD_REQUEST, why),
     };
@@ -178,28 +207,49 @@ async fn decide<St: QuotaStore>(
     }
 }
 
-/// The original request's method and URI, from the forwarding headers
-/// (`X-Original-*` first, as NGINX is configured to send them, then
-/// Traefik's and Caddy's `X-Forwarded-*`). Without a method header the
-/// subrequest's own is the original's (NGINX's `auth_request` keeps it).
-fn original(headers: &HeaderMap, own: &Method) -> Result<(Method, Uri), &'static str> {
-    let first = |names: [&str; 2]| names.iter().find_map(|n| headers.get(*n));
-    let method = match first(["x-original-method", "x-forwarded-method"]) {
+/// The original request's method and URI, from the headers the
+/// endpoint's gateway sets. Without a method header the subrequest's own
+/// is the original's (NGINX's `auth_request` keeps it).
+fn original(
+    headers: &HeaderMap,
+    own: &Method,
+    refusal: Refusal,
+) -> Result<(Method, Uri), &'static str> {
+    let [method, uri] = refusal.headers();
+    let method = match headers.get(method) {
         Some(m) => Method::from_bytes(m.as_bytes()).map_err(|_| {
             "the original method (X-Original-Method, X-Forwarded-Method) is not a method"
         })?,
         None => own.clone(),
     };
-    let uri = first(["x-original-uri", "x-forwarded-uri"]).ok_or(
-        "no original URI: the gateway sends it as X-Original-URI (NGINX: proxy_set_header X-Original-URI $request_uri) or X-Forwarded-Uri",
-    )?;
-    let uri = Uri::try_from(uri.as_bytes())
-        .ok()
+    let uri = headers.get(uri).ok_or(match refusal {
+        Refusal::Forbidden => "no original URI: NGINX sends it with proxy_set_header X-Original-URI $request_uri",
+        Refusal::AsIs => "no original URI: the gateway sends it as X-Forwarded-Uri (Traefik ForwardAuth, Caddy forward_auth)",
+    })?;
+    let uri = lenient_uri(uri.as_bytes())
         .filter(|u| u.path().starts_with('/'))
-        .ok_or(
-            "the original URI (X-Original-URI, X-Forwarded-Uri) is not a path like /api/hello?x=1",
-        )?;
+        .ok_or("the original URI is not a path like /api/hello?x=1")?;
     Ok((method, uri))
+}
+
+/// `raw` as a URI, the bytes a gateway passes on but `http` refuses
+/// (`<`, `"`, a space, non-ASCII, ...) percent-encoded first: a request
+/// the gateway accepted is decided, not answered with an error.
+fn lenient_uri(raw: &[u8]) -> Option<Uri> {
+    const REFUSED: &[u8] = b"\"<>\\^`{|} ";
+    let plain = |b: &u8| b.is_ascii_graphic() && !REFUSED.contains(b);
+    if raw.iter().all(plain) {
+        return Uri::try_from(raw).ok();
+    }
+    let mut encoded = String::with_capacity(raw.len().saturating_mul(3));
+    for b in raw {
+        if plain(b) {
+            encoded.push(char::from(*b));
+        } else {
+            encoded.push_str(&format!("%{b:02X}"));
+        }
+    }
+    Uri::try_from(encoded).ok()
 }
 
 /// A problem document (RFC 9457) about the subrequest itself.
@@ -260,4 +310,29 @@ pub fn init_logs() {
         .with_writer(std::io::stderr)
         .with_target(false)
         .try_init();
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::panic)]
+mod tests {
+    use super::lenient_uri;
+
+    #[test]
+    fn a_uri_a_gateway_passes_on_is_read() {
+        for raw in [
+            &b"/s?q=<b>\"x\""[..],
+            b"/a b",
+            b"/caf\xc3\xa9?x={1}|2",
+            b"/`^\\",
+        ] {
+            let uri = lenient_uri(raw).unwrap_or_else(|| panic!("{raw:?}"));
+            assert!(uri.path().starts_with('/'), "{uri}");
+        }
+        assert_eq!(lenient_uri(b"/plain?x=1").unwrap(), "/plain?x=1");
+        assert_eq!(lenient_uri(b"/a b").unwrap().path(), "/a%20b");
+        assert!(
+            http::Uri::try_from(&b"/s?q=<b>"[..]).is_err(),
+            "http refuses it"
+        );
+    }
 }

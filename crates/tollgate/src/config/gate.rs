@@ -236,6 +236,75 @@ impl<St: Store + QuotaStore> Limits<St> {
     }
 }
 
+/// Refuses what a decision alone cannot do: what needs the response (a
+/// rule's `count_if`) or the body (`[idempotency]`, costs by
+/// `bytes_per_unit`).
+fn decidable(file: &PolicyFile) -> Result<(), FileError> {
+    let spec = &file.spec;
+    let never = |span, field: String, why: &str| {
+        Err(file.placed((
+            Some(span),
+            field,
+            format!("{why}: a decision endpoint never sees it"),
+        )))
+    };
+    for (i, r) in spec.rules.iter().enumerate() {
+        if let Some(c) = &r.get_ref().count_if {
+            return never(
+                c.span(),
+                format!("rules[{i}].count_if"),
+                "counts by the response's status",
+            );
+        }
+    }
+    if let Some(idem) = &spec.idempotency {
+        return never(
+            idem.span(),
+            "idempotency".to_owned(),
+            "tells repeats apart by the request's body",
+        );
+    }
+    let by_bytes = |v: &toml::Value| {
+        v.as_table()
+            .is_some_and(|t| t.contains_key("bytes_per_unit"))
+    };
+    for (name, cost) in &spec.costs {
+        if by_bytes(cost.get_ref()) {
+            return never(
+                cost.span(),
+                format!("costs.{name}.bytes_per_unit"),
+                "charges by the body's length",
+            );
+        }
+    }
+    let inline = spec
+        .rules
+        .iter()
+        .enumerate()
+        .filter_map(|(i, r)| {
+            r.get_ref()
+                .cost
+                .as_ref()
+                .map(|c| (format!("rules[{i}].cost"), c))
+        })
+        .chain(spec.quotas.iter().enumerate().filter_map(|(i, q)| {
+            q.get_ref()
+                .cost
+                .as_ref()
+                .map(|c| (format!("quotas[{i}].cost"), c))
+        }));
+    for (field, cost) in inline {
+        if by_bytes(cost.get_ref()) {
+            return never(
+                cost.span(),
+                format!("{field}.bytes_per_unit"),
+                "charges by the body's length",
+            );
+        }
+    }
+    Ok(())
+}
+
 /// One section's entries, as the file holds them.
 enum Entries<'a> {
     InFlight(&'a [super::spec::Spanned<super::spec::ConcurrencySpec>]),
@@ -359,12 +428,24 @@ impl<St: Store + QuotaStore> Tollgate<St> {
     /// its response (`tollgate-server`, behind a gateway's
     /// `auth_request`). In-flight limits and pacing need the response's
     /// lifetime: they are left out, and said so in the log.
+    ///
+    /// What needs the response or the body is refused, naming its field:
+    /// a rule's `count_if` (the status it counts is never seen),
+    /// `[idempotency]` (its markers hash the body), a cost by
+    /// `bytes_per_unit` (the body's length).
     pub fn for_decisions(file: &PolicyFile, store: &St) -> Result<Self, FileError> {
-        let mut gate = Self::new(file, store)?;
-        gate.decisions_only = true;
-        gate.limits
-            .store(Arc::new(Limits::build(file, store, None, true)?));
-        Ok(gate)
+        decidable(file)?;
+        let policy = file
+            .builder::<Body>()?
+            .store(store.clone())
+            .build()
+            .map_err(|e| file.config_error(&e))?;
+        let limits = Limits::build(file, store, None, true)?;
+        Ok(Self {
+            policy,
+            limits: Arc::new(ArcSwap::from_pointee(limits)),
+            decisions_only: true,
+        })
     }
 
     /// The rules' layer, which this one runs first (its rule names, its
@@ -436,6 +517,9 @@ impl<St: Store + QuotaStore> Tollgate<St> {
         super::Reloader::new(path, file, store, &self.policy)
             .customize(customize)
             .also(move |file, store| {
+                if decisions_only {
+                    decidable(file)?;
+                }
                 let next = Limits::build(file, store, Some(&limits.load()), decisions_only)?;
                 let limits = Arc::clone(&limits);
                 Ok(Box::new(move || limits.store(Arc::new(next))))
@@ -893,6 +977,35 @@ routes = ["GET /slow"]
             "{r:?}"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Review of the server: what needs the response or the body is
+    /// refused for a decision endpoint, naming its field, where it would
+    /// silently do nothing (a `count_if` rule never counts; idempotency
+    /// markers and body-length costs read a body that is not there).
+    #[test]
+    fn a_decision_endpoint_refuses_what_it_cannot_see() {
+        let base = "[[rules]]\nname = \"r\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 5\n";
+        let refused = |extra: &str| {
+            let file = PolicyFile::parse(&format!("{base}{extra}")).unwrap();
+            let e = Tollgate::for_decisions(&file, &MemoryStore::new()).unwrap_err();
+            format!("{}: {}", e.field(), e.message())
+        };
+        assert!(refused("count_if = [401]\n")
+            .starts_with("rules[0].count_if: counts by the response's status"));
+        assert!(refused(
+            "\n[idempotency]\nname = \"idem\"\nkey = \"header:x-api-key\"\nttl = \"1h\"\n"
+        )
+        .starts_with("idempotency: tells repeats apart by the request's body"));
+        assert!(refused("cost = { bytes_per_unit = 1024, max = 100 }\n")
+            .starts_with("rules[0].cost.bytes_per_unit: charges by the body's length"));
+        assert!(
+            refused("cost = \"up\"\n[costs.up]\nbytes_per_unit = 1024\nmax = 100\n")
+                .starts_with("costs.up.bytes_per_unit")
+        );
+        // The same file builds as a layer, which sees both.
+        let file = PolicyFile::parse(&format!("{base}count_if = [401]\n")).unwrap();
+        assert!(Tollgate::new(&file, &MemoryStore::new()).is_ok());
     }
 
     #[tokio::test]

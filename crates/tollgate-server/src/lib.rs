@@ -24,6 +24,10 @@
 //!   status, `Retry-After` and the fields;
 //! - `/healthz`: `200 ok`.
 //!
+//! Envoy's `ratelimit` filter asks over gRPC instead: [`rls`] serves
+//! `envoy.service.ratelimit.v3.RateLimitService` by the descriptors of
+//! Envoy's own ratelimit configuration files ([`envoy`]).
+//!
 //! Each endpoint reads only its gateway's headers: the other family comes
 //! from the client, through a gateway that passes it on.
 //!
@@ -88,7 +92,9 @@ use tollgate::config::Tollgate;
 use tollgate::core::QuotaStore;
 use tower::ServiceExt;
 
+pub mod envoy;
 pub mod metrics;
+pub mod rls;
 
 /// The header that carries the limiter's own status on
 /// `/auth_request`'s refusals (which answer `403`).

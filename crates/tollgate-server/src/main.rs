@@ -10,6 +10,39 @@ use tollgate::config::{PolicyFile, Tollgate};
 
 /// Where the decision endpoints listen without a `[server] listen`.
 const DEFAULT_LISTEN: &str = "127.0.0.1:8081";
+/// Where Envoy's rate limit service listens without a `[server] grpc`.
+const DEFAULT_GRPC: &str = "127.0.0.1:8082";
+
+/// Reloads the Envoy configuration files on SIGHUP (Unix): a set that
+/// does not load is logged, and the running one stays.
+fn reload_envoy_on_hangup<St: tollgate::Store>(
+    files: Vec<std::path::PathBuf>,
+    store: St,
+    rls: tollgate_server::rls::Rls<St::Limiter>,
+) where
+    St::Limiter: Send + Sync + 'static,
+{
+    #[cfg(unix)]
+    tokio::spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let Ok(mut hangup) = signal(SignalKind::hangup()) else {
+            return;
+        };
+        while hangup.recv().await.is_some() {
+            match tollgate_server::envoy::Domains::load(&files, &store.rebinding()) {
+                Ok(domains) => {
+                    rls.replace(domains);
+                    tracing::info!("Envoy rate limit configuration reloaded");
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "Envoy rate limit configuration rejected; the running one stays")
+                }
+            }
+        }
+    });
+    #[cfg(not(unix))]
+    let _ = (files, store, rls);
+}
 
 #[tokio::main]
 async fn main() {
@@ -30,6 +63,7 @@ async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     // Before the limits are built: each registers its metrics then.
     let metrics = tollgate_server::metrics::prometheus()?;
     let store = file.store()?;
+    let store_for_rls = store.clone();
     let gate = Tollgate::for_decisions(&file, &store)?;
     gate.reloader(&path, &file, store, |b| b)
         .spawn(Duration::from_secs(2));
@@ -46,6 +80,23 @@ async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             tokio::spawn(async move { tollgate_server::serve(listener, route).await });
         }
         None => app = app.merge(tollgate_server::metrics::metrics_route(metrics)),
+    }
+    if !settings.envoy.is_empty() {
+        let domains = tollgate_server::envoy::Domains::load(&settings.envoy, &store_for_rls)?;
+        let rls = tollgate_server::rls::Rls::new(domains);
+        let grpc = settings.grpc.unwrap_or(DEFAULT_GRPC.parse()?);
+        let listener = tokio::net::TcpListener::bind(grpc).await?;
+        println!(
+            "Envoy rate limit service on {} ({} files)",
+            listener.local_addr()?,
+            settings.envoy.len()
+        );
+        reload_envoy_on_hangup(settings.envoy.clone(), store_for_rls.clone(), rls.clone());
+        tokio::spawn(async move {
+            if let Err(e) = tollgate_server::rls::serve(listener, rls).await {
+                tracing::error!(error = %e, "the rate limit service stopped");
+            }
+        });
     }
     let listener = tokio::net::TcpListener::bind(listen).await?;
     println!(

@@ -626,6 +626,8 @@ impl PolicyFile {
         Ok(ServerSettings {
             listen: addr(&s.listen, "listen")?,
             metrics: addr(&s.metrics, "metrics")?,
+            grpc: addr(&s.grpc, "grpc")?,
+            envoy: s.envoy.iter().map(std::path::PathBuf::from).collect(),
         })
     }
 
@@ -866,13 +868,17 @@ fn without_null(v: &mut serde_json::Value) {
 
 /// Where `tollgate-server` listens, as the file's `[server]` says
 /// ([`PolicyFile::server`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ServerSettings {
     /// The decision endpoints' address.
     pub listen: Option<std::net::SocketAddr>,
     /// Where `/metrics` is served (on `listen` if `None`).
     pub metrics: Option<std::net::SocketAddr>,
+    /// Where Envoy's rate limit service (gRPC) listens.
+    pub grpc: Option<std::net::SocketAddr>,
+    /// The Envoy ratelimit configuration files it decides by.
+    pub envoy: Vec<std::path::PathBuf>,
 }
 
 /// A JSON Schema (draft 2020-12) of the policy file, generated from the

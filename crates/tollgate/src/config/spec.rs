@@ -165,6 +165,14 @@ pub(super) struct ServerSpec {
     /// if absent).
     #[serde(default)]
     pub(super) metrics: Option<Spanned<String>>,
+    /// Where Envoy's rate limit service (gRPC) listens, e.g.
+    /// `"127.0.0.1:8082"`.
+    #[serde(default)]
+    pub(super) grpc: Option<Spanned<String>>,
+    /// Envoy ratelimit configuration files (YAML, one domain each) the
+    /// gRPC service decides by.
+    #[serde(default)]
+    pub(super) envoy: Vec<String>,
 }
 
 /// One `[[retry_budgets]]` entry: a client's retries under a budget (a

@@ -1,0 +1,227 @@
+//! Envoy's rate limit service (`envoy.service.ratelimit.v3`,
+//! `ShouldRateLimit`) over the descriptor trees of [`envoy`](crate::envoy):
+//! Envoy's `ratelimit` filter, pointed at this server, gets tollgate's
+//! algorithms and stores.
+//!
+//! Each descriptor of a request is matched on its own; `hits_addend` (the
+//! descriptor's, else the request's, else 1) is its cost; a limit a
+//! matched limit `replaces` is not applied; a `shadow_mode` limit counts
+//! and never refuses; an `unlimited` one always allows. The request is
+//! over the limit when any enforced descriptor is, and then the
+//! descriptors that allowed it are given their units back: a request
+//! refused costs nothing, as with tollgate's layers (Envoy's own service
+//! keeps what it counted). Each status carries `current_limit`,
+//! `limit_remaining` and `duration_until_reset`, and the response the
+//! IETF `RateLimit` and `RateLimit-Policy` fields to add. A store error
+//! allows the descriptor (the store's failure policy already chose; a
+//! gateway whose rate limit service fails usually fails open too).
+
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use tollgate::Limiter;
+
+use crate::envoy::Domains;
+
+/// The `RateLimitService` gRPC service; serve it with
+/// `RateLimitServiceServer::new(Rls::new(domains))`.
+pub struct Rls<L> {
+    domains: Arc<arc_swap::ArcSwap<Domains<L>>>,
+}
+
+impl<L> Clone for Rls<L> {
+    /// The same service: a reload through one is seen by all.
+    fn clone(&self) -> Self {
+        Self {
+            domains: Arc::clone(&self.domains),
+        }
+    }
+}
+
+impl<L> std::fmt::Debug for Rls<L> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rls").finish_non_exhaustive()
+    }
+}
+
+impl<L> Rls<L> {
+    /// The service over `domains`.
+    pub fn new(domains: Domains<L>) -> Self {
+        Self {
+            domains: Arc::new(arc_swap::ArcSwap::from_pointee(domains)),
+        }
+    }
+
+    /// Decides with `domains` from now on (a reload).
+    pub fn replace(&self, domains: Domains<L>) {
+        self.domains.store(Arc::new(domains));
+    }
+}
+
+/// One descriptor's part of a decision.
+struct Part<'a, L> {
+    matched: Option<crate::envoy::Matched<'a, L>>,
+    cost: u64,
+    negative: bool,
+    decision: Option<tollgate::Decision>,
+}
+
+#[tonic::async_trait]
+impl<L: Limiter + Send + Sync + 'static> RateLimitService for Rls<L> {
+    async fn should_rate_limit(
+        &self,
+        request: tonic::Request<RateLimitRequest>,
+    ) -> Result<tonic::Response<RateLimitResponse>, tonic::Status> {
+        let req = request.into_inner();
+        let domains = self.domains.load_full();
+        let default_cost = if req.hits_addend == 0 {
+            1
+        } else {
+            u64::from(req.hits_addend)
+        };
+        let mut parts: Vec<Part<'_, L>> = req
+            .descriptors
+            .iter()
+            .map(|d| {
+                let entries: Vec<(&str, &str)> = d
+                    .entries
+                    .iter()
+                    .map(|e| (e.key.as_str(), e.value.as_str()))
+                    .collect();
+                Part {
+                    matched: domains.matched(&req.domain, &entries),
+                    cost: d.hits_addend.as_ref().map_or(default_cost, |h| h.value),
+                    negative: d.is_negative_hits,
+                    decision: None,
+                }
+            })
+            .collect();
+        // A limit another matched limit replaces does not apply.
+        let replaced: Vec<String> = parts
+            .iter()
+            .filter_map(|p| p.matched.as_ref())
+            .flat_map(|m| m.bound.replaces.iter().cloned())
+            .collect();
+        for p in &mut parts {
+            if p.matched
+                .as_ref()
+                .is_some_and(|m| replaced.contains(&m.bound.name))
+            {
+                p.matched = None;
+            }
+        }
+        let mut over = false;
+        for p in &mut parts {
+            let Some(m) = &p.matched else { continue };
+            let Some(limiter) = &m.bound.limiter else {
+                continue;
+            };
+            if p.negative {
+                let _ = limiter.refund(&m.key, p.cost).await;
+                continue;
+            }
+            if let Ok(d) = limiter.decide(&m.key, p.cost).await {
+                over |= !d.is_allowed() && !m.bound.shadow;
+                p.decision = Some(d);
+            }
+        }
+        if over {
+            // Refused: what the other descriptors counted goes back.
+            for p in &parts {
+                if let (Some(m), Some(d)) = (&p.matched, &p.decision) {
+                    if let (true, Some(limiter)) = (d.is_allowed(), &m.bound.limiter) {
+                        let _ = limiter.refund(&m.key, p.cost).await;
+                    }
+                }
+            }
+        }
+        let mut policy = Vec::new();
+        let mut fields = Vec::new();
+        let statuses = parts
+            .iter()
+            .map(|p| {
+                let (Some(m), Some(d)) = (&p.matched, &p.decision) else {
+                    return DescriptorStatus {
+                        code: Code::Ok.into(),
+                        ..DescriptorStatus::default()
+                    };
+                };
+                let refused = !d.is_allowed() && !m.bound.shadow;
+                let reset = std::time::Duration::from_nanos(d.reset_after);
+                if !m.bound.shadow {
+                    policy.push(format!(
+                        "\"{}\";q={};w={}",
+                        m.bound.name, m.bound.requests_per_unit, m.bound.window_secs
+                    ));
+                    fields.push(format!(
+                        "\"{}\";r={};t={}",
+                        m.bound.name,
+                        d.remaining,
+                        reset
+                            .as_secs()
+                            .saturating_add(u64::from(reset.subsec_nanos() > 0))
+                    ));
+                }
+                DescriptorStatus {
+                    code: if refused { Code::OverLimit } else { Code::Ok }.into(),
+                    current_limit: Some(RateLimit {
+                        name: m.bound.name.clone(),
+                        requests_per_unit: m.bound.requests_per_unit,
+                        unit: m.bound.unit,
+                    }),
+                    limit_remaining: u32::try_from(d.remaining).unwrap_or(u32::MAX),
+                    duration_until_reset: Some(envoy_types::pb::google::protobuf::Duration {
+                        seconds: i64::try_from(reset.as_secs()).unwrap_or(i64::MAX),
+                        nanos: i32::try_from(reset.subsec_nanos()).unwrap_or(0),
+                    }),
+                    quota: None,
+                }
+            })
+            .collect();
+        let mut response_headers_to_add = Vec::new();
+        if !policy.is_empty() {
+            response_headers_to_add.push(HeaderValue {
+                key: "RateLimit-Policy".to_owned(),
+                value: policy.join(", "),
+                ..HeaderValue::default()
+            });
+            response_headers_to_add.push(HeaderValue {
+                key: "RateLimit".to_owned(),
+                value: fields.join(", "),
+                ..HeaderValue::default()
+            });
+        }
+        Ok(tonic::Response::new(RateLimitResponse {
+            overall_code: if over { Code::OverLimit } else { Code::Ok }.into(),
+            statuses,
+            response_headers_to_add,
+            ..RateLimitResponse::default()
+        }))
+    }
+}
+
+/// Serves Envoy's rate limit service (and `grpc.health.v1`, reporting it
+/// serving) on `listener`, until [`shutdown`](crate::shutdown).
+pub async fn serve<L: Limiter + Send + Sync + 'static>(
+    listener: tokio::net::TcpListener,
+    rls: Rls<L>,
+) -> Result<(), tonic::transport::Error> {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_serving::<RateLimitServiceServer<Rls<L>>>()
+        .await;
+    tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(RateLimitServiceServer::new(rls))
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            crate::shutdown(),
+        )
+        .await
+}

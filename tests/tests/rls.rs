@@ -251,6 +251,93 @@ async fn a_refused_request_costs_its_other_descriptors_nothing() {
     assert_eq!(r.statuses[0].limit_remaining, 1, "{r:?}");
 }
 
+/// Review of the service: names are free text (stored by the node's
+/// place), an empty value is no value, an unlimited status says so, a
+/// refused descriptor has nothing left, and values cannot pass for
+/// others in the counters' keys.
+#[tokio::test]
+async fn names_values_and_statuses_as_envoys_service_gives_them() {
+    let dir = std::env::temp_dir().join(format!("tollgate-rls-names-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("d.yaml");
+    std::fs::write(
+        &path,
+        "domain: api.v1\ndescriptors:\n  - key: user\n    value: \"\"\n    rate_limit: { unit: hour, requests_per_unit: 3, name: \"per user \\\"quoted\\\"\" }\n  - key: tenant\n    descriptors:\n      - key: user\n        rate_limit: { unit: hour, requests_per_unit: 1, name: \"per user \\\"quoted\\\"\" }\n",
+    )
+    .unwrap();
+    let store = MemoryStore::with_clock(ManualClock::starting_at(1_796_472_000_000_000_000));
+    let domains = tollgate_server::envoy::Domains::load(&[path], &store).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    // Two nodes of one name are two limits; an empty value is any value.
+    let a = domains.matched("api.v1", &[("user", "ann")]).unwrap();
+    assert_eq!(a.bound.requests_per_unit, 3);
+    let b = domains
+        .matched("api.v1", &[("tenant", "t"), ("user", "ann")])
+        .unwrap();
+    assert_eq!(b.bound.requests_per_unit, 1);
+    // No value can pass for two.
+    let x = domains
+        .matched(
+            "api.v1",
+            &[("tenant", "x\0\0\0\x04user\0\0\0\x01y"), ("user", "z")],
+        )
+        .unwrap();
+    let y = domains.matched(
+        "api.v1",
+        &[("tenant", "x"), ("user", "y\0\0\0\x04user\0\0\0\x01z")],
+    );
+    assert!(y.is_none() || y.unwrap().key != x.key);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(tollgate_server::rls::serve(
+        listener,
+        tollgate_server::rls::Rls::new(domains),
+    ));
+    let mut c = loop {
+        if let Ok(c) = RateLimitServiceClient::connect(format!("http://{addr}")).await {
+            break c;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    let ask_d = |d: Vec<RateLimitDescriptor>, hits: u32| RateLimitRequest {
+        domain: "api.v1".to_owned(),
+        descriptors: d,
+        hits_addend: hits,
+    };
+    // Over the limit: nothing left, whatever the cost asked.
+    let r = c
+        .should_rate_limit(ask_d(vec![descriptor(&[("user", "bo")])], 2))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.statuses[0].limit_remaining, 1);
+    let r = c
+        .should_rate_limit(ask_d(vec![descriptor(&[("user", "bo")])], 2))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(code(&r), Code::OverLimit);
+    assert_eq!(r.statuses[0].limit_remaining, 0);
+    // The name, escaped, in the fields.
+    let policy = &r
+        .response_headers_to_add
+        .iter()
+        .find(|h| h.key == "RateLimit-Policy")
+        .unwrap()
+        .value;
+    assert!(
+        policy.starts_with("\"per user \\\"quoted\\\"\";q=3"),
+        "{policy}"
+    );
+}
+
+#[tokio::test]
+async fn an_unlimited_descriptor_says_so() {
+    let mut c = server().await;
+    let r = ask(&mut c, 0, vec![descriptor(&[("internal", "x")])]).await;
+    assert_eq!(r.statuses[0].limit_remaining, u32::MAX);
+}
+
 #[test]
 fn a_bad_configuration_names_its_file_and_descriptor() {
     let dir = std::env::temp_dir().join(format!("tollgate-rls-bad-{}", std::process::id()));
@@ -271,6 +358,13 @@ fn a_bad_configuration_names_its_file_and_descriptor() {
     );
     let e = load("domain: d\ndescriptors:\n  - key: a\n    ratelimit: {}\n");
     assert!(e.contains("unknown field `ratelimit`"), "{e}");
+    let e = load("domain: d\ndescriptors:\n  - key: a\n  - key: a\n");
+    assert!(
+        e.contains("descriptors[1]: another descriptor at this level has the same key and value"),
+        "{e}"
+    );
+    let e = load("domain: d\ndescriptors:\n  - key: a\n    value: \"a*b\"\n");
+    assert!(e.contains("a '*' may only end a value"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -166,12 +166,17 @@ impl<L: Limiter> Domains<L> {
             if spec.domain.is_empty() {
                 return Err(at("domain: is empty".to_owned()));
             }
-            let nodes = bind(&spec.domain, &spec.descriptors, "", store).map_err(at)?;
+            let nodes = bind(&spec.domain, &spec.descriptors, "", "", store).map_err(at)?;
             if domains.insert(spec.domain.clone(), nodes).is_some() {
                 return Err(at(format!("domain {:?} is declared twice", spec.domain)));
             }
         }
         Ok(Self { domains })
+    }
+
+    /// Whether a file declares `domain`.
+    pub fn knows(&self, domain: &str) -> bool {
+        self.domains.contains_key(domain)
     }
 
     /// The limit `entries` reach in `domain`, and its counter's key; none
@@ -180,13 +185,16 @@ impl<L: Limiter> Domains<L> {
         let mut level = self.domains.get(domain)?;
         let mut reached = None;
         let mut key = Vec::with_capacity(64);
-        key.extend_from_slice(domain.as_bytes());
+        // Each part after its length: no value can pass for two.
+        let mut push = |part: &[u8]| {
+            key.extend_from_slice(&u32::try_from(part.len()).unwrap_or(u32::MAX).to_be_bytes());
+            key.extend_from_slice(part);
+        };
+        push(domain.as_bytes());
         for (k, v) in entries {
             let node = find(level, k, v)?;
-            key.push(0);
-            key.extend_from_slice(k.as_bytes());
-            key.push(b'=');
-            key.extend_from_slice(v.as_bytes());
+            push(k.as_bytes());
+            push(v.as_bytes());
             reached = Some(node);
             level = &node.children;
         }
@@ -216,6 +224,7 @@ fn bind<St: Store>(
     domain: &str,
     specs: &[DescriptorSpec],
     path: &str,
+    path_key: &str,
     store: &St,
 ) -> Result<Vec<Node<St::Limiter>>, String> {
     let mut nodes = Vec::with_capacity(specs.len());
@@ -228,18 +237,43 @@ fn bind<St: Store>(
         if d.key.is_empty() {
             return Err(format!("{here}.key: is empty"));
         }
-        let value = match &d.value {
-            None => Value::Any,
+        let value = match d.value.as_deref() {
+            // An empty value is no value, as Envoy's service reads it.
+            None | Some("") => Value::Any,
             Some(v) => match v.strip_suffix('*') {
-                Some(prefix) => Value::Prefix(prefix.to_owned()),
-                None => Value::Exact(v.clone()),
+                Some(prefix) if !prefix.contains('*') => Value::Prefix(prefix.to_owned()),
+                _ if v.contains('*') => {
+                    return Err(format!(
+                        "{here}.value: {v:?}: a '*' may only end a value (a prefix)"
+                    ))
+                }
+                _ => Value::Exact(v.to_owned()),
             },
+        };
+        let same = |n: &Node<St::Limiter>| {
+            n.key == d.key
+                && match (&n.value, &value) {
+                    (Value::Any, Value::Any) => true,
+                    (Value::Exact(a), Value::Exact(b)) | (Value::Prefix(a), Value::Prefix(b)) => {
+                        a == b
+                    }
+                    _ => false,
+                }
+        };
+        if nodes.iter().any(same) {
+            return Err(format!(
+                "{here}: another descriptor at this level has the same key and value"
+            ));
+        }
+        let place = match &d.value {
+            Some(v) if !v.is_empty() => format!("{path_key}/{}={v}", d.key),
+            _ => format!("{path_key}/{}", d.key),
         };
         let limit = match &d.rate_limit {
             None => None,
-            Some(r) => Some(bound(domain, r, d.shadow_mode, &here, i, path, store)?),
+            Some(r) => Some(bound(domain, r, d.shadow_mode, &here, &place, store)?),
         };
-        let children = bind(domain, &d.descriptors, &here, store)?;
+        let children = bind(domain, &d.descriptors, &here, &place, store)?;
         nodes.push(Node {
             key: d.key.clone(),
             value,
@@ -255,35 +289,15 @@ fn bound<St: Store>(
     r: &RateLimitSpec,
     shadow: bool,
     here: &str,
-    i: usize,
-    path: &str,
+    place: &str,
     store: &St,
 ) -> Result<Bound<St::Limiter>, String> {
     let field = |f: &str| format!("{here}.rate_limit.{f}");
-    // Its name: given, else its place in the tree (stable while the file's
-    // order is).
+    // Shown (statuses, fields) and what `replaces` names: its `name`, else
+    // its place in the tree (`remote_address`, `tenant=acme/user`).
     let name = match &r.name {
-        Some(n) => n.clone(),
-        None => {
-            let place: String = path
-                .chars()
-                .chain(std::iter::once('.'))
-                .chain(i.to_string().chars())
-                .filter(|c| c.is_ascii_digit() || *c == '.')
-                .collect();
-            let domain: String = domain
-                .chars()
-                .map(|c| {
-                    if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                        c
-                    } else {
-                        '_'
-                    }
-                })
-                .take(32)
-                .collect();
-            format!("{domain}:{}", place.trim_matches('.'))
-        }
+        Some(n) if !n.is_empty() => n.clone(),
+        _ => place.trim_start_matches('/').to_owned(),
     };
     let replaces = r.replaces.iter().map(|x| x.name.clone()).collect();
     if r.unlimited {
@@ -333,7 +347,23 @@ fn bound<St: Store>(
             ))
         }
     };
-    let rule = Rule::new(format!("rls:{name}"), limit)
+    // Stored by a digest of the domain and the node's place: names are
+    // free text and may repeat, and a descriptor added elsewhere in the
+    // file leaves every other counter where it is.
+    let digest = {
+        use sha2::Digest;
+        let mut h = sha2::Sha256::new();
+        h.update(
+            u64::try_from(domain.len())
+                .unwrap_or(u64::MAX)
+                .to_be_bytes(),
+        );
+        h.update(domain.as_bytes());
+        h.update(place.as_bytes());
+        h.finalize()
+    };
+    let hex: String = digest.iter().take(12).map(|b| format!("{b:02x}")).collect();
+    let rule = Rule::new(format!("rls:{hex}"), limit)
         .map_err(|e| format!("{}: {}", field(e.field()), e.message()))?;
     let limiter = store
         .limiter(&rule)

@@ -29,7 +29,12 @@ fn reload_envoy_on_hangup<St: tollgate::Store>(
             return;
         };
         while hangup.recv().await.is_some() {
-            match tollgate_server::envoy::Domains::load(&files, &store.rebinding()) {
+            // Checked first through a handle that binds nothing in the
+            // store: a set that does not load leaves every counter bound
+            // as it was.
+            let checked = tollgate_server::envoy::Domains::load(&files, &store.checking())
+                .and_then(|_| tollgate_server::envoy::Domains::load(&files, &store.rebinding()));
+            match checked {
                 Ok(domains) => {
                     rls.replace(domains);
                     tracing::info!("Envoy rate limit configuration reloaded");

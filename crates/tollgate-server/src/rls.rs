@@ -115,28 +115,84 @@ impl<L: Limiter + Send + Sync + 'static> RateLimitService for Rls<L> {
                 p.matched = None;
             }
         }
-        let mut over = false;
-        for p in &mut parts {
-            let Some(m) = &p.matched else { continue };
-            let Some(limiter) = &m.bound.limiter else {
-                continue;
-            };
-            if p.negative {
-                let _ = limiter.refund(&m.key, p.cost).await;
-                continue;
-            }
-            if let Ok(d) = limiter.decide(&m.key, p.cost).await {
-                over |= !d.is_allowed() && !m.bound.shadow;
-                p.decision = Some(d);
+        if !req.descriptors.is_empty() && !domains.knows(&req.domain) {
+            tracing::debug!(domain = %req.domain, "a rate limit request for an unknown domain: allowed");
+        }
+        // Negative hits give units back; the rest are decided together:
+        // one step where the store has one, and an enforced denial
+        // consumes nothing of the others.
+        for p in &parts {
+            if let (true, Some(m)) = (p.negative, &p.matched) {
+                if let Some(limiter) = &m.bound.limiter {
+                    if let Err(e) = limiter.refund(&m.key, p.cost).await {
+                        tracing::warn!(error = %e, "a negative hit was not given back");
+                    }
+                }
             }
         }
-        if over {
-            // Refused: what the other descriptors counted goes back.
-            for p in &parts {
-                if let (Some(m), Some(d)) = (&p.matched, &p.decision) {
-                    if let (true, Some(limiter)) = (d.is_allowed(), &m.bound.limiter) {
-                        let _ = limiter.refund(&m.key, p.cost).await;
+        let decided: Vec<usize> = (0..parts.len())
+            .filter(|i| {
+                parts.get(*i).is_some_and(|p| {
+                    !p.negative
+                        && p.matched
+                            .as_ref()
+                            .is_some_and(|m| m.bound.limiter.is_some())
+                })
+            })
+            .collect();
+        let joint: Vec<tollgate::core::JointPart<'_, L>> = decided
+            .iter()
+            .filter_map(|i| {
+                let p = parts.get(*i)?;
+                let m = p.matched.as_ref()?;
+                Some(tollgate::core::JointPart {
+                    limiter: m.bound.limiter.as_ref()?,
+                    key: &m.key,
+                    cost: p.cost,
+                    enforced: !m.bound.shadow,
+                })
+            })
+            .collect();
+        let answers: Vec<tollgate::core::JointDecision> = match L::decide_joint(&joint) {
+            Some(together) => together.await,
+            None => {
+                // One at a time; on an enforced denial, what the others
+                // consumed goes back.
+                let mut answers = Vec::with_capacity(joint.len());
+                for part in &joint {
+                    let decision = part.limiter.decide(part.key, part.cost).await;
+                    let consumed = decision.as_ref().is_ok_and(tollgate::Decision::is_allowed);
+                    answers.push(tollgate::core::JointDecision {
+                        decision,
+                        consumed,
+                        failed: false,
+                    });
+                }
+                let denied = joint.iter().zip(&answers).any(|(part, a)| {
+                    part.enforced && a.decision.as_ref().is_ok_and(|d| !d.is_allowed())
+                });
+                if denied {
+                    for (part, a) in joint.iter().zip(answers.iter_mut()) {
+                        if a.consumed {
+                            let _ = part.limiter.refund(part.key, part.cost).await;
+                            a.consumed = false;
+                        }
                     }
+                }
+                answers
+            }
+        };
+        drop(joint);
+        let mut over = false;
+        for (i, answer) in decided.iter().zip(answers) {
+            let Some(p) = parts.get_mut(*i) else { continue };
+            match answer.decision {
+                Ok(d) => {
+                    over |= !d.is_allowed() && p.matched.as_ref().is_some_and(|m| !m.bound.shadow);
+                    p.decision = Some(d);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "a descriptor was allowed for want of the store")
                 }
             }
         }
@@ -145,23 +201,35 @@ impl<L: Limiter + Send + Sync + 'static> RateLimitService for Rls<L> {
         let statuses = parts
             .iter()
             .map(|p| {
-                let (Some(m), Some(d)) = (&p.matched, &p.decision) else {
+                let Some(m) = &p.matched else {
                     return DescriptorStatus {
                         code: Code::Ok.into(),
                         ..DescriptorStatus::default()
                     };
                 };
+                let Some(d) = &p.decision else {
+                    // Unlimited (or negative hits): nothing is counted.
+                    return DescriptorStatus {
+                        code: Code::Ok.into(),
+                        limit_remaining: if m.bound.limiter.is_none() {
+                            u32::MAX
+                        } else {
+                            0
+                        },
+                        ..DescriptorStatus::default()
+                    };
+                };
                 let refused = !d.is_allowed() && !m.bound.shadow;
                 let reset = std::time::Duration::from_nanos(d.reset_after);
+                let remaining = if refused { 0 } else { d.remaining };
                 if !m.bound.shadow {
+                    let name = field_name(&m.bound.name);
                     policy.push(format!(
-                        "\"{}\";q={};w={}",
-                        m.bound.name, m.bound.requests_per_unit, m.bound.window_secs
+                        "\"{name}\";q={};w={}",
+                        m.bound.requests_per_unit, m.bound.window_secs
                     ));
                     fields.push(format!(
-                        "\"{}\";r={};t={}",
-                        m.bound.name,
-                        d.remaining,
+                        "\"{name}\";r={remaining};t={}",
                         reset
                             .as_secs()
                             .saturating_add(u64::from(reset.subsec_nanos() > 0))
@@ -174,7 +242,7 @@ impl<L: Limiter + Send + Sync + 'static> RateLimitService for Rls<L> {
                         requests_per_unit: m.bound.requests_per_unit,
                         unit: m.bound.unit,
                     }),
-                    limit_remaining: u32::try_from(d.remaining).unwrap_or(u32::MAX),
+                    limit_remaining: u32::try_from(remaining).unwrap_or(u32::MAX),
                     duration_until_reset: Some(envoy_types::pb::google::protobuf::Duration {
                         seconds: i64::try_from(reset.as_secs()).unwrap_or(i64::MAX),
                         nanos: i32::try_from(reset.subsec_nanos()).unwrap_or(0),
@@ -224,4 +292,21 @@ pub async fn serve<L: Limiter + Send + Sync + 'static>(
             crate::shutdown(),
         )
         .await
+}
+
+/// `name` as a structured field string's content: printable ASCII, with
+/// `"` and `\` escaped (a configuration's names are free text).
+fn field_name(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for c in name.chars() {
+        match c {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(c);
+            }
+            ' '..='~' => out.push(c),
+            _ => out.push('?'),
+        }
+    }
+    out
 }

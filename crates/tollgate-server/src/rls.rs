@@ -12,7 +12,9 @@
 //! refused costs nothing, as with tollgate's layers (Envoy's own service
 //! keeps what it counted). Each status carries `current_limit`,
 //! `limit_remaining` and `duration_until_reset`, and the response the
-//! IETF `RateLimit` and `RateLimit-Policy` fields to add. A store error
+//! IETF `RateLimit` and `RateLimit-Policy` fields to add.
+//! A descriptor's own `limit` override is not applied (the configured
+//! limit is; logged at debug level). A store error
 //! allows the descriptor (the store's failure policy already chose; a
 //! gateway whose rate limit service fails usually fails open too).
 
@@ -93,6 +95,11 @@ impl<L: Limiter + Send + Sync + 'static> RateLimitService for Rls<L> {
                     .iter()
                     .map(|e| (e.key.as_str(), e.value.as_str()))
                     .collect();
+                if d.limit.is_some() {
+                    // Envoy's per-descriptor override (from dynamic
+                    // metadata): not applied; the configured limit is.
+                    tracing::debug!(domain = %req.domain, "a descriptor's limit override is not applied");
+                }
                 Part {
                     matched: domains.matched(&req.domain, &entries),
                     cost: d.hits_addend.as_ref().map_or(default_cost, |h| h.value),

@@ -310,12 +310,18 @@ pub async fn shutdown() {
 }
 
 /// Logs to stderr through `tracing` (reloads, rejected policy files, store
-/// faults), without module paths.
+/// faults), without module paths: as text, or one JSON object a line with
+/// `TOLLGATE_LOG_FORMAT=json` (for a log pipeline).
 pub fn init_logs() {
-    let _ = tracing_subscriber::fmt()
+    let json = std::env::var("TOLLGATE_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json"));
+    let logs = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
-        .with_target(false)
-        .try_init();
+        .with_target(false);
+    let _ = if json {
+        logs.json().try_init()
+    } else {
+        logs.try_init()
+    };
 }
 
 #[cfg(test)]

@@ -389,3 +389,52 @@ fn the_example_configuration_loads() {
         .matched("edge", &[("header_match", "other"), ("client_id", "c1")])
         .is_none());
 }
+
+/// The configuration files reload when they change (two reads that
+/// agree) and on SIGHUP; a set that does not load leaves the running one.
+#[tokio::test(start_paused = true)]
+async fn a_changed_configuration_applies_and_a_bad_one_is_refused() {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
+    let dir = std::env::temp_dir().join(format!("tollgate-rls-watch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("w.yaml");
+    let config = |n: u32| {
+        format!("domain: w\ndescriptors:\n  - key: k\n    rate_limit: {{ unit: hour, requests_per_unit: {n} }}\n")
+    };
+    std::fs::write(&path, config(1)).unwrap();
+    let store = MemoryStore::with_clock(ManualClock::starting_at(1_796_472_000_000_000_000));
+    let rls = tollgate_server::rls::Rls::new(
+        tollgate_server::envoy::Domains::load(std::slice::from_ref(&path), &store).unwrap(),
+    );
+    let _watch = tollgate_server::rls::watch(
+        vec![path.clone()],
+        store,
+        rls.clone(),
+        std::time::Duration::from_secs(1),
+    );
+    let ask = || async {
+        let req = RateLimitRequest {
+            domain: "w".to_owned(),
+            descriptors: vec![descriptor(&[("k", "v")])],
+            hits_addend: 0,
+        };
+        let r = rls
+            .should_rate_limit(tonic::Request::new(req))
+            .await
+            .unwrap();
+        Code::try_from(r.into_inner().overall_code).unwrap()
+    };
+    assert_eq!(ask().await, Code::Ok);
+    assert_eq!(ask().await, Code::OverLimit);
+    // Three an hour: applied within two reads, the key's count going on.
+    std::fs::write(&path, config(3)).unwrap();
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    assert_eq!(ask().await, Code::Ok);
+    assert_eq!(ask().await, Code::Ok);
+    assert_eq!(ask().await, Code::OverLimit);
+    // A file that does not load: refused, the three an hour stay.
+    std::fs::write(&path, "domain: w\ndescriptors:\n  - key: k\n    rate_limit: { unit: fortnight, requests_per_unit: 9 }\n").unwrap();
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    assert_eq!(ask().await, Code::OverLimit);
+    let _ = std::fs::remove_dir_all(&dir);
+}

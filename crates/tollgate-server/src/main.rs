@@ -13,42 +13,6 @@ const DEFAULT_LISTEN: &str = "127.0.0.1:8081";
 /// Where Envoy's rate limit service listens without a `[server] grpc`.
 const DEFAULT_GRPC: &str = "127.0.0.1:8082";
 
-/// Reloads the Envoy configuration files on SIGHUP (Unix): a set that
-/// does not load is logged, and the running one stays.
-fn reload_envoy_on_hangup<St: tollgate::Store>(
-    files: Vec<std::path::PathBuf>,
-    store: St,
-    rls: tollgate_server::rls::Rls<St::Limiter>,
-) where
-    St::Limiter: Send + Sync + 'static,
-{
-    #[cfg(unix)]
-    tokio::spawn(async move {
-        use tokio::signal::unix::{signal, SignalKind};
-        let Ok(mut hangup) = signal(SignalKind::hangup()) else {
-            return;
-        };
-        while hangup.recv().await.is_some() {
-            // Checked first through a handle that binds nothing in the
-            // store: a set that does not load leaves every counter bound
-            // as it was.
-            let checked = tollgate_server::envoy::Domains::load(&files, &store.checking())
-                .and_then(|_| tollgate_server::envoy::Domains::load(&files, &store.rebinding()));
-            match checked {
-                Ok(domains) => {
-                    rls.replace(domains);
-                    tracing::info!("Envoy rate limit configuration reloaded");
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "Envoy rate limit configuration rejected; the running one stays")
-                }
-            }
-        }
-    });
-    #[cfg(not(unix))]
-    let _ = (files, store, rls);
-}
-
 #[tokio::main]
 async fn main() {
     tollgate_server::init_logs();
@@ -96,7 +60,12 @@ async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             listener.local_addr()?,
             settings.envoy.len()
         );
-        reload_envoy_on_hangup(settings.envoy.clone(), store_for_rls.clone(), rls.clone());
+        tollgate_server::rls::watch(
+            settings.envoy.clone(),
+            store_for_rls.clone(),
+            rls.clone(),
+            Duration::from_secs(2),
+        );
         tokio::spawn(async move {
             if let Err(e) = tollgate_server::rls::serve(listener, rls).await {
                 tracing::error!(error = %e, "the rate limit service stopped");

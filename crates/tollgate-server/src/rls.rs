@@ -280,6 +280,85 @@ impl<L: Limiter + Send + Sync + 'static> RateLimitService for Rls<L> {
     }
 }
 
+/// The texts of `files` as one value (an unreadable file by its error),
+/// to see whether any changed.
+fn contents(files: &[std::path::PathBuf]) -> Vec<Result<String, String>> {
+    files
+        .iter()
+        .map(|f| std::fs::read_to_string(f).map_err(|e| e.to_string()))
+        .collect()
+}
+
+/// Keeps `rls` in step with its configuration `files` on `store`: reloads
+/// on SIGHUP (Unix) and when their contents change (read every `poll`;
+/// new contents apply once two reads in a row agree, so a file caught
+/// half written never applies). A set that does not load is logged and
+/// the running one stays; it is checked on a handle that binds nothing in
+/// the store before it is bound, so a rejected set changes no counter.
+pub fn watch<St>(
+    files: Vec<std::path::PathBuf>,
+    store: St,
+    rls: Rls<St::Limiter>,
+    poll: std::time::Duration,
+) -> tokio::task::JoinHandle<()>
+where
+    St: tollgate::Store + Send + Sync + 'static,
+    St::Limiter: Send + Sync + 'static,
+{
+    // What runs now: read here, not when the task first runs, so that a
+    // change made meanwhile is seen as one.
+    let mut applied = contents(&files);
+    let mut settling = applied.clone();
+    tokio::spawn(async move {
+        #[cfg(unix)]
+        let mut hangup =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+        let mut tick = tokio::time::interval(poll.max(std::time::Duration::from_millis(10)));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            // `true`: a SIGHUP, which reloads whatever the files hold.
+            let signalled = std::future::poll_fn(|cx| {
+                #[cfg(unix)]
+                if let Some(h) = hangup.as_mut() {
+                    if let std::task::Poll::Ready(got) = h.poll_recv(cx) {
+                        if got.is_none() {
+                            hangup = None;
+                        } else {
+                            return std::task::Poll::Ready(true);
+                        }
+                    }
+                }
+                tick.poll_tick(cx).map(|_| false)
+            })
+            .await;
+            let now = contents(&files);
+            if !signalled {
+                if now == applied {
+                    continue;
+                }
+                if now != settling {
+                    settling = now;
+                    continue;
+                }
+            }
+            let loaded = crate::envoy::Domains::load(&files, &store.checking())
+                .and_then(|_| crate::envoy::Domains::load(&files, &store.rebinding()));
+            match loaded {
+                Ok(domains) => {
+                    rls.replace(domains);
+                    tracing::info!("Envoy rate limit configuration reloaded");
+                }
+                Err(e) => tracing::error!(
+                    error = %e,
+                    "Envoy rate limit configuration rejected; the running one stays"
+                ),
+            }
+            applied = now.clone();
+            settling = now;
+        }
+    })
+}
+
 /// Serves Envoy's rate limit service (and `grpc.health.v1`, reporting it
 /// serving) on `listener`, until [`shutdown`](crate::shutdown).
 pub async fn serve<L: Limiter + Send + Sync + 'static>(

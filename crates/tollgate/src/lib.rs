@@ -139,7 +139,8 @@
 //! | `tonic` | no | rejections in tonic's `Body`, so the layers wrap a tonic server's routes |
 //! | `redis` | no | `RedisStore` (standalone, Cluster, Sentinel), re-exported from `tollgate-redis` as `tollgate::redis`; `AnyStore` can hold it |
 //! | `redis-tls` | no | `rediss://` URLs (TLS to Redis), through the system's OpenSSL; implies `redis` |
-//! | `config` | no | `tollgate::config`: a `PolicyLayer` declared in a TOML policy file, validated with line and field, reloaded on SIGHUP and on change |
+//! | `config` | no | `tollgate::config`: every limit declared in a TOML policy file — one `Tollgate` layer (with `axum`) or each layer by name — validated with line and field, reloaded on SIGHUP and on change |
+//! | `schema` | no | `config::json_schema`: a JSON Schema of the policy file (shipped as `policy.schema.json`); implies `config` |
 //! | `tz` | no | IANA time zones for quotas (`calendar::Zone::iana`, through `jiff`): days from local midnight to local midnight across daylight saving time |
 
 #![forbid(unsafe_code)]

@@ -173,7 +173,9 @@ async fn decide<St: QuotaStore>(
     let peer = req.extensions().get::<ConnectInfo<SocketAddr>>().copied();
     let original = match original(req.headers(), req.method(), refusal) {
         Ok(original) => original,
-        Err(why) => return problem(StatusCode::BAD_REQUEST, why),
+        Err(why) => {
+            return tollgate::rejection::problem(StatusCode::BAD_REQUEST, why).map(Body::from)
+        }
     };
     let (method, uri) = original;
     let mut decided = Request::new(Body::empty());
@@ -256,23 +258,6 @@ fn lenient_uri(raw: &[u8]) -> Option<Uri> {
         }
     }
     Uri::try_from(encoded).ok()
-}
-
-/// A problem document (RFC 9457) about the subrequest itself.
-fn problem(status: StatusCode, detail: &str) -> Response<Body> {
-    let title = status.canonical_reason().unwrap_or("Error");
-    let body = format!(
-        "{{\"type\":\"about:blank\",\"title\":\"{title}\",\"status\":{},\"detail\":\"{}\"}}",
-        status.as_u16(),
-        detail.replace('\\', "\\\\").replace('"', "\\\"")
-    );
-    let mut response = Response::new(Body::from(body));
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        HeaderValue::from_static("application/problem+json"),
-    );
-    response
 }
 
 /// Serves `app` on `listener` with the peer's address, until ctrl-c or

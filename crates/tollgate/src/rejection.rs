@@ -228,6 +228,19 @@ fn problem_json(status: StatusCode, detail: &str, rule: &str) -> String {
     )
 }
 
+/// A problem document (RFC 9457) that no rule answers for — a request the
+/// limiter cannot read, such as a gateway's subrequest without the
+/// original URI: `status`, `application/problem+json`, `detail`.
+pub fn problem(status: StatusCode, detail: &str) -> Response<Bytes> {
+    let body = format!(
+        r#"{{"type":"about:blank","title":"{}","status":{},"detail":"{}"}}"#,
+        status.canonical_reason().unwrap_or(""),
+        status.as_u16(),
+        json_escape(detail),
+    );
+    problem_response(status, Bytes::from(body))
+}
+
 fn problem_response(status: StatusCode, body: Bytes) -> Response<Bytes> {
     let mut res = Response::new(body);
     *res.status_mut() = status;

@@ -176,37 +176,13 @@ fn has_password(url: &str) -> bool {
         one.split_once('?').is_some_and(|(_, query)| {
             query.split('&').any(|pair| {
                 let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-                let key = percent_decoded(key);
-                matches!(key.as_str(), "pass" | "password") && !value.is_empty()
+                // `p%61ss` is `pass` (as redis-rs decodes the query).
+                let key = crate::key::request::decode_unreserved(key.as_bytes());
+                matches!(key.as_slice(), b"pass" | b"password") && !value.is_empty()
             })
         })
     };
     in_authority(url) || url.split(',').any(|one| in_authority(one) || in_query(one))
-}
-
-/// `text` with its `%XX` escapes decoded (ASCII letters only matter here),
-/// `+` as a space, lower-cased as query keys compare.
-fn percent_decoded(text: &str) -> String {
-    let b = text.as_bytes();
-    let hex = |c: Option<&u8>| c.and_then(|c| char::from(*c).to_digit(16));
-    let mut out = String::with_capacity(b.len());
-    let mut i = 0;
-    while let Some(&c) = b.get(i) {
-        let escape = (c == b'%')
-            .then(|| hex(b.get(i.saturating_add(1))).zip(hex(b.get(i.saturating_add(2)))))
-            .flatten();
-        match escape {
-            Some((hi, lo)) => {
-                out.push(char::from_u32(hi.saturating_mul(16).saturating_add(lo)).unwrap_or('?'));
-                i = i.saturating_add(3);
-            }
-            None => {
-                out.push(if c == b'+' { ' ' } else { char::from(c) });
-                i = i.saturating_add(1);
-            }
-        }
-    }
-    out
 }
 
 /// The store `plan` describes: a memory store at once; a Redis store with

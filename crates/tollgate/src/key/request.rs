@@ -206,7 +206,7 @@ fn is_normal(b: &[u8]) -> bool {
 
 /// `%XX` of an unreserved character (ALPHA, DIGIT, `-._~`) decoded, any
 /// other escape's hex upper-cased, a broken escape kept as it is.
-fn decode_unreserved(b: &[u8]) -> Vec<u8> {
+pub(crate) fn decode_unreserved(b: &[u8]) -> Vec<u8> {
     let hex = |c: Option<&u8>| c.and_then(|c| char::from(*c).to_digit(16));
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;

@@ -251,6 +251,51 @@ async fn a_refused_request_costs_its_other_descriptors_nothing() {
     assert_eq!(r.statuses[0].limit_remaining, 1, "{r:?}");
 }
 
+/// Leases decide each descriptor on its own (`HotKeys` has no one-step
+/// joint): what a refused request's other descriptors took goes back all
+/// the same.
+#[tokio::test]
+async fn a_refused_request_costs_nothing_through_leases_either() {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
+    let dir = std::env::temp_dir().join(format!("tollgate-rls-hot-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("edge.yaml");
+    std::fs::write(&path, EDGE).unwrap();
+    let clock = ManualClock::starting_at(1_796_472_000_000_000_000);
+    let store = tollgate_redis::HotKeys::new()
+        .over_with_clock(MemoryStore::with_clock(clock.clone()), clock)
+        .unwrap();
+    let rls = tollgate_server::rls::Rls::new(
+        tollgate_server::envoy::Domains::load(&[path], &store).unwrap(),
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    let ask = |descriptors: Vec<RateLimitDescriptor>| {
+        let rls = rls.clone();
+        async move {
+            let req = RateLimitRequest {
+                domain: "edge".to_owned(),
+                descriptors,
+                hits_addend: 0,
+            };
+            let r = rls.should_rate_limit(tonic::Request::new(req)).await;
+            code(&r.unwrap().into_inner())
+        }
+    };
+    let ip = descriptor(&[("remote_address", "10.9.9.9")]);
+    let reports = descriptor(&[("path", "/api/reports")]);
+    assert_eq!(ask(vec![reports.clone()]).await, Code::Ok);
+    for _ in 0..3 {
+        assert_eq!(
+            ask(vec![ip.clone(), reports.clone()]).await,
+            Code::OverLimit
+        );
+    }
+    // The address's two an hour are whole.
+    assert_eq!(ask(vec![ip.clone()]).await, Code::Ok);
+    assert_eq!(ask(vec![ip.clone()]).await, Code::Ok);
+    assert_eq!(ask(vec![ip.clone()]).await, Code::OverLimit);
+}
+
 /// Review of the service: names are free text (stored by the node's
 /// place), an empty value is no value, an unlimited status says so, a
 /// refused descriptor has nothing left, and values cannot pass for

@@ -81,7 +81,7 @@ pub use config::{
 };
 pub use decision::{Acquire, Decision, Lease, Outcome, Withdrawal, CLOSED_RETRY_NS};
 pub use store::{
-    join_all, BoxFuture, ConcurrencyLimiter, EscalationLimiter, JointDecision, JointPart, Limiter,
-    QuotaLimiter, QuotaStore, RetryBudgetLimiter, RetryBudgetStore, Store, StoreError,
-    StoreErrorKind,
+    decide_parts, give_back_if_denied, join_all, BoxFuture, ConcurrencyLimiter, EscalationLimiter,
+    JointDecision, JointPart, Limiter, QuotaLimiter, QuotaStore, RetryBudgetLimiter,
+    RetryBudgetStore, Store, StoreError, StoreErrorKind,
 };

@@ -288,6 +288,71 @@ pub struct JointDecision {
     pub failed: bool,
 }
 
+impl JointDecision {
+    /// A rule's answer decided on its own (not in one step with others):
+    /// what it admitted at a cost above 0 is consumed.
+    pub fn alone(decision: Result<Decision, StoreError>, cost: u64) -> Self {
+        Self {
+            consumed: cost > 0 && decision.as_ref().is_ok_and(Decision::is_allowed),
+            decision,
+            failed: false,
+        }
+    }
+}
+
+/// Decides `parts` together: in one step where their store has one
+/// ([`Limiter::decide_joint`]), else one call per part, side by side
+/// ([`JointDecision::alone`]). The answers are in the parts' order.
+///
+/// Not every joint step is all or nothing (leases decide each part on its
+/// own), and one call per part never is: an answer may be consumed while
+/// an enforced part denied. A caller that must not charge a denied
+/// request gives those back — [`give_back_if_denied`] does.
+pub async fn decide_parts<L: Limiter>(parts: &[JointPart<'_, L>]) -> Vec<JointDecision> {
+    if let Some(together) = L::decide_joint(parts) {
+        return together.await;
+    }
+    let each = parts
+        .iter()
+        .map(|p| Box::pin(p.limiter.decide(p.key, p.cost)))
+        .collect();
+    join_all(each)
+        .await
+        .into_iter()
+        .zip(parts)
+        .map(|(decision, p)| JointDecision::alone(decision, p.cost))
+        .collect()
+}
+
+/// Whether an enforced part of `parts` was denied in `answers` (a store
+/// error is not a denial: its failure policy answers it).
+fn denied<L>(parts: &[JointPart<'_, L>], answers: &[JointDecision]) -> bool {
+    parts
+        .iter()
+        .zip(answers)
+        .any(|(p, a)| p.enforced && a.decision.as_ref().is_ok_and(|d| !d.is_allowed()))
+}
+
+/// All or nothing after [`decide_parts`]: when an enforced part was
+/// denied, every part consumed is refunded (side by side) and marked not
+/// consumed, so a refused request is charged nothing. A refund the store
+/// fails is not retried: its units come back with the rule's time.
+pub async fn give_back_if_denied<L: Limiter>(
+    parts: &[JointPart<'_, L>],
+    answers: &mut [JointDecision],
+) {
+    if !denied(parts, answers) {
+        return;
+    }
+    let refunds = parts
+        .iter()
+        .zip(answers.iter_mut())
+        .filter_map(|(p, a)| std::mem::take(&mut a.consumed).then_some(p))
+        .map(|p| Box::pin(p.limiter.refund(p.key, p.cost)))
+        .collect();
+    join_all(refunds).await;
+}
+
 /// Awaits `futures` side by side, in the caller's task; their outputs in
 /// order. What layers and stores use to make a request's store calls
 /// together without a dependency for it.

@@ -160,35 +160,11 @@ impl<L: Limiter + Send + Sync + 'static> RateLimitService for Rls<L> {
                 })
             })
             .collect();
-        let answers: Vec<tollgate::core::JointDecision> = match L::decide_joint(&joint) {
-            Some(together) => together.await,
-            None => {
-                // One at a time; on an enforced denial, what the others
-                // consumed goes back.
-                let mut answers = Vec::with_capacity(joint.len());
-                for part in &joint {
-                    let decision = part.limiter.decide(part.key, part.cost).await;
-                    let consumed = decision.as_ref().is_ok_and(tollgate::Decision::is_allowed);
-                    answers.push(tollgate::core::JointDecision {
-                        decision,
-                        consumed,
-                        failed: false,
-                    });
-                }
-                let denied = joint.iter().zip(&answers).any(|(part, a)| {
-                    part.enforced && a.decision.as_ref().is_ok_and(|d| !d.is_allowed())
-                });
-                if denied {
-                    for (part, a) in joint.iter().zip(answers.iter_mut()) {
-                        if a.consumed {
-                            let _ = part.limiter.refund(part.key, part.cost).await;
-                            a.consumed = false;
-                        }
-                    }
-                }
-                answers
-            }
-        };
+        // All or nothing: what an enforced denial leaves consumed (a
+        // store without a one-step joint, or leases, decide each part on
+        // its own) goes back.
+        let mut answers = tollgate::core::decide_parts(&joint).await;
+        tollgate::core::give_back_if_denied(&joint, &mut answers).await;
         drop(joint);
         let mut over = false;
         for (i, answer) in decided.iter().zip(answers) {

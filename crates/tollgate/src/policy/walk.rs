@@ -288,7 +288,7 @@ impl Walk {
                             self.step = Step::Rules(i);
                             return Some(Io::Rules(i));
                         };
-                        self.on_rule(shared, i, alone(decision, cost));
+                        self.on_rule(shared, i, JointDecision::alone(decision, cost));
                     }
                     self.step = Step::Settle;
                 }
@@ -442,22 +442,9 @@ impl Walk {
                 Some((i, part))
             })
             .unzip();
-        let answers = match L::decide_joint(&joint) {
-            Some(together) => together.await,
-            None => {
-                let each = joint
-                    .iter()
-                    .map(|p| Box::pin(p.limiter.decide(p.key, p.cost)))
-                    .collect();
-                tollgate_core::join_all(each)
-                    .await
-                    .into_iter()
-                    .zip(&joint)
-                    .map(|(decision, p)| alone(decision, p.cost))
-                    .collect()
-            }
-        };
-        (rules, answers)
+        // What an enforced denial leaves consumed is refunded when the
+        // walk settles.
+        (rules, tollgate_core::decide_parts(&joint).await)
     }
 
     /// Ladders: rule `i`'s answer. A blocked key is refused.
@@ -671,16 +658,6 @@ impl Walk {
     pub(super) fn after<B, L>(&self, shared: &Shared<B, L>) -> Option<Vec<(usize, KeyBytes)>> {
         (matches!(self.verdict, Verdict::Pass { .. }) && (shared.response_aware || self.taken))
             .then(|| self.owned_keys(shared, true))
-    }
-}
-
-/// A rule's answer decided on its own (not together with the others):
-/// what it admitted at a cost is consumed.
-fn alone(decision: Result<Decision, StoreError>, cost: u64) -> JointDecision {
-    JointDecision {
-        consumed: cost > 0 && decision.as_ref().is_ok_and(Decision::is_allowed),
-        decision,
-        failed: false,
     }
 }
 

@@ -7,7 +7,7 @@ use std::convert::Infallible;
 use std::time::Duration;
 
 use http::{Request, Response};
-use tollgate::core::{ManualClock, Store};
+use tollgate::core::{Limiter, ManualClock, Store};
 use tollgate::cost::HeaderCost;
 use tollgate::key::{Global, Header};
 use tollgate::policy::{PolicyLayer, RateRule};
@@ -264,6 +264,53 @@ async fn redis_through_any_store() {
     let store = tollgate::AnyStore::from(redis_store(&redis.url(), &clock));
     assert_eq!(store.kind(), "redis");
     run_table(store, &clock, Some(&calls)).await;
+}
+
+/// Issue 32/33: `[store.hot_keys]` puts leases in front of Redis for the
+/// rules it names, and the store gives back what they hold when asked
+/// (a stopping instance).
+#[tokio::test]
+async fn the_file_s_hot_keys_lease_and_give_back() {
+    let Some(redis) = Server::start() else { return };
+    let prefix = unique_prefix();
+    let file = tollgate::config::PolicyFile::parse(&format!(
+        "[[rules]]\nname = \"leased\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 100\n\n[store]\nkind = \"redis\"\nurl = \"{}\"\nprefix = \"{prefix}\"\n\n[store.hot_keys]\nttl = \"10s\"\nmax_batch = 8\nrules = [\"leased\"]\n",
+        redis.url()
+    ))
+    .unwrap();
+    let store = file.store().unwrap();
+    assert!(store.is_leased());
+    assert_eq!(store.kind(), "redis");
+    let plain = RedisStore::builder(&redis.url())
+        .prefix(&prefix)
+        .build()
+        .unwrap();
+    let rule = |name: &str| {
+        tollgate::core::Rule::new(name, Limit::gcra(Rate::per_second(1), 100)).unwrap()
+    };
+    for name in ["leased", "plain"] {
+        let l = store.limiter(&rule(name)).unwrap();
+        for _ in 0..8 {
+            assert!(l.decide(b"k", 1).await.unwrap().is_allowed());
+        }
+        // Leased: leases of 1, 2, 4 and 8 units counted; else 8.
+        let counted = if name == "leased" { 15 } else { 8 };
+        let peek = plain.limiter(&rule(name)).unwrap().decide(b"k", 0).await;
+        let left = peek.unwrap().remaining;
+        assert!(
+            (100 - counted..=100 - counted + 1).contains(&left),
+            "{name}: {left}"
+        );
+    }
+    // The 7 units the live lease holds go back.
+    let given = store.give_back().await;
+    assert_eq!(given, 7);
+    let peek = plain
+        .limiter(&rule("leased"))
+        .unwrap()
+        .decide(b"k", 0)
+        .await;
+    assert!(peek.unwrap().remaining >= 92);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -235,6 +235,58 @@ async fn a_live_lease_s_units_go_back_and_an_ended_lease_s_lapse() {
     assert_eq!(store.calls.load(Ordering::Relaxed), calls);
 }
 
+/// An instance that stops gives back what its live leases hold (issue
+/// 33: graceful shutdown gives leased units back); an ended lease's units
+/// lapse as they always do.
+#[tokio::test]
+async fn give_back_returns_what_live_leases_hold() {
+    let clock = ManualClock::starting_at(1_000_000_000);
+    let store = counted(&clock);
+    let hot = HotKeys::new()
+        .max_batch(8)
+        .over_with_clock(store.clone(), clock.clone())
+        .unwrap();
+    let l = hot.limiter(&gcra(1, 100)).unwrap();
+    let plain = store.memory.limiter(&gcra(1, 100)).unwrap();
+    // Leases of 1, 2, 4 and 8 units: after 8 decisions the last holds 7.
+    let spend = |key: &'static [u8]| {
+        let l = l.clone();
+        async move {
+            for _ in 0..8 {
+                assert!(l.decide(key, 1).await.unwrap().is_allowed());
+            }
+        }
+    };
+    spend(b"a").await;
+    spend(b"b").await;
+    assert_eq!(plain.decide_now(b"a", 0).remaining, 100 - 15);
+    assert_eq!(hot.give_back().await, 14);
+    assert_eq!(plain.decide_now(b"a", 0).remaining, 100 - 8);
+    assert_eq!(plain.decide_now(b"b", 0).remaining, 100 - 8);
+    // Given back once: nothing more the second time.
+    assert_eq!(hot.give_back().await, 0);
+    // A lease that has ended lapses.
+    spend(b"c").await;
+    clock.advance(Duration::from_millis(51));
+    assert_eq!(hot.give_back().await, 0);
+    assert_eq!(plain.decide_now(b"c", 0).remaining, 100 - 15);
+    // A limiter dropped (the service stopped) is given back for too...
+    spend(b"d").await;
+    drop(l);
+    assert_eq!(hot.give_back().await, 7);
+    assert_eq!(hot.give_back().await, 0);
+    // ...and one a reload replaced, once the next rule is bound.
+    let old = hot.limiter(&gcra(1, 100)).unwrap();
+    for _ in 0..8 {
+        assert!(old.decide(b"e", 1).await.unwrap().is_allowed());
+    }
+    drop(old);
+    let _new = hot.limiter(&gcra(1, 100)).unwrap();
+    tokio::task::yield_now().await;
+    assert_eq!(plain.decide_now(b"e", 0).remaining, 100 - 8);
+    assert_eq!(hot.give_back().await, 0);
+}
+
 #[tokio::test]
 async fn a_fixed_window_lease_ends_with_its_window() {
     let clock = ManualClock::starting_at(60_000_000_000);

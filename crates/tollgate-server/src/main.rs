@@ -1,7 +1,9 @@
 //! `tollgate-server policy.toml`: the decision endpoints over a policy
 //! file's rules and quotas, on the file's `[store]`, listening where its
 //! `[server]` says (default `127.0.0.1:8081`; `TOLLGATE_SERVER_ADDR`
-//! overrides it). The file reloads on SIGHUP and when it changes.
+//! overrides it). The file reloads on SIGHUP and when it changes. On
+//! ctrl-c or SIGTERM it stops taking requests, finishes those under way,
+//! and gives back what `[store.hot_keys]` leases still hold.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -50,6 +52,7 @@ async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         }
         None => app = app.merge(tollgate_server::metrics::metrics_route(metrics)),
     }
+    let mut rls_task = None;
     if !settings.envoy.is_empty() {
         let domains = tollgate_server::envoy::Domains::load(&settings.envoy, &store_for_rls)?;
         let rls = tollgate_server::rls::Rls::new(domains);
@@ -66,11 +69,11 @@ async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             rls.clone(),
             Duration::from_secs(2),
         );
-        tokio::spawn(async move {
+        rls_task = Some(tokio::spawn(async move {
             if let Err(e) = tollgate_server::rls::serve(listener, rls).await {
                 tracing::error!(error = %e, "the rate limit service stopped");
             }
-        });
+        }));
     }
     let listener = tokio::net::TcpListener::bind(listen).await?;
     println!(
@@ -79,5 +82,14 @@ async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         listener.local_addr()?
     );
     tollgate_server::serve(listener, app).await?;
+    // Both services drained (each stops on the same signal): what leases
+    // hold goes back to the fleet now, not when their TTL ends.
+    if let Some(task) = rls_task {
+        let _ = task.await;
+    }
+    let units = store_for_rls.give_back().await;
+    if store_for_rls.is_leased() {
+        tracing::info!(units, "stopped; leased units given back");
+    }
     Ok(())
 }

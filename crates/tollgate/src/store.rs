@@ -19,11 +19,12 @@ use tollgate_memory::{
 };
 #[cfg(feature = "redis")]
 use tollgate_redis::{
-    RedisConcurrencyLimiter, RedisLimiter, RedisQuotaLimiter, RedisRetryBudget, RedisStore,
+    Hot, HotLimiter, RedisConcurrencyLimiter, RedisLimiter, RedisQuotaLimiter, RedisRetryBudget,
+    RedisStore,
 };
 
 /// A store picked at run time: [`MemoryStore`] or (feature `redis`)
-/// `RedisStore`, as one type.
+/// `RedisStore`, with or without `HotKeys` leases in front, as one type.
 ///
 /// Every store trait is generic (its futures are associated types, so the
 /// memory store's are not boxed), so a layer's type names its store. When
@@ -55,6 +56,9 @@ enum Inner {
     Memory(MemoryStore),
     #[cfg(feature = "redis")]
     Redis(RedisStore),
+    /// Rate rules leased (those `HotKeys` leases); the rest as `Redis`.
+    #[cfg(feature = "redis")]
+    Hot(Hot<RedisStore>),
 }
 
 impl fmt::Debug for AnyStore {
@@ -63,18 +67,41 @@ impl fmt::Debug for AnyStore {
             Inner::Memory(s) => f.debug_tuple("AnyStore").field(s).finish(),
             #[cfg(feature = "redis")]
             Inner::Redis(s) => f.debug_tuple("AnyStore").field(s).finish(),
+            #[cfg(feature = "redis")]
+            Inner::Hot(s) => f.debug_tuple("AnyStore").field(s).finish(),
         }
     }
 }
 
 impl AnyStore {
-    /// Which store this is: `"memory"` or `"redis"`.
+    /// Which store this is: `"memory"` or `"redis"` (with or without
+    /// `HotKeys` in front).
     pub fn kind(&self) -> &'static str {
         match &self.0 {
             Inner::Memory(_) => "memory",
             #[cfg(feature = "redis")]
-            Inner::Redis(_) => "redis",
+            Inner::Redis(_) | Inner::Hot(_) => "redis",
         }
+    }
+
+    /// Whether `HotKeys` leases are in front of the store.
+    pub fn is_leased(&self) -> bool {
+        #[cfg(feature = "redis")]
+        if let Inner::Hot(_) = &self.0 {
+            return true;
+        }
+        false
+    }
+
+    /// Gives back to the store what its `HotKeys` leases still hold (see
+    /// `Hot::give_back`), for an instance that stops once it serves no
+    /// more requests; the units given back (0 without leases).
+    pub async fn give_back(&self) -> u64 {
+        #[cfg(feature = "redis")]
+        if let Inner::Hot(hot) = &self.0 {
+            return hot.give_back().await;
+        }
+        0
     }
 }
 
@@ -88,6 +115,13 @@ impl From<MemoryStore> for AnyStore {
 impl From<RedisStore> for AnyStore {
     fn from(store: RedisStore) -> Self {
         Self(Inner::Redis(store))
+    }
+}
+
+#[cfg(feature = "redis")]
+impl From<Hot<RedisStore>> for AnyStore {
+    fn from(store: Hot<RedisStore>) -> Self {
+        Self(Inner::Hot(store))
     }
 }
 
@@ -123,6 +157,15 @@ impl<T> From<BoxFuture<T>> for AnyFuture<T> {
     }
 }
 
+/// A leased decision's future, boxed (a lease's own answers come without
+/// one, through `decide_sync`).
+#[cfg(feature = "redis")]
+impl From<tollgate_redis::HotFuture> for AnyFuture<Result<Decision, StoreError>> {
+    fn from(future: tollgate_redis::HotFuture) -> Self {
+        Self(FutureInner::Boxed(Box::pin(future)))
+    }
+}
+
 impl<T> Unpin for AnyFuture<T> {}
 
 impl<T> Future for AnyFuture<T> {
@@ -149,27 +192,36 @@ macro_rules! handle {
         #[derive(Clone, Debug)]
         pub struct $name(HandleInner<$memory, HandleRedis!($redis)>);
     };
+    ($(#[$doc:meta])* $name:ident, $memory:ident, $redis:ident, $hot:ty) => {
+        $(#[$doc])*
+        #[derive(Clone, Debug)]
+        pub struct $name(HandleInner<$memory, HandleRedis!($redis), HandleRedis!($hot)>);
+    };
 }
 
 /// The Redis handle type, or `()` without the `redis` feature.
 #[cfg(feature = "redis")]
 macro_rules! HandleRedis {
-    ($redis:ident) => {
+    ($redis:ty) => {
         $redis
     };
 }
 #[cfg(not(feature = "redis"))]
 macro_rules! HandleRedis {
-    ($redis:ident) => {
+    ($redis:ty) => {
         std::convert::Infallible
     };
 }
 
+/// A handle of the memory store, of Redis, or (rate limiters only) of
+/// Redis behind `HotKeys`; `H` is `Infallible` where there is none.
 #[derive(Clone, Debug)]
-enum HandleInner<M, R> {
+enum HandleInner<M, R, H = std::convert::Infallible> {
     Memory(M),
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     Redis(R),
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    Hot(H),
 }
 
 /// Forwards `$call` to the handle `$self` holds, turning its future into
@@ -182,6 +234,7 @@ macro_rules! forward {
             HandleInner::Redis($h) => AnyFuture::from($call),
             #[cfg(not(feature = "redis"))]
             HandleInner::Redis(never) => match *never {},
+            HandleInner::Hot(never) => match *never {},
         }
     };
     (plain $self:expr, |$h:ident| $call:expr) => {
@@ -191,6 +244,34 @@ macro_rules! forward {
             HandleInner::Redis($h) => $call,
             #[cfg(not(feature = "redis"))]
             HandleInner::Redis(never) => match *never {},
+            HandleInner::Hot(never) => match *never {},
+        }
+    };
+    // A rate limiter's: leased too.
+    (hot $self:expr, |$h:ident| $call:expr) => {
+        match &$self.0 {
+            HandleInner::Memory($h) => AnyFuture::from($call),
+            #[cfg(feature = "redis")]
+            HandleInner::Redis($h) => AnyFuture::from($call),
+            #[cfg(feature = "redis")]
+            HandleInner::Hot($h) => AnyFuture::from($call),
+            #[cfg(not(feature = "redis"))]
+            HandleInner::Redis(never) => match *never {},
+            #[cfg(not(feature = "redis"))]
+            HandleInner::Hot(never) => match *never {},
+        }
+    };
+    (hot plain $self:expr, |$h:ident| $call:expr) => {
+        match &$self.0 {
+            HandleInner::Memory($h) => $call,
+            #[cfg(feature = "redis")]
+            HandleInner::Redis($h) => $call,
+            #[cfg(feature = "redis")]
+            HandleInner::Hot($h) => $call,
+            #[cfg(not(feature = "redis"))]
+            HandleInner::Redis(never) => match *never {},
+            #[cfg(not(feature = "redis"))]
+            HandleInner::Hot(never) => match *never {},
         }
     };
 }
@@ -199,7 +280,8 @@ handle!(
     /// An [`AnyStore`]'s rate limiter.
     AnyLimiter,
     MemoryLimiter,
-    RedisLimiter
+    RedisLimiter,
+    HotLimiter<RedisLimiter>
 );
 handle!(
     /// An [`AnyStore`]'s concurrency limiter.
@@ -229,6 +311,8 @@ impl Store for AnyStore {
             Inner::Memory(s) => HandleInner::Memory(s.limiter(rule)?),
             #[cfg(feature = "redis")]
             Inner::Redis(s) => HandleInner::Redis(s.limiter(rule)?),
+            #[cfg(feature = "redis")]
+            Inner::Hot(s) => HandleInner::Hot(s.limiter(rule)?),
         }))
     }
 
@@ -240,6 +324,8 @@ impl Store for AnyStore {
             Inner::Memory(s) => HandleInner::Memory(s.concurrency_limiter(rule)?),
             #[cfg(feature = "redis")]
             Inner::Redis(s) => HandleInner::Redis(s.concurrency_limiter(rule)?),
+            #[cfg(feature = "redis")]
+            Inner::Hot(s) => HandleInner::Redis(s.concurrency_limiter(rule)?),
         }))
     }
 
@@ -248,6 +334,8 @@ impl Store for AnyStore {
             Inner::Memory(s) => Inner::Memory(s.rebinding()),
             #[cfg(feature = "redis")]
             Inner::Redis(s) => Inner::Redis(s.rebinding()),
+            #[cfg(feature = "redis")]
+            Inner::Hot(s) => Inner::Hot(s.rebinding()),
         })
     }
 
@@ -256,6 +344,8 @@ impl Store for AnyStore {
             Inner::Memory(s) => Inner::Memory(s.checking()),
             #[cfg(feature = "redis")]
             Inner::Redis(s) => Inner::Redis(s.checking()),
+            #[cfg(feature = "redis")]
+            Inner::Hot(s) => Inner::Hot(s.checking()),
         })
     }
 
@@ -264,6 +354,8 @@ impl Store for AnyStore {
             Inner::Memory(s) => Inner::Memory(s.apart(max_keys)),
             #[cfg(feature = "redis")]
             Inner::Redis(s) => Inner::Redis(s.apart(max_keys)),
+            #[cfg(feature = "redis")]
+            Inner::Hot(s) => Inner::Hot(s.apart(max_keys)),
         })
     }
 
@@ -272,6 +364,8 @@ impl Store for AnyStore {
             Inner::Memory(s) => s.call_timeout(),
             #[cfg(feature = "redis")]
             Inner::Redis(s) => s.call_timeout(),
+            #[cfg(feature = "redis")]
+            Inner::Hot(s) => s.call_timeout(),
         }
     }
 
@@ -280,6 +374,8 @@ impl Store for AnyStore {
             Inner::Memory(s) => s.escalation(rule),
             #[cfg(feature = "redis")]
             Inner::Redis(s) => s.escalation(rule),
+            #[cfg(feature = "redis")]
+            Inner::Hot(s) => s.escalation(rule),
         }
     }
 }
@@ -292,6 +388,8 @@ impl QuotaStore for AnyStore {
             Inner::Memory(s) => HandleInner::Memory(s.quota_limiter(rule)?),
             #[cfg(feature = "redis")]
             Inner::Redis(s) => HandleInner::Redis(s.quota_limiter(rule)?),
+            #[cfg(feature = "redis")]
+            Inner::Hot(s) => HandleInner::Redis(s.quota_limiter(rule)?),
         }))
     }
 }
@@ -304,6 +402,8 @@ impl RetryBudgetStore for AnyStore {
             Inner::Memory(s) => HandleInner::Memory(s.retry_budget(rule)?),
             #[cfg(feature = "redis")]
             Inner::Redis(s) => HandleInner::Redis(s.retry_budget(rule)?),
+            #[cfg(feature = "redis")]
+            Inner::Hot(s) => HandleInner::Redis(s.retry_budget(rule)?),
         }))
     }
 }
@@ -313,27 +413,27 @@ impl Limiter for AnyLimiter {
     type RefundFuture = AnyFuture<Result<(), StoreError>>;
 
     fn rule(&self) -> &Rule {
-        forward!(plain self, |l| l.rule())
+        forward!(hot plain self, |l| l.rule())
     }
 
     fn decide(&self, key: &[u8], cost: u64) -> Self::DecideFuture {
-        forward!(self, |l| l.decide(key, cost))
+        forward!(hot self, |l| l.decide(key, cost))
     }
 
     fn refund(&self, key: &[u8], cost: u64) -> Self::RefundFuture {
-        forward!(self, |l| l.refund(key, cost))
+        forward!(hot self, |l| l.refund(key, cost))
     }
 
     fn decide_exact(&self, key: &[u8], cost: u64) -> Self::DecideFuture {
-        forward!(self, |l| l.decide_exact(key, cost))
+        forward!(hot self, |l| l.decide_exact(key, cost))
     }
 
     fn decide_sync(&self, key: &[u8], cost: u64) -> Option<Result<Decision, StoreError>> {
-        forward!(plain self, |l| l.decide_sync(key, cost))
+        forward!(hot plain self, |l| l.decide_sync(key, cost))
     }
 
     fn decide_exact_sync(&self, key: &[u8], cost: u64) -> Option<Result<Decision, StoreError>> {
-        forward!(plain self, |l| l.decide_exact_sync(key, cost))
+        forward!(hot plain self, |l| l.decide_exact_sync(key, cost))
     }
 
     /// Jointly where every part is of one store (as every limiter of one
@@ -357,16 +457,23 @@ impl Limiter for AnyLimiter {
         }
         if let Some(memory) = each(parts, |l| match &l.0 {
             HandleInner::Memory(m) => Some(m),
-            HandleInner::Redis(_) => None,
+            _ => None,
         }) {
             return MemoryLimiter::decide_joint(&memory);
         }
         #[cfg(feature = "redis")]
         if let Some(redis) = each(parts, |l| match &l.0 {
             HandleInner::Redis(r) => Some(r),
-            HandleInner::Memory(_) => None,
+            _ => None,
         }) {
             return RedisLimiter::decide_joint(&redis);
+        }
+        #[cfg(feature = "redis")]
+        if let Some(hot) = each(parts, |l| match &l.0 {
+            HandleInner::Hot(h) => Some(h),
+            _ => None,
+        }) {
+            return HotLimiter::decide_joint(&hot);
         }
         None
     }

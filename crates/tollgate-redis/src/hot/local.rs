@@ -9,7 +9,8 @@ use tokio::sync::Notify;
 use tollgate_core::{Clock, Decision, Limiter, Outcome, StoreError};
 
 use super::keys::{
-    answer, end_flight, outrun, unreachable_shards, Budget, Keys, Lease, MAX_LANDINGS, SHARDS,
+    answer, end_flight, outrun, unreachable_shards, Budget, KeyState, Keys, Lease, MAX_LANDINGS,
+    SHARDS,
 };
 use super::through::lease;
 
@@ -265,16 +266,9 @@ impl<C: Clock> Local<C> {
         // credit capacity that time already gave back — up to another
         // `rate × ttl` beyond the bound.
         let ended = !s.lease.on(now);
-        let recent = if self.windowed {
-            // The lease's window is still the store's, and stays so for a
-            // TTL more: a give-back that reached the store after its window
-            // rolled over would come off the next window's count.
-            !ended && now.saturating_add(self.ttl) < s.budget.whole_at()
-        } else {
-            !ended
-        };
+        let recent = self.returnable(&s.lease, s, now);
         let left = s.lease.give_back();
-        let give_back = if recent && !s.unowned { left } else { 0 };
+        let give_back = if recent { left } else { 0 };
         if s.batch == 0 {
             s.batch = self.min_batch;
         } else if !ended {
@@ -330,6 +324,49 @@ impl<C: Clock> Local<C> {
             // never: nothing cached for this cost.
             Outcome::Deny { .. } | Outcome::Never => s.batch = self.min_batch,
         }
+    }
+
+    /// Whether what `lease` (of the key `s`) holds may go back to the
+    /// store at `now`: while it is on, and (a window's lease) while its
+    /// window is the store's and stays so for a TTL more — a give-back
+    /// that reached the store after its window rolled over would come off
+    /// the next window's count. Never what the store's failure policy
+    /// granted: the store did not count it.
+    fn returnable(&self, lease: &Lease, s: &KeyState, now: u64) -> bool {
+        let on = lease.on(now) && !s.unowned;
+        if self.windowed {
+            on && now.saturating_add(self.ttl) < s.budget.whole_at()
+        } else {
+            on
+        }
+    }
+
+    /// Gives up every lease (the instance is stopping): each key's units
+    /// that may still go back to the store, for the caller to refund; the
+    /// rest lapse. Keys decide through new leases afterwards.
+    pub(super) fn surrender(&self) -> Vec<(Box<[u8]>, u64)> {
+        let now = self.clock.now();
+        let mut back = Vec::new();
+        for shard in self.shards.iter() {
+            let mut keys = shard.lock().unwrap_or_else(PoisonError::into_inner);
+            for (key, s) in keys.map.iter_mut() {
+                let mut units = 0u64;
+                if self.returnable(&s.lease, s, now) {
+                    units = units.saturating_add(s.lease.give_back());
+                } else {
+                    s.lease.give_back();
+                }
+                if let Some(mut next) = s.next.take() {
+                    if self.returnable(&next, s, now) {
+                        units = units.saturating_add(next.give_back());
+                    }
+                }
+                if units > 0 {
+                    back.push((key.clone(), units));
+                }
+            }
+        }
+        back
     }
 
     /// Whether the key's last answer came from its store's failure policy.

@@ -10,14 +10,15 @@ pub use limiter::{HotFuture, HotLimiter, HotStats};
 
 use std::fmt;
 use std::hash::RandomState;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use keys::{Keys, SHARDS};
 use local::{Count, Local};
 use tollgate_core::{
     duration_to_nanos, Algorithm, Clock, ConcurrencyRule, ConfigError, EscalationLimiter,
-    EscalationRule, Rule, Store, SystemClock,
+    EscalationRule, Limiter, QuotaRule, QuotaStore, RetryBudgetRule, RetryBudgetStore, Rule, Store,
+    SystemClock,
 };
 
 /// Local leases for hot keys, in front of a shared store (Redis): an
@@ -249,6 +250,32 @@ impl HotKeys {
         store: S,
         clock: C,
     ) -> Result<Hot<S, C>, ConfigError> {
+        self.check()?;
+        // Fleet review L13: a lease asked for is over once its TTL has
+        // passed since it was asked, so a store slower than the TTL makes
+        // every lease end on arrival (and halves the batch toward 1).
+        if let Some(timeout) = store.call_timeout().filter(|t| self.ttl < *t) {
+            tracing::warn!(
+                target: "tollgate",
+                ttl_ms = self.ttl.as_millis(),
+                timeout_ms = timeout.as_millis(),
+                "hot_keys: the lease TTL is shorter than the store's call timeout: a lease whose \
+                 answer takes longer than the TTL has ended when it lands; keep the TTL above \
+                 the store's round trip"
+            );
+        }
+        Ok(Hot {
+            inner: store,
+            config: Arc::new(self),
+            clock: Arc::new(clock),
+            leased: Arc::default(),
+        })
+    }
+
+    /// Checks the settings as [`over`](Self::over) does, without a store
+    /// (e.g. a policy file's before anything is connected). The error
+    /// names `hot_keys`; its message starts with the setting.
+    pub fn check(&self) -> Result<(), ConfigError> {
         let ttl = duration_to_nanos(self.ttl);
         if !(1_000_000..=10_000_000_000).contains(&ttl) {
             return Err(ConfigError::new(
@@ -280,46 +307,104 @@ impl HotKeys {
                 format!("name {}", crate::store::PLAIN_NAME),
             ));
         }
-        // Fleet review L13: a lease asked for is over once its TTL has
-        // passed since it was asked, so a store slower than the TTL makes
-        // every lease end on arrival (and halves the batch toward 1).
-        if let Some(timeout) = store.call_timeout().filter(|t| self.ttl < *t) {
-            tracing::warn!(
-                target: "tollgate",
-                ttl_ms = self.ttl.as_millis(),
-                timeout_ms = timeout.as_millis(),
-                "hot_keys: the lease TTL is shorter than the store's call timeout: a lease whose \
-                 answer takes longer than the TTL has ended when it lands; keep the TTL above \
-                 the store's round trip"
-            );
-        }
-        Ok(Hot {
-            inner: store,
-            config: Arc::new(self),
-            clock: Arc::new(clock),
-        })
+        Ok(())
     }
 }
 
 /// A store with hot-key leases in front (see [`HotKeys`]). Concurrency
 /// rules and escalation ladders go to the store as they are.
-pub struct Hot<S, C = SystemClock> {
+pub struct Hot<S: Store, C = SystemClock> {
     inner: S,
     config: Arc<HotKeys>,
     clock: Arc<C>,
+    /// The leased rules bound through it (and its clones), for
+    /// [`give_back`](Hot::give_back).
+    leased: Leased<S::Limiter, C>,
 }
 
-impl<S: Clone, C> Clone for Hot<S, C> {
+/// Each leased rule's limiter on the store and its lease table; a table
+/// no `HotLimiter` holds any more (a reload replaced it) is given back
+/// and forgotten when the next rule is bound, or at `give_back`.
+type Leased<L, C> = Arc<Mutex<Vec<Table<L, C>>>>;
+
+/// A leased rule's limiter on the store, and its lease table.
+type Table<L, C> = (L, Arc<Local<C>>);
+
+/// Takes out of `leased` the tables no limiter holds any more.
+fn orphans<L, C>(leased: &Mutex<Vec<Table<L, C>>>) -> Vec<Table<L, C>> {
+    let mut leased = leased.lock().unwrap_or_else(PoisonError::into_inner);
+    let (orphans, held) = leased
+        .drain(..)
+        .partition(|(_, local)| Arc::strong_count(local) == 1);
+    *leased = held;
+    orphans
+}
+
+/// Surrenders each table's leases: the refunds that give their units
+/// back, and the units.
+fn surrender<L: Limiter, C: Clock>(tables: &[(L, Arc<Local<C>>)]) -> (Vec<L::RefundFuture>, u64) {
+    let mut refunds = Vec::new();
+    let mut units = 0u64;
+    for (limiter, local) in tables {
+        for (key, n) in local.surrender() {
+            units = units.saturating_add(n);
+            local.store_calls.add();
+            refunds.push(limiter.refund(&key, n));
+        }
+    }
+    (refunds, units)
+}
+
+impl<S: Store, C> Clone for Hot<S, C> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
             config: Arc::clone(&self.config),
             clock: Arc::clone(&self.clock),
+            leased: Arc::clone(&self.leased),
         }
     }
 }
 
-impl<S: fmt::Debug, C> fmt::Debug for Hot<S, C> {
+impl<S: Store, C: Clock> Hot<S, C> {
+    /// Gives back to the store what every lease still holds, and ends the
+    /// leases: for an instance that stops (graceful shutdown), so the
+    /// units it leased and did not spend are the fleet's again at once
+    /// rather than lapsing with their TTL. Only what a lease may return
+    /// goes back (a lease still on; a window's lease within its window;
+    /// never what the failure policy granted). Returns the units given
+    /// back (refunds the store failed lapse, as they would have).
+    ///
+    /// Keys still deciding afterwards take new leases: call it once no
+    /// more requests are served.
+    pub async fn give_back(&self) -> u64 {
+        let mut tables = orphans(&self.leased);
+        tables.extend(
+            self.leased
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .iter()
+                .map(|(limiter, local)| (limiter.clone(), Arc::clone(local))),
+        );
+        let (refunds, units) = surrender(&tables);
+        let refunds = refunds.into_iter().map(Box::pin).collect();
+        let failed = tollgate_core::join_all(refunds)
+            .await
+            .into_iter()
+            .filter(Result::is_err)
+            .count();
+        if failed > 0 {
+            tracing::warn!(
+                target: "tollgate",
+                failed,
+                "hot_keys: leased units not given back (the store failed); they lapse with their lease"
+            );
+        }
+        units
+    }
+}
+
+impl<S: Store + fmt::Debug, C> fmt::Debug for Hot<S, C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Hot")
             .field("inner", &self.inner)
@@ -378,31 +463,46 @@ impl<S: Store, C: Clock> Store for Hot<S, C> {
             .min(share_cap.max(1))
             .max(1);
         let shards: Box<[_]> = (0..SHARDS).map(|_| Mutex::new(Keys::default())).collect();
+        let inner = self.inner.limiter(rule)?;
+        let local = Arc::new(Local {
+            clock: Arc::clone(&self.clock),
+            ttl: duration_to_nanos(self.config.ttl),
+            max_denial: duration_to_nanos(self.config.max_denial),
+            max_batch,
+            min_batch: u64::from(self.config.min_batch).min(max_batch),
+            windowed,
+            per_shard: self.config.max_keys.div_ceil(SHARDS).max(1),
+            hasher: RandomState::new(),
+            shards,
+            decisions: Count::new(
+                "tollgate_hot_decisions_total",
+                &self.config.name,
+                rule.name(),
+            ),
+            store_calls: Count::new(
+                "tollgate_hot_store_calls_total",
+                &self.config.name,
+                rule.name(),
+            ),
+            waits: Count::new("tollgate_hot_waits_total", &self.config.name, rule.name()),
+            ahead: self.config.ahead,
+        });
+        // Tables no limiter holds any more (a reload replaced them) give
+        // back what they still hold, in the background.
+        let replaced = orphans(&self.leased);
+        self.leased
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push((inner.clone(), Arc::clone(&local)));
+        let (refunds, _) = surrender(&replaced);
+        if let (false, Ok(rt)) = (refunds.is_empty(), tokio::runtime::Handle::try_current()) {
+            drop(rt.spawn(tollgate_core::join_all(
+                refunds.into_iter().map(Box::pin).collect(),
+            )));
+        }
         Ok(HotLimiter {
-            inner: self.inner.limiter(rule)?,
-            local: Some(Arc::new(Local {
-                clock: Arc::clone(&self.clock),
-                ttl: duration_to_nanos(self.config.ttl),
-                max_denial: duration_to_nanos(self.config.max_denial),
-                max_batch,
-                min_batch: u64::from(self.config.min_batch).min(max_batch),
-                windowed,
-                per_shard: self.config.max_keys.div_ceil(SHARDS).max(1),
-                hasher: RandomState::new(),
-                shards,
-                decisions: Count::new(
-                    "tollgate_hot_decisions_total",
-                    &self.config.name,
-                    rule.name(),
-                ),
-                store_calls: Count::new(
-                    "tollgate_hot_store_calls_total",
-                    &self.config.name,
-                    rule.name(),
-                ),
-                waits: Count::new("tollgate_hot_waits_total", &self.config.name, rule.name()),
-                ahead: self.config.ahead,
-            })),
+            inner,
+            local: Some(local),
         })
     }
 
@@ -422,14 +522,40 @@ impl<S: Store, C: Clock> Store for Hot<S, C> {
             inner: self.inner.rebinding(),
             config: Arc::clone(&self.config),
             clock: Arc::clone(&self.clock),
+            leased: Arc::clone(&self.leased),
         }
     }
 
+    /// A handle whose leases are its own (what it binds is checked and
+    /// dropped, never given back for).
     fn checking(&self) -> Self {
         Self {
             inner: self.inner.checking(),
             config: Arc::clone(&self.config),
             clock: Arc::clone(&self.clock),
+            leased: Arc::default(),
         }
+    }
+}
+
+/// Quotas go to the store as they are: a quota counts each unit of a
+/// period, which a lease would only move.
+impl<S: QuotaStore, C: Clock> QuotaStore for Hot<S, C> {
+    type QuotaLimiter = S::QuotaLimiter;
+
+    fn quota_limiter(&self, rule: &QuotaRule) -> Result<Self::QuotaLimiter, ConfigError> {
+        self.inner.quota_limiter(rule)
+    }
+}
+
+/// Retry budgets go to the store as they are.
+impl<S: RetryBudgetStore, C: Clock> RetryBudgetStore for Hot<S, C> {
+    type RetryBudgetLimiter = S::RetryBudgetLimiter;
+
+    fn retry_budget(
+        &self,
+        rule: &RetryBudgetRule,
+    ) -> Result<Self::RetryBudgetLimiter, ConfigError> {
+        self.inner.retry_budget(rule)
     }
 }

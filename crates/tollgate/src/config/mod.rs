@@ -118,7 +118,14 @@
 //! password in it), `url_env` or `url_file`, `prefix`, `failure_policy`
 //! (`"open"`, `"closed"`, `"fallback"`, `"fallback/N"`), `timeout`,
 //! `connect_timeout`, and `key_secret_env` or `key_secret_file`. Files
-//! named are read relative to the working directory.
+//! named are read relative to the working directory. A Redis store's
+//! `[store.hot_keys]` table puts `HotKeys` leases in front of it (`ttl`,
+//! `max_batch`, `min_batch`, `max_share`, `max_denial`, `max_keys`,
+//! `refill_ahead`, and `rules`, the `[[rules]]` leased; each optional,
+//! with `HotKeys`'s defaults and bounds); [`AnyStore::give_back`]
+//! returns what the leases hold when an instance stops.
+//!
+//! [`AnyStore::give_back`]: crate::AnyStore::give_back
 //!
 //! `[challenge]` holds what the rules' challenges share: the secret they
 //! are signed with (`secret_env` or `secret_file`, 16 to 64 bytes, the

@@ -260,6 +260,41 @@ pub(super) struct StoreSpec {
     /// The file that holds the key secret.
     #[serde(default)]
     pub(super) key_secret_file: Option<Spanned<String>>,
+    /// Local leases for hot keys in front of Redis (`HotKeys`).
+    #[serde(default)]
+    pub(super) hot_keys: Option<Spanned<HotKeysSpec>>,
+}
+
+/// `[store.hot_keys]`: `HotKeys`'s settings, each optional (its defaults).
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub(super) struct HotKeysSpec {
+    /// How long a lease lasts: `"50ms"` (1 ms to 10 s).
+    #[serde(default)]
+    pub(super) ttl: Option<Spanned<String>>,
+    /// The most units one lease takes (at least 1; default 64).
+    #[serde(default)]
+    pub(super) max_batch: Option<Spanned<i64>>,
+    /// The fewest units a lease asks for (1 to max_batch; default 1).
+    #[serde(default)]
+    pub(super) min_batch: Option<Spanned<i64>>,
+    /// The most of a rule's capacity one lease takes (above 0, at most 1;
+    /// default 0.1).
+    #[serde(default)]
+    pub(super) max_share: Option<Spanned<f64>>,
+    /// The longest a store's refusal is answered here: `"1s"`.
+    #[serde(default)]
+    pub(super) max_denial: Option<Spanned<String>>,
+    /// The most keys leased per rule (default 100,000).
+    #[serde(default)]
+    pub(super) max_keys: Option<Spanned<i64>>,
+    /// Take a hot key's next lease before the current one runs out.
+    #[serde(default)]
+    pub(super) refill_ahead: Option<Spanned<bool>>,
+    /// The `[[rules]]` leased (default: every rule that can be).
+    #[serde(default)]
+    pub(super) rules: Option<Spanned<Vec<String>>>,
 }
 
 impl StoreSpec {
@@ -277,6 +312,7 @@ impl StoreSpec {
             ("connect_timeout", self.connect_timeout.is_some()),
             ("key_secret_env", self.key_secret_env.is_some()),
             ("key_secret_file", self.key_secret_file.is_some()),
+            ("hot_keys", self.hot_keys.is_some()),
         ]
         .into_iter()
         .filter_map(|(name, set)| set.then_some(name))

@@ -5,7 +5,7 @@ use std::time::Duration;
 use super::spec::Spanned;
 
 use super::build::{duration, Problem};
-use super::spec::StoreSpec;
+use super::spec::{HotKeysSpec, StoreSpec};
 
 /// What `[store]` says, checked: a store to build.
 #[derive(Debug, Clone, PartialEq)]
@@ -14,7 +14,7 @@ pub(super) enum StorePlan {
         max_keys: Option<usize>,
         sweep_idle_every: Option<Duration>,
     },
-    Redis(RedisPlan),
+    Redis(Box<RedisPlan>),
 }
 
 /// A Redis store's settings. The URL is read when the store is built,
@@ -29,6 +29,20 @@ pub(super) struct RedisPlan {
     pub(super) connect_timeout: Option<Duration>,
     pub(super) key_secret_env: Option<String>,
     pub(super) key_secret_file: Option<String>,
+    pub(super) hot_keys: Option<HotPlan>,
+}
+
+/// `[store.hot_keys]`, checked: what differs from `HotKeys::new()`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub(super) struct HotPlan {
+    ttl: Option<Duration>,
+    max_batch: Option<u32>,
+    min_batch: Option<u32>,
+    max_share: Option<f64>,
+    max_denial: Option<Duration>,
+    max_keys: Option<usize>,
+    refill_ahead: Option<bool>,
+    rules: Option<Vec<String>>,
 }
 
 /// Where a Redis URL comes from.
@@ -43,7 +57,7 @@ pub(super) enum UrlFrom {
 }
 
 const MEMORY_ONLY: [&str; 2] = ["max_keys", "sweep_idle_every"];
-const REDIS_ONLY: [&str; 9] = [
+const REDIS_ONLY: [&str; 10] = [
     "url",
     "url_env",
     "url_file",
@@ -53,6 +67,7 @@ const REDIS_ONLY: [&str; 9] = [
     "connect_timeout",
     "key_secret_env",
     "key_secret_file",
+    "hot_keys",
 ];
 
 fn at<T>(value: &Spanned<T>, field: &str, message: impl Into<String>) -> Problem {
@@ -132,7 +147,11 @@ pub(super) fn plan(spanned: &Spanned<StoreSpec>) -> Result<StorePlan, Problem> {
         None => None,
         Some(p) => Some(failure_policy(p)?),
     };
-    Ok(StorePlan::Redis(RedisPlan {
+    let hot_keys = match &s.hot_keys {
+        None => None,
+        Some(h) => Some(hot_plan(h)?),
+    };
+    Ok(StorePlan::Redis(Box::new(RedisPlan {
         url,
         prefix: s.prefix.as_ref().map(|p| p.get_ref().clone()),
         failure_policy,
@@ -140,7 +159,104 @@ pub(super) fn plan(spanned: &Spanned<StoreSpec>) -> Result<StorePlan, Problem> {
         connect_timeout: dur(&s.connect_timeout, "connect_timeout")?,
         key_secret_env: s.key_secret_env.as_ref().map(|k| k.get_ref().clone()),
         key_secret_file: s.key_secret_file.as_ref().map(|k| k.get_ref().clone()),
-    }))
+        hot_keys,
+    })))
+}
+
+/// Checks `[store.hot_keys]`: its shapes here, its bounds where
+/// `HotKeys` checks them (one check, not two); an error names the field.
+fn hot_plan(spanned: &Spanned<HotKeysSpec>) -> Result<HotPlan, Problem> {
+    let h = spanned.get_ref();
+    let field = |f: &str| format!("store.hot_keys.{f}");
+    let dur = |v: &Option<Spanned<String>>, f: &str| {
+        v.as_ref().map(|v| duration(v, field(f))).transpose()
+    };
+    let count = |v: &Option<Spanned<i64>>, f: &str| -> Result<Option<u64>, Problem> {
+        v.as_ref()
+            .map(|n| {
+                u64::try_from(*n.get_ref())
+                    .map_err(|_| (Some(n.span()), field(f), "must not be negative".to_owned()))
+            })
+            .transpose()
+    };
+    let units = |v: &Option<Spanned<i64>>, f: &str| -> Result<Option<u32>, Problem> {
+        match (count(v, f)?, v) {
+            (Some(n), Some(at)) => u32::try_from(n).map(Some).map_err(|_| {
+                (
+                    Some(at.span()),
+                    field(f),
+                    "must be at most 4294967295".to_owned(),
+                )
+            }),
+            _ => Ok(None),
+        }
+    };
+    let plan = HotPlan {
+        ttl: dur(&h.ttl, "ttl")?,
+        max_batch: units(&h.max_batch, "max_batch")?,
+        min_batch: units(&h.min_batch, "min_batch")?,
+        max_share: h.max_share.as_ref().map(|v| *v.get_ref()),
+        max_denial: dur(&h.max_denial, "max_denial")?,
+        max_keys: count(&h.max_keys, "max_keys")?.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+        refill_ahead: h.refill_ahead.as_ref().map(|v| *v.get_ref()),
+        rules: h.rules.as_ref().map(|v| v.get_ref().clone()),
+    };
+    #[cfg(feature = "redis")]
+    if let Err(e) = hot_keys(&plan).check() {
+        // `HotKeys`'s message starts with the setting it is about.
+        let (name, span) = [
+            ("ttl", h.ttl.as_ref().map(Spanned::span)),
+            ("max_batch", h.max_batch.as_ref().map(Spanned::span)),
+            ("min_batch", h.min_batch.as_ref().map(Spanned::span)),
+            ("max_share", h.max_share.as_ref().map(Spanned::span)),
+            ("max_keys", h.max_keys.as_ref().map(Spanned::span)),
+        ]
+        .into_iter()
+        .find(|(name, _)| e.message().starts_with(name))
+        .map_or(("", None), |(name, span)| (name, span));
+        let path = if name.is_empty() {
+            "store.hot_keys".to_owned()
+        } else {
+            field(name)
+        };
+        return Err((
+            Some(span.unwrap_or_else(|| spanned.span())),
+            path,
+            e.message().to_owned(),
+        ));
+    }
+    Ok(plan)
+}
+
+/// The `HotKeys` a checked `[store.hot_keys]` describes.
+#[cfg(feature = "redis")]
+fn hot_keys(plan: &HotPlan) -> tollgate_redis::HotKeys {
+    let mut h = tollgate_redis::HotKeys::new();
+    if let Some(t) = plan.ttl {
+        h = h.ttl(t);
+    }
+    if let Some(n) = plan.max_batch {
+        h = h.max_batch(n);
+    }
+    if let Some(n) = plan.min_batch {
+        h = h.min_batch(n);
+    }
+    if let Some(share) = plan.max_share {
+        h = h.max_share(share);
+    }
+    if let Some(t) = plan.max_denial {
+        h = h.max_denial(t);
+    }
+    if let Some(n) = plan.max_keys {
+        h = h.max_keys(n);
+    }
+    if let Some(on) = plan.refill_ahead {
+        h = h.refill_ahead(on);
+    }
+    if let Some(rules) = &plan.rules {
+        h = h.rules(rules);
+    }
+    h
 }
 
 /// `open`, `closed`, `fallback`, or `fallback/N` (the limit shared by N
@@ -211,7 +327,16 @@ pub(super) fn build(plan: &StorePlan) -> Result<crate::AnyStore, (String, String
             Ok(store.into())
         }
         #[cfg(feature = "redis")]
-        StorePlan::Redis(r) => redis(r).map(Into::into),
+        StorePlan::Redis(r) => {
+            let store = redis(r)?;
+            match &r.hot_keys {
+                None => Ok(store.into()),
+                Some(plan) => hot_keys(plan)
+                    .over(store)
+                    .map(Into::into)
+                    .map_err(|e| ("store.hot_keys".to_owned(), e.message().to_owned())),
+            }
+        }
         #[cfg(not(feature = "redis"))]
         StorePlan::Redis(_) => Err((
             "store.kind".to_owned(),

@@ -1389,6 +1389,40 @@ async fn the_store_section_builds_the_store_and_keeps_secrets_out_of_errors() {
         "kind = \"redis\"\nurl_env = \"U\"\nkey_secret_env = \"K\"\nkey_secret_file = \"f\"\n"
     )
     .contains("store.key_secret_file: give one of key_secret_env or key_secret_file"));
+    // `[store.hot_keys]`: HotKeys's own bounds, each error at its value.
+    let hot = |table: &str| {
+        error(&format!(
+            "kind = \"redis\"\nurl_env = \"U\"\n[store.hot_keys]\n{table}"
+        ))
+    };
+    assert_eq!(
+        hot("ttl = \"20s\"\n"),
+        "11:7: store.hot_keys.ttl: ttl must be from 1 ms to 10 s"
+    );
+    assert_eq!(
+        hot("max_share = 0.0\n"),
+        "11:13: store.hot_keys.max_share: max_share must be above 0 and at most 1"
+    );
+    assert_eq!(
+        hot("max_batch = 4\nmin_batch = 9\n"),
+        "12:13: store.hot_keys.min_batch: min_batch must be from 1 to max_batch"
+    );
+    assert_eq!(
+        hot("max_keys = -1\n"),
+        "11:12: store.hot_keys.max_keys: must not be negative"
+    );
+    assert!(hot("ahead = true\n").contains("unknown field `ahead`"));
+    assert_eq!(
+        error("kind = \"memory\"\n[store.hot_keys]\nttl = \"1s\"\n"),
+        "7:1: store.hot_keys: is a setting of kind = \"redis\", not of kind = \"memory\""
+    );
+    let leased = file(
+        "kind = \"redis\"\nurl = \"redis://127.0.0.1:1\"\nprefix = \"t\"\n[store.hot_keys]\nttl = \"100ms\"\nrefill_ahead = true\nrules = [\"base\"]\n",
+    )
+    .unwrap()
+    .store()
+    .unwrap();
+    assert!(leased.is_leased());
     // A password in a Unix socket URL's query is a password too.
     assert!(error(
         "kind = \"redis\"\nurl = \"redis+unix:///run/r.sock?pass=pw\"\nprefix = \"t\"\n"

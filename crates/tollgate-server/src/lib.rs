@@ -26,7 +26,8 @@
 //!
 //! Envoy's `ratelimit` filter asks over gRPC instead: [`rls`] serves
 //! `envoy.service.ratelimit.v3.RateLimitService` by the descriptors of
-//! Envoy's own ratelimit configuration files ([`envoy`]).
+//! Envoy's own ratelimit configuration files ([`envoy`]). Both serve TLS
+//! with `[server.tls]` ([`tls`], [`serve_tls`], [`rls::serve_with`]).
 //!
 //! Each endpoint reads only its gateway's headers: the other family comes
 //! from the client, through a gateway that passes it on.
@@ -95,6 +96,7 @@ use tower::ServiceExt;
 pub mod envoy;
 pub mod metrics;
 pub mod rls;
+pub mod tls;
 
 /// The header that carries the limiter's own status on
 /// `/auth_request`'s refusals (which answer `403`).
@@ -263,6 +265,23 @@ fn lenient_uri(raw: &[u8]) -> Option<Uri> {
 /// Serves `app` on `listener` with the peer's address, until ctrl-c or
 /// SIGTERM; requests under way finish first.
 pub async fn serve(listener: tokio::net::TcpListener, app: Router) -> std::io::Result<()> {
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown())
+    .await
+}
+
+/// [`serve`] over TLS (`[server.tls]`, read by [`tls::load`]).
+pub async fn serve_tls(
+    listener: tokio::net::TcpListener,
+    tls: &tls::Tls,
+    app: Router,
+) -> std::io::Result<()> {
+    use axum::serve::ListenerExt;
+    // (`tap_io` gives the connections the peer's address as connect info.)
+    let listener = tls::listener(listener, tls)?.tap_io(|_| {});
     axum::serve(
         listener,
         app.into_make_service_with_connect_info::<SocketAddr>(),

@@ -42,6 +42,11 @@ async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         Ok(addr) if !addr.trim().is_empty() => addr.trim().parse()?,
         _ => settings.listen.unwrap_or(DEFAULT_LISTEN.parse()?),
     };
+    let tls = settings
+        .tls
+        .as_ref()
+        .map(tollgate_server::tls::load)
+        .transpose()?;
     let mut app = tollgate_server::decisions(gate);
     match settings.metrics {
         Some(addr) => {
@@ -69,19 +74,24 @@ async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             rls.clone(),
             Duration::from_secs(2),
         );
+        let tls = tls.clone();
         rls_task = Some(tokio::spawn(async move {
-            if let Err(e) = tollgate_server::rls::serve(listener, rls).await {
+            if let Err(e) = tollgate_server::rls::serve_with(listener, rls, tls.as_ref()).await {
                 tracing::error!(error = %e, "the rate limit service stopped");
             }
         }));
     }
     let listener = tokio::net::TcpListener::bind(listen).await?;
     println!(
-        "tollgate-server deciding for {} on http://{} (/check, /auth_request)",
+        "tollgate-server deciding for {} on {}://{} (/check, /auth_request)",
         std::path::Path::new(&path).display(),
+        if tls.is_some() { "https" } else { "http" },
         listener.local_addr()?
     );
-    tollgate_server::serve(listener, app).await?;
+    match &tls {
+        Some(tls) => tollgate_server::serve_tls(listener, tls, app).await?,
+        None => tollgate_server::serve(listener, app).await?,
+    }
     // Both services drained (each stops on the same signal): what leases
     // hold goes back to the fleet now, not when their TTL ends.
     if let Some(task) = rls_task {

@@ -341,12 +341,26 @@ pub async fn serve<L: Limiter + Send + Sync + 'static>(
     listener: tokio::net::TcpListener,
     rls: Rls<L>,
 ) -> Result<(), tonic::transport::Error> {
+    serve_with(listener, rls, None).await
+}
+
+/// [`serve`] over TLS (`[server.tls]`, read by
+/// [`tls::load`](crate::tls::load)), or without it (`None`).
+pub async fn serve_with<L: Limiter + Send + Sync + 'static>(
+    listener: tokio::net::TcpListener,
+    rls: Rls<L>,
+    tls: Option<&crate::tls::Tls>,
+) -> Result<(), tonic::transport::Error> {
     use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter
         .set_serving::<RateLimitServiceServer<Rls<L>>>()
         .await;
-    tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        server = server.tls_config(tls.grpc())?;
+    }
+    server
         .add_service(health)
         .add_service(RateLimitServiceServer::new(rls))
         .serve_with_incoming_shutdown(

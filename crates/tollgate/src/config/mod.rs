@@ -630,11 +630,37 @@ impl PolicyFile {
                 .transpose()
         };
         let s = server.get_ref();
+        let path = |v: &spec::Spanned<String>, field: &str| {
+            if v.get_ref().trim().is_empty() {
+                return Err(self.placed((
+                    Some(v.span()),
+                    format!("server.tls.{field}"),
+                    "must name a file".to_owned(),
+                )));
+            }
+            Ok(std::path::PathBuf::from(v.get_ref()))
+        };
+        let tls = match &s.tls {
+            None => None,
+            Some(t) => {
+                let t = t.get_ref();
+                Some(TlsFiles {
+                    cert_file: path(&t.cert_file, "cert_file")?,
+                    key_file: path(&t.key_file, "key_file")?,
+                    client_ca_file: t
+                        .client_ca_file
+                        .as_ref()
+                        .map(|c| path(c, "client_ca_file"))
+                        .transpose()?,
+                })
+            }
+        };
         Ok(ServerSettings {
             listen: addr(&s.listen, "listen")?,
             metrics: addr(&s.metrics, "metrics")?,
             grpc: addr(&s.grpc, "grpc")?,
             envoy: s.envoy.iter().map(std::path::PathBuf::from).collect(),
+            tls,
         })
     }
 
@@ -886,6 +912,22 @@ pub struct ServerSettings {
     pub grpc: Option<std::net::SocketAddr>,
     /// The Envoy ratelimit configuration files it decides by.
     pub envoy: Vec<std::path::PathBuf>,
+    /// TLS on `listen` and `grpc` (`[server.tls]`).
+    pub tls: Option<TlsFiles>,
+}
+
+/// `[server.tls]`: the files `tollgate-server` reads when it starts (they
+/// are not read to check a policy file).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TlsFiles {
+    /// The certificate chain (PEM), the server's own first.
+    pub cert_file: std::path::PathBuf,
+    /// Its private key (PEM).
+    pub key_file: std::path::PathBuf,
+    /// CA certificates (PEM) a client's certificate must be signed by
+    /// (mutual TLS); `None` serves every client.
+    pub client_ca_file: Option<std::path::PathBuf>,
 }
 
 /// A JSON Schema (draft 2020-12) of the policy file, generated from the

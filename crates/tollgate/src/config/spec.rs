@@ -173,6 +173,24 @@ pub(super) struct ServerSpec {
     /// gRPC service decides by.
     #[serde(default)]
     pub(super) envoy: Vec<String>,
+    /// TLS on `listen` and `grpc` (not on a `metrics` address of its own).
+    #[serde(default)]
+    pub(super) tls: Option<Spanned<TlsSpec>>,
+}
+
+/// `[server.tls]`: the server's certificate, and whose clients it admits.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub(super) struct TlsSpec {
+    /// The certificate chain (PEM), the server's own first.
+    pub(super) cert_file: Spanned<String>,
+    /// Its private key (PEM: PKCS#8, PKCS#1 or SEC1).
+    pub(super) key_file: Spanned<String>,
+    /// CA certificates (PEM): when given, only clients with a certificate
+    /// one of them signed are served (mutual TLS).
+    #[serde(default)]
+    pub(super) client_ca_file: Option<Spanned<String>>,
 }
 
 /// One `[[retry_budgets]]` entry: a client's retries under a budget (a

@@ -1,0 +1,352 @@
+//! `tollgate-server` over TLS (`[server.tls]`): the decision endpoints
+//! and Envoy's rate limit service, with and without client certificates
+//! (mutual TLS). Certificates are made for the test with `openssl`.
+#![allow(missing_docs, clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use tollgate::config::{PolicyFile, Tollgate};
+use tollgate::MemoryStore;
+
+/// A CA, a server certificate for 127.0.0.1 and localhost, and a client
+/// certificate, all signed by the CA.
+struct Certs(PathBuf);
+
+impl Certs {
+    fn make() -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "tollgate-tls-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let certs = Self(dir);
+        certs.openssl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=tollgate test CA",
+        ]);
+        std::fs::write(
+            certs.path("server.cnf"),
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\n",
+        )
+        .unwrap();
+        std::fs::write(certs.path("client.cnf"), "extendedKeyUsage=clientAuth\n").unwrap();
+        for (who, ext) in [("server", "server.cnf"), ("client", "client.cnf")] {
+            let (key, csr, crt) = (
+                format!("{who}.key"),
+                format!("{who}.csr"),
+                format!("{who}.crt"),
+            );
+            certs.openssl(&[
+                "req",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                &key,
+                "-out",
+                &csr,
+                "-subj",
+                &format!("/CN={who}"),
+            ]);
+            certs.openssl(&[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.crt",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-out",
+                &crt,
+                "-days",
+                "1",
+                "-extfile",
+                ext,
+            ]);
+        }
+        certs
+    }
+
+    fn openssl(&self, args: &[&str]) {
+        let ok = Command::new("openssl")
+            .args(args)
+            .current_dir(&self.0)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "openssl {args:?}");
+    }
+
+    fn path(&self, file: &str) -> PathBuf {
+        self.0.join(file)
+    }
+
+    /// `[server]` with TLS (and client certificates checked, if `mutual`).
+    fn policy(&self, mutual: bool) -> String {
+        let p = |f: &str| format!("{:?}", self.path(f).display().to_string());
+        let ca = if mutual {
+            format!("client_ca_file = {}\n", p("ca.crt"))
+        } else {
+            String::new()
+        };
+        format!(
+            "[[rules]]\nname = \"per-client\"\nkey = \"client-ip\"\nrate = \"1/h\"\nburst = 2\n\n\
+             [server.tls]\ncert_file = {}\nkey_file = {}\n{ca}",
+            p("server.crt"),
+            p("server.key"),
+        )
+    }
+}
+
+impl Drop for Certs {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn pem_certs(path: &Path) -> Vec<CertificateDer<'static>> {
+    CertificateDer::pem_file_iter(path)
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap()
+}
+
+/// The decision endpoints on TLS, from `policy`.
+async fn serve(policy: &str) -> std::net::SocketAddr {
+    let file = PolicyFile::parse(policy).unwrap();
+    let tls = tollgate_server::tls::load(file.server().unwrap().tls.as_ref().unwrap()).unwrap();
+    let gate = Tollgate::for_decisions(&file, &MemoryStore::new()).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = tollgate_server::decisions(gate);
+    tokio::spawn(async move { tollgate_server::serve_tls(listener, &tls, app).await });
+    addr
+}
+
+/// One HTTP/1.1 request over TLS, trusting the test CA (with the client
+/// certificate, if `client`): the response's status line, or the error.
+async fn get(
+    addr: std::net::SocketAddr,
+    certs: &Certs,
+    client: bool,
+    path: &str,
+) -> Result<String, String> {
+    #[allow(deprecated)]
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for c in pem_certs(&certs.path("ca.crt")) {
+        roots.add(c).unwrap();
+    }
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots);
+    let config = if client {
+        builder
+            .with_client_auth_cert(
+                pem_certs(&certs.path("client.crt")),
+                PrivateKeyDer::from_pem_file(certs.path("client.key")).unwrap(),
+            )
+            .unwrap()
+    } else {
+        builder.with_no_client_auth()
+    };
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let name = ServerName::try_from("localhost").unwrap();
+    let mut tls = connector
+        .connect(name, tcp)
+        .await
+        .map_err(|e| e.to_string())?;
+    let req = format!(
+        "GET {path} HTTP/1.1\r\nhost: localhost\r\nx-forwarded-method: GET\r\nx-forwarded-uri: /api\r\nconnection: close\r\n\r\n"
+    );
+    tls.write_all(req.as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    tls.read_to_end(&mut out).await.map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&out).into_owned();
+    Ok(text.lines().next().unwrap_or_default().to_owned())
+}
+
+#[tokio::test]
+async fn the_decision_endpoints_serve_tls() {
+    let certs = Certs::make();
+    let addr = serve(&certs.policy(false)).await;
+    assert_eq!(
+        get(addr, &certs, false, "/healthz").await.unwrap(),
+        "HTTP/1.1 200 OK"
+    );
+    // The limit holds over TLS, keyed by the peer's address.
+    for _ in 0..2 {
+        assert_eq!(
+            get(addr, &certs, false, "/check").await.unwrap(),
+            "HTTP/1.1 200 OK"
+        );
+    }
+    assert_eq!(
+        get(addr, &certs, false, "/check").await.unwrap(),
+        "HTTP/1.1 429 Too Many Requests"
+    );
+    // Plain HTTP on the TLS port gets no answer, and the server goes on.
+    let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    tcp.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    let _ = tcp.read_to_end(&mut out).await;
+    assert!(!String::from_utf8_lossy(&out).contains("200 OK"));
+    assert_eq!(
+        get(addr, &certs, false, "/healthz").await.unwrap(),
+        "HTTP/1.1 200 OK"
+    );
+}
+
+#[tokio::test]
+async fn mutual_tls_serves_only_clients_the_ca_signed() {
+    let certs = Certs::make();
+    let addr = serve(&certs.policy(true)).await;
+    assert_eq!(
+        get(addr, &certs, true, "/healthz").await.unwrap(),
+        "HTTP/1.1 200 OK"
+    );
+    // Without a certificate: refused in the handshake (TLS 1.3 reports it
+    // on the first read).
+    assert!(get(addr, &certs, false, "/healthz").await.is_err());
+}
+
+#[tokio::test]
+async fn envoy_s_rate_limit_service_serves_tls() {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+    let certs = Certs::make();
+    let file = PolicyFile::parse(&certs.policy(false)).unwrap();
+    let tls = tollgate_server::tls::load(file.server().unwrap().tls.as_ref().unwrap()).unwrap();
+    let config = certs.path("rls.yaml");
+    std::fs::write(
+        &config,
+        "domain: edge\ndescriptors:\n  - key: k\n    rate_limit: { unit: hour, requests_per_unit: 1 }\n",
+    )
+    .unwrap();
+    let store = MemoryStore::new();
+    let rls = tollgate_server::rls::Rls::new(
+        tollgate_server::envoy::Domains::load(&[config], &store).unwrap(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { tollgate_server::rls::serve_with(listener, rls, Some(&tls)).await });
+    let ca = std::fs::read(certs.path("ca.crt")).unwrap();
+    let tls = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(ca))
+        .domain_name("localhost");
+    let mut client = None;
+    for _ in 0..50 {
+        let endpoint = tonic::transport::Endpoint::from_shared(format!("https://{addr}"))
+            .unwrap()
+            .tls_config(tls.clone())
+            .unwrap();
+        if let Ok(channel) = endpoint.connect().await {
+            client = Some(RateLimitServiceClient::new(channel));
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let mut client = client.expect("the rate limit service over TLS");
+    let ask = || RateLimitRequest {
+        domain: "edge".to_owned(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry {
+                key: "k".to_owned(),
+                value: "v".to_owned(),
+            }],
+            ..RateLimitDescriptor::default()
+        }],
+        hits_addend: 0,
+    };
+    let code = |r: tonic::Response<_>| {
+        let r: envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse = r.into_inner();
+        Code::try_from(r.overall_code).unwrap()
+    };
+    assert_eq!(
+        code(client.should_rate_limit(ask()).await.unwrap()),
+        Code::Ok
+    );
+    assert_eq!(
+        code(client.should_rate_limit(ask()).await.unwrap()),
+        Code::OverLimit
+    );
+}
+
+#[test]
+fn bad_tls_files_are_named_and_keys_never_printed() {
+    let certs = Certs::make();
+    let files = |policy: String| {
+        PolicyFile::parse(&policy)
+            .unwrap()
+            .server()
+            .unwrap()
+            .tls
+            .unwrap()
+    };
+    // The key where the certificate should be, and the reverse.
+    let swapped = certs
+        .policy(false)
+        .replace("server.crt", "TMP")
+        .replace("server.key", "server.crt")
+        .replace("TMP", "server.key");
+    let e = tollgate_server::tls::load(&files(swapped)).unwrap_err();
+    assert!(
+        e.starts_with("server.tls.cert_file: holds no certificate"),
+        "{e}"
+    );
+    let key = std::fs::read_to_string(certs.path("server.key")).unwrap();
+    let body = key.lines().nth(1).unwrap();
+    assert!(!e.contains(body), "{e}");
+    let missing = certs.policy(false).replace("server.key", "nowhere.key");
+    let e = tollgate_server::tls::load(&files(missing)).unwrap_err();
+    assert!(e.starts_with("server.tls.key_file: cannot read"), "{e}");
+    // A key that is not the certificate's.
+    let other = certs.policy(false).replace("server.key", "client.key");
+    let e = tollgate_server::tls::load(&files(other)).unwrap_err();
+    assert!(
+        e.starts_with("server.tls.key_file: does not go with cert_file"),
+        "{e}"
+    );
+    // An empty name is refused when the file is read.
+    let e = PolicyFile::parse(&certs.policy(false).replace(
+        &format!("{:?}", certs.path("server.crt").display().to_string()),
+        "\"\"",
+    ))
+    .unwrap_err();
+    assert_eq!(e.field(), "server.tls.cert_file");
+    assert_eq!(e.line(), 8);
+}

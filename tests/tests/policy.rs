@@ -874,3 +874,69 @@ async fn hot_keys_over_a_redis_that_is_down_strike_no_ladder() {
         );
     }
 }
+
+/// Issue 32: a change of `[store]` is a reload too. A store that cannot
+/// be built refuses the reload (the running policy stays, on its store);
+/// one that can takes every limit, rules and quotas alike, from nothing.
+#[tokio::test]
+async fn a_changed_store_section_moves_every_limit_to_the_new_store() {
+    use axum::body::Body;
+    use tollgate::config::{Reloaded, Tollgate};
+    let Some(redis) = Server::start() else { return };
+    let dir = std::env::temp_dir().join(format!("tollgate-restore-{}", unique_prefix()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("policy.toml");
+    let base = "[[rules]]\nname = \"all\"\nkey = \"global\"\nrate = \"2/h\"\nburst = 2\n\n\
+                [[quotas]]\nname = \"daily\"\nkey = \"global\"\nlimits = { day = 5 }\n\n";
+    std::fs::write(&path, format!("{base}[store]\nkind = \"memory\"\n")).unwrap();
+    let (gate, reloader) = Tollgate::from_file(&path).unwrap();
+    let app = axum::Router::new()
+        .route("/", axum::routing::get(|| async { "ok" }))
+        .route_layer(gate);
+    let status = || {
+        let app = app.clone();
+        async move {
+            app.oneshot(Request::get("/").body(Body::empty()).unwrap())
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(status().await, 200);
+    assert_eq!(status().await, 200);
+    assert_eq!(status().await, 429);
+    // Its URL's variable is not set: refused, and memory still refuses.
+    std::fs::write(
+        &path,
+        format!("{base}[store]\nkind = \"redis\"\nurl_env = \"TOLLGATE_TEST_UNSET_URL\"\nprefix = \"t\"\n"),
+    )
+    .unwrap();
+    let e = reloader.reload().unwrap_err();
+    assert_eq!(e.field(), "store.url_env", "{e}");
+    assert_eq!(status().await, 429);
+    // Redis: applied; the limits count there, from nothing.
+    let prefix = unique_prefix();
+    std::fs::write(
+        &path,
+        format!(
+            "{base}[store]\nkind = \"redis\"\nurl = \"{}\"\nprefix = \"{prefix}\"\n",
+            redis.url()
+        ),
+    )
+    .unwrap();
+    assert_eq!(reloader.reload().unwrap(), Reloaded::Applied);
+    assert_eq!(status().await, 200);
+    assert_eq!(status().await, 200);
+    assert_eq!(status().await, 429);
+    let keys = redis.cli(&["--scan", "--pattern", &format!("{prefix}*")]);
+    assert!(
+        keys.lines().count() >= 2,
+        "rule and quota keys on Redis: {keys:?}"
+    );
+    // And back to memory: from nothing again.
+    std::fs::write(&path, format!("{base}[store]\nkind = \"memory\"\n")).unwrap();
+    assert_eq!(reloader.reload().unwrap(), Reloaded::Applied);
+    assert_eq!(status().await, 200);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -516,11 +516,15 @@ impl<St: Store + QuotaStore> Tollgate<St> {
         let decisions_only = self.decisions_only;
         super::Reloader::new(path, file, store, &self.policy)
             .customize(customize)
-            .also(move |file, store| {
+            .also(move |file, store, fresh| {
                 if decisions_only {
                     decidable(file)?;
                 }
-                let next = Limits::build(file, store, Some(&limits.load()), decisions_only)?;
+                // On a new store, no limit carries over (its state, and
+                // its handles, are the old store's).
+                let before = limits.load();
+                let before = (!fresh).then_some(&**before);
+                let next = Limits::build(file, store, before, decisions_only)?;
                 let limits = Arc::clone(&limits);
                 Ok(Box::new(move || limits.store(Arc::new(next))))
             })
@@ -533,9 +537,11 @@ impl Tollgate<crate::AnyStore> {
     /// [`Reloader`](super::Reloader) for it: call
     /// [`spawn`](super::Reloader::spawn) to reload on SIGHUP and on
     /// change. Call it inside a Tokio runtime (a Redis store starts its
-    /// connection task). A change to `[store]` applies at the next start
-    /// (a reload says so in the log); every other section applies on
-    /// reload.
+    /// connection task). Every section applies on reload, `[store]`
+    /// included: a changed `[store]` is built (a store that cannot be,
+    /// e.g. its URL's variable unset, refuses the reload and the running
+    /// policy stays) and every limit moves to it, from nothing there;
+    /// requests under way finish on the store they started on.
     ///
     /// ```no_run
     /// use std::time::Duration;
@@ -558,7 +564,9 @@ impl Tollgate<crate::AnyStore> {
         let file = PolicyFile::read(path)?;
         let store = file.store()?;
         let gate = Self::new(&file, &store)?;
-        let reloader = gate.reloader(path, &file, store, |b| b);
+        let reloader = gate
+            .reloader(path, &file, store, |b| b)
+            .restore(PolicyFile::store);
         Ok((gate, reloader))
     }
 }

@@ -136,9 +136,12 @@
 //! Names are unique across the lists (one store holds them all). A
 //! [`Reloader`] checks every section of a new file (one that does not
 //! load is refused). The reloader of a [`Tollgate`] applies every section
-//! but `[store]` and `[[retry_budgets]]`; a [`PolicyLayer`]'s own applies
-//! its rules, and a change to the other sections takes effect when their
-//! layers are built again (it is logged).
+//! but `[[retry_budgets]]` (a client's layers), and `[store]` too when
+//! the `Tollgate` came from [`Tollgate::from_file`] (which built the
+//! store): every limit moves to the new store, from nothing there. A
+//! [`PolicyLayer`]'s own applies its rules, and a change to the other
+//! sections takes effect when their layers are built again (it is
+//! logged).
 //!
 //! [`PolicyLayer`]: crate::PolicyLayer
 //!

@@ -15,9 +15,14 @@ use crate::MemoryStore;
 type Prepare = Arc<dyn Fn(PolicyFile) -> Result<PolicyFile, FileError> + Send + Sync>;
 
 /// What a reload also applies: the other sections' layers, built from
-/// the file on a store handle, and applied by the closure returned.
-type Also<St> =
-    Arc<dyn Fn(&PolicyFile, &St) -> Result<Box<dyn FnOnce() + Send>, FileError> + Send + Sync>;
+/// the file on a store handle (`true`: a new store, where no limit's
+/// state carries over), and applied by the closure returned.
+type Also<St> = Arc<
+    dyn Fn(&PolicyFile, &St, bool) -> Result<Box<dyn FnOnce() + Send>, FileError> + Send + Sync,
+>;
+
+/// The store a file's changed `[store]` names, built.
+type Restore<St> = Arc<dyn Fn(&PolicyFile) -> Result<St, FileError> + Send + Sync>;
 
 type Customize<B> = Arc<
     dyn Fn(PolicyLayerBuilder<B, MemoryStore>) -> PolicyLayerBuilder<B, MemoryStore> + Send + Sync,
@@ -46,7 +51,10 @@ type Customize<B> = Arc<
 /// ```
 pub struct Reloader<B, St: Store> {
     path: PathBuf,
-    store: St,
+    /// The store the running policy is on (replaced when a reload
+    /// applies a new `[store]`, with [`restore`](Self::restore)).
+    store: Mutex<St>,
+    restore: Option<Restore<St>>,
     layer: PolicyLayer<B, St>,
     customize: Option<Customize<B>>,
     prepare: Option<Prepare>,
@@ -144,7 +152,8 @@ impl<B, St: Store> Reloader<B, St> {
     ) -> Self {
         Self {
             path: path.as_ref().to_owned(),
-            store,
+            store: Mutex::new(store),
+            restore: None,
             layer: layer.clone(),
             customize: None,
             prepare: None,
@@ -189,12 +198,25 @@ impl<B, St: Store> Reloader<B, St> {
     #[cfg(feature = "axum")]
     pub(super) fn also<F>(mut self, f: F) -> Self
     where
-        F: Fn(&PolicyFile, &St) -> Result<Box<dyn FnOnce() + Send>, FileError>
+        F: Fn(&PolicyFile, &St, bool) -> Result<Box<dyn FnOnce() + Send>, FileError>
             + Send
             + Sync
             + 'static,
     {
         self.also = Some(Arc::new(f));
+        self
+    }
+
+    /// How a reload builds the store when the file's `[store]` changed
+    /// ([`Tollgate::from_file`](super::Tollgate::from_file)): the new
+    /// policy is checked and built on it, and it becomes the running
+    /// store. A store that cannot be built refuses the reload.
+    #[cfg(feature = "axum")]
+    pub(super) fn restore<F>(mut self, f: F) -> Self
+    where
+        F: Fn(&PolicyFile) -> Result<St, FileError> + Send + Sync + 'static,
+    {
+        self.restore = Some(Arc::new(f));
         self
     }
 
@@ -278,36 +300,66 @@ impl<B, St: Store> Reloader<B, St> {
         // On a throwaway store first: a file that fails to build must not
         // rebind a single rule of the running store.
         file.check::<B>(customize)?;
-        // Then through a checking handle on the running store, which binds
-        // as the rebinding below will and changes nothing: what only that
-        // store refuses (a name another layer binds to another kind of
-        // rule, spans Redis cannot hold) stops the reload here too, not
-        // after the rules before it were rebound.
-        let checked = customize(file.builder::<B>()?).store(self.store.checking());
+        let before = PolicyFile::parse_unchecked(&running, None).ok();
+        // A changed `[store]` (where the reloader can build one): the new
+        // policy goes on the new store, from nothing.
+        let new_store = match (&self.restore, &before) {
+            (Some(restore), Some(b)) if b.spec.store != file.spec.store => Some(restore(&file)?),
+            _ => None,
+        };
+        let fresh = new_store.is_some();
+        let store = match &new_store {
+            Some(s) => s.clone(),
+            None => self
+                .store
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone(),
+        };
+        // Then through a checking handle on the store, which binds as the
+        // rebinding below will and changes nothing: what only that store
+        // refuses (a name another layer binds to another kind of rule,
+        // spans Redis cannot hold) stops the reload here too, not after
+        // the rules before it were rebound.
+        let checked = customize(file.builder::<B>()?).store(store.checking());
         metrics::with_local_recorder(&metrics::NoopRecorder, || checked.build())
             .map(drop)
             .map_err(|e| file.config_error(&e))?;
         if let Some(also) = &self.also {
-            let checking = self.store.checking();
-            metrics::with_local_recorder(&metrics::NoopRecorder, || also(&file, &checking))
+            let checking = store.checking();
+            metrics::with_local_recorder(&metrics::NoopRecorder, || also(&file, &checking, fresh))
                 .map(drop)?;
         }
+        // The running store's rules rebind (their state goes on); a new
+        // store's are bound as new.
+        let binding = if fresh {
+            store.clone()
+        } else {
+            store.rebinding()
+        };
         let next = customize(file.builder::<B>()?)
-            .store(self.store.rebinding())
+            .store(binding.clone())
             .build()
             .map_err(|e| file.config_error(&e))?;
         let swap_others = match &self.also {
-            Some(also) => Some(also(&file, &self.store.rebinding())?),
+            Some(also) => Some(also(&file, &binding, fresh)?),
             None => None,
         };
         self.layer.replace(&next);
         if let Some(swap) = swap_others {
             swap();
         }
+        if let Some(s) = new_store {
+            tracing::info!(target: "tollgate", "the policy moved to the new [store]");
+            *self.store.lock().unwrap_or_else(PoisonError::into_inner) = s;
+        }
         // What a reload does not apply, said when it changed: the other
         // sections are read when their layers are built (at start).
-        if let Ok(before) = PolicyFile::parse_unchecked(&running, None) {
+        if let Some(before) = before {
             let mut changed = file.unapplied_changes(&before);
+            if self.restore.is_some() {
+                changed.retain(|c| *c != "[store]");
+            }
             // With the other layers reloaded too, what stays is what no
             // layer here is built from (the store, a client's retries).
             if self.also.is_some() {

@@ -156,6 +156,17 @@ async fn get(
     client: bool,
     path: &str,
 ) -> Result<String, String> {
+    get_from(addr, certs, client, path, "127.0.0.1").await
+}
+
+/// [`get`], from the loopback address `from` (127.0.0.1, 127.0.0.2...).
+async fn get_from(
+    addr: std::net::SocketAddr,
+    certs: &Certs,
+    client: bool,
+    path: &str,
+    from: &str,
+) -> Result<String, String> {
     #[allow(deprecated)]
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut roots = rustls::RootCertStore::empty();
@@ -177,7 +188,7 @@ async fn get(
         builder.with_no_client_auth()
     };
     let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let tcp = connect_from(addr, from).await;
     let name = ServerName::try_from("localhost").unwrap();
     let mut tls = connector
         .connect(name, tcp)
@@ -226,6 +237,53 @@ async fn the_decision_endpoints_serve_tls() {
         get(addr, &certs, false, "/healthz").await.unwrap(),
         "HTTP/1.1 200 OK"
     );
+}
+
+/// A TCP connection to `addr` from the loopback address `from`.
+async fn connect_from(addr: std::net::SocketAddr, from: &str) -> tokio::net::TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
+    socket.connect(addr).await.unwrap()
+}
+
+/// Review of the TLS listener: clients that open connections and never
+/// finish a handshake hold at most 16 handshakes of their address; a
+/// further connection from it is closed at once, and other addresses are
+/// served all along.
+#[tokio::test]
+async fn stalled_handshakes_hold_only_their_own_address() {
+    let certs = Certs::make();
+    let addr = serve(&certs.policy(false)).await;
+    let mut stalled = Vec::new();
+    for _ in 0..16 {
+        stalled.push(connect_from(addr, "127.0.0.1").await);
+    }
+    // The 17th from the same address: closed without a word (bounded
+    // wait, only for a failure to show).
+    let mut extra = connect_from(addr, "127.0.0.1").await;
+    let mut buf = [0u8; 16];
+    let read = tokio::time::timeout(std::time::Duration::from_secs(20), extra.read(&mut buf))
+        .await
+        .expect("closed at once");
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    // Another address is served meanwhile.
+    assert_eq!(
+        get_from(addr, &certs, false, "/healthz", "127.0.0.2")
+            .await
+            .unwrap(),
+        "HTTP/1.1 200 OK"
+    );
+    // Once they go, the address is served again.
+    drop(stalled);
+    let mut served = false;
+    for _ in 0..100 {
+        if get(addr, &certs, false, "/healthz").await == Ok("HTTP/1.1 200 OK".to_owned()) {
+            served = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(served);
 }
 
 #[tokio::test]
@@ -349,4 +407,31 @@ fn bad_tls_files_are_named_and_keys_never_printed() {
     .unwrap_err();
     assert_eq!(e.field(), "server.tls.cert_file");
     assert_eq!(e.line(), 8);
+}
+
+/// Review of the TLS listener: dropped (a server that stops), it stops
+/// accepting and its port is free, so clients are refused and go
+/// elsewhere rather than being handed a handshake and a reset.
+#[tokio::test]
+async fn a_dropped_tls_listener_frees_its_port() {
+    let certs = Certs::make();
+    let file = PolicyFile::parse(&certs.policy(false)).unwrap();
+    let tls = tollgate_server::tls::load(file.server().unwrap().tls.as_ref().unwrap()).unwrap();
+    let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = tcp.local_addr().unwrap();
+    let listener = tollgate_server::tls::listener(tcp, &tls).unwrap();
+    // Its accept loop has taken a connection, and waits for the next.
+    let first = tokio::net::TcpStream::connect(addr).await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    drop(listener);
+    drop(first);
+    let mut freed = false;
+    for _ in 0..200 {
+        if tokio::net::TcpListener::bind(addr).await.is_ok() {
+            freed = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(freed, "the port is still held");
 }

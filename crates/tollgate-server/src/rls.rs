@@ -356,18 +356,29 @@ pub async fn serve_with<L: Limiter + Send + Sync + 'static>(
     reporter
         .set_serving::<RateLimitServiceServer<Rls<L>>>()
         .await;
-    let mut server = tonic::transport::Server::builder();
-    if let Some(tls) = tls {
-        server = server.tls_config(tls.grpc())?;
-    }
-    server
+    let router = tonic::transport::Server::builder()
         .add_service(health)
-        .add_service(RateLimitServiceServer::new(rls))
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            crate::shutdown(),
-        )
-        .await
+        .add_service(RateLimitServiceServer::new(rls));
+    match tls {
+        // Handshakes as the decision endpoints' (see `tls`): a deadline,
+        // and caps per address and in all.
+        Some(tls) => {
+            router
+                .serve_with_incoming_shutdown(
+                    crate::tls::grpc_incoming(listener, tls),
+                    crate::shutdown(),
+                )
+                .await
+        }
+        None => {
+            router
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    crate::shutdown(),
+                )
+                .await
+        }
+    }
 }
 
 /// `name` as a structured field string's content: printable ASCII, with

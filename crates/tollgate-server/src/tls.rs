@@ -2,10 +2,21 @@
 //! (`[server.tls]`), with rustls: the server's certificate, and
 //! optionally the CA a client's certificate must be signed by (mutual
 //! TLS, as a service mesh's sidecars present).
+//!
+//! Both services take their connections from one accept loop each that
+//! runs every handshake on a task of its own, under a deadline and two
+//! caps, so that clients that never finish a handshake can neither hold
+//! the listener nor crowd out the others: at most
+//! [`MAX_HANDSHAKES_PER_ADDRESS`] under way per client address (an IPv6
+//! address by its /64), and at most [`MAX_HANDSHAKES`] in all, beyond
+//! which connections wait in the kernel's backlog (not refused) until one
+//! ends. A connection refused for its address is counted in
+//! `tollgate_server_tls_refused_total{reason}`.
 
-use std::net::SocketAddr;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
@@ -17,16 +28,19 @@ use tokio_rustls::server::TlsStream;
 use tollgate::config::TlsFiles;
 
 /// How long a client has to finish its handshake.
-const HANDSHAKE: Duration = Duration::from_secs(10);
-/// Handshakes under way at once; a connection beyond is closed at once,
-/// so that a flood of idle connections cannot hold the listener.
-const MAX_HANDSHAKES: usize = 1024;
+pub const HANDSHAKE: Duration = Duration::from_secs(5);
+/// Handshakes under way at once, in all; connections beyond wait in the
+/// kernel's backlog until one ends.
+pub const MAX_HANDSHAKES: usize = 1024;
+/// Handshakes under way at once from one client address (an IPv6
+/// address by its /64); a connection beyond is closed at once.
+pub const MAX_HANDSHAKES_PER_ADDRESS: u32 = 16;
 
 /// The server's TLS settings, read and checked ([`load`]).
 #[derive(Clone)]
 pub struct Tls {
     http: Arc<rustls::ServerConfig>,
-    grpc: tonic::transport::ServerTlsConfig,
+    grpc: Arc<rustls::ServerConfig>,
 }
 
 impl std::fmt::Debug for Tls {
@@ -60,17 +74,17 @@ pub fn load(files: &TlsFiles) -> Result<Tls, String> {
         "server.tls.key_file: holds no private key (PEM: PKCS#8, PKCS#1 or SEC1)".to_owned()
     })?;
     // One crypto provider, named: not the process default, which is
-    // ambiguous (and a panic) where a build enables two. *ring*, as
-    // tonic's TLS here: rustls now prefers aws-lc-rs (post-quantum key
-    // exchange), whose C build would weigh on every build of the server;
-    // the classical suites *ring* has are what Envoy and NGINX offer.
+    // ambiguous (and a panic) where a build enables two. *ring*: rustls
+    // now prefers aws-lc-rs (post-quantum key exchange), whose C build
+    // would weigh on every build of the server; the classical suites
+    // *ring* has are what Envoy and NGINX offer.
     #[allow(deprecated)]
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = rustls::ServerConfig::builder_with_provider(Arc::clone(&provider))
         .with_safe_default_protocol_versions()
         .map_err(|e| format!("server.tls: {e}"))?;
-    let (builder, client_ca) = match &files.client_ca_file {
-        None => (builder.with_no_client_auth(), None),
+    let builder = match &files.client_ca_file {
+        None => builder.with_no_client_auth(),
         Some(path) => {
             let pem = read(path, "client_ca_file")?;
             let mut roots = rustls::RootCertStore::empty();
@@ -85,49 +99,101 @@ pub fn load(files: &TlsFiles) -> Result<Tls, String> {
             )
             .build()
             .map_err(|e| format!("server.tls.client_ca_file: {e}"))?;
-            (builder.with_client_cert_verifier(verifier), Some(pem))
+            builder.with_client_cert_verifier(verifier)
         }
     };
-    let mut http = builder.with_single_cert(certs, key).map_err(|e| {
+    let config = builder.with_single_cert(certs, key).map_err(|e| {
         format!("server.tls.key_file: does not go with cert_file, or cannot be used: {e}")
     })?;
-    http.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let mut grpc = tonic::transport::ServerTlsConfig::new()
-        .identity(tonic::transport::Identity::from_pem(&cert_pem, &key_pem));
-    if let Some(pem) = client_ca {
-        grpc = grpc.client_ca_root(tonic::transport::Certificate::from_pem(pem));
-    }
+    let alpn = |protocol: &[u8]| {
+        let mut c = config.clone();
+        c.alpn_protocols = vec![protocol.to_vec()];
+        Arc::new(c)
+    };
     Ok(Tls {
-        http: Arc::new(http),
-        grpc,
+        http: alpn(b"http/1.1"),
+        // gRPC clients (Envoy, grpc-go) ask for h2 by ALPN.
+        grpc: alpn(b"h2"),
     })
 }
 
-impl Tls {
-    /// The gRPC server's settings (Envoy's rate limit service).
-    pub(crate) fn grpc(&self) -> tonic::transport::ServerTlsConfig {
-        self.grpc.clone()
+/// A connection whose handshake finished, and its peer.
+type Accepted = (TlsStream<TcpStream>, SocketAddr);
+
+/// Handshakes under way per client address.
+#[derive(Default)]
+struct PerAddress(Mutex<HashMap<IpAddr, u32>>);
+
+impl PerAddress {
+    /// Counts one more from `ip`, if it has fewer than the cap under way.
+    fn enter(self: &Arc<Self>, ip: IpAddr) -> Option<Leave> {
+        let ip = coarse(ip);
+        let mut map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let n = map.entry(ip).or_insert(0);
+        if *n >= MAX_HANDSHAKES_PER_ADDRESS {
+            return None;
+        }
+        *n = n.saturating_add(1);
+        Some(Leave(Arc::clone(self), ip))
     }
 }
 
-/// A listener whose connections are TLS: each handshake on a task of its
-/// own (with a deadline), so that a slow client never holds up the
-/// others' accepts. An axum [`Listener`](axum::serve::Listener).
-#[derive(Debug)]
-pub struct TlsListener {
-    incoming: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
-    local: SocketAddr,
+/// One handshake of an address under way; counted out when dropped.
+struct Leave(Arc<PerAddress>, IpAddr);
+
+impl Drop for Leave {
+    fn drop(&mut self) {
+        let mut map = (self.0).0.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(n) = map.get_mut(&self.1) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                map.remove(&self.1);
+            }
+        }
+    }
 }
 
-/// Accepts TLS connections on `tcp` (see [`TlsListener`]).
-pub fn listener(tcp: TcpListener, tls: &Tls) -> std::io::Result<TlsListener> {
-    let local = tcp.local_addr()?;
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::clone(&tls.http));
-    let (tx, incoming) = mpsc::channel(64);
+/// An IPv6 address by its /64 (one client's share of addresses), an
+/// IPv4 one (or an IPv4-mapped IPv6 one) as it is.
+fn coarse(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let mut o = v6.octets();
+                o[8..].fill(0);
+                IpAddr::V6(o.into())
+            }
+        },
+        v4 => v4,
+    }
+}
+
+/// Accepts on `tcp` and hands each connection whose handshake (with
+/// `config`) finished in time to `tx`, until `tx` is closed.
+fn accept_loop(tcp: TcpListener, config: Arc<rustls::ServerConfig>) -> mpsc::Receiver<Accepted> {
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    let (tx, rx) = mpsc::channel(64);
     let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+    let per_address = Arc::new(PerAddress::default());
+    let refused = metrics::counter!("tollgate_server_tls_refused_total", "reason" => "per_address");
+    let timed_out = metrics::counter!("tollgate_server_tls_refused_total", "reason" => "timeout");
     tokio::spawn(async move {
-        while !tx.is_closed() {
-            let (stream, peer) = match tcp.accept().await {
+        loop {
+            // Room for one more handshake first: beyond the cap,
+            // connections wait in the backlog, not refused.
+            let permit = tokio::select! {
+                () = tx.closed() => break,
+                p = Arc::clone(&handshakes).acquire_owned() => match p {
+                    Ok(p) => p,
+                    Err(_) => break,
+                },
+            };
+            let accepted = tokio::select! {
+                () = tx.closed() => break,
+                a = tcp.accept() => a,
+            };
+            let (stream, peer) = match accepted {
                 Ok(accepted) => accepted,
                 Err(e) => {
                     // Out of file descriptors and the like: pause, as
@@ -137,24 +203,58 @@ pub fn listener(tcp: TcpListener, tls: &Tls) -> std::io::Result<TlsListener> {
                     continue;
                 }
             };
-            let Ok(permit) = Arc::clone(&handshakes).try_acquire_owned() else {
-                tracing::debug!(%peer, "too many TLS handshakes under way: connection closed");
+            let Some(leave) = per_address.enter(peer.ip()) else {
+                refused.increment(1);
+                tracing::debug!(%peer, "too many TLS handshakes from this address: closed");
                 continue;
             };
-            let (acceptor, tx) = (acceptor.clone(), tx.clone());
+            let (acceptor, tx, timed_out) = (acceptor.clone(), tx.clone(), timed_out.clone());
             tokio::spawn(async move {
-                let _permit = permit;
-                match tokio::time::timeout(HANDSHAKE, acceptor.accept(stream)).await {
+                let handshake = tokio::time::timeout(HANDSHAKE, acceptor.accept(stream)).await;
+                drop((permit, leave));
+                match handshake {
                     Ok(Ok(stream)) => {
                         let _ = tx.send((stream, peer)).await;
                     }
                     Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
-                    Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                    Err(_) => {
+                        timed_out.increment(1);
+                        tracing::debug!(%peer, "TLS handshake timed out");
+                    }
                 }
             });
         }
     });
-    Ok(TlsListener { incoming, local })
+    rx
+}
+
+/// A listener whose connections are TLS (see the [module docs](self)):
+/// an axum [`Listener`](axum::serve::Listener). Dropped, it stops
+/// accepting and closes its socket.
+#[derive(Debug)]
+pub struct TlsListener {
+    incoming: mpsc::Receiver<Accepted>,
+    local: SocketAddr,
+}
+
+/// Accepts TLS connections for the decision endpoints on `tcp`.
+pub fn listener(tcp: TcpListener, tls: &Tls) -> std::io::Result<TlsListener> {
+    let local = tcp.local_addr()?;
+    Ok(TlsListener {
+        incoming: accept_loop(tcp, Arc::clone(&tls.http)),
+        local,
+    })
+}
+
+/// The connections of Envoy's rate limit service on `tcp`, as tonic's
+/// `serve_with_incoming` takes them (ALPN `h2`).
+pub(crate) fn grpc_incoming(
+    tcp: TcpListener,
+    tls: &Tls,
+) -> impl tokio_stream::Stream<Item = Result<TlsStream<TcpStream>, std::io::Error>> {
+    use tokio_stream::StreamExt;
+    tokio_stream::wrappers::ReceiverStream::new(accept_loop(tcp, Arc::clone(&tls.grpc)))
+        .map(|(stream, _)| Ok(stream))
 }
 
 impl axum::serve::Listener for TlsListener {
@@ -171,5 +271,30 @@ impl axum::serve::Listener for TlsListener {
 
     fn local_addr(&self) -> std::io::Result<SocketAddr> {
         Ok(self.local)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_are_counted_by_client() {
+        let per = Arc::new(PerAddress::default());
+        let a: IpAddr = "2001:db8::1".parse().unwrap();
+        let same_64: IpAddr = "2001:db8::ffff:1".parse().unwrap();
+        let other: IpAddr = "2001:db8:0:1::1".parse().unwrap();
+        let held: Vec<_> = (0..MAX_HANDSHAKES_PER_ADDRESS)
+            .map(|_| per.enter(a).unwrap())
+            .collect();
+        assert!(per.enter(same_64).is_none());
+        assert!(per.enter(other).is_some());
+        drop(held);
+        assert!(per.enter(same_64).is_some());
+        // Counted out to nothing: no entry left behind.
+        assert!(per.0.lock().unwrap().is_empty());
+        let mapped: IpAddr = "::ffff:10.0.0.1".parse().unwrap();
+        assert_eq!(coarse(mapped), "10.0.0.1".parse::<IpAddr>().unwrap());
     }
 }

@@ -15,8 +15,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tollgate_core::{
-    ConcurrencyRule, ConfigError, Decision, Limit, Limiter, ManualClock, Rate, Rule, Store,
-    StoreError,
+    BoxFuture, ConcurrencyRule, ConfigError, Decision, JointDecision, JointPart, Limit, Limiter,
+    ManualClock, Outcome, Rate, Rule, Store, StoreError,
 };
 use tollgate_memory::{MemoryLimiter, MemoryStore};
 use tollgate_redis::testing::{unique_prefix, Server};
@@ -34,6 +34,9 @@ struct Counted {
     slow: Arc<std::sync::atomic::AtomicBool>,
     /// While set, decisions fail after 50 ms (a store that times out).
     fail: Arc<std::sync::atomic::AtomicBool>,
+    /// While set, the store's "failure policy" admits every lease without
+    /// counting it (a fail-open store that is down).
+    open: Arc<std::sync::atomic::AtomicBool>,
 }
 
 #[derive(Clone, Debug)]
@@ -43,6 +46,7 @@ struct CountedLimiter {
     flying: Arc<(AtomicU64, AtomicU64)>,
     slow: Arc<std::sync::atomic::AtomicBool>,
     fail: Arc<std::sync::atomic::AtomicBool>,
+    open: Arc<std::sync::atomic::AtomicBool>,
 }
 
 type Boxed<T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send>>;
@@ -95,6 +99,28 @@ impl Limiter for CountedLimiter {
         self.inner.refund_now(key, cost);
         Box::pin(std::future::ready(Ok(())))
     }
+
+    /// While `open` is set, the failure policy's answer: admitted, never
+    /// counted (as a fail-open Redis store says through its joint step).
+    fn decide_joint(parts: &[JointPart<'_, Self>]) -> Option<BoxFuture<Vec<JointDecision>>> {
+        if !parts.first()?.limiter.open.load(Ordering::Relaxed) {
+            return None;
+        }
+        let answers = parts
+            .iter()
+            .map(|p| JointDecision {
+                decision: Ok(Decision {
+                    outcome: Outcome::Allow { delay: 0 },
+                    limit: p.limiter.rule().capacity(),
+                    remaining: 0,
+                    reset_after: 0,
+                }),
+                consumed: false,
+                failed: true,
+            })
+            .collect();
+        Some(Box::pin(std::future::ready(answers)))
+    }
 }
 
 impl Store for Counted {
@@ -108,6 +134,7 @@ impl Store for Counted {
             flying: Arc::clone(&self.flying),
             slow: Arc::clone(&self.slow),
             fail: Arc::clone(&self.fail),
+            open: Arc::clone(&self.open),
         })
     }
 
@@ -126,6 +153,7 @@ fn counted(clock: &ManualClock) -> Counted {
         flying: Arc::default(),
         slow: Arc::default(),
         fail: Arc::default(),
+        open: Arc::default(),
     }
 }
 
@@ -285,6 +313,92 @@ async fn give_back_returns_what_live_leases_hold() {
     tokio::task::yield_now().await;
     assert_eq!(plain.decide_now(b"e", 0).remaining, 100 - 8);
     assert_eq!(hot.give_back().await, 0);
+}
+
+/// Review of the give-back: a lease the failure policy granted is never
+/// given back, though the key's later answers came from the store (the
+/// key's flag said "owned" again, and the lease's units — never counted
+/// by the store — were credited to it).
+#[tokio::test]
+async fn a_lease_the_failure_policy_granted_is_never_given_back() {
+    let clock = ManualClock::starting_at(1_000_000_000);
+    let store = counted(&clock);
+    let hot = HotKeys::new()
+        .min_batch(8)
+        .max_batch(8)
+        .over_with_clock(store.clone(), clock.clone())
+        .unwrap();
+    let l = hot.limiter(&gcra(1, 100)).unwrap();
+    let plain = store.memory.limiter(&gcra(1, 100)).unwrap();
+    // The store is away and its policy admits: a lease of 8, 7 left.
+    store.open.store(true, Ordering::Relaxed);
+    assert!(l.decide(b"k", 1).await.unwrap().is_allowed());
+    // Back: a decision the lease cannot answer goes to the store itself.
+    store.open.store(false, Ordering::Relaxed);
+    assert!(l.decide(b"k", 10).await.unwrap().is_allowed());
+    assert_eq!(plain.decide_now(b"k", 0).remaining, 100 - 10);
+    // Stopping: the policy's 7 units are not the store's to take.
+    assert_eq!(hot.give_back().await, 0);
+    assert_eq!(plain.decide_now(b"k", 0).remaining, 100 - 10);
+}
+
+/// Review of `[store.hot_keys]`: rules left out of `rules` are decided
+/// as the store decides them without leases — together, in one script
+/// call (all or nothing among them), not one call per rule.
+#[tokio::test]
+async fn rules_not_leased_decide_together_in_one_store_call() {
+    let Some(redis) = Server::start() else { return };
+    let store = RedisStore::builder(&redis.url())
+        .prefix(&unique_prefix())
+        .build()
+        .unwrap();
+    let hot = HotKeys::new().rules(["leased"]).over(store).unwrap();
+    let rule = |name: &str| Rule::new(name, Limit::gcra(Rate::per_second(10), 1)).unwrap();
+    let (a, b, c) = (
+        hot.limiter(&rule("leased")).unwrap(),
+        hot.limiter(&rule("b")).unwrap(),
+        hot.limiter(&rule("c")).unwrap(),
+    );
+    assert!(a.is_leased() && !b.is_leased());
+    let part = |limiter| JointPart {
+        limiter,
+        key: b"k".as_slice(),
+        cost: 1,
+        enforced: true,
+    };
+    // The scripts loaded (a first call of each may take two).
+    let warm = |limiter| JointPart {
+        key: b"warm".as_slice(),
+        ..part(limiter)
+    };
+    tollgate_redis::HotLimiter::decide_joint(&[warm(&b), warm(&c)])
+        .unwrap()
+        .await;
+    a.decide(b"warm", 1).await.unwrap();
+    let before = redis.script_calls();
+    let answers = tollgate_redis::HotLimiter::decide_joint(&[part(&b), part(&c)])
+        .unwrap()
+        .await;
+    assert!(answers.iter().all(|a| a.consumed));
+    assert_eq!(redis.script_calls() - before, 1);
+    // All or nothing among them: `b` is spent, so `c` is not charged.
+    let answers = tollgate_redis::HotLimiter::decide_joint(&[part(&c), part(&b)])
+        .unwrap()
+        .await;
+    assert!(!answers[1].decision.as_ref().unwrap().is_allowed());
+    assert!(!answers[0].consumed);
+    // With a leased part beside them: still one call for the two.
+    let before = redis.script_calls();
+    let (d, e) = (
+        hot.limiter(&rule("d")).unwrap(),
+        hot.limiter(&rule("e")).unwrap(),
+    );
+    let answers = tollgate_redis::HotLimiter::decide_joint(&[part(&d), part(&a), part(&e)])
+        .unwrap()
+        .await;
+    assert!(answers.iter().all(|a| a.consumed));
+    // The leased part's lease, and one call for the other two.
+    assert_eq!(redis.script_calls() - before, 2);
 }
 
 #[tokio::test]

@@ -14,6 +14,9 @@ use tollgate::config::{PolicyFile, Tollgate};
 const DEFAULT_LISTEN: &str = "127.0.0.1:8081";
 /// Where Envoy's rate limit service listens without a `[server] grpc`.
 const DEFAULT_GRPC: &str = "127.0.0.1:8082";
+/// How long stopping waits for the rate limit service to drain, and then
+/// for leased units to go back.
+const SHUTDOWN: Duration = Duration::from_secs(10);
 
 #[tokio::main]
 async fn main() {
@@ -95,11 +98,15 @@ async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     // Both services drained (each stops on the same signal): what leases
     // hold goes back to the fleet now, not when their TTL ends.
     if let Some(task) = rls_task {
-        let _ = task.await;
+        let _ = tokio::time::timeout(SHUTDOWN, task).await;
     }
-    let units = store_for_rls.give_back().await;
     if store_for_rls.is_leased() {
-        tracing::info!(units, "stopped; leased units given back");
+        match tokio::time::timeout(SHUTDOWN, store_for_rls.give_back()).await {
+            Ok(units) => tracing::info!(units, "stopped; leased units given back"),
+            Err(_) => {
+                tracing::warn!("stopped; leased units not all given back in time (they lapse)")
+            }
+        }
     }
     Ok(())
 }

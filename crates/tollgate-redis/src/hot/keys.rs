@@ -23,6 +23,9 @@ pub(super) struct Lease {
     expires: u64,
     /// Units spent from it (what a refund may give back to it).
     spent: u64,
+    /// The store's failure policy granted it, not the store: its units
+    /// were never counted there, and never go back.
+    unowned: bool,
 }
 
 impl Lease {
@@ -32,7 +35,13 @@ impl Lease {
             units,
             expires,
             spent: 0,
+            unowned: false,
         }
+    }
+
+    /// Whether the store's failure policy granted it.
+    pub(super) fn unowned(&self) -> bool {
+        self.unowned
     }
 
     /// Whether it is on at `now`.
@@ -46,11 +55,13 @@ impl Lease {
     }
 
     /// Takes: `taken` units landed for a decision of `cost` (spent at
-    /// once), ending at `expires`, beside what it still holds.
-    pub(super) fn take(&mut self, taken: u64, cost: u64, expires: u64) {
+    /// once), ending at `expires`, beside what it still holds; `unowned`
+    /// if the store's failure policy granted them.
+    pub(super) fn take(&mut self, taken: u64, cost: u64, expires: u64, unowned: bool) {
         self.units = self.units.saturating_add(taken.saturating_sub(cost));
         self.spent = cost;
         self.expires = expires;
+        self.unowned = unowned;
     }
 
     /// Spends `cost` if it holds that much and is on at `now`.

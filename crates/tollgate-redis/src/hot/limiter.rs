@@ -199,53 +199,103 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
         }
     }
 
-    /// Each part decided as [`decide`](Self::decide) decides it, side by
-    /// side, each answer saying whether the store's failure policy gave it
-    /// (a lease or a refusal it granted, or its answer through the store),
-    /// so that a policy counts no strike on a refusal that says nothing
-    /// about the client. Not atomic across parts: an admitted part is
+    /// Each leased part decided as [`decide`](Self::decide) decides it,
+    /// side by side, and the parts not leased (rules left out of
+    /// [`HotKeys::rules`](super::HotKeys::rules), peeks) together in the
+    /// store's own joint step (one call); each answer says whether the
+    /// store's failure policy gave it (a lease or a refusal it granted,
+    /// or its answer through the store), so that a policy counts no strike
+    /// on a refusal that says nothing about the client. Not atomic across
+    /// leased parts: an admitted part is
     /// consumed, and the caller refunds it if another refuses — except an
     /// admission the failure policy gave, which is never refunded (Redis
     /// never counted it).
     fn decide_joint(
         parts: &[JointPart<'_, Self>],
     ) -> Option<tollgate_core::BoxFuture<Vec<JointDecision>>> {
-        let calls: Vec<crate::BoxFuture<Flagged>> = parts
-            .iter()
-            .map(|p| {
-                let (limiter, key, cost) = (p.limiter, p.key, p.cost);
-                match limiter.leased(key, cost) {
-                    // Not leased, or a peek: the store's own answer.
-                    None => {
-                        let (inner, key) = (limiter.inner.clone(), key.to_vec());
-                        Box::pin(async move { lease(&inner, &key, cost).await })
-                            as crate::BoxFuture<Flagged>
-                    }
-                    Some(Ok(d)) => {
-                        let failed = limiter.local.as_ref().is_some_and(|l| l.unowned(key));
-                        Box::pin(std::future::ready((Ok(d), failed)))
-                    }
-                    Some(Err(through)) => Box::pin(through),
+        /// Answers to some of the parts, by index.
+        type Answers = crate::BoxFuture<Vec<(usize, JointDecision)>>;
+        // What a lease answers (or takes a lease for), part by part; what
+        // is not leased (a rule left out of `rules`, or a peek) together,
+        // in the store's own joint step where it has one: one call, not
+        // one per rule.
+        let mut calls: Vec<Answers> = Vec::new();
+        let mut through: Vec<(usize, JointPart<'_, L>)> = Vec::new();
+        for (i, p) in parts.iter().enumerate() {
+            let (limiter, key, cost) = (p.limiter, p.key, p.cost);
+            let flagged: crate::BoxFuture<Flagged> = match limiter.leased(key, cost) {
+                None => {
+                    through.push((
+                        i,
+                        JointPart {
+                            limiter: &limiter.inner,
+                            key,
+                            cost,
+                            enforced: p.enforced,
+                        },
+                    ));
+                    continue;
                 }
-            })
-            .collect();
-        let costs: Vec<u64> = parts.iter().map(|p| p.cost).collect();
+                Some(Ok(d)) => {
+                    let failed = limiter.local.as_ref().is_some_and(|l| l.unowned(key));
+                    Box::pin(std::future::ready((Ok(d), failed)))
+                }
+                Some(Err(through)) => Box::pin(through),
+            };
+            calls.push(Box::pin(async move {
+                let (decision, failed) = flagged.await;
+                vec![(
+                    i,
+                    JointDecision {
+                        // What the failure policy admitted is not the
+                        // store's to give back: a refund would credit
+                        // Redis with a charge it never made (or go to the
+                        // wrong store).
+                        consumed: cost > 0
+                            && !failed
+                            && decision.as_ref().is_ok_and(Decision::is_allowed),
+                        decision,
+                        failed,
+                    },
+                )]
+            }));
+        }
+        let inner: Vec<JointPart<'_, L>> = through.iter().map(|(_, p)| *p).collect();
+        let at: Vec<usize> = through.iter().map(|(i, _)| *i).collect();
+        match (inner.is_empty(), L::decide_joint(&inner)) {
+            (true, _) => {}
+            (false, Some(together)) => calls.push(Box::pin(async move {
+                at.into_iter().zip(together.await).collect()
+            })),
+            (false, None) => {
+                for (i, p) in through {
+                    let (inner, key, cost) = (p.limiter.clone(), p.key.to_vec(), p.cost);
+                    calls.push(Box::pin(async move {
+                        let (decision, failed) = lease(&inner, &key, cost).await;
+                        vec![(
+                            i,
+                            JointDecision {
+                                consumed: cost > 0
+                                    && !failed
+                                    && decision.as_ref().is_ok_and(Decision::is_allowed),
+                                decision,
+                                failed,
+                            },
+                        )]
+                    }));
+                }
+            }
+        }
+        let n = parts.len();
         Some(Box::pin(async move {
-            tollgate_core::join_all(calls)
+            let mut answers: Vec<(usize, JointDecision)> = tollgate_core::join_all(calls)
                 .await
                 .into_iter()
-                .zip(costs)
-                .map(|((decision, failed), cost)| JointDecision {
-                    // What the failure policy admitted is not the store's
-                    // to give back: a refund would credit Redis with a
-                    // charge it never made (or go to the wrong store).
-                    consumed: cost > 0
-                        && !failed
-                        && decision.as_ref().is_ok_and(Decision::is_allowed),
-                    decision,
-                    failed,
-                })
-                .collect()
+                .flatten()
+                .collect();
+            answers.sort_by_key(|(i, _)| *i);
+            debug_assert_eq!(answers.len(), n);
+            answers.into_iter().map(|(_, a)| a).collect()
         }))
     }
 

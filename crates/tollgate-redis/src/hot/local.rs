@@ -309,7 +309,7 @@ impl<C: Clock> Local<C> {
         s.outrun = !unowned && outrun(d, sent, self.clock.now());
         match d.outcome {
             Outcome::Allow { .. } => {
-                s.lease.take(taken, cost, self.lease_end(now, d));
+                s.lease.take(taken, cost, self.lease_end(now, d), unowned);
                 s.budget = Budget::of(d, now);
             }
             // Refused this request's own cost (or, a closed store's
@@ -330,10 +330,11 @@ impl<C: Clock> Local<C> {
     /// store at `now`: while it is on, and (a window's lease) while its
     /// window is the store's and stays so for a TTL more — a give-back
     /// that reached the store after its window rolled over would come off
-    /// the next window's count. Never what the store's failure policy
-    /// granted: the store did not count it.
+    /// the next window's count. Never a lease the store's failure policy
+    /// granted (the store did not count it), whatever the key's later
+    /// answers were.
     fn returnable(&self, lease: &Lease, s: &KeyState, now: u64) -> bool {
-        let on = lease.on(now) && !s.unowned;
+        let on = lease.on(now) && !lease.unowned();
         if self.windowed {
             on && now.saturating_add(self.ttl) < s.budget.whole_at()
         } else {

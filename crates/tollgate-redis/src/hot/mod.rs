@@ -376,7 +376,11 @@ impl<S: Store, C: Clock> Hot<S, C> {
     /// back (refunds the store failed lapse, as they would have).
     ///
     /// Keys still deciding afterwards take new leases: call it once no
-    /// more requests are served.
+    /// more requests are served. Refunds go to the store 256 at a time;
+    /// bound the whole with a timeout where shutdown must not wait on a
+    /// slow store. A store with a fallback policy that is down at that
+    /// moment credits the refunds to its fallback memory (as every refund
+    /// it cannot deliver), which the stopping instance no longer uses.
     pub async fn give_back(&self) -> u64 {
         let mut tables = orphans(&self.leased);
         tables.extend(
@@ -387,12 +391,20 @@ impl<S: Store, C: Clock> Hot<S, C> {
                 .map(|(limiter, local)| (limiter.clone(), Arc::clone(local))),
         );
         let (refunds, units) = surrender(&tables);
-        let refunds = refunds.into_iter().map(Box::pin).collect();
-        let failed = tollgate_core::join_all(refunds)
-            .await
-            .into_iter()
-            .filter(Result::is_err)
-            .count();
+        // At most 256 refunds in flight at once (one per key leased, and
+        // a table may hold 100,000 keys).
+        let mut failed = 0usize;
+        let mut refunds = refunds.into_iter().map(Box::pin).peekable();
+        while refunds.peek().is_some() {
+            let chunk: Vec<_> = refunds.by_ref().take(256).collect();
+            failed = failed.saturating_add(
+                tollgate_core::join_all(chunk)
+                    .await
+                    .into_iter()
+                    .filter(Result::is_err)
+                    .count(),
+            );
+        }
         if failed > 0 {
             tracing::warn!(
                 target: "tollgate",

@@ -1,6 +1,8 @@
 //! Helpers for the end-to-end tests: a real HTTP/1.1 client over loopback
 //! TCP, and a raw-bytes client for requests no well-behaved client sends.
 
+pub mod load;
+
 use std::net::SocketAddr;
 
 use bytes::Bytes;

@@ -617,6 +617,29 @@ pub trait AuditSink: Send + Sync + 'static {
     fn record(&self, record: &AuditRecord);
 }
 
+/// An audit sink that writes each record as a `tracing` event (target
+/// `tollgate::audit`, level INFO, fields `rule`, `reason`, `key` — a
+/// keyed fingerprint, never the key —, `retry_after_ms`, `unix_ms`):
+/// what a policy file's `[audit]` records with. The policy's gate keeps
+/// it to one record per client, rule and reason a second, and at most
+/// `audit_per_second` records a second per rule.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LogAudit;
+
+impl AuditSink for LogAudit {
+    fn record(&self, r: &AuditRecord) {
+        tracing::info!(
+            target: "tollgate::audit",
+            rule = %r.rule,
+            reason = r.reason,
+            key = %r.key,
+            retry_after_ms = r.retry_after_ms,
+            unix_ms = r.unix_ms,
+            "refused"
+        );
+    }
+}
+
 /// What a policy hands its audit sink: at most one record per rule,
 /// client fingerprint and reason in each wall-clock second (the repeats of
 /// a client that floods refused requests are folded, and counted in

@@ -536,30 +536,49 @@ fn challenge_secret(file: &FileSpec, secrets: Secrets) -> Result<Option<Vec<u8>>
         return Ok(None);
     };
     let spec = c.get_ref();
-    let secret = match (&spec.secret_env, &spec.secret_file) {
+    read_secret(
+        (c, "challenge"),
+        (spec.secret_env.as_ref(), spec.secret_file.as_ref()),
+        secrets,
+        true,
+    )
+}
+
+/// A secret of `section` (16 to 64 bytes) from the variable or the file
+/// it names (one of them; `required`: one must be named): read when
+/// building for real, a stand-in when checking. Errors name the field,
+/// never the secret.
+fn read_secret<T>(
+    (whole, section): (&Spanned<T>, &str),
+    (env, file): (Option<&Spanned<String>>, Option<&Spanned<String>>),
+    secrets: Secrets,
+    required: bool,
+) -> Result<Option<Vec<u8>>, Problem> {
+    let secret = match (env, file) {
         (Some(_), Some(f)) => {
-            return Err(at(f, "challenge.secret_file".to_owned(), "give one of secret_env or secret_file"))
+            return Err(at(f, format!("{section}.secret_file"), "give one of secret_env or secret_file"))
         }
-        (None, None) => {
-            return Err(at(c, "challenge.secret_env".to_owned(), "is missing: name the variable (secret_env) or the file (secret_file) that holds the secret"))
+        (None, None) if required => {
+            return Err(at(whole, format!("{section}.secret_env"), "is missing: name the variable (secret_env) or the file (secret_file) that holds the secret"))
         }
+        (None, None) => return Ok(None),
         _ if secrets == Secrets::Placeholder => return Ok(Some(vec![0x5a; 32])),
         (Some(var), None) => std::env::var(var.get_ref()).map_err(|_| {
-            at(var, "challenge.secret_env".to_owned(), format!("the environment variable {} is not set (or not UTF-8)", var.get_ref()))
+            at(var, format!("{section}.secret_env"), format!("the environment variable {} is not set (or not UTF-8)", var.get_ref()))
         })?,
         (None, Some(path)) => std::fs::read_to_string(path.get_ref())
             .map(|t| t.trim().to_owned())
-            .map_err(|e| at(path, "challenge.secret_file".to_owned(), format!("cannot read {}: {e}", path.get_ref())))?,
+            .map_err(|e| at(path, format!("{section}.secret_file"), format!("cannot read {}: {e}", path.get_ref())))?,
     };
     if !(16..=64).contains(&secret.len()) {
-        let (span, field) = match (&spec.secret_env, &spec.secret_file) {
-            (Some(v), _) => (v.span(), "challenge.secret_env"),
-            (_, Some(f)) => (f.span(), "challenge.secret_file"),
-            _ => (c.span(), "challenge"),
+        let (span, field) = match (env, file) {
+            (Some(v), _) => (v.span(), "secret_env"),
+            (_, Some(f)) => (f.span(), "secret_file"),
+            _ => (whole.span(), ""),
         };
         return Err((
             Some(span),
-            field.to_owned(),
+            format!("{section}.{field}"),
             "the secret must be 16 to 64 bytes".to_owned(),
         ));
     }
@@ -650,6 +669,32 @@ pub(super) fn builder<B>(
             ));
         }
         b = b.decision_log(l);
+    }
+    if let Some(audit) = &file.audit {
+        let s = audit.get_ref();
+        let rules: Vec<&str> = s.rules.get_ref().iter().map(String::as_str).collect();
+        b = b.audit(crate::observe::LogAudit, &rules);
+        if let Some(n) = &s.per_second {
+            let n = u32::try_from(*n.get_ref())
+                .ok()
+                .filter(|n| *n >= 1)
+                .ok_or_else(|| {
+                    at(
+                        n,
+                        "audit.per_second".to_owned(),
+                        "must be from 1 to 4294967295",
+                    )
+                })?;
+            b = b.audit_per_second(n);
+        }
+        if let Some(key) = read_secret(
+            (audit, "audit"),
+            (s.secret_env.as_ref(), s.secret_file.as_ref()),
+            secrets,
+            false,
+        )? {
+            b = b.audit_secret(&key);
+        }
     }
     Ok(b)
 }
@@ -871,6 +916,7 @@ pub(super) fn config_error(file: &FileSpec, e: &ConfigError) -> Option<Problem> 
         "idempotency" => file.idempotency.as_ref().map(Spanned::span),
         "plans" => file.plan_from.as_ref().map(Spanned::span),
         "decision_log" => file.decision_log.as_ref().map(Spanned::span),
+        "audit" | "audit_secret" => file.audit.as_ref().map(Spanned::span),
         _ => None,
     };
     Some((span, e.field().to_owned(), message.to_owned()))

@@ -48,7 +48,11 @@
 //! `forwarded_header` (`"x-forwarded-for"`, the default, or
 //! `"forwarded"`), `ipv6_prefix` (bits an IPv6 client is keyed by, 64 by
 //! default), `plan_from` (`"extension"` or `"header:<name>"`), named
-//! `[costs.<name>]`, `[access]`, `[idempotency]` and `[decision_log]`.
+//! `[costs.<name>]`, `[access]`, `[idempotency]`, `[decision_log]` and
+//! `[audit]` (`rules`, the rules and access lists whose refusals are
+//! recorded as `tollgate::audit` log events; `per_second`; `secret_env`
+//! or `secret_file`, so that key fingerprints agree across a fleet; a
+//! sink set in code replaces the log).
 //!
 //! Each `[[rules]]` entry (up to 8, decided in order; a file whose limits
 //! are all in its other sections needs none):

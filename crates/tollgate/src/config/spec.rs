@@ -123,6 +123,27 @@ pub(super) struct FileSpec {
     pub(super) server: Option<Spanned<ServerSpec>>,
     #[serde(default)]
     pub(super) challenge: Option<Spanned<ChallengeSpec>>,
+    #[serde(default)]
+    pub(super) audit: Option<Spanned<AuditSpec>>,
+}
+
+/// `[audit]`: which refusals are recorded, as log events.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub(super) struct AuditSpec {
+    /// The rules and access lists whose refusals are recorded.
+    pub(super) rules: Spanned<Vec<String>>,
+    /// At most this many records a second per rule (default 1,000).
+    #[serde(default)]
+    pub(super) per_second: Option<Spanned<i64>>,
+    /// The environment variable that holds the secret key fingerprints
+    /// are made with (16 to 64 bytes, the same on every instance).
+    #[serde(default)]
+    pub(super) secret_env: Option<Spanned<String>>,
+    /// The file that holds it.
+    #[serde(default)]
+    pub(super) secret_file: Option<Spanned<String>>,
 }
 
 /// `[challenge]`: what every rule's proof-of-work challenge shares.

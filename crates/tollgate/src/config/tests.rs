@@ -1645,3 +1645,83 @@ async fn a_file_declares_challenges_and_reads_their_secret_when_built() {
     assert_eq!(e.field(), "challenge.secret_env");
     assert!(!e.to_string().contains("short"), "{e}");
 }
+
+/// Issue 32: `[audit]` records a file's refusals (rules and access lists
+/// named) as `tollgate::audit` log events, with a keyed fingerprint of
+/// the client and never its key; its bounds are the builder's.
+#[tokio::test]
+async fn the_audit_section_records_refusals_as_log_events() {
+    let events = crate::policy::tests::Events(std::sync::Arc::default(), "tollgate::audit");
+    let _guard = tracing::subscriber::set_default(events.clone());
+    const RULE: &str =
+        "[[rules]]\nname = \"per-client\"\nkey = \"header:x-api-key\"\nrate = \"1/min\"\nburst = 1\n\n";
+    let file = PolicyFile::parse(&format!(
+        "{RULE}[audit]\nrules = [\"per-client\"]\nper_second = 5\n"
+    ))
+    .unwrap();
+    let clock = ManualClock::new();
+    let mut svc = file
+        .layer::<String, _>(&store(&clock))
+        .unwrap()
+        .layer(ok_service());
+    assert_eq!(
+        status(&mut svc, req("GET", "/", "sekrit-key")).await.0,
+        StatusCode::OK
+    );
+    assert!(events.0.lock().unwrap().is_empty());
+    assert_eq!(
+        status(&mut svc, req("GET", "/", "sekrit-key")).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let lines = events.0.lock().unwrap().clone();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(
+        lines[0].contains("rule=per-client") && lines[0].contains("reason=limited"),
+        "{lines:?}"
+    );
+    assert!(!lines[0].contains("sekrit"), "{lines:?}");
+    let error = |audit: &str| {
+        let e = PolicyFile::parse(&format!("{RULE}[audit]\n{audit}"))
+            .and_then(|f| f.layer::<String, _>(&store(&clock)).map(drop))
+            .unwrap_err();
+        format!(
+            "{}:{}: {}: {}",
+            e.line(),
+            e.column(),
+            e.field(),
+            e.message()
+        )
+    };
+    assert_eq!(
+        error("rules = [\"per-client\"]\nper_second = 0\n"),
+        "9:14: audit.per_second: must be from 1 to 4294967295"
+    );
+    assert!(
+        error("rules = [\"nobody\"]\n").starts_with("7:1: audit: "),
+        "{}",
+        error("rules = [\"nobody\"]\n")
+    );
+    assert!(
+        error("rules = [\"per-client\"]\nsecret_env = \"A\"\nsecret_file = \"b\"\n")
+            .contains("audit.secret_file: give one of secret_env or secret_file")
+    );
+    // A secret from a file: read when built, 16 to 64 bytes, never shown.
+    let dir = std::env::temp_dir().join(format!("tollgate-audit-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("secret");
+    std::fs::write(&path, "short-secret").unwrap();
+    let with_file = format!(
+        "rules = [\"per-client\"]\nsecret_file = {:?}\n",
+        path.display().to_string()
+    );
+    let e = error(&with_file);
+    assert!(
+        e.contains("audit.secret_file: the secret must be 16 to 64 bytes"),
+        "{e}"
+    );
+    assert!(!e.contains("short-secret"), "{e}");
+    std::fs::write(&path, "a-secret-of-twenty-four!").unwrap();
+    let file = PolicyFile::parse(&format!("{RULE}[audit]\n{with_file}")).unwrap();
+    assert!(file.layer::<String, _>(&store(&clock)).is_ok());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

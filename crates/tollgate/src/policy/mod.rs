@@ -157,7 +157,7 @@ mod rule;
 mod service;
 mod shared;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 mod walk;
 
 pub use access::{Access, AccessList};

@@ -1556,7 +1556,10 @@ async fn a_rule_warns_past_its_share_before_it_refuses() {
 /// A `tracing` subscriber that keeps the events of one target (by default
 /// `tollgate::decision`), as `field=value` lines.
 #[derive(Clone)]
-struct Events(std::sync::Arc<std::sync::Mutex<Vec<String>>>, &'static str);
+pub(crate) struct Events(
+    pub(crate) std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    pub(crate) &'static str,
+);
 
 impl Default for Events {
     fn default() -> Self {

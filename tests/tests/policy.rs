@@ -906,6 +906,11 @@ async fn a_changed_store_section_moves_every_limit_to_the_new_store() {
     assert_eq!(status().await, 200);
     assert_eq!(status().await, 200);
     assert_eq!(status().await, 429);
+    // The same store written otherwise (the section left out: memory,
+    // its defaults) is no change: the counts stay.
+    std::fs::write(&path, base).unwrap();
+    assert_eq!(reloader.reload().unwrap(), Reloaded::Applied);
+    assert_eq!(status().await, 429);
     // Its URL's variable is not set: refused, and memory still refuses.
     std::fs::write(
         &path,

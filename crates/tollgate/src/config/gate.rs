@@ -540,8 +540,13 @@ impl Tollgate<crate::AnyStore> {
     /// connection task). Every section applies on reload, `[store]`
     /// included: a changed `[store]` is built (a store that cannot be,
     /// e.g. its URL's variable unset, refuses the reload and the running
-    /// policy stays) and every limit moves to it, from nothing there;
-    /// requests under way finish on the store they started on.
+    /// policy stays) and every limit moves to it, counting there from
+    /// what it holds (nothing, for a store new to this service: bursts
+    /// and quotas start whole). Requests under way finish on the store
+    /// they started on, so until they end the new store does not count
+    /// their permits; leases the old store holds go back to it. A
+    /// `[store]` that reads differently but means the same (a default
+    /// written out) is no change.
     ///
     /// ```no_run
     /// use std::time::Duration;
@@ -564,9 +569,15 @@ impl Tollgate<crate::AnyStore> {
         let file = PolicyFile::read(path)?;
         let store = file.store()?;
         let gate = Self::new(&file, &store)?;
-        let reloader = gate
-            .reloader(path, &file, store, |b| b)
-            .restore(PolicyFile::store);
+        let reloader = gate.reloader(path, &file, store, |b| b).restore(
+            PolicyFile::store,
+            // Leases the old store still holds go back to it, not lapse.
+            |old: crate::AnyStore| {
+                if let (true, Ok(rt)) = (old.is_leased(), tokio::runtime::Handle::try_current()) {
+                    drop(rt.spawn(async move { old.give_back().await }));
+                }
+            },
+        );
         Ok((gate, reloader))
     }
 }

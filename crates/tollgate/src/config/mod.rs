@@ -598,13 +598,7 @@ impl PolicyFile {
     /// timeout = "50ms"
     /// ```
     pub fn store(&self) -> Result<crate::AnyStore, FileError> {
-        let plan = match &self.spec.store {
-            Some(st) => store::plan(st).map_err(|p| self.placed(p))?,
-            None => store::StorePlan::Memory {
-                max_keys: None,
-                sweep_idle_every: None,
-            },
-        };
+        let plan = store::plan_of(self.spec.store.as_ref()).map_err(|p| self.placed(p))?;
         store::build(&plan).map_err(|(field, message)| {
             let span = self.spec.store.as_ref().map(spec::Spanned::span);
             FileError::at(&self.text, self.origin.as_deref(), span, field, message)
@@ -669,6 +663,17 @@ impl PolicyFile {
             envoy: s.envoy.iter().map(std::path::PathBuf::from).collect(),
             tls,
         })
+    }
+
+    /// Whether `other`'s `[store]` describes the same store as this
+    /// file's (checked plans compared: a default written out, or a
+    /// duration written otherwise, is the same store).
+    pub(crate) fn same_store(&self, other: &Self) -> bool {
+        let plan = |f: &Self| store::plan_of(f.spec.store.as_ref());
+        match (plan(self), plan(other)) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => self.spec.store == other.spec.store,
+        }
     }
 
     /// The names of the file's `[[quotas]]`, in the file's order.

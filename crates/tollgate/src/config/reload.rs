@@ -21,8 +21,12 @@ type Also<St> = Arc<
     dyn Fn(&PolicyFile, &St, bool) -> Result<Box<dyn FnOnce() + Send>, FileError> + Send + Sync,
 >;
 
-/// The store a file's changed `[store]` names, built.
-type Restore<St> = Arc<dyn Fn(&PolicyFile) -> Result<St, FileError> + Send + Sync>;
+/// The store a file's changed `[store]` names, built; and what is done
+/// with the store it replaces, once nothing new is decided on it.
+type Restore<St> = (
+    Arc<dyn Fn(&PolicyFile) -> Result<St, FileError> + Send + Sync>,
+    Arc<dyn Fn(St) + Send + Sync>,
+);
 
 type Customize<B> = Arc<
     dyn Fn(PolicyLayerBuilder<B, MemoryStore>) -> PolicyLayerBuilder<B, MemoryStore> + Send + Sync,
@@ -212,11 +216,12 @@ impl<B, St: Store> Reloader<B, St> {
     /// policy is checked and built on it, and it becomes the running
     /// store. A store that cannot be built refuses the reload.
     #[cfg(feature = "axum")]
-    pub(super) fn restore<F>(mut self, f: F) -> Self
+    pub(super) fn restore<F, R>(mut self, f: F, retire: R) -> Self
     where
         F: Fn(&PolicyFile) -> Result<St, FileError> + Send + Sync + 'static,
+        R: Fn(St) + Send + Sync + 'static,
     {
-        self.restore = Some(Arc::new(f));
+        self.restore = Some((Arc::new(f), Arc::new(retire)));
         self
     }
 
@@ -304,7 +309,7 @@ impl<B, St: Store> Reloader<B, St> {
         // A changed `[store]` (where the reloader can build one): the new
         // policy goes on the new store, from nothing.
         let new_store = match (&self.restore, &before) {
-            (Some(restore), Some(b)) if b.spec.store != file.spec.store => Some(restore(&file)?),
+            (Some((restore, _)), Some(b)) if !file.same_store(b) => Some(restore(&file)?),
             _ => None,
         };
         let fresh = new_store.is_some();
@@ -350,14 +355,28 @@ impl<B, St: Store> Reloader<B, St> {
             swap();
         }
         if let Some(s) = new_store {
-            tracing::info!(target: "tollgate", "the policy moved to the new [store]");
-            *self.store.lock().unwrap_or_else(PoisonError::into_inner) = s;
+            tracing::warn!(
+                target: "tollgate",
+                "the policy moved to the new [store]: every limit counts there from what it \
+                 holds (nothing, for a store new to this service); requests under way finish \
+                 on the old one, their permits not counted by the new one until they end"
+            );
+            let old = std::mem::replace(
+                &mut *self.store.lock().unwrap_or_else(PoisonError::into_inner),
+                s,
+            );
+            if let Some((_, retire)) = &self.restore {
+                retire(old);
+            }
         }
         // What a reload does not apply, said when it changed: the other
         // sections are read when their layers are built (at start).
         if let Some(before) = before {
             let mut changed = file.unapplied_changes(&before);
             if self.restore.is_some() {
+                changed.retain(|c| *c != "[store]");
+            }
+            if before.spec.store != file.spec.store && file.same_store(&before) {
                 changed.retain(|c| *c != "[store]");
             }
             // With the other layers reloaded too, what stays is what no

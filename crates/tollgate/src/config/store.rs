@@ -74,6 +74,18 @@ fn at<T>(value: &Spanned<T>, field: &str, message: impl Into<String>) -> Problem
     (Some(value.span()), format!("store.{field}"), message.into())
 }
 
+/// The store a file's `[store]` (or its absence: the memory store's
+/// defaults) describes, checked.
+pub(super) fn plan_of(spanned: Option<&Spanned<StoreSpec>>) -> Result<StorePlan, Problem> {
+    match spanned {
+        Some(st) => plan(st),
+        None => Ok(StorePlan::Memory {
+            max_keys: None,
+            sweep_idle_every: None,
+        }),
+    }
+}
+
 /// Checks `[store]`: every field known for its kind, every value in
 /// bounds. Nothing is connected to and no environment read.
 pub(super) fn plan(spanned: &Spanned<StoreSpec>) -> Result<StorePlan, Problem> {

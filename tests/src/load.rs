@@ -140,10 +140,12 @@ impl Client {
     }
 }
 
-/// `rate` requests a second of `GET path` as `client`, spread over `connections` connections, for `duration`: what
-/// was admitted. Requests are sent on time whatever the answers take
-/// (an open loop), so a slow server is seen as latency, not as a lower
-/// rate.
+/// `rate` requests a second of `GET path` as `client`, spread over
+/// `connections` keep-alive connections, for `duration`: what was
+/// admitted. Each request is due at its time in the schedule and sent
+/// then, or as soon as its connection's previous answer is in (each
+/// connection waits for its answers); latency runs from the send, so a
+/// server slower than the schedule shows as requests sent late.
 pub async fn paced(
     addr: SocketAddr,
     path: &str,
@@ -221,59 +223,107 @@ pub async fn at_once(
     Ok(phase)
 }
 
-/// `clients` connections that each start a `POST path` with a body of
-/// `length` bytes and send it one byte every `every` (a slow POST),
-/// until `hold` has passed or the server answers; returns how many the
-/// server answered before their body was whole, and how many it closed.
+/// Slow POSTs under way (see [`slow_posts`]).
+#[derive(Debug)]
+pub struct SlowPosts {
+    statuses: Arc<std::sync::Mutex<Vec<u16>>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl SlowPosts {
+    /// The statuses of the answers in so far (0: closed without one).
+    pub fn answered(&self) -> Vec<u16> {
+        self.statuses.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    /// Waits for every client to end: the statuses of the answers.
+    pub async fn finish(mut self) -> Vec<u16> {
+        for t in std::mem::take(&mut self.tasks) {
+            let _ = t.await;
+        }
+        self.answered()
+    }
+}
+
+/// One connection per client, each starting a `POST path` with a body of
+/// `length` bytes and sending it one byte every `every` (a slow POST),
+/// for at most `hold`: the answer's status is recorded when it comes,
+/// and the body goes on trickling after it (a client that does not read
+/// answers) until the server closes the connection.
 pub async fn slow_posts(
     addr: SocketAddr,
     path: &str,
-    clients: usize,
+    clients: &[Client],
     length: usize,
     every: Duration,
     hold: Duration,
-) -> Result<(u64, u64), Error> {
+) -> Result<SlowPosts, Error> {
+    let statuses = Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
-    for i in 0..clients {
+    for client in clients {
         let mut stream = TcpStream::connect(addr).await?;
-        let path = path.to_owned();
+        let mut head =
+            format!("POST {path} HTTP/1.1\r\nhost: localhost\r\ncontent-length: {length}\r\n");
+        for (name, value) in client.headers() {
+            head.push_str(&format!("{name}: {value}\r\n"));
+        }
+        head.push_str("\r\n");
+        let statuses = Arc::clone(&statuses);
         tasks.push(tokio::spawn(async move {
-            let head = format!(
-                "POST {path} HTTP/1.1\r\nhost: localhost\r\nx-api-key: slow-post-{i}\r\ncontent-length: {length}\r\n\r\n"
-            );
+            let record = |status: u16| {
+                if let Ok(mut s) = statuses.lock() {
+                    s.push(status);
+                }
+            };
             if stream.write_all(head.as_bytes()).await.is_err() {
-                return (0, 1);
+                record(0);
+                return;
             }
             let start = Instant::now();
-            let mut buf = [0u8; 1024];
+            let mut got = Vec::new();
+            let mut answered = false;
             let mut sent = 0;
             while sent < length && start.elapsed() < hold {
-                // An answer (or a close) before the body is whole.
-                match tokio::time::timeout(every, stream.readable()).await {
-                    Ok(Ok(())) => match stream.try_read(&mut buf) {
-                        Ok(0) => return (0, 1),
-                        Ok(_) => return (1, 0),
+                if let Ok(Ok(())) = tokio::time::timeout(every, stream.readable()).await {
+                    let mut buf = [0u8; 1024];
+                    match stream.try_read(&mut buf) {
+                        Ok(0) => break,
+                        Ok(n) => got.extend_from_slice(buf.get(..n).unwrap_or_default()),
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                        Err(_) => return (0, 1),
-                    },
-                    Ok(Err(_)) => return (0, 1),
-                    Err(_) => {}
+                        Err(_) => break,
+                    }
+                }
+                if !answered {
+                    if let Some(status) = status_of(&got) {
+                        record(status);
+                        answered = true;
+                    }
                 }
                 if stream.write_all(b"x").await.is_err() {
-                    return (0, 1);
+                    break;
                 }
                 sent += 1;
             }
-            (0, 0)
+            if !answered {
+                record(status_of(&got).unwrap_or(0));
+            }
         }));
     }
-    let (mut answered, mut closed) = (0, 0);
-    for t in tasks {
-        let (a, c) = t.await?;
-        answered += a;
-        closed += c;
+    Ok(SlowPosts { statuses, tasks })
+}
+
+/// The status of an HTTP/1.1 response whose status line `bytes` hold.
+fn status_of(bytes: &[u8]) -> Option<u16> {
+    if !bytes.contains(&b'\n') {
+        return None;
     }
-    Ok((answered, closed))
+    let line = bytes.split(|b| *b == b'\n').next()?;
+    std::str::from_utf8(line)
+        .ok()?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
 }
 
 /// A download read slowly: its status at once, its body read in the

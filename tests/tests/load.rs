@@ -15,11 +15,31 @@ use tollgate::core::ManualClock;
 use tollgate::MemoryStore;
 use tollgate_tests::load::{at_once, get_once, slow_posts, slow_reader, Client};
 
-async fn quickstart() -> (std::net::SocketAddr, ManualClock) {
+type Gate = tollgate::config::Tollgate<MemoryStore<ManualClock>>;
+
+/// The quickstart on a manual clock, and its limits.
+async fn quickstart() -> (std::net::SocketAddr, ManualClock, Gate) {
     let clock = ManualClock::starting_at(1_000_000_000);
     let store = MemoryStore::builder().clock(clock.clone()).build().unwrap();
-    let app = tollgate_examples::quickstart_app(store, &[]).unwrap();
-    (common::spawn(app).await, clock)
+    let policy = tollgate_examples::quickstart_policy(None, &[]).unwrap();
+    let (app, gate) = tollgate_examples::quickstart_app_with(store, &[], &policy).unwrap();
+    (common::spawn(app).await, clock, gate)
+}
+
+/// The permits `key` (from loopback) holds now under the in-flight
+/// limit `name`.
+async fn held(gate: &Gate, name: &str, key: &str) -> u64 {
+    let mut req = http::Request::get("/api/download")
+        .header("x-api-key", key)
+        .body(())
+        .unwrap();
+    req.extensions_mut()
+        .insert("127.0.0.1:1".parse::<std::net::SocketAddr>().unwrap());
+    gate.concurrency(name)
+        .unwrap()
+        .held_for(&req)
+        .await
+        .unwrap()
 }
 
 /// A client's budget is 10 a second in bursts of 20 (`per-key`): ten
@@ -27,7 +47,7 @@ async fn quickstart() -> (std::net::SocketAddr, ManualClock) {
 /// everything; at twice the rate, half.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_ten_times_the_rate_admits_the_burst_then_the_rate() {
-    let (addr, clock) = quickstart().await;
+    let (addr, clock, _) = quickstart().await;
     let burst = at_once(addr, "/api/hello", "bursty", 200, 16)
         .await
         .unwrap();
@@ -55,26 +75,48 @@ async fn a_burst_of_ten_times_the_rate_admits_the_burst_then_the_rate() {
     assert_eq!(other.admitted, 20);
 }
 
-/// Slow POSTs (a body sent a byte at a time) hold nothing: the orders
-/// route answers without waiting for the body, so each is answered
-/// before its body is whole, and other clients are served meanwhile.
+/// Slow POSTs (a body sent a byte at a time, going on after the answer)
+/// hold nothing: the orders route answers without waiting for the body,
+/// every one with a 200, and while their bodies still trickle no client
+/// holds a permit of the in-flight limits; others are served meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_posts_hold_no_permits() {
-    let (addr, _clock) = quickstart().await;
-    let posts = tokio::spawn(slow_posts(
+    let (addr, _clock, gate) = quickstart().await;
+    let clients: Vec<Client> = (0..16)
+        .map(|i| Client {
+            key: format!("slow-post-{i}"),
+            address: None,
+        })
+        .collect();
+    let posts = slow_posts(
         addr,
         "/api/orders",
-        32,
+        &clients,
         1_000,
         Duration::from_millis(20),
-        Duration::from_secs(3),
-    ));
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    let mut answered = Vec::new();
+    for _ in 0..250 {
+        answered = posts.answered();
+        if answered.len() == clients.len() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(answered, vec![200; clients.len()]);
+    // Bodies still trickling: no permit held, per client or per address.
+    for c in &clients {
+        assert_eq!(held(&gate, "per-client", &c.key).await, 0);
+    }
+    assert_eq!(held(&gate, "per-address", "any").await, 0);
     let served = at_once(addr, "/api/hello", "meanwhile", 20, 4)
         .await
         .unwrap();
     assert_eq!(served.admitted, 20);
-    let (answered, closed) = posts.await.unwrap().unwrap();
-    assert_eq!((answered, closed), (32, 0));
+    posts.finish().await;
 }
 
 /// Slow readers hold their download permits while they read, and only
@@ -83,7 +125,7 @@ async fn slow_posts_hold_no_permits() {
 /// permits come back (none leaked).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_readers_hold_only_their_own_permits() {
-    let (addr, _clock) = quickstart().await;
+    let (addr, _clock, gate) = quickstart().await;
     let hold = Duration::from_secs(30);
     let reader = Client {
         key: "reader".to_owned(),
@@ -96,6 +138,9 @@ async fn slow_readers_hold_only_their_own_permits() {
         .await
         .unwrap();
     assert_eq!((a.status, b.status), (StatusCode::OK, StatusCode::OK));
+    // What the slow POSTs' test reads: two permits held here.
+    assert_eq!(held(&gate, "downloads", "reader").await, 2);
+    assert_eq!(held(&gate, "per-address", "reader").await, 2);
     let third = get_once(addr, "/api/download", "reader", true)
         .await
         .unwrap();
@@ -106,17 +151,28 @@ async fn slow_readers_hold_only_their_own_permits() {
     assert_eq!(other, StatusCode::OK);
     a.stop();
     b.stop();
-    let mut back = false;
+    // Both permits come back (a leaked one would leave room for one
+    // reader only): two readers again, and a third refused.
+    let mut again = Vec::new();
     for _ in 0..200 {
-        if get_once(addr, "/api/download", "reader", true)
+        let r = slow_reader(addr, "/api/download", &reader, 1_024, hold)
             .await
-            .unwrap()
-            == StatusCode::OK
-        {
-            back = true;
-            break;
+            .unwrap();
+        if r.status == StatusCode::OK {
+            again.push(r);
+            if again.len() == 2 {
+                break;
+            }
+        } else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert!(back, "the readers' permits came back");
+    assert_eq!(again.len(), 2, "the readers' permits came back");
+    let third = get_once(addr, "/api/download", "reader", true)
+        .await
+        .unwrap();
+    assert_eq!(third, StatusCode::TOO_MANY_REQUESTS);
+    for r in &again {
+        r.stop();
+    }
 }

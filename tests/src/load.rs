@@ -180,6 +180,14 @@ pub async fn paced(
             phase
         }));
     }
+    gather(tasks, start).await
+}
+
+/// The phases of `tasks`, merged, timed from `start`.
+async fn gather(
+    tasks: Vec<tokio::task::JoinHandle<Phase>>,
+    start: Instant,
+) -> Result<Phase, Error> {
     let mut phase = Phase::default();
     for t in tasks {
         phase.merge(t.await?);
@@ -214,13 +222,7 @@ pub async fn at_once(
             phase
         }));
     }
-    let mut phase = Phase::default();
-    for t in tasks {
-        phase.merge(t.await?);
-    }
-    phase.took = start.elapsed();
-    phase.latencies.sort();
-    Ok(phase)
+    gather(tasks, start).await
 }
 
 /// Slow POSTs under way (see [`slow_posts`]).

@@ -1,10 +1,10 @@
 //! `tollgate-server` over TLS (`[server.tls]`): the decision endpoints
 //! and Envoy's rate limit service, with and without client certificates
-//! (mutual TLS). Certificates are made for the test with `openssl`.
+//! (mutual TLS). Certificates are made for the test with `openssl`
+//! (`tollgate_redis::testing::Certs`).
 #![allow(missing_docs, clippy::unwrap_used)]
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::Path;
 use std::sync::Arc;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -13,120 +13,23 @@ use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use tollgate::config::{PolicyFile, Tollgate};
 use tollgate::MemoryStore;
+use tollgate_redis::testing::Certs;
 
-/// A CA, a server certificate for 127.0.0.1 and localhost, and a client
-/// certificate, all signed by the CA.
-struct Certs(PathBuf);
-
-impl Certs {
-    fn make() -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "tollgate-tls-{}-{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        let certs = Self(dir);
-        certs.openssl(&[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.crt",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=tollgate test CA",
-        ]);
-        std::fs::write(
-            certs.path("server.cnf"),
-            "subjectAltName=IP:127.0.0.1,DNS:localhost\n",
-        )
-        .unwrap();
-        std::fs::write(certs.path("client.cnf"), "extendedKeyUsage=clientAuth\n").unwrap();
-        for (who, ext) in [("server", "server.cnf"), ("client", "client.cnf")] {
-            let (key, csr, crt) = (
-                format!("{who}.key"),
-                format!("{who}.csr"),
-                format!("{who}.crt"),
-            );
-            certs.openssl(&[
-                "req",
-                "-newkey",
-                "rsa:2048",
-                "-nodes",
-                "-keyout",
-                &key,
-                "-out",
-                &csr,
-                "-subj",
-                &format!("/CN={who}"),
-            ]);
-            certs.openssl(&[
-                "x509",
-                "-req",
-                "-in",
-                &csr,
-                "-CA",
-                "ca.crt",
-                "-CAkey",
-                "ca.key",
-                "-CAcreateserial",
-                "-out",
-                &crt,
-                "-days",
-                "1",
-                "-extfile",
-                ext,
-            ]);
-        }
-        certs
-    }
-
-    fn openssl(&self, args: &[&str]) {
-        let ok = Command::new("openssl")
-            .args(args)
-            .current_dir(&self.0)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "openssl {args:?}");
-    }
-
-    fn path(&self, file: &str) -> PathBuf {
-        self.0.join(file)
-    }
-
-    /// `[server]` with TLS (and client certificates checked, if `mutual`).
-    fn policy(&self, mutual: bool) -> String {
-        let p = |f: &str| format!("{:?}", self.path(f).display().to_string());
-        let ca = if mutual {
-            format!("client_ca_file = {}\n", p("ca.crt"))
-        } else {
-            String::new()
-        };
-        format!(
-            "[[rules]]\nname = \"per-client\"\nkey = \"client-ip\"\nrate = \"1/h\"\nburst = 2\n\n\
-             [server.tls]\ncert_file = {}\nkey_file = {}\n{ca}",
-            p("server.crt"),
-            p("server.key"),
-        )
-    }
-}
-
-impl Drop for Certs {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// `[server]` with TLS on `certs` (and client certificates checked, if
+/// `mutual`).
+fn policy(certs: &Certs, mutual: bool) -> String {
+    let p = |f: &str| format!("{:?}", certs.path(f).display().to_string());
+    let ca = if mutual {
+        format!("client_ca_file = {}\n", p("ca.crt"))
+    } else {
+        String::new()
+    };
+    format!(
+        "[[rules]]\nname = \"per-client\"\nkey = \"client-ip\"\nrate = \"1/h\"\nburst = 2\n\n\
+         [server.tls]\ncert_file = {}\nkey_file = {}\n{ca}",
+        p("server.crt"),
+        p("server.key"),
+    )
 }
 
 fn pem_certs(path: &Path) -> Vec<CertificateDer<'static>> {
@@ -209,7 +112,7 @@ async fn get_from(
 #[tokio::test]
 async fn the_decision_endpoints_serve_tls() {
     let certs = Certs::make();
-    let addr = serve(&certs.policy(false)).await;
+    let addr = serve(&policy(&certs, false)).await;
     assert_eq!(
         get(addr, &certs, false, "/healthz").await.unwrap(),
         "HTTP/1.1 200 OK"
@@ -253,7 +156,7 @@ async fn connect_from(addr: std::net::SocketAddr, from: &str) -> tokio::net::Tcp
 #[tokio::test]
 async fn stalled_handshakes_hold_only_their_own_address() {
     let certs = Certs::make();
-    let addr = serve(&certs.policy(false)).await;
+    let addr = serve(&policy(&certs, false)).await;
     let mut stalled = Vec::new();
     for _ in 0..16 {
         stalled.push(connect_from(addr, "127.0.0.1").await);
@@ -289,7 +192,7 @@ async fn stalled_handshakes_hold_only_their_own_address() {
 #[tokio::test]
 async fn mutual_tls_serves_only_clients_the_ca_signed() {
     let certs = Certs::make();
-    let addr = serve(&certs.policy(true)).await;
+    let addr = serve(&policy(&certs, true)).await;
     assert_eq!(
         get(addr, &certs, true, "/healthz").await.unwrap(),
         "HTTP/1.1 200 OK"
@@ -307,7 +210,7 @@ async fn envoy_s_rate_limit_service_serves_tls() {
     use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
     use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
     let certs = Certs::make();
-    let file = PolicyFile::parse(&certs.policy(false)).unwrap();
+    let file = PolicyFile::parse(&policy(&certs, false)).unwrap();
     let tls = tollgate_server::tls::load(file.server().unwrap().tls.as_ref().unwrap()).unwrap();
     let config = certs.path("rls.yaml");
     std::fs::write(
@@ -376,8 +279,7 @@ fn bad_tls_files_are_named_and_keys_never_printed() {
             .unwrap()
     };
     // The key where the certificate should be, and the reverse.
-    let swapped = certs
-        .policy(false)
+    let swapped = policy(&certs, false)
         .replace("server.crt", "TMP")
         .replace("server.key", "server.crt")
         .replace("TMP", "server.key");
@@ -389,18 +291,18 @@ fn bad_tls_files_are_named_and_keys_never_printed() {
     let key = std::fs::read_to_string(certs.path("server.key")).unwrap();
     let body = key.lines().nth(1).unwrap();
     assert!(!e.contains(body), "{e}");
-    let missing = certs.policy(false).replace("server.key", "nowhere.key");
+    let missing = policy(&certs, false).replace("server.key", "nowhere.key");
     let e = tollgate_server::tls::load(&files(missing)).unwrap_err();
     assert!(e.starts_with("server.tls.key_file: cannot read"), "{e}");
     // A key that is not the certificate's.
-    let other = certs.policy(false).replace("server.key", "client.key");
+    let other = policy(&certs, false).replace("server.key", "client.key");
     let e = tollgate_server::tls::load(&files(other)).unwrap_err();
     assert!(
         e.starts_with("server.tls.key_file: does not go with cert_file"),
         "{e}"
     );
     // An empty name is refused when the file is read.
-    let e = PolicyFile::parse(&certs.policy(false).replace(
+    let e = PolicyFile::parse(&policy(&certs, false).replace(
         &format!("{:?}", certs.path("server.crt").display().to_string()),
         "\"\"",
     ))
@@ -415,7 +317,7 @@ fn bad_tls_files_are_named_and_keys_never_printed() {
 #[tokio::test]
 async fn a_dropped_tls_listener_frees_its_port() {
     let certs = Certs::make();
-    let file = PolicyFile::parse(&certs.policy(false)).unwrap();
+    let file = PolicyFile::parse(&policy(&certs, false)).unwrap();
     let tls = tollgate_server::tls::load(file.server().unwrap().tls.as_ref().unwrap()).unwrap();
     let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = tcp.local_addr().unwrap();

@@ -16,6 +16,7 @@ use limitador::limit::{Context, Limit as LimitadorLimit};
 use limitador::storage::redis::{AsyncRedisStorage, CachedRedisStorage};
 use limitador::AsyncRateLimiter;
 use tollgate_core::{Limit, Limiter, Rate, Rule, Store};
+use tollgate_limitador_bench::{median, percentile};
 use tollgate_redis::testing::{unique_prefix, Server};
 use tollgate_redis::{HotKeys, HotLimiter, RedisLimiter, RedisStore};
 
@@ -108,16 +109,6 @@ async fn round(c: Arc<Contender>, case: Case, key: String) -> Round {
         },
         latencies,
     }
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted.get(i).copied().unwrap_or_default()
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 #[tokio::main]

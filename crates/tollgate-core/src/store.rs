@@ -292,10 +292,18 @@ impl JointDecision {
     /// A rule's answer decided on its own (not in one step with others):
     /// what it admitted at a cost above 0 is consumed.
     pub fn alone(decision: Result<Decision, StoreError>, cost: u64) -> Self {
+        Self::flagged(decision, cost, false)
+    }
+
+    /// [`alone`](Self::alone), saying whether the store's failure policy
+    /// gave it (`failed`): what the policy admitted is not consumed — the
+    /// store never counted it, so a refund would credit the store with a
+    /// charge it never made (or go to the wrong store).
+    pub fn flagged(decision: Result<Decision, StoreError>, cost: u64, failed: bool) -> Self {
         Self {
-            consumed: cost > 0 && decision.as_ref().is_ok_and(Decision::is_allowed),
+            consumed: cost > 0 && !failed && decision.as_ref().is_ok_and(Decision::is_allowed),
             decision,
-            failed: false,
+            failed,
         }
     }
 }

@@ -609,6 +609,107 @@ pub fn script_calls_in(commandstats: &str) -> u64 {
 #[derive(Debug)]
 pub struct Tls {
     dir: PathBuf,
+    /// Removes the directory when dropped.
+    _certs: Certs,
+}
+
+/// Certificates for tests, made with `openssl` (which must be on
+/// `PATH`) in a directory of their own, removed on drop: a CA
+/// (`ca.crt`, `ca.key`), a server certificate for 127.0.0.1 and
+/// localhost (`server.crt`, `server.key`) and a client certificate
+/// (`client.crt`, `client.key`, extended key usage clientAuth), both
+/// signed by the CA.
+#[derive(Debug)]
+pub struct Certs {
+    dir: PathBuf,
+}
+
+impl Certs {
+    /// Makes them (panics if `openssl` fails: a test's setup).
+    pub fn make() -> Self {
+        let certs = Self { dir: scratch_dir() };
+        certs.openssl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=tollgate test CA",
+        ]);
+        std::fs::write(
+            certs.path("server.cnf"),
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\n",
+        )
+        .unwrap();
+        std::fs::write(certs.path("client.cnf"), "extendedKeyUsage=clientAuth\n").unwrap();
+        for (who, ext) in [("server", "server.cnf"), ("client", "client.cnf")] {
+            let (key, csr, crt) = (
+                format!("{who}.key"),
+                format!("{who}.csr"),
+                format!("{who}.crt"),
+            );
+            certs.openssl(&[
+                "req",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                &key,
+                "-out",
+                &csr,
+                "-subj",
+                &format!("/CN={who}"),
+            ]);
+            certs.openssl(&[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.crt",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-out",
+                &crt,
+                "-days",
+                "1",
+                "-extfile",
+                ext,
+            ]);
+        }
+        certs
+    }
+
+    fn openssl(&self, args: &[&str]) {
+        let ok = Command::new("openssl")
+            .args(args)
+            .current_dir(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "openssl {args:?}");
+    }
+
+    /// The path of one of its files (`ca.crt`, `server.crt`, ...).
+    pub fn path(&self, file: &str) -> PathBuf {
+        self.dir.join(file)
+    }
+}
+
+impl Drop for Certs {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 impl Tls {
@@ -633,69 +734,11 @@ impl Tls {
             eprintln!("skipping: this redis-server was built without TLS");
             return None;
         }
-        let tls = Self { dir: scratch_dir() };
-        tls.openssl(&[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.crt",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=tollgate test CA",
-        ]);
-        tls.openssl(&[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "server.key",
-            "-out",
-            "server.csr",
-            "-subj",
-            "/CN=localhost",
-        ]);
-        std::fs::write(
-            tls.path("ext.cnf"),
-            "subjectAltName=IP:127.0.0.1,DNS:localhost\n",
-        )
-        .unwrap();
-        tls.openssl(&[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            "server.crt",
-            "-days",
-            "1",
-            "-extfile",
-            "ext.cnf",
-        ]);
-        Some(tls)
-    }
-
-    fn openssl(&self, args: &[&str]) {
-        let ok = Command::new("openssl")
-            .args(args)
-            .current_dir(&self.dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "openssl {args:?}");
+        let certs = Certs::make();
+        Some(Self {
+            dir: certs.dir.clone(),
+            _certs: certs,
+        })
     }
 
     /// The path of one of its files (`ca.crt`, `server.crt`, ...).
@@ -771,12 +814,6 @@ impl Tls {
             std::thread::sleep(Duration::from_millis(20));
         }
         process
-    }
-}
-
-impl Drop for Tls {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

@@ -24,6 +24,7 @@ use limitador::storage::redis::{AsyncRedisStorage, CachedRedisStorage, CachedRed
 use limitador::{AsyncRateLimiter, RateLimiter};
 use tollgate::store::AnyLimiter;
 use tollgate::{AnyStore, MemoryStore, RedisStore};
+use tollgate_limitador_bench::{median, percentile};
 use tollgate_redis::testing::{unique_prefix, Server};
 use tollgate_redis::HotKeys;
 use tollgate_server::envoy::Domains;
@@ -80,7 +81,10 @@ impl Side {
                     }],
                     hits_addend: 0,
                 };
-                let r = rls.should_rate_limit(tonic::Request::new(req)).await.unwrap();
+                let r = rls
+                    .should_rate_limit(tonic::Request::new(req))
+                    .await
+                    .unwrap();
                 r.into_inner().overall_code == Code::Ok as i32
             }
             Self::Memory(l) => {
@@ -120,7 +124,10 @@ async fn round(c: Arc<Contender>, case: Case, tag: String) -> Round {
         .map(|t| {
             let (c, tag, admitted) = (Arc::clone(&c), tag.clone(), Arc::clone(&admitted));
             let stalled = Arc::clone(&stalled);
-            let rt = c.runtime.clone().unwrap_or_else(tokio::runtime::Handle::current);
+            let rt = c
+                .runtime
+                .clone()
+                .unwrap_or_else(tokio::runtime::Handle::current);
             rt.spawn(async move {
                 let side = &c.sides[t % c.sides.len()];
                 let mut latencies = Vec::new();
@@ -163,16 +170,6 @@ async fn round(c: Arc<Contender>, case: Case, tag: String) -> Round {
         took,
         latencies,
     }
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted.get(i).copied().unwrap_or_default()
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 fn rls(config: &std::path::Path, store: AnyStore) -> Side {
@@ -245,12 +242,7 @@ async fn main() {
         .unwrap();
         let mut contenders: Vec<Contender> = Vec::new();
         let prefix = unique_prefix();
-        let redis = || {
-            RedisStore::builder(&url)
-                .prefix(&prefix)
-                .build()
-                .unwrap()
-        };
+        let redis = || RedisStore::builder(&url).prefix(&prefix).build().unwrap();
         if case.instances == 1 {
             contenders.push(Contender {
                 name: "tollgate RLS, memory",
@@ -408,7 +400,10 @@ async fn main() {
                         })
                         .collect(),
                 );
-                (format!("{:.1} k", admitted / 1_000.0), format!("{over:+.1} %"))
+                (
+                    format!("{:.1} k", admitted / 1_000.0),
+                    format!("{over:+.1} %"),
+                )
             } else {
                 ("—".to_owned(), "—".to_owned())
             };

@@ -244,20 +244,7 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
             };
             calls.push(Box::pin(async move {
                 let (decision, failed) = flagged.await;
-                vec![(
-                    i,
-                    JointDecision {
-                        // What the failure policy admitted is not the
-                        // store's to give back: a refund would credit
-                        // Redis with a charge it never made (or go to the
-                        // wrong store).
-                        consumed: cost > 0
-                            && !failed
-                            && decision.as_ref().is_ok_and(Decision::is_allowed),
-                        decision,
-                        failed,
-                    },
-                )]
+                vec![(i, JointDecision::flagged(decision, cost, failed))]
             }));
         }
         let inner: Vec<JointPart<'_, L>> = through.iter().map(|(_, p)| *p).collect();
@@ -272,16 +259,7 @@ impl<L: Limiter, C: Clock> Limiter for HotLimiter<L, C> {
                     let (inner, key, cost) = (p.limiter.clone(), p.key.to_vec(), p.cost);
                     calls.push(Box::pin(async move {
                         let (decision, failed) = lease(&inner, &key, cost).await;
-                        vec![(
-                            i,
-                            JointDecision {
-                                consumed: cost > 0
-                                    && !failed
-                                    && decision.as_ref().is_ok_and(Decision::is_allowed),
-                                decision,
-                                failed,
-                            },
-                        )]
+                        vec![(i, JointDecision::flagged(decision, cost, failed))]
                     }));
                 }
             }

@@ -163,7 +163,17 @@ impl<L: Limiter + Send + Sync + 'static> RateLimitService for Rls<L> {
         // All or nothing: what an enforced denial leaves consumed (a
         // store without a one-step joint, or leases, decide each part on
         // its own) goes back.
-        let mut answers = tollgate::core::decide_parts(&joint).await;
+        let mut answers = match joint.as_slice() {
+            // One descriptor (the common case): its rule's own decision,
+            // not the store's general joint step (on Redis, the rule's
+            // script rather than the joint script's dispatch); nothing
+            // else to give back.
+            [one] => vec![tollgate::core::JointDecision::alone(
+                one.limiter.decide(one.key, one.cost).await,
+                one.cost,
+            )],
+            parts => tollgate::core::decide_parts(parts).await,
+        };
         tollgate::core::give_back_if_denied(&joint, &mut answers).await;
         drop(joint);
         let mut over = false;

@@ -296,27 +296,10 @@ where
     let mut applied = contents(&files);
     let mut settling = applied.clone();
     tokio::spawn(async move {
-        #[cfg(unix)]
-        let mut hangup =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
-        let mut tick = tokio::time::interval(poll.max(std::time::Duration::from_millis(10)));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        let mut triggers = tollgate::config::Triggers::new(poll);
         loop {
             // `true`: a SIGHUP, which reloads whatever the files hold.
-            let signalled = std::future::poll_fn(|cx| {
-                #[cfg(unix)]
-                if let Some(h) = hangup.as_mut() {
-                    if let std::task::Poll::Ready(got) = h.poll_recv(cx) {
-                        if got.is_none() {
-                            hangup = None;
-                        } else {
-                            return std::task::Poll::Ready(true);
-                        }
-                    }
-                }
-                tick.poll_tick(cx).map(|_| false)
-            })
-            .await;
+            let signalled = triggers.next().await;
             let now = contents(&files);
             if !signalled {
                 if now == applied {

@@ -191,7 +191,7 @@ use std::path::Path;
 #[cfg(feature = "axum")]
 pub use gate::{AnyBody, Next, Tollgate};
 pub use parts::{FileCost, FileKey, RetryKey};
-pub use reload::{Reloaded, Reloader};
+pub use reload::{Reloaded, Reloader, Triggers};
 
 /// A policy file that loaded: parsed and checked, ready to build layers.
 pub struct PolicyFile {

@@ -415,29 +415,10 @@ impl<B, St: Store> Reloader<B, St> {
         St::Limiter: Send + Sync,
     {
         tokio::spawn(async move {
-            #[cfg(unix)]
-            let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
-                .map_err(|e| {
-                    tracing::warn!(target: "tollgate", error = %e, "no SIGHUP reloads");
-                })
-                .ok();
-            let mut tick = tokio::time::interval(poll.max(Duration::from_millis(10)));
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            let mut triggers = Triggers::new(poll);
             loop {
                 // `true`: a SIGHUP, which retries even a file tried before.
-                let signalled = std::future::poll_fn(|cx| {
-                    #[cfg(unix)]
-                    if let Some(h) = hangup.as_mut() {
-                        match h.poll_recv(cx) {
-                            Poll::Ready(Some(())) => return Poll::Ready(true),
-                            // No more signals will come: stop listening.
-                            Poll::Ready(None) => hangup = None,
-                            Poll::Pending => {}
-                        }
-                    }
-                    tick.poll_tick(cx).map(|_| false)
-                })
-                .await;
+                let signalled = triggers.next().await;
                 // Errors are logged and counted; a file already tried is
                 // not tried again until it changes (or SIGHUP).
                 let _ = if signalled {
@@ -447,5 +428,53 @@ impl<B, St: Store> Reloader<B, St> {
                 };
             }
         })
+    }
+}
+
+/// What makes a watched file be read again: SIGHUP (Unix), or the next
+/// tick of a poll (missed ticks skipped). [`Reloader::spawn`] waits on
+/// it, and so can another watcher of files (a decision server's own
+/// configuration).
+#[derive(Debug)]
+pub struct Triggers {
+    #[cfg(unix)]
+    hangup: Option<tokio::signal::unix::Signal>,
+    tick: tokio::time::Interval,
+}
+
+impl Triggers {
+    /// SIGHUP, and a poll every `poll` (at least 10 ms). Call it inside a
+    /// Tokio runtime. Without a SIGHUP handler (the platform refuses
+    /// one), polls alone, and says so.
+    pub fn new(poll: Duration) -> Self {
+        let mut tick = tokio::time::interval(poll.max(Duration::from_millis(10)));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        Self {
+            #[cfg(unix)]
+            hangup: tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+                .map_err(|e| {
+                    tracing::warn!(target: "tollgate", error = %e, "no SIGHUP reloads");
+                })
+                .ok(),
+            tick,
+        }
+    }
+
+    /// Waits for the next trigger: `true` for a SIGHUP, `false` for a
+    /// poll's tick.
+    pub async fn next(&mut self) -> bool {
+        std::future::poll_fn(|cx| {
+            #[cfg(unix)]
+            if let Some(h) = self.hangup.as_mut() {
+                match h.poll_recv(cx) {
+                    Poll::Ready(Some(())) => return Poll::Ready(true),
+                    // No more signals will come: stop listening.
+                    Poll::Ready(None) => self.hangup = None,
+                    Poll::Pending => {}
+                }
+            }
+            self.tick.poll_tick(cx).map(|_| false)
+        })
+        .await
     }
 }

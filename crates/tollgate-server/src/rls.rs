@@ -109,15 +109,15 @@ impl<L: Limiter + Send + Sync + 'static> RateLimitService for Rls<L> {
             })
             .collect();
         // A limit another matched limit replaces does not apply.
-        let replaced: Vec<String> = parts
+        let replaced: Vec<&str> = parts
             .iter()
-            .filter_map(|p| p.matched.as_ref())
-            .flat_map(|m| m.bound.replaces.iter().cloned())
+            .filter_map(|p| p.matched.as_ref().map(|m| m.bound))
+            .flat_map(|b| b.replaces.iter().map(String::as_str))
             .collect();
         for p in &mut parts {
             if p.matched
                 .as_ref()
-                .is_some_and(|m| replaced.contains(&m.bound.name))
+                .is_some_and(|m| replaced.contains(&m.bound.name.as_str()))
             {
                 p.matched = None;
             }

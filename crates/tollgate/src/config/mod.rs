@@ -785,7 +785,7 @@ impl PolicyFile {
             (a.quotas != b.quotas, "[[quotas]]"),
             (a.concurrency != b.concurrency, "[[concurrency]]"),
             (a.bandwidth != b.bandwidth, "[[bandwidth]]"),
-            (a.store != b.store, "[store]"),
+            (!self.same_store(before), "[store]"),
             (a.retry_budgets != b.retry_budgets, "[[retry_budgets]]"),
             (a.server != b.server, "[server]"),
         ]

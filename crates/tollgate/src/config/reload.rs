@@ -376,9 +376,6 @@ impl<B, St: Store> Reloader<B, St> {
             if self.restore.is_some() {
                 changed.retain(|c| *c != "[store]");
             }
-            if before.spec.store != file.spec.store && file.same_store(&before) {
-                changed.retain(|c| *c != "[store]");
-            }
             // With the other layers reloaded too, what stays is what no
             // layer here is built from (the store, a client's retries).
             if self.also.is_some() {

@@ -544,6 +544,26 @@ fn challenge_secret(file: &FileSpec, secrets: Secrets) -> Result<Option<Vec<u8>>
     )
 }
 
+/// Where a value the file does not hold (a secret, a URL with a
+/// password) is: an environment variable, or a file.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Named<'a> {
+    Env(&'a str),
+    File(&'a str),
+}
+
+/// The value `named` holds: the variable's value, or the file's contents
+/// trimmed. The error says which could not be read, never a value.
+pub(super) fn named_value(named: Named<'_>) -> Result<String, String> {
+    match named {
+        Named::Env(var) => std::env::var(var)
+            .map_err(|_| format!("the environment variable {var} is not set (or not UTF-8)")),
+        Named::File(path) => std::fs::read_to_string(path)
+            .map(|t| t.trim().to_owned())
+            .map_err(|e| format!("cannot read {path}: {e}")),
+    }
+}
+
 /// A secret of `section` (16 to 64 bytes) from the variable or the file
 /// it names (one of them; `required`: one must be named): read when
 /// building for real, a stand-in when checking. Errors name the field,
@@ -563,12 +583,10 @@ fn read_secret<T>(
         }
         (None, None) => return Ok(None),
         _ if secrets == Secrets::Placeholder => return Ok(Some(vec![0x5a; 32])),
-        (Some(var), None) => std::env::var(var.get_ref()).map_err(|_| {
-            at(var, format!("{section}.secret_env"), format!("the environment variable {} is not set (or not UTF-8)", var.get_ref()))
-        })?,
-        (None, Some(path)) => std::fs::read_to_string(path.get_ref())
-            .map(|t| t.trim().to_owned())
-            .map_err(|e| at(path, format!("{section}.secret_file"), format!("cannot read {}: {e}", path.get_ref())))?,
+        (Some(var), None) => named_value(Named::Env(var.get_ref()))
+            .map_err(|m| at(var, format!("{section}.secret_env"), m))?,
+        (None, Some(path)) => named_value(Named::File(path.get_ref()))
+            .map_err(|m| at(path, format!("{section}.secret_file"), m))?,
     };
     if !(16..=64).contains(&secret.len()) {
         let (span, field) = match (env, file) {

@@ -5,6 +5,8 @@ use std::time::Duration;
 use super::spec::Spanned;
 
 use super::build::{duration, Problem};
+#[cfg(feature = "redis")]
+use super::build::{named_value, Named};
 use super::spec::{HotKeysSpec, StoreSpec};
 
 /// What `[store]` says, checked: a store to build.
@@ -360,22 +362,12 @@ pub(super) fn build(plan: &StorePlan) -> Result<crate::AnyStore, (String, String
 
 #[cfg(feature = "redis")]
 fn redis(r: &RedisPlan) -> Result<crate::RedisStore, (String, String)> {
+    let named =
+        |n: Named<'_>, field: &str| named_value(n).map_err(|m| (format!("store.{field}"), m));
     let url = match &r.url {
         UrlFrom::File(u) => u.clone(),
-        UrlFrom::Env(var) => std::env::var(var).map_err(|_| {
-            (
-                "store.url_env".to_owned(),
-                format!("the environment variable {var} is not set (or not UTF-8)"),
-            )
-        })?,
-        UrlFrom::Path(path) => std::fs::read_to_string(path)
-            .map(|t| t.trim().to_owned())
-            .map_err(|e| {
-                (
-                    "store.url_file".to_owned(),
-                    format!("cannot read {path}: {e}"),
-                )
-            })?,
+        UrlFrom::Env(var) => named(Named::Env(var), "url_env")?,
+        UrlFrom::Path(path) => named(Named::File(path), "url_file")?,
     };
     let mut b = crate::RedisStore::builder(&url);
     if let Some(p) = &r.prefix {
@@ -397,24 +389,10 @@ fn redis(r: &RedisPlan) -> Result<crate::RedisStore, (String, String)> {
         b = b.connect_timeout(t);
     }
     if let Some(var) = &r.key_secret_env {
-        let secret = std::env::var(var).map_err(|_| {
-            (
-                "store.key_secret_env".to_owned(),
-                format!("the environment variable {var} is not set (or not UTF-8)"),
-            )
-        })?;
-        b = b.key_secret(secret);
+        b = b.key_secret(named(Named::Env(var), "key_secret_env")?);
     }
     if let Some(path) = &r.key_secret_file {
-        let secret = std::fs::read_to_string(path)
-            .map(|t| t.trim().to_owned())
-            .map_err(|e| {
-                (
-                    "store.key_secret_file".to_owned(),
-                    format!("cannot read {path}: {e}"),
-                )
-            })?;
-        b = b.key_secret(secret);
+        b = b.key_secret(named(Named::File(path), "key_secret_file")?);
     }
     // A builder's error names its own field (`url`, `timeout`); the URL
     // itself is never part of the message.

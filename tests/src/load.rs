@@ -95,15 +95,24 @@ impl Conn {
         Ok(Self(sender))
     }
 
-    /// `GET path` with `headers`: its status, the body read to its end.
-    async fn get(&mut self, path: &str, headers: &[(&str, &str)]) -> Option<StatusCode> {
+    /// Sends `GET path` with `headers`: the response, its body unread.
+    async fn send(
+        &mut self,
+        path: &str,
+        headers: &[(&str, &str)],
+    ) -> Result<http::Response<hyper::body::Incoming>, Error> {
         let mut req = Request::get(path).header(http::header::HOST, "localhost");
         for (name, value) in headers {
             req = req.header(*name, *value);
         }
-        let req = req.body(Full::new(Bytes::new())).ok()?;
-        self.0.ready().await.ok()?;
-        let res = self.0.send_request(req).await.ok()?;
+        let req = req.body(Full::new(Bytes::new()))?;
+        self.0.ready().await?;
+        Ok(self.0.send_request(req).await?)
+    }
+
+    /// `GET path` with `headers`: its status, the body read to its end.
+    async fn get(&mut self, path: &str, headers: &[(&str, &str)]) -> Option<StatusCode> {
+        let res = self.send(path, headers).await.ok()?;
         let status = res.status();
         res.into_body().collect().await.ok()?;
         Some(status)
@@ -362,13 +371,7 @@ pub async fn slow_reader(
     hold: Duration,
 ) -> Result<SlowReader, Error> {
     let mut conn = Conn::open(addr).await?;
-    let mut req = Request::get(path).header(http::header::HOST, "localhost");
-    for (name, value) in client.headers() {
-        req = req.header(name, value);
-    }
-    let req = req.body(Full::new(Bytes::new()))?;
-    conn.0.ready().await?;
-    let res = conn.0.send_request(req).await?;
+    let res = conn.send(path, &client.headers()).await?;
     let status = res.status();
     let mut body = res.into_body();
     let task = tokio::spawn(async move {
@@ -405,12 +408,7 @@ pub async fn get_once(
     drop_body: bool,
 ) -> Result<StatusCode, Error> {
     let mut conn = Conn::open(addr).await?;
-    let req = Request::get(path)
-        .header(http::header::HOST, "localhost")
-        .header("x-api-key", key)
-        .body(Full::new(Bytes::new()))?;
-    conn.0.ready().await?;
-    let res = conn.0.send_request(req).await?;
+    let res = conn.send(path, &[("x-api-key", key)]).await?;
     let status = res.status();
     if !drop_body {
         res.into_body().collect().await?;

@@ -10,7 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::algorithm::{
-    FixedWindow, Gcra, LeakyBucket, Semaphore, SlidingWindowCounter, SlidingWindowLog, TokenBucket,
+    FixedWindow, Gcra, LeakyBucket, Semaphore, SlidingWindowBuckets, SlidingWindowCounter,
+    SlidingWindowLog, TokenBucket,
 };
 use crate::clock::duration_to_nanos;
 
@@ -166,6 +167,17 @@ pub enum Limit {
         /// Window length.
         window: Duration,
     },
+    /// Sliding window of `buckets` counters, rotated exactly: at most
+    /// `limit` in the last `buckets` buckets (see
+    /// [`SlidingWindowBuckets`] for its error against a sliding log).
+    SlidingWindowBuckets {
+        /// Units per window.
+        limit: u32,
+        /// Window length (at least 1 ms a bucket).
+        window: Duration,
+        /// Buckets in the window (1 to `SlidingWindowBuckets::MAX_BUCKETS`).
+        buckets: u32,
+    },
     /// Sliding window log: exact, keeps one entry per admitted request
     /// (at most `limit` entries per key, `limit` at most
     /// `SlidingWindowLog::MAX_LIMIT`).
@@ -209,6 +221,15 @@ impl Limit {
     pub const fn sliding_window_counter(limit: u32, window: Duration) -> Self {
         Self::SlidingWindowCounter { limit, window }
     }
+    /// `limit` per sliding `window` of `buckets` counters, each dropped
+    /// whole once the window has passed it: memory O(`buckets`).
+    pub const fn sliding_window_buckets(limit: u32, window: Duration, buckets: u32) -> Self {
+        Self::SlidingWindowBuckets {
+            limit,
+            window,
+            buckets,
+        }
+    }
     /// `limit` per sliding `window`, exact.
     pub const fn sliding_window_log(limit: u32, window: Duration) -> Self {
         Self::SlidingWindowLog { limit, window }
@@ -227,6 +248,7 @@ pub enum Algorithm {
     TokenBucket(TokenBucket),
     FixedWindow(FixedWindow),
     SlidingWindowCounter(SlidingWindowCounter),
+    SlidingWindowBuckets(SlidingWindowBuckets),
     SlidingWindowLog(SlidingWindowLog),
     LeakyBucket(LeakyBucket),
 }
@@ -247,6 +269,11 @@ impl Algorithm {
             Limit::SlidingWindowCounter { limit, window } => {
                 Self::SlidingWindowCounter(SlidingWindowCounter::new(limit, window)?)
             }
+            Limit::SlidingWindowBuckets {
+                limit,
+                window,
+                buckets,
+            } => Self::SlidingWindowBuckets(SlidingWindowBuckets::new(limit, window, buckets)?),
             Limit::SlidingWindowLog { limit, window } => {
                 Self::SlidingWindowLog(SlidingWindowLog::new(limit, window)?)
             }
@@ -295,6 +322,9 @@ impl Algorithm {
             (Self::SlidingWindowCounter(a), Self::SlidingWindowCounter(b)) => {
                 a.state_shape() == b.state_shape()
             }
+            (Self::SlidingWindowBuckets(a), Self::SlidingWindowBuckets(b)) => {
+                a.state_shape() == b.state_shape()
+            }
             (Self::SlidingWindowLog(a), Self::SlidingWindowLog(b)) => {
                 a.state_shape() == b.state_shape()
             }
@@ -333,6 +363,9 @@ impl Algorithm {
             (Self::SlidingWindowCounter(a), Self::SlidingWindowCounter(b)) => {
                 a.state_shape() == b.state_shape()
             }
+            (Self::SlidingWindowBuckets(a), Self::SlidingWindowBuckets(b)) => {
+                a.state_shape() == b.state_shape()
+            }
             (Self::SlidingWindowLog(a), Self::SlidingWindowLog(b)) => {
                 a.state_shape() == b.state_shape()
             }
@@ -348,6 +381,7 @@ impl Algorithm {
             Self::TokenBucket(a) => a.capacity(),
             Self::FixedWindow(a) => a.capacity(),
             Self::SlidingWindowCounter(a) => a.capacity(),
+            Self::SlidingWindowBuckets(a) => a.capacity(),
             Self::SlidingWindowLog(a) => a.capacity(),
             Self::LeakyBucket(a) => a.capacity(),
         }
@@ -415,6 +449,11 @@ impl Algorithm {
                 part(a.capacity()),
                 Duration::from_nanos(a.window()),
             )?),
+            Self::SlidingWindowBuckets(a) => Self::SlidingWindowBuckets(SlidingWindowBuckets::new(
+                part(a.capacity()),
+                Duration::from_nanos(a.window()),
+                a.buckets(),
+            )?),
             Self::SlidingWindowLog(a) => Self::SlidingWindowLog(SlidingWindowLog::new(
                 part(a.capacity()),
                 Duration::from_nanos(a.window()),
@@ -437,6 +476,7 @@ impl Algorithm {
             Self::TokenBucket(a) => a.window(),
             Self::FixedWindow(a) => a.window(),
             Self::SlidingWindowCounter(a) => a.window(),
+            Self::SlidingWindowBuckets(a) => a.window(),
             Self::SlidingWindowLog(a) => a.window(),
             Self::LeakyBucket(a) => a.window(),
         }
@@ -793,6 +833,18 @@ mod tests {
             ),
             (Limit::sliding_window_log(1, Duration::ZERO), "window"),
             (
+                Limit::sliding_window_buckets(0, Duration::from_secs(1), 2),
+                "limit",
+            ),
+            (
+                Limit::sliding_window_buckets(1, Duration::from_secs(1), 0),
+                "buckets",
+            ),
+            (
+                Limit::sliding_window_buckets(1, Duration::from_millis(5), 10),
+                "window",
+            ),
+            (
                 Limit::leaky_bucket(Rate::per_second(0), Duration::ZERO),
                 "rate",
             ),
@@ -851,6 +903,7 @@ mod tests {
                 Algorithm::TokenBucket(a) => run(a, seconds),
                 Algorithm::FixedWindow(a) => run(a, seconds),
                 Algorithm::SlidingWindowCounter(a) => run(a, seconds),
+                Algorithm::SlidingWindowBuckets(a) => run(a, seconds),
                 Algorithm::SlidingWindowLog(a) => run(a, seconds),
                 Algorithm::LeakyBucket(a) => run(a, seconds),
             }
@@ -862,6 +915,7 @@ mod tests {
             Limit::token_bucket(100, 19, Duration::from_millis(100)),
             Limit::fixed_window(100, Duration::from_secs(1)),
             Limit::sliding_window_counter(100, Duration::from_secs(1)),
+            Limit::sliding_window_buckets(100, Duration::from_secs(1), 10),
             Limit::sliding_window_log(100, Duration::from_secs(1)),
             Limit::leaky_bucket(Rate::per_second(100), Duration::from_millis(100)),
         ];

@@ -12,6 +12,7 @@
 //! | [`TokenBucket`] | one `u64` | Envoy-style discrete refills |
 //! | [`FixedWindow`] | one `u64` | cheap counters, quotas per day/month |
 //! | [`SlidingWindowCounter`] | three integers | sliding windows at any limit |
+//! | [`SlidingWindowBuckets`] | one counter a bucket | sliding windows of N buckets, rotated exactly |
 //! | [`SlidingWindowLog`] | ≤ `limit` entries | exact sliding windows, small limits |
 //! | [`LeakyBucket`] | one `u64` | pacing: delay instead of reject |
 //! | [`Semaphore`] | ≤ `max` leases | concurrency across a fleet, with lease expiry |
@@ -71,8 +72,9 @@ pub mod testing;
 
 pub use algorithm::{
     FixedWindow, Gcra, InFlight, LeakyBucket, PeriodStatus, Quota, QuotaDecision, QuotaState,
-    RateAlgorithm, RetryBudget, RetryBudgetState, Semaphore, SemaphoreState, SlidingWindowCounter,
-    SlidingWindowCounterState, SlidingWindowLog, SlidingWindowLogState, TokenBucket,
+    RateAlgorithm, RetryBudget, RetryBudgetState, Semaphore, SemaphoreState, SlidingWindowBuckets,
+    SlidingWindowBucketsState, SlidingWindowCounter, SlidingWindowCounterState, SlidingWindowLog,
+    SlidingWindowLogState, TokenBucket,
 };
 pub use clock::{duration_to_nanos, Clock, ManualClock, SystemClock};
 pub use config::{

@@ -32,7 +32,8 @@ use proptest::prelude::*;
 use support::{Action, Jump, SemOp};
 use tollgate_core::{
     Decision, FixedWindow, Gcra, LeakyBucket, Outcome, Rate, RateAlgorithm, Semaphore,
-    SemaphoreState, SlidingWindowCounter, SlidingWindowLog, SlidingWindowLogState, TokenBucket,
+    SemaphoreState, SlidingWindowBuckets, SlidingWindowCounter, SlidingWindowLog,
+    SlidingWindowLogState, TokenBucket,
 };
 
 const CASES: u32 = 256;
@@ -54,6 +55,7 @@ impl Subject for Gcra {}
 impl Subject for TokenBucket {}
 impl Subject for FixedWindow {}
 impl Subject for SlidingWindowCounter {}
+impl Subject for SlidingWindowBuckets {}
 impl Subject for LeakyBucket {}
 
 impl Subject for SlidingWindowLog {
@@ -525,6 +527,20 @@ rate_properties!(
 );
 
 rate_properties!(
+    sliding_window_buckets,
+    support::sliding_window_buckets(),
+    |(alg, bucket)| (alg, bucket),
+    // The buckets counted at b reach back to the start of the bucket
+    // buckets − 1 before b's: an interval that starts there holds no more
+    // than the limit.
+    |a: u64, b: u64| if b / bucket - a / bucket < u64::from(alg.buckets()) {
+        alg.capacity()
+    } else {
+        u64::MAX
+    }
+);
+
+rate_properties!(
     leaky_bucket,
     support::leaky_bucket(),
     |(alg, interval, _max_delay)| (alg, interval),
@@ -612,6 +628,63 @@ proptest! {
         match SlidingWindowCounter::new(limit, Duration::from_nanos(window)) {
             Ok(alg) => wide_trace(&alg, &steps)?,
             Err(e) => prop_assert!(["limit", "window"].contains(&e.field())),
+        }
+    }
+
+    #[test]
+    fn sliding_window_buckets_wide(limit in wide_u32(), window in wide_nanos(), buckets in 0u32..=101, steps in wide_steps()) {
+        match SlidingWindowBuckets::new(limit, Duration::from_nanos(window), buckets) {
+            Ok(alg) => wide_trace(&alg, &steps)?,
+            Err(e) => prop_assert!(["limit", "window", "buckets"].contains(&e.field())),
+        }
+    }
+
+    /// The error of a sliding window of buckets against the sliding log,
+    /// on the history the buckets admitted: never stricter than the log
+    /// (what they refuse, the log refuses too), and at each admission the
+    /// log's window `(t − W, t]` holds at most the limit plus what the one
+    /// bucket leaving the window (the bucket of `t − W`) admitted.
+    #[test]
+    fn sliding_window_buckets_against_the_log(
+        (alg, bucket) in support::sliding_window_buckets(),
+        start in support::start(),
+        steps in prop::collection::vec((0u64..=3_000, 1u64..=3), 1..STEPS),
+    ) {
+        let window = alg.window();
+        let limit = alg.capacity();
+        let mut state = Default::default();
+        let mut admitted: Vec<(u64, u64)> = Vec::new();
+        let mut now = start;
+        // What the history admitted in (from, to].
+        let held = |admitted: &[(u64, u64)], from: u64, to: u64| -> u64 {
+            admitted.iter().filter(|(at, _)| *at > from && *at <= to).map(|(_, c)| c).sum()
+        };
+        for (gap, cost) in steps {
+            // Gaps of up to three buckets, in thousandths of a bucket.
+            now += bucket * gap / 1_000;
+            let log = held(&admitted, now.saturating_sub(window), now);
+            let d = alg.decide(&mut state, now, cost);
+            if d.is_allowed() {
+                admitted.push((now, cost));
+                let log = log + cost;
+                let leaving = now.saturating_sub(window) / bucket;
+                let one_bucket: u64 = admitted
+                    .iter()
+                    .filter(|(at, _)| at / bucket == leaving)
+                    .map(|(_, c)| c)
+                    .sum();
+                prop_assert!(
+                    log <= limit + one_bucket,
+                    "at {}: {} in the log's window, limit {} + {} in the leaving bucket",
+                    now, log, limit, one_bucket
+                );
+            } else {
+                prop_assert!(
+                    log + cost > limit,
+                    "at {}: refused {} with {} in the log's window (limit {})",
+                    now, cost, log, limit
+                );
+            }
         }
     }
 

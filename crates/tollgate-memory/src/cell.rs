@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use tollgate_core::{
-    FixedWindow, Gcra, LeakyBucket, RateAlgorithm, SlidingWindowCounter, SlidingWindowLog,
-    TokenBucket,
+    FixedWindow, Gcra, LeakyBucket, RateAlgorithm, SlidingWindowBuckets, SlidingWindowCounter,
+    SlidingWindowLog, TokenBucket,
 };
 
 /// A container for one key's state.
@@ -96,6 +96,9 @@ impl Stored for LeakyBucket {
     type Cell = AtomicU64;
 }
 impl Stored for SlidingWindowCounter {
+    type Cell = Mutex<Self::State>;
+}
+impl Stored for SlidingWindowBuckets {
     type Cell = Mutex<Self::State>;
 }
 impl Stored for SlidingWindowLog {

@@ -99,8 +99,8 @@ use tollgate_core::{
     Acquire, Algorithm, Clock, ConcurrencyLimiter, ConcurrencyRule, ConfigError, Decision,
     FixedWindow, Gcra, InFlight, LeakyBucket, Lease, Limiter, Quota, QuotaDecision, QuotaLimiter,
     QuotaRule, QuotaState, QuotaStore, RateAlgorithm, RetryBudget, RetryBudgetLimiter,
-    RetryBudgetRule, RetryBudgetStore, Rule, Semaphore, SlidingWindowCounter, SlidingWindowLog,
-    Store, StoreError, SystemClock, TokenBucket, Withdrawal,
+    RetryBudgetRule, RetryBudgetStore, Rule, Semaphore, SlidingWindowBuckets, SlidingWindowCounter,
+    SlidingWindowLog, Store, StoreError, SystemClock, TokenBucket, Withdrawal,
 };
 use tollgate_core::{BoxFuture, EscalationLimiter, EscalationRule};
 
@@ -335,6 +335,7 @@ enum AnyTable<C> {
     TokenBucket(Arc<Table<TokenBucket, C>>),
     FixedWindow(Arc<Table<FixedWindow, C>>),
     SlidingWindowCounter(Arc<Table<SlidingWindowCounter, C>>),
+    SlidingWindowBuckets(Arc<Table<SlidingWindowBuckets, C>>),
     SlidingWindowLog(Arc<Table<SlidingWindowLog, C>>),
     LeakyBucket(Arc<Table<LeakyBucket, C>>),
 }
@@ -347,6 +348,7 @@ macro_rules! dispatch {
             AnyTable::TokenBucket($t) => $body,
             AnyTable::FixedWindow($t) => $body,
             AnyTable::SlidingWindowCounter($t) => $body,
+            AnyTable::SlidingWindowBuckets($t) => $body,
             AnyTable::SlidingWindowLog($t) => $body,
             AnyTable::LeakyBucket($t) => $body,
         }
@@ -361,6 +363,7 @@ impl<C> Clone for AnyTable<C> {
             Self::TokenBucket(t) => Self::TokenBucket(Arc::clone(t)),
             Self::FixedWindow(t) => Self::FixedWindow(Arc::clone(t)),
             Self::SlidingWindowCounter(t) => Self::SlidingWindowCounter(Arc::clone(t)),
+            Self::SlidingWindowBuckets(t) => Self::SlidingWindowBuckets(Arc::clone(t)),
             Self::SlidingWindowLog(t) => Self::SlidingWindowLog(Arc::clone(t)),
             Self::LeakyBucket(t) => Self::LeakyBucket(Arc::clone(t)),
         }
@@ -381,6 +384,9 @@ impl<C: Clock> AnyTable<C> {
             (Self::SlidingWindowCounter(t), Algorithm::SlidingWindowCounter(a)) => {
                 Self::SlidingWindowCounter(t.sharing(*a))
             }
+            (Self::SlidingWindowBuckets(t), Algorithm::SlidingWindowBuckets(a)) => {
+                Self::SlidingWindowBuckets(t.sharing(*a))
+            }
             (Self::SlidingWindowLog(t), Algorithm::SlidingWindowLog(a)) => {
                 Self::SlidingWindowLog(t.sharing(*a))
             }
@@ -396,6 +402,9 @@ impl<C: Clock> AnyTable<C> {
             Algorithm::FixedWindow(a) => Self::FixedWindow(Table::registered(*a, shards, shared)),
             Algorithm::SlidingWindowCounter(a) => {
                 Self::SlidingWindowCounter(Table::registered(*a, shards, shared))
+            }
+            Algorithm::SlidingWindowBuckets(a) => {
+                Self::SlidingWindowBuckets(Table::registered(*a, shards, shared))
             }
             Algorithm::SlidingWindowLog(a) => {
                 Self::SlidingWindowLog(Table::registered(*a, shards, shared))

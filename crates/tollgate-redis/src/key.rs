@@ -20,6 +20,9 @@ pub(crate) enum Format {
     FixedWindow,
     /// `sliding_window_counter.lua`: a hash of the window and two counts.
     SlidingWindowCounter,
+    /// `sliding_window_buckets.lua`: the newest bucket's number and the
+    /// buckets' counts.
+    SlidingWindowBuckets,
     /// `sliding_window_log.lua`: a list of the admitted entries.
     SlidingWindowLog,
     /// `leaky_bucket.lua`: the queue's tail.
@@ -44,6 +47,7 @@ impl Format {
             Algorithm::TokenBucket(_) => Self::TokenBucket,
             Algorithm::FixedWindow(_) => Self::FixedWindow,
             Algorithm::SlidingWindowCounter(_) => Self::SlidingWindowCounter,
+            Algorithm::SlidingWindowBuckets(_) => Self::SlidingWindowBuckets,
             Algorithm::SlidingWindowLog(_) => Self::SlidingWindowLog,
             Algorithm::LeakyBucket(_) => Self::LeakyBucket,
         }
@@ -56,6 +60,7 @@ impl Format {
             Self::TokenBucket => "tb1",
             Self::FixedWindow => "fw1",
             Self::SlidingWindowCounter => "swc1",
+            Self::SlidingWindowBuckets => "swb1",
             Self::SlidingWindowLog => "swl1",
             Self::LeakyBucket => "lb1",
             Self::Semaphore => "sem2",
@@ -222,6 +227,7 @@ mod tests {
             Format::TokenBucket,
             Format::FixedWindow,
             Format::SlidingWindowCounter,
+            Format::SlidingWindowBuckets,
             Format::SlidingWindowLog,
             Format::LeakyBucket,
             Format::Semaphore,

@@ -97,6 +97,7 @@ rate_script!(TOKEN_BUCKET, "token_bucket");
 rate_script!(FIXED_WINDOW, "fixed_window");
 rate_script!(SLIDING_COUNTER, "sliding_window_counter");
 rate_script!(SLIDING_LOG, "sliding_window_log");
+rate_script!(SLIDING_BUCKETS, "sliding_window_buckets");
 rate_script!(LEAKY_BUCKET, "leaky_bucket");
 
 /// Several rate rules deciding one request together (`joint.lua`): every
@@ -109,6 +110,7 @@ pub(crate) static JOINT: std::sync::LazyLock<Script> = std::sync::LazyLock::new(
         algorithm!("fixed_window"),
         algorithm!("sliding_window_counter"),
         algorithm!("sliding_window_log"),
+        algorithm!("sliding_window_buckets"),
         algorithm!("leaky_bucket"),
         include_str!("scripts/joint.lua")
     ))
@@ -254,6 +256,14 @@ pub(crate) fn for_algorithm(algorithm: &Algorithm) -> RateScript {
             &SLIDING_COUNTER,
             vec![a.capacity().to_string(), a.window().to_string()],
         ),
+        Algorithm::SlidingWindowBuckets(a) => (
+            &SLIDING_BUCKETS,
+            vec![
+                a.capacity().to_string(),
+                a.bucket().to_string(),
+                a.buckets().to_string(),
+            ],
+        ),
         Algorithm::SlidingWindowLog(a) => (
             &SLIDING_LOG,
             vec![a.capacity().to_string(), a.window().to_string()],
@@ -326,6 +336,7 @@ pub(crate) fn check_spans(algorithm: &Algorithm) -> Result<(), ConfigError> {
         Algorithm::TokenBucket(a) => check_span("interval", a.window()),
         Algorithm::FixedWindow(a) => check_span("window", a.window()),
         Algorithm::SlidingWindowCounter(a) => check_span("window", a.window()),
+        Algorithm::SlidingWindowBuckets(a) => check_span("window", a.window()),
         Algorithm::SlidingWindowLog(a) => check_span("window", a.window()),
         Algorithm::LeakyBucket(a) => {
             check_span("rate", a.interval())?;

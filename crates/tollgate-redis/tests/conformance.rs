@@ -251,6 +251,11 @@ async fn sliding_log_matches_the_reference() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sliding_buckets_matches_the_reference() {
+    matches_the_reference("sliding-buckets").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leaky_bucket_matches_the_reference() {
     matches_the_reference("leaky-bucket").await;
 }
@@ -285,6 +290,14 @@ async fn large_parameters_match_the_reference() {
         ("bucket-day", Limit::token_bucket(1_000, 70, day)),
         ("log-day", Limit::sliding_window_log(10_000, day)),
         (
+            "buckets-week",
+            Limit::sliding_window_buckets(u32::MAX, 7 * day, 100),
+        ),
+        (
+            "buckets-odd",
+            Limit::sliding_window_buckets(999_983, Duration::from_nanos(86_399_999_999_971), 7),
+        ),
+        (
             "leaky-day",
             Limit::leaky_bucket(Rate::new(1_000, day), hour),
         ),
@@ -297,6 +310,10 @@ async fn large_parameters_match_the_reference() {
         (
             "log-longest",
             Limit::sliding_window_log(100, Duration::from_nanos(1 << 51)),
+        ),
+        (
+            "buckets-longest",
+            Limit::sliding_window_buckets(u32::MAX, Duration::from_nanos(1 << 51), 100),
         ),
         (
             "counter-longest",

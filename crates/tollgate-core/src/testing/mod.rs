@@ -86,6 +86,10 @@ pub fn rules() -> Vec<Rule> {
         ),
         ("sliding-log", Limit::sliding_window_log(5, ms(1_000))),
         (
+            "sliding-buckets",
+            Limit::sliding_window_buckets(6, ms(1_000), 4),
+        ),
+        (
             "leaky-bucket",
             Limit::leaky_bucket(Rate::new(5, ms(1_000)), ms(500)),
         ),
@@ -134,6 +138,7 @@ struct RefState {
     word: u64,
     counter: crate::SlidingWindowCounterState,
     log: crate::SlidingWindowLogState,
+    buckets: crate::SlidingWindowBucketsState,
 }
 
 impl Reference {
@@ -168,6 +173,7 @@ impl Reference {
             Algorithm::LeakyBucket(a) => a.refund(&mut s.word, now, cost),
             Algorithm::SlidingWindowCounter(a) => a.refund(&mut s.counter, now, cost),
             Algorithm::SlidingWindowLog(a) => a.refund(&mut s.log, now, cost),
+            Algorithm::SlidingWindowBuckets(a) => a.refund(&mut s.buckets, now, cost),
         }
     }
 }
@@ -181,6 +187,7 @@ fn decide_on(algorithm: &Algorithm, s: &mut RefState, now: u64, cost: u64) -> cr
         Algorithm::LeakyBucket(a) => a.decide(&mut s.word, now, cost),
         Algorithm::SlidingWindowCounter(a) => a.decide(&mut s.counter, now, cost),
         Algorithm::SlidingWindowLog(a) => a.decide(&mut s.log, now, cost),
+        Algorithm::SlidingWindowBuckets(a) => a.decide(&mut s.buckets, now, cost),
     }
 }
 

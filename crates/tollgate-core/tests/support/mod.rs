@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use tollgate_core::{
-    FixedWindow, Gcra, LeakyBucket, Rate, Semaphore, SlidingWindowCounter, SlidingWindowLog,
-    TokenBucket,
+    FixedWindow, Gcra, LeakyBucket, Rate, Semaphore, SlidingWindowBuckets, SlidingWindowCounter,
+    SlidingWindowLog, TokenBucket,
 };
 
 /// One millisecond in nanoseconds.
@@ -237,6 +237,21 @@ pub(crate) fn sliding_window_counter() -> impl Strategy<Value = (SlidingWindowCo
             window,
         )
     })
+}
+
+/// A sliding window of 1 to 6 buckets of 1 to 5 ms or a second, with a
+/// small limit, and its bucket's length.
+pub(crate) fn sliding_window_buckets() -> impl Strategy<Value = (SlidingWindowBuckets, u64)> {
+    (
+        1u32..=20,
+        1u32..=6,
+        prop_oneof![Just(MS), MS..=5 * MS, Just(1_000 * MS)],
+    )
+        .prop_map(|(limit, buckets, bucket)| {
+            let window = Duration::from_nanos(bucket * u64::from(buckets));
+            let alg = SlidingWindowBuckets::new(limit, window, buckets).unwrap();
+            (alg, bucket)
+        })
 }
 
 /// A sliding window log with a small limit, and its window.

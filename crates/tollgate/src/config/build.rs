@@ -135,6 +135,7 @@ fn limit(
     rate: Option<&Spanned<String>>,
     burst: Option<&Spanned<i64>>,
     max_delay: Option<&Spanned<String>>,
+    buckets: Option<&Spanned<i64>>,
     path: &str,
     whole_span: &Range<usize>,
 ) -> Result<Limit, Problem> {
@@ -157,6 +158,7 @@ fn limit(
     }
     let needs_burst = matches!(algorithm, "gcra" | "token_bucket");
     let burst_at = burst;
+    let buckets_at = buckets;
     let burst = match (burst, needs_burst) {
         (Some(b), true) => whole(*b.get_ref(), b, field("burst"), 1)?,
         (None, true) => {
@@ -193,6 +195,24 @@ fn limit(
         }
         (None, _) => Duration::ZERO,
     };
+    let buckets = match (buckets, algorithm) {
+        (Some(b), "sliding_buckets") => whole(*b.get_ref(), b, field("buckets"), 1)?,
+        (None, "sliding_buckets") => {
+            return Err((
+                Some(whole_span.clone()),
+                field("buckets"),
+                "is missing: sliding_buckets needs buckets = N (1 to 100)".to_owned(),
+            ))
+        }
+        (Some(b), _) => {
+            return Err(at(
+                b,
+                field("buckets"),
+                format!("is only for sliding_buckets, not {algorithm}"),
+            ))
+        }
+        (None, _) => 0,
+    };
     let rate = Rate::new(amount, period);
     let limit = match algorithm {
         "gcra" => Limit::gcra(rate, burst),
@@ -200,6 +220,7 @@ fn limit(
         "fixed_window" => Limit::fixed_window(amount, period),
         "sliding_window" => Limit::sliding_window_counter(amount, period),
         "sliding_log" => Limit::sliding_window_log(amount, period),
+        "sliding_buckets" => Limit::sliding_window_buckets(amount, period, buckets),
         "leaky_bucket" => Limit::leaky_bucket(rate, delay),
         other => {
             return Err((
@@ -212,6 +233,10 @@ fn limit(
     // Validate here, so the error lands on this rule's numbers.
     Algorithm::new(limit).map_err(|e| match (e.field(), burst_at) {
         ("burst" | "capacity", Some(b)) => at(b, field("burst"), e.message().to_owned()),
+        ("buckets", _) => match buckets_at {
+            Some(b) => at(b, field("buckets"), e.message().to_owned()),
+            None => at(rate_text, field("rate"), e.message().to_owned()),
+        },
         ("max_delay", Some(_)) | ("max_delay", None) => match max_delay {
             Some(d) => at(d, field("max_delay"), e.message().to_owned()),
             None => at(rate_text, field("rate"), e.message().to_owned()),
@@ -221,12 +246,13 @@ fn limit(
     Ok(limit)
 }
 
-const ALGORITHMS: [&str; 6] = [
+const ALGORITHMS: [&str; 7] = [
     "gcra",
     "token_bucket",
     "fixed_window",
     "sliding_window",
     "sliding_log",
+    "sliding_buckets",
     "leaky_bucket",
 ];
 
@@ -747,6 +773,7 @@ fn rule(
         r.rate.as_ref(),
         r.burst.as_ref(),
         r.max_delay.as_ref(),
+        r.buckets.as_ref(),
         &path,
         &spanned.span(),
     )?;
@@ -858,12 +885,14 @@ fn rule(
             rate,
             burst,
             max_delay,
+            buckets,
         } = p.get_ref();
         let lim = limit(
             algorithm,
             rate.as_ref(),
             burst.as_ref(),
             max_delay.as_ref(),
+            buckets.as_ref().or(r.buckets.as_ref()),
             &format!("{path}.plans.{plan}"),
             &p.span(),
         )?;

@@ -61,10 +61,11 @@
 //! |---|---|
 //! | `name` | the rule's name in headers, store keys and metrics |
 //! | `key` | alternatives split by `\|`, each parts joined by `+`: `header:<name>`, `client-ip`, `peer-ip`, `path`, `route`, `method`, `global` |
-//! | `algorithm` | `gcra` (default), `token_bucket`, `fixed_window`, `sliding_window` (counter), `sliding_log`, `leaky_bucket` |
+//! | `algorithm` | `gcra` (default), `token_bucket`, `fixed_window`, `sliding_window` (counter), `sliding_log`, `sliding_buckets`, `leaky_bucket` |
 //! | `rate` | `"10/s"`, `"600/min"`, `"5/15m"`: for GCRA the sustained rate, for the token bucket the refill, for windows the limit per window, for the leaky bucket the drain rate |
 //! | `burst = N` | GCRA's burst, the token bucket's capacity (not for windows or the leaky bucket) |
 //! | `max_delay` | the leaky bucket's longest wait, e.g. `"500ms"` |
+//! | `buckets` | `sliding_buckets`: the counters the window is cut into, 1 to 100 (the window is the rate's period) |
 //! | `cost` | a number, a `[costs]` name, or a table: `default`, `max`, and one of `header`, `query`, `bytes_per_unit`, `methods = { POST = 5 }`, `routes = [{ method, path, cost }]` |
 //! | `missing_key` | `"reject"` (default), `"skip"`, or `"fallback:<shared key>"` |
 //! | `shadow`, `canary` | shadow mode; enforce for a share of keys (0.0–1.0) |
@@ -72,7 +73,7 @@
 //! | `count_if` | statuses that count (response-aware), e.g. `[401, 403]` |
 //! | `escalate` | `{ strikes, period, block, max_block }` |
 //! | `challenge` | `{ difficulty, window }`: a proof-of-work challenge in its refusals (see [`ProofOfWork`](crate::policy::ProofOfWork)), signed with `[challenge]`'s secret |
-//! | `plans.<plan>` | the plan's own `rate`, `burst`, `max_delay` (the rule's algorithm) |
+//! | `plans.<plan>` | the plan's own `rate`, `burst`, `max_delay`, `buckets` (the rule's algorithm; `buckets` the rule's when absent) |
 //! | `routes` | the routes it applies to, e.g. `["GET /api/download", "/files/{*path}", "/users/{id}"]` (axum's syntax; every route without it): see [`Routes`](crate::Routes) |
 //!
 //! Each `[[quotas]]` entry is a calendar quota, built by name as a

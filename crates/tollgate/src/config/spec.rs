@@ -374,6 +374,9 @@ pub(super) struct RuleSpec {
     pub(super) burst: Option<Spanned<i64>>,
     #[serde(default)]
     pub(super) max_delay: Option<Spanned<String>>,
+    /// `sliding_buckets`: how many buckets the window is cut into.
+    #[serde(default)]
+    pub(super) buckets: Option<Spanned<i64>>,
     #[serde(default)]
     #[cfg_attr(feature = "schema", schemars(with = "Option<values::Cost>"))]
     pub(super) cost: Option<Spanned<toml::Value>>,
@@ -552,6 +555,10 @@ pub(super) struct LimitSpec {
     pub(super) burst: Option<Spanned<i64>>,
     #[serde(default)]
     pub(super) max_delay: Option<Spanned<String>>,
+    /// `sliding_buckets`: the plan's own number of buckets (the rule's
+    /// when absent).
+    #[serde(default)]
+    pub(super) buckets: Option<Spanned<i64>>,
 }
 
 /// A cost function.

@@ -169,6 +169,39 @@ fn load_errors_name_the_line_and_the_field() {
         "algorithm = \"fixed_window\"\nrate = \"5/m\"\nburst = 2"
     ))
     .starts_with("12:9: rules[1].burst: is not used by fixed_window"));
+    // A sliding window of buckets: `buckets` is its own, required, and
+    // checked where it is written.
+    let buckets = |extra: &str| {
+        rule(&format!(
+            "algorithm = \"sliding_buckets\"\nrate = \"5/s\"\n{extra}"
+        ))
+    };
+    assert_eq!(
+        error(&buckets("buckets = 101")),
+        "12:11: rules[1].buckets: must be 1 to 100"
+    );
+    assert_eq!(
+        error(&buckets("buckets = 0")),
+        "12:11: rules[1].buckets: must be at least 1"
+    );
+    assert_eq!(
+        error(&buckets("buckets = 2000")),
+        "12:11: rules[1].buckets: must be 1 to 100"
+    );
+    assert!(error(&buckets(""))
+        .starts_with("7:1: rules[1].buckets: is missing: sliding_buckets needs buckets"));
+    assert_eq!(
+        error(&rule(
+            "algorithm = \"sliding_buckets\"\nrate = \"5/50ms\"\nbuckets = 100"
+        )),
+        "11:8: rules[1].rate: must be at least 1 ms for each bucket"
+    );
+    assert!(error(&rule("rate = \"1/s\"\nburst = 2\nbuckets = 4"))
+        .starts_with("12:11: rules[1].buckets: is only for sliding_buckets, not gcra"));
+    assert!(error(&buckets(
+        "buckets = 4\nplans.pro = { rate = \"9/s\", buckets = 500 }"
+    ))
+    .contains("rules[1].plans.pro.buckets: must be 1 to 100"));
     assert!(error(&rule("algorithm = \"magic\"\nrate = \"5/m\""))
         .starts_with("10:13: rules[1].algorithm: must be one of"));
     assert!(error(&rule("rate = \"1/s\"\nburst = 2\ncost = \"pricey\""))
@@ -315,6 +348,14 @@ warn_at = 0.6
 escalate = { strikes = 3, period = "15m", block = "15m", max_block = "24h" }
 
 [[rules]]
+name = "swb"
+key = "header:x-user"
+algorithm = "sliding_buckets"
+rate = "60/min"
+buckets = 6
+plans.gold = { rate = "600/min", buckets = 12 }
+
+[[rules]]
 name = "lb"
 key = "global"
 algorithm = "leaky_bucket"
@@ -325,7 +366,7 @@ plans.gold = { rate = "1000/s", max_delay = "1s" }
 "#;
     let file = PolicyFile::parse(text).unwrap();
     let layer = file.layer::<String, _>(&MemoryStore::new()).unwrap();
-    assert_eq!(layer.rule_names(), ["tb", "fw", "swc", "log", "lb"]);
+    assert_eq!(layer.rule_names(), ["tb", "fw", "swc", "log", "swb", "lb"]);
 }
 
 #[tokio::test]

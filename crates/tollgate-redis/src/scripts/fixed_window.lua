@@ -12,8 +12,8 @@ RATE.fixed_window = function(key, mode, cost, ttl, p)
   local raw = get(key)
   if raw then
     local s, c = string.match(raw, '^(%d+):(%d+)$')
-    s, c = count_of(s), count_of(c)
-    if s and c and s < WRAP and c < WRAP then
+    s, c = tonumber(s), tonumber(c)
+    if s and s < WRAP and c < WRAP then
       stored, count = s, c
     else
       redis.call('DEL', key)

@@ -28,10 +28,11 @@
 -- value they did not write — is deleted when met and reads as absent: a
 -- script never answers an error because of what it found at its keys.
 local NS = 1000000000
+local floor = math.floor
 local FAR = 4503599627370496
 -- floor(a / b), exact for integers |a| <= 2^53 and 1 <= b <= 2^53.
 local function idiv(a, b)
-  local q = math.floor(a / b)
+  local q = floor(a / b)
   if q * b > a then q = q - 1 elseif (q + 1) * b <= a then q = q + 1 end
   return q
 end
@@ -80,8 +81,20 @@ local function stamp(d)
 end
 -- floor(now / w) and now mod w for 1 <= w <= 2^52: the remainder exact,
 -- the quotient exact while below 2^53 (any w of 1 ms or more). Now is
--- now_s * 5^9 * 2^9 + now_n, and now_s * 5^9 < 2^53 until 2116.
+-- now_s * 5^9 * 2^9 + now_n, and now_s * 5^9 < 2^53 until 2116. (Every
+-- script runs this, most often on a window of a second, a minute or a
+-- millisecond: those take the short paths.)
 local function divnow(w)
+  -- A window that divides a second, or a whole number of seconds: no
+  -- long division. (Exact: now_s * (NS / w) < 2^53 for w >= 1 ms.)
+  if NS % w == 0 then
+    local q = idiv(now_n, w)
+    return now_s * (NS / w) + q, now_n - q * w
+  elseif w % NS == 0 then
+    local ws = w / NS
+    local q = idiv(now_s, ws)
+    return q, (now_s - q * ws) * NS + now_n
+  end
   local a = now_s * 1953125
   local q = idiv(a, w)
   local r = a - q * w

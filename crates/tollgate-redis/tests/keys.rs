@@ -38,6 +38,7 @@ fn tag(rule: &Rule) -> &'static str {
         "fixed-window" => "fw1",
         "sliding-counter" => "swc1",
         "sliding-log" => "swl1",
+        "sliding-buckets" => "swb1",
         "leaky-bucket" => "lb1",
         other => panic!("no tag for {other}"),
     }
@@ -56,6 +57,12 @@ fn garbage() -> Vec<Row> {
         vec!["SET", "12:ab"],
         vec!["SET", "1 x"],
         vec!["SET", "-5"],
+        // A window of buckets: a count that is not one, too many buckets
+        // (the suite's rule has 4), a bucket number past 2^53.
+        vec!["SET", "12:1,x"],
+        vec!["SET", "5:1,2,3,4,5,6"],
+        vec!["SET", "99999999999999999999:1"],
+        vec!["SET", "5:"],
         vec!["RPUSH", "x", "y", "z"],
         vec!["RPUSH", "5"],
         vec!["RPUSH", "2", "not-a-time", "1"],

@@ -272,6 +272,7 @@ pub(super) struct StoreSpec {
     /// `memory` or `redis`.
     pub(super) kind: Spanned<String>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub(super) max_keys: Option<Spanned<i64>>,
     #[serde(default)]
     pub(super) sweep_idle_every: Option<Spanned<String>>,
@@ -314,19 +315,23 @@ pub(super) struct HotKeysSpec {
     pub(super) ttl: Option<Spanned<String>>,
     /// The most units one lease takes (at least 1; default 64).
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = u32::MAX)))]
     pub(super) max_batch: Option<Spanned<i64>>,
     /// The fewest units a lease asks for (1 to max_batch; default 1).
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = u32::MAX)))]
     pub(super) min_batch: Option<Spanned<i64>>,
     /// The most of a rule's capacity one lease takes (above 0, at most 1;
     /// default 0.1).
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("exclusiveMinimum" = 0, "maximum" = 1)))]
     pub(super) max_share: Option<Spanned<f64>>,
     /// The longest a store's refusal is answered here: `"1s"`.
     #[serde(default)]
     pub(super) max_denial: Option<Spanned<String>>,
     /// The most keys leased per rule (default 100,000).
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub(super) max_keys: Option<Spanned<i64>>,
     /// Take a hot key's next lease before the current one runs out.
     #[serde(default)]
@@ -371,11 +376,13 @@ pub(super) struct RuleSpec {
     #[serde(default)]
     pub(super) rate: Option<Spanned<String>>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = u32::MAX)))]
     pub(super) burst: Option<Spanned<i64>>,
     #[serde(default)]
     pub(super) max_delay: Option<Spanned<String>>,
     /// `sliding_buckets`: how many buckets the window is cut into.
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = tollgate_core::SlidingWindowBuckets::MAX_BUCKETS)))]
     pub(super) buckets: Option<Spanned<i64>>,
     #[serde(default)]
     #[cfg_attr(feature = "schema", schemars(with = "Option<values::Cost>"))]
@@ -385,8 +392,10 @@ pub(super) struct RuleSpec {
     #[serde(default)]
     pub(super) shadow: Option<bool>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 1.0)))]
     pub(super) canary: Option<Spanned<f64>>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("exclusiveMinimum" = 0, "maximum" = 1)))]
     pub(super) warn_at: Option<Spanned<f64>>,
     #[serde(default)]
     pub(super) count_if: Option<Spanned<Vec<u16>>>,
@@ -552,12 +561,14 @@ pub(super) struct LimitSpec {
     #[serde(default)]
     pub(super) rate: Option<Spanned<String>>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = u32::MAX)))]
     pub(super) burst: Option<Spanned<i64>>,
     #[serde(default)]
     pub(super) max_delay: Option<Spanned<String>>,
     /// `sliding_buckets`: the plan's own number of buckets (the rule's
     /// when absent).
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = tollgate_core::SlidingWindowBuckets::MAX_BUCKETS)))]
     pub(super) buckets: Option<Spanned<i64>>,
 }
 
@@ -567,14 +578,17 @@ pub(super) struct LimitSpec {
 #[serde(deny_unknown_fields)]
 pub(super) struct CostSpec {
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub(super) default: Option<i64>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub(super) max: Option<i64>,
     #[serde(default)]
     pub(super) header: Option<String>,
     #[serde(default)]
     pub(super) query: Option<String>,
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub(super) bytes_per_unit: Option<i64>,
     #[serde(default)]
     pub(super) methods: BTreeMap<String, i64>,
@@ -598,6 +612,7 @@ pub(super) struct RouteCost {
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub(super) struct EscalateSpec {
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = tollgate_core::algorithm::Escalation::MAX_STRIKES)))]
     pub(super) strikes: Spanned<i64>,
     pub(super) period: Spanned<String>,
     pub(super) block: Spanned<String>,

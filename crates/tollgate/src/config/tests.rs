@@ -1595,6 +1595,26 @@ fn the_checked_in_schema_is_the_generated_one() {
         .map(|r| r.as_str().unwrap())
         .collect();
     assert_eq!(required, ["name", "key", "limits"]);
+    // Bounds, from the constants the builders check against: an editor
+    // refuses what loading the file would.
+    let rule = &v["$defs"]["RuleSpec"]["properties"];
+    assert_eq!(rule["burst"]["minimum"], 1, "{rule}");
+    assert_eq!(rule["burst"]["maximum"], u32::MAX);
+    assert_eq!(rule["buckets"]["minimum"], 1);
+    assert_eq!(
+        rule["buckets"]["maximum"],
+        tollgate_core::SlidingWindowBuckets::MAX_BUCKETS
+    );
+    assert_eq!(rule["canary"]["maximum"], 1.0);
+    assert_eq!(rule["warn_at"]["exclusiveMinimum"], 0);
+    assert_eq!(
+        v["$defs"]["EscalateSpec"]["properties"]["strikes"]["maximum"],
+        tollgate_core::algorithm::Escalation::MAX_STRIKES
+    );
+    assert_eq!(
+        v["$defs"]["HotKeysSpec"]["properties"]["max_share"]["maximum"],
+        1
+    );
 }
 
 /// Issue 32: a rule's proof-of-work challenge from the file, its secret

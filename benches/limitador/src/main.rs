@@ -5,7 +5,8 @@
 //! Rounds of 3 s in a rotating order; medians over the rounds.
 //!
 //! `cargo run --release --manifest-path benches/limitador/Cargo.toml [rounds]`
-//! (Redis from `TOLLGATE_REDIS_URL`, else one started on a free port.)
+//! (Redis from `TOLLGATE_REDIS_URL`, else one started on a free port;
+//! `LIMITS=10000,2000:10` for other limits, each `rate[:burst]`.)
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -24,11 +25,31 @@ const TASKS: usize = 64;
 const ROUND: Duration = Duration::from_secs(3);
 
 /// A limit as both sides state it: `per_second`, with a burst (tollgate's
-/// GCRA) or a one-second window (limitador) of the same size.
-#[derive(Clone, Copy)]
+/// GCRA; one second's worth unless given) or a one-second window
+/// (limitador) of `per_second`.
+#[derive(Clone)]
 struct Case {
-    name: &'static str,
+    name: String,
     per_second: u32,
+    burst: u32,
+}
+
+impl Case {
+    /// `rate` or `rate:burst`.
+    fn parse(s: &str) -> Self {
+        let (rate, burst) = s.split_once(':').unwrap_or((s, ""));
+        let per_second: u32 = rate.trim().parse().expect("LIMITS: a rate a second");
+        let burst = if burst.is_empty() {
+            per_second
+        } else {
+            burst.trim().parse().expect("LIMITS: a burst")
+        };
+        Self {
+            name: format!("{per_second}/s, burst {burst}"),
+            per_second,
+            burst,
+        }
+    }
 }
 
 enum Contender {
@@ -72,14 +93,14 @@ struct Round {
 }
 
 /// One round of `ROUND` on a fresh key.
-async fn round(c: Arc<Contender>, case: Case, key: String) -> Round {
+async fn round(c: Arc<Contender>, case: &Case, key: String, rt: &tokio::runtime::Handle) -> Round {
     let admitted = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
     let deadline = start + ROUND;
     let tasks: Vec<_> = (0..TASKS)
         .map(|_| {
             let (c, key, admitted) = (Arc::clone(&c), key.clone(), Arc::clone(&admitted));
-            tokio::spawn(async move {
+            rt.spawn(async move {
                 let mut latencies = Vec::new();
                 while Instant::now() < deadline {
                     let t = Instant::now();
@@ -87,6 +108,12 @@ async fn round(c: Arc<Contender>, case: Case, key: String) -> Round {
                         admitted.fetch_add(1, Ordering::Relaxed);
                     }
                     latencies.push(t.elapsed());
+                    // A decision answered at once (a lease, memory) never
+                    // yields; in a server, each request's I/O does. Without
+                    // this, the tasks whose decision waits on Redis starve
+                    // behind those that never wait, and their wait is
+                    // counted as the limiter's.
+                    tokio::task::coop::consume_budget().await;
                 }
                 latencies
             })
@@ -105,7 +132,7 @@ async fn round(c: Arc<Contender>, case: Case, key: String) -> Round {
         // second: about its limit each second.
         ideal: match &*c {
             Contender::Limitador(_) => rate * took,
-            _ => rate + rate * took,
+            _ => f64::from(case.burst) + rate * took,
         },
         latencies,
     }
@@ -122,22 +149,27 @@ async fn main() {
     };
     let url = std::env::var("TOLLGATE_REDIS_URL")
         .unwrap_or_else(|_| server.as_ref().map(Server::url).unwrap_or_default());
-    let cases = [
-        Case {
-            name: "10^9/s (all admitted)",
-            per_second: 1_000_000_000,
-        },
-        Case {
-            name: "10,000/s, burst 10,000",
-            per_second: 10_000,
-        },
-    ];
+    // `LIMITS=1000,2000:10,10000`: rates a second, each with its burst
+    // after a colon (one second's worth when left out). By default, all
+    // admitted, then the fleet review's sweep (burst = one second) and its
+    // small burst.
+    let limits = std::env::var("LIMITS")
+        .unwrap_or_else(|_| "1000000000,1000,2000,5000,10000,20000,2000:10".to_owned());
+    let cases: Vec<Case> = limits.split(',').map(Case::parse).collect();
+    // Never dropped (a runtime cannot be dropped inside another).
+    let cached_runtime: &'static tokio::runtime::Runtime = Box::leak(Box::new(
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(64)
+            .enable_all()
+            .build()
+            .unwrap(),
+    ));
     println!("| limit | contender | decisions/s (median) | latency p50 / p99 / max (median round) | admitted a second | admitted vs the limit's own bound |");
     println!("|---|---|---:|---|---:|---:|");
-    for case in cases {
+    for case in &cases {
         let rule = Rule::new(
             "hot",
-            Limit::gcra(Rate::per_second(case.per_second), case.per_second),
+            Limit::gcra(Rate::per_second(case.per_second), case.burst),
         )
         .unwrap();
         let store = RedisStore::builder(&url)
@@ -170,12 +202,22 @@ async fn main() {
             (Arc::new(Contender::Limitador(Arc::new(cached))), true),
         ];
         let mut results: Vec<Vec<Round>> = contenders.iter().map(|_| Vec::new()).collect();
+        let here = tokio::runtime::Handle::current();
+        // limitador 0.14's cached storage holds a DashMap entry across an
+        // await (its batcher's semaphore): a task that yields there (its
+        // coop budget spent, as in a server) leaves the shard locked, and
+        // the worker threads that touch it next block; on the bench's two
+        // threads the runtime stalls for good. It runs on a runtime of its
+        // own with 64 worker threads, so that a blocked thread leaves
+        // others to resume the holder (as `--bin rls` does).
+        let own = cached_runtime.handle().clone();
         for r in 0..rounds {
             for i in 0..contenders.len() {
                 let which = (i + r) % contenders.len();
-                let (c, _) = &contenders[which];
+                let (c, cached) = &contenders[which];
                 let key = format!("k{r}-{which}-{}", unique_prefix());
-                results[which].push(round(Arc::clone(c), case, key).await);
+                let rt = if *cached { &own } else { &here };
+                results[which].push(round(Arc::clone(c), case, key, rt).await);
                 // Let the previous round's background work (leases given
                 // back, cached counters flushed) settle.
                 tokio::time::sleep(Duration::from_millis(300)).await;

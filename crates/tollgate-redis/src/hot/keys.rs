@@ -168,6 +168,10 @@ pub(super) struct KeyState {
     pub(super) outrun: bool,
     /// Decisions of the key at the store side by side now (`Step::Aside`).
     pub(super) aside: u32,
+    /// How long the store's last refusal of the key was for.
+    pub(super) wait: u64,
+    /// How long the key's last store call took (sent to landed).
+    pub(super) rtt: u64,
     /// The store's failure policy, not the store, gave the key's last
     /// answer: the current lease's units (if it was granted) are never
     /// given back to the store, which did not count them (fail-open
@@ -186,6 +190,31 @@ impl KeyState {
             && !self.lease.on(now)
             && self.denial.over(now)
             && self.next.is_none_or(|next| !next.on(now))
+    }
+
+    /// What the store's answer `d`, asked at `sent` and landed at `now`,
+    /// says of the key beside its decision: who gave it (`unowned`: the
+    /// store's failure policy), the round trip, and whether it refused
+    /// for less than that (`outrun`), and for how long.
+    pub(super) fn landed(&mut self, d: &Decision, (sent, now): (u64, u64), unowned: bool) {
+        self.unowned = unowned;
+        self.outrun = !unowned && outrun(d, sent, now);
+        self.rtt = now.saturating_sub(sent);
+        if let Outcome::Deny { retry_after } = d.outcome {
+            self.wait = retry_after;
+        }
+    }
+
+    /// A refusal of an outrun key made here at `now`, without asking the
+    /// store: what its last refusal said, for as long.
+    pub(super) fn refusal(&self, now: u64, limit: u64) -> Decision {
+        let wait = self.wait.max(1);
+        Decision {
+            outcome: Outcome::Deny { retry_after: wait },
+            limit,
+            remaining: 0,
+            reset_after: self.budget.whole_at.saturating_sub(now).max(wait),
+        }
     }
 
     /// The store refused a decision of `cost` for `wait` at `at`

@@ -9,8 +9,7 @@ use tokio::sync::Notify;
 use tollgate_core::{Clock, Decision, Limiter, Outcome, StoreError};
 
 use super::keys::{
-    answer, end_flight, outrun, unreachable_shards, Budget, KeyState, Keys, Lease, MAX_LANDINGS,
-    SHARDS,
+    answer, end_flight, unreachable_shards, Budget, KeyState, Keys, Lease, MAX_LANDINGS, SHARDS,
 };
 use super::through::lease;
 
@@ -59,6 +58,9 @@ pub(super) struct Local<C> {
     pub(super) min_batch: u64,
     /// Fixed windows: a lease ends with the store's window.
     pub(super) windowed: bool,
+    /// The rule's window (ns) over which it grants its capacity: with the
+    /// capacity, its rate.
+    pub(super) window: u64,
     pub(super) per_shard: usize,
     pub(super) hasher: RandomState,
     pub(super) shards: Box<[Mutex<Keys>]>,
@@ -94,11 +96,31 @@ pub(super) enum Step {
     Aside,
 }
 
-/// Most decisions of one key that go to the store side by side at once
-/// (an outrun key, or one its store's failure policy answers); the rest
-/// wait for a lease as a key at its limit did before, so a flood of one
-/// key costs the store at most this many calls in flight per instance.
+/// Decisions of one key that may go to the store side by side at once (an
+/// outrun key, or one its store's failure policy answers), at the least:
+/// see [`aside_cap`]. Beyond it, an outrun key's decisions are
+/// refused here at once, and others wait for a lease; so a flood of one
+/// key costs the store a bounded number of calls in flight per instance.
 pub(super) const MAX_ASIDE: u32 = 16;
+
+/// The most decisions of one key side by side at once, whatever its rate.
+pub(super) const MAX_ASIDE_CAP: u32 = 256;
+
+/// How many decisions of a key that grants `limit` per `window` (ns) may
+/// be at the store side by side when its round trip is `rtt`: twice what
+/// its rate frees in a round trip (so that, between them, they take all
+/// it frees while they are out), at least [`MAX_ASIDE`], at most
+/// [`MAX_ASIDE_CAP`].
+fn aside_cap(limit: u64, window: u64, rtt: u64) -> u32 {
+    let per_trip = u128::from(rtt)
+        .saturating_mul(u128::from(limit))
+        .saturating_mul(2)
+        .checked_div(u128::from(window))
+        .unwrap_or(0);
+    u32::try_from(per_trip)
+        .unwrap_or(MAX_ASIDE_CAP)
+        .clamp(MAX_ASIDE, MAX_ASIDE_CAP)
+}
 
 impl<C: Clock> Local<C> {
     pub(super) fn shard(&self, key: &[u8]) -> MutexGuard<'_, Keys> {
@@ -245,11 +267,21 @@ impl<C: Clock> Local<C> {
         // per round trip, in turn. Ask the store side by side, as without
         // `HotKeys`, until it admits again (then leases start over, at the
         // smallest batch).
-        if (s.outrun || s.unowned) && s.aside < MAX_ASIDE {
+        let cap = aside_cap(limit, self.window, s.rtt);
+        if (s.outrun || s.unowned) && s.aside < cap {
             s.aside = s.aside.saturating_add(1);
             return Step::Aside;
         }
-        if waited && s.batch.max(cost) >= self.max_batch && s.aside < MAX_ASIDE {
+        // As many of the key's decisions as take, between them, all that
+        // its rate frees are at the store now, and its last answer was a
+        // refusal: this one is refused here at once, as the store would
+        // most likely refuse it, rather than wait in line behind them (a
+        // limiter refuses the excess; it does not queue it). When the
+        // store admits one again, the key leases again.
+        if s.outrun && cost > 0 {
+            return Step::Done(s.refusal(now, limit));
+        }
+        if waited && s.batch.max(cost) >= self.max_batch && s.aside < cap {
             s.aside = s.aside.saturating_add(1);
             return Step::Aside;
         }
@@ -305,8 +337,7 @@ impl<C: Clock> Local<C> {
         }
         s.failed = d.is_err();
         let Ok(d) = d else { return };
-        s.unowned = unowned;
-        s.outrun = !unowned && outrun(d, sent, self.clock.now());
+        s.landed(d, (sent, self.clock.now()), unowned);
         match d.outcome {
             Outcome::Allow { .. } => {
                 s.lease.take(taken, cost, self.lease_end(now, d), unowned);
@@ -390,8 +421,7 @@ impl<C: Clock> Local<C> {
         let (Some(s), Ok(d)) = (shard.get_mut(key), d) else {
             return;
         };
-        s.unowned = unowned;
-        s.outrun = !unowned && outrun(d, sent, self.clock.now());
+        s.landed(d, (sent, self.clock.now()), unowned);
         if let Outcome::Deny { retry_after } = d.outcome {
             s.refused(d, cost, (sent, retry_after, self.max_denial));
         }
@@ -408,5 +438,25 @@ impl<C: Clock> Local<C> {
         shard
             .get_mut(key)
             .is_some_and(|s| s.lease.refund(units, now))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    /// Twice what the rate frees in a round trip, from 16 to 256: 20,000 a
+    /// second (a burst of 100 over 5 ms) frees 40 in 2 ms; 16 would take
+    /// 8,000 a second between them.
+    #[test]
+    fn decisions_side_by_side_take_what_the_rate_frees() {
+        assert_eq!(aside_cap(100, 5 * MS, 2 * MS), 80);
+        assert_eq!(aside_cap(10, 2 * MS, 2 * MS), 20);
+        assert_eq!(aside_cap(10, 10 * MS, MS / 2), MAX_ASIDE);
+        assert_eq!(aside_cap(u64::MAX, 1, u64::MAX), MAX_ASIDE_CAP);
+        assert_eq!(aside_cap(10, 0, MS), MAX_ASIDE);
+        assert_eq!(aside_cap(10, MS, 0), MAX_ASIDE);
     }
 }

@@ -255,6 +255,44 @@ async fn sliding_buckets_matches_the_reference() {
     matches_the_reference("sliding-buckets").await;
 }
 
+/// A window of buckets whose state is far ahead of the clock (an
+/// instance whose clock ran ahead): within 2^16 buckets it still counts,
+/// beyond that it reads as fresh, on Redis as in the core.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sliding_buckets_far_ahead_of_the_clock_match_the_reference() {
+    let Some(server) = support::Server::start() else {
+        return;
+    };
+    let make = factory(server.url());
+    let rule = Rule::new(
+        "far",
+        Limit::sliding_window_buckets(3, Duration::from_millis(3), 3),
+    )
+    .unwrap();
+    let ms = 1_000_000;
+    for start in [START, UNIX_2026] {
+        let clock = ManualClock::starting_at(start);
+        let store = make(clock.clone());
+        let limiter = store.limiter(&rule).unwrap();
+        let mut reference = testing::Reference::new(&rule);
+        for (at, cost) in [
+            (start, 3),
+            (start - 65_536 * ms, 1),
+            (start - 65_538 * ms, 2),
+            (start - 65_538 * ms, 2),
+            (start, 1),
+        ] {
+            clock.set(at);
+            let got = limiter.decide(b"k", cost).await.unwrap();
+            assert_eq!(
+                got,
+                reference.decide(b"k", at, cost),
+                "at {at}, cost {cost}"
+            );
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leaky_bucket_matches_the_reference() {
     matches_the_reference("leaky-bucket").await;

@@ -626,11 +626,17 @@ fn rules_that_cannot_be_leased_go_through_and_are_refused_when_named() {
         .over_with_clock(counted(&clock), clock.clone())
         .unwrap();
     let named = HotKeys::new()
-        .rules(["log", "pacer", "hot"])
+        .rules(["log", "buckets", "pacer", "hot"])
         .over_with_clock(counted(&clock), clock.clone())
         .unwrap();
     for (name, limit) in [
         ("log", Limit::sliding_window_log(10, Duration::from_secs(1))),
+        // A refund comes off the newest bucket: units a lease gives back
+        // a bucket after they were counted would free another bucket's.
+        (
+            "buckets",
+            Limit::sliding_window_buckets(10, Duration::from_secs(1), 10),
+        ),
         (
             "pacer",
             Limit::leaky_bucket(Rate::per_second(10), Duration::from_secs(1)),

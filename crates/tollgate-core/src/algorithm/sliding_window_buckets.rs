@@ -26,8 +26,16 @@ use crate::{ConfigError, Decision, Outcome};
 /// oldest window instead (two counters, no edge); the
 /// [`SlidingWindowLog`](super::SlidingWindowLog) is exact.
 ///
-/// A clock that goes back counts in the newest bucket written (never
-/// grants more).
+/// A refund comes off the newest bucket, if it is now's: one that lands
+/// a bucket after its charge frees up to its cost beyond the bound above,
+/// as a fixed window's does at its edge (refunds follow their charge
+/// within one request; `HotKeys`, whose leases go back later, does not
+/// lease this algorithm).
+///
+/// A clock that goes back by fewer than 2¹⁶ buckets counts in the newest
+/// bucket written (never grants more); a state further ahead of the clock
+/// than that reads as fresh, as the fixed window's does, so that one
+/// instance whose clock ran far ahead cannot lock a key for as long.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SlidingWindowBuckets {
     limit: u32,
@@ -48,6 +56,10 @@ pub struct SlidingWindowBucketsState {
 
 /// The shortest bucket allowed.
 const MIN_BUCKET: u64 = 1_000_000;
+
+/// How far back (in buckets) a clock may step and still count in the
+/// newest bucket written.
+const BACKWARD_SLACK: u64 = 1 << 16;
 
 impl SlidingWindowBuckets {
     /// The most buckets a window may have (a key's state is one `u32` per
@@ -102,8 +114,8 @@ impl SlidingWindowBuckets {
     /// many buckets the stored counts must shift to line up with it.
     fn view(&self, s: &SlidingWindowBucketsState, now: u64) -> (u64, u64) {
         let index = now.checked_div(self.bucket).unwrap_or(0);
-        if s.counts.iter().all(|c| *c == 0) {
-            // Nothing held: a fresh key, wherever the clock stands.
+        if s.counts.iter().all(|c| *c == 0) || s.index.saturating_sub(index) > BACKWARD_SLACK {
+            // Nothing held, or held far ahead of the clock: a fresh key.
             (index, u64::from(self.buckets))
         } else if index <= s.index {
             (s.index, 0)
@@ -265,6 +277,19 @@ mod tests {
         assert!(!w.decide(&mut s, 9 * S, 1).is_allowed());
         assert!(!w.decide(&mut s, 0, 1).is_allowed());
         assert!(w.decide(&mut s, 13 * S, 3).is_allowed());
+    }
+
+    /// A state written by a clock more than 2^16 buckets ahead reads as
+    /// fresh: it cannot lock the key until the clock catches up.
+    #[test]
+    fn a_state_far_ahead_of_the_clock_reads_as_fresh() {
+        let ms = 1_000_000;
+        let w = SlidingWindowBuckets::new(3, Duration::from_millis(3), 3).unwrap();
+        let mut s = SlidingWindowBucketsState::default();
+        let far = 1_000 * S;
+        assert!(w.decide(&mut s, far, 3).is_allowed());
+        assert!(!w.decide(&mut s, far - 65_536 * ms, 1).is_allowed());
+        assert!(w.decide(&mut s, far - 65_538 * ms, 3).is_allowed());
     }
 
     #[test]

@@ -168,10 +168,13 @@ pub(super) struct KeyState {
     pub(super) outrun: bool,
     /// Decisions of the key at the store side by side now (`Step::Aside`).
     pub(super) aside: u32,
-    /// How long the store's last refusal of the key was for.
-    pub(super) wait: u64,
-    /// How long the key's last store call took (sent to landed).
+    /// How long the store's last refusal of the key was for, and the
+    /// cost it refused.
+    pub(super) wait: (u64, u64),
+    /// How long the key's last call answered by the store itself took
+    /// (sent to landed), and when it landed.
     pub(super) rtt: u64,
+    pub(super) landed_at: u64,
     /// The store's failure policy, not the store, gave the key's last
     /// answer: the current lease's units (if it was granted) are never
     /// given back to the store, which did not count them (fail-open
@@ -196,25 +199,44 @@ impl KeyState {
     /// says of the key beside its decision: who gave it (`unowned`: the
     /// store's failure policy), the round trip, and whether it refused
     /// for less than that (`outrun`), and for how long.
-    pub(super) fn landed(&mut self, d: &Decision, (sent, now): (u64, u64), unowned: bool) {
+    /// (A failure policy's answer says nothing of the store's round
+    /// trip: it comes after a timeout.)
+    pub(super) fn landed(
+        &mut self,
+        d: &Decision,
+        cost: u64,
+        (sent, now): (u64, u64),
+        unowned: bool,
+    ) {
         self.unowned = unowned;
         self.outrun = !unowned && outrun(d, sent, now);
-        self.rtt = now.saturating_sub(sent);
+        if !unowned {
+            self.rtt = now.saturating_sub(sent);
+            self.landed_at = now;
+        }
         if let Outcome::Deny { retry_after } = d.outcome {
-            self.wait = retry_after;
+            self.wait = (retry_after, cost);
         }
     }
 
-    /// A refusal of an outrun key made here at `now`, without asking the
-    /// store: what its last refusal said, for as long.
-    pub(super) fn refusal(&self, now: u64, limit: u64) -> Decision {
-        let wait = self.wait.max(1);
-        Decision {
+    /// A refusal of an outrun key made here at `now` for a decision of
+    /// `cost`, without asking the store, if its last refusal says what the
+    /// store would answer: it refused as much (or less), and the store
+    /// last answered the key within two round trips (a key quiet for
+    /// longer has its budget back, and is asked again).
+    pub(super) fn refusal(&self, now: u64, cost: u64, limit: u64) -> Option<Decision> {
+        let (wait, refused) = self.wait;
+        let recent = now.saturating_sub(self.landed_at) <= self.rtt.max(1).saturating_mul(2);
+        if !self.outrun || cost == 0 || cost < refused || cost > limit || !recent {
+            return None;
+        }
+        let wait = wait.max(1);
+        Some(Decision {
             outcome: Outcome::Deny { retry_after: wait },
             limit,
             remaining: 0,
             reset_after: self.budget.whole_at.saturating_sub(now).max(wait),
-        }
+        })
     }
 
     /// The store refused a decision of `cost` for `wait` at `at`
@@ -306,4 +328,50 @@ pub(super) fn answer(s: &mut KeyState, now: u64, cost: u64, limit: u64) -> Optio
         });
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    /// A key refused for less than a round trip (outrun) is refused here
+    /// only as the store would refuse it: a cost at least the one it
+    /// refused, at most the limit (above it, the store says `Never`), and
+    /// while the store answered within two round trips (a key quiet for
+    /// longer has its budget back).
+    #[test]
+    fn a_local_refusal_answers_only_what_the_store_would() {
+        let mut s = KeyState::default();
+        let d = Decision {
+            outcome: Outcome::Deny {
+                retry_after: MS / 10,
+            },
+            limit: 100,
+            remaining: 0,
+            reset_after: MS,
+        };
+        // Sent at 1 s, landed 2 ms later: over before it landed.
+        s.landed(&d, 1, (1_000 * MS, 1_002 * MS), false);
+        assert!(s.outrun);
+        let refused = s.refusal(1_003 * MS, 1, 100).unwrap();
+        assert_eq!(
+            refused.outcome,
+            Outcome::Deny {
+                retry_after: MS / 10
+            }
+        );
+        assert!(s.refusal(1_003 * MS, 101, 100).is_none(), "above the limit");
+        assert!(s.refusal(1_003 * MS, 0, 100).is_none(), "a peek");
+        assert!(s.refusal(1_007 * MS, 1, 100).is_none(), "stale");
+        // A refusal of 5 says nothing of a cost of 1.
+        s.landed(&d, 5, (1_000 * MS, 1_002 * MS), false);
+        assert!(s.refusal(1_003 * MS, 1, 100).is_none());
+        assert!(s.refusal(1_003 * MS, 5, 100).is_some());
+        // A failure policy's answer: neither a round trip nor outrun.
+        s.landed(&d, 1, (1_000 * MS, 1_250 * MS), true);
+        assert!(!s.outrun);
+        assert_eq!(s.rtt, 2 * MS);
+    }
 }

@@ -278,8 +278,8 @@ impl<C: Clock> Local<C> {
         // most likely refuse it, rather than wait in line behind them (a
         // limiter refuses the excess; it does not queue it). When the
         // store admits one again, the key leases again.
-        if s.outrun && cost > 0 {
-            return Step::Done(s.refusal(now, limit));
+        if let Some(refused) = s.refusal(now, cost, limit) {
+            return Step::Done(refused);
         }
         if waited && s.batch.max(cost) >= self.max_batch && s.aside < cap {
             s.aside = s.aside.saturating_add(1);
@@ -337,7 +337,7 @@ impl<C: Clock> Local<C> {
         }
         s.failed = d.is_err();
         let Ok(d) = d else { return };
-        s.landed(d, (sent, self.clock.now()), unowned);
+        s.landed(d, taken, (sent, self.clock.now()), unowned);
         match d.outcome {
             Outcome::Allow { .. } => {
                 s.lease.take(taken, cost, self.lease_end(now, d), unowned);
@@ -421,7 +421,7 @@ impl<C: Clock> Local<C> {
         let (Some(s), Ok(d)) = (shard.get_mut(key), d) else {
             return;
         };
-        s.landed(d, (sent, self.clock.now()), unowned);
+        s.landed(d, cost, (sent, self.clock.now()), unowned);
         if let Outcome::Deny { retry_after } = d.outcome {
             s.refused(d, cost, (sent, retry_after, self.max_denial));
         }

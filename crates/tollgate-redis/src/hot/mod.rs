@@ -57,9 +57,12 @@ use tollgate_core::{
 ///   counted from when the lease was asked for), so leased units are spent
 ///   in the window that counted them;
 /// - sliding window counter: as GCRA, `limit × ttl / window`;
-/// - sliding window log and leaky bucket: not leased — the log's exactness
-///   and the bucket's pacing are per request; building such a rule
-///   through `HotKeys` is an error naming `hot_keys`.
+/// - sliding window log, sliding window of buckets and leaky bucket: not
+///   leased — the log's exactness, the buckets' refunds (taken off the
+///   newest bucket: units given back a bucket after they were counted
+///   would free another bucket's) and the leaky bucket's pacing are per
+///   request; building such a rule through `HotKeys` is an error naming
+///   `hot_keys`.
 ///
 /// The price is under-admission while leases are outstanding: units one
 /// instance leased and has not spent are not available to the others
@@ -444,7 +447,9 @@ impl<S: Store, C: Clock> Store for Hot<S, C> {
             .map(|names| names.iter().any(|n| n == rule.name()));
         let unleasable = matches!(
             rule.algorithm(),
-            Algorithm::SlidingWindowLog(_) | Algorithm::LeakyBucket(_)
+            Algorithm::SlidingWindowLog(_)
+                | Algorithm::SlidingWindowBuckets(_)
+                | Algorithm::LeakyBucket(_)
         );
         // Every rule (no names given) leases those that can be; a rule not
         // named is not leased.
@@ -456,11 +461,13 @@ impl<S: Store, C: Clock> Store for Hot<S, C> {
         }
         let windowed = match rule.algorithm() {
             // Named, yet cannot be leased.
-            Algorithm::SlidingWindowLog(_) | Algorithm::LeakyBucket(_) => {
+            Algorithm::SlidingWindowLog(_)
+            | Algorithm::SlidingWindowBuckets(_)
+            | Algorithm::LeakyBucket(_) => {
                 return Err(ConfigError::new(
                     "hot_keys",
                     format!(
-                        "rule {:?}: a sliding window log is exact per request and a leaky bucket paces each request; neither can be leased (leave it out of HotKeys::rules)",
+                        "rule {:?}: a sliding window log is exact per request, a window of buckets takes a refund off its newest bucket (a lease given back a bucket later would credit units another bucket counted), and a leaky bucket paces each request; none can be leased (leave it out of HotKeys::rules)",
                         rule.name()
                     ),
                 ))

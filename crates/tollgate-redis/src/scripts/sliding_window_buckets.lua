@@ -2,8 +2,8 @@
 -- bucket written, as its number since the Unix epoch, then the counts of
 -- it and of the buckets before it, newest first (missing = 0; absent = a
 -- fresh key). The core's SlidingWindowBuckets. Buckets are at least 1 ms,
--- so a bucket's number is exact (and below 10^14: Lua's concatenation
--- writes it whole); counts are below 2^32.
+-- so a bucket's number is exact (written with %.0f: whole, whatever its
+-- size); counts are below 2^32.
 RATE.sliding_window_buckets = function(key, mode, cost, ttl, p)
   local limit = tonumber(p[1])
   local bucket = tonumber(p[2])
@@ -28,7 +28,8 @@ RATE.sliding_window_buckets = function(key, mode, cost, ttl, p)
   -- back) and how far the stored counts shift to line up with it;
   -- nothing held reads as a fresh key.
   local newest, shift = index, n
-  if stored and held_any then
+  -- (A state more than 2^16 buckets ahead of the clock reads as fresh.)
+  if stored and held_any and stored - index <= 65536 then
     if stored >= index then newest, shift = stored, 0 else shift = index - stored end
   end
   local function count(k)
@@ -38,7 +39,7 @@ RATE.sliding_window_buckets = function(key, mode, cost, ttl, p)
   if mode == 'refund' then
     if shift == 0 and (counts[1] or 0) > 0 and cost > 0 then
       counts[1] = math.max(0, counts[1] - cost)
-      redis.call('SET', key, stored .. ':' .. table.concat(counts, ','), 'PX', ttl)
+      redis.call('SET', key, string.format('%.0f', stored) .. ':' .. table.concat(counts, ','), 'PX', ttl)
     end
     return {3, 0, 0, 0, 0}
   end
@@ -59,7 +60,7 @@ RATE.sliding_window_buckets = function(key, mode, cost, ttl, p)
     -- Trailing zeros are left out.
     while #out > 1 and out[#out] == 0 do out[#out] = nil end
     write(function()
-      redis.call('SET', key, newest .. ':' .. table.concat(out, ','), 'PX', ttl)
+      redis.call('SET', key, string.format('%.0f', newest) .. ':' .. table.concat(out, ','), 'PX', ttl)
     end)
     return {0, 0, limit, remaining - cost, leaves(0)}
   end

@@ -222,11 +222,11 @@ impl KeyState {
     /// A refusal of an outrun key made here at `now` for a decision of
     /// `cost`, without asking the store, if its last refusal says what the
     /// store would answer: it refused as much (or less), and the store
-    /// last answered the key within two round trips (a key quiet for
-    /// longer has its budget back, and is asked again).
+    /// last answered the key within eight round trips (a key quiet for
+    /// longer may have its budget back, and is asked again).
     pub(super) fn refusal(&self, now: u64, cost: u64, limit: u64) -> Option<Decision> {
         let (wait, refused) = self.wait;
-        let recent = now.saturating_sub(self.landed_at) <= self.rtt.max(1).saturating_mul(2);
+        let recent = now.saturating_sub(self.landed_at) <= self.rtt.max(1).saturating_mul(8);
         if !self.outrun || cost == 0 || cost < refused || cost > limit || !recent {
             return None;
         }
@@ -339,8 +339,8 @@ mod tests {
     /// A key refused for less than a round trip (outrun) is refused here
     /// only as the store would refuse it: a cost at least the one it
     /// refused, at most the limit (above it, the store says `Never`), and
-    /// while the store answered within two round trips (a key quiet for
-    /// longer has its budget back).
+    /// while the store answered within eight round trips (a key quiet for
+    /// longer may have its budget back).
     #[test]
     fn a_local_refusal_answers_only_what_the_store_would() {
         let mut s = KeyState::default();
@@ -364,7 +364,8 @@ mod tests {
         );
         assert!(s.refusal(1_003 * MS, 101, 100).is_none(), "above the limit");
         assert!(s.refusal(1_003 * MS, 0, 100).is_none(), "a peek");
-        assert!(s.refusal(1_007 * MS, 1, 100).is_none(), "stale");
+        assert!(s.refusal(1_018 * MS, 1, 100).is_some());
+        assert!(s.refusal(1_019 * MS, 1, 100).is_none(), "stale");
         // A refusal of 5 says nothing of a cost of 1.
         s.landed(&d, 5, (1_000 * MS, 1_002 * MS), false);
         assert!(s.refusal(1_003 * MS, 1, 100).is_none());

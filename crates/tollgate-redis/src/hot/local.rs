@@ -337,7 +337,7 @@ impl<C: Clock> Local<C> {
         }
         s.failed = d.is_err();
         let Ok(d) = d else { return };
-        s.landed(d, taken, (sent, self.clock.now()), unowned);
+        s.landed(d, cost, (sent, self.clock.now()), unowned);
         match d.outcome {
             Outcome::Allow { .. } => {
                 s.lease.take(taken, cost, self.lease_end(now, d), unowned);

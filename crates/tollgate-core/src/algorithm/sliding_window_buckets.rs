@@ -85,7 +85,9 @@ impl SlidingWindowBuckets {
                 format!("must be 1 to {}", Self::MAX_BUCKETS),
             ));
         }
-        let bucket = duration_to_nanos(window) / u64::from(buckets);
+        let bucket = duration_to_nanos(window)
+            .checked_div(u64::from(buckets))
+            .unwrap_or(0);
         if bucket < MIN_BUCKET {
             return Err(ConfigError::new(
                 "window",
@@ -120,7 +122,7 @@ impl SlidingWindowBuckets {
         } else if index <= s.index {
             (s.index, 0)
         } else {
-            (index, index - s.index)
+            (index, index.saturating_sub(s.index))
         }
     }
 
@@ -166,7 +168,8 @@ impl RateAlgorithm for SlidingWindowBuckets {
         if used.saturating_add(cost) <= limit {
             let counts: Vec<u32> = (0..n)
                 .map(|k| {
-                    let c = Self::count(state, shift, k) + if k == 0 { cost } else { 0 };
+                    let c =
+                        Self::count(state, shift, k).saturating_add(if k == 0 { cost } else { 0 });
                     // Below the limit, a u32.
                     u32::try_from(c).unwrap_or(u32::MAX)
                 })

@@ -198,9 +198,9 @@ impl KeyState {
     /// What the store's answer `d`, asked at `sent` and landed at `now`,
     /// says of the key beside its decision: who gave it (`unowned`: the
     /// store's failure policy), the round trip, and whether it refused
-    /// for less than that (`outrun`), and for how long.
-    /// (A failure policy's answer says nothing of the store's round
-    /// trip: it comes after a timeout.)
+    /// for less than that (`outrun`), and for how long and what cost.
+    /// A failure policy's answer says nothing of the store's round trip
+    /// (it comes after a timeout), and is not counted as one.
     pub(super) fn landed(
         &mut self,
         d: &Decision,

@@ -129,6 +129,24 @@ pub(super) fn duration(value: &Spanned<String>, field: String) -> Result<Duratio
     spec::duration(value.get_ref()).map_err(|m| at(value, field, m))
 }
 
+/// A field only some algorithms take: the value where `needed`; a
+/// problem where it is missing (at the entry, `missing` says what is
+/// needed) or given where it is not used (at the value, `unused`).
+fn only_for<'v, T>(
+    value: Option<&'v Spanned<T>>,
+    needed: bool,
+    (field, entry): (String, &Range<usize>),
+    missing: String,
+    unused: String,
+) -> Result<Option<&'v Spanned<T>>, Problem> {
+    match (value, needed) {
+        (Some(v), true) => Ok(Some(v)),
+        (None, true) => Err((Some(entry.clone()), field, format!("is missing: {missing}"))),
+        (Some(v), false) => Err(at(v, field, unused)),
+        (None, false) => Ok(None),
+    }
+}
+
 /// The limit of `algorithm` from a rule's (or plan's) numbers, checked.
 fn limit(
     algorithm: &str,
@@ -156,63 +174,38 @@ fn limit(
             "the amount must be at least 1",
         ));
     }
-    let needs_burst = matches!(algorithm, "gcra" | "token_bucket");
     let burst_at = burst;
     let buckets_at = buckets;
-    let burst = match (burst, needs_burst) {
-        (Some(b), true) => whole(*b.get_ref(), b, field("burst"), 1)?,
-        (None, true) => {
-            return Err((
-                Some(whole_span.clone()),
-                field("burst"),
-                format!("is missing: {algorithm} needs burst = N (at least 1)"),
-            ))
-        }
-        (Some(b), false) => {
-            return Err(at(
-                b,
-                field("burst"),
-                format!("is not used by {algorithm}: its limit is the rate's amount"),
-            ))
-        }
-        (None, false) => 0,
-    };
-    let delay = match (max_delay, algorithm) {
-        (Some(d), "leaky_bucket") => duration(d, field("max_delay"))?,
-        (None, "leaky_bucket") => {
-            return Err((
-                Some(whole_span.clone()),
-                field("max_delay"),
-                "is missing: leaky_bucket needs max_delay (e.g. \"500ms\")".to_owned(),
-            ))
-        }
-        (Some(d), _) => {
-            return Err(at(
-                d,
-                field("max_delay"),
-                format!("is only for leaky_bucket, not {algorithm}"),
-            ))
-        }
-        (None, _) => Duration::ZERO,
-    };
-    let buckets = match (buckets, algorithm) {
-        (Some(b), "sliding_buckets") => whole(*b.get_ref(), b, field("buckets"), 1)?,
-        (None, "sliding_buckets") => {
-            return Err((
-                Some(whole_span.clone()),
-                field("buckets"),
-                "is missing: sliding_buckets needs buckets = N (1 to 100)".to_owned(),
-            ))
-        }
-        (Some(b), _) => {
-            return Err(at(
-                b,
-                field("buckets"),
-                format!("is only for sliding_buckets, not {algorithm}"),
-            ))
-        }
-        (None, _) => 0,
-    };
+    let burst = only_for(
+        burst,
+        matches!(algorithm, "gcra" | "token_bucket"),
+        (field("burst"), whole_span),
+        format!("{algorithm} needs burst = N (at least 1)"),
+        format!("is not used by {algorithm}: its limit is the rate's amount"),
+    )?
+    .map(|b| whole(*b.get_ref(), b, field("burst"), 1))
+    .transpose()?
+    .unwrap_or(0);
+    let delay = only_for(
+        max_delay,
+        algorithm == "leaky_bucket",
+        (field("max_delay"), whole_span),
+        "leaky_bucket needs max_delay (e.g. \"500ms\")".to_owned(),
+        format!("is only for leaky_bucket, not {algorithm}"),
+    )?
+    .map(|d| duration(d, field("max_delay")))
+    .transpose()?
+    .unwrap_or(Duration::ZERO);
+    let buckets = only_for(
+        buckets,
+        algorithm == "sliding_buckets",
+        (field("buckets"), whole_span),
+        "sliding_buckets needs buckets = N (1 to 100)".to_owned(),
+        format!("is only for sliding_buckets, not {algorithm}"),
+    )?
+    .map(|b| whole(*b.get_ref(), b, field("buckets"), 1))
+    .transpose()?
+    .unwrap_or(0);
     let rate = Rate::new(amount, period);
     let limit = match algorithm {
         "gcra" => Limit::gcra(rate, burst),

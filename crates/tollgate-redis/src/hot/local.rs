@@ -149,7 +149,15 @@ impl<C: Clock> Local<C> {
         if owned_only && s.unowned {
             return None;
         }
-        let d = answer(s, now, cost, limit)?;
+        let Some(d) = answer(s, now, cost, limit) else {
+            // An outrun key whose decisions at the store are at the cap:
+            // its excess is refused here, at once (as `plan` would, without
+            // the trip through the path that asks the store).
+            if s.aside >= aside_cap(limit, self.window, s.rtt) {
+                return s.refusal(now, cost, limit).map(|d| (d, None));
+            }
+            return None;
+        };
         // Due once the lease is half spent (a key that spends less within
         // a TTL is not hot: its next lease is taken when it needs one),
         // and only where a task can take it.

@@ -13,6 +13,32 @@ use tollgate_core::{Decision, Outcome};
 pub(super) const MAX_LANDINGS: u32 = 3;
 pub(super) const SHARDS: usize = 16;
 
+/// Decisions of one key that may go to the store side by side at once (an
+/// outrun key, or one its store's failure policy answers), at the least:
+/// see [`aside_cap`]. Beyond it, an outrun key's decisions are refused
+/// here at once, and others wait for a lease; so a flood of one key costs
+/// the store a bounded number of calls in flight per instance.
+pub(super) const MAX_ASIDE: u32 = 16;
+
+/// The most decisions of one key side by side at once, whatever its rate.
+pub(super) const MAX_ASIDE_CAP: u32 = 256;
+
+/// How many decisions of a key that grants `limit` per `window` (ns) may
+/// be at the store side by side when its round trip is `rtt`: twice what
+/// its rate frees in a round trip (so that, between them, they take all
+/// it frees while they are out), at least [`MAX_ASIDE`], at most
+/// [`MAX_ASIDE_CAP`].
+fn aside_cap(limit: u64, window: u64, rtt: u64) -> u32 {
+    let per_trip = u128::from(rtt)
+        .saturating_mul(u128::from(limit))
+        .saturating_mul(2)
+        .checked_div(u128::from(window))
+        .unwrap_or(0);
+    u32::try_from(per_trip)
+        .unwrap_or(MAX_ASIDE_CAP)
+        .clamp(MAX_ASIDE, MAX_ASIDE_CAP)
+}
+
 /// A lease of a key's units, taken from the store in one call: spent
 /// here, with no I/O, until it runs out or ends.
 #[derive(Debug, Default, Clone, Copy)]
@@ -219,6 +245,11 @@ impl KeyState {
         }
     }
 
+    /// [`aside_cap`] for this key's last round trip.
+    pub(super) fn aside_cap(&self, limit: u64, window: u64) -> u32 {
+        aside_cap(limit, window, self.rtt)
+    }
+
     /// A refusal of an outrun key made here at `now` for a decision of
     /// `cost`, without asking the store, if its last refusal says what the
     /// store would answer: it refused as much (or less), and the store
@@ -294,8 +325,14 @@ pub(super) fn unreachable_shards() -> ! {
     panic!("hot-key table without shards")
 }
 
-/// The local answer of `s` at `now` to a decision of `cost`, if any.
-pub(super) fn answer(s: &mut KeyState, now: u64, cost: u64, limit: u64) -> Option<Decision> {
+/// The local answer of `s` at `now` to a decision of `cost`, if any, for
+/// a rule that grants `limit` per `window` (ns).
+pub(super) fn answer(
+    s: &mut KeyState,
+    now: u64,
+    cost: u64,
+    (limit, window): (u64, u64),
+) -> Option<Decision> {
     // The cached denial refuses what costs at least what it refused.
     if let Some(wait) = s.denial.refuses(now, cost) {
         return Some(Decision {
@@ -326,6 +363,15 @@ pub(super) fn answer(s: &mut KeyState, now: u64, cost: u64, limit: u64) -> Optio
                 .saturating_add(ahead),
             reset_after: s.budget.whole_at.saturating_sub(now),
         });
+    }
+    // As many of an outrun key's decisions as take, between them, all that
+    // its rate frees are at the store now, and its last answer was a
+    // refusal: this one is refused here at once, as the store would most
+    // likely refuse it, rather than wait in line behind them (a limiter
+    // refuses the excess; it does not queue it). When the store admits
+    // one again, the key leases again.
+    if s.aside >= s.aside_cap(limit, window) {
+        return s.refusal(now, cost, limit);
     }
     None
 }
@@ -374,5 +420,18 @@ mod tests {
         s.landed(&d, 1, (1_000 * MS, 1_250 * MS), true);
         assert!(!s.outrun);
         assert_eq!(s.rtt, 2 * MS);
+    }
+
+    /// Twice what the rate frees in a round trip, from 16 to 256: 20,000 a
+    /// second (a burst of 100 over 5 ms) frees 40 in 2 ms; 16 would take
+    /// 8,000 a second between them.
+    #[test]
+    fn decisions_side_by_side_take_what_the_rate_frees() {
+        assert_eq!(aside_cap(100, 5 * MS, 2 * MS), 80);
+        assert_eq!(aside_cap(10, 2 * MS, 2 * MS), 20);
+        assert_eq!(aside_cap(10, 10 * MS, MS / 2), MAX_ASIDE);
+        assert_eq!(aside_cap(u64::MAX, 1, u64::MAX), MAX_ASIDE_CAP);
+        assert_eq!(aside_cap(10, 0, MS), MAX_ASIDE);
+        assert_eq!(aside_cap(10, MS, 0), MAX_ASIDE);
     }
 }

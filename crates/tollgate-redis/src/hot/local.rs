@@ -96,32 +96,6 @@ pub(super) enum Step {
     Aside,
 }
 
-/// Decisions of one key that may go to the store side by side at once (an
-/// outrun key, or one its store's failure policy answers), at the least:
-/// see [`aside_cap`]. Beyond it, an outrun key's decisions are
-/// refused here at once, and others wait for a lease; so a flood of one
-/// key costs the store a bounded number of calls in flight per instance.
-pub(super) const MAX_ASIDE: u32 = 16;
-
-/// The most decisions of one key side by side at once, whatever its rate.
-pub(super) const MAX_ASIDE_CAP: u32 = 256;
-
-/// How many decisions of a key that grants `limit` per `window` (ns) may
-/// be at the store side by side when its round trip is `rtt`: twice what
-/// its rate frees in a round trip (so that, between them, they take all
-/// it frees while they are out), at least [`MAX_ASIDE`], at most
-/// [`MAX_ASIDE_CAP`].
-fn aside_cap(limit: u64, window: u64, rtt: u64) -> u32 {
-    let per_trip = u128::from(rtt)
-        .saturating_mul(u128::from(limit))
-        .saturating_mul(2)
-        .checked_div(u128::from(window))
-        .unwrap_or(0);
-    u32::try_from(per_trip)
-        .unwrap_or(MAX_ASIDE_CAP)
-        .clamp(MAX_ASIDE, MAX_ASIDE_CAP)
-}
-
 impl<C: Clock> Local<C> {
     pub(super) fn shard(&self, key: &[u8]) -> MutexGuard<'_, Keys> {
         let i = usize::try_from(self.hasher.hash_one(key)).unwrap_or(0) % SHARDS;
@@ -149,15 +123,7 @@ impl<C: Clock> Local<C> {
         if owned_only && s.unowned {
             return None;
         }
-        let Some(d) = answer(s, now, cost, limit) else {
-            // An outrun key whose decisions at the store are at the cap:
-            // its excess is refused here, at once (as `plan` would, without
-            // the trip through the path that asks the store).
-            if s.aside >= aside_cap(limit, self.window, s.rtt) {
-                return s.refusal(now, cost, limit).map(|d| (d, None));
-            }
-            return None;
-        };
+        let d = answer(s, now, cost, (limit, self.window))?;
         // Due once the lease is half spent (a key that spends less within
         // a TTL is not hot: its next lease is taken when it needs one),
         // and only where a task can take it.
@@ -266,7 +232,7 @@ impl<C: Clock> Local<C> {
             }
         }
         let s = shard.entry(key.into()).or_default();
-        if let Some(d) = answer(s, now, cost, limit) {
+        if let Some(d) = answer(s, now, cost, (limit, self.window)) {
             return Step::Done(d);
         }
         // The key's last refusal was over before it landed: the key is at
@@ -275,19 +241,11 @@ impl<C: Clock> Local<C> {
         // per round trip, in turn. Ask the store side by side, as without
         // `HotKeys`, until it admits again (then leases start over, at the
         // smallest batch).
-        let cap = aside_cap(limit, self.window, s.rtt);
+        // (Beyond the cap, `answer` refused such a key's excess.)
+        let cap = s.aside_cap(limit, self.window);
         if (s.outrun || s.unowned) && s.aside < cap {
             s.aside = s.aside.saturating_add(1);
             return Step::Aside;
-        }
-        // As many of the key's decisions as take, between them, all that
-        // its rate frees are at the store now, and its last answer was a
-        // refusal: this one is refused here at once, as the store would
-        // most likely refuse it, rather than wait in line behind them (a
-        // limiter refuses the excess; it does not queue it). When the
-        // store admits one again, the key leases again.
-        if let Some(refused) = s.refusal(now, cost, limit) {
-            return Step::Done(refused);
         }
         if waited && s.batch.max(cost) >= self.max_batch && s.aside < cap {
             s.aside = s.aside.saturating_add(1);
@@ -446,25 +404,5 @@ impl<C: Clock> Local<C> {
         shard
             .get_mut(key)
             .is_some_and(|s| s.lease.refund(units, now))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const MS: u64 = 1_000_000;
-
-    /// Twice what the rate frees in a round trip, from 16 to 256: 20,000 a
-    /// second (a burst of 100 over 5 ms) frees 40 in 2 ms; 16 would take
-    /// 8,000 a second between them.
-    #[test]
-    fn decisions_side_by_side_take_what_the_rate_frees() {
-        assert_eq!(aside_cap(100, 5 * MS, 2 * MS), 80);
-        assert_eq!(aside_cap(10, 2 * MS, 2 * MS), 20);
-        assert_eq!(aside_cap(10, 10 * MS, MS / 2), MAX_ASIDE);
-        assert_eq!(aside_cap(u64::MAX, 1, u64::MAX), MAX_ASIDE_CAP);
-        assert_eq!(aside_cap(10, 0, MS), MAX_ASIDE);
-        assert_eq!(aside_cap(10, MS, 0), MAX_ASIDE);
     }
 }

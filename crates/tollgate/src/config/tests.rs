@@ -136,7 +136,11 @@ fn file_keys_write_the_same_store_keys_as_code() {
 
 /// The error `text` gives, as `line:column: field: message`.
 fn error(text: &str) -> String {
-    let e = PolicyFile::parse(text).unwrap_err();
+    shown(&PolicyFile::parse(text).unwrap_err())
+}
+
+/// `e` as `line:column: field: message`.
+fn shown(e: &FileError) -> String {
     format!(
         "{}:{}: {}: {}",
         e.line(),
@@ -1341,16 +1345,7 @@ async fn the_store_section_builds_the_store_and_keeps_secrets_out_of_errors() {
     const BASE: &str =
         "[[rules]]\nname = \"base\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\n\n";
     let file = |store: &str| PolicyFile::parse(&format!("{BASE}[store]\n{store}"));
-    let error = |store: &str| {
-        let e = file(store).unwrap_err();
-        format!(
-            "{}:{}: {}: {}",
-            e.line(),
-            e.column(),
-            e.field(),
-            e.message()
-        )
-    };
+    let error = |store: &str| shown(&file(store).unwrap_err());
     // No section, or kind = "memory": the in-memory store.
     assert!(PolicyFile::parse(BASE).unwrap().store().is_ok());
     let mem = file("kind = \"memory\"\nmax_keys = 1000\nsweep_idle_every = \"10s\"\n").unwrap();
@@ -1742,15 +1737,10 @@ async fn the_audit_section_records_refusals_as_log_events() {
     );
     assert!(!lines[0].contains("sekrit"), "{lines:?}");
     let error = |audit: &str| {
-        let e = PolicyFile::parse(&format!("{RULE}[audit]\n{audit}"))
-            .and_then(|f| f.layer::<String, _>(&store(&clock)).map(drop))
-            .unwrap_err();
-        format!(
-            "{}:{}: {}: {}",
-            e.line(),
-            e.column(),
-            e.field(),
-            e.message()
+        shown(
+            &PolicyFile::parse(&format!("{RULE}[audit]\n{audit}"))
+                .and_then(|f| f.layer::<String, _>(&store(&clock)).map(drop))
+                .unwrap_err(),
         )
     };
     assert_eq!(

@@ -1,6 +1,41 @@
-//! What the two comparisons share: their rounds' statistics.
+//! What the two comparisons share: a task's loop of decisions, and their
+//! rounds' statistics.
 
-use std::time::Duration;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// One task of a round: asks `decide` until `deadline`, keeping each
+/// answer's latency and counting each admission in `admitted`; `None`
+/// from `decide` (a decision that stalled) ends the task.
+pub async fn decide_until<F, Fut>(
+    deadline: Instant,
+    admitted: &AtomicU64,
+    mut decide: F,
+) -> Vec<Duration>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<bool>>,
+{
+    let mut latencies = Vec::new();
+    while Instant::now() < deadline {
+        let at = Instant::now();
+        match decide().await {
+            Some(true) => {
+                admitted.fetch_add(1, Ordering::Relaxed);
+            }
+            Some(false) => {}
+            None => break,
+        }
+        latencies.push(at.elapsed());
+        // A decision answered at once (a lease, memory) never yields; in
+        // a server, each request's I/O does. Without this, the tasks whose
+        // decision waits on Redis starve behind those that never wait, and
+        // their wait is counted as the limiter's.
+        tokio::task::coop::consume_budget().await;
+    }
+    latencies
+}
 
 /// The `p`-quantile (0 to 1) of `sorted`.
 pub fn percentile(sorted: &[Duration], p: f64) -> Duration {

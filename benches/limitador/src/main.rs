@@ -17,7 +17,7 @@ use limitador::limit::{Context, Limit as LimitadorLimit};
 use limitador::storage::redis::{AsyncRedisStorage, CachedRedisStorage};
 use limitador::AsyncRateLimiter;
 use tollgate_core::{Limit, Limiter, Rate, Rule, Store};
-use tollgate_limitador_bench::{median, percentile};
+use tollgate_limitador_bench::{decide_until, median, percentile};
 use tollgate_redis::testing::{unique_prefix, Server};
 use tollgate_redis::{HotKeys, HotLimiter, RedisLimiter, RedisStore};
 
@@ -101,21 +101,7 @@ async fn round(c: Arc<Contender>, case: &Case, key: String, rt: &tokio::runtime:
         .map(|_| {
             let (c, key, admitted) = (Arc::clone(&c), key.clone(), Arc::clone(&admitted));
             rt.spawn(async move {
-                let mut latencies = Vec::new();
-                while Instant::now() < deadline {
-                    let t = Instant::now();
-                    if c.decide(&key).await {
-                        admitted.fetch_add(1, Ordering::Relaxed);
-                    }
-                    latencies.push(t.elapsed());
-                    // A decision answered at once (a lease, memory) never
-                    // yields; in a server, each request's I/O does. Without
-                    // this, the tasks whose decision waits on Redis starve
-                    // behind those that never wait, and their wait is
-                    // counted as the limiter's.
-                    tokio::task::coop::consume_budget().await;
-                }
-                latencies
+                decide_until(deadline, &admitted, || async { Some(c.decide(&key).await) }).await
             })
         })
         .collect();

@@ -24,7 +24,7 @@ use limitador::storage::redis::{AsyncRedisStorage, CachedRedisStorage, CachedRed
 use limitador::{AsyncRateLimiter, RateLimiter};
 use tollgate::store::AnyLimiter;
 use tollgate::{AnyStore, MemoryStore, RedisStore};
-use tollgate_limitador_bench::{median, percentile};
+use tollgate_limitador_bench::{decide_until, median, percentile};
 use tollgate_redis::testing::{unique_prefix, Server};
 use tollgate_redis::HotKeys;
 use tollgate_server::envoy::Domains;
@@ -130,37 +130,28 @@ async fn round(c: Arc<Contender>, case: Case, tag: String) -> Round {
                 .unwrap_or_else(tokio::runtime::Handle::current);
             rt.spawn(async move {
                 let side = &c.sides[t % c.sides.len()];
-                let mut latencies = Vec::new();
                 let mut i = t * 7919;
-                while Instant::now() < deadline {
+                decide_until(deadline, &admitted, || {
                     let key = if case.hot {
                         tag.clone()
                     } else {
                         i = (i + 1) % KEYS;
                         format!("{tag}-{i}")
                     };
-                    let at = Instant::now();
-                    match tokio::time::timeout(STALL, side.decide(&key)).await {
-                        Ok(true) => {
-                            admitted.fetch_add(1, Ordering::Relaxed);
-                        }
-                        Ok(false) => {}
-                        // No answer within STALL: counted, and this task
-                        // stops (its decision may never come back).
-                        Err(_) => {
-                            stalled.fetch_add(1, Ordering::Relaxed);
-                            break;
+                    let stalled = &stalled;
+                    async move {
+                        match tokio::time::timeout(STALL, side.decide(&key)).await {
+                            Ok(admitted) => Some(admitted),
+                            // No answer within STALL: counted, and this
+                            // task stops (its decision may never come back).
+                            Err(_) => {
+                                stalled.fetch_add(1, Ordering::Relaxed);
+                                None
+                            }
                         }
                     }
-                    latencies.push(at.elapsed());
-                    // A decision answered at once (a lease, memory) never
-                    // yields; in a server, each request's I/O does. Without
-                    // this, the tasks whose decision waits on Redis starve
-                    // behind those that never wait, and their wait is
-                    // counted as the limiter's.
-                    tokio::task::coop::consume_budget().await;
-                }
-                latencies
+                })
+                .await
             })
         })
         .collect();

@@ -166,16 +166,19 @@ impl RateAlgorithm for SlidingWindowBuckets {
             return Decision::with(Outcome::Never, limit, remaining, reset);
         }
         if used.saturating_add(cost) <= limit {
-            let counts: Vec<u32> = (0..n)
-                .map(|k| {
-                    let c =
-                        Self::count(state, shift, k).saturating_add(if k == 0 { cost } else { 0 });
-                    // Below the limit, a u32.
-                    u32::try_from(c).unwrap_or(u32::MAX)
-                })
-                .collect();
+            // Lined up with `newest` in place: the counts shift by
+            // `shift` buckets, those that left read 0 (a fresh key's
+            // counts are made once, here).
+            let len = usize::try_from(n).unwrap_or(usize::MAX);
+            let shift = usize::try_from(shift).unwrap_or(usize::MAX).min(len);
+            state.counts.resize(len, 0);
+            state.counts.rotate_right(shift);
+            state.counts.iter_mut().take(shift).for_each(|c| *c = 0);
+            if let Some(c) = state.counts.first_mut() {
+                // Below the limit, a u32.
+                *c = c.saturating_add(u32::try_from(cost).unwrap_or(u32::MAX));
+            }
             state.index = newest;
-            state.counts = counts;
             return Decision::allow(
                 limit,
                 remaining.saturating_sub(cost),

@@ -32,6 +32,10 @@ RATE.sliding_window_buckets = function(key, mode, cost, ttl, p)
   if stored and held_any and stored - index <= 65536 then
     if stored >= index then newest, shift = stored, 0 else shift = index - stored end
   end
+  -- Writes the state: bucket `at`'s number, whole, and `list`'s counts.
+  local function save(at, list)
+    redis.call('SET', key, string.format('%.0f', at) .. ':' .. table.concat(list, ','), 'PX', ttl)
+  end
   local function count(k)
     if k < shift then return 0 end
     return counts[k - shift + 1] or 0
@@ -39,7 +43,7 @@ RATE.sliding_window_buckets = function(key, mode, cost, ttl, p)
   if mode == 'refund' then
     if shift == 0 and (counts[1] or 0) > 0 and cost > 0 then
       counts[1] = math.max(0, counts[1] - cost)
-      redis.call('SET', key, string.format('%.0f', stored) .. ':' .. table.concat(counts, ','), 'PX', ttl)
+      save(stored, counts)
     end
     return {3, 0, 0, 0, 0}
   end
@@ -59,9 +63,7 @@ RATE.sliding_window_buckets = function(key, mode, cost, ttl, p)
     for k = 1, n - 1 do out[k + 1] = count(k) end
     -- Trailing zeros are left out.
     while #out > 1 and out[#out] == 0 do out[#out] = nil end
-    write(function()
-      redis.call('SET', key, string.format('%.0f', newest) .. ':' .. table.concat(out, ','), 'PX', ttl)
-    end)
+    write(function() save(newest, out) end)
     return {0, 0, limit, remaining - cost, leaves(0)}
   end
   -- Wait until the oldest buckets have left enough room.

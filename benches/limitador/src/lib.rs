@@ -1,9 +1,24 @@
-//! What the two comparisons share: a task's loop of decisions, and their
-//! rounds' statistics.
+//! What the two comparisons share: limitador's request, a task's loop of
+//! decisions, and their rounds' statistics.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+/// limitador's context for one hit of `key` as descriptor variable `var`.
+pub fn context(var: &str, key: &str) -> limitador::limit::Context<'static> {
+    HashMap::from([(var.to_owned(), key.to_owned())]).into()
+}
+
+/// Whether limitador's async limiter admits one hit of `key` (variable
+/// `var`, namespace `bench`), counting it if so.
+pub async fn limitador_admits(l: &limitador::AsyncRateLimiter, var: &str, key: &str) -> bool {
+    !l.check_rate_limited_and_update(&"bench".into(), &context(var, key), 1)
+        .await
+        .unwrap()
+        .limited
+}
 
 /// One task of a round: asks `decide` until `deadline`, keeping each
 /// answer's latency and counting each admission in `admitted`; `None`

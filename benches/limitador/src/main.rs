@@ -8,16 +8,15 @@
 //! (Redis from `TOLLGATE_REDIS_URL`, else one started on a free port;
 //! `LIMITS=10000,2000:10` for other limits, each `rate[:burst]`.)
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use limitador::limit::{Context, Limit as LimitadorLimit};
+use limitador::limit::Limit as LimitadorLimit;
 use limitador::storage::redis::{AsyncRedisStorage, CachedRedisStorage};
 use limitador::AsyncRateLimiter;
 use tollgate_core::{Limit, Limiter, Rate, Rule, Store};
-use tollgate_limitador_bench::{decide_until, median, percentile};
+use tollgate_limitador_bench::{decide_until, limitador_admits, median, percentile};
 use tollgate_redis::testing::{unique_prefix, Server};
 use tollgate_redis::{HotKeys, HotLimiter, RedisLimiter, RedisStore};
 
@@ -72,14 +71,7 @@ impl Contender {
         match self {
             Self::Redis(l) => l.decide(key.as_bytes(), 1).await.unwrap().is_allowed(),
             Self::Hot(l) => l.decide(key.as_bytes(), 1).await.unwrap().is_allowed(),
-            Self::Limitador(l) => {
-                let values: HashMap<String, String> = [("k".to_owned(), key.to_owned())].into();
-                let ctx: Context = values.into();
-                !l.check_rate_limited_and_update(&"bench".into(), &ctx, 1)
-                    .await
-                    .unwrap()
-                    .limited
-            }
+            Self::Limitador(l) => limitador_admits(l, "k", key).await,
         }
     }
 }

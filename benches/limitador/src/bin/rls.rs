@@ -9,7 +9,6 @@
 //! `cargo run --release --manifest-path benches/limitador/Cargo.toml --bin rls [rounds]`
 //! (Redis from `TOLLGATE_REDIS_URL`, else one started on a free port.)
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,12 +18,12 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescript
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
-use limitador::limit::{Context, Limit as LimitadorLimit};
+use limitador::limit::Limit as LimitadorLimit;
 use limitador::storage::redis::{AsyncRedisStorage, CachedRedisStorage, CachedRedisStorageBuilder};
 use limitador::{AsyncRateLimiter, RateLimiter};
 use tollgate::store::AnyLimiter;
 use tollgate::{AnyStore, MemoryStore, RedisStore};
-use tollgate_limitador_bench::{decide_until, median, percentile};
+use tollgate_limitador_bench::{context, decide_until, limitador_admits, median, percentile};
 use tollgate_redis::testing::{unique_prefix, Server};
 use tollgate_redis::HotKeys;
 use tollgate_server::envoy::Domains;
@@ -88,20 +87,11 @@ impl Side {
                 r.into_inner().overall_code == Code::Ok as i32
             }
             Self::Memory(l) => {
-                let values: HashMap<String, String> = [("user".to_owned(), key.to_owned())].into();
-                let ctx: Context = values.into();
-                !l.check_rate_limited_and_update(&"bench".into(), &ctx, 1)
+                !l.check_rate_limited_and_update(&"bench".into(), &context("user", key), 1)
                     .unwrap()
                     .limited
             }
-            Self::Async(l) => {
-                let values: HashMap<String, String> = [("user".to_owned(), key.to_owned())].into();
-                let ctx: Context = values.into();
-                !l.check_rate_limited_and_update(&"bench".into(), &ctx, 1)
-                    .await
-                    .unwrap()
-                    .limited
-            }
+            Self::Async(l) => limitador_admits(l, "user", key).await,
         }
     }
 }

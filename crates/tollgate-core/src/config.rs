@@ -783,6 +783,23 @@ impl EscalationRule {
         })
     }
 
+    /// A slowing ladder, validated (see
+    /// [`Escalation::slow_down`](crate::algorithm::Escalation::slow_down)).
+    pub fn slow_down(
+        name: impl AsRef<str>,
+        strikes: u32,
+        period: Duration,
+        hold: Duration,
+        steps: &[u8],
+    ) -> Result<Self, ConfigError> {
+        let name = name.as_ref();
+        validate_name(name)?;
+        Ok(Self {
+            name: name.into(),
+            escalation: crate::algorithm::Escalation::slow_down(strikes, period, hold, steps)?,
+        })
+    }
+
     /// The rule's name.
     pub fn name(&self) -> &str {
         &self.name

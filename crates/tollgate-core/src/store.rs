@@ -20,7 +20,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use crate::algorithm::Strike;
+use crate::algorithm::{Standing, Strike};
 use crate::{
     Acquire, ConcurrencyRule, ConfigError, Decision, EscalationRule, Lease, QuotaDecision,
     QuotaRule, RetryBudgetRule, Rule, Withdrawal,
@@ -155,21 +155,24 @@ pub trait Store: Clone + Send + Sync + 'static {
 }
 
 /// One escalation ladder bound to a store (see
-/// [`Escalation`](crate::algorithm::Escalation)): whether a key is blocked,
-/// and strikes. Object-safe (a policy holds ladders of one store beside
-/// its rules); the in-memory store answers synchronously.
+/// [`Escalation`](crate::algorithm::Escalation)): where a key stands
+/// (blocked, slowed or clear), and strikes. Object-safe (a policy holds
+/// ladders of one store beside its rules); the in-memory store answers
+/// synchronously.
 pub trait EscalationLimiter: Send + Sync + 'static {
     /// The ladder.
     fn rule(&self) -> &EscalationRule;
 
-    /// Nanoseconds `key` stays blocked, if it is. Changes nothing.
-    fn blocked(&self, key: &[u8]) -> BoxFuture<Result<Option<u64>, StoreError>>;
+    /// Where `key` stands now: blocked (for how long), slowed (on which
+    /// step) or clear. Changes nothing.
+    fn standing(&self, key: &[u8]) -> BoxFuture<Result<Standing, StoreError>>;
 
-    /// A violation by `key`: counts a strike, blocking at the last.
+    /// A violation by `key`: counts a strike, blocking (or slowing) at
+    /// the last.
     fn strike(&self, key: &[u8]) -> BoxFuture<Result<Strike, StoreError>>;
 
-    /// [`blocked`](Self::blocked) at once, for stores that need no I/O.
-    fn blocked_sync(&self, key: &[u8]) -> Option<Result<Option<u64>, StoreError>> {
+    /// [`standing`](Self::standing) at once, for stores that need no I/O.
+    fn standing_sync(&self, key: &[u8]) -> Option<Result<Standing, StoreError>> {
         let _ = key;
         None
     }

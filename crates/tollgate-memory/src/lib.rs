@@ -94,7 +94,7 @@ use std::future::{ready, Ready};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use tollgate_core::algorithm::{Escalation, Strike};
+use tollgate_core::algorithm::{Escalation, Standing, Strike};
 use tollgate_core::{
     Acquire, Algorithm, Clock, ConcurrencyLimiter, ConcurrencyRule, ConfigError, Decision,
     FixedWindow, Gcra, InFlight, LeakyBucket, Lease, Limiter, Quota, QuotaDecision, QuotaLimiter,
@@ -564,12 +564,12 @@ impl<C> fmt::Debug for MemoryEscalation<C> {
 }
 
 impl<C: Clock> MemoryEscalation<C> {
-    /// [`EscalationLimiter::blocked`] without the future (a peek: a key
-    /// not stored is not blocked, and nothing is stored).
-    pub fn blocked_now(&self, key: &[u8]) -> Option<u64> {
+    /// [`EscalationLimiter::standing`] without the future (a peek: a key
+    /// not stored is clear, and nothing is stored).
+    pub fn standing_now(&self, key: &[u8]) -> Standing {
         let t = &self.table;
         let now = t.now();
-        t.update(key, now, false, |s| t.kind.blocked(s, now))
+        t.update(key, now, false, |s| t.kind.standing(s, now))
     }
 
     /// [`EscalationLimiter::strike`] without the future. A store too full
@@ -591,16 +591,16 @@ impl<C: Clock> EscalationLimiter for MemoryEscalation<C> {
         &self.rule
     }
 
-    fn blocked(&self, key: &[u8]) -> BoxFuture<Result<Option<u64>, StoreError>> {
-        Box::pin(ready(Ok(self.blocked_now(key))))
+    fn standing(&self, key: &[u8]) -> BoxFuture<Result<Standing, StoreError>> {
+        Box::pin(ready(Ok(self.standing_now(key))))
     }
 
     fn strike(&self, key: &[u8]) -> BoxFuture<Result<Strike, StoreError>> {
         Box::pin(ready(Ok(self.strike_now(key))))
     }
 
-    fn blocked_sync(&self, key: &[u8]) -> Option<Result<Option<u64>, StoreError>> {
-        Some(Ok(self.blocked_now(key)))
+    fn standing_sync(&self, key: &[u8]) -> Option<Result<Standing, StoreError>> {
+        Some(Ok(self.standing_now(key)))
     }
 
     fn strike_sync(&self, key: &[u8]) -> Option<Result<Strike, StoreError>> {

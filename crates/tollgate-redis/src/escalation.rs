@@ -6,7 +6,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use tollgate_core::algorithm::Strike;
+use tollgate_core::algorithm::{Standing, Strike};
 use tollgate_core::{
     BoxFuture, ConfigError, EscalationLimiter, EscalationRule, Store, StoreError, StoreErrorKind,
 };
@@ -30,8 +30,9 @@ use crate::scripts::{EscalationMode, ESCALATION};
 pub struct RedisEscalation {
     backend: Arc<Backend>,
     rule: EscalationRule,
-    /// `ARGV[5..]`: strikes, period, block, longest block, forgiveness.
-    params: [String; 5],
+    /// `ARGV[5..]`: strikes, period, block (a slowing ladder's hold),
+    /// longest block, forgiveness, a slowing ladder's steps.
+    params: [String; 6],
     fallback: Option<Arc<dyn EscalationLimiter>>,
 }
 
@@ -52,6 +53,9 @@ impl RedisEscalation {
         let l = rule.escalation();
         crate::scripts::check_span("period", l.period())?;
         crate::scripts::check_span("max_block", l.max_block())?;
+        // A slowed key's climb back, the longest its state lives.
+        let steps = u64::try_from(l.steps().len()).unwrap_or(u64::MAX);
+        crate::scripts::check_span("hold", l.block().saturating_mul(steps))?;
         // Not divided among a fleet: a strike counts wherever it lands.
         let fallback = match backend.policy.binding(rebinding).memory() {
             Some((memory, _)) => Some(memory.escalation(rule)?),
@@ -64,6 +68,7 @@ impl RedisEscalation {
                 l.block().to_string(),
                 l.max_block().to_string(),
                 l.forgive().to_string(),
+                steps.to_string(),
             ],
             backend,
             rule: rule.clone(),
@@ -84,7 +89,7 @@ impl RedisEscalation {
             .name(key::Format::Escalation, this.rule.name(), key);
         let now = this.backend.now_arg();
         Box::pin(async move {
-            let [strikes, period, block, max_block, forgive] = &this.params;
+            let [strikes, period, block, max_block, forgive, steps] = &this.params;
             let args = [
                 mode.arg(),
                 "0",
@@ -95,6 +100,7 @@ impl RedisEscalation {
                 block,
                 max_block,
                 forgive,
+                steps,
             ];
             let reply = this.backend.run(&ESCALATION, &[&rkey], &args).await?;
             reply.escalation().ok_or_else(|| {
@@ -116,16 +122,17 @@ impl EscalationLimiter for Shared {
         &self.0.rule
     }
 
-    fn blocked(&self, key: &[u8]) -> BoxFuture<Result<Option<u64>, StoreError>> {
+    fn standing(&self, key: &[u8]) -> BoxFuture<Result<Standing, StoreError>> {
         let call = self.0.call(EscalationMode::Check, key);
         let fallback = self.0.fallback.clone();
         let key = key.to_vec();
         Box::pin(async move {
             match call.await {
-                Ok((1, for_ns, _)) => Ok(Some(for_ns)),
-                Ok(_) => Ok(None),
+                Ok((1, for_ns, _)) => Ok(Standing::Blocked { for_ns }),
+                Ok((3, for_ns, level)) => Ok(Standing::Slowed { level, for_ns }),
+                Ok(_) => Ok(Standing::Clear),
                 Err(e) => match fallback {
-                    Some(m) => m.blocked(&key).await,
+                    Some(m) => m.standing(&key).await,
                     None => Err(e),
                 },
             }
@@ -139,6 +146,7 @@ impl EscalationLimiter for Shared {
         Box::pin(async move {
             match call.await {
                 Ok((1, for_ns, level)) => Ok(Strike::Blocked { for_ns, level }),
+                Ok((3, for_ns, level)) => Ok(Strike::Slowed { for_ns, level }),
                 Ok((_, strikes, _)) => Ok(Strike::Counted {
                     strikes: u32::try_from(strikes).unwrap_or(u32::MAX),
                 }),

@@ -210,7 +210,7 @@ impl RetryBudgetMode {
 /// What the escalation script does (`ARGV[1]`); see `escalation.lua`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum EscalationMode {
-    /// Is the key blocked? Writes nothing.
+    /// Where does the key stand? Writes nothing.
     Check,
     /// A violation: count a strike.
     Strike,
@@ -482,11 +482,12 @@ impl Reply {
     }
 
     /// `{kind, a, level}` (see `escalation.lua`): a counted strike (kind
-    /// 0, a = strikes), a block (1, a = ns left), or a check that found
-    /// none (2). `None` if malformed.
+    /// 0, a = strikes), a block (1, a = ns left), a check that found
+    /// none (2), or a step of a slowing ladder (3, a = ns left on it).
+    /// `None` if malformed.
     pub(crate) fn escalation(&self) -> Option<(u8, u64, u32)> {
         match self.0.as_slice() {
-            [kind @ 0..=2, a, level] if *a >= 0 && *level >= 0 => Some((
+            [kind @ 0..=3, a, level] if *a >= 0 && *level >= 0 => Some((
                 u8::try_from(*kind).ok()?,
                 nonneg(*a),
                 u32::try_from(*level).unwrap_or(u32::MAX),

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use tollgate_core::algorithm::Strike;
+use tollgate_core::algorithm::{Standing, Strike};
 use tollgate_core::testing;
 use tollgate_core::{EscalationRule, ManualClock, Store};
 use tollgate_memory::MemoryStore;
@@ -68,9 +68,44 @@ async fn a_fleet_climbs_one_ladder() {
     ));
     // ...and the block holds on both.
     clock.advance(d(5));
-    assert_eq!(b.blocked(b"k").await.unwrap(), Some(5_000_000_000));
+    assert_eq!(
+        b.standing(b"k").await.unwrap(),
+        Standing::Blocked {
+            for_ns: 5_000_000_000
+        }
+    );
     clock.advance(d(5));
-    assert_eq!(a.blocked(b"k").await.unwrap(), None);
+    assert_eq!(a.standing(b"k").await.unwrap(), Standing::Clear);
+
+    // A slowing ladder: a step taken on one instance holds on the other,
+    // and the climb back is the same on both.
+    let rule = EscalationRule::slow_down("slows", 2, d(60), d(10), &[50, 25]).unwrap();
+    let a = store(&server.url(), &prefix, clock.clone())
+        .escalation(&rule)
+        .unwrap();
+    let b = store(&server.url(), &prefix, clock.clone())
+        .escalation(&rule)
+        .unwrap();
+    a.strike(b"k").await.unwrap();
+    assert_eq!(
+        b.strike(b"k").await.unwrap(),
+        Strike::Slowed {
+            for_ns: 10_000_000_000,
+            level: 1
+        }
+    );
+    a.strike(b"k").await.unwrap();
+    b.strike(b"k").await.unwrap();
+    clock.advance(d(12));
+    assert_eq!(
+        a.standing(b"k").await.unwrap(),
+        Standing::Slowed {
+            level: 1,
+            for_ns: 8_000_000_000
+        }
+    );
+    clock.advance(d(8));
+    assert_eq!(b.standing(b"k").await.unwrap(), Standing::Clear);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -96,7 +131,7 @@ async fn without_redis_a_ladder_falls_back_or_reports_the_fault() {
         .unwrap()
         .escalation(&rule)
         .unwrap();
-    assert_eq!(open.blocked(b"k").await.unwrap(), None);
+    assert_eq!(open.standing(b"k").await.unwrap(), Standing::Clear);
     drop(server);
     assert!(
         open.strike(b"k").await.is_err(),
@@ -107,5 +142,8 @@ async fn without_redis_a_ladder_falls_back_or_reports_the_fault() {
         fallback.strike(b"k").await.unwrap(),
         Strike::Blocked { .. }
     ));
-    assert!(fallback.blocked(b"k").await.unwrap().is_some());
+    assert!(matches!(
+        fallback.standing(b"k").await.unwrap(),
+        Standing::Blocked { .. }
+    ));
 }

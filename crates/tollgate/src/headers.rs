@@ -393,16 +393,22 @@ pub(crate) struct Headers {
 
 impl Headers {
     pub(crate) fn new(rule: &Rule, standard: bool, legacy: bool) -> Self {
+        Self::lowered(rule, rule.capacity(), standard, legacy)
+    }
+
+    /// `rule`'s headers stating `capacity` as its limit (a key a slowing
+    /// ladder put on a lower step is told its lowered limit).
+    pub(crate) fn lowered(rule: &Rule, capacity: u64, standard: bool, legacy: bool) -> Self {
         let w = ceil_secs(rule.window()).max(1);
         let mut policy = Buf::new();
-        let policy = write!(policy, "\"{}\";q={};w={w}", rule.name(), rule.capacity())
+        let policy = write!(policy, "\"{}\";q={capacity};w={w}", rule.name())
             .ok()
             .and_then(|()| policy.value());
         Self {
             id: new_id(),
             prefix: format!("\"{}\";r=", rule.name()).into_bytes().into(),
             policy,
-            limit: number(rule.capacity()),
+            limit: number(capacity),
             standard,
             legacy,
         }

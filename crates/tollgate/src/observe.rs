@@ -4,7 +4,7 @@
 //!
 //! | metric | kind | labels |
 //! |---|---|---|
-//! | `tollgate_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `shadow_limited` (denied but let through), `missing_key` (rejected), `unkeyed` (let through unlimited), `store_error` (let through); for an access list: `listed_allowed` (on an allow list, unlimited), `denied` (403); for an idempotency marker: `idempotent_repeat`; for a rule with an escalation ladder: `strike`, `blocked`; for a rule with a challenge: `challenge_passed` (a solution let the request past the rule), `challenge_failed` (a solution that was wrong, expired or used before); past a rule's warning share: `warned` |
+//! | `tollgate_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `shadow_limited` (denied but let through), `missing_key` (rejected), `unkeyed` (let through unlimited), `store_error` (let through); for an access list: `listed_allowed` (on an allow list, unlimited), `denied` (403); for an idempotency marker: `idempotent_repeat`; for a rule with an escalation ladder: `strike`, `blocked`, and with a slowing ladder `slowed` (a request of a key on a lower step, also counted as `allowed` or `limited`); for a rule with a challenge: `challenge_passed` (a solution let the request past the rule), `challenge_failed` (a solution that was wrong, expired or used before); past a rule's warning share: `warned` |
 //! | `tollgate_route_requests_total` | counter | `rule`, `route` (axum's matched route, a template), `outcome`: `allowed`, `limited`, `too_costly`, `shadow_limited`; a rate limit's, quota's, concurrency limit's (`allowed`, `limited` — a full queue or an expired wait included — and `too_costly`; requests let through holding nothing are not counted) or policy's, when its `route_label` is on (e.g. [`PolicyLayerBuilder::route_label`](crate::policy::PolicyLayerBuilder::route_label)) |
 //! | `tollgate_config_reloads_total` | counter | `outcome`: `applied`, `unchanged`, `rejected` (a policy file's reloads) |
 //! | `tollgate_retry_after_seconds` | histogram | `rule` (and `plan`, as above) |
@@ -67,6 +67,9 @@ pub(crate) struct Metrics {
     /// because its key is blocked (a block starting included).
     pub(crate) strike: Counter,
     pub(crate) blocked: Counter,
+    /// A slowing ladder's: a request of a key on a lower step (decided at
+    /// a raised cost; also counted as allowed or limited).
+    pub(crate) slowed: Counter,
     /// A challenge step: a request a solution let past the rule, and a
     /// solution that did not (wrong, expired, or used before).
     pub(crate) challenge_passed: Counter,
@@ -167,6 +170,7 @@ impl Metrics {
             repeat: counter("idempotent_repeat"),
             strike: counter("strike"),
             blocked: counter("blocked"),
+            slowed: counter("slowed"),
             challenge_passed: counter("challenge_passed"),
             challenge_failed: counter("challenge_failed"),
             warned: counter("warned"),

@@ -1,5 +1,5 @@
 //! An escalation ladder: repeated violations block a key for a growing
-//! time.
+//! time, or lower its rate step by step.
 
 use std::time::Duration;
 
@@ -37,13 +37,21 @@ use crate::config::ConfigError;
 /// assert_eq!(ladder.strike(&mut s, after + 2), Strike::Blocked { for_ns: 1_800 * ns, level: 2 });
 /// # Ok::<(), tollgate_core::ConfigError>(())
 /// ```
+///
+/// A ladder made with [`slow_down`](Self::slow_down) lowers the key's
+/// rate instead of blocking it: see there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Escalation {
     strikes: u32,
     period: u64,
+    /// The first block; a slowing ladder's hold of each step.
     block: u64,
     max_block: u64,
     forgive: u64,
+    /// A slowing ladder's steps (percent of the rate), `len` of them;
+    /// none for a ladder that blocks.
+    steps: [u8; Escalation::MAX_STEPS],
+    len: u8,
 }
 
 /// A key's place on the ladder. `since` and `until` are in the store's
@@ -52,12 +60,34 @@ pub struct Escalation {
 pub struct EscalationState {
     /// Strikes in the current period.
     pub strikes: u32,
-    /// Blocks so far (the next block is `block × 2^level`).
+    /// Blocks so far (the next block is `block × 2^level`); on a slowing
+    /// ladder, the step the key was put on last.
     pub level: u32,
     /// When the current period of strikes began.
     pub since: u64,
-    /// When the last block ends (or ended).
+    /// When the last block ends (or ended); on a slowing ladder, when
+    /// step `level` ends (the key then climbs back one step per hold).
     pub until: u64,
+}
+
+/// Where a key stands on a ladder now, as a check finds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Standing {
+    /// Neither blocked nor slowed.
+    Clear,
+    /// Blocked for `for_ns` more nanoseconds.
+    Blocked {
+        /// Nanoseconds until the block ends.
+        for_ns: u64,
+    },
+    /// Slowed to step `level` (1 for the first) of a slowing ladder, for
+    /// `for_ns` more nanoseconds before it climbs back one step.
+    Slowed {
+        /// The step in force (1 for the first).
+        level: u32,
+        /// Nanoseconds until the key climbs back one step.
+        for_ns: u64,
+    },
 }
 
 /// What a strike came to.
@@ -77,11 +107,22 @@ pub enum Strike {
         /// How many blocks the key has had, this one included.
         level: u32,
     },
+    /// A slowing ladder put the key on step `level` for `for_ns`
+    /// nanoseconds (this strike was the last its period allows).
+    Slowed {
+        /// Nanoseconds until the key climbs back one step.
+        for_ns: u64,
+        /// The step the key is on now (1 for the first).
+        level: u32,
+    },
 }
 
 impl Escalation {
     /// The most strikes a ladder may ask for.
     pub const MAX_STRIKES: u32 = 1_000;
+
+    /// The most steps a slowing ladder may have.
+    pub const MAX_STEPS: usize = 8;
 
     /// A ladder: `strikes` (1 to 1,000) strikes within `period` block for
     /// `block`, doubling per block up to `max_block` (at least `block`).
@@ -116,7 +157,120 @@ impl Escalation {
             block,
             max_block,
             forgive: max_block.max(period),
+            steps: [0; Self::MAX_STEPS],
+            len: 0,
         })
+    }
+
+    /// A ladder that lowers a key's rate instead of blocking it (000 §7:
+    /// "on repeated overruns we lower the limit"). `strikes` strikes
+    /// within `period` put the key one step down `steps` — each the
+    /// percent of the rate it keeps, e.g. `[50, 25]` — for `hold`; past
+    /// the last step, more strikes keep the key there for another `hold`.
+    /// Once its hold ends, a key climbs back one step per `hold` until it
+    /// has its whole rate again. A slowed key is still decided by its
+    /// limit, at a cost raised to match: on a step keeping `p` percent,
+    /// a request of cost `c` is charged `⌈c × 100 / p⌉` (exact when `p`
+    /// divides 100: 50, 25, 20, 10...), so it gets `p` percent of the
+    /// rate and of the burst.
+    ///
+    /// `steps`: 1 to [`MAX_STEPS`](Self::MAX_STEPS) percentages, each 1 to
+    /// 99 and below the one before. Errors name the field.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate_core::algorithm::{Escalation, EscalationState, Standing, Strike};
+    ///
+    /// let minute = Duration::from_secs(60);
+    /// let ladder = Escalation::slow_down(2, minute, 10 * minute, &[50, 25])?;
+    /// let (mut s, ns) = (EscalationState::default(), 1_000_000_000u64);
+    /// ladder.strike(&mut s, 0);
+    /// assert_eq!(ladder.strike(&mut s, ns), Strike::Slowed { for_ns: 600 * ns, level: 1 });
+    /// // Half the rate: a request of cost 1 is charged 2.
+    /// assert_eq!(ladder.charge(1, 1), 2);
+    /// ladder.strike(&mut s, 2 * ns);
+    /// assert_eq!(ladder.strike(&mut s, 3 * ns), Strike::Slowed { for_ns: 600 * ns, level: 2 });
+    /// // Ten minutes later, back to 50 %; ten more, the whole rate.
+    /// assert_eq!(ladder.standing(&s, 603 * ns), Standing::Slowed { level: 1, for_ns: 600 * ns });
+    /// assert_eq!(ladder.standing(&s, 1_203 * ns), Standing::Clear);
+    /// # Ok::<(), tollgate_core::ConfigError>(())
+    /// ```
+    pub fn slow_down(
+        strikes: u32,
+        period: Duration,
+        hold: Duration,
+        steps: &[u8],
+    ) -> Result<Self, ConfigError> {
+        let bad = || {
+            ConfigError::new(
+                "steps",
+                format!(
+                    "must be 1 to {} percentages, each 1 to 99 and below the one before",
+                    Self::MAX_STEPS
+                ),
+            )
+        };
+        let mut kept = [0; Self::MAX_STEPS];
+        if steps.is_empty() || steps.len() > Self::MAX_STEPS {
+            return Err(bad());
+        }
+        let mut above = 100;
+        for (slot, &p) in kept.iter_mut().zip(steps) {
+            if p == 0 || p >= above {
+                return Err(bad());
+            }
+            *slot = p;
+            above = p;
+        }
+        let hold = duration_to_nanos(hold);
+        if hold == 0 {
+            return Err(ConfigError::new("hold", "must be longer than zero"));
+        }
+        let mut ladder = Self::new(
+            strikes,
+            period,
+            Duration::from_nanos(hold),
+            Duration::from_nanos(hold),
+        )?;
+        ladder.steps = kept;
+        ladder.len = u8::try_from(steps.len()).map_err(|_| bad())?;
+        Ok(ladder)
+    }
+
+    /// A slowing ladder's steps, in percent of the rate (empty for a
+    /// ladder that blocks).
+    pub fn steps(&self) -> &[u8] {
+        self.steps.get(..usize::from(self.len)).unwrap_or_default()
+    }
+
+    /// Whether this ladder slows keys down (else it blocks them).
+    pub fn slows(&self) -> bool {
+        self.len > 0
+    }
+
+    /// The percent of the rate a key keeps on step `level` (100 at 0).
+    pub fn percent(&self, level: u32) -> u8 {
+        let Some(i) = level.checked_sub(1) else {
+            return 100;
+        };
+        let i = usize::try_from(i).unwrap_or(usize::MAX);
+        let steps = self.steps();
+        steps.get(i).or(steps.last()).copied().unwrap_or(100)
+    }
+
+    /// What a request of `cost` is charged on step `level`:
+    /// `⌈cost × 100 / percent⌉`, saturating.
+    pub fn charge(&self, cost: u64, level: u32) -> u64 {
+        let p = u128::from(self.percent(level));
+        let charged = u128::from(cost).saturating_mul(100).div_ceil(p);
+        u64::try_from(charged).unwrap_or(u64::MAX)
+    }
+
+    /// `units` of the whole rate as a key on step `level` sees them (its
+    /// limit and what remains, in its headers): `⌊units × percent / 100⌋`.
+    pub fn shown(&self, units: u64, level: u32) -> u64 {
+        let shown = u128::from(units).saturating_mul(u128::from(self.percent(level))) / 100;
+        u64::try_from(shown).unwrap_or(u64::MAX)
     }
 
     /// Strikes that block.
@@ -153,14 +307,68 @@ impl Escalation {
             .min(self.max_block)
     }
 
-    /// Nanoseconds `state` stays blocked at `now`, if it is.
+    /// Nanoseconds `state` stays blocked at `now`, if it is (never, on a
+    /// slowing ladder).
     pub fn blocked(&self, state: &EscalationState, now: u64) -> Option<u64> {
-        (state.until > now).then(|| state.until.saturating_sub(now))
+        (!self.slows() && state.until > now).then(|| state.until.saturating_sub(now))
     }
 
-    /// A violation at `now`: counts a strike, and blocks when it is the
-    /// last the ladder allows in its period.
+    /// A slowing ladder's step in force at `now` and when it ends: the
+    /// step `state` was put on, less one per hold since its hold ended.
+    /// `(0, 0)` when the key has its whole rate.
+    fn in_force(&self, state: &EscalationState, now: u64) -> (u32, u64) {
+        if state.level == 0 {
+            return (0, 0);
+        }
+        let Some(past) = now.checked_sub(state.until) else {
+            return (state.level, state.until);
+        };
+        let climbed = past.checked_div(self.block).unwrap_or(0).saturating_add(1);
+        match u32::try_from(climbed) {
+            Ok(climbed) if climbed < state.level => (
+                state.level.saturating_sub(climbed),
+                state
+                    .until
+                    .saturating_add(u64::from(climbed).saturating_mul(self.block)),
+            ),
+            _ => (0, 0),
+        }
+    }
+
+    /// Where `state` stands at `now`.
+    pub fn standing(&self, state: &EscalationState, now: u64) -> Standing {
+        if !self.slows() {
+            return match self.blocked(state, now) {
+                Some(for_ns) => Standing::Blocked { for_ns },
+                None => Standing::Clear,
+            };
+        }
+        match self.in_force(state, now) {
+            (0, _) => Standing::Clear,
+            (level, until) => Standing::Slowed {
+                level,
+                for_ns: until.saturating_sub(now),
+            },
+        }
+    }
+
+    /// A violation at `now`: counts a strike, and blocks (or slows the key
+    /// a step down) when it is the last the ladder allows in its period.
     pub fn strike(&self, state: &mut EscalationState, now: u64) -> Strike {
+        if self.slows() {
+            (state.level, state.until) = self.in_force(state, now);
+            if !self.counted(state, now) {
+                return Strike::Counted {
+                    strikes: state.strikes,
+                };
+            }
+            state.level = state.level.saturating_add(1).min(u32::from(self.len));
+            state.until = now.saturating_add(self.block);
+            return Strike::Slowed {
+                for_ns: self.block,
+                level: state.level,
+            };
+        }
         if let Some(for_ns) = self.blocked(state, now) {
             return Strike::Blocked {
                 for_ns,
@@ -171,12 +379,7 @@ impl Escalation {
         if state.level > 0 && now >= state.until.saturating_add(self.forgive) {
             state.level = 0;
         }
-        if state.strikes == 0 || now.saturating_sub(state.since) >= self.period {
-            state.strikes = 0;
-            state.since = now;
-        }
-        state.strikes = state.strikes.saturating_add(1);
-        if state.strikes < self.strikes {
+        if !self.counted(state, now) {
             return Strike::Counted {
                 strikes: state.strikes,
             };
@@ -184,19 +387,39 @@ impl Escalation {
         state.level = state.level.saturating_add(1);
         let for_ns = self.block_of(state.level);
         state.until = now.saturating_add(for_ns);
-        state.strikes = 0;
-        state.since = now;
         Strike::Blocked {
             for_ns,
             level: state.level,
         }
     }
 
-    /// Whether `state` carries nothing at `now`: no block running, no
-    /// strike in its period, and no block level left to forgive.
+    /// Counts a strike at `now` in the current period (a new one if it
+    /// lapsed); `true` when it is the last the period allows, which starts
+    /// the next period.
+    fn counted(&self, state: &mut EscalationState, now: u64) -> bool {
+        if state.strikes == 0 || now.saturating_sub(state.since) >= self.period {
+            state.strikes = 0;
+            state.since = now;
+        }
+        state.strikes = state.strikes.saturating_add(1);
+        if state.strikes < self.strikes {
+            return false;
+        }
+        state.strikes = 0;
+        state.since = now;
+        true
+    }
+
+    /// Whether `state` carries nothing at `now`: no block running and no
+    /// step in force, no strike in its period, and no block level left to
+    /// forgive.
     pub fn is_idle(&self, state: &EscalationState, now: u64) -> bool {
+        let lapsed = state.strikes == 0 || now.saturating_sub(state.since) >= self.period;
+        if self.slows() {
+            return lapsed && self.in_force(state, now).0 == 0;
+        }
         self.blocked(state, now).is_none()
-            && (state.strikes == 0 || now.saturating_sub(state.since) >= self.period)
+            && lapsed
             && (state.level == 0 || now >= state.until.saturating_add(self.forgive))
     }
 }
@@ -275,6 +498,103 @@ mod tests {
         );
     }
 
+    fn slowing() -> Escalation {
+        Escalation::slow_down(
+            2,
+            Duration::from_secs(60),
+            Duration::from_secs(100),
+            &[50, 25],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_slowing_ladder_steps_down_per_period_of_strikes_and_back_up_per_hold() {
+        let l = slowing();
+        let mut s = EscalationState::default();
+        assert_eq!(l.strike(&mut s, 0), Strike::Counted { strikes: 1 });
+        assert_eq!(
+            l.strike(&mut s, S),
+            Strike::Slowed {
+                for_ns: 100 * S,
+                level: 1
+            }
+        );
+        // Never blocked: a slowed key is still decided by its limit.
+        assert_eq!(l.blocked(&s, 2 * S), None);
+        assert_eq!(
+            l.standing(&s, 2 * S),
+            Standing::Slowed {
+                level: 1,
+                for_ns: 99 * S
+            }
+        );
+        l.strike(&mut s, 3 * S);
+        assert_eq!(
+            l.strike(&mut s, 4 * S),
+            Strike::Slowed {
+                for_ns: 100 * S,
+                level: 2
+            }
+        );
+        // Past the last step: held there for another hold.
+        l.strike(&mut s, 50 * S);
+        assert_eq!(
+            l.strike(&mut s, 51 * S),
+            Strike::Slowed {
+                for_ns: 100 * S,
+                level: 2
+            }
+        );
+        // The hold ends at 151 s: one step back per 100 s.
+        assert_eq!(
+            l.standing(&s, 150 * S),
+            Standing::Slowed {
+                level: 2,
+                for_ns: S
+            }
+        );
+        assert_eq!(
+            l.standing(&s, 151 * S),
+            Standing::Slowed {
+                level: 1,
+                for_ns: 100 * S
+            }
+        );
+        assert!(!l.is_idle(&s, 250 * S));
+        assert_eq!(l.standing(&s, 251 * S), Standing::Clear);
+        assert!(l.is_idle(&s, 251 * S));
+        // Struck again on step 1 (in force at 200 s): down to 2 again.
+        let mut t = s;
+        l.strike(&mut t, 200 * S);
+        assert_eq!(
+            l.strike(&mut t, 201 * S),
+            Strike::Slowed {
+                for_ns: 100 * S,
+                level: 2
+            }
+        );
+    }
+
+    #[test]
+    fn a_slowed_key_is_charged_its_share_of_the_rate_and_shown_it() {
+        let l = slowing();
+        assert_eq!((l.charge(1, 0), l.charge(1, 1), l.charge(1, 2)), (1, 2, 4));
+        assert_eq!(l.charge(3, 1), 6);
+        // Beyond the last step, the last.
+        assert_eq!(l.charge(1, 9), 4);
+        assert_eq!(
+            (l.shown(100, 0), l.shown(100, 1), l.shown(100, 2)),
+            (100, 50, 25)
+        );
+        let odd = Escalation::slow_down(1, Duration::from_secs(1), Duration::from_secs(1), &[30])
+            .unwrap();
+        // 100 / 30 = 3.33...: rounded up, never cheaper than the share.
+        assert_eq!((odd.charge(1, 1), odd.charge(3, 1)), (4, 10));
+        assert_eq!(odd.charge(u64::MAX, 1), u64::MAX);
+        assert_eq!(odd.shown(u64::MAX, 1), u64::MAX / 100 * 30 + 4);
+    }
+
     #[test]
     fn configuration_errors_name_the_field_and_extremes_do_not_overflow() {
         let d = Duration::from_secs;
@@ -307,5 +627,30 @@ mod tests {
             let _ = l.is_idle(&s, now);
         }
         assert_eq!(l.block_of(u32::MAX), l.max_block());
+        let slow = |steps: &[u8], hold| Escalation::slow_down(1, d(1), d(hold), steps);
+        for steps in [
+            &[][..],
+            &[100],
+            &[0],
+            &[50, 50],
+            &[25, 50],
+            &[9, 8, 7, 6, 5, 4, 3, 2, 1],
+        ] {
+            assert_eq!(slow(steps, 1).unwrap_err().field(), "steps", "{steps:?}");
+        }
+        assert_eq!(slow(&[50], 0).unwrap_err().field(), "hold");
+        assert_eq!(
+            Escalation::slow_down(0, d(1), d(1), &[50])
+                .unwrap_err()
+                .field(),
+            "strikes"
+        );
+        let l = Escalation::slow_down(1, Duration::MAX, Duration::MAX, &[99, 1]).unwrap();
+        let mut s = EscalationState::default();
+        for now in [0, u64::MAX - 1, u64::MAX] {
+            let _ = l.strike(&mut s, now);
+            let _ = l.standing(&s, now);
+            let _ = l.is_idle(&s, now);
+        }
     }
 }

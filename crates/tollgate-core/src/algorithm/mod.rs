@@ -29,7 +29,7 @@ mod sliding_window_counter;
 mod sliding_window_log;
 mod token_bucket;
 
-pub use escalation::{Escalation, EscalationState, Strike};
+pub use escalation::{Escalation, EscalationState, Standing, Strike};
 pub use fixed_window::FixedWindow;
 pub use gcra::Gcra;
 pub use in_flight::InFlight;

@@ -873,6 +873,50 @@ fn rule(
             }
         })?;
     }
+    if let Some(sd) = &r.slow_down {
+        let sd = sd.get_ref();
+        let strikes = whole(
+            *sd.strikes.get_ref(),
+            &sd.strikes,
+            field("slow_down.strikes"),
+            1,
+        )?;
+        let steps: Vec<u8> = sd
+            .steps
+            .get_ref()
+            .iter()
+            .map(|&p| u8::try_from(p).unwrap_or(0))
+            .collect();
+        let period = duration(&sd.period, field("slow_down.period"))?;
+        let hold = duration(&sd.hold, field("slow_down.hold"))?;
+        // The ladder's own checks, placed on the ladder.
+        tollgate_core::EscalationRule::slow_down(
+            format!("{}:ladder", r.name.get_ref()),
+            strikes,
+            period,
+            hold,
+            &steps,
+        )
+        .map_err(|err| {
+            let message = err.message().to_owned();
+            let f = field(&format!("slow_down.{}", err.field()));
+            match err.field() {
+                "period" => at(&sd.period, f, message),
+                "hold" => at(&sd.hold, f, message),
+                "steps" => at(&sd.steps, f, message),
+                _ => at(&sd.strikes, f, message),
+            }
+        })?;
+        if let Some(e) = &r.escalate {
+            return Err(at(
+                e,
+                field("escalate"),
+                "a rule has one ladder: escalate (blocks) or slow_down (lowers the rate), \
+                 not both",
+            ));
+        }
+        rule = rule.slow_down(strikes, period, hold, &steps);
+    }
     for (plan, p) in &r.plans {
         let LimitSpec {
             rate,

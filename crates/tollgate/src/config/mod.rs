@@ -71,7 +71,8 @@
 //! | `shadow`, `canary` | shadow mode; enforce for a share of keys (0.0–1.0) |
 //! | `warn_at` | the share of capacity past which responses warn |
 //! | `count_if` | statuses that count (response-aware), e.g. `[401, 403]` |
-//! | `escalate` | `{ strikes, period, block, max_block }` |
+//! | `escalate` | `{ strikes, period, block, max_block }`: repeated refusals block the key |
+//! | `slow_down` | `{ strikes, period, hold, steps }`: repeated refusals lower the key's rate, e.g. `steps = [50, 25]` (percent kept, 1 to 8 steps, each below the one before), one step per `strikes` refusals within `period`, for `hold`, climbing back one step per `hold` (a rule has `escalate` or `slow_down`, not both) |
 //! | `challenge` | `{ difficulty, window }`: a proof-of-work challenge in its refusals (see [`ProofOfWork`](crate::policy::ProofOfWork)), signed with `[challenge]`'s secret |
 //! | `plans.<plan>` | the plan's own `rate`, `burst`, `max_delay`, `buckets` (the rule's algorithm; `buckets` the rule's when absent) |
 //! | `routes` | the routes it applies to, e.g. `["GET /api/download", "/files/{*path}", "/users/{id}"]` (axum's syntax; every route without it): see [`Routes`](crate::Routes) |

@@ -401,6 +401,10 @@ pub(super) struct RuleSpec {
     pub(super) count_if: Option<Spanned<Vec<u16>>>,
     #[serde(default)]
     pub(super) escalate: Option<Spanned<EscalateSpec>>,
+    /// A slowing ladder: repeated refusals lower the key's rate step by
+    /// step (instead of `escalate`'s block).
+    #[serde(default)]
+    pub(super) slow_down: Option<Spanned<SlowDownSpec>>,
     /// A proof-of-work challenge in this rule's refusals.
     #[serde(default)]
     pub(super) challenge: Option<Spanned<RuleChallengeSpec>>,
@@ -617,6 +621,20 @@ pub(super) struct EscalateSpec {
     pub(super) period: Spanned<String>,
     pub(super) block: Spanned<String>,
     pub(super) max_block: Spanned<String>,
+}
+
+/// A slowing ladder: `strikes` refusals within `period` put the key one
+/// step down `steps` (each the percent of the rate it keeps) for `hold`.
+#[derive(Clone, Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub(super) struct SlowDownSpec {
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = tollgate_core::algorithm::Escalation::MAX_STRIKES)))]
+    pub(super) strikes: Spanned<i64>,
+    pub(super) period: Spanned<String>,
+    pub(super) hold: Spanned<String>,
+    #[cfg_attr(feature = "schema", schemars(length(min = 1, max = tollgate_core::algorithm::Escalation::MAX_STEPS), inner(range(min = 1, max = 99))))]
+    pub(super) steps: Spanned<Vec<i64>>,
 }
 
 /// `[access]`.

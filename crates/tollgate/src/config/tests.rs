@@ -358,6 +358,7 @@ algorithm = "sliding_buckets"
 rate = "60/min"
 buckets = 6
 plans.gold = { rate = "600/min", buckets = 12 }
+slow_down = { strikes = 5, period = "1m", hold = "10m", steps = [50, 25, 10] }
 
 [[rules]]
 name = "lb"
@@ -483,6 +484,65 @@ async fn a_request_decided_before_a_reload_finishes_on_its_policy() {
     // The 200 did not count: its charge is back, under the new burst.
     let limiter = layer.limiters().into_iter().next().unwrap();
     assert_eq!(limiter.decide(&key, 0).await.unwrap().remaining, 5);
+}
+
+#[tokio::test]
+async fn a_files_slowing_ladder_lowers_a_keys_rate_and_says_so() {
+    let clock = ManualClock::new();
+    let text = "[[rules]]\nname = \"per-key\"\nkey = \"header:x-api-key\"\nalgorithm = \"fixed_window\"\nrate = \"2/10s\"\nslow_down = { strikes = 1, period = \"1m\", hold = \"1m\", steps = [50] }\n";
+    let layer = PolicyFile::parse(text)
+        .unwrap()
+        .layer::<String, _>(&store(&clock))
+        .unwrap();
+    let mut svc = layer.layer(ok_service());
+    for _ in 0..2 {
+        assert_eq!(
+            status(&mut svc, req("GET", "/", "a")).await.0,
+            StatusCode::OK
+        );
+    }
+    // One refusal: "a" keeps 50 % of the rate for a minute.
+    assert_eq!(
+        status(&mut svc, req("GET", "/", "a")).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    clock.advance(std::time::Duration::from_secs(10));
+    assert_eq!(
+        status(&mut svc, req("GET", "/", "a")).await,
+        (StatusCode::OK, Some("\"per-key\";q=1;w=10".to_owned()))
+    );
+    assert_eq!(
+        status(&mut svc, req("GET", "/", "a")).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        status(&mut svc, req("GET", "/", "b")).await,
+        (StatusCode::OK, Some("\"per-key\";q=2;w=10".to_owned()))
+    );
+}
+
+#[test]
+fn a_slowing_ladders_errors_name_its_fields() {
+    let rule = "[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\n";
+    let e = error(&format!(
+        "{rule}slow_down = {{ strikes = 3, period = \"1m\", hold = \"1m\", steps = [50, 60] }}\n"
+    ));
+    assert!(
+        e.starts_with("6:64: rules[0].slow_down.steps: must be 1 to 8"),
+        "{e}"
+    );
+    let e = error(&format!(
+        "{rule}slow_down = {{ strikes = 3, period = \"1m\", hold = \"0s\", steps = [50] }}\n"
+    ));
+    assert!(e.starts_with("6:50: rules[0].slow_down.hold:"), "{e}");
+    let both = format!(
+        "{rule}escalate = {{ strikes = 3, period = \"1m\", block = \"1m\", max_block = \"1h\" }}\nslow_down = {{ strikes = 3, period = \"1m\", hold = \"1m\", steps = [50] }}\n"
+    );
+    let e = error(&both);
+    assert!(
+        e.starts_with("6:12: rules[0].escalate: a rule has one ladder"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -30,6 +30,9 @@ pub(super) struct Report {
     faulted: u16,
     /// The request's plan (0: the default).
     pub(super) plan: u8,
+    /// The step rule `i`'s slowing ladder has the key on (0: none): its
+    /// cost was raised to match, and its headers state the lowered limit.
+    pub(super) slowed: [u8; MAX_RULES],
     /// Who asked (a digest of the policy's challenge requester key, the
     /// client's address by default): a challenge is issued to, and passes,
     /// its requester only. Zero where the policy has no challenges.
@@ -52,6 +55,7 @@ impl Report {
             cleared: 0,
             faulted: 0,
             plan: 0,
+            slowed: [0; MAX_RULES],
             requester: [0; 16],
         }
     }
@@ -94,6 +98,18 @@ impl Report {
     /// Whether rule `i` only watches this request.
     pub(super) fn shadows(&self, i: usize) -> bool {
         self.shadow & bit(i) != 0
+    }
+
+    /// The step rule `i`'s slowing ladder has the key on (0: none).
+    pub(super) fn slowed(&self, i: usize) -> u8 {
+        self.slowed.get(i).copied().unwrap_or(0)
+    }
+
+    /// Rule `i`'s decision as the client is shown it (see
+    /// [`Bound::shown`]).
+    pub(super) fn shown<B, L>(&self, rule: &Bound<B, L>, i: usize) -> Option<Decision> {
+        let (d, _) = (*self.decided.get(i)?)?;
+        Some(rule.shown(self.plan, self.slowed(i), d).1)
     }
 
     /// Rule `i`'s decision and cost, if it consumed a cost to refund.

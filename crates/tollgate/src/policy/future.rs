@@ -311,13 +311,14 @@ fn headers<B, L>(
                         d.reset_after = d.reset_after.max(block);
                     }
                 }
-                *item = (&rule.at(report.plan).1.headers, d);
+                *item = rule.shown(report.plan, report.slowed(i), d);
                 n = n.saturating_add(1);
             }
         }
     }
-    // Every enforced rule decided (the usual case): the policy is built.
-    let policy = (n == shared.enforced)
+    // Every enforced rule decided, at its whole limit (the usual case):
+    // the policy is built.
+    let policy = (n == shared.enforced && report.slowed == [0; MAX_RULES])
         .then(|| shared.policy.get(usize::from(report.plan)))
         .flatten()
         .and_then(Option::as_ref);
@@ -428,7 +429,7 @@ fn reject<B, L>(
     };
     let decision = match reason {
         Reason::MissingKey => None,
-        _ => report.decided.get(rule).copied().flatten().map(|(d, _)| d),
+        _ => report.shown(bound, rule),
     };
     let rejected = Rejected {
         rule: Arc::clone(&bound.responder.rule),

@@ -146,6 +146,7 @@ struct Unbound<B> {
     plans: Vec<(String, tollgate_core::Limit)>,
     count_if: Option<super::rule::CountIf>,
     ladder: Option<super::rule::Ladder>,
+    slow: Option<super::rule::Slow>,
     challenge: Option<Arc<dyn super::Challenge>>,
     warn_at: Option<f64>,
     routes: Option<crate::Routes>,
@@ -207,6 +208,7 @@ impl<B, St> PolicyLayerBuilder<B, St> {
             plans: rule.plans,
             count_if: rule.count_if,
             ladder: rule.ladder,
+            slow: rule.slow,
             challenge: rule.challenge,
             warn_at: rule.warn_at,
             routes: rule.routes,
@@ -508,7 +510,8 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
         let mut stored = std::collections::HashSet::new();
         for (i, r) in self.rules.iter().enumerate() {
             let plan_names = r.plans.iter().map(|(p, _)| format!("{}:{p}", r.name));
-            let plan_names = plan_names.chain(r.ladder.map(|_| format!("{}:ladder", r.name)));
+            let laddered = r.ladder.is_some() || r.slow.is_some();
+            let plan_names = plan_names.chain(laddered.then(|| format!("{}:ladder", r.name)));
             let plan_names = plan_names.chain(
                 r.challenge
                     .as_ref()
@@ -604,16 +607,55 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 // Counted by the policy, rule by rule.
                 route_label: false,
             };
+            let name = format!("{}:ladder", rule.name());
+            let ladder = match (r.ladder, r.slow) {
+                (None, None) => None,
+                (Some(_), Some(_)) => {
+                    return Err(at(ConfigError::new(
+                        "slow_down",
+                        "a rule has one ladder: escalate (blocks) or slow_down (lowers the \
+                         rate), not both",
+                    )))
+                }
+                (Some((strikes, period, block, max_block)), None) => {
+                    Some(EscalationRule::new(name, strikes, period, block, max_block).map_err(at)?)
+                }
+                (None, Some((strikes, period, hold, steps))) => Some(
+                    EscalationRule::slow_down(name, strikes, period, hold, &steps).map_err(at)?,
+                ),
+            };
+            let ladder = match ladder {
+                Some(ladder) => Some(self.store.escalation(&ladder).map_err(at)?),
+                None => None,
+            };
+            // The headers of each step of a slowing ladder, per plan: a
+            // slowed key is told its lowered limit.
+            let lowered = |rule: &Rule| -> Box<[Headers]> {
+                let Some(slows) = ladder.as_ref().map(|l| l.rule().escalation()) else {
+                    return Box::default();
+                };
+                (1..=slows.steps().len())
+                    .map(|level| {
+                        let level = u32::try_from(level).unwrap_or(u32::MAX);
+                        let capacity = slows.shown(rule.capacity(), level);
+                        Headers::lowered(rule, capacity, self.headers, self.legacy_headers)
+                    })
+                    .collect()
+            };
+            let mut lowered_plans = Vec::with_capacity(names.len().saturating_add(1));
+            lowered_plans.push(lowered(&rule));
             let default_plan = (!names.is_empty()).then_some("default");
             let mut plans = Vec::with_capacity(names.len());
             for plan in &names {
                 let Some((_, limit)) = r.plans.iter().find(|(p, _)| **p == **plan) else {
+                    lowered_plans.push(Box::default());
                     plans.push(None);
                     continue;
                 };
                 // Its own state in the store; the rule's name in headers.
                 let stored = Rule::new(format!("{}:{plan}", rule.name()), *limit).map_err(at)?;
                 let shown = Rule::new(rule.name(), *limit).map_err(at)?;
+                lowered_plans.push(lowered(&shown));
                 plans.push(Some((
                     self.store.limiter(&stored).map_err(at)?,
                     responder(&shown, Some(plan)),
@@ -625,20 +667,6 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                         .in_item("rules", i),
                 );
             }
-            let ladder = match r.ladder {
-                None => None,
-                Some((strikes, period, block, max_block)) => {
-                    let ladder = EscalationRule::new(
-                        format!("{}:ladder", rule.name()),
-                        strikes,
-                        period,
-                        block,
-                        max_block,
-                    )
-                    .map_err(at)?;
-                    Some(self.store.escalation(&ladder).map_err(at)?)
-                }
-            };
             // Solutions used, each remembered for its challenge's lifetime.
             let challenge = match r.challenge {
                 None => None,
@@ -659,6 +687,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 plans: plans.into(),
                 count_if: r.count_if,
                 ladder,
+                lowered: lowered_plans.into(),
                 warn_at: r.warn_at,
                 retired: Arc::default(),
                 predecessors: std::sync::Mutex::default(),

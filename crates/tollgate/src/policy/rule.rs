@@ -32,6 +32,7 @@ pub struct RateRule<K, C = Fixed> {
     pub(crate) plans: Vec<(String, Limit)>,
     pub(crate) count_if: Option<CountIf>,
     pub(crate) ladder: Option<Ladder>,
+    pub(crate) slow: Option<Slow>,
     pub(crate) challenge: Option<Arc<dyn super::Challenge>>,
     pub(crate) warn_at: Option<f64>,
     pub(crate) routes: Option<crate::Routes>,
@@ -45,6 +46,9 @@ pub(crate) type Ladder = (
     std::time::Duration,
     std::time::Duration,
 );
+
+/// A slowing ladder's parameters: strikes, period, hold, steps (percent).
+pub(crate) type Slow = (u32, std::time::Duration, std::time::Duration, Vec<u8>);
 
 /// Which responses a response-aware rule counts.
 pub(crate) type CountIf = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
@@ -77,6 +81,7 @@ impl<K> RateRule<K, Fixed> {
             plans: Vec::new(),
             count_if: None,
             ladder: None,
+            slow: None,
             challenge: None,
             warn_at: None,
             routes: None,
@@ -98,6 +103,7 @@ impl<K, C> RateRule<K, C> {
             plans: self.plans,
             count_if: self.count_if,
             ladder: self.ladder,
+            slow: self.slow,
             challenge: self.challenge,
             warn_at: self.warn_at,
             routes: self.routes,
@@ -148,6 +154,39 @@ impl<K, C> RateRule<K, C> {
         max_block: std::time::Duration,
     ) -> Self {
         self.ladder = Some((strikes, period, block, max_block));
+        self
+    }
+
+    /// A slowing ladder on this rule, per key (000 §7: "on repeated
+    /// overruns we lower the limit"): every request the rule refuses for
+    /// now is a strike; `strikes` strikes within `period` put the key one
+    /// step down `steps` — each the percent of the rule's rate and burst
+    /// it keeps, e.g. `&[50, 25]` — for `hold`, and more strikes on the
+    /// last step keep it there. A key climbs back one step per `hold`
+    /// once its hold ends. A slowed key is still decided by the rule, at
+    /// a raised cost: on a step keeping `p` percent a request of cost `c`
+    /// is charged `⌈c × 100 / p⌉` (at most the whole burst, for a request
+    /// that would fit it unslowed), and its `RateLimit` and
+    /// `RateLimit-Policy` fields (and the legacy headers) state the
+    /// lowered limit and what remains of it (see
+    /// [`Escalation::slow_down`](tollgate_core::algorithm::Escalation::slow_down)).
+    /// Keyless requests (a shared fallback key) neither strike nor are
+    /// slowed.
+    ///
+    /// The ladder's state is a rule named `"<name>:ladder"` in the
+    /// policy's store, as [`escalate`](Self::escalate)'s; a rule has one
+    /// ladder: one that blocks or one that slows (both is a build error
+    /// naming `slow_down`). Steps: 1 to 8 percentages, each 1 to 99 and
+    /// below the one before; on Redis, `hold` × steps at most about 26
+    /// days.
+    pub fn slow_down(
+        mut self,
+        strikes: u32,
+        period: std::time::Duration,
+        hold: std::time::Duration,
+        steps: &[u8],
+    ) -> Self {
+        self.slow = Some((strikes, period, hold, steps.to_vec()));
         self
     }
 

@@ -4,8 +4,10 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{Request, Response};
+use tollgate_core::Decision;
 
 use super::rule::DynRule;
+use crate::headers::Headers;
 pub(super) use crate::key::Keyed;
 use crate::key::{KeyBuf, Keying};
 use crate::rate_limit::Responder;
@@ -33,6 +35,9 @@ pub(super) struct Bound<B, L> {
     pub(super) challenge: Option<(Arc<dyn super::Challenge>, L)>,
     /// The rule's escalation ladder, per key.
     pub(super) ladder: Option<Arc<dyn tollgate_core::EscalationLimiter>>,
+    /// A slowing ladder's headers, per plan (0: the default) and step:
+    /// what a slowed key is told its limit is.
+    pub(super) lowered: Box<[Box<[Headers]>]>,
     /// The share of capacity past which admitted responses warn.
     pub(super) warn_at: Option<f64>,
     /// Set when a reload replaced this rule by one whose refunds mean
@@ -80,14 +85,44 @@ impl<B, L> Bound<B, L> {
 
     /// The limiter and responder of plan `plan` (0: the default).
     pub(super) fn at(&self, plan: u8) -> (&L, &Responder) {
-        let variant = usize::from(plan)
-            .checked_sub(1)
-            .and_then(|p| self.plans.get(p))
-            .and_then(Option::as_ref);
-        match variant {
-            Some((l, r)) => (l, r),
+        match self.variant(plan) {
+            Some(p) => (&p.0, &p.1),
             None => (&self.limiter, &self.responder),
         }
+    }
+
+    /// Plan `plan`'s own limiter and responder, where this rule names it.
+    fn variant(&self, plan: u8) -> Option<&(L, Responder)> {
+        usize::from(plan)
+            .checked_sub(1)
+            .and_then(|p| self.plans.get(p))
+            .and_then(Option::as_ref)
+    }
+
+    /// Plan `plan`'s headers and `d` as a key on step `level` of this
+    /// rule's slowing ladder is shown them: the lowered limit, and what
+    /// remains of it. Level 0 (or a ladder that blocks): as they are.
+    pub(super) fn shown(&self, plan: u8, level: u8, d: Decision) -> (&Headers, Decision) {
+        let headers = &self.at(plan).1.headers;
+        let (Some(step), Some(ladder)) = (usize::from(level).checked_sub(1), &self.ladder) else {
+            return (headers, d);
+        };
+        let own = if self.variant(plan).is_some() {
+            usize::from(plan)
+        } else {
+            0
+        };
+        let Some(lowered) = self.lowered.get(own).and_then(|steps| steps.get(step)) else {
+            return (headers, d);
+        };
+        let slows = ladder.rule().escalation();
+        let level = u32::from(level);
+        let d = Decision {
+            limit: slows.shown(d.limit, level),
+            remaining: slows.shown(d.remaining, level),
+            ..d
+        };
+        (lowered, d)
     }
 
     /// Whether this rule only watches `key` (shadow, or a canary that

@@ -1296,6 +1296,144 @@ async fn repeated_refusals_climb_the_escalation_ladder<S: Store>(store: S, clock
 }
 on_both_paths!(escalation, repeated_refusals_climb_the_escalation_ladder);
 
+/// The headers of `res` that tell a client its limit: `RateLimit-Policy`
+/// and `RateLimit`, and the status.
+fn limit_headers(res: &Response<String>) -> (u16, String, String) {
+    let field = |name: &str| {
+        res.headers()
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_owned())
+            .unwrap_or_default()
+    };
+    (
+        res.status().as_u16(),
+        field("ratelimit-policy"),
+        field("ratelimit"),
+    )
+}
+
+/// A slowing ladder (000 §7): two refusals in a minute put the key on
+/// 50 % of the rule's rate and burst, two more on 25 %; its headers state
+/// the lowered limit; it climbs back one step per hold. The other rule
+/// and other keys keep their whole limits.
+async fn repeated_refusals_slow_a_key_down_step_by_step<S: Store>(store: S, clock: ManualClock) {
+    let d = Duration::from_secs;
+    let layer = PolicyLayer::builder()
+        .rule(per_key(Limit::fixed_window(4, d(10))).slow_down(2, d(60), d(30), &[50, 25]))
+        .rule(RateRule::new(
+            "global",
+            Limit::fixed_window(1_000, d(3_600)),
+            Global,
+        ))
+        .store(store)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    let send = |key: &'static str| {
+        let svc = svc.clone();
+        async move { limit_headers(&svc.oneshot(req(key, "ip")).await.unwrap()) }
+    };
+    let whole = "\"per-key\";q=4;w=10, \"global\";q=1000;w=3600";
+    for left in (0..4).rev() {
+        let (status, policy, state) = send("m").await;
+        assert_eq!((status, policy.as_str()), (200, whole));
+        assert!(
+            state.starts_with(&format!("\"per-key\";r={left};")),
+            "{state}"
+        );
+    }
+    // Two refusals: the second puts the key on 50 %.
+    assert_eq!(send("m").await.0, 429);
+    assert_eq!(send("m").await.0, 429);
+    clock.advance(d(10));
+    // The window turned: 2 of 4 for "m", whose requests cost 2 each...
+    let half = "\"per-key\";q=2;w=10, \"global\";q=1000;w=3600";
+    for left in [1, 0] {
+        let (status, policy, state) = send("m").await;
+        assert_eq!((status, policy.as_str()), (200, half), "{state}");
+        assert!(
+            state.starts_with(&format!("\"per-key\";r={left};")),
+            "{state}"
+        );
+    }
+    let (status, policy, _) = send("m").await;
+    assert_eq!((status, policy.as_str()), (429, half));
+    // ...while another key has its whole limit.
+    assert_eq!(send("n").await.1, whole);
+    // Two more refusals (at 10 s): 25 %, one request per window.
+    assert_eq!(send("m").await.0, 429);
+    clock.advance(d(10));
+    let quarter = "\"per-key\";q=1;w=10, \"global\";q=1000;w=3600";
+    let (status, policy, state) = send("m").await;
+    assert_eq!((status, policy.as_str()), (200, quarter));
+    assert!(state.starts_with("\"per-key\";r=0;t=10, "), "{state}");
+    assert_eq!(send("m").await.0, 429);
+    // The hold began at 10 s and ends at 40 s; then 50 % for 30 s more
+    // (the refusal at 20 s was one strike, short of another step).
+    clock.advance(d(20));
+    assert_eq!(send("m").await.1, half);
+    clock.advance(d(29));
+    assert_eq!(send("m").await.1, half);
+    clock.advance(d(1));
+    assert_eq!(send("m").await.1, whole);
+    // Slowed requests cost the global rule one each, as any (11
+    // admitted; refusals are refunded).
+    assert_eq!(remaining(&layer, 1, "any").await, 1_000 - 11);
+}
+on_both_paths!(slowing, repeated_refusals_slow_a_key_down_step_by_step);
+
+/// A request that fits the whole burst is never refused for good on a
+/// lower step: it is charged the whole burst at most (cost 3 of 4 at
+/// 25 % would be 12).
+#[tokio::test]
+async fn a_slowed_request_that_fits_the_burst_is_charged_the_burst_at_most() {
+    let clock = ManualClock::starting_at(1);
+    let d = Duration::from_secs;
+    let layer = PolicyLayer::builder()
+        .rule(
+            per_key(Limit::fixed_window(4, d(10)))
+                .cost(Fixed(3))
+                .slow_down(1, d(60), d(600), &[25]),
+        )
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    let send = || {
+        let svc = svc.clone();
+        async move { svc.oneshot(req("m", "ip")).await.unwrap() }
+    };
+    assert_eq!(send().await.status(), 200);
+    let refused = send().await;
+    assert_eq!(refused.status(), 429);
+    clock.advance(d(10));
+    let res = send().await;
+    assert_eq!(res.status(), 200, "charged 4, not 12 (never)");
+    assert_eq!(res.headers()["ratelimit-policy"], "\"per-key\";q=1;w=10");
+    let res = send().await;
+    assert_eq!(res.status(), 429);
+    assert!(res.headers().contains_key("retry-after"));
+}
+
+#[test]
+fn a_rule_has_one_ladder() {
+    let d = Duration::from_secs;
+    let err = PolicyLayer::<String, _>::builder()
+        .rule(
+            per_key(Limit::fixed_window(4, d(10)))
+                .escalate(2, d(60), d(10), d(60))
+                .slow_down(2, d(60), d(30), &[50]),
+        )
+        .build()
+        .unwrap_err();
+    assert_eq!(err.field(), "slow_down", "{err}");
+    let err = PolicyLayer::<String, _>::builder()
+        .rule(per_key(Limit::fixed_window(4, d(10))).slow_down(2, d(60), d(30), &[50, 60]))
+        .build()
+        .unwrap_err();
+    assert_eq!(err.field(), "steps", "{err}");
+}
+
 /// The challenge step: past the limit, a refusal carries a challenge;
 /// its solution passes the rule once (the other rules still decide), a
 /// replay or another key's solution does not, and unsolved refusals

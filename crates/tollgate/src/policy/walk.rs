@@ -4,6 +4,7 @@
 //!    once: the plan, the requester, each rule's key and cost, the
 //!    solutions to the rules' challenges and the idempotency marker.
 //! 2. **ladders**: a key an escalation ladder blocks is refused first;
+//!    one a slowing ladder put on a lower step is charged more;
 //! 3. **marker**: an idempotent repeat is served uncharged;
 //! 4. **keys**: a rule that refuses keyless requests refuses one;
 //! 5. **challenges**: a solution used for the first time passes its rule;
@@ -27,7 +28,7 @@
 use std::sync::Arc;
 
 use http::Request;
-use tollgate_core::algorithm::Strike;
+use tollgate_core::algorithm::{Standing, Strike};
 use tollgate_core::{Decision, JointDecision, JointPart, Limiter, Outcome, StoreError};
 
 use super::challenge;
@@ -235,7 +236,7 @@ impl Walk {
                         self.step = Step::Marker;
                         continue;
                     };
-                    match ladder.blocked_sync(key) {
+                    match ladder.standing_sync(key) {
                         Some(answer) => self.on_ladder(shared, i, answer),
                         None => return Some(Io::Ladder(i)),
                     }
@@ -360,7 +361,7 @@ impl Walk {
                 let ladder = shared.rules.get(i).and_then(|r| r.ladder.as_ref());
                 match (ladder, self.ladder_key(i)) {
                     (Some(ladder), Some(key)) => {
-                        let answer = ladder.blocked(key).await;
+                        let answer = ladder.standing(key).await;
                         self.on_ladder(shared, i, answer);
                     }
                     _ => self.step = Step::Ladders(i.saturating_add(1)),
@@ -447,22 +448,51 @@ impl Walk {
         (rules, tollgate_core::decide_parts(&joint).await)
     }
 
-    /// Ladders: rule `i`'s answer. A blocked key is refused.
-    fn on_ladder<B, L>(
+    /// Ladders: rule `i`'s answer. A blocked key is refused; a slowed
+    /// one is charged its step's cost (see [`slowed`](Self::slowed)).
+    fn on_ladder<B, L: Limiter>(
         &mut self,
         shared: &Shared<B, L>,
         i: usize,
-        answer: Result<Option<u64>, StoreError>,
+        answer: Result<Standing, StoreError>,
     ) {
         self.step = Step::Ladders(i.saturating_add(1));
         match answer {
-            Ok(Some(for_ns)) => {
+            Ok(Standing::Blocked { for_ns }) => {
                 self.verdict = Verdict::Blocked { rule: i, for_ns };
                 self.step = Step::Observe;
             }
-            Ok(None) => {}
+            Ok(Standing::Slowed { level, .. }) => self.slowed(shared, i, level),
+            Ok(Standing::Clear) => {}
             Err(e) => ladder_fault(shared, i, &e),
         }
+    }
+
+    /// Rule `i`'s slowing ladder has the key on step `level`: the
+    /// request is charged what the step asks (`⌈cost × 100 / percent⌉`),
+    /// but never more than the whole burst if its cost fits the burst (a
+    /// request that fits unslowed is never refused for good), and its
+    /// headers will state the lowered limit.
+    fn slowed<B, L: Limiter>(&mut self, shared: &Shared<B, L>, i: usize, level: u32) {
+        let (Some(rule), Some(cost), Some(slot)) = (
+            shared.rules.get(i),
+            self.costs.get_mut(i),
+            self.report.slowed.get_mut(i),
+        ) else {
+            return;
+        };
+        let Some(ladder) = &rule.ladder else {
+            return;
+        };
+        let capacity = rule.at(self.report.plan).0.rule().capacity();
+        let charged = ladder.rule().escalation().charge(*cost, level);
+        *cost = if *cost <= capacity {
+            charged.min(capacity)
+        } else {
+            charged
+        };
+        *slot = u8::try_from(level).unwrap_or(u8::MAX);
+        rule.responder.metrics.slowed.increment(1);
     }
 
     /// Marker: held (its count spent) means a repeat, served uncharged. A

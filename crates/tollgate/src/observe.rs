@@ -18,7 +18,7 @@
 //! | `tollgate_retry_throttled_total` | counter | `rule`: calls refused locally by adaptive throttling |
 //! | `tollgate_retry_hedges_total` | counter | `rule`: hedged attempts sent (each a withdrawal from the budget) |
 //! | `tollgate_retry_budget_remaining` | histogram | `rule`: the retries the budget still held after each withdrawal (granted or refused; not recorded when a store's failure policy answered) |
-//! | `tollgate_concurrency_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `queued` (waited, then allowed), `queue_full`, `queue_timeout`, `shadow_limited`, `missing_key`, `unkeyed`, `store_error`, `read_only` (a write refused while degraded); for an access list (its name as `rule`): `listed_allowed`, `denied` |
+//! | `tollgate_concurrency_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `queued` (waited, then allowed), `queue_full`, `queue_timeout`, `shadow_limited`, `missing_key`, `unkeyed`, `store_error`, `read_only` (a write refused while degraded), `lifetime_ended` (a response body ended at the layer's `max_lifetime`); for an access list (its name as `rule`): `listed_allowed`, `denied` |
 //! | `tollgate_concurrency_in_flight` | gauge | `rule`: permits held through this layer |
 //! | `tollgate_concurrency_limit` | gauge | `rule`: an adaptive limit's current value |
 //! | `tollgate_concurrency_queue_depth` | gauge | `rule`: requests waiting in the layer's queue now (a cancelled or timed-out waiter leaves it) |
@@ -340,6 +340,8 @@ pub(crate) struct ConcurrencyMetrics {
     /// Acquires a queued request made on its own timer (not woken by a
     /// release this process saw): each is a store call on Redis.
     pub(crate) rechecks: Counter,
+    /// A response body ended at the layer's `max_lifetime`.
+    pub(crate) lifetime_ended: Counter,
 }
 
 impl ConcurrencyMetrics {
@@ -376,6 +378,7 @@ impl ConcurrencyMetrics {
             read_only: counter("read_only"),
             in_flight: metrics::gauge!(IN_FLIGHT, "rule" => rule.to_owned()),
             rechecks: metrics::counter!(RECHECKS, "rule" => rule.to_owned()),
+            lifetime_ended: counter("lifetime_ended"),
         }
     }
 

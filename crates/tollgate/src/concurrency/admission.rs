@@ -18,7 +18,7 @@ use super::adaptive::Adaptive;
 use super::critical::Critical;
 use super::limits::{Limits, PlanLimit, ServiceLimit, StoreLimit, SERVICE_KEY};
 use super::permit::{Held, Holding, Permit, Release};
-use super::respond::Items;
+use super::respond::{Items, Responder};
 use crate::cost::Cost;
 use crate::key::{KeyBuf, KeyExtractor, Keyed};
 use crate::policy::Access;
@@ -38,6 +38,22 @@ pub(crate) struct Admitted {
 }
 
 impl Admitted {
+    /// Readies an admitted request for its call: its permit's lifetime
+    /// capped where the layer caps it (from now, its admission), and, for
+    /// an upgrade when the layer offers upgrades, its permit offered to
+    /// the handler.
+    pub(crate) fn prepare<B>(&mut self, responder: &Responder, req: &mut Request<B>) {
+        if let (Some((max, _)), Some(holding)) = (&responder.lifetime, self.permit.as_mut()) {
+            // A cap too far to name is none.
+            if let Some(until) = tokio::time::Instant::now().checked_add(*max) {
+                holding.cap(until);
+            }
+        }
+        if responder.upgrades {
+            self.offer_upgrade(responder.adaptive.as_ref(), req);
+        }
+    }
+
     /// For an upgrade request, when the layer offers upgrades: the permit
     /// moves to a slot in the request's extensions, for the handler to
     /// keep for the connection's life. Its adaptive-limit share stays

@@ -10,7 +10,7 @@ use tower_service::Service;
 use super::adaptive::Adaptive;
 use super::admission::{Admission, Admitted};
 use super::limits::BoxFuture;
-use super::permit::{PermitBody, Sampling};
+use super::permit::{Lifetime, PermitBody, Sampling};
 use super::respond::{Items, Responder};
 use crate::body::RejectionBody;
 use crate::outcome::Completion;
@@ -126,8 +126,8 @@ where
                     };
                     let (mut request, mut inner) = *w;
                     let mut admitted = admitted.take();
-                    if let (Some(a), true) = (&mut admitted, responder.upgrades) {
-                        a.offer_upgrade(responder.adaptive.as_ref(), &mut request);
+                    if let Some(a) = &mut admitted {
+                        a.prepare(responder, &mut request);
                     }
                     State::Calling {
                         future: inner.call(request),
@@ -149,10 +149,14 @@ where
                     responder
                         .headers
                         .apply(response.headers_mut(), admitted.items.as_slice());
+                    let lifetime = responder.lifetime.as_ref().and_then(|(_, ended)| {
+                        let grpc = Completion::of(&response).awaits_trailers(response.headers());
+                        Lifetime::of(admitted.permit.as_ref(), grpc, ended)
+                    });
                     let holding = admitted.permit;
-                    return Poll::Ready(
-                        Ok(response.map(|b| PermitBody::new(b, holding, sampling))),
-                    );
+                    return Poll::Ready(Ok(
+                        response.map(|b| PermitBody::new(b, holding, sampling).lasting(lifetime))
+                    ));
                 }
                 StateProj::Rejected { rejected } => {
                     let Some((rejected, items)) = rejected.take() else {

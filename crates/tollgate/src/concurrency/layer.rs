@@ -141,6 +141,7 @@ impl ConcurrencyLayer<PeerIp, Fixed, AllCritical, MemoryStore> {
                 is_drop: None,
                 conflict: false,
                 upgrades: false,
+                max_lifetime: None,
                 route_label: false,
                 plans: Vec::new(),
                 plan_source: None,
@@ -181,6 +182,7 @@ struct Config {
     /// A fixed and an adaptive service limit were both asked for.
     conflict: bool,
     upgrades: bool,
+    max_lifetime: Option<Duration>,
     route_label: bool,
     plans: Vec<(String, u32)>,
     plan_source: Option<Named>,
@@ -393,6 +395,24 @@ impl<K, C, P, St> ConcurrencyLayerBuilder<K, C, P, St> {
     /// the permit ends with the `101` response).
     pub fn upgrades(mut self, on: bool) -> Self {
         self.cfg.upgrades = on;
+        self
+    }
+
+    /// Caps how long a permit lives (000 §12: long polls, server-sent
+    /// events and WebSockets need limits on how long a channel lives, not
+    /// only on how many): a response still streaming `max` after its
+    /// admission is ended there — a streamed or chunked body ends cleanly
+    /// (a body of declared length ends short, which the server reports as
+    /// a broken response), a gRPC stream ends with trailers
+    /// `grpc-status: 14` (`UNAVAILABLE`, "stream lifetime reached", so
+    /// clients reconnect) — and its permit goes back; the outcome
+    /// `lifetime_ended` counts them. An upgraded connection's permit
+    /// (see [`upgrades`](Self::upgrades)) carries the cap too:
+    /// [`Permit::expired`](super::Permit::expired) tells its task when to
+    /// close the connection. Default: none. Zero is a build error naming
+    /// `max_lifetime`.
+    pub fn max_lifetime(mut self, max: Duration) -> Self {
+        self.cfg.max_lifetime = Some(max);
         self
     }
 
@@ -628,6 +648,10 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
             Some(ServiceLimit::Adaptive(a)) => (Some(Arc::clone(&a.name)), None),
             None => (None, None),
         };
+        if cfg.max_lifetime.is_some_and(|m| m.is_zero()) {
+            return Err(ConfigError::new("max_lifetime", "must be longer than zero"));
+        }
+        let metrics = ConcurrencyMetrics::register(&name);
         let responder = |max: u32| {
             let mut limits = vec![(&*name, Some(u64::from(max)))];
             if let Some(n) = &service_name {
@@ -647,6 +671,9 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
                 adaptive: adaptive.clone(),
                 name: Arc::clone(&name),
                 upgrades: cfg.upgrades,
+                lifetime: cfg
+                    .max_lifetime
+                    .map(|max| (max, metrics.lifetime_ended.clone())),
                 route_label: cfg.route_label,
             };
             PlanLimit {
@@ -672,7 +699,7 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
                 queue,
                 keying: Keying::new(cfg.missing).scoped(cfg.routes),
                 shadow: cfg.shadow,
-                metrics: ConcurrencyMetrics::register(&name),
+                metrics,
                 share: cfg.share,
                 access: cfg
                     .access

@@ -2,6 +2,7 @@
 //! that carries it to the end.
 
 use std::fmt;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -9,6 +10,7 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
+use tokio::time::{Instant, Sleep};
 use tollgate_core::Lease;
 
 use super::adaptive::Adaptive;
@@ -161,15 +163,45 @@ impl Held {
 pub struct Permit {
     owner: Arc<dyn Release>,
     held: Held,
+    /// The end of its lifetime, where the layer caps it
+    /// ([`max_lifetime`](super::ConcurrencyLayerBuilder::max_lifetime)).
+    until: Option<Instant>,
 }
 
 impl Permit {
     pub(crate) fn new(owner: Arc<dyn Release>, held: Held) -> Self {
-        Self { owner, held }
+        Self {
+            owner,
+            held,
+            until: None,
+        }
     }
 
     pub(crate) fn held_mut(&mut self) -> &mut Held {
         &mut self.held
+    }
+
+    /// Caps the permit's lifetime at `until`.
+    pub(crate) fn set_until(&mut self, until: Instant) {
+        self.until = Some(until);
+    }
+
+    /// When the permit's lifetime ends, where the layer caps it
+    /// ([`max_lifetime`](super::ConcurrencyLayerBuilder::max_lifetime));
+    /// `None` if it does not.
+    pub fn expires_at(&self) -> Option<Instant> {
+        self.until
+    }
+
+    /// Resolves when the permit's lifetime ends (never, if the layer sets
+    /// none): an upgraded connection's task selects on it to close the
+    /// connection cleanly at the cap (a WebSocket `Close` frame, say),
+    /// then drops the permit.
+    pub async fn expired(&self) {
+        match self.until {
+            Some(until) => tokio::time::sleep_until(until).await,
+            None => std::future::pending().await,
+        }
     }
 
     /// Releases now (the same as dropping it).
@@ -197,7 +229,11 @@ impl fmt::Debug for Permit {
 /// built with [`upgrades(true)`](super::ConcurrencyLayerBuilder::upgrades):
 /// take it and move it into the upgraded connection's task to count the
 /// connection until it closes. Not taken, it is released with the (empty)
-/// `101` response body.
+/// `101` response body. Where the layer caps a permit's lifetime
+/// ([`max_lifetime`](super::ConcurrencyLayerBuilder::max_lifetime)), the
+/// connection's task ends the connection when
+/// [`Permit::expired`] resolves: the layer cannot close a connection it
+/// does not hold.
 ///
 /// ```
 /// use axum::Extension;
@@ -206,7 +242,15 @@ impl fmt::Debug for Permit {
 /// async fn ws_handler(Extension(slot): Extension<UpgradePermit>) -> &'static str {
 ///     let permit = slot.take();
 ///     tokio::spawn(async move {
-///         // ... serve the upgraded connection ...
+///         let serve = async { /* ... serve the upgraded connection ... */ };
+///         match &permit {
+///             // Served until the connection closes or its lifetime ends.
+///             Some(p) => tokio::select! {
+///                 () = serve => {}
+///                 () = p.expired() => { /* send a Close frame */ }
+///             },
+///             None => serve.await,
+///         }
 ///         drop(permit); // released when the connection closes
 ///     });
 ///     "upgrading"
@@ -247,6 +291,22 @@ pub(crate) enum Holding {
 }
 
 impl Holding {
+    /// Caps the lifetime of the permit held here (not one offered to an
+    /// upgrade's handler already).
+    pub(crate) fn cap(&mut self, until: Instant) {
+        if let Holding::Permit(p) = self {
+            p.set_until(until);
+        }
+    }
+
+    /// When the permit held here expires, if its lifetime is capped.
+    fn expires_at(&self) -> Option<Instant> {
+        match self {
+            Holding::Permit(p) => p.expires_at(),
+            Holding::Upgrade(_) => None,
+        }
+    }
+
     /// For an upgrade request (the caller checks), when the layer offers
     /// upgrades: the permit moves to a slot in the request's extensions,
     /// for the handler.
@@ -298,12 +358,63 @@ impl Sampling {
     }
 }
 
+/// Where a response's permit has a capped lifetime: the timer that ends
+/// the body.
+pub(crate) struct Lifetime {
+    sleep: Pin<Box<Sleep>>,
+    /// A gRPC stream ends with trailers (`UNAVAILABLE`), as a server's
+    /// maximum connection age ends one, so clients reconnect.
+    grpc: bool,
+    ended: metrics::Counter,
+    /// The body was ended at the cap.
+    cut: bool,
+}
+
+impl fmt::Debug for Lifetime {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lifetime")
+            .field("deadline", &self.sleep.deadline())
+            .field("cut", &self.cut)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Lifetime {
+    /// The lifetime of a response whose permit is held in `holding` (one
+    /// whose lifetime is capped), `grpc` if it is a gRPC stream.
+    pub(crate) fn of(
+        holding: Option<&Holding>,
+        grpc: bool,
+        ended: &metrics::Counter,
+    ) -> Option<Box<Self>> {
+        let until = holding?.expires_at()?;
+        Some(Box::new(Self {
+            sleep: Box::pin(tokio::time::sleep_until(until)),
+            grpc,
+            ended: ended.clone(),
+            cut: false,
+        }))
+    }
+}
+
+/// The trailers a gRPC stream ends with at its permit's lifetime.
+fn lifetime_trailers() -> http::HeaderMap {
+    let mut t = http::HeaderMap::new();
+    t.insert("grpc-status", http::HeaderValue::from_static("14"));
+    t.insert(
+        "grpc-message",
+        http::HeaderValue::from_static("stream%20lifetime%20reached"),
+    );
+    t
+}
+
 pin_project! {
     /// The body of a concurrency-limited response: the inner service's body
     /// (or the limiter's rejection), holding the request's [`Permit`] until
     /// its last frame has been read, it fails, or it is dropped. A client
     /// that reads slowly keeps its permit, as it should: the response is
-    /// still in flight.
+    /// still in flight. Where the layer caps a permit's lifetime, the body
+    /// ends there.
     #[derive(Debug)]
     pub struct PermitBody<B> {
         #[pin]
@@ -311,6 +422,8 @@ pin_project! {
         permit: Option<Holding>,
         // A gRPC answer's sample, completed by its trailers.
         sampling: Option<Box<Sampling>>,
+        // The permit's capped lifetime, which ends the body.
+        lifetime: Option<Box<Lifetime>>,
     }
 }
 
@@ -320,7 +433,14 @@ impl<B> PermitBody<B> {
             body,
             permit,
             sampling,
+            lifetime: None,
         }
+    }
+
+    /// Ends the body at `lifetime`, if it has one.
+    pub(crate) fn lasting(mut self, lifetime: Option<Box<Lifetime>>) -> Self {
+        self.lifetime = lifetime;
+        self
     }
 }
 
@@ -343,6 +463,25 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         let mut this = self.project();
+        if let Some(lifetime) = this.lifetime.as_mut() {
+            if lifetime.cut {
+                return Poll::Ready(None);
+            }
+            if lifetime.sleep.as_mut().poll(cx).is_ready() {
+                // The permit's lifetime is over: the body ends cleanly (a
+                // chunked or streamed response's end; a gRPC stream's
+                // trailers), the permit goes back, and a stream cut short
+                // is no latency sample.
+                lifetime.cut = true;
+                lifetime.ended.increment(1);
+                drop(this.permit.take());
+                drop(this.sampling.take());
+                if lifetime.grpc {
+                    return Poll::Ready(Some(Ok(Frame::trailers(lifetime_trailers()))));
+                }
+                return Poll::Ready(None);
+            }
+        }
         let polled = this.body.as_mut().poll_frame(cx);
         let done = match &polled {
             Poll::Ready(None | Some(Err(_))) => true,
@@ -371,15 +510,19 @@ where
             // The response is over: free the permit now, not when the
             // server gets round to dropping the body.
             drop(this.permit.take());
+            drop(this.lifetime.take());
         }
         polled
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        self.lifetime.as_ref().is_some_and(|l| l.cut) || self.body.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
+        if self.lifetime.as_ref().is_some_and(|l| l.cut) {
+            return SizeHint::with_exact(0);
+        }
         self.body.size_hint()
     }
 }

@@ -25,6 +25,8 @@ pub(crate) struct Responder {
     pub(crate) name: Arc<str>,
     /// Offer upgrade requests' permits to their handlers.
     pub(crate) upgrades: bool,
+    /// The longest a permit lives, and the count of bodies ended there.
+    pub(crate) lifetime: Option<(std::time::Duration, metrics::Counter)>,
     /// Whether decisions are also counted by route.
     #[cfg_attr(not(feature = "axum"), allow(dead_code))]
     pub(crate) route_label: bool,

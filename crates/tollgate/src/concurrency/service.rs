@@ -77,9 +77,7 @@ where
         responder.count_route(&req, &admission);
         let state = match admission {
             Admission::Go(mut admitted) => {
-                if responder.upgrades {
-                    admitted.offer_upgrade(responder.adaptive.as_ref(), &mut req);
-                }
+                admitted.prepare(&responder, &mut req);
                 State::Calling {
                     future: self.inner.call(req),
                     admitted: Some(admitted),

@@ -443,10 +443,131 @@ async fn an_upgrade_permit_not_taken_goes_with_the_unread_101_body() {
     assert!(kept.lock().unwrap().as_ref().unwrap().take().is_none());
 }
 
+/// Channel lifetimes (000 §12): a response still streaming at the
+/// layer's `max_lifetime` ends there, cleanly, and its permit goes back;
+/// one that ends sooner is untouched.
+#[tokio::test(start_paused = true)]
+async fn a_stream_ends_at_its_permits_lifetime_and_frees_the_permit() {
+    let layer = builder(1)
+        .max_lifetime(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let (inner, mut feeds) = streaming();
+    let svc = layer.layer(inner);
+    let mut sse = svc.clone().oneshot(req("k")).await.unwrap().into_body();
+    let feed = feeds.recv().await.unwrap();
+    feed.send(Ok(Bytes::from_static(b"data: 1\n\n"))).unwrap();
+    let first = sse.frame().await.unwrap().unwrap();
+    assert_eq!(first.into_data().unwrap(), "data: 1\n\n");
+    // A second stream of the key waits for the first's permit.
+    let refused = svc.clone().oneshot(req("k")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    tokio::time::advance(Duration::from_secs(59)).await;
+    assert_eq!(held(&layer, "k").await, 1);
+    // At 60 s the stream ends (no error), though its feed is still open.
+    let end = tokio::time::timeout(Duration::from_secs(2), sse.frame())
+        .await
+        .expect("the body ends at the cap");
+    assert!(end.is_none(), "a clean end, not an error");
+    assert!(sse.is_end_stream());
+    assert_eq!(held(&layer, "k").await, 0);
+    assert!(feed.send(Ok(Bytes::from_static(b"late"))).is_ok());
+    // A later response that ends in time is not cut.
+    let next = svc.clone().oneshot(req("k")).await.unwrap();
+    assert_eq!(next.status(), StatusCode::OK);
+    let feed = feeds.recv().await.unwrap();
+    feed.send(Ok(Bytes::from_static(b"whole"))).unwrap();
+    drop(feed);
+    let body = next.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, "whole");
+    assert_eq!(held(&layer, "k").await, 0);
+}
+
+/// A lifetime too long to name is no cap (and no panic).
+#[tokio::test]
+async fn an_endless_lifetime_is_no_cap() {
+    let layer = builder(1).max_lifetime(Duration::MAX).build().unwrap();
+    let svc = layer.layer(service_fn(ok));
+    let res = svc.oneshot(req("k")).await.unwrap();
+    assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "ok");
+    assert_eq!(held(&layer, "k").await, 0);
+}
+
+/// A gRPC stream cut at its permit's lifetime ends with trailers, so the
+/// client reads a status (`UNAVAILABLE`: reconnect), not a broken stream.
+#[tokio::test(start_paused = true)]
+async fn a_grpc_stream_ends_at_its_lifetime_with_a_status() {
+    let layer = builder(1)
+        .max_lifetime(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let (inner, mut feeds) = streaming();
+    let inner = inner.map_response(|mut res| {
+        res.headers_mut()
+            .insert("content-type", "application/grpc".parse().unwrap());
+        res
+    });
+    let svc = layer.layer(inner);
+    let mut stream = svc.oneshot(req("g")).await.unwrap().into_body();
+    let _feed = feeds.recv().await.unwrap();
+    tokio::time::advance(Duration::from_secs(30)).await;
+    let last = tokio::time::timeout(Duration::from_secs(2), stream.frame())
+        .await
+        .expect("the stream ends at the cap")
+        .unwrap()
+        .unwrap();
+    let trailers = last.into_trailers().unwrap();
+    assert_eq!(trailers["grpc-status"], "14");
+    assert!(stream.frame().await.is_none());
+    assert_eq!(held(&layer, "g").await, 0);
+}
+
+/// An upgraded connection's permit carries the cap: its task learns when
+/// to close the connection.
+#[tokio::test(start_paused = true)]
+async fn an_upgrade_permit_tells_when_its_lifetime_ends() {
+    let layer = builder(1)
+        .upgrades(true)
+        .max_lifetime(Duration::from_secs(600))
+        .build()
+        .unwrap();
+    let kept = Arc::new(std::sync::Mutex::new(None));
+    let k2 = Arc::clone(&kept);
+    let svc = layer.layer(service_fn(move |req: Req| {
+        let slot = req.extensions().get::<UpgradePermit>().cloned();
+        *k2.lock().unwrap() = slot.and_then(|s| s.take());
+        async { Ok::<_, Infallible>(Response::new(String::new())) }
+    }));
+    let upgrade = Request::get("/ws")
+        .header("x-api-key", "k")
+        .header("upgrade", "websocket")
+        .body(String::new())
+        .unwrap();
+    let admitted = tokio::time::Instant::now();
+    drop(svc.oneshot(upgrade).await.unwrap());
+    let permit = kept.lock().unwrap().take().unwrap();
+    assert_eq!(
+        permit.expires_at(),
+        Some(admitted + Duration::from_secs(600))
+    );
+    let expired = tokio::time::timeout(Duration::from_secs(599), permit.expired()).await;
+    assert!(expired.is_err(), "not before the cap");
+    tokio::time::timeout(Duration::from_secs(2), permit.expired())
+        .await
+        .expect("at the cap");
+    assert_eq!(held(&layer, "k").await, 1, "the task lets it go");
+    drop(permit);
+    assert_eq!(held(&layer, "k").await, 0);
+}
+
 #[tokio::test]
 async fn config_errors_name_the_field() {
     let cases: Vec<(Result<_, _>, &str)> = vec![
         (builder(0).build().map(drop), "max"),
+        (
+            builder(1).max_lifetime(Duration::ZERO).build().map(drop),
+            "max_lifetime",
+        ),
         (builder(2_000_000).build().map(drop), "max"),
         // Options that conflict, or that nothing reads (review m13).
         (

@@ -1304,6 +1304,9 @@ pub(super) fn concurrency(
     if let Some(t) = &c.retry_after {
         b = b.retry_after(duration(t, field("retry_after"))?);
     }
+    if let Some(t) = &c.max_lifetime {
+        b = b.max_lifetime(duration(t, field("max_lifetime"))?);
+    }
     Ok(b.headers(file.headers.unwrap_or(true)))
 }
 
@@ -1613,6 +1616,7 @@ fn entry_field(
                 "read_only" => (v.read_only.as_ref().and_then(span), "read_only"),
                 "lease_ttl" => (v.lease_ttl.as_ref().and_then(span), "lease_ttl"),
                 "retry_after" => (v.retry_after.as_ref().and_then(span), "retry_after"),
+                "max_lifetime" => (v.max_lifetime.as_ref().and_then(span), "max_lifetime"),
                 _ => (Some(c.span()), field),
             }
         }),

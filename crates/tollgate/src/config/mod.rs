@@ -99,7 +99,8 @@
 //! (`service = { name, max }`) or adaptive (`adaptive = { name,
 //! algorithm = "gradient" | "aimd", min, initial, max }`),
 //! `read_only = { above, window, min_requests }`, `missing_key`, `shadow`,
-//! `lease_ttl`, `retry_after`, `routes`. (Which requests are critical is code:
+//! `lease_ttl`, `retry_after`, `max_lifetime` (the longest a permit lives:
+//! a stream still running then ends), `routes`. (Which requests are critical is code:
 //! [`critical`](crate::concurrency::ConcurrencyLayerBuilder::critical).)
 //!
 //! Each `[[bandwidth]]` entry paces bodies per key, built by name as a

@@ -481,6 +481,9 @@ pub(super) struct ConcurrencySpec {
     pub(super) lease_ttl: Option<Spanned<String>>,
     #[serde(default)]
     pub(super) retry_after: Option<Spanned<String>>,
+    /// The longest a permit lives (a stream still running then ends).
+    #[serde(default)]
+    pub(super) max_lifetime: Option<Spanned<String>>,
     /// The routes the limit applies to (`"GET /api/download"`,
     /// `"/files/{*path}"`); every route if absent.
     #[serde(default)]

@@ -1115,6 +1115,10 @@ fn in_flight_and_pacing_errors_name_the_line_and_the_field() {
     assert!(
         e(&c("max = 0")).starts_with(&at(last + 5, "7: concurrency[1].max: must be at least 1"))
     );
+    assert!(e(&c("max = 2\nmax_lifetime = \"0s\"")).starts_with(&at(
+        last + 6,
+        "16: concurrency[1].max_lifetime: must be longer than zero"
+    )));
     assert!(
         e(&c("max = 2\nqueue = { max_len = 0, max_wait = \"1s\" }")).starts_with(&at(
             last + 6,

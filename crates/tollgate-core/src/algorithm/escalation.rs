@@ -170,12 +170,13 @@ impl Escalation {
     /// Once its hold ends, a key climbs back one step per `hold` until it
     /// has its whole rate again. A slowed key is still decided by its
     /// limit, at a cost raised to match: on a step keeping `p` percent,
-    /// a request of cost `c` is charged `⌈c × 100 / p⌉` (exact when `p`
-    /// divides 100: 50, 25, 20, 10...), so it gets `p` percent of the
-    /// rate and of the burst.
+    /// a request of cost `c` is charged `c × 100 / p`, so it gets `p`
+    /// percent of the rate and of the burst.
     ///
-    /// `steps`: 1 to [`MAX_STEPS`](Self::MAX_STEPS) percentages, each 1 to
-    /// 99 and below the one before. Errors name the field.
+    /// `steps`: 1 to [`MAX_STEPS`](Self::MAX_STEPS) percentages, each
+    /// below the one before and each a whole share of the rate (one that
+    /// divides 100: 50, 25, 20, 10, 5, 4, 2 or 1), so that the charge is
+    /// exact and a key is shown what it gets. Errors name the field.
     ///
     /// ```
     /// use std::time::Duration;
@@ -205,7 +206,8 @@ impl Escalation {
             ConfigError::new(
                 "steps",
                 format!(
-                    "must be 1 to {} percentages, each 1 to 99 and below the one before",
+                    "must be 1 to {} percentages, each below the one before and dividing 100 \
+                     (50, 25, 20, 10, 5, 4, 2, 1)",
                     Self::MAX_STEPS
                 ),
             )
@@ -216,7 +218,7 @@ impl Escalation {
         }
         let mut above = 100;
         for (slot, &p) in kept.iter_mut().zip(steps) {
-            if p == 0 || p >= above {
+            if p >= above || 100u8.checked_rem(p) != Some(0) {
                 return Err(bad());
             }
             *slot = p;
@@ -259,11 +261,12 @@ impl Escalation {
     }
 
     /// What a request of `cost` is charged on step `level`:
-    /// `⌈cost × 100 / percent⌉`, saturating.
+    /// `cost × 100 / percent`, saturating.
     pub fn charge(&self, cost: u64, level: u32) -> u64 {
-        let p = u128::from(self.percent(level));
-        let charged = u128::from(cost).saturating_mul(100).div_ceil(p);
-        u64::try_from(charged).unwrap_or(u64::MAX)
+        let share = 100u64
+            .checked_div(u64::from(self.percent(level)))
+            .unwrap_or(1);
+        cost.saturating_mul(share)
     }
 
     /// `units` of the whole rate as a key on step `level` sees them (its
@@ -317,16 +320,19 @@ impl Escalation {
     /// step `state` was put on, less one per hold since its hold ended.
     /// `(0, 0)` when the key has its whole rate.
     fn in_force(&self, state: &EscalationState, now: u64) -> (u32, u64) {
-        if state.level == 0 {
+        // A state left by a ladder with more steps counts from this one's
+        // last.
+        let level = state.level.min(u32::from(self.len));
+        if level == 0 {
             return (0, 0);
         }
         let Some(past) = now.checked_sub(state.until) else {
-            return (state.level, state.until);
+            return (level, state.until);
         };
         let climbed = past.checked_div(self.block).unwrap_or(0).saturating_add(1);
         match u32::try_from(climbed) {
-            Ok(climbed) if climbed < state.level => (
-                state.level.saturating_sub(climbed),
+            Ok(climbed) if climbed < level => (
+                level.saturating_sub(climbed),
                 state
                     .until
                     .saturating_add(u64::from(climbed).saturating_mul(self.block)),
@@ -564,6 +570,19 @@ mod tests {
         assert!(!l.is_idle(&s, 250 * S));
         assert_eq!(l.standing(&s, 251 * S), Standing::Clear);
         assert!(l.is_idle(&s, 251 * S));
+        // A state from a ladder of more steps counts from this one's last.
+        let deeper = EscalationState {
+            level: 5,
+            until: 300 * S,
+            ..EscalationState::default()
+        };
+        assert_eq!(
+            l.standing(&deeper, 350 * S),
+            Standing::Slowed {
+                level: 1,
+                for_ns: 50 * S
+            }
+        );
         // Struck again on step 1 (in force at 200 s): down to 2 again.
         let mut t = s;
         l.strike(&mut t, 200 * S);
@@ -587,12 +606,13 @@ mod tests {
             (l.shown(100, 0), l.shown(100, 1), l.shown(100, 2)),
             (100, 50, 25)
         );
-        let odd = Escalation::slow_down(1, Duration::from_secs(1), Duration::from_secs(1), &[30])
+        let tenth = Escalation::slow_down(1, Duration::from_secs(1), Duration::from_secs(1), &[10])
             .unwrap();
-        // 100 / 30 = 3.33...: rounded up, never cheaper than the share.
-        assert_eq!((odd.charge(1, 1), odd.charge(3, 1)), (4, 10));
-        assert_eq!(odd.charge(u64::MAX, 1), u64::MAX);
-        assert_eq!(odd.shown(u64::MAX, 1), u64::MAX / 100 * 30 + 4);
+        assert_eq!((tenth.charge(1, 1), tenth.charge(3, 1)), (10, 30));
+        assert_eq!(tenth.charge(u64::MAX, 1), u64::MAX);
+        assert_eq!(tenth.shown(u64::MAX, 1), u64::MAX / 10);
+        // What is shown fits exactly: 37 units hold 3 requests of 10.
+        assert_eq!(tenth.shown(37, 1), 3);
     }
 
     #[test]
@@ -632,9 +652,10 @@ mod tests {
             &[][..],
             &[100],
             &[0],
+            &[30],
             &[50, 50],
             &[25, 50],
-            &[9, 8, 7, 6, 5, 4, 3, 2, 1],
+            &[50, 25, 20, 10, 5, 4, 2, 1, 1],
         ] {
             assert_eq!(slow(steps, 1).unwrap_err().field(), "steps", "{steps:?}");
         }
@@ -645,7 +666,7 @@ mod tests {
                 .field(),
             "strikes"
         );
-        let l = Escalation::slow_down(1, Duration::MAX, Duration::MAX, &[99, 1]).unwrap();
+        let l = Escalation::slow_down(1, Duration::MAX, Duration::MAX, &[50, 1]).unwrap();
         let mut s = EscalationState::default();
         for now in [0, u64::MAX - 1, u64::MAX] {
             let _ = l.strike(&mut s, now);

@@ -28,8 +28,10 @@ local steps = tonumber(ARGV[10] or '0')
 local key = KEYS[1]
 
 -- A slowing ladder's step in force and when it ends (relative ns), from
--- the step the key was put on and when its hold ends.
+-- the step the key was put on and when its hold ends. A state left by a
+-- ladder with more steps counts from this one's last.
 local function in_force(level, until_d)
+  level = math.min(level, steps)
   if level == 0 or until_d == nil then return 0, nil end
   if until_d > 0 then return level, until_d end
   local climbed = idiv(-until_d, block) + 1

@@ -891,7 +891,7 @@ fn rule(
         let hold = duration(&sd.hold, field("slow_down.hold"))?;
         // The ladder's own checks, placed on the ladder.
         tollgate_core::EscalationRule::slow_down(
-            format!("{}:ladder", r.name.get_ref()),
+            format!("{}:slow", r.name.get_ref()),
             strikes,
             period,
             hold,
@@ -1592,6 +1592,11 @@ fn entry_field(
         // plan's suffix): placed at the entry.
         "rules" => file.rules.get(i).map(|r| match field {
             "rules" | "name" => (Some(r.span()), "name"),
+            // A slowing ladder's step its limit cannot keep.
+            "steps" => match &r.get_ref().slow_down {
+                Some(sd) => (span(&sd.get_ref().steps), "slow_down.steps"),
+                None => (Some(r.span()), field),
+            },
             _ => (Some(r.span()), field),
         }),
         "quotas" => file.quotas.get(i).map(|q| {

@@ -161,6 +161,9 @@ pub(super) fn settle<B, L>(shared: &Shared<B, L>, report: &mut Report) -> Verdic
         // The plan's series (a plan the rule does not name: the rule's).
         let m = &rule.at(report.plan).1.metrics;
         m.record_remaining(d);
+        if report.slowed(i) > 0 {
+            m.slowed.increment(1);
+        }
         match d.outcome {
             Outcome::Allow { delay: wait } if !shadow => delay = delay.max(wait),
             Outcome::Allow { .. } => {}

@@ -510,8 +510,8 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
         let mut stored = std::collections::HashSet::new();
         for (i, r) in self.rules.iter().enumerate() {
             let plan_names = r.plans.iter().map(|(p, _)| format!("{}:{p}", r.name));
-            let laddered = r.ladder.is_some() || r.slow.is_some();
-            let plan_names = plan_names.chain(laddered.then(|| format!("{}:ladder", r.name)));
+            let plan_names = plan_names.chain(r.ladder.map(|_| format!("{}:ladder", r.name)));
+            let plan_names = plan_names.chain(r.slow.as_ref().map(|_| format!("{}:slow", r.name)));
             let plan_names = plan_names.chain(
                 r.challenge
                     .as_ref()
@@ -607,7 +607,9 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 // Counted by the policy, rule by rule.
                 route_label: false,
             };
-            let name = format!("{}:ladder", rule.name());
+            // Each kind of ladder keeps its own state: a key blocked by
+            // one is not slowed by the other (nor the reverse) when the
+            // rule changes kinds.
             let ladder = match (r.ladder, r.slow) {
                 (None, None) => None,
                 (Some(_), Some(_)) => {
@@ -617,11 +619,25 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                          rate), not both",
                     )))
                 }
-                (Some((strikes, period, block, max_block)), None) => {
-                    Some(EscalationRule::new(name, strikes, period, block, max_block).map_err(at)?)
-                }
+                (Some((strikes, period, block, max_block)), None) => Some(
+                    EscalationRule::new(
+                        format!("{}:ladder", rule.name()),
+                        strikes,
+                        period,
+                        block,
+                        max_block,
+                    )
+                    .map_err(at)?,
+                ),
                 (None, Some((strikes, period, hold, steps))) => Some(
-                    EscalationRule::slow_down(name, strikes, period, hold, &steps).map_err(at)?,
+                    EscalationRule::slow_down(
+                        format!("{}:slow", rule.name()),
+                        strikes,
+                        period,
+                        hold,
+                        &steps,
+                    )
+                    .map_err(at)?,
                 ),
             };
             let ladder = match ladder {
@@ -630,20 +646,42 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
             };
             // The headers of each step of a slowing ladder, per plan: a
             // slowed key is told its lowered limit.
-            let lowered = |rule: &Rule| -> Box<[Headers]> {
-                let Some(slows) = ladder.as_ref().map(|l| l.rule().escalation()) else {
-                    return Box::default();
+            // Every step must hold one request of cost 1 (a slowed key
+            // pays in raised costs): else the step would slow nothing
+            // while its headers said 0.
+            let lowered =
+                |rule: &Rule, plan: Option<&str>| -> Result<Box<[Headers]>, ConfigError> {
+                    let Some(slows) = ladder.as_ref().map(|l| l.rule().escalation()) else {
+                        return Ok(Box::default());
+                    };
+                    (1..=slows.steps().len())
+                        .map(|level| {
+                            let level = u32::try_from(level).unwrap_or(u32::MAX);
+                            let capacity = slows.shown(rule.capacity(), level);
+                            if capacity == 0 {
+                                let of = plan.map(|p| format!("plan {p:?}'s ")).unwrap_or_default();
+                                return Err(at(ConfigError::new(
+                                    "steps",
+                                    format!(
+                                    "{of}limit of {} cannot keep {} %: a slowed key pays raised \
+                                     costs, so the limit (burst) must hold at least {} requests",
+                                    rule.capacity(),
+                                    slows.percent(level),
+                                    slows.charge(1, level)
+                                ),
+                                )));
+                            }
+                            Ok(Headers::lowered(
+                                rule,
+                                capacity,
+                                self.headers,
+                                self.legacy_headers,
+                            ))
+                        })
+                        .collect()
                 };
-                (1..=slows.steps().len())
-                    .map(|level| {
-                        let level = u32::try_from(level).unwrap_or(u32::MAX);
-                        let capacity = slows.shown(rule.capacity(), level);
-                        Headers::lowered(rule, capacity, self.headers, self.legacy_headers)
-                    })
-                    .collect()
-            };
             let mut lowered_plans = Vec::with_capacity(names.len().saturating_add(1));
-            lowered_plans.push(lowered(&rule));
+            lowered_plans.push(lowered(&rule, None)?);
             let default_plan = (!names.is_empty()).then_some("default");
             let mut plans = Vec::with_capacity(names.len());
             for plan in &names {
@@ -655,7 +693,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 // Its own state in the store; the rule's name in headers.
                 let stored = Rule::new(format!("{}:{plan}", rule.name()), *limit).map_err(at)?;
                 let shown = Rule::new(rule.name(), *limit).map_err(at)?;
-                lowered_plans.push(lowered(&shown));
+                lowered_plans.push(lowered(&shown, Some(plan))?);
                 plans.push(Some((
                     self.store.limiter(&stored).map_err(at)?,
                     responder(&shown, Some(plan)),

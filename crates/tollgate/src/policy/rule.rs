@@ -165,20 +165,25 @@ impl<K, C> RateRule<K, C> {
     /// last step keep it there. A key climbs back one step per `hold`
     /// once its hold ends. A slowed key is still decided by the rule, at
     /// a raised cost: on a step keeping `p` percent a request of cost `c`
-    /// is charged `⌈c × 100 / p⌉` (at most the whole burst, for a request
-    /// that would fit it unslowed), and its `RateLimit` and
-    /// `RateLimit-Policy` fields (and the legacy headers) state the
-    /// lowered limit and what remains of it (see
+    /// is charged `c × 100 / p` (a request costlier than the lowered
+    /// burst that fits the whole burst is charged the whole burst), and
+    /// its `RateLimit` and `RateLimit-Policy` fields (and the legacy
+    /// headers) state the lowered limit and what remains of it (see
     /// [`Escalation::slow_down`](tollgate_core::algorithm::Escalation::slow_down)).
-    /// Keyless requests (a shared fallback key) neither strike nor are
-    /// slowed.
+    /// The refusal that puts a key a step down asks it to wait until the
+    /// rule's budget is whole, so that a client that keeps to
+    /// `Retry-After` is not refused again at the raised cost. Keyless
+    /// requests (a shared fallback key) neither strike nor are slowed.
     ///
-    /// The ladder's state is a rule named `"<name>:ladder"` in the
-    /// policy's store, as [`escalate`](Self::escalate)'s; a rule has one
-    /// ladder: one that blocks or one that slows (both is a build error
-    /// naming `slow_down`). Steps: 1 to 8 percentages, each 1 to 99 and
-    /// below the one before; on Redis, `hold` × steps at most about 26
-    /// days.
+    /// The ladder's state is a rule named `"<name>:slow"` in the
+    /// policy's store (apart from [`escalate`](Self::escalate)'s
+    /// `"<name>:ladder"`, so a rule that changes kinds starts afresh); a
+    /// rule has one ladder: one that blocks or one that slows (both is a
+    /// build error naming `slow_down`). Steps: 1 to 8 percentages, each
+    /// below the one before and dividing 100 (50, 25, 20, 10, 5, 4, 2, 1),
+    /// each keeping at least one request of the rule's limit (and each
+    /// plan's; a build error naming `steps` otherwise); on Redis, `hold`
+    /// × steps at most about 26 days.
     pub fn slow_down(
         mut self,
         strikes: u32,

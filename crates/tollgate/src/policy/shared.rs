@@ -112,7 +112,13 @@ impl<B, L> Bound<B, L> {
         } else {
             0
         };
-        let Some(lowered) = self.lowered.get(own).and_then(|steps| steps.get(step)) else {
+        // A level past the last step (a state a longer ladder left) is
+        // charged as the last: so it is shown.
+        let Some(lowered) = self
+            .lowered
+            .get(own)
+            .and_then(|steps| steps.get(step).or(steps.last()))
+        else {
             return (headers, d);
         };
         let slows = ladder.rule().escalation();

@@ -1342,12 +1342,14 @@ async fn repeated_refusals_slow_a_key_down_step_by_step<S: Store>(store: S, cloc
             "{state}"
         );
     }
-    // Two refusals: the second puts the key on 50 %.
+    // Two refusals: the second puts the key on 50 %, and says so.
     assert_eq!(send("m").await.0, 429);
-    assert_eq!(send("m").await.0, 429);
+    let half = "\"per-key\";q=2;w=10, \"global\";q=1000;w=3600";
+    let (status, policy, state) = send("m").await;
+    assert_eq!((status, policy.as_str()), (429, half));
+    assert!(state.starts_with("\"per-key\";r=0;t=10, "), "{state}");
     clock.advance(d(10));
     // The window turned: 2 of 4 for "m", whose requests cost 2 each...
-    let half = "\"per-key\";q=2;w=10, \"global\";q=1000;w=3600";
     for left in [1, 0] {
         let (status, policy, state) = send("m").await;
         assert_eq!((status, policy.as_str()), (200, half), "{state}");
@@ -1381,6 +1383,95 @@ async fn repeated_refusals_slow_a_key_down_step_by_step<S: Store>(store: S, cloc
     assert_eq!(remaining(&layer, 1, "any").await, 1_000 - 11);
 }
 on_both_paths!(slowing, repeated_refusals_slow_a_key_down_step_by_step);
+
+/// The refusal that puts a key a step down asks for a wait the raised
+/// cost can keep: a client that follows its `Retry-After` is admitted,
+/// not refused again (a strike further down).
+#[tokio::test]
+async fn the_refusal_that_slows_a_key_asks_for_a_wait_it_can_keep() {
+    let clock = ManualClock::starting_at(1);
+    let d = Duration::from_secs;
+    let layer = PolicyLayer::builder()
+        .rule(per_key(Limit::gcra(Rate::per_second(1), 4)).slow_down(1, d(60), d(600), &[50]))
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(ok));
+    let send = || {
+        let svc = svc.clone();
+        async move { svc.oneshot(req("m", "ip")).await.unwrap() }
+    };
+    for _ in 0..4 {
+        assert_eq!(send().await.status(), 200);
+    }
+    // One token comes back in 1 s, but the key now pays 2: it is told 4 s
+    // (the whole burst back), not 1.
+    let slowed = send().await;
+    assert_eq!(slowed.status(), 429);
+    assert_eq!(slowed.headers()["retry-after"], "4");
+    assert_eq!(slowed.headers()["ratelimit-policy"], "\"per-key\";q=2;w=4");
+    clock.advance(d(4));
+    assert_eq!(send().await.status(), 200, "kept to Retry-After: admitted");
+}
+
+/// A slowing ladder's steps keep a share of the limit each: one a limit
+/// (or a plan's) cannot hold a request of would slow nothing and show 0.
+#[test]
+fn a_step_the_limit_cannot_keep_is_a_build_error() {
+    let d = Duration::from_secs;
+    let err = PolicyLayer::<String, _>::builder()
+        .rule(per_key(Limit::gcra(Rate::per_second(1), 1)).slow_down(2, d(60), d(30), &[50]))
+        .build()
+        .unwrap_err();
+    assert_eq!(err.field(), "steps", "{err}");
+    assert!(
+        err.message().contains("limit of 1 cannot keep 50 %"),
+        "{err}"
+    );
+    let err = PolicyLayer::<String, _>::builder()
+        .rule(
+            per_key(Limit::gcra(Rate::per_second(1), 10))
+                .plan("free", Limit::gcra(Rate::per_second(1), 3))
+                .slow_down(2, d(60), d(30), &[50, 25]),
+        )
+        .plan_from_extension()
+        .build()
+        .unwrap_err();
+    assert!(
+        err.message()
+            .contains("plan \"free\"'s limit of 3 cannot keep 25 %"),
+        "{err}"
+    );
+}
+
+/// A rule that changes from blocking to slowing (a reload, a fleet half
+/// rolled out) keeps the two ladders' states apart: a key blocked by one
+/// is not slowed by the other.
+#[tokio::test]
+async fn a_rule_that_changes_kinds_of_ladder_starts_afresh() {
+    let clock = ManualClock::starting_at(1);
+    let shared = store(&clock);
+    let d = Duration::from_secs;
+    let build = |rule: RateRule<Header>| {
+        PolicyLayer::builder()
+            .rule(rule)
+            .store(shared.clone())
+            .build()
+            .unwrap()
+            .layer(service_fn(ok))
+    };
+    let blocking = build(per_key(Limit::fixed_window(4, d(10))).escalate(1, d(60), d(600), d(600)));
+    for _ in 0..5 {
+        blocking.clone().oneshot(req("m", "ip")).await.unwrap();
+    }
+    let blocked = blocking.clone().oneshot(req("m", "ip")).await.unwrap();
+    assert_eq!(blocked.headers()["retry-after"], "600");
+    clock.advance(d(10));
+    let slowing = build(per_key(Limit::fixed_window(4, d(10))).slow_down(1, d(60), d(600), &[50]));
+    let res = slowing.oneshot(req("m", "ip")).await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(res.headers()["ratelimit-policy"], "\"per-key\";q=4;w=10");
+}
 
 /// A request that fits the whole burst is never refused for good on a
 /// lower step: it is charged the whole burst at most (cost 3 of 4 at

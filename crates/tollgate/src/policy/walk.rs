@@ -469,10 +469,11 @@ impl Walk {
     }
 
     /// Rule `i`'s slowing ladder has the key on step `level`: the
-    /// request is charged what the step asks (`⌈cost × 100 / percent⌉`),
+    /// request is charged what the step asks (`cost × 100 / percent`),
     /// but never more than the whole burst if its cost fits the burst (a
-    /// request that fits unslowed is never refused for good), and its
-    /// headers will state the lowered limit.
+    /// request that fits unslowed is never refused for good: one costlier
+    /// than the lowered burst pays the whole burst), and its headers will
+    /// state the lowered limit.
     fn slowed<B, L: Limiter>(&mut self, shared: &Shared<B, L>, i: usize, level: u32) {
         let (Some(rule), Some(cost), Some(slot)) = (
             shared.rules.get(i),
@@ -492,7 +493,6 @@ impl Walk {
             charged
         };
         *slot = u8::try_from(level).unwrap_or(u8::MAX);
-        rule.responder.metrics.slowed.increment(1);
     }
 
     /// Marker: held (its count spent) means a repeat, served uncharged. A
@@ -573,8 +573,46 @@ impl Walk {
                     self.longest = Some((i, for_ns));
                 }
             }
-            Ok(_) => {}
+            Ok(Strike::Slowed { level, .. }) => self.stepped_down(i, level),
+            Ok(Strike::Counted { .. }) => {}
             Err(e) => ladder_fault(shared, i, &e),
+        }
+    }
+
+    /// Rule `i`'s refusal put the key on step `level` of its slowing
+    /// ladder. The refusal says so: its headers state the lowered limit,
+    /// and its wait is one a request charged the step's cost can keep —
+    /// no sooner than the rule's budget is whole (`reset_after`; the wait
+    /// for the old cost would bring the client back to be refused again,
+    /// a strike further down). The longest wait names the refusal.
+    fn stepped_down(&mut self, i: usize, level: u32) {
+        if let Some(slot) = self.report.slowed.get_mut(i) {
+            *slot = u8::try_from(level).unwrap_or(u8::MAX);
+        }
+        let wait_of = |report: &super::decide::Report, rule: usize| match report.decided.get(rule) {
+            Some(Some((d, _))) => d.retry_after().map(|w| w.as_nanos()),
+            _ => None,
+        };
+        let Some(Some((d, _))) = self.report.decided.get_mut(i) else {
+            return;
+        };
+        let Outcome::Deny { retry_after } = d.outcome else {
+            return;
+        };
+        d.outcome = Outcome::Deny {
+            retry_after: retry_after.max(d.reset_after),
+        };
+        if let Verdict::Deny {
+            rule,
+            reason: crate::rejection::Reason::Limited,
+        } = self.verdict
+        {
+            if wait_of(&self.report, i) > wait_of(&self.report, rule) {
+                self.verdict = Verdict::Deny {
+                    rule: i,
+                    reason: crate::rejection::Reason::Limited,
+                };
+            }
         }
     }
 

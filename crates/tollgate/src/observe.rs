@@ -4,7 +4,7 @@
 //!
 //! | metric | kind | labels |
 //! |---|---|---|
-//! | `tollgate_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `shadow_limited` (denied but let through), `missing_key` (rejected), `unkeyed` (let through unlimited), `store_error` (let through); for an access list: `listed_allowed` (on an allow list, unlimited), `denied` (403); for an idempotency marker: `idempotent_repeat`; for a rule with an escalation ladder: `strike`, `blocked`, and with a slowing ladder `slowed` (a request of a key on a lower step, also counted as `allowed` or `limited`); for a rule with a challenge: `challenge_passed` (a solution let the request past the rule), `challenge_failed` (a solution that was wrong, expired or used before); past a rule's warning share: `warned` |
+//! | `tollgate_requests_total` | counter | `rule`, `outcome`: `allowed`, `limited`, `too_costly`, `shadow_limited` (denied but let through), `missing_key` (rejected), `unkeyed` (let through unlimited), `store_error` (let through); for an access list: `listed_allowed` (on an allow list, unlimited), `denied` (403); for an idempotency marker: `idempotent_repeat`; for a rule with an escalation ladder: `strike`, `blocked`, and with a slowing ladder `slowed` (a request of a key on a lower step, also counted as `allowed` or `limited`); for a rule with a challenge: `challenge_passed` (a solution let the request past the rule), `challenge_failed` (a solution that was wrong, expired or used before); past a rule's warning share: `warned`; for a rate limit's messages of upgraded connections: `message_allowed`, `message_limited` |
 //! | `tollgate_route_requests_total` | counter | `rule`, `route` (axum's matched route, a template), `outcome`: `allowed`, `limited`, `too_costly`, `shadow_limited`; a rate limit's, quota's, concurrency limit's (`allowed`, `limited` — a full queue or an expired wait included — and `too_costly`; requests let through holding nothing are not counted) or policy's, when its `route_label` is on (e.g. [`PolicyLayerBuilder::route_label`](crate::policy::PolicyLayerBuilder::route_label)) |
 //! | `tollgate_config_reloads_total` | counter | `outcome`: `applied`, `unchanged`, `rejected` (a policy file's reloads) |
 //! | `tollgate_retry_after_seconds` | histogram | `rule` (and `plan`, as above) |
@@ -76,6 +76,10 @@ pub(crate) struct Metrics {
     pub(crate) challenge_failed: Counter,
     /// An admitted response past the rule's warning share.
     pub(crate) warned: Counter,
+    /// A message of an upgraded connection, admitted or refused (see
+    /// [`MessageBudget`](crate::rate_limit::MessageBudget)).
+    pub(crate) message_allowed: Counter,
+    pub(crate) message_limited: Counter,
 }
 
 pub(crate) const REQUESTS: &str = "tollgate_requests_total";
@@ -174,6 +178,8 @@ impl Metrics {
             challenge_passed: counter("challenge_passed"),
             challenge_failed: counter("challenge_failed"),
             warned: counter("warned"),
+            message_allowed: counter("message_allowed"),
+            message_limited: counter("message_limited"),
         }
     }
 }

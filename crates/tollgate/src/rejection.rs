@@ -382,6 +382,12 @@ impl Rendered {
     }
 }
 
+/// Whether `req` asks for a protocol upgrade (a WebSocket, an HTTP/2
+/// extended CONNECT).
+pub(crate) fn is_upgrade<B>(req: &Request<B>) -> bool {
+    req.headers().contains_key(http::header::UPGRADE) || req.method() == http::Method::CONNECT
+}
+
 /// Whether a request is gRPC (its content type is `application/grpc*`).
 pub fn is_grpc<B>(req: &Request<B>) -> bool {
     is_grpc_headers(req.headers())

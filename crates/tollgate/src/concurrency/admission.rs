@@ -64,7 +64,7 @@ impl Admitted {
         adaptive: Option<&Arc<Adaptive>>,
         req: &mut Request<B>,
     ) {
-        if !super::permit::is_upgrade(req) {
+        if !crate::rejection::is_upgrade(req) {
             return;
         }
         if let Some(a) = adaptive {

@@ -273,11 +273,6 @@ impl UpgradePermit {
     }
 }
 
-/// Whether `req` asks for a protocol upgrade.
-pub(crate) fn is_upgrade<B>(req: &http::Request<B>) -> bool {
-    req.headers().contains_key(http::header::UPGRADE) || req.method() == http::Method::CONNECT
-}
-
 /// What a response body holds: the permit itself, or the slot an upgrade
 /// handler may have taken it from.
 #[derive(Debug)]

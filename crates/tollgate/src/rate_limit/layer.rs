@@ -75,6 +75,7 @@ impl RateLimitLayer<PeerIp, Fixed, MemoryStore> {
                 rejection: None,
                 route_label: false,
                 routes: None,
+                messages: false,
             },
         }
     }
@@ -171,6 +172,7 @@ struct Config {
     rejection: Option<RejectFn>,
     route_label: bool,
     routes: Option<crate::Routes>,
+    messages: bool,
 }
 
 impl<K: fmt::Debug, C: fmt::Debug, St> fmt::Debug for RateLimitLayerBuilder<K, C, St> {
@@ -288,6 +290,16 @@ impl<K, C, St> RateLimitLayerBuilder<K, C, St> {
 }
 
 impl<K, C, St: Store> RateLimitLayerBuilder<K, C, St> {
+    /// Counts the messages of upgraded connections (WebSockets) too
+    /// (default off): an admitted upgrade request carries a
+    /// [`MessageBudget`](super::MessageBudget) in its extensions, bound to
+    /// this rule and the request's key, which the connection's task spends
+    /// per message, at the message's cost.
+    pub fn messages(mut self, on: bool) -> Self {
+        self.cfg.messages = on;
+        self
+    }
+
     /// Validates the rule and binds it to the store. Registers the layer's
     /// [metrics](crate::observe) with the recorder installed now.
     pub fn build(self) -> Result<RateLimitLayer<K, C, St>, ConfigError> {
@@ -301,6 +313,7 @@ impl<K, C, St: Store> RateLimitLayerBuilder<K, C, St> {
                 cost: self.cost,
                 limiter,
                 keying: Keying::new(cfg.missing).scoped(cfg.routes),
+                messages: cfg.messages,
                 responder: Arc::new(Responder {
                     rule: rule.name().into(),
                     headers: Headers::new(&rule, cfg.headers, cfg.legacy_headers),

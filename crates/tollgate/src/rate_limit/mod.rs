@@ -41,6 +41,7 @@
 mod error;
 mod future;
 mod layer;
+mod messages;
 mod service;
 mod shared;
 #[cfg(test)]
@@ -51,5 +52,6 @@ pub use error::RateLimited;
 pub(crate) use future::{poll_paced, Inner, Refund, RefundFn};
 pub use future::{ErrorFuture, ResponseFuture};
 pub use layer::{RateLimitErrorLayer, RateLimitLayer, RateLimitLayerBuilder};
+pub use messages::{MessageBudget, MessageRefused};
 pub use service::{RateLimitErrorService, RateLimitService};
 pub(crate) use shared::Responder;

@@ -46,7 +46,7 @@ impl<S, K, C, St: Store> RateLimitService<S, K, C, St> {
 fn start<S, K, C, L, ReqB>(
     inner: &mut S,
     shared: &Shared<K, C, L>,
-    req: Request<ReqB>,
+    mut req: Request<ReqB>,
 ) -> State<S, ReqB, L::DecideFuture>
 where
     S: Service<Request<ReqB>> + Clone,
@@ -81,6 +81,14 @@ where
         }
     }
     let cost = shared.cost.cost(&req);
+    if shared.messages && crate::rejection::is_upgrade(&req) {
+        let budget = super::MessageBudget::new(
+            shared.limiter.clone(),
+            KeyBytes::new(&mut key.clone()),
+            Arc::clone(&shared.responder),
+        );
+        req.extensions_mut().insert(budget);
+    }
     let fingerprint =
         tracing::enabled!(target: "tollgate", tracing::Level::DEBUG).then(|| key.fingerprint());
     // Only a pacing rule makes requests wait; one cancelled while it

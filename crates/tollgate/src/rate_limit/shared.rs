@@ -48,4 +48,6 @@ pub(crate) struct Shared<K, C, L> {
     pub(crate) limiter: L,
     pub(crate) keying: Keying,
     pub(crate) responder: Arc<Responder>,
+    /// Offer upgrade requests' handlers a [`MessageBudget`](super::MessageBudget).
+    pub(crate) messages: bool,
 }

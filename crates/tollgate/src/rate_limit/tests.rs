@@ -424,6 +424,7 @@ async fn a_failing_store_lets_requests_through() {
         limiter: Broken(rule),
         keying: crate::key::Keying::new(MissingKey::default()),
         responder: layer.responder(),
+        messages: false,
     });
     /// A store whose rate limiters are `Broken`.
     #[derive(Clone)]
@@ -722,4 +723,84 @@ fn single_rule_layers_count_decisions_by_route() {
         .unwrap()
         .iter()
         .all(|(n, _)| !(n.starts_with("tollgate_route") && n.contains("rule=quiet"))));
+}
+
+/// An upgraded connection's messages draw on the rule's budget for the
+/// key of its upgrade request (000 §12): a client cannot get round a
+/// request limit on one long-lived socket.
+#[tokio::test]
+async fn an_upgraded_connections_messages_spend_the_keys_budget() {
+    let clock = ManualClock::starting_at(1);
+    let layer = per_key(&clock, Limit::gcra(Rate::per_second(1), 3))
+        .messages(true)
+        .build()
+        .unwrap();
+    let kept = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let k2 = std::sync::Arc::clone(&kept);
+    let svc = layer.layer(service_fn(move |req: Req| {
+        *k2.lock().unwrap() = req.extensions().get::<MessageBudget>().cloned();
+        ok(req)
+    }));
+    // A plain request carries no budget.
+    assert_eq!(svc.clone().oneshot(req("k")).await.unwrap().status(), 200);
+    assert!(kept.lock().unwrap().is_none());
+    let mut upgrade = req("k");
+    upgrade
+        .headers_mut()
+        .insert("upgrade", "websocket".parse().unwrap());
+    assert_eq!(svc.clone().oneshot(upgrade).await.unwrap().status(), 200);
+    let budget = kept.lock().unwrap().take().expect("offered to the handler");
+    assert_eq!(budget.rule(), "per-key");
+    // One of 3 left after the two requests: one message, then refused.
+    budget.spend(1).await.unwrap();
+    let refused = budget.spend(1).await.unwrap_err();
+    assert_eq!(refused.retry_after(), Some(Duration::from_secs(1)));
+    assert_eq!(refused.rule(), "per-key");
+    // The messages spent the key's budget: its requests are refused too.
+    assert_eq!(svc.clone().oneshot(req("k")).await.unwrap().status(), 429);
+    // A message above the whole capacity never fits.
+    assert_eq!(budget.spend(4).await.unwrap_err().retry_after(), None);
+    clock.advance(Duration::from_secs(1));
+    budget.spend(1).await.unwrap();
+}
+
+#[tokio::test]
+async fn without_messages_an_upgrade_carries_no_budget() {
+    let clock = ManualClock::starting_at(1);
+    let layer = per_key(&clock, Limit::gcra(Rate::per_second(1), 3))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(|req: Req| {
+        assert!(req.extensions().get::<MessageBudget>().is_none());
+        ok(req)
+    }));
+    let mut upgrade = req("k");
+    upgrade
+        .headers_mut()
+        .insert("upgrade", "websocket".parse().unwrap());
+    assert_eq!(svc.oneshot(upgrade).await.unwrap().status(), 200);
+}
+
+/// A message's store fault answers as the rule's failure policy: admitted
+/// by default, refused under `OnStoreError::Refuse`.
+#[tokio::test]
+async fn a_messages_store_fault_follows_the_failure_policy() {
+    let rule = Rule::new("broken", Limit::fixed_window(1, Duration::from_secs(1))).unwrap();
+    let key = || {
+        let mut buf = crate::key::KeyBuf::new();
+        buf.push(b"k");
+        crate::key::KeyBytes::new(&mut buf)
+    };
+    for (on, admitted) in [
+        (crate::OnStoreError::Admit, true),
+        (crate::OnStoreError::Refuse, false),
+    ] {
+        let layer =
+            RateLimitLayer::builder("broken", Limit::fixed_window(1, Duration::from_secs(1)))
+                .on_store_error(on)
+                .build()
+                .unwrap();
+        let budget = MessageBudget::new(Broken(rule.clone()), key(), layer.responder());
+        assert_eq!(budget.spend(1).await.is_ok(), admitted, "{on:?}");
+    }
 }

@@ -483,3 +483,82 @@ async fn a_changed_configuration_applies_and_a_bad_one_is_refused() {
     assert_eq!(ask().await, Code::OverLimit);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Issue 33: a reload that changes `[store]` moves the decision endpoints
+/// and Envoy's rate limit service together: both count on the new store
+/// from what it holds (here, nothing), where the Envoy descriptors stayed
+/// on the store the server started with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_store_moves_the_envoy_service_with_the_endpoints() {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
+    use tower::ServiceExt;
+    let Some(redis) = tollgate_redis::testing::Server::start() else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!(
+        "tollgate-rls-store-{}-{}",
+        std::process::id(),
+        rand_suffix()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let envoy = dir.join("e.yaml");
+    std::fs::write(
+        &envoy,
+        "domain: e\ndescriptors:\n  - key: k\n    rate_limit: { unit: hour, requests_per_unit: 1 }\n",
+    )
+    .unwrap();
+    let policy = dir.join("policy.toml");
+    let base = format!(
+        "[server]\nenvoy = [{:?}]\n\n[[rules]]\nname = \"per-key\"\nkey = \"header:x-api-key\"\nrate = \"1/h\"\nburst = 1\n",
+        envoy.display().to_string()
+    );
+    std::fs::write(&policy, &base).unwrap();
+    let loaded = tollgate_server::Loaded::load(&policy).unwrap();
+    let rls = loaded.envoy.as_ref().unwrap().rls();
+    let app = tollgate_server::decisions(loaded.gate.clone());
+    let ask = || async {
+        let req = RateLimitRequest {
+            domain: "e".to_owned(),
+            descriptors: vec![descriptor(&[("k", "v")])],
+            hits_addend: 0,
+        };
+        let r = rls
+            .should_rate_limit(tonic::Request::new(req))
+            .await
+            .unwrap();
+        Code::try_from(r.into_inner().overall_code).unwrap()
+    };
+    let check = || async {
+        let req = http::Request::get("/check")
+            .header("x-forwarded-method", "GET")
+            .header("x-forwarded-uri", "/")
+            .header("x-api-key", "a")
+            .extension(axum::extract::ConnectInfo(
+                "127.0.0.1:9".parse::<std::net::SocketAddr>().unwrap(),
+            ))
+            .body(axum::body::Body::empty())
+            .unwrap();
+        app.clone().oneshot(req).await.unwrap().status().as_u16()
+    };
+    // On the in-memory store: one each, then refused.
+    assert_eq!((ask().await, check().await), (Code::Ok, 200));
+    assert_eq!((ask().await, check().await), (Code::OverLimit, 429));
+    // To Redis: both start afresh there, and count there.
+    std::fs::write(
+        &policy,
+        format!(
+            "{base}\n[store]\nkind = \"redis\"\nurl = {:?}\nprefix = \"tg-moved-{}\"\n",
+            redis.url(),
+            rand_suffix()
+        ),
+    )
+    .unwrap();
+    assert_eq!(
+        loaded.reloader.reload().unwrap(),
+        tollgate::config::Reloaded::Applied
+    );
+    assert!(format!("{:?}", loaded.store()).contains("Redis"));
+    assert_eq!((ask().await, check().await), (Code::Ok, 200));
+    assert_eq!((ask().await, check().await), (Code::OverLimit, 429));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -94,9 +94,15 @@ use tollgate::core::QuotaStore;
 use tower::ServiceExt;
 
 pub mod envoy;
+mod loaded;
 pub mod metrics;
 pub mod rls;
 pub mod tls;
+
+pub use loaded::{Envoy, Loaded};
+
+/// What loading a server's configuration can fail with.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The header that carries the limiter's own status on
 /// `/auth_request`'s refusals (which answer `403`).

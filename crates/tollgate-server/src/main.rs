@@ -8,8 +8,6 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use tollgate::config::{PolicyFile, Tollgate};
-
 /// Where the decision endpoints listen without a `[server] listen`.
 const DEFAULT_LISTEN: &str = "127.0.0.1:8081";
 /// Where Envoy's rate limit service listens without a `[server] grpc`.
@@ -32,15 +30,18 @@ async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         .nth(1)
         .or_else(|| std::env::var_os("TOLLGATE_POLICY"))
         .ok_or("usage: tollgate-server policy.toml (or TOLLGATE_POLICY=policy.toml)")?;
-    let file = PolicyFile::read(&path)?;
-    let settings = file.server()?;
     // Before the limits are built: each registers its metrics then.
     let metrics = tollgate_server::metrics::prometheus()?;
-    let store = file.store()?;
-    let store_for_rls = store.clone();
-    let gate = Tollgate::for_decisions(&file, &store)?;
-    gate.reloader(&path, &file, store, |b| b)
-        .spawn(Duration::from_secs(2));
+    let loaded = tollgate_server::Loaded::load(&path)?;
+    let store_now = loaded.current_store();
+    let tollgate_server::Loaded {
+        settings,
+        gate,
+        reloader,
+        envoy,
+        ..
+    } = loaded;
+    reloader.spawn(Duration::from_secs(2));
     let listen: SocketAddr = match std::env::var("TOLLGATE_SERVER_ADDR") {
         Ok(addr) if !addr.trim().is_empty() => addr.trim().parse()?,
         _ => settings.listen.unwrap_or(DEFAULT_LISTEN.parse()?),
@@ -61,9 +62,7 @@ async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         None => app = app.merge(tollgate_server::metrics::metrics_route(metrics)),
     }
     let mut rls_task = None;
-    if !settings.envoy.is_empty() {
-        let domains = tollgate_server::envoy::Domains::load(&settings.envoy, &store_for_rls)?;
-        let rls = tollgate_server::rls::Rls::new(domains);
+    if let Some(envoy) = &envoy {
         let grpc = settings.grpc.unwrap_or(DEFAULT_GRPC.parse()?);
         let listener = tokio::net::TcpListener::bind(grpc).await?;
         println!(
@@ -71,13 +70,8 @@ async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             listener.local_addr()?,
             settings.envoy.len()
         );
-        tollgate_server::rls::watch(
-            settings.envoy.clone(),
-            store_for_rls.clone(),
-            rls.clone(),
-            Duration::from_secs(2),
-        );
-        let tls = tls.clone();
+        envoy.watch(Duration::from_secs(2));
+        let (rls, tls) = (envoy.rls(), tls.clone());
         rls_task = Some(tokio::spawn(async move {
             if let Err(e) = tollgate_server::rls::serve_with(listener, rls, tls.as_ref()).await {
                 tracing::error!(error = %e, "the rate limit service stopped");
@@ -100,8 +94,9 @@ async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     if let Some(task) = rls_task {
         let _ = tokio::time::timeout(SHUTDOWN, task).await;
     }
-    if store_for_rls.is_leased() {
-        match tokio::time::timeout(SHUTDOWN, store_for_rls.give_back()).await {
+    let store = store_now();
+    if store.is_leased() {
+        match tokio::time::timeout(SHUTDOWN, store.give_back()).await {
             Ok(units) => tracing::info!(units, "stopped; leased units given back"),
             Err(_) => {
                 tracing::warn!("stopped; leased units not all given back in time (they lapse)")

@@ -291,6 +291,20 @@ where
     St: tollgate::Store + Send + Sync + 'static,
     St::Limiter: Send + Sync + 'static,
 {
+    watch_files(files, poll, move |files| reload(files, &store, &rls))
+}
+
+/// Calls `reload` with `files` on SIGHUP (Unix) and when their contents
+/// change (read every `poll`; new contents once two reads in a row
+/// agree).
+pub(crate) fn watch_files<F>(
+    files: Vec<std::path::PathBuf>,
+    poll: std::time::Duration,
+    mut reload: F,
+) -> tokio::task::JoinHandle<()>
+where
+    F: FnMut(&[std::path::PathBuf]) + Send + 'static,
+{
     // What runs now: read here, not when the task first runs, so that a
     // change made meanwhile is seen as one.
     let mut applied = contents(&files);
@@ -310,22 +324,32 @@ where
                     continue;
                 }
             }
-            let loaded = crate::envoy::Domains::load(&files, &store.checking())
-                .and_then(|_| crate::envoy::Domains::load(&files, &store.rebinding()));
-            match loaded {
-                Ok(domains) => {
-                    rls.replace(domains);
-                    tracing::info!("Envoy rate limit configuration reloaded");
-                }
-                Err(e) => tracing::error!(
-                    error = %e,
-                    "Envoy rate limit configuration rejected; the running one stays"
-                ),
-            }
+            reload(&files);
             applied = now.clone();
             settling = now;
         }
     })
+}
+
+/// Loads `files` into `rls` on `store`: checked on a handle that binds
+/// nothing first, then bound (rebinding: unchanged limits keep their
+/// counts). A set that does not load is logged and the running one stays.
+pub(crate) fn reload<St>(files: &[std::path::PathBuf], store: &St, rls: &Rls<St::Limiter>)
+where
+    St: tollgate::Store,
+{
+    let loaded = crate::envoy::Domains::load(files, &store.checking())
+        .and_then(|_| crate::envoy::Domains::load(files, &store.rebinding()));
+    match loaded {
+        Ok(domains) => {
+            rls.replace(domains);
+            tracing::info!("Envoy rate limit configuration reloaded");
+        }
+        Err(e) => tracing::error!(
+            error = %e,
+            "Envoy rate limit configuration rejected; the running one stays"
+        ),
+    }
 }
 
 /// Serves Envoy's rate limit service (and `grpc.health.v1`, reporting it

@@ -565,20 +565,70 @@ impl Tollgate<crate::AnyStore> {
     pub fn from_file(
         path: impl AsRef<std::path::Path>,
     ) -> Result<(Self, super::Reloader<Body, crate::AnyStore>), FileError> {
-        let path = path.as_ref();
+        let (gate, reloader, _) = Self::from_file_as(path.as_ref(), false, |_| {})?;
+        Ok((gate, reloader))
+    }
+
+    /// [`from_file`](Self::from_file) for a decision server
+    /// ([`for_decisions`](Self::for_decisions): limits the file declares
+    /// that a decision cannot hold are refused), and `moved` called with
+    /// each new store a reload moves the limits to (after they moved), so
+    /// that whatever else decides on the file's store (an Envoy rate limit
+    /// service) moves with them. Returns the store the limits start on.
+    #[allow(clippy::type_complexity)]
+    pub fn decisions_from_file<M>(
+        path: impl AsRef<std::path::Path>,
+        moved: M,
+    ) -> Result<
+        (
+            Self,
+            super::Reloader<Body, crate::AnyStore>,
+            crate::AnyStore,
+        ),
+        FileError,
+    >
+    where
+        M: Fn(&crate::AnyStore) + Send + Sync + 'static,
+    {
+        Self::from_file_as(path.as_ref(), true, moved)
+    }
+
+    /// [`from_file`](Self::from_file), or [`decisions_from_file`](Self::decisions_from_file)
+    /// when `decisions`; and the store the limits start on.
+    #[allow(clippy::type_complexity)]
+    fn from_file_as<M>(
+        path: &std::path::Path,
+        decisions: bool,
+        moved: M,
+    ) -> Result<
+        (
+            Self,
+            super::Reloader<Body, crate::AnyStore>,
+            crate::AnyStore,
+        ),
+        FileError,
+    >
+    where
+        M: Fn(&crate::AnyStore) + Send + Sync + 'static,
+    {
         let file = PolicyFile::read(path)?;
         let store = file.store()?;
-        let gate = Self::new(&file, &store)?;
-        let reloader = gate.reloader(path, &file, store, |b| b).restore(
+        let gate = if decisions {
+            Self::for_decisions(&file, &store)?
+        } else {
+            Self::new(&file, &store)?
+        };
+        let reloader = gate.reloader(path, &file, store.clone(), |b| b).restore(
             PolicyFile::store,
-            // Leases the old store still holds go back to it, not lapse.
-            |old: crate::AnyStore| {
+            move |old: crate::AnyStore, new: &crate::AnyStore| {
+                moved(new);
+                // Leases the old store still holds go back to it, not lapse.
                 if let (true, Ok(rt)) = (old.is_leased(), tokio::runtime::Handle::try_current()) {
                     drop(rt.spawn(async move { old.give_back().await }));
                 }
             },
         );
-        Ok((gate, reloader))
+        Ok((gate, reloader, store))
     }
 }
 

@@ -23,9 +23,11 @@ type Also<St> = Arc<
 
 /// The store a file's changed `[store]` names, built; and what is done
 /// with the store it replaces, once nothing new is decided on it.
+/// How a reload builds a changed `[store]`, and what it does with the
+/// store it leaves (given the one it moved to).
 type Restore<St> = (
     Arc<dyn Fn(&PolicyFile) -> Result<St, FileError> + Send + Sync>,
-    Arc<dyn Fn(St) + Send + Sync>,
+    Arc<dyn Fn(St, &St) + Send + Sync>,
 );
 
 type Customize<B> = Arc<
@@ -219,7 +221,7 @@ impl<B, St: Store> Reloader<B, St> {
     pub(super) fn restore<F, R>(mut self, f: F, retire: R) -> Self
     where
         F: Fn(&PolicyFile) -> Result<St, FileError> + Send + Sync + 'static,
-        R: Fn(St) + Send + Sync + 'static,
+        R: Fn(St, &St) + Send + Sync + 'static,
     {
         self.restore = Some((Arc::new(f), Arc::new(retire)));
         self
@@ -363,10 +365,10 @@ impl<B, St: Store> Reloader<B, St> {
             );
             let old = std::mem::replace(
                 &mut *self.store.lock().unwrap_or_else(PoisonError::into_inner),
-                s,
+                s.clone(),
             );
             if let Some((_, retire)) = &self.restore {
-                retire(old);
+                retire(old, &s);
             }
         }
         // What a reload does not apply, said when it changed: the other

@@ -1,0 +1,177 @@
+//! A decision server's limits, loaded from its policy file and kept in
+//! step with it, the file's `[store]` included.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+
+use axum::body::Body;
+use tollgate::config::{PolicyFile, Reloader, ServerSettings, Tollgate};
+use tollgate::store::AnyLimiter;
+use tollgate::{AnyStore, MemoryStore};
+
+use crate::envoy::Domains;
+use crate::rls::Rls;
+
+/// What a policy file makes of a decision server: the decision endpoints'
+/// limits ([`gate`](Self::gate), for [`decisions`](crate::decisions)) and,
+/// where `[server] envoy` names files, Envoy's rate limit service over
+/// them ([`envoy`](Self::envoy)), both on the file's `[store]`, and a
+/// [`reloader`](Self::reloader) that keeps them in step with the file.
+///
+/// A reload applies every section the decision endpoints read, `[store]`
+/// included: a changed `[store]` moves the endpoints' limits and the
+/// Envoy descriptors' counters to the new store (each counts there from
+/// what it holds: nothing, for a store new to the service), and the
+/// leases the old store holds go back to it. (`[server]` itself — where
+/// to listen, TLS, which Envoy files — applies at the next start; the
+/// Envoy files' contents reload on their own, with
+/// [`Envoy::watch`].)
+pub struct Loaded {
+    /// The file's `[server]` section.
+    pub settings: ServerSettings,
+    /// The decision endpoints' limits.
+    pub gate: Tollgate<AnyStore>,
+    /// Keeps [`gate`](Self::gate) (and [`envoy`](Self::envoy)) in step
+    /// with the file: [`spawn`](Reloader::spawn) it.
+    pub reloader: Reloader<Body, AnyStore>,
+    /// Envoy's rate limit service, where `[server] envoy` names files.
+    pub envoy: Option<Arc<Envoy>>,
+    /// The store the limits decide on now.
+    current: Arc<Mutex<AnyStore>>,
+}
+
+impl std::fmt::Debug for Loaded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loaded")
+            .field("settings", &self.settings)
+            .field("envoy", &self.envoy.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Loaded {
+    /// Loads the policy file at `path`: its limits on its `[store]` (the
+    /// in-memory store without one), and the Envoy files its `[server]`
+    /// names. Call it inside a Tokio runtime (a Redis store starts its
+    /// connection task), after the metrics recorder is installed (each
+    /// limit registers its metrics when it is built). Errors name the
+    /// file, line and field (an Envoy file's, its descriptor).
+    pub fn load(path: impl AsRef<Path>) -> Result<Self, crate::BoxError> {
+        let path = path.as_ref();
+        let settings = PolicyFile::read(path)?.server()?;
+        let envoy: Arc<OnceLock<Arc<Envoy>>> = Arc::default();
+        // Set to the file's store below, before a reload can run.
+        let current: Arc<Mutex<AnyStore>> = Arc::new(Mutex::new(MemoryStore::new().into()));
+        let moved = {
+            let (envoy, current) = (Arc::clone(&envoy), Arc::clone(&current));
+            move |new: &AnyStore| {
+                if let Some(envoy) = envoy.get() {
+                    envoy.move_to(new);
+                }
+                *current.lock().unwrap_or_else(PoisonError::into_inner) = new.clone();
+            }
+        };
+        let (gate, reloader, store) = Tollgate::decisions_from_file(path, moved)?;
+        *current.lock().unwrap_or_else(PoisonError::into_inner) = store.clone();
+        let loaded_envoy = if settings.envoy.is_empty() {
+            None
+        } else {
+            let e = Arc::new(Envoy::load(settings.envoy.clone(), store)?);
+            let _ = envoy.set(Arc::clone(&e));
+            Some(e)
+        };
+        Ok(Self {
+            settings,
+            gate,
+            reloader,
+            envoy: loaded_envoy,
+            current,
+        })
+    }
+
+    /// The store the limits decide on now (a reload may have moved them).
+    pub fn store(&self) -> AnyStore {
+        (self.current_store())()
+    }
+
+    /// What tells the store the limits decide on at the time it is asked,
+    /// for after the [`reloader`](Self::reloader) is spawned (e.g. to give
+    /// back the leases it holds when the server stops).
+    pub fn current_store(&self) -> impl Fn() -> AnyStore + Send + Sync + 'static {
+        let current = Arc::clone(&self.current);
+        move || {
+            current
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone()
+        }
+    }
+}
+
+/// Envoy's rate limit service over its configuration files, on the store
+/// the policy file's limits decide on: [`rls`](Self::rls) serves it;
+/// [`watch`](Self::watch) reloads the files; a policy reload that changes
+/// `[store]` moves it.
+pub struct Envoy {
+    files: Vec<PathBuf>,
+    rls: Rls<AnyLimiter>,
+    /// The store its descriptors are bound to; held while they are bound
+    /// and swapped in, so a reload of the files and a move to a new store
+    /// never cross.
+    on: Mutex<AnyStore>,
+}
+
+impl std::fmt::Debug for Envoy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Envoy")
+            .field("files", &self.files)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Envoy {
+    /// The service over `files`' descriptors on `store`.
+    pub fn load(files: Vec<PathBuf>, store: AnyStore) -> Result<Self, crate::BoxError> {
+        let domains = Domains::load(&files, &store)?;
+        Ok(Self {
+            files,
+            rls: Rls::new(domains),
+            on: Mutex::new(store),
+        })
+    }
+
+    /// The service, to serve with [`rls::serve_with`](crate::rls::serve_with).
+    pub fn rls(&self) -> Rls<AnyLimiter> {
+        self.rls.clone()
+    }
+
+    /// Binds the descriptors on `store`, new to them, and decides there
+    /// from now. Descriptors that cannot be bound there stay where they
+    /// are, said in the log.
+    fn move_to(&self, store: &AnyStore) {
+        let mut on = self.on.lock().unwrap_or_else(PoisonError::into_inner);
+        match Domains::load(&self.files, store) {
+            Ok(domains) => {
+                self.rls.replace(domains);
+                *on = store.clone();
+                tracing::info!("Envoy rate limit service moved to the new [store]");
+            }
+            Err(e) => tracing::error!(
+                error = %e,
+                "Envoy rate limit configuration cannot be bound on the new [store]; \
+                 it stays on the old one"
+            ),
+        }
+    }
+
+    /// Reloads the configuration files on SIGHUP and when their contents
+    /// change (see [`rls::watch`](crate::rls::watch)), on the store the
+    /// descriptors are bound to then.
+    pub fn watch(self: &Arc<Self>, poll: std::time::Duration) -> tokio::task::JoinHandle<()> {
+        let this = Arc::clone(self);
+        crate::rls::watch_files(self.files.clone(), poll, move |files| {
+            let on = this.on.lock().unwrap_or_else(PoisonError::into_inner);
+            crate::rls::reload(files, &*on, &this.rls);
+        })
+    }
+}

@@ -60,7 +60,7 @@
 //! | field | meaning |
 //! |---|---|
 //! | `name` | the rule's name in headers, store keys and metrics |
-//! | `key` | alternatives split by `\|`, each parts joined by `+`: `header:<name>`, `client-ip`, `peer-ip`, `path`, `route`, `method`, `global` |
+//! | `key` | alternatives split by `\|`, each parts joined by `+`: `header:<name>`, `fingerprint:<name>,<name>...` (a client fingerprint from up to 8 headers, e.g. `fingerprint:x-ja4,user-agent`: see [`ClientFingerprint`](crate::key::ClientFingerprint)), `client-ip`, `peer-ip`, `path`, `route`, `method`, `global` |
 //! | `algorithm` | `gcra` (default), `token_bucket`, `fixed_window`, `sliding_window` (counter), `sliding_log`, `sliding_buckets`, `leaky_bucket` |
 //! | `rate` | `"10/s"`, `"600/min"`, `"5/15m"`: for GCRA the sustained rate, for the token bucket the refill, for windows the limit per window, for the leaky bucket the drain rate |
 //! | `burst = N` | GCRA's burst, the token bucket's capacity (not for windows or the leaky bucket) |

@@ -5,12 +5,15 @@ use std::sync::Arc;
 use http::Request;
 
 use crate::cost::{BodyLength, ByMethod, ByRoute, Cost, Fixed, HeaderCost, QueryCost};
-use crate::key::{ClientIp, Global, Header, KeyBuf, KeyExtractor, Method, Or, Path, PeerIp};
+use crate::key::{
+    ClientFingerprint, ClientIp, Global, Header, KeyBuf, KeyExtractor, Method, Or, Path, PeerIp,
+};
 
 /// One part of a file's key.
 #[derive(Debug, Clone)]
 enum Part {
     Header(Header),
+    Fingerprint(ClientFingerprint),
     ClientIp(ClientIp),
     PeerIp(PeerIp),
     Path,
@@ -24,6 +27,7 @@ impl<B> KeyExtractor<B> for Part {
     fn extract(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()> {
         match self {
             Part::Header(h) => h.extract(req, key),
+            Part::Fingerprint(f) => f.extract(req, key),
             Part::ClientIp(ip) => ip.extract(req, key),
             Part::PeerIp(ip) => ip.extract(req, key),
             Part::Path => Path.extract(req, key),
@@ -92,8 +96,9 @@ impl<B> KeyExtractor<B> for FileKey {
 
 impl FileKey {
     /// Reads a key: alternatives split by `|`, parts joined by `+`; a
-    /// part is `header:<name>`, `client-ip`, `peer-ip`, `path`, `route`,
-    /// `method` or `global`. `client` is the `client-ip` extractor.
+    /// part is `header:<name>`, `fingerprint:<name>,<name>...`,
+    /// `client-ip`, `peer-ip`, `path`, `route`, `method` or `global`.
+    /// `client` is the `client-ip` extractor.
     pub(super) fn parse(text: &str, client: &ClientIp, v6_prefix: u8) -> Result<Self, String> {
         let mut alternatives = Vec::new();
         for parts in super::spec::key_parts(text) {
@@ -107,13 +112,17 @@ impl FileKey {
                     "global" => Part::Global,
                     #[cfg(feature = "axum")]
                     "route" => Part::Route,
-                    _ => match part.strip_prefix("header:") {
-                        Some(name) => Part::Header(
+                    _ => match (part.strip_prefix("header:"), part.strip_prefix("fingerprint:")) {
+                        (Some(name), _) => Part::Header(
                             Header::named(name.trim()).map_err(|e| e.message().to_owned())?,
                         ),
-                        None => {
+                        (_, Some(names)) => Part::Fingerprint(
+                            ClientFingerprint::of(&names.split(',').collect::<Vec<_>>())
+                                .map_err(|e| e.message().to_owned())?,
+                        ),
+                        _ => {
                             return Err(format!(
-                                "{part:?} is not a key part (header:<name>, client-ip, peer-ip, path, route, method, global)"
+                                "{part:?} is not a key part (header:<name>, fingerprint:<name>,<name>..., client-ip, peer-ip, path, route, method, global)"
                             ))
                         }
                     },

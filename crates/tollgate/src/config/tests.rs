@@ -262,6 +262,10 @@ fn load_errors_name_the_line_and_the_field() {
         error("[[rules]]\nname = \"a\"\nkey = \"cookie\"\nrate = \"1/s\"\nburst = 1\n")
             .starts_with("3:7: rules[0].key: \"cookie\" is not a key part")
     );
+    assert!(error(
+        "[[rules]]\nname = \"a\"\nkey = \"fingerprint:x-ja4,X-JA4\"\nrate = \"1/s\"\nburst = 1\n"
+    )
+    .starts_with("3:7: rules[0].key: names x-ja4 twice"));
     assert_eq!(
         error(""),
         "0:0: rules: declare a limit: [[rules]] (1 to 8), [[quotas]], [[concurrency]], [[bandwidth]] or [[retry_budgets]]"
@@ -484,6 +488,39 @@ async fn a_request_decided_before_a_reload_finishes_on_its_policy() {
     // The 200 did not count: its charge is back, under the new burst.
     let limiter = layer.limiters().into_iter().next().unwrap();
     assert_eq!(limiter.decide(&key, 0).await.unwrap().remaining, 5);
+}
+
+/// A rule keyed by a client fingerprint: a client that rotates its API
+/// key keeps one budget; a request without any of the headers falls to
+/// the next alternative (its address).
+#[tokio::test]
+async fn a_fingerprint_key_follows_a_client_across_its_api_keys() {
+    let clock = ManualClock::new();
+    let text = "[[rules]]\nname = \"fp\"\nkey = \"fingerprint:x-ja4,user-agent | peer-ip\"\nalgorithm = \"fixed_window\"\nrate = \"2/10s\"\n";
+    let layer = PolicyFile::parse(text)
+        .unwrap()
+        .layer::<String, _>(&store(&clock))
+        .unwrap();
+    let mut svc = layer.layer(ok_service());
+    let bot = |key: &str| {
+        let mut r = req("GET", "/", key);
+        r.headers_mut()
+            .insert("x-ja4", "t13d1516h2".parse().unwrap());
+        r.headers_mut()
+            .insert("user-agent", "curl/8".parse().unwrap());
+        r
+    };
+    assert_eq!(status(&mut svc, bot("k1")).await.0, StatusCode::OK);
+    assert_eq!(status(&mut svc, bot("k2")).await.0, StatusCode::OK);
+    assert_eq!(
+        status(&mut svc, bot("k3")).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // No fingerprint headers: keyed by address, its own budget.
+    assert_eq!(
+        status(&mut svc, req("GET", "/", "k1")).await.0,
+        StatusCode::OK
+    );
 }
 
 #[tokio::test]

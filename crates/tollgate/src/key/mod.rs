@@ -430,7 +430,7 @@ pub use peer::{PeerAddr, PeerAddrLayer};
 pub(crate) use request::header_name;
 #[cfg(feature = "axum")]
 pub use request::Route;
-pub use request::{normalize_path, Global, Header, Method, Path};
+pub use request::{normalize_path, ClientFingerprint, Global, Header, Method, Path};
 
 #[cfg(test)]
 mod tests {

@@ -70,6 +70,77 @@ impl<B> KeyExtractor<B> for Header {
     }
 }
 
+/// A client fingerprint (000 §13, abuse signals): the values of a few
+/// headers taken together — a JA4 TLS fingerprint an edge proxy sets
+/// (`x-ja4`), `User-Agent`, `Accept-Language` — so that a script that
+/// rotates API keys or addresses keeps one budget while its client stays
+/// the same. One key per distinct combination, a header that is absent
+/// being part of it (a client that sends no `User-Agent` is told apart
+/// from one that does); when every header is absent there is no key (the
+/// rule's [`MissingKey`](crate::key::MissingKey) decides: pair it with an
+/// address key, or skip). Each header's first value counts, trimmed, up
+/// to 512 bytes of it. 1 to 8 headers.
+///
+/// ```
+/// use tollgate::key::ClientFingerprint;
+/// let key = ClientFingerprint::of(&["x-ja4", "user-agent"])?;
+/// # Ok::<(), tollgate::ConfigError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct ClientFingerprint(std::sync::Arc<[HeaderName]>);
+
+impl ClientFingerprint {
+    /// The most headers a fingerprint reads.
+    pub const MAX_HEADERS: usize = 8;
+    /// How much of each header's value counts.
+    pub const MAX_VALUE: usize = 512;
+
+    /// The fingerprint of `headers` (case-insensitive names). Errors name
+    /// the field `fingerprint` (none, more than 8, a repeat) or `header`
+    /// (an invalid name).
+    pub fn of(headers: &[&str]) -> Result<Self, tollgate_core::ConfigError> {
+        if headers.is_empty() || headers.len() > Self::MAX_HEADERS {
+            return Err(tollgate_core::ConfigError::new(
+                "fingerprint",
+                format!("must name 1 to {} headers", Self::MAX_HEADERS),
+            ));
+        }
+        let mut names: Vec<HeaderName> = Vec::with_capacity(headers.len());
+        for h in headers {
+            let name = header_name(h.trim())?;
+            if names.contains(&name) {
+                return Err(tollgate_core::ConfigError::new(
+                    "fingerprint",
+                    format!("names {name} twice"),
+                ));
+            }
+            names.push(name);
+        }
+        Ok(Self(names.into()))
+    }
+}
+
+impl<B> KeyExtractor<B> for ClientFingerprint {
+    fn extract(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()> {
+        let mut any = false;
+        for name in self.0.iter() {
+            match req.headers().get(name).map(|v| v.as_bytes().trim_ascii()) {
+                Some(value) => {
+                    any = true;
+                    let value = value.get(..Self::MAX_VALUE).unwrap_or(value);
+                    // Length first: ("a", "bc") and ("ab", "c") differ.
+                    let len = u16::try_from(value.len()).unwrap_or(u16::MAX);
+                    key.push(&len.to_be_bytes());
+                    key.push(value);
+                }
+                // Absent: a length no value has.
+                None => key.push(&u16::MAX.to_be_bytes()),
+            }
+        }
+        any.then_some(())
+    }
+}
+
 /// Parses a configured header name; the error names the field `header`.
 pub(crate) fn header_name(name: &str) -> Result<HeaderName, tollgate_core::ConfigError> {
     HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
@@ -238,6 +309,63 @@ pub(crate) fn decode_unreserved(b: &[u8]) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A fingerprint tells clients apart by the headers taken together,
+    /// an absent header included, and never by how values split.
+    #[test]
+    fn a_fingerprint_is_its_headers_taken_together() {
+        let fp = ClientFingerprint::of(&["x-ja4", "User-Agent"]).unwrap();
+        let key_of = |headers: &[(&str, &[u8])]| {
+            let mut req = Request::get("/").body(()).unwrap();
+            for (name, value) in headers {
+                req.headers_mut().append(
+                    HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                    http::HeaderValue::from_bytes(value).unwrap(),
+                );
+            }
+            let mut key = KeyBuf::new();
+            fp.extract(&req, &mut key)?;
+            Some(key.as_bytes().to_vec())
+        };
+        let bot = key_of(&[("x-ja4", b"t13d1516h2"), ("user-agent", b"curl/8")]).unwrap();
+        // The same client with another API key or address: the same key.
+        assert_eq!(
+            key_of(&[
+                ("user-agent", b" curl/8 "),
+                ("x-ja4", b"t13d1516h2"),
+                ("x-api-key", b"rotated")
+            ]),
+            Some(bot.clone())
+        );
+        assert_ne!(
+            key_of(&[("x-ja4", b"t13d1516h2"), ("user-agent", b"curl/9")]),
+            Some(bot.clone())
+        );
+        // Absent is not empty, and values do not run into each other.
+        let no_ua = key_of(&[("x-ja4", b"t13d1516h2")]).unwrap();
+        assert_ne!(no_ua, bot);
+        assert_ne!(
+            key_of(&[("x-ja4", b"t13d1516h2"), ("user-agent", b"")]),
+            Some(no_ua)
+        );
+        assert_ne!(
+            key_of(&[("x-ja4", b"ab"), ("user-agent", b"c")]),
+            key_of(&[("x-ja4", b"a"), ("user-agent", b"bc")])
+        );
+        // Nothing to read: no key (the rule's MissingKey decides).
+        assert_eq!(key_of(&[("x-api-key", b"k")]), None);
+        // Huge and non-UTF-8 values are keys, cut at 512 bytes.
+        let long = vec![0xffu8; 100_000];
+        let mut longer = long.clone();
+        longer.push(b'a');
+        assert_eq!(
+            key_of(&[("x-ja4", &long[..])]),
+            key_of(&[("x-ja4", &longer[..])])
+        );
+        for bad in [&[][..], &["a"; 9], &["a", "A"], &["bad header"]] {
+            assert!(ClientFingerprint::of(bad).is_err(), "{bad:?}");
+        }
+    }
 
     /// Policy-security review #16: keyed on `Authorization`, every way of
     /// writing the scheme (64 case variants of `Bearer`, any run of

@@ -947,6 +947,9 @@ fn rule(
     Ok(rule)
 }
 
+/// The most networks one list file may hold.
+const MAX_LISTED: usize = 1_000_000;
+
 fn access(a: &Spanned<super::spec::AccessSpec>, client: &ClientIp) -> Result<AccessList, Problem> {
     let s = a.get_ref();
     let name = s.name.as_ref().map_or("access", |n| n.get_ref().as_str());
@@ -972,6 +975,47 @@ fn access(a: &Spanned<super::spec::AccessSpec>, client: &ClientIp) -> Result<Acc
         list = list
             .deny_networks(n.get_ref())
             .map_err(|e| at(n, "access.deny_networks".to_owned(), e.message().to_owned()))?;
+    }
+    // The list files, line by line (an error names the line).
+    let files = [
+        (&s.allow_networks_file, "access.allow_networks_file"),
+        (&s.deny_networks_file, "access.deny_networks_file"),
+    ];
+    for ((file, field), loaded) in files.into_iter().zip(&s.loaded) {
+        let (Some(file), Some(loaded)) = (file, loaded) else {
+            continue;
+        };
+        let text = loaded
+            .as_ref()
+            .map_err(|e| at(file, field.to_owned(), e.clone()))?;
+        let entries = text
+            .lines()
+            .enumerate()
+            .map(|(n, line)| (n, line.split('#').next().unwrap_or_default().trim()))
+            .filter(|(_, line)| !line.is_empty());
+        let mut count = 0usize;
+        for (n, cidr) in entries {
+            count = count.saturating_add(1);
+            if count > MAX_LISTED {
+                return Err(at(
+                    file,
+                    field.to_owned(),
+                    format!("holds more than {MAX_LISTED} networks"),
+                ));
+            }
+            let added = if field == "access.allow_networks_file" {
+                list.allow_networks([cidr])
+            } else {
+                list.deny_networks([cidr])
+            };
+            list = added.map_err(|e| {
+                at(
+                    file,
+                    field.to_owned(),
+                    format!("line {}: {}", n.saturating_add(1), e.message()),
+                )
+            })?;
+        }
     }
     if let Some(d) = s.deny_by_default {
         list = list.deny_by_default(d);

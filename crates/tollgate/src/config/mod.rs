@@ -48,7 +48,12 @@
 //! `forwarded_header` (`"x-forwarded-for"`, the default, or
 //! `"forwarded"`), `ipv6_prefix` (bits an IPv6 client is keyed by, 64 by
 //! default), `plan_from` (`"extension"` or `"header:<name>"`), named
-//! `[costs.<name>]`, `[access]`, `[idempotency]`, `[decision_log]` and
+//! `[costs.<name>]`, `[access]` (`name`, `keys_from`, `allow_keys`,
+//! `deny_keys`, `allow_networks`, `deny_networks`, `deny_by_default`, and
+//! `allow_networks_file` / `deny_networks_file`: files of one CIDR or
+//! address a line, `#` comments, up to 1,000,000, relative to the policy
+//! file — a TOR exit list, a hosting provider's ranges — read with the
+//! policy file and reloaded when either changes), `[idempotency]`, `[decision_log]` and
 //! `[audit]` (`rules`, the rules and access lists whose refusals are
 //! recorded as `tollgate::audit` log events; `per_second`; `secret_env`
 //! or `secret_file`, so that key fingerprints agree across a fleet; a
@@ -201,6 +206,9 @@ pub struct PolicyFile {
     spec: spec::FileSpec,
     text: String,
     origin: Option<String>,
+    /// What the files the text names (`[access]`'s network lists) held
+    /// when it was read: a reload compares them too.
+    lists: String,
 }
 
 /// Where the file came from and how many rules it holds — never its text:
@@ -298,6 +306,45 @@ pub(super) fn read_text(path: &Path) -> Result<String, FileError> {
     })
 }
 
+/// Reads the network list files `[access]` names (relative to the policy
+/// file's directory, `origin`'s) into the spec, and returns what they
+/// held, for a reload to compare.
+fn read_lists(spec: &mut spec::FileSpec, origin: Option<&str>) -> String {
+    let Some(access) = spec.access.as_mut().map(spec::Spanned::get_mut) else {
+        return String::new();
+    };
+    let dir = origin.and_then(|o| Path::new(o).parent());
+    let mut watched = String::new();
+    let files = [
+        access
+            .allow_networks_file
+            .as_ref()
+            .map(|f| f.get_ref().clone()),
+        access
+            .deny_networks_file
+            .as_ref()
+            .map(|f| f.get_ref().clone()),
+    ];
+    for (file, loaded) in files.into_iter().zip(access.loaded.iter_mut()) {
+        let Some(file) = file else { continue };
+        let path = match dir {
+            Some(d) => d.join(&file),
+            None => std::path::PathBuf::from(&file),
+        };
+        let read = std::fs::read_to_string(&path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()));
+        watched.push('\0');
+        watched.push_str(&file);
+        watched.push('\0');
+        match &read {
+            Ok(t) => watched.push_str(t),
+            Err(e) => watched.push_str(e),
+        }
+        *loaded = Some(read);
+    }
+    watched
+}
+
 /// The 1-based line and column (in characters) of byte `offset`.
 fn position(text: &str, offset: usize) -> (usize, usize) {
     let before = text.get(..offset).unwrap_or(text);
@@ -332,13 +379,21 @@ impl PolicyFile {
     /// Parses `text` and checks its fields, but does not build it (the
     /// caller checks the build, e.g. with its own customisation).
     pub(super) fn parse_unchecked(text: &str, origin: Option<String>) -> Result<Self, FileError> {
-        let spec: spec::FileSpec =
+        let mut spec: spec::FileSpec =
             toml::from_str(text).map_err(|e| build::serde_error(text, origin.as_deref(), &e))?;
+        let lists = read_lists(&mut spec, origin.as_deref());
         Ok(Self {
             spec,
             text: text.to_owned(),
             origin,
+            lists,
         })
+    }
+
+    /// The text and what the files it names held: what a reload compares
+    /// to tell whether anything changed.
+    pub(super) fn watched(&self) -> String {
+        format!("{}{}", self.text, self.lists)
     }
 
     /// Checks everything a store does not decide by building the file's

@@ -65,10 +65,11 @@ pub struct Reloader<B, St: Store> {
     customize: Option<Customize<B>>,
     prepare: Option<Prepare>,
     also: Option<Also<St>>,
-    /// The text of the policy running.
-    running: Mutex<String>,
-    /// The text last tried, applied or not: polls skip it, so a bad file
-    /// is reported once, not on every poll.
+    /// The text of the policy running, and with it what the files it
+    /// names held ([`PolicyFile::watched`]): a change to either reloads.
+    running: Mutex<(String, String)>,
+    /// The text (and files) last tried, applied or not: polls skip it, so
+    /// a bad file is reported once, not on every poll.
     tried: Mutex<String>,
     /// The text the last poll read: a poll applies a text only when the
     /// poll before read it too.
@@ -164,9 +165,9 @@ impl<B, St: Store> Reloader<B, St> {
             customize: None,
             prepare: None,
             also: None,
-            running: Mutex::new(file.text().to_owned()),
-            tried: Mutex::new(file.text().to_owned()),
-            settling: Mutex::new(file.text().to_owned()),
+            running: Mutex::new((file.text().to_owned(), file.watched())),
+            tried: Mutex::new(file.watched()),
+            settling: Mutex::new(file.watched()),
         }
     }
 
@@ -267,13 +268,19 @@ impl<B, St: Store> Reloader<B, St> {
     }
 
     fn try_reload(&self, skip_tried: bool) -> Result<Reloaded, FileError> {
-        let text = super::read_text(&self.path);
+        // Parsed here (the files it names read with it), built once below
+        // with the customisation.
+        let origin = Some(self.path.display().to_string());
+        let parsed = super::read_text(&self.path)
+            .map(|text| (PolicyFile::parse_unchecked(&text, origin), text));
         {
             let mut tried = self.tried.lock().unwrap_or_else(PoisonError::into_inner);
-            let seen = match &text {
-                Ok(t) => t.as_str(),
-                Err(_) => "",
+            let watched = match &parsed {
+                Ok((Ok(file), _)) => file.watched(),
+                Ok((Err(_), text)) => text.clone(),
+                Err(_) => String::new(),
             };
+            let seen = watched.as_str();
             if skip_tried && *tried == seen {
                 return Ok(Reloaded::Unchanged);
             }
@@ -291,13 +298,12 @@ impl<B, St: Store> Reloader<B, St> {
             }
             seen.clone_into(&mut tried);
         }
-        // Parsed here, built once below with the customisation.
-        let mut file = PolicyFile::parse_unchecked(&text?, Some(self.path.display().to_string()))?;
+        let mut file = parsed?.0?;
         if let Some(prepare) = &self.prepare {
             file = prepare(file)?;
         }
         let mut running = self.running.lock().unwrap_or_else(PoisonError::into_inner);
-        if *running == file.text() {
+        if running.1 == file.watched() {
             return Ok(Reloaded::Unchanged);
         }
         let customize = |b| match &self.customize {
@@ -307,7 +313,8 @@ impl<B, St: Store> Reloader<B, St> {
         // On a throwaway store first: a file that fails to build must not
         // rebind a single rule of the running store.
         file.check::<B>(customize)?;
-        let before = PolicyFile::parse_unchecked(&running, None).ok();
+        let before =
+            PolicyFile::parse_unchecked(&running.0, Some(self.path.display().to_string())).ok();
         // A changed `[store]` (where the reloader can build one): the new
         // policy goes on the new store, from nothing.
         let new_store = match (&self.restore, &before) {
@@ -397,7 +404,7 @@ impl<B, St: Store> Reloader<B, St> {
                 );
             }
         }
-        file.text().clone_into(&mut running);
+        *running = (file.text().to_owned(), file.watched());
         Ok(Reloaded::Applied)
     }
 

@@ -24,6 +24,10 @@ impl<T> Spanned<T> {
     pub(super) fn span(&self) -> std::ops::Range<usize> {
         self.0.span()
     }
+
+    pub(super) fn get_mut(&mut self) -> &mut T {
+        self.0.get_mut()
+    }
 }
 
 #[cfg(feature = "schema")]
@@ -657,8 +661,20 @@ pub(super) struct AccessSpec {
     pub(super) allow_networks: Option<Spanned<Vec<String>>>,
     #[serde(default)]
     pub(super) deny_networks: Option<Spanned<Vec<String>>>,
+    /// A file of networks to allow, one CIDR or address a line (`#`
+    /// comments), relative to the policy file; reloaded with it.
+    #[serde(default)]
+    pub(super) allow_networks_file: Option<Spanned<String>>,
+    /// A file of networks to refuse (a TOR exit list, a hosting
+    /// provider's ranges), as `allow_networks_file`.
+    #[serde(default)]
+    pub(super) deny_networks_file: Option<Spanned<String>>,
     #[serde(default)]
     pub(super) deny_by_default: Option<bool>,
+    /// What the two files held when the policy file was read (allow,
+    /// deny), or why they could not be read.
+    #[serde(skip)]
+    pub(super) loaded: [Option<Result<String, String>>; 2],
 }
 
 /// `[idempotency]`.

@@ -378,6 +378,67 @@ plans.gold = { rate = "1000/s", max_delay = "1s" }
     assert_eq!(layer.rule_names(), ["tb", "fw", "swc", "log", "swb", "lb"]);
 }
 
+/// Issue 34 item 4: `[access]` refuses the networks a file lists (a TOR
+/// exit list, a hosting provider's ranges), and a change to that file
+/// reloads like a change to the policy file.
+#[tokio::test]
+async fn a_network_list_file_is_read_and_reloaded_with_the_policy() {
+    let clock = ManualClock::new();
+    let dir = std::env::temp_dir().join(format!("tollgate-lists-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("policy.toml");
+    let list = dir.join("tor-exits.txt");
+    std::fs::write(&list, "# exits\n198.51.100.7\n\n2001:db8::/32  # a range\n").unwrap();
+    std::fs::write(
+        &path,
+        "[access]\ndeny_networks_file = \"tor-exits.txt\"\n\n[[rules]]\nname = \"r\"\nkey = \"global\"\nrate = \"100/s\"\nburst = 100\n",
+    )
+    .unwrap();
+    let (layer, reloader) = Reloader::<String, _>::load(&path, store(&clock)).unwrap();
+    let mut svc = layer.layer(ok_service());
+    let from = |ip: &str| {
+        let mut r = req("GET", "/", "k");
+        r.extensions_mut().insert(
+            format!("{ip}:4000")
+                .parse::<std::net::SocketAddr>()
+                .unwrap(),
+        );
+        r
+    };
+    assert_eq!(
+        status(&mut svc, from("198.51.100.7")).await.0,
+        StatusCode::FORBIDDEN
+    );
+    assert_eq!(
+        status(&mut svc, from("198.51.100.8")).await.0,
+        StatusCode::OK
+    );
+    // The list grows; the policy file does not change: a reload applies it.
+    std::fs::write(&list, "198.51.100.7\n198.51.100.8\n").unwrap();
+    assert_eq!(reloader.reload().unwrap(), Reloaded::Applied);
+    assert_eq!(
+        status(&mut svc, from("198.51.100.8")).await.0,
+        StatusCode::FORBIDDEN
+    );
+    assert_eq!(reloader.reload().unwrap(), Reloaded::Unchanged);
+    // A bad line: refused, naming the line; the running list stays.
+    std::fs::write(&list, "198.51.100.8\n10.0.0.0/99\n").unwrap();
+    let e = shown(&reloader.reload().unwrap_err());
+    assert!(e.contains("access.deny_networks_file: line 2:"), "{e}");
+    assert_eq!(
+        status(&mut svc, from("198.51.100.7")).await.0,
+        StatusCode::FORBIDDEN
+    );
+    // A list that cannot be read: refused at its field.
+    std::fs::remove_file(&list).unwrap();
+    let e = shown(&reloader.reload().unwrap_err());
+    assert!(
+        e.starts_with("2:22: access.deny_networks_file: cannot read"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[tokio::test]
 async fn a_reload_keeps_unchanged_rules_and_rejects_bad_files() {
     let clock = ManualClock::new();

@@ -47,6 +47,10 @@ pub enum Reason {
     /// Blocked by an escalation ladder after repeated violations; retry
     /// after the decision's `retry_after` (the block's end).
     Blocked,
+    /// The request's permit outlived the concurrency limit's
+    /// `max_lifetime` before its handler answered: HTTP 503, gRPC
+    /// `UNAVAILABLE` (a client reconnects at once).
+    Expired,
 }
 
 /// What a layer does with a request when its store answers with an error
@@ -133,7 +137,7 @@ impl Rejected {
     pub fn status(&self) -> StatusCode {
         match self.reason {
             Reason::MissingKey => StatusCode::BAD_REQUEST,
-            Reason::ReadOnly => StatusCode::SERVICE_UNAVAILABLE,
+            Reason::ReadOnly | Reason::Expired => StatusCode::SERVICE_UNAVAILABLE,
             Reason::Denied => StatusCode::FORBIDDEN,
             _ => StatusCode::TOO_MANY_REQUESTS,
         }
@@ -215,6 +219,9 @@ fn detail(kind: LimitKind, reason: Reason, rule: &str, secs: Option<&str>, limit
             "Blocked by \"{rule}\" after repeated violations; retry after {} s.",
             secs.unwrap_or("1")
         ),
+        (Reason::Expired, _) => {
+            format!("The request outlived the longest a request may last under \"{rule}\".")
+        }
     }
 }
 
@@ -275,13 +282,17 @@ fn grpc_response(
     h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
     let code = match reason {
         Reason::MissingKey => "3",
-        Reason::ReadOnly => "14",
+        Reason::ReadOnly | Reason::Expired => "14",
         Reason::Denied => "7",
         _ => "8",
     };
     h.insert("grpc-status", HeaderValue::from_static(code));
     h.insert("grpc-message", message);
-    if !matches!(reason, Reason::MissingKey | Reason::Denied) {
+    // (An expired request is retried at once: no pushback.)
+    if !matches!(
+        reason,
+        Reason::MissingKey | Reason::Denied | Reason::Expired
+    ) {
         // A negative pushback tells gRPC clients not to retry at all.
         let pushback = pushback_ms.map_or(HeaderValue::from_static("-1"), HeaderValue::from);
         h.insert("grpc-retry-pushback-ms", pushback);
@@ -336,7 +347,11 @@ impl Rendered {
         // rejection): built on the spot.
         if matches!(
             r.reason,
-            Reason::ReadOnly | Reason::Denied | Reason::Blocked | Reason::TooCostly
+            Reason::ReadOnly
+                | Reason::Denied
+                | Reason::Blocked
+                | Reason::TooCostly
+                | Reason::Expired
         ) || r.kind != self.kind
         {
             return if r.grpc {

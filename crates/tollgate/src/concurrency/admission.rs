@@ -38,17 +38,26 @@ pub(crate) struct Admitted {
 }
 
 impl Admitted {
-    /// Readies an admitted request for its call: its permit's lifetime
-    /// capped where the layer caps it (from now, its admission), and, for
-    /// an upgrade when the layer offers upgrades, its permit offered to
-    /// the handler.
-    pub(crate) fn prepare<B>(&mut self, responder: &Responder, req: &mut Request<B>) {
+    /// Caps the permit's lifetime where the layer does, from now (its
+    /// admission).
+    pub(crate) fn cap(&mut self, responder: &Responder) {
         if let (Some((max, _)), Some(holding)) = (&responder.lifetime, self.permit.as_mut()) {
             // A cap too far to name is none.
             if let Some(until) = tokio::time::Instant::now().checked_add(*max) {
                 holding.cap(until);
             }
         }
+    }
+
+    /// When the permit's lifetime ends, where it is capped (an upgrade's
+    /// too, while its handler has not taken it).
+    pub(crate) fn expires_at(&self) -> Option<tokio::time::Instant> {
+        self.permit.as_ref()?.expires_at()
+    }
+
+    /// Readies an admitted request for its call: for an upgrade, when the
+    /// layer offers upgrades, its permit offered to the handler.
+    pub(crate) fn offer<B>(&mut self, responder: &Responder, req: &mut Request<B>) {
         if responder.upgrades {
             self.offer_upgrade(responder.adaptive.as_ref(), req);
         }

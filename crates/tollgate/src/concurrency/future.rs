@@ -5,6 +5,7 @@ use std::task::{ready, Context, Poll};
 
 use http::{Request, Response};
 use pin_project_lite::pin_project;
+use tokio::time::Sleep;
 use tower_service::Service;
 
 use super::adaptive::Adaptive;
@@ -14,7 +15,7 @@ use super::permit::{Lifetime, PermitBody, Sampling};
 use super::respond::{Items, Responder};
 use crate::body::RejectionBody;
 use crate::outcome::Completion;
-use crate::rejection::Rejected;
+use crate::rejection::{LimitKind, Reason, Rejected};
 
 pin_project! {
     /// `Admitting -> Calling`, or `Rejected`. On the in-memory fast path a
@@ -40,10 +41,34 @@ pin_project! {
             #[pin]
             future: S::Future,
             admitted: Option<Admitted>,
+            // The permit's capped lifetime, which ends the wait for the
+            // handler too; and whether the request is gRPC (its answer
+            // then).
+            expires: Option<Box<(Pin<Box<Sleep>>, bool)>>,
         },
         Rejected {
             rejected: Option<(Rejected, Items)>,
         },
+    }
+}
+
+impl<S, ReqB> State<S, ReqB>
+where
+    S: Service<Request<ReqB>>,
+{
+    /// Calls `inner` with `req`: the request's handler, bounded by its
+    /// permit's lifetime where the layer caps it.
+    pub(crate) fn calling(inner: &mut S, req: Request<ReqB>, admitted: Option<Admitted>) -> Self {
+        let grpc = crate::rejection::is_grpc(&req);
+        let expires = admitted
+            .as_ref()
+            .and_then(Admitted::expires_at)
+            .map(|until| Box::new((Box::pin(tokio::time::sleep_until(until)), grpc)));
+        State::Calling {
+            future: inner.call(req),
+            admitted,
+            expires,
+        }
     }
 }
 
@@ -99,10 +124,15 @@ where
                         responder.count_route(&w.0, &admission);
                     }
                     match admission {
-                        Admission::Go(admitted) => State::Readying {
-                            admitted: Some(admitted),
-                            waiting: waiting.take(),
-                        },
+                        Admission::Go(mut admitted) => {
+                            // Its lifetime counts from now, not from when
+                            // the inner service is ready.
+                            admitted.cap(responder);
+                            State::Readying {
+                                admitted: Some(admitted),
+                                waiting: waiting.take(),
+                            }
+                        }
                         Admission::Reject(rejected, items) => State::Rejected {
                             rejected: Some((rejected, items)),
                         },
@@ -127,15 +157,43 @@ where
                     let (mut request, mut inner) = *w;
                     let mut admitted = admitted.take();
                     if let Some(a) = &mut admitted {
-                        a.prepare(responder, &mut request);
+                        a.offer(responder, &mut request);
                     }
-                    State::Calling {
-                        future: inner.call(request),
-                        admitted,
-                    }
+                    State::calling(&mut inner, request, admitted)
                 }
-                StateProj::Calling { future, admitted } => {
-                    let result = ready!(future.poll(cx));
+                StateProj::Calling {
+                    future,
+                    admitted,
+                    expires,
+                } => {
+                    let result = match future.poll(cx) {
+                        Poll::Ready(result) => result,
+                        Poll::Pending => {
+                            let Some((sleep, grpc)) = expires.as_deref_mut() else {
+                                return Poll::Pending;
+                            };
+                            ready!(sleep.as_mut().poll(cx));
+                            // The permit's lifetime ended before the
+                            // handler answered (a long poll): the handler
+                            // is given up, the permit goes back now, and
+                            // the client is told to come again.
+                            drop(admitted.take());
+                            if let Some((_, ended)) = &responder.lifetime {
+                                ended.increment(1);
+                            }
+                            let expired = Rejected {
+                                rule: Arc::clone(&responder.name),
+                                kind: LimitKind::Concurrency,
+                                reason: Reason::Expired,
+                                decision: None,
+                                grpc: *grpc,
+                            };
+                            let response = responder.reject(&expired, &Items::new(0));
+                            return Poll::Ready(Ok(
+                                response.map(|b| PermitBody::new(ResB::rejection(b), None, None))
+                            ));
+                        }
+                    };
                     let mut admitted = admitted.take();
                     let sampling = match (&responder.adaptive, admitted.as_mut()) {
                         (Some(adaptive), Some(a)) => sample_at_head(adaptive, a, &result),

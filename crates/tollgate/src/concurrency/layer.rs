@@ -400,17 +400,24 @@ impl<K, C, P, St> ConcurrencyLayerBuilder<K, C, P, St> {
 
     /// Caps how long a permit lives (000 §12: long polls, server-sent
     /// events and WebSockets need limits on how long a channel lives, not
-    /// only on how many): a response still streaming `max` after its
-    /// admission is ended there — a streamed or chunked body ends cleanly
-    /// (a body of declared length ends short, which the server reports as
-    /// a broken response), a gRPC stream ends with trailers
-    /// `grpc-status: 14` (`UNAVAILABLE`, "stream lifetime reached", so
-    /// clients reconnect) — and its permit goes back; the outcome
-    /// `lifetime_ended` counts them. An upgraded connection's permit
-    /// (see [`upgrades`](Self::upgrades)) carries the cap too:
+    /// only on how many), from the request's admission:
+    /// - a handler that has not answered by then (a long poll) is given
+    ///   up and the client told to come again: 503 without `Retry-After`
+    ///   (gRPC `UNAVAILABLE`, no pushback), [`Reason::Expired`](crate::rejection::Reason::Expired);
+    /// - a response still streaming then is ended there — a streamed or
+    ///   chunked body ends cleanly (a body of declared length ends short,
+    ///   which the server reports as a broken response), a gRPC stream
+    ///   ends with trailers `grpc-status: 14` (`UNAVAILABLE`, "stream
+    ///   lifetime reached", so clients reconnect; a layer outside that
+    ///   reads statuses sees an `UNAVAILABLE` too);
+    ///
+    /// either way its permit goes back then, and the outcome
+    /// `lifetime_ended` counts it. An upgraded connection's permit (see
+    /// [`upgrades`](Self::upgrades)) carries the cap too:
     /// [`Permit::expired`](super::Permit::expired) tells its task when to
-    /// close the connection. Default: none. Zero is a build error naming
-    /// `max_lifetime`.
+    /// close the connection (a request that says `Upgrade` but is served
+    /// as any other is capped as any other). In shadow mode nothing is
+    /// cut. Default: none. Zero is a build error naming `max_lifetime`.
     pub fn max_lifetime(mut self, max: Duration) -> Self {
         self.cfg.max_lifetime = Some(max);
         self
@@ -671,8 +678,10 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
                 adaptive: adaptive.clone(),
                 name: Arc::clone(&name),
                 upgrades: cfg.upgrades,
+                // Shadow mode changes no request: nothing is cut.
                 lifetime: cfg
                     .max_lifetime
+                    .filter(|_| !cfg.shadow)
                     .map(|max| (max, metrics.lifetime_ended.clone())),
                 route_label: cfg.route_label,
             };

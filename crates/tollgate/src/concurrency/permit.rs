@@ -294,11 +294,19 @@ impl Holding {
         }
     }
 
-    /// When the permit held here expires, if its lifetime is capped.
-    fn expires_at(&self) -> Option<Instant> {
+    /// When the permit held here expires, if its lifetime is capped: an
+    /// upgrade's too, while it waits in the slot (a request that says
+    /// `Upgrade` but is served as any other holds its permit there, and
+    /// must not outlive the cap for it).
+    pub(crate) fn expires_at(&self) -> Option<Instant> {
         match self {
             Holding::Permit(p) => p.expires_at(),
-            Holding::Upgrade(_) => None,
+            Holding::Upgrade(Offered(slot)) => slot
+                .0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .as_ref()
+                .and_then(Permit::expires_at),
         }
     }
 

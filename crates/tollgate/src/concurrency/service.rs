@@ -67,21 +67,16 @@ where
         let plan = self.shared.plans.index(&req);
         let responder = Arc::clone(&self.shared.plans.get(plan).responder);
         if !self.shared.keying.applies(&req) {
-            let state = State::Calling {
-                future: self.inner.call(req),
-                admitted: None,
-            };
+            let state = State::calling(&mut self.inner, req, None);
             return ResponseFuture::new(state, responder);
         }
         let admission = self.shared.start(&req, plan);
         responder.count_route(&req, &admission);
         let state = match admission {
             Admission::Go(mut admitted) => {
-                admitted.prepare(&responder, &mut req);
-                State::Calling {
-                    future: self.inner.call(req),
-                    admitted: Some(admitted),
-                }
+                admitted.cap(&responder);
+                admitted.offer(&responder, &mut req);
+                State::calling(&mut self.inner, req, Some(admitted))
             }
             Admission::Reject(rejected, items) => State::Rejected {
                 rejected: Some((rejected, items)),

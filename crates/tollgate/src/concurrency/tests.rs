@@ -483,6 +483,78 @@ async fn a_stream_ends_at_its_permits_lifetime_and_frees_the_permit() {
     assert_eq!(held(&layer, "k").await, 0);
 }
 
+/// A long poll whose handler has not answered by the cap is given up:
+/// the permit goes back then, and the client is told to come again (503;
+/// gRPC `UNAVAILABLE`, retried at once), not answered with a body cut
+/// before its first byte.
+#[tokio::test(start_paused = true)]
+async fn a_handler_slower_than_the_lifetime_is_given_up_at_the_cap() {
+    let layer = builder(1)
+        .max_lifetime(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(|_req: Req| async {
+        tokio::time::sleep(Duration::from_secs(3_600)).await;
+        Ok::<_, Infallible>(Response::new("late".to_owned()))
+    }));
+    let poll = tokio::spawn(svc.clone().oneshot(req("k")));
+    tokio::time::sleep(Duration::from_secs(29)).await;
+    assert_eq!(held(&layer, "k").await, 1);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(held(&layer, "k").await, 0, "released at the cap");
+    let res = poll.await.unwrap().unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(!res.headers().contains_key("retry-after"));
+    let mut grpc = req("k");
+    grpc.headers_mut()
+        .insert("content-type", "application/grpc".parse().unwrap());
+    let res = svc.oneshot(grpc).await.unwrap();
+    assert_eq!(res.headers()["grpc-status"], "14");
+    assert!(!res.headers().contains_key("grpc-retry-pushback-ms"));
+}
+
+/// Review: a request that says `Upgrade` but is served as any other (the
+/// handler never takes its offered permit) held it in the slot with no
+/// cap: its body ends at the cap like any other.
+#[tokio::test(start_paused = true)]
+async fn an_upgrade_header_does_not_escape_the_lifetime() {
+    let layer = builder(1)
+        .upgrades(true)
+        .max_lifetime(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let (inner, mut feeds) = streaming();
+    let svc = layer.layer(inner);
+    let mut sneaky = req("k");
+    sneaky.headers_mut().insert("upgrade", "x".parse().unwrap());
+    let mut body = svc.oneshot(sneaky).await.unwrap().into_body();
+    let _feed = feeds.recv().await.unwrap();
+    tokio::time::advance(Duration::from_secs(60)).await;
+    let end = tokio::time::timeout(Duration::from_secs(2), body.frame())
+        .await
+        .expect("the body ends at the cap");
+    assert!(end.is_none());
+    assert_eq!(held(&layer, "k").await, 0);
+}
+
+/// Shadow mode changes no request: a stream past the cap goes on.
+#[tokio::test(start_paused = true)]
+async fn a_shadow_layer_cuts_nothing() {
+    let layer = builder(1)
+        .shadow(true)
+        .max_lifetime(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let (inner, mut feeds) = streaming();
+    let svc = layer.layer(inner);
+    let mut body = svc.oneshot(req("k")).await.unwrap().into_body();
+    let feed = feeds.recv().await.unwrap();
+    tokio::time::advance(Duration::from_secs(120)).await;
+    feed.send(Ok(Bytes::from_static(b"still here"))).unwrap();
+    let frame = body.frame().await.unwrap().unwrap();
+    assert_eq!(frame.into_data().unwrap(), "still here");
+}
+
 /// A lifetime too long to name is no cap (and no panic).
 #[tokio::test]
 async fn an_endless_lifetime_is_no_cap() {

@@ -453,5 +453,6 @@ fn reason_name(reason: Reason) -> &'static str {
         Reason::Blocked => "blocked",
         Reason::Denied => "denied",
         Reason::ReadOnly => "read_only",
+        Reason::Expired => "expired",
     }
 }

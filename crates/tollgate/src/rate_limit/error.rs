@@ -118,6 +118,11 @@ impl fmt::Display for RateLimited {
                     self.rejected.rule
                 )
             }
+            Reason::Expired => write!(
+                f,
+                "request outlived the lifetime rule \"{}\" allows",
+                self.rejected.rule
+            ),
         }
     }
 }

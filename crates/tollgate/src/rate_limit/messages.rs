@@ -49,7 +49,7 @@ use crate::key::KeyBytes;
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]
-pub struct MessageBudget(Arc<dyn Spend>);
+pub struct MessageBudget(Arc<[Arc<dyn Spend>]>);
 
 impl fmt::Debug for MessageBudget {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -73,8 +73,8 @@ impl MessageRefused {
     }
 
     /// When the same message would be admitted; `None` when it never can
-    /// (its cost is above the rule's whole capacity), or the store failed
-    /// and the rule refuses then.
+    /// (its cost is above the rule's whole capacity). (A store that failed
+    /// under `OnStoreError::Refuse` answers 1 s.)
     pub fn retry_after(&self) -> Option<Duration> {
         self.decision.retry_after()
     }
@@ -103,59 +103,115 @@ impl std::error::Error for MessageRefused {}
 
 impl MessageBudget {
     pub(crate) fn new<L: Limiter>(limiter: L, key: KeyBytes, responder: Arc<Responder>) -> Self {
-        Self(Arc::new(Bound {
+        Self(Arc::new([Arc::new(Bound {
             limiter,
             key,
             responder,
-        }))
+        }) as Arc<dyn Spend>]))
     }
 
-    /// Decides a message of `cost` (0 peeks): admitted, it is charged to
-    /// the connection's key (on a pacing rule, once it has waited its
-    /// turn); refused, it is not. A store that fails
-    /// answers as the rule's failure policy does
+    /// This budget and `inner`'s, together: a request that passes several
+    /// rate layers carries one budget, whose messages spend on every rule
+    /// (the outer layer's first).
+    pub(crate) fn and(&self, inner: &Self) -> Self {
+        Self(self.0.iter().chain(inner.0.iter()).cloned().collect())
+    }
+
+    /// Decides a message of `cost` (0 peeks) on every rule the budget
+    /// holds (one per rate layer that offered it, the outermost first):
+    /// admitted by all, it is charged to the connection's key on each (on
+    /// a pacing rule, once it has waited its turn: dropped while it
+    /// waits, it is given back); refused by one, the others' charges are
+    /// given back and the first refusal is returned. A store that fails
+    /// answers as its rule's failure policy does
     /// ([`on_store_error`](super::RateLimitLayerBuilder::on_store_error)):
-    /// admitted by default. The rule's metrics count the outcomes
-    /// `message_allowed` and `message_limited`.
+    /// admitted by default. Each rule's metrics count the outcomes
+    /// `message_allowed` and `message_limited` (a rule in shadow mode
+    /// refuses nothing: `shadow_limited`).
     pub async fn spend(&self, cost: u64) -> Result<(), MessageRefused> {
-        let decided = match self.0.spend_sync(cost) {
-            Some(answer) => answer,
-            None => self.0.spend(cost).await,
-        };
-        let responder = self.0.responder();
-        let decision = match decided {
-            Ok(d) => d,
-            Err(e) => {
-                responder.metrics.store_error.increment(1);
-                crate::observe::store_fault("rate", &responder.rule, &e);
-                match responder.on_store_error {
-                    None => return Ok(()),
-                    Some(d) => d,
+        let mut delay = Duration::ZERO;
+        for (i, part) in self.0.iter().enumerate() {
+            match decide(&**part, cost).await {
+                Ok(wait) => delay = delay.max(wait),
+                Err(refused) => {
+                    for admitted in self.0.iter().take(i) {
+                        admitted.give_back(cost);
+                    }
+                    return Err(refused);
                 }
             }
-        };
-        if let Some(delay) = decision.delay() {
-            // A pacing rule admits a message once it has waited its turn.
-            responder.metrics.message_allowed.increment(1);
-            if !delay.is_zero() {
-                tokio::time::sleep(delay).await;
-            }
-            return Ok(());
         }
-        if responder.shadow {
-            responder.metrics.message_allowed.increment(1);
-            return Ok(());
+        if !delay.is_zero() {
+            // A pacing rule admits a message once it has waited its turn;
+            // a wait given up gives the charges back.
+            let mut pending = GiveBack(Some((self, cost)));
+            tokio::time::sleep(delay).await;
+            pending.0 = None;
         }
-        responder.metrics.message_limited.increment(1);
-        Err(MessageRefused {
-            rule: Arc::clone(&responder.rule),
-            decision,
-        })
+        Ok(())
     }
 
-    /// The rule's name.
-    pub fn rule(&self) -> &str {
-        &self.0.responder().rule
+    /// The rules' names, the outermost first, joined by `, `.
+    pub fn rule(&self) -> String {
+        let names: Vec<&str> = self.0.iter().map(|p| &*p.responder().rule).collect();
+        names.join(", ")
+    }
+}
+
+/// Gives a message's charges back if dropped while set (its pacing wait
+/// given up).
+struct GiveBack<'a>(Option<(&'a MessageBudget, u64)>);
+
+impl Drop for GiveBack<'_> {
+    fn drop(&mut self) {
+        if let Some((budget, cost)) = self.0.take() {
+            for part in budget.0.iter() {
+                part.give_back(cost);
+            }
+        }
+    }
+}
+
+/// One rule's decision of a message: admitted (after how long a wait),
+/// or refused.
+async fn decide(part: &dyn Spend, cost: u64) -> Result<Duration, MessageRefused> {
+    let decided = match part.spend_sync(cost) {
+        Some(answer) => answer,
+        None => part.spend(cost).await,
+    };
+    let responder = part.responder();
+    let decision = match decided {
+        Ok(d) => d,
+        Err(e) => {
+            responder.metrics.store_error.increment(1);
+            crate::observe::store_fault("rate", &responder.rule, &e);
+            match responder.on_store_error {
+                None => return Ok(Duration::ZERO),
+                Some(d) => d,
+            }
+        }
+    };
+    match decision.delay() {
+        // Shadow mode changes nothing: no pacing either.
+        Some(_) if responder.shadow => {
+            responder.metrics.message_allowed.increment(1);
+            Ok(Duration::ZERO)
+        }
+        Some(delay) => {
+            responder.metrics.message_allowed.increment(1);
+            Ok(delay)
+        }
+        None if responder.shadow => {
+            responder.metrics.shadow_limited.increment(1);
+            Ok(Duration::ZERO)
+        }
+        None => {
+            responder.metrics.message_limited.increment(1);
+            Err(MessageRefused {
+                rule: Arc::clone(&responder.rule),
+                decision,
+            })
+        }
     }
 }
 
@@ -163,6 +219,8 @@ impl MessageBudget {
 trait Spend: Send + Sync + 'static {
     fn spend(&self, cost: u64) -> BoxFuture<Result<Decision, StoreError>>;
     fn spend_sync(&self, cost: u64) -> Option<Result<Decision, StoreError>>;
+    /// Gives back `cost` charged earlier.
+    fn give_back(&self, cost: u64);
     fn responder(&self) -> &Responder;
 }
 
@@ -179,6 +237,12 @@ impl<L: Limiter> Spend for Bound<L> {
 
     fn spend_sync(&self, cost: u64) -> Option<Result<Decision, StoreError>> {
         self.limiter.decide_sync(self.key.as_bytes(), cost)
+    }
+
+    fn give_back(&self, cost: u64) {
+        if cost > 0 {
+            crate::task::finish(self.limiter.refund(self.key.as_bytes(), cost));
+        }
     }
 
     fn responder(&self) -> &Responder {

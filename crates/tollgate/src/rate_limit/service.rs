@@ -87,6 +87,11 @@ where
             KeyBytes::new(&mut key.clone()),
             Arc::clone(&shared.responder),
         );
+        // An outer rate layer's budget stays: messages spend on both.
+        let budget = match req.extensions_mut().remove::<super::MessageBudget>() {
+            Some(outer) => outer.and(&budget),
+            None => budget,
+        };
         req.extensions_mut().insert(budget);
     }
     let fingerprint =

@@ -804,3 +804,80 @@ async fn a_messages_store_fault_follows_the_failure_policy() {
         assert_eq!(budget.spend(1).await.is_ok(), admitted, "{on:?}");
     }
 }
+
+/// Review: with two rate layers offering budgets, the inner one's replaced
+/// the outer's, whose rule then never counted a message. One budget holds
+/// both: a message spends on each, and one refused by either is given
+/// back to the other.
+#[tokio::test]
+async fn stacked_layers_each_count_an_upgrades_messages() {
+    let clock = ManualClock::starting_at(1);
+    let shared = store(&clock);
+    let outer = RateLimitLayer::builder("per-ip", Limit::fixed_window(10, Duration::from_secs(60)))
+        .key(Header::named("x-ip").unwrap())
+        .store(shared.clone())
+        .messages(true)
+        .build()
+        .unwrap();
+    let inner = RateLimitLayer::builder("per-key", Limit::fixed_window(3, Duration::from_secs(60)))
+        .key(Header::named("x-api-key").unwrap())
+        .store(shared.clone())
+        .messages(true)
+        .build()
+        .unwrap();
+    let kept = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let k2 = std::sync::Arc::clone(&kept);
+    let svc = outer.layer(inner.layer(service_fn(move |req: Req| {
+        *k2.lock().unwrap() = req.extensions().get::<MessageBudget>().cloned();
+        ok(req)
+    })));
+    let mut upgrade = req("k");
+    upgrade
+        .headers_mut()
+        .insert("x-ip", "1.2.3.4".parse().unwrap());
+    upgrade
+        .headers_mut()
+        .insert("upgrade", "websocket".parse().unwrap());
+    assert_eq!(svc.oneshot(upgrade).await.unwrap().status(), 200);
+    let budget = kept.lock().unwrap().take().unwrap();
+    assert_eq!(budget.rule(), "per-ip, per-key");
+    budget.spend(1).await.unwrap();
+    budget.spend(1).await.unwrap();
+    // per-key (3 a minute) is spent by the upgrade and two messages.
+    let refused = budget.spend(1).await.unwrap_err();
+    assert_eq!(refused.rule(), "per-key");
+    let left = |layer: &RateLimitLayer<Header, Fixed, MemoryStore<ManualClock>>, key: &str| {
+        let mut buf = crate::key::KeyBuf::new();
+        buf.push(key.as_bytes());
+        layer.limiter().decide_now(buf.as_bytes(), 0).remaining
+    };
+    assert_eq!(left(&inner, "k"), 0);
+    assert_eq!(
+        left(&outer, "1.2.3.4"),
+        10 - 3,
+        "the refused message cost per-ip nothing"
+    );
+}
+
+/// A shadow rule refuses no message (and paces none).
+#[tokio::test]
+async fn a_shadow_rule_refuses_no_message() {
+    let clock = ManualClock::starting_at(1);
+    let layer = per_key(&clock, Limit::fixed_window(1, Duration::from_secs(60)))
+        .shadow(true)
+        .messages(true)
+        .build()
+        .unwrap();
+    let budget = MessageBudget::new(
+        layer.limiter().clone(),
+        {
+            let mut buf = crate::key::KeyBuf::new();
+            buf.push(b"k");
+            crate::key::KeyBytes::new(&mut buf)
+        },
+        layer.responder(),
+    );
+    for _ in 0..3 {
+        budget.spend(1).await.unwrap();
+    }
+}

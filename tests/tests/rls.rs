@@ -562,3 +562,47 @@ async fn a_changed_store_moves_the_envoy_service_with_the_endpoints() {
     assert_eq!((ask().await, check().await), (Code::OverLimit, 429));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Review: a `[store]` the running Envoy configuration cannot be bound on
+/// (Redis holds spans up to about 26 days; a month's window is longer)
+/// refuses the reload, naming the store, before anything moved: the
+/// endpoints and the Envoy service stay together on the old store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_the_envoy_service_cannot_move_to_refuses_the_reload() {
+    let Some(redis) = tollgate_redis::testing::Server::start() else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!(
+        "tollgate-rls-refuse-{}-{}",
+        std::process::id(),
+        rand_suffix()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let envoy = dir.join("e.yaml");
+    std::fs::write(
+        &envoy,
+        "domain: e\ndescriptors:\n  - key: k\n    rate_limit: { unit: month, requests_per_unit: 1 }\n",
+    )
+    .unwrap();
+    let policy = dir.join("policy.toml");
+    let base = format!(
+        "[server]\nenvoy = [{:?}]\n\n[[rules]]\nname = \"per-key\"\nkey = \"header:x-api-key\"\nrate = \"1/h\"\nburst = 1\n",
+        envoy.display().to_string()
+    );
+    std::fs::write(&policy, &base).unwrap();
+    let loaded = tollgate_server::Loaded::load(&policy).unwrap();
+    std::fs::write(
+        &policy,
+        format!(
+            "{base}\n[store]\nkind = \"redis\"\nurl = {:?}\nprefix = \"tg-refused-{}\"\n",
+            redis.url(),
+            rand_suffix()
+        ),
+    )
+    .unwrap();
+    let e = loaded.reloader.reload().unwrap_err().to_string();
+    assert!(e.contains("store"), "{e}");
+    assert!(e.contains("Envoy rate limit configuration"), "{e}");
+    assert!(format!("{:?}", loaded.store()).contains("Memory"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

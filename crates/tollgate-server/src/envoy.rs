@@ -150,6 +150,20 @@ pub struct Matched<'a, L> {
     pub key: Vec<u8>,
 }
 
+/// Reads each file: `(path, text)`. Errors name the file.
+pub fn read(
+    files: &[std::path::PathBuf],
+) -> Result<Vec<(std::path::PathBuf, String)>, ConfigError> {
+    files
+        .iter()
+        .map(|path| {
+            std::fs::read_to_string(path)
+                .map(|text| (path.clone(), text))
+                .map_err(|e| ConfigError(format!("{}: cannot read: {e}", path.display())))
+        })
+        .collect()
+}
+
 impl<L: Limiter> Domains<L> {
     /// Reads each file (YAML, one domain each) and binds every limit to
     /// `store`. Errors name the file and the descriptor.
@@ -157,12 +171,19 @@ impl<L: Limiter> Domains<L> {
         files: &[std::path::PathBuf],
         store: &St,
     ) -> Result<Self, ConfigError> {
+        Self::from_texts(&read(files)?, store)
+    }
+
+    /// [`load`](Self::load) from the files' texts, read already: each
+    /// `(path, text)`.
+    pub fn from_texts<St: Store<Limiter = L>>(
+        texts: &[(std::path::PathBuf, String)],
+        store: &St,
+    ) -> Result<Self, ConfigError> {
         let mut domains = BTreeMap::new();
-        for path in files {
+        for (path, text) in texts {
             let at = |m: String| ConfigError(format!("{}: {m}", path.display()));
-            let text =
-                std::fs::read_to_string(path).map_err(|e| at(format!("cannot read: {e}")))?;
-            let spec: DomainSpec = serde_yaml_ng::from_str(&text).map_err(|e| at(e.to_string()))?;
+            let spec: DomainSpec = serde_yaml_ng::from_str(text).map_err(|e| at(e.to_string()))?;
             if spec.domain.is_empty() {
                 return Err(at("domain: is empty".to_owned()));
             }

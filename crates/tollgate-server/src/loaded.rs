@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use axum::body::Body;
 use tollgate::config::{PolicyFile, Reloader, ServerSettings, Tollgate};
 use tollgate::store::AnyLimiter;
-use tollgate::{AnyStore, MemoryStore};
+use tollgate::{AnyStore, MemoryStore, Store};
 
 use crate::envoy::Domains;
 use crate::rls::Rls;
@@ -56,12 +56,24 @@ impl Loaded {
     /// connection task), after the metrics recorder is installed (each
     /// limit registers its metrics when it is built). Errors name the
     /// file, line and field (an Envoy file's, its descriptor).
+    ///
+    /// A reload that changes `[store]` is refused (the running policy
+    /// stays) if the Envoy configuration running cannot be bound on the
+    /// new store.
     pub fn load(path: impl AsRef<Path>) -> Result<Self, crate::BoxError> {
         let path = path.as_ref();
-        let settings = PolicyFile::read(path)?.server()?;
+        let file = PolicyFile::read(path)?;
+        let settings = file.server()?;
         let envoy: Arc<OnceLock<Arc<Envoy>>> = Arc::default();
         // Set to the file's store below, before a reload can run.
         let current: Arc<Mutex<AnyStore>> = Arc::new(Mutex::new(MemoryStore::new().into()));
+        let check = {
+            let envoy = Arc::clone(&envoy);
+            move |new: &AnyStore| match envoy.get() {
+                Some(envoy) => envoy.check(new),
+                None => Ok(()),
+            }
+        };
         let moved = {
             let (envoy, current) = (Arc::clone(&envoy), Arc::clone(&current));
             move |new: &AnyStore| {
@@ -71,7 +83,7 @@ impl Loaded {
                 *current.lock().unwrap_or_else(PoisonError::into_inner) = new.clone();
             }
         };
-        let (gate, reloader, store) = Tollgate::decisions_from_file(path, moved)?;
+        let (gate, reloader, store) = Tollgate::decisions_from_file(path, &file, check, moved)?;
         *current.lock().unwrap_or_else(PoisonError::into_inner) = store.clone();
         let loaded_envoy = if settings.envoy.is_empty() {
             None
@@ -111,14 +123,14 @@ impl Loaded {
 /// Envoy's rate limit service over its configuration files, on the store
 /// the policy file's limits decide on: [`rls`](Self::rls) serves it;
 /// [`watch`](Self::watch) reloads the files; a policy reload that changes
-/// `[store]` moves it.
+/// `[store]` moves it (the configuration running, on the new store).
 pub struct Envoy {
     files: Vec<PathBuf>,
     rls: Rls<AnyLimiter>,
-    /// The store its descriptors are bound to; held while they are bound
-    /// and swapped in, so a reload of the files and a move to a new store
-    /// never cross.
-    on: Mutex<AnyStore>,
+    /// The store its descriptors are bound to and the files' texts they
+    /// were bound from; held while they are bound and swapped in, so a
+    /// reload of the files and a move to a new store never cross.
+    running: Mutex<(AnyStore, Vec<(PathBuf, String)>)>,
 }
 
 impl std::fmt::Debug for Envoy {
@@ -132,11 +144,12 @@ impl std::fmt::Debug for Envoy {
 impl Envoy {
     /// The service over `files`' descriptors on `store`.
     pub fn load(files: Vec<PathBuf>, store: AnyStore) -> Result<Self, crate::BoxError> {
-        let domains = Domains::load(&files, &store)?;
+        let texts = crate::envoy::read(&files)?;
+        let domains = Domains::from_texts(&texts, &store)?;
         Ok(Self {
             files,
             rls: Rls::new(domains),
-            on: Mutex::new(store),
+            running: Mutex::new((store, texts)),
         })
     }
 
@@ -145,17 +158,31 @@ impl Envoy {
         self.rls.clone()
     }
 
-    /// Binds the descriptors on `store`, new to them, and decides there
-    /// from now. Descriptors that cannot be bound there stay where they
-    /// are, said in the log.
+    fn running(&self) -> std::sync::MutexGuard<'_, (AnyStore, Vec<(PathBuf, String)>)> {
+        self.running.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether the configuration running binds on `store` (through a
+    /// handle that binds nothing).
+    fn check(&self, store: &AnyStore) -> Result<(), String> {
+        let running = self.running();
+        Domains::from_texts(&running.1, &store.checking())
+            .map(drop)
+            .map_err(|e| format!("the Envoy rate limit configuration: {e}"))
+    }
+
+    /// Binds the configuration running on `store`, new to it (checked by
+    /// [`check`](Self::check) before the policy moved), and decides there
+    /// from now.
     fn move_to(&self, store: &AnyStore) {
-        let mut on = self.on.lock().unwrap_or_else(PoisonError::into_inner);
-        match Domains::load(&self.files, store) {
+        let mut running = self.running();
+        match Domains::from_texts(&running.1, store) {
             Ok(domains) => {
                 self.rls.replace(domains);
-                *on = store.clone();
+                running.0 = store.clone();
                 tracing::info!("Envoy rate limit service moved to the new [store]");
             }
+            // Checked before the move: only a store that changed its mind.
             Err(e) => tracing::error!(
                 error = %e,
                 "Envoy rate limit configuration cannot be bound on the new [store]; \
@@ -170,8 +197,23 @@ impl Envoy {
     pub fn watch(self: &Arc<Self>, poll: std::time::Duration) -> tokio::task::JoinHandle<()> {
         let this = Arc::clone(self);
         crate::rls::watch_files(self.files.clone(), poll, move |files| {
-            let on = this.on.lock().unwrap_or_else(PoisonError::into_inner);
-            crate::rls::reload(files, &*on, &this.rls);
+            let mut running = this.running();
+            let loaded = crate::envoy::read(files).and_then(|texts| {
+                Domains::from_texts(&texts, &running.0.checking())?;
+                let domains = Domains::from_texts(&texts, &running.0.rebinding())?;
+                Ok((domains, texts))
+            });
+            match loaded {
+                Ok((domains, texts)) => {
+                    this.rls.replace(domains);
+                    running.1 = texts;
+                    tracing::info!("Envoy rate limit configuration reloaded");
+                }
+                Err(e) => tracing::error!(
+                    error = %e,
+                    "Envoy rate limit configuration rejected; the running one stays"
+                ),
+            }
         })
     }
 }

@@ -565,19 +565,25 @@ impl Tollgate<crate::AnyStore> {
     pub fn from_file(
         path: impl AsRef<std::path::Path>,
     ) -> Result<(Self, super::Reloader<Body, crate::AnyStore>), FileError> {
-        let (gate, reloader, _) = Self::from_file_as(path.as_ref(), false, |_| {})?;
+        let path = path.as_ref();
+        let file = PolicyFile::read(path)?;
+        let (gate, reloader, _) = Self::from_file_as(path, &file, false, |_| Ok(()), |_| {})?;
         Ok((gate, reloader))
     }
 
-    /// [`from_file`](Self::from_file) for a decision server
-    /// ([`for_decisions`](Self::for_decisions): limits the file declares
-    /// that a decision cannot hold are refused), and `moved` called with
-    /// each new store a reload moves the limits to (after they moved), so
-    /// that whatever else decides on the file's store (an Envoy rate limit
-    /// service) moves with them. Returns the store the limits start on.
+    /// [`from_file`](Self::from_file) for a decision server, from `file`
+    /// (read from `path`): [`for_decisions`](Self::for_decisions)'s limits
+    /// (what a decision cannot hold is refused), and two hooks for
+    /// whatever else decides on the file's store (an Envoy rate limit
+    /// service): a reload that changes `[store]` asks `check` whether it
+    /// can move to the new store (an error refuses the reload, naming
+    /// `store`, before anything moved), then calls `moved` with it once
+    /// the limits moved. Returns the store the limits start on.
     #[allow(clippy::type_complexity)]
-    pub fn decisions_from_file<M>(
+    pub fn decisions_from_file<C, M>(
         path: impl AsRef<std::path::Path>,
+        file: &PolicyFile,
+        check: C,
         moved: M,
     ) -> Result<
         (
@@ -588,17 +594,20 @@ impl Tollgate<crate::AnyStore> {
         FileError,
     >
     where
+        C: Fn(&crate::AnyStore) -> Result<(), String> + Send + Sync + 'static,
         M: Fn(&crate::AnyStore) + Send + Sync + 'static,
     {
-        Self::from_file_as(path.as_ref(), true, moved)
+        Self::from_file_as(path.as_ref(), file, true, check, moved)
     }
 
     /// [`from_file`](Self::from_file), or [`decisions_from_file`](Self::decisions_from_file)
     /// when `decisions`; and the store the limits start on.
     #[allow(clippy::type_complexity)]
-    fn from_file_as<M>(
+    fn from_file_as<C, M>(
         path: &std::path::Path,
+        file: &PolicyFile,
         decisions: bool,
+        check: C,
         moved: M,
     ) -> Result<
         (
@@ -609,17 +618,26 @@ impl Tollgate<crate::AnyStore> {
         FileError,
     >
     where
+        C: Fn(&crate::AnyStore) -> Result<(), String> + Send + Sync + 'static,
         M: Fn(&crate::AnyStore) + Send + Sync + 'static,
     {
-        let file = PolicyFile::read(path)?;
         let store = file.store()?;
         let gate = if decisions {
-            Self::for_decisions(&file, &store)?
+            Self::for_decisions(file, &store)?
         } else {
-            Self::new(&file, &store)?
+            Self::new(file, &store)?
         };
-        let reloader = gate.reloader(path, &file, store.clone(), |b| b).restore(
-            PolicyFile::store,
+        let reloader = gate.reloader(path, file, store.clone(), |b| b).restore(
+            move |file: &PolicyFile| {
+                let store = file.store()?;
+                check(&store).map_err(|m| {
+                    file.config_error(&crate::ConfigError::new(
+                        "store",
+                        format!("the new store cannot be moved to: {m}"),
+                    ))
+                })?;
+                Ok(store)
+            },
             move |old: crate::AnyStore, new: &crate::AnyStore| {
                 moved(new);
                 // Leases the old store still holds go back to it, not lapse.

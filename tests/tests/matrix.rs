@@ -156,6 +156,10 @@ const ROWS: &[Row] = &[
         check: |c| Box::pin(long_bodies(c)),
     },
     Row {
+        name: "4b a channel past its lifetime ends cleanly and gives its permit back",
+        check: |c| Box::pin(lifetimes(c)),
+    },
+    Row {
         name: "5 cancellation and panics leak no permit",
         check: |c| Box::pin(cancellation(c)),
     },
@@ -421,6 +425,8 @@ struct Spec {
     /// The routes the limit is scoped to (method, pattern); every route
     /// if `None`.
     routes: Option<(&'static str, &'static str)>,
+    /// The concurrency limit's `max_lifetime`.
+    max_lifetime: Option<Duration>,
 }
 
 fn aimd_5() -> AdaptiveLimit {
@@ -445,6 +451,7 @@ impl Default for Spec {
             rule: "m",
             budget: BUDGET,
             routes: None,
+            max_lifetime: None,
         }
     }
 }
@@ -536,6 +543,9 @@ where
                 b = b
                     .adaptive_service_limit("svc", (spec.adaptive)())
                     .read_only_above(0.5, Duration::from_secs(60));
+            }
+            if let Some(max) = spec.max_lifetime {
+                b = b.max_lifetime(max);
             }
             let built = b.build().unwrap();
             let handle = built.clone();
@@ -1210,6 +1220,88 @@ async fn long_bodies(cell: Cell<'_>) -> CellResult {
             })?;
         }
         drop(streams);
+    }
+    Ok(Verdict::Pass)
+}
+
+// ---------------------------------------------------------------------------
+// Row 4b: a concurrency limit's `max_lifetime` ends a stream still running
+// then, cleanly, and its permit comes back; a request that says `Upgrade`
+// but is served as any other is no way round it (issue 34 item 3).
+
+async fn lifetimes(cell: Cell<'_>) -> CellResult {
+    match cell.layer {
+        Layer::Concurrency | Layer::Adaptive => {}
+        Layer::Retry => {
+            return Ok(Verdict::NotApplicable(
+                "a client layer: holds nothing while a channel lives",
+            ))
+        }
+        Layer::Rate | Layer::Policy | Layer::Quota => {
+            return Ok(Verdict::NotApplicable(
+                "charges on arrival and holds no permit while a channel lives: a channel's \
+                 lifetime is the ConcurrencyLayer's max_lifetime",
+            ))
+        }
+        Layer::Bandwidth => {
+            return Ok(Verdict::NotApplicable(
+                "paces a channel's bytes and holds no permit while it lives: a channel's \
+                 lifetime is the ConcurrencyLayer's max_lifetime",
+            ))
+        }
+    }
+    let backend = Backend::default();
+    let spec = Spec {
+        adaptive: gradient_16,
+        max_lifetime: Some(Duration::from_millis(300)),
+        ..Spec::default()
+    };
+    let s = serve(cell, spec, &backend, true).await;
+    let upgrade: &[(&str, &str)] = &[("upgrade", "websocket"), ("connection", "upgrade")];
+    for (what, headers) in [
+        ("event streams", &[][..]),
+        ("streams that say Upgrade", upgrade),
+    ] {
+        let mut streams = Vec::new();
+        for i in 0..BUDGET {
+            let o = open_with(s.addr, "/long", "chan", headers).await;
+            expect(o.status == StatusCode::OK, || {
+                format!("{what}: stream {i}: HTTP {}", o.status)
+            })?;
+            streams.push(o);
+        }
+        let full = send(s.addr, req(Method::GET, "/s", Some(b"chan")))
+            .await
+            .unwrap();
+        expect(full.status == StatusCode::TOO_MANY_REQUESTS, || {
+            format!(
+                "{what}: the key's permits held, a new request got HTTP {}",
+                full.status
+            )
+        })?;
+        // Each ends by itself at the cap (well within 10 s), without an
+        // error: the client reads a whole response.
+        for (i, o) in streams.iter_mut().enumerate() {
+            let ended = tokio::time::timeout(Duration::from_secs(10), async {
+                while let Some(frame) = o._body.frame().await {
+                    frame.map_err(|e| e.to_string())?;
+                }
+                Ok::<(), String>(())
+            })
+            .await;
+            expect(matches!(ended, Ok(Ok(()))), || {
+                format!("{what}: stream {i} did not end cleanly at its lifetime: {ended:?}")
+            })?;
+        }
+        let again = send(s.addr, req(Method::GET, "/s", Some(b"chan")))
+            .await
+            .unwrap();
+        expect(again.status == StatusCode::OK, || {
+            format!(
+                "{what}: after the streams ended, a new request got HTTP {}",
+                again.status
+            )
+        })?;
     }
     Ok(Verdict::Pass)
 }

@@ -142,6 +142,7 @@
 //! | `config` | no | `tollgate::config`: every limit declared in a TOML policy file — one `Tollgate` layer (with `axum`) or each layer by name — validated with line and field, reloaded on SIGHUP and on change |
 //! | `schema` | no | `config::json_schema`: a JSON Schema of the policy file (shipped as `policy.schema.json`); implies `config` |
 //! | `tz` | no | IANA time zones for quotas (`calendar::Zone::iana`, through `jiff`): days from local midnight to local midnight across daylight saving time |
+//! | `geoip` | no | coarse network keys from a MaxMind-format database (`key::GeoIp`: the client's autonomous system or country; in policy files `[geoip]` and the key parts `asn`, `country`), through `maxminddb` |
 
 #![forbid(unsafe_code)]
 // The crate README, so that its example is compiled and run as a test.

@@ -65,7 +65,7 @@
 //! | field | meaning |
 //! |---|---|
 //! | `name` | the rule's name in headers, store keys and metrics |
-//! | `key` | alternatives split by `\|`, each parts joined by `+`: `header:<name>`, `fingerprint:<name>,<name>...` (a client fingerprint from up to 8 headers, e.g. `fingerprint:x-ja4,user-agent`: see [`ClientFingerprint`](crate::key::ClientFingerprint)), `client-ip`, `peer-ip`, `path`, `route`, `method`, `global` |
+//! | `key` | alternatives split by `\|`, each parts joined by `+`: `header:<name>`, `fingerprint:<name>,<name>...` (a client fingerprint from up to 8 headers, e.g. `fingerprint:x-ja4,user-agent`: see [`ClientFingerprint`](crate::key::ClientFingerprint)), `client-ip`, `peer-ip`, `path`, `route`, `method`, `global`, `asn` and `country` (the client address's autonomous system or country, from `[geoip]`'s databases: `[geoip] asn = "GeoLite2-ASN.mmdb"`, `country = "GeoLite2-Country.mmdb"`, relative to the policy file, feature `geoip`) |
 //! | `algorithm` | `gcra` (default), `token_bucket`, `fixed_window`, `sliding_window` (counter), `sliding_log`, `sliding_buckets`, `leaky_bucket` |
 //! | `rate` | `"10/s"`, `"600/min"`, `"5/15m"`: for GCRA the sustained rate, for the token bucket the refill, for windows the limit per window, for the leaky bucket the drain rate |
 //! | `burst = N` | GCRA's burst, the token bucket's capacity (not for windows or the leaky bucket) |
@@ -310,11 +310,11 @@ pub(super) fn read_text(path: &Path) -> Result<String, FileError> {
 /// file's directory, `origin`'s) into the spec, and returns what they
 /// held, for a reload to compare.
 fn read_lists(spec: &mut spec::FileSpec, origin: Option<&str>) -> String {
-    let Some(access) = spec.access.as_mut().map(spec::Spanned::get_mut) else {
-        return String::new();
-    };
     let dir = origin.and_then(|o| Path::new(o).parent());
-    let mut watched = String::new();
+    let mut watched = read_geoip(spec, dir);
+    let Some(access) = spec.access.as_mut().map(spec::Spanned::get_mut) else {
+        return watched;
+    };
     let files = [
         access
             .allow_networks_file
@@ -341,6 +341,51 @@ fn read_lists(spec: &mut spec::FileSpec, origin: Option<&str>) -> String {
             Err(e) => watched.push_str(e),
         }
         *loaded = Some(read);
+    }
+    watched
+}
+
+/// Reads the `[geoip]` databases into the spec (feature `geoip`), and
+/// returns what identifies their contents, for a reload to compare.
+fn read_geoip(spec: &mut spec::FileSpec, dir: Option<&Path>) -> String {
+    let Some(geoip) = spec.geoip.as_mut().map(spec::Spanned::get_mut) else {
+        return String::new();
+    };
+    let files = [
+        geoip.asn.as_ref().map(|f| f.get_ref().clone()),
+        geoip.country.as_ref().map(|f| f.get_ref().clone()),
+    ];
+    let mut watched = String::new();
+    for (i, (file, loaded)) in files.into_iter().zip(geoip.loaded.iter_mut()).enumerate() {
+        let Some(file) = file else { continue };
+        let path = match dir {
+            Some(d) => d.join(&file),
+            None => std::path::PathBuf::from(&file),
+        };
+        let bytes =
+            std::fs::read(&path).map_err(|e| format!("cannot read {}: {e}", path.display()));
+        // A digest, not the database: a reload compares it.
+        let digest = bytes.as_ref().map_or(0, |b| {
+            use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+            BuildHasherDefault::<DefaultHasher>::default().hash_one(b)
+        });
+        watched.push_str(&format!("\0geoip:{file}\0{digest:x}"));
+        #[cfg(feature = "geoip")]
+        {
+            let field = if i == 0 {
+                crate::key::GeoField::Asn
+            } else {
+                crate::key::GeoField::Country
+            };
+            *loaded = Some(bytes.and_then(|b| {
+                crate::key::GeoIp::from_bytes(b, field).map_err(|e| e.message().to_owned())
+            }));
+        }
+        #[cfg(not(feature = "geoip"))]
+        {
+            let _ = (i, bytes);
+            *loaded = Some(Err("[geoip] needs tollgate's geoip feature".to_owned()));
+        }
     }
     watched
 }

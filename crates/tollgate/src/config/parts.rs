@@ -21,6 +21,8 @@ enum Part {
     Global,
     #[cfg(feature = "axum")]
     Route,
+    #[cfg(feature = "geoip")]
+    Geo(crate::key::GeoIp),
 }
 
 impl<B> KeyExtractor<B> for Part {
@@ -35,6 +37,8 @@ impl<B> KeyExtractor<B> for Part {
             Part::Global => Global.extract(req, key),
             #[cfg(feature = "axum")]
             Part::Route => crate::key::Route.extract(req, key),
+            #[cfg(feature = "geoip")]
+            Part::Geo(g) => g.extract(req, key),
         }
     }
 }
@@ -97,9 +101,15 @@ impl<B> KeyExtractor<B> for FileKey {
 impl FileKey {
     /// Reads a key: alternatives split by `|`, parts joined by `+`; a
     /// part is `header:<name>`, `fingerprint:<name>,<name>...`,
-    /// `client-ip`, `peer-ip`, `path`, `route`, `method` or `global`.
-    /// `client` is the `client-ip` extractor.
-    pub(super) fn parse(text: &str, client: &ClientIp, v6_prefix: u8) -> Result<Self, String> {
+    /// `client-ip`, `peer-ip`, `path`, `route`, `method`, `global`, or
+    /// `asn` and `country` (from `geo`, the `[geoip]` databases). `client`
+    /// is the `client-ip` extractor.
+    pub(super) fn parse(
+        text: &str,
+        client: &ClientIp,
+        v6_prefix: u8,
+        geo: &super::spec::Geo,
+    ) -> Result<Self, String> {
         let mut alternatives = Vec::new();
         for parts in super::spec::key_parts(text) {
             let mut all = Vec::with_capacity(parts.len());
@@ -112,6 +122,7 @@ impl FileKey {
                     "global" => Part::Global,
                     #[cfg(feature = "axum")]
                     "route" => Part::Route,
+                    "asn" | "country" => geo_part(part, client, geo)?,
                     _ => match (part.strip_prefix("header:"), part.strip_prefix("fingerprint:")) {
                         (Some(name), _) => Part::Header(
                             Header::named(name.trim()).map_err(|e| e.message().to_owned())?,
@@ -122,7 +133,7 @@ impl FileKey {
                         ),
                         _ => {
                             return Err(format!(
-                                "{part:?} is not a key part (header:<name>, fingerprint:<name>,<name>..., client-ip, peer-ip, path, route, method, global)"
+                                "{part:?} is not a key part (header:<name>, fingerprint:<name>,<name>..., client-ip, peer-ip, path, route, method, global, asn, country)"
                             ))
                         }
                     },
@@ -138,6 +149,25 @@ impl FileKey {
         Ok(Self(alternatives.fold(first, |acc, next| {
             Node::Or(Arc::new(Or::new(acc, next)))
         })))
+    }
+}
+
+/// The key part `asn` or `country`: the client address's, in the
+/// `[geoip]` database the file names.
+fn geo_part(part: &str, client: &ClientIp, geo: &super::spec::Geo) -> Result<Part, String> {
+    let loaded = if part == "asn" { &geo[0] } else { &geo[1] };
+    match loaded {
+        None => Err(format!(
+            "the key part {part} needs [geoip] {part} = \"<database>\""
+        )),
+        Some(Err(e)) => Err(format!("[geoip] {part}: {e}")),
+        #[cfg(feature = "geoip")]
+        Some(Ok(db)) => Ok(Part::Geo(db.clone().client_ip(client.clone()))),
+        #[cfg(not(feature = "geoip"))]
+        Some(Ok(())) => {
+            let _ = client;
+            Err("[geoip] needs tollgate's geoip feature".to_owned())
+        }
     }
 }
 

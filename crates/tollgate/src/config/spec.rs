@@ -114,6 +114,9 @@ pub(super) struct FileSpec {
     pub(super) bandwidth: Vec<Spanned<BandwidthSpec>>,
     #[serde(default)]
     pub(super) access: Option<Spanned<AccessSpec>>,
+    /// MaxMind-format databases for the key parts `asn` and `country`.
+    #[serde(default)]
+    pub(super) geoip: Option<Spanned<GeoIpSpec>>,
     #[serde(default)]
     pub(super) idempotency: Option<Spanned<IdempotencySpec>>,
     #[serde(default)]
@@ -675,6 +678,40 @@ pub(super) struct AccessSpec {
     /// deny), or why they could not be read.
     #[serde(skip)]
     pub(super) loaded: [Option<Result<String, String>>; 2],
+}
+
+/// `[geoip]`: the databases the key parts `asn` and `country` read (paths
+/// relative to the policy file; feature `geoip`).
+#[derive(Clone, Debug, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub(super) struct GeoIpSpec {
+    /// An ASN database (GeoLite2-ASN).
+    #[serde(default)]
+    pub(super) asn: Option<Spanned<String>>,
+    /// A country database (GeoIP2-Country, GeoLite2-Country, -City).
+    #[serde(default)]
+    pub(super) country: Option<Spanned<String>>,
+    /// The databases as read (asn, country), or why they could not be.
+    #[serde(skip)]
+    pub(super) loaded: Geo,
+}
+
+/// The `[geoip]` databases as read: (asn, country).
+#[cfg(feature = "geoip")]
+pub(super) type Geo = [Option<Result<crate::key::GeoIp, String>>; 2];
+/// Without the `geoip` feature no database is read.
+#[cfg(not(feature = "geoip"))]
+pub(super) type Geo = [Option<Result<(), String>>; 2];
+
+/// No `[geoip]`.
+pub(super) static NO_GEO: Geo = [None, None];
+
+impl FileSpec {
+    /// The `[geoip]` databases as read.
+    pub(super) fn geo(&self) -> &Geo {
+        self.geoip.as_ref().map_or(&NO_GEO, |g| &g.get_ref().loaded)
+    }
 }
 
 /// `[idempotency]`.

@@ -112,9 +112,21 @@ async fn a_file_declares_what_the_builder_does() {
 fn file_keys_write_the_same_store_keys_as_code() {
     use crate::key::{ClientIp, Header, KeyBuf, KeyExtractor, KeyExtractorExt};
     let client = ClientIp::trusting(["10.0.0.0/8"]).unwrap();
-    let file = FileKey::parse("header:x-api-key | client-ip", &client, 64).unwrap();
+    let file = FileKey::parse(
+        "header:x-api-key | client-ip",
+        &client,
+        64,
+        &super::spec::NO_GEO,
+    )
+    .unwrap();
     let code = Header::named("x-api-key").unwrap().or(client.clone());
-    let three = FileKey::parse("header:a | header:b + path | global", &client, 64).unwrap();
+    let three = FileKey::parse(
+        "header:a | header:b + path | global",
+        &client,
+        64,
+        &super::spec::NO_GEO,
+    )
+    .unwrap();
     let three_code = Header::named("a")
         .unwrap()
         .or((Header::named("b").unwrap(), crate::key::Path))
@@ -434,6 +446,75 @@ async fn a_network_list_file_is_read_and_reloaded_with_the_policy() {
     let e = shown(&reloader.reload().unwrap_err());
     assert!(
         e.starts_with("2:22: access.deny_networks_file: cannot read"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 34 item 4: a rule per autonomous system, from `[geoip]`'s
+/// database: a scraper's addresses rotating within one ASN share one
+/// budget; an address the database does not hold has no key.
+#[cfg(feature = "geoip")]
+#[tokio::test]
+async fn a_rule_per_autonomous_system_from_the_files_database() {
+    use std::net::Ipv4Addr;
+    let clock = ManualClock::new();
+    let dir = std::env::temp_dir().join(format!("tollgate-geoip-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("asn.mmdb"),
+        crate::key::geo::testing::database(&[
+            (Ipv4Addr::new(198, 51, 100, 0), 24, 64_500, "DE"),
+            (Ipv4Addr::new(203, 0, 113, 0), 24, 64_500, "DE"),
+        ]),
+    )
+    .unwrap();
+    let path = dir.join("policy.toml");
+    std::fs::write(
+        &path,
+        "[geoip]\nasn = \"asn.mmdb\"\n\n[[rules]]\nname = \"per-asn\"\nkey = \"asn\"\nalgorithm = \"fixed_window\"\nrate = \"2/10s\"\nmissing_key = \"skip\"\n",
+    )
+    .unwrap();
+    let layer = PolicyFile::read(&path)
+        .unwrap()
+        .layer::<String, _>(&store(&clock))
+        .unwrap();
+    let mut svc = layer.layer(ok_service());
+    let from = |ip: &str| {
+        let mut r = req("GET", "/", "k");
+        r.extensions_mut().insert(
+            format!("{ip}:4000")
+                .parse::<std::net::SocketAddr>()
+                .unwrap(),
+        );
+        r
+    };
+    assert_eq!(
+        status(&mut svc, from("198.51.100.1")).await.0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        status(&mut svc, from("203.0.113.9")).await.0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        status(&mut svc, from("198.51.100.77")).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // Not in the database: no key, skipped.
+    for _ in 0..3 {
+        assert_eq!(status(&mut svc, from("192.0.2.1")).await.0, StatusCode::OK);
+    }
+    // A key part whose database is not declared, or cannot be read.
+    let e = error("[[rules]]\nname = \"a\"\nkey = \"country\"\nrate = \"1/s\"\nburst = 1\n");
+    assert!(
+        e.starts_with("3:7: rules[0].key: the key part country needs [geoip] country"),
+        "{e}"
+    );
+    std::fs::write(dir.join("asn.mmdb"), b"garbage").unwrap();
+    let e = shown(&PolicyFile::read(&path).unwrap_err());
+    assert!(
+        e.contains("rules[0].key: [geoip] asn: not a MaxMind DB database"),
         "{e}"
     );
     let _ = std::fs::remove_dir_all(&dir);

@@ -418,11 +418,15 @@ impl<B, A: KeyExtractor<B>, O: KeyExtractor<B>> KeyExtractor<B> for Or<A, O> {
     }
 }
 
+#[cfg(feature = "geoip")]
+pub(crate) mod geo;
 mod ip;
 mod missing;
 mod peer;
 pub(crate) mod request;
 
+#[cfg(feature = "geoip")]
+pub use geo::{GeoField, GeoIp};
 pub use ip::{peer_addr, ClientIp, ForwardedHeader, PeerIp, DEFAULT_IPV6_PREFIX};
 pub use missing::MissingKey;
 pub(crate) use missing::{Keyed, Keying};

@@ -131,6 +131,9 @@ pub struct Envoy {
     /// were bound from; held while they are bound and swapped in, so a
     /// reload of the files and a move to a new store never cross.
     running: Mutex<(AnyStore, Vec<(PathBuf, String)>)>,
+    /// The texts [`check`](Self::check) found bind on a new store: what a
+    /// move binds if the files reloaded in between do not.
+    checked: Mutex<Vec<(PathBuf, String)>>,
 }
 
 impl std::fmt::Debug for Envoy {
@@ -150,6 +153,7 @@ impl Envoy {
             files,
             rls: Rls::new(domains),
             running: Mutex::new((store, texts)),
+            checked: Mutex::default(),
         })
     }
 
@@ -165,10 +169,11 @@ impl Envoy {
     /// Whether the configuration running binds on `store` (through a
     /// handle that binds nothing).
     fn check(&self, store: &AnyStore) -> Result<(), String> {
-        let running = self.running();
-        Domains::from_texts(&running.1, &store.checking())
-            .map(drop)
-            .map_err(|e| format!("the Envoy rate limit configuration: {e}"))
+        let texts = self.running().1.clone();
+        Domains::from_texts(&texts, &store.checking())
+            .map_err(|e| format!("the Envoy rate limit configuration: {e}"))?;
+        *self.checked.lock().unwrap_or_else(PoisonError::into_inner) = texts;
+        Ok(())
     }
 
     /// Binds the configuration running on `store`, new to it (checked by
@@ -176,10 +181,23 @@ impl Envoy {
     /// from now.
     fn move_to(&self, store: &AnyStore) {
         let mut running = self.running();
-        match Domains::from_texts(&running.1, store) {
-            Ok(domains) => {
+        // The texts running, or — if the files reloaded since the check
+        // and theirs do not bind there — the ones the check bound.
+        let checked =
+            std::mem::take(&mut *self.checked.lock().unwrap_or_else(PoisonError::into_inner));
+        let bound = match Domains::from_texts(&running.1, store) {
+            Ok(domains) => Ok((domains, None)),
+            Err(e) => Domains::from_texts(&checked, store)
+                .map(|domains| (domains, Some(checked)))
+                .map_err(|_| e),
+        };
+        match bound {
+            Ok((domains, texts)) => {
                 self.rls.replace(domains);
                 running.0 = store.clone();
+                if let Some(texts) = texts {
+                    running.1 = texts;
+                }
                 tracing::info!("Envoy rate limit service moved to the new [store]");
             }
             // Checked before the move: only a store that changed its mind.

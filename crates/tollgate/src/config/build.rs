@@ -679,6 +679,19 @@ pub(super) fn builder<B>(
     if let Some(a) = &file.access {
         b = b.access(access(a, &client)?);
     }
+    // A database named but not read is an error where it is named, used
+    // by a rule or not.
+    if let Some(g) = &file.geoip {
+        let g = g.get_ref();
+        for ((named, field), loaded) in [(&g.asn, "geoip.asn"), (&g.country, "geoip.country")]
+            .into_iter()
+            .zip(&g.loaded)
+        {
+            if let (Some(named), Some(Err(e))) = (named, loaded) {
+                return Err(at(named, field.to_owned(), e.clone()));
+            }
+        }
+    }
     if let Some(idem) = &file.idempotency {
         let s = idem.get_ref();
         let key = FileKey::parse(s.key.get_ref(), &client, v6_prefix, file.geo())
@@ -916,6 +929,22 @@ fn rule(
             ));
         }
         rule = rule.slow_down(strikes, period, hold, &steps);
+        // A request whose cost the file knows must fit every step's share
+        // of the limit (charged the whole burst otherwise, it would keep
+        // more than the step's share).
+        if let (Some((cost, what)), Some(&least)) = (costliest.as_ref(), steps.last()) {
+            let kept = base.capacity().saturating_mul(u64::from(least)) / 100;
+            if *cost > kept {
+                return Err(at(
+                    &sd.steps,
+                    field("slow_down.steps"),
+                    format!(
+                        "{least} % of the limit keeps {kept}, less than {what} costs ({cost}): \
+                         such a request would not be slowed"
+                    ),
+                ));
+            }
+        }
     }
     for (plan, p) in &r.plans {
         let LimitSpec {
@@ -1008,11 +1037,17 @@ fn access(a: &Spanned<super::spec::AccessSpec>, client: &ClientIp) -> Result<Acc
             } else {
                 list.deny_networks([cidr])
             };
-            list = added.map_err(|e| {
+            // The line is not repeated: a file named by mistake (a
+            // secret's) must not be printed in an error.
+            list = added.map_err(|_| {
                 at(
                     file,
                     field.to_owned(),
-                    format!("line {}: {}", n.saturating_add(1), e.message()),
+                    format!(
+                        "line {}: not a network (a CIDR such as 192.0.2.0/24, or an address; \
+                         allowed networks no wider than /8 for IPv4, /32 for IPv6)",
+                        n.saturating_add(1)
+                    ),
                 )
             })?;
         }

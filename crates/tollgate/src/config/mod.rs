@@ -206,9 +206,10 @@ pub struct PolicyFile {
     spec: spec::FileSpec,
     text: String,
     origin: Option<String>,
-    /// What the files the text names (`[access]`'s network lists) held
-    /// when it was read: a reload compares them too.
-    lists: String,
+    /// The stamps (length, modification time) of the files the text
+    /// names (`[access]`'s network lists, `[geoip]`'s databases) when it
+    /// was read: a reload compares them too.
+    stamps: String,
 }
 
 /// Where the file came from and how many rules it holds — never its text:
@@ -306,88 +307,105 @@ pub(super) fn read_text(path: &Path) -> Result<String, FileError> {
     })
 }
 
-/// Reads the network list files `[access]` names (relative to the policy
-/// file's directory, `origin`'s) into the spec, and returns what they
-/// held, for a reload to compare.
-fn read_lists(spec: &mut spec::FileSpec, origin: Option<&str>) -> String {
-    let dir = origin.and_then(|o| Path::new(o).parent());
-    let mut watched = read_geoip(spec, dir);
-    let Some(access) = spec.access.as_mut().map(spec::Spanned::get_mut) else {
-        return watched;
+/// The most bytes a network list file may hold.
+const MAX_LIST_BYTES: u64 = 64 << 20;
+/// The most bytes a `[geoip]` database may hold.
+const MAX_DATABASE_BYTES: u64 = 1 << 30;
+
+/// The files a policy names, resolved against its directory (`dir`, the
+/// policy file's; the working directory for a text without one): the
+/// network lists (allow, deny) and the `[geoip]` databases (asn,
+/// country), in that order.
+fn named_files(spec: &spec::FileSpec, dir: Option<&Path>) -> [Option<std::path::PathBuf>; 4] {
+    let at = |f: Option<&spec::Spanned<String>>| {
+        f.map(|f| match dir {
+            Some(d) => d.join(f.get_ref()),
+            None => std::path::PathBuf::from(f.get_ref()),
+        })
     };
-    let files = [
-        access
-            .allow_networks_file
-            .as_ref()
-            .map(|f| f.get_ref().clone()),
-        access
-            .deny_networks_file
-            .as_ref()
-            .map(|f| f.get_ref().clone()),
-    ];
-    for (file, loaded) in files.into_iter().zip(access.loaded.iter_mut()) {
-        let Some(file) = file else { continue };
-        let path = match dir {
-            Some(d) => d.join(&file),
-            None => std::path::PathBuf::from(&file),
-        };
-        let read = std::fs::read_to_string(&path)
-            .map_err(|e| format!("cannot read {}: {e}", path.display()));
-        watched.push('\0');
-        watched.push_str(&file);
-        watched.push('\0');
-        match &read {
-            Ok(t) => watched.push_str(t),
-            Err(e) => watched.push_str(e),
-        }
-        *loaded = Some(read);
-    }
-    watched
+    let access = spec.access.as_ref().map(spec::Spanned::get_ref);
+    let geoip = spec.geoip.as_ref().map(spec::Spanned::get_ref);
+    [
+        at(access.and_then(|a| a.allow_networks_file.as_ref())),
+        at(access.and_then(|a| a.deny_networks_file.as_ref())),
+        at(geoip.and_then(|g| g.asn.as_ref())),
+        at(geoip.and_then(|g| g.country.as_ref())),
+    ]
 }
 
-/// Reads the `[geoip]` databases into the spec (feature `geoip`), and
-/// returns what identifies their contents, for a reload to compare.
-fn read_geoip(spec: &mut spec::FileSpec, dir: Option<&Path>) -> String {
-    let Some(geoip) = spec.geoip.as_mut().map(spec::Spanned::get_mut) else {
-        return String::new();
-    };
-    let files = [
-        geoip.asn.as_ref().map(|f| f.get_ref().clone()),
-        geoip.country.as_ref().map(|f| f.get_ref().clone()),
-    ];
-    let mut watched = String::new();
-    for (i, (file, loaded)) in files.into_iter().zip(geoip.loaded.iter_mut()).enumerate() {
-        let Some(file) = file else { continue };
-        let path = match dir {
-            Some(d) => d.join(&file),
-            None => std::path::PathBuf::from(&file),
+/// What a poll compares of the files a policy names, without reading
+/// them: each one's length and modification time (or why it cannot be
+/// read).
+fn stamps(files: &[Option<std::path::PathBuf>; 4]) -> String {
+    let mut out = String::new();
+    for path in files.iter().flatten() {
+        let stamp = match std::fs::metadata(path) {
+            Ok(m) => format!("{}:{:?}", m.len(), m.modified().ok()),
+            Err(e) => e.kind().to_string(),
         };
-        let bytes =
-            std::fs::read(&path).map_err(|e| format!("cannot read {}: {e}", path.display()));
-        // A digest, not the database: a reload compares it.
-        let digest = bytes.as_ref().map_or(0, |b| {
-            use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
-            BuildHasherDefault::<DefaultHasher>::default().hash_one(b)
-        });
-        watched.push_str(&format!("\0geoip:{file}\0{digest:x}"));
-        #[cfg(feature = "geoip")]
-        {
-            let field = if i == 0 {
-                crate::key::GeoField::Asn
-            } else {
-                crate::key::GeoField::Country
-            };
-            *loaded = Some(bytes.and_then(|b| {
-                crate::key::GeoIp::from_bytes(b, field).map_err(|e| e.message().to_owned())
-            }));
-        }
-        #[cfg(not(feature = "geoip"))]
-        {
-            let _ = (i, bytes);
-            *loaded = Some(Err("[geoip] needs tollgate's geoip feature".to_owned()));
+        out.push_str(&format!("\0{}\0{stamp}", path.display()));
+    }
+    out
+}
+
+/// Reads a file the policy names: a regular file of at most `max` bytes
+/// (never a device, a pipe or a directory, which could hang or fill the
+/// reload). Errors name the path, never the contents.
+fn read_named(path: &Path, max: u64) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    let cannot = |e: &dyn std::fmt::Display| format!("cannot read {}: {e}", path.display());
+    let meta = std::fs::metadata(path).map_err(|e| cannot(&e))?;
+    if !meta.is_file() {
+        return Err(cannot(&"not a regular file"));
+    }
+    if meta.len() > max {
+        return Err(cannot(&format_args!("larger than {} MiB", max >> 20)));
+    }
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(max).read_to_end(&mut bytes))
+        .map_err(|e| cannot(&e))?;
+    Ok(bytes)
+}
+
+/// Reads the files the policy names into the spec: the network lists
+/// (text) and, with the `geoip` feature, the databases.
+fn read_files(spec: &mut spec::FileSpec, files: &[Option<std::path::PathBuf>; 4]) {
+    let [allow, deny, asn, country] = files;
+    if let Some(access) = spec.access.as_mut().map(spec::Spanned::get_mut) {
+        for (path, loaded) in [allow, deny].into_iter().zip(access.loaded.iter_mut()) {
+            *loaded = path.as_ref().map(|p| {
+                read_named(p, MAX_LIST_BYTES).and_then(|b| {
+                    String::from_utf8(b).map_err(|_| format!("{}: not text", p.display()))
+                })
+            });
         }
     }
-    watched
+    if let Some(geoip) = spec.geoip.as_mut().map(spec::Spanned::get_mut) {
+        for (i, (path, loaded)) in [asn, country]
+            .into_iter()
+            .zip(geoip.loaded.iter_mut())
+            .enumerate()
+        {
+            let Some(path) = path else { continue };
+            #[cfg(feature = "geoip")]
+            {
+                let field = if i == 0 {
+                    crate::key::GeoField::Asn
+                } else {
+                    crate::key::GeoField::Country
+                };
+                *loaded = Some(read_named(path, MAX_DATABASE_BYTES).and_then(|b| {
+                    crate::key::GeoIp::from_bytes(b, field).map_err(|e| e.message().to_owned())
+                }));
+            }
+            #[cfg(not(feature = "geoip"))]
+            {
+                let _ = (i, path, MAX_DATABASE_BYTES);
+                *loaded = Some(Err("[geoip] needs tollgate's geoip feature".to_owned()));
+            }
+        }
+    }
 }
 
 /// The 1-based line and column (in characters) of byte `offset`.
@@ -424,21 +442,37 @@ impl PolicyFile {
     /// Parses `text` and checks its fields, but does not build it (the
     /// caller checks the build, e.g. with its own customisation).
     pub(super) fn parse_unchecked(text: &str, origin: Option<String>) -> Result<Self, FileError> {
-        let mut spec: spec::FileSpec =
+        let mut file = Self::parse_shape(text, origin)?;
+        let files = named_files(&file.spec, file.dir());
+        read_files(&mut file.spec, &files);
+        Ok(file)
+    }
+
+    /// Parses `text` without reading the files it names (their stamps
+    /// only: what a poll compares).
+    pub(super) fn parse_shape(text: &str, origin: Option<String>) -> Result<Self, FileError> {
+        let spec: spec::FileSpec =
             toml::from_str(text).map_err(|e| build::serde_error(text, origin.as_deref(), &e))?;
-        let lists = read_lists(&mut spec, origin.as_deref());
-        Ok(Self {
+        let mut file = Self {
             spec,
             text: text.to_owned(),
             origin,
-            lists,
-        })
+            stamps: String::new(),
+        };
+        file.stamps = stamps(&named_files(&file.spec, file.dir()));
+        Ok(file)
     }
 
-    /// The text and what the files it names held: what a reload compares
-    /// to tell whether anything changed.
+    /// Where the files the text names are: the policy file's directory.
+    fn dir(&self) -> Option<&Path> {
+        self.origin.as_deref().and_then(|o| Path::new(o).parent())
+    }
+
+    /// The text and the stamps of the files it names (length and
+    /// modification time): what a reload compares to tell whether
+    /// anything changed.
     pub(super) fn watched(&self) -> String {
-        format!("{}{}", self.text, self.lists)
+        format!("{}{}", self.text, self.stamps)
     }
 
     /// Checks everything a store does not decide by building the file's

@@ -65,8 +65,9 @@ pub struct Reloader<B, St: Store> {
     customize: Option<Customize<B>>,
     prepare: Option<Prepare>,
     also: Option<Also<St>>,
-    /// The text of the policy running, and with it what the files it
-    /// names held ([`PolicyFile::watched`]): a change to either reloads.
+    /// The text of the policy running, and with it the stamps of the
+    /// files it names ([`PolicyFile::watched`]): a change to either
+    /// reloads.
     running: Mutex<(String, String)>,
     /// The text (and files) last tried, applied or not: polls skip it, so
     /// a bad file is reported once, not on every poll.
@@ -268,16 +269,15 @@ impl<B, St: Store> Reloader<B, St> {
     }
 
     fn try_reload(&self, skip_tried: bool) -> Result<Reloaded, FileError> {
-        // Parsed here (the files it names read with it), built once below
-        // with the customisation.
+        // What a poll compares: the text, and the stamps of the files it
+        // names (not their contents: a poll reads no list or database).
         let origin = Some(self.path.display().to_string());
-        let parsed = super::read_text(&self.path)
-            .map(|text| (PolicyFile::parse_unchecked(&text, origin), text));
+        let text = super::read_text(&self.path);
         {
             let mut tried = self.tried.lock().unwrap_or_else(PoisonError::into_inner);
-            let watched = match &parsed {
-                Ok((Ok(file), _)) => file.watched(),
-                Ok((Err(_), text)) => text.clone(),
+            let watched = match &text {
+                Ok(t) => PolicyFile::parse_shape(t, origin.clone())
+                    .map_or_else(|_| t.clone(), |f| f.watched()),
                 Err(_) => String::new(),
             };
             let seen = watched.as_str();
@@ -298,7 +298,9 @@ impl<B, St: Store> Reloader<B, St> {
             }
             seen.clone_into(&mut tried);
         }
-        let mut file = parsed?.0?;
+        // Parsed here (the files it names read with it), built once below
+        // with the customisation.
+        let mut file = PolicyFile::parse_unchecked(&text?, origin)?;
         if let Some(prepare) = &self.prepare {
             file = prepare(file)?;
         }
@@ -313,8 +315,9 @@ impl<B, St: Store> Reloader<B, St> {
         // On a throwaway store first: a file that fails to build must not
         // rebind a single rule of the running store.
         file.check::<B>(customize)?;
+        // (Compared by sections: the files it names are not read again.)
         let before =
-            PolicyFile::parse_unchecked(&running.0, Some(self.path.display().to_string())).ok();
+            PolicyFile::parse_shape(&running.0, Some(self.path.display().to_string())).ok();
         // A changed `[store]` (where the reloader can build one): the new
         // policy goes on the new store, from nothing.
         let new_store = match (&self.restore, &before) {
@@ -420,18 +423,25 @@ impl<B, St: Store> Reloader<B, St> {
         B: Send + 'static,
         St::Limiter: Send + Sync,
     {
+        let this = Arc::new(self);
         tokio::spawn(async move {
             let mut triggers = Triggers::new(poll);
             loop {
                 // `true`: a SIGHUP, which retries even a file tried before.
                 let signalled = triggers.next().await;
                 // Errors are logged and counted; a file already tried is
-                // not tried again until it changes (or SIGHUP).
-                let _ = if signalled {
-                    self.reload()
-                } else {
-                    self.poll_once()
-                };
+                // not tried again until it changes (or SIGHUP). Off the
+                // runtime's workers: a reload reads files and builds
+                // limits (a large list, a database).
+                let reloader = Arc::clone(&this);
+                let _ = tokio::task::spawn_blocking(move || {
+                    if signalled {
+                        reloader.reload()
+                    } else {
+                        reloader.poll_once()
+                    }
+                })
+                .await;
             }
         })
     }

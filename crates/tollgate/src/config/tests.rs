@@ -434,9 +434,13 @@ async fn a_network_list_file_is_read_and_reloaded_with_the_policy() {
     );
     assert_eq!(reloader.reload().unwrap(), Reloaded::Unchanged);
     // A bad line: refused, naming the line; the running list stays.
-    std::fs::write(&list, "198.51.100.8\n10.0.0.0/99\n").unwrap();
+    std::fs::write(&list, "198.51.100.8\n10.0.0.0/99 hunter2\n").unwrap();
     let e = shown(&reloader.reload().unwrap_err());
-    assert!(e.contains("access.deny_networks_file: line 2:"), "{e}");
+    assert!(
+        e.contains("access.deny_networks_file: line 2: not a network"),
+        "{e}"
+    );
+    assert!(!e.contains("hunter2"), "a line is never repeated: {e}");
     assert_eq!(
         status(&mut svc, from("198.51.100.7")).await.0,
         StatusCode::FORBIDDEN
@@ -517,6 +521,16 @@ async fn a_rule_per_autonomous_system_from_the_files_database() {
         e.contains("rules[0].key: [geoip] asn: not a MaxMind DB database"),
         "{e}"
     );
+    // A database named and not read is an error where it is named, used
+    // or not; a directory is not a database.
+    std::fs::write(
+        &path,
+        "[geoip]\ncountry = \".\"\n\n[[rules]]\nname = \"g\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\n",
+    )
+    .unwrap();
+    let e = shown(&PolicyFile::read(&path).unwrap_err());
+    assert!(e.starts_with("2:11: geoip.country: cannot read"), "{e}");
+    assert!(e.contains("not a regular file"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -714,6 +728,12 @@ fn a_slowing_ladders_errors_name_its_fields() {
         "{rule}slow_down = {{ strikes = 3, period = \"1m\", hold = \"0s\", steps = [50] }}\n"
     ));
     assert!(e.starts_with("6:50: rules[0].slow_down.hold:"), "{e}");
+    // A step that keeps less of the limit than a request costs.
+    let e = error("[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 4\ncost = 3\nslow_down = { strikes = 3, period = \"1m\", hold = \"1m\", steps = [50, 25] }\n");
+    assert!(
+        e.contains("rules[0].slow_down.steps: 25 % of the limit keeps 1, less than every request costs (3)"),
+        "{e}"
+    );
     let both = format!(
         "{rule}escalate = {{ strikes = 3, period = \"1m\", block = \"1m\", max_block = \"1h\" }}\nslow_down = {{ strikes = 3, period = \"1m\", hold = \"1m\", steps = [50] }}\n"
     );

@@ -73,6 +73,22 @@ impl GeoIp {
     pub fn from_bytes(bytes: Vec<u8>, field: GeoField) -> Result<Self, ConfigError> {
         let db = Reader::from_source(bytes)
             .map_err(|e| ConfigError::new("geoip", format!("not a MaxMind DB database: {e}")))?;
+        // Another kind of database answers every address with no key:
+        // said once, when it is read.
+        let kind = &db.metadata().database_type;
+        let expected = match field {
+            GeoField::Asn => ["ASN", "ISP"],
+            GeoField::Country => ["Country", "City"],
+        };
+        if !expected.iter().any(|e| kind.contains(e)) {
+            tracing::warn!(
+                target: "tollgate",
+                database_type = %kind,
+                ?field,
+                "a MaxMind database of another kind than this key reads: addresses it has no \
+                 field for get no key"
+            );
+        }
         Ok(Self {
             db: Arc::new(db),
             field,

@@ -78,8 +78,11 @@ impl<B> KeyExtractor<B> for Header {
 /// being part of it (a client that sends no `User-Agent` is told apart
 /// from one that does); when every header is absent there is no key (the
 /// rule's [`MissingKey`](crate::key::MissingKey) decides: pair it with an
-/// address key, or skip). Each header's first value counts, trimmed, up
-/// to 512 bytes of it. 1 to 8 headers.
+/// address key, or skip). Each header's last value counts (an edge proxy
+/// that appends its value puts it after any the client sent; one that
+/// sets it replaces them), trimmed, up to 512 bytes of it. 1 to 8
+/// headers. Read only headers the edge sets: a value the client chooses
+/// is a key the client chooses.
 ///
 /// ```
 /// use tollgate::key::ClientFingerprint;
@@ -124,7 +127,8 @@ impl<B> KeyExtractor<B> for ClientFingerprint {
     fn extract(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()> {
         let mut any = false;
         for name in self.0.iter() {
-            match req.headers().get(name).map(|v| v.as_bytes().trim_ascii()) {
+            let last = req.headers().get_all(name).iter().next_back();
+            match last.map(|v| v.as_bytes().trim_ascii()) {
                 Some(value) => {
                     any = true;
                     let value = value.get(..Self::MAX_VALUE).unwrap_or(value);
@@ -328,6 +332,16 @@ mod tests {
             Some(key.as_bytes().to_vec())
         };
         let bot = key_of(&[("x-ja4", b"t13d1516h2"), ("user-agent", b"curl/8")]).unwrap();
+        // A value the client sends before the edge's appended one is not
+        // read: the edge's, last, is.
+        assert_eq!(
+            key_of(&[
+                ("x-ja4", b"chosen-by-client"),
+                ("x-ja4", b"t13d1516h2"),
+                ("user-agent", b"curl/8")
+            ]),
+            Some(bot.clone())
+        );
         // The same client with another API key or address: the same key.
         assert_eq!(
             key_of(&[

@@ -561,7 +561,7 @@ impl Walk {
 
     /// Strikes: rule `i`'s strike; the longest block it starts (or finds
     /// running) is kept.
-    fn on_strike<B, L>(
+    fn on_strike<B, L: Limiter>(
         &mut self,
         shared: &Shared<B, L>,
         i: usize,
@@ -573,7 +573,7 @@ impl Walk {
                     self.longest = Some((i, for_ns));
                 }
             }
-            Ok(Strike::Slowed { level, .. }) => self.stepped_down(i, level),
+            Ok(Strike::Slowed { level, .. }) => self.stepped_down(shared, i, level),
             Ok(Strike::Counted { .. }) => {}
             Err(e) => ladder_fault(shared, i, &e),
         }
@@ -581,26 +581,54 @@ impl Walk {
 
     /// Rule `i`'s refusal put the key on step `level` of its slowing
     /// ladder. The refusal says so: its headers state the lowered limit,
-    /// and its wait is one a request charged the step's cost can keep —
-    /// no sooner than the rule's budget is whole (`reset_after`; the wait
-    /// for the old cost would bring the client back to be refused again,
-    /// a strike further down). The longest wait names the refusal.
-    fn stepped_down(&mut self, i: usize, level: u32) {
+    /// and its wait is one a request charged the step's cost can keep (the
+    /// wait for the old cost would bring the client back to be refused
+    /// again, a strike further down): the wait for the old cost plus the
+    /// time the rule takes to free the difference at its steady rate, or
+    /// — for a token bucket, which frees in steps — until its budget is
+    /// whole; never longer than that. The longest wait names the refusal.
+    fn stepped_down<B, L: Limiter>(&mut self, shared: &Shared<B, L>, i: usize, level: u32) {
+        let was = u32::from(self.report.slowed(i));
         if let Some(slot) = self.report.slowed.get_mut(i) {
             *slot = u8::try_from(level).unwrap_or(u8::MAX);
+        }
+        let (Some(rule), Some(Some((d, cost)))) = (shared.rules.get(i), self.report.decided.get(i))
+        else {
+            return;
+        };
+        let (d, cost) = (*d, *cost);
+        let (Outcome::Deny { retry_after }, Some(ladder)) = (d.outcome, &rule.ladder) else {
+            return;
+        };
+        let limit = rule.at(self.report.plan).0.rule();
+        // What the next request will be charged: this one's, from the
+        // step it had to the step it has now (both exact multiples).
+        let steps = ladder.rule().escalation();
+        let next = cost
+            .checked_div(steps.charge(1, was))
+            .unwrap_or(cost)
+            .saturating_mul(steps.charge(1, level))
+            .min(limit.capacity());
+        let more = next.saturating_sub(cost);
+        let wait = match limit.algorithm() {
+            _ if more == 0 => retry_after,
+            tollgate_core::Algorithm::TokenBucket(_) => d.reset_after,
+            _ => {
+                // window × more / capacity, rounded up.
+                let freed = u128::from(limit.window())
+                    .saturating_mul(u128::from(more))
+                    .div_ceil(u128::from(limit.capacity().max(1)));
+                let freed = u64::try_from(freed).unwrap_or(u64::MAX);
+                retry_after.saturating_add(freed).min(d.reset_after)
+            }
+        }
+        .max(retry_after);
+        if let Some(Some((d, _))) = self.report.decided.get_mut(i) {
+            d.outcome = Outcome::Deny { retry_after: wait };
         }
         let wait_of = |report: &super::decide::Report, rule: usize| match report.decided.get(rule) {
             Some(Some((d, _))) => d.retry_after().map(|w| w.as_nanos()),
             _ => None,
-        };
-        let Some(Some((d, _))) = self.report.decided.get_mut(i) else {
-            return;
-        };
-        let Outcome::Deny { retry_after } = d.outcome else {
-            return;
-        };
-        d.outcome = Outcome::Deny {
-            retry_after: retry_after.max(d.reset_after),
         };
         if let Verdict::Deny {
             rule,

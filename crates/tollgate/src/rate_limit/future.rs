@@ -12,6 +12,7 @@ use tower_service::Service;
 
 use super::error::RateLimited;
 use super::shared::Responder;
+use super::Settle;
 use crate::body::RejectionBody;
 use crate::key::Fingerprint;
 use crate::rejection::{is_grpc, LimitKind, Reason, Rejected};
@@ -32,6 +33,7 @@ pin_project! {
             waiting: Option<Box<(Request<ReqB>, S)>>,
             key: Option<Fingerprint>,
             refund: Option<RefundFn>,
+            settle: Option<Box<Settle>>,
         },
         Pacing {
             sleep: Pin<Box<Sleep>>,
@@ -40,11 +42,14 @@ pin_project! {
             // Gives the cost back if the request is cancelled while it
             // waits its turn; defused once it goes.
             refund: Refund,
+            settle: Option<Box<Settle>>,
         },
         Calling {
             #[pin]
             future: S::Future,
             decision: Option<Decision>,
+            // What it really cost, settled once its response is known.
+            settle: Option<Box<Settle>>,
         },
         Rejected {
             rejected: Option<Rejected>,
@@ -138,6 +143,7 @@ impl Drop for Refund {
 /// The state that follows a decision (or a store failure). `refund`
 /// gives the cost back, for a paced request that is cancelled while it
 /// waits.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn decided<S, ReqB, D>(
     result: Result<Decision, StoreError>,
     request: Request<ReqB>,
@@ -145,6 +151,7 @@ pub(crate) fn decided<S, ReqB, D>(
     responder: &Responder,
     key: Option<Fingerprint>,
     refund: impl FnOnce() -> Option<RefundFn>,
+    settle: Option<Box<Settle>>,
 ) -> State<S, ReqB, D>
 where
     S: Service<Request<ReqB>> + Clone,
@@ -154,12 +161,27 @@ where
         Err(error) => {
             responder.metrics.store_error.increment(1);
             crate::observe::store_fault("rate", &responder.rule, &error);
-            // Admitted (the default), or refused as a closed store would.
+            // Admitted (the default), or refused as a closed store would
+            // (below). Either way nothing was charged.
             match responder.on_store_error {
                 Some(closed) => closed,
-                None => return State::calling(inner.call(request)),
+                None => {
+                    if let Some(s) = settle {
+                        s.unpaid();
+                    }
+                    return State::calling(inner.call(request));
+                }
             }
         }
+    };
+    // A refusal charged nothing either.
+    let settle = match (decision.is_allowed(), settle) {
+        (true, settle) => settle,
+        (false, Some(s)) => {
+            s.unpaid();
+            None
+        }
+        (false, None) => None,
     };
     let m = &responder.metrics;
     m.record_remaining(&decision);
@@ -184,10 +206,12 @@ where
         Outcome::Allow { .. } if responder.shadow => State::Calling {
             future: inner.call(request),
             decision: None,
+            settle,
         },
         Outcome::Allow { delay: 0 } => State::Calling {
             future: inner.call(request),
             decision: Some(decision),
+            settle,
         },
         // Needs tokio's timer (a runtime with time enabled, as axum's and
         // tonic's servers have).
@@ -196,6 +220,7 @@ where
             waiting: Some(Box::new((request, inner.clone_for_later()))),
             decision,
             refund: Refund(refund()),
+            settle,
         },
         Outcome::Deny { .. } | Outcome::Never => {
             let reason = if decision.outcome == Outcome::Never {
@@ -214,10 +239,7 @@ where
                 );
             }
             if responder.shadow {
-                State::Calling {
-                    future: inner.call(request),
-                    decision: None,
-                }
+                State::calling(inner.call(request))
             } else {
                 State::Rejected {
                     rejected: Some(Rejected {
@@ -236,7 +258,7 @@ where
 }
 
 pub(crate) enum Finished<R> {
-    Response(R, Option<Decision>),
+    Response(R, Option<Decision>, Option<Box<Settle>>),
     Rejected(Rejected),
 }
 
@@ -248,6 +270,7 @@ where
         Self::Calling {
             future,
             decision: None,
+            settle: None,
         }
     }
 
@@ -266,6 +289,7 @@ where
                     waiting,
                     key,
                     refund,
+                    settle,
                 } => {
                     let result = ready!(decide.poll(cx));
                     let Some(waiting) = waiting.take() else {
@@ -280,6 +304,7 @@ where
                         responder,
                         *key,
                         || refund,
+                        settle.take(),
                     )
                 }
                 StateProj::Pacing {
@@ -287,13 +312,19 @@ where
                     waiting,
                     decision,
                     refund,
+                    settle,
                 } => State::Calling {
                     future: ready!(poll_paced(cx, sleep, waiting, refund))?,
                     decision: Some(*decision),
+                    settle: settle.take(),
                 },
-                StateProj::Calling { future, decision } => {
+                StateProj::Calling {
+                    future,
+                    decision,
+                    settle,
+                } => {
                     let response = ready!(future.poll(cx))?;
-                    return Poll::Ready(Ok(Finished::Response(response, *decision)));
+                    return Poll::Ready(Ok(Finished::Response(response, *decision, settle.take())));
                 }
                 StateProj::Rejected { rejected } => {
                     return match rejected.take() {
@@ -351,8 +382,11 @@ where
         let this = self.project();
         let responder: &Responder = this.responder;
         Poll::Ready(Ok(match ready!(this.state.poll_state(cx, responder))? {
-            Finished::Response(response, decision) => {
+            Finished::Response(response, decision, settle) => {
                 let mut response = response;
+                if let Some(s) = settle {
+                    s.finish(&response);
+                }
                 if let Some(d) = decision {
                     responder.headers.apply(response.headers_mut(), &d, false);
                 }
@@ -407,7 +441,10 @@ where
         let this = self.project();
         let responder: &Responder = this.responder;
         match ready!(this.state.poll_state(cx, responder)).map_err(Into::into)? {
-            Finished::Response(mut response, decision) => {
+            Finished::Response(mut response, decision, settle) => {
+                if let Some(s) = settle {
+                    s.finish(&response);
+                }
                 if let Some(d) = decision {
                     responder.headers.apply(response.headers_mut(), &d, false);
                 }

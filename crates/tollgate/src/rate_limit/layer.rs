@@ -76,6 +76,7 @@ impl RateLimitLayer<PeerIp, Fixed, MemoryStore> {
                 route_label: false,
                 routes: None,
                 messages: false,
+                charge_after: None,
             },
         }
     }
@@ -173,6 +174,7 @@ struct Config {
     route_label: bool,
     routes: Option<crate::Routes>,
     messages: bool,
+    charge_after: Option<super::Measure>,
 }
 
 impl<K: fmt::Debug, C: fmt::Debug, St> fmt::Debug for RateLimitLayerBuilder<K, C, St> {
@@ -300,6 +302,27 @@ impl<K, C, St: Store> RateLimitLayerBuilder<K, C, St> {
         self
     }
 
+    /// Charges what a request really cost once its response is known
+    /// (000 §12: expensive business logic), measured by `measure` — the
+    /// handler's time, the response's length, or what the handler
+    /// reports in an [`ActualCost`](super::ActualCost) extension. The
+    /// request is admitted on its estimate (the layer's cost function);
+    /// once the response's head is known a cost below the estimate is
+    /// given back, and one above it is owed and paid by the key's next
+    /// requests, on top of their own cost, as far as the rule's capacity
+    /// allows each (the rest stays owed). So a key's costly calls wait as
+    /// long as their real cost takes to free, and a cheap one does not pay
+    /// for the worst case. Debts are kept by this process (up to 100,000
+    /// keys, each up to 100 times the rule's capacity; beyond, what fits
+    /// is charged at once): in a fleet a key pays its debt on the
+    /// instance it incurred it on. A request the rule refuses pays none
+    /// of it; in shadow mode nothing is measured. A `per` of zero is a
+    /// build error naming `charge_after`.
+    pub fn charge_after(mut self, measure: super::Measure) -> Self {
+        self.cfg.charge_after = Some(measure);
+        self
+    }
+
     /// Validates the rule and binds it to the store. Registers the layer's
     /// [metrics](crate::observe) with the recorder installed now.
     pub fn build(self) -> Result<RateLimitLayer<K, C, St>, ConfigError> {
@@ -307,6 +330,36 @@ impl<K, C, St: Store> RateLimitLayerBuilder<K, C, St> {
         let rule = Rule::new(&cfg.name, cfg.limit)?;
         crate::Routes::check(cfg.routes.as_ref())?;
         let limiter = self.store.limiter(&rule)?;
+        use tollgate_core::Limiter as _;
+        let debts = match cfg.charge_after {
+            Some(
+                super::Measure::Elapsed {
+                    per: std::time::Duration::ZERO,
+                }
+                | super::Measure::ResponseBytes { per: 0 },
+            ) => {
+                return Err(ConfigError::new(
+                    "charge_after",
+                    "a unit must be worth more than zero (time or bytes)",
+                ))
+            }
+            // Shadow mode changes nothing: no debts.
+            Some(_) if cfg.shadow => None,
+            Some(measure) => {
+                let (give, take) = (limiter.clone(), limiter.clone());
+                Some(Arc::new(super::Debts::new(
+                    measure,
+                    rule.capacity(),
+                    Arc::new(move |key: &[u8], units| {
+                        crate::task::finish(give.refund(key, units));
+                    }),
+                    Arc::new(move |key: &[u8], units| {
+                        crate::task::finish(take.decide(key, units));
+                    }),
+                )))
+            }
+            None => None,
+        };
         Ok(RateLimitLayer {
             shared: Arc::new(Shared {
                 key: self.key,
@@ -314,6 +367,7 @@ impl<K, C, St: Store> RateLimitLayerBuilder<K, C, St> {
                 limiter,
                 keying: Keying::new(cfg.missing).scoped(cfg.routes),
                 messages: cfg.messages,
+                debts,
                 responder: Arc::new(Responder {
                     rule: rule.name().into(),
                     headers: Headers::new(&rule, cfg.headers, cfg.legacy_headers),

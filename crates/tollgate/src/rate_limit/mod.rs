@@ -38,6 +38,7 @@
 //! `Router::route_layer` limits only matched routes (404s are not counted)
 //! and gives [`Route`](crate::key::Route) the route template.
 
+mod after;
 mod error;
 mod future;
 mod layer;
@@ -48,6 +49,8 @@ mod shared;
 pub(crate) mod tests;
 
 pub use crate::key::MissingKey;
+pub use after::{ActualCost, Measure};
+pub(crate) use after::{Debts, Settle};
 pub use error::RateLimited;
 pub(crate) use future::{poll_paced, Inner, Refund, RefundFn};
 pub use future::{ErrorFuture, ResponseFuture};

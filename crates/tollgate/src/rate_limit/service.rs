@@ -80,7 +80,24 @@ where
             };
         }
     }
-    let cost = shared.cost.cost(&req);
+    let estimate = shared.cost.cost(&req);
+    // Where the rule charges what requests really cost, the key pays what
+    // it owes on top of this request's estimate, as far as the rule's
+    // capacity allows.
+    let (cost, settle) = match &shared.debts {
+        Some(debts) => {
+            let room = shared.limiter.rule().capacity().saturating_sub(estimate);
+            let paid = debts.take(key.as_bytes(), room);
+            let settle = super::Settle::new(
+                Arc::clone(debts),
+                KeyBytes::new(&mut key.clone()),
+                estimate,
+                paid,
+            );
+            (estimate.saturating_add(paid), Some(Box::new(settle)))
+        }
+        None => (estimate, None),
+    };
     if shared.messages && crate::rejection::is_upgrade(&req) {
         let budget = super::MessageBudget::new(
             shared.limiter.clone(),
@@ -117,6 +134,7 @@ where
             &shared.responder,
             fingerprint,
             || refund(&mut key),
+            settle,
         );
     }
     let decide = shared.limiter.decide(key.as_bytes(), cost);
@@ -129,6 +147,7 @@ where
         waiting: Some(Box::new((req, ready))),
         key: fingerprint,
         refund: refund(&mut key),
+        settle,
     }
 }
 

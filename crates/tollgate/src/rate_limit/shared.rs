@@ -50,4 +50,7 @@ pub(crate) struct Shared<K, C, L> {
     pub(crate) responder: Arc<Responder>,
     /// Offer upgrade requests' handlers a [`MessageBudget`](super::MessageBudget).
     pub(crate) messages: bool,
+    /// What keys owe, where the rule charges what a request really cost
+    /// once its response is known.
+    pub(crate) debts: Option<Arc<super::Debts>>,
 }

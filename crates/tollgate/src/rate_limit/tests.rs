@@ -14,6 +14,7 @@ use tower::{service_fn, Layer, Service, ServiceExt};
 use super::*;
 use crate::cost::{ByRoute, Fixed};
 use crate::key::{Header, KeyExtractorExt, PeerIp};
+use crate::rate_limit::{ActualCost, Measure};
 use crate::MemoryStore;
 
 type Req = Request<String>;
@@ -425,6 +426,7 @@ async fn a_failing_store_lets_requests_through() {
         keying: crate::key::Keying::new(MissingKey::default()),
         responder: layer.responder(),
         messages: false,
+        debts: None,
     });
     /// A store whose rate limiters are `Broken`.
     #[derive(Clone)]
@@ -880,4 +882,106 @@ async fn a_shadow_rule_refuses_no_message() {
     for _ in 0..3 {
         budget.spend(1).await.unwrap();
     }
+}
+
+/// The key's remaining budget under `layer`'s rule (a peek).
+fn left_of(layer: &RateLimitLayer<Header, Fixed, MemoryStore<ManualClock>>, key: &str) -> u64 {
+    let mut buf = crate::key::KeyBuf::new();
+    buf.push(key.as_bytes());
+    layer.limiter().decide_now(buf.as_bytes(), 0).remaining
+}
+
+/// A handler that takes `x-sleep-ms` and reports `x-actual` (an
+/// `ActualCost`) and `x-length` (a `Content-Length`) when asked.
+async fn measured(req: Req) -> Result<Response<String>, Infallible> {
+    let header = |name: &str| {
+        req.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+    };
+    if let Some(ms) = header("x-sleep-ms") {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    let mut res = Response::new(String::new());
+    if let Some(n) = header("x-actual") {
+        res.extensions_mut().insert(ActualCost(n));
+    }
+    if let Some(n) = header("x-length") {
+        res.headers_mut()
+            .insert("content-length", n.to_string().parse().unwrap());
+    }
+    Ok(res)
+}
+
+fn asking(key: &str, headers: &[(&'static str, &str)]) -> Req {
+    let mut r = req(key);
+    for (name, value) in headers {
+        r.headers_mut().insert(*name, value.parse().unwrap());
+    }
+    r
+}
+
+/// Issue 34 item 5, the handler's time: a call that took 1 s at 100 ms a
+/// unit owes 9 units beyond its estimate of 1, which the key's next
+/// request pays (refused until the rule can hold both); a call that took
+/// less than its estimate gets the difference back.
+#[tokio::test(start_paused = true)]
+async fn a_slow_call_is_paid_for_by_the_keys_next_request() {
+    let clock = ManualClock::starting_at(1);
+    let layer = per_key(&clock, Limit::gcra(Rate::per_second(10), 10))
+        .charge_after(Measure::Elapsed {
+            per: Duration::from_millis(100),
+        })
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(measured));
+    let send = |headers: &[(&'static str, &str)]| svc.clone().oneshot(asking("k", headers));
+    assert_eq!(send(&[("x-sleep-ms", "1000")]).await.unwrap().status(), 200);
+    assert_eq!(left_of(&layer, "k"), 9, "the estimate was charged");
+    // It owes 9: its next request costs 10, more than the 9 left.
+    let refused = send(&[("x-sleep-ms", "1")]).await.unwrap();
+    assert_eq!(refused.status(), 429);
+    assert_eq!(refused.headers()["retry-after"], "1");
+    assert_eq!(left_of(&layer, "k"), 9, "a refusal pays nothing");
+    clock.advance(Duration::from_millis(100));
+    assert_eq!(send(&[("x-sleep-ms", "1")]).await.unwrap().status(), 200);
+    assert_eq!(left_of(&layer, "k"), 0, "the debt and the estimate paid");
+    // Another key owes nothing.
+    assert_eq!(
+        svc.clone()
+            .oneshot(asking("other", &[]))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+}
+
+/// What the handler reports, and the response's length: a cost above the
+/// estimate is owed, one below it given back.
+#[tokio::test]
+async fn a_reported_cost_or_length_settles_against_the_estimate() {
+    let clock = ManualClock::starting_at(1);
+    let layer = per_key(&clock, Limit::fixed_window(10, Duration::from_secs(60)))
+        .charge_after(Measure::ResponseBytes { per: 1_000 })
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(measured));
+    let send = |headers: &[(&'static str, &str)]| svc.clone().oneshot(asking("k", headers));
+    // Reported: 6 where 1 was charged, 5 owed.
+    send(&[("x-actual", "6")]).await.unwrap();
+    assert_eq!(left_of(&layer, "k"), 9);
+    // 2,500 bytes: 3 units; with the 5 owed, 8 more.
+    send(&[("x-length", "2500")]).await.unwrap();
+    assert_eq!(left_of(&layer, "k"), 9 - 1 - 5);
+    // Reported 0: the estimate goes back; the 2 owed were paid already.
+    send(&[("x-actual", "0")]).await.unwrap();
+    assert_eq!(left_of(&layer, "k"), 3 - 2);
+    let e = per_key(&clock, Limit::fixed_window(10, Duration::from_secs(60)))
+        .charge_after(Measure::Elapsed {
+            per: Duration::ZERO,
+        })
+        .build()
+        .unwrap_err();
+    assert_eq!(e.field(), "charge_after");
 }

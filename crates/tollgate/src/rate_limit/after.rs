@@ -4,6 +4,7 @@
 //! and paid by the key's next request.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -26,10 +27,12 @@ pub enum Measure {
         /// The time one unit buys.
         per: Duration,
     },
-    /// The response's length as its head declares it (`Content-Length`,
-    /// or an exact size hint): one unit per `per` bytes (rounded up). A
-    /// streamed body of unknown length counts as 0 bytes: report its cost
-    /// with [`ActualCost`].
+    /// The response's length as its head declares it (`Content-Length`):
+    /// one unit per `per` bytes (rounded up). A streamed body of unknown
+    /// length (chunked, compressed inside this layer) and a `HEAD`
+    /// response count as 0 bytes, which costs the least an admitted
+    /// request costs, 1: report a streamed body's cost with
+    /// [`ActualCost`].
     ResponseBytes {
         /// The bytes one unit buys.
         per: u64,
@@ -53,16 +56,16 @@ pub enum Measure {
 pub struct ActualCost(pub u64);
 
 impl Measure {
-    /// What `response`, answered `elapsed` after its call, cost.
-    fn cost<B>(self, response: &Response<B>, elapsed: Duration) -> Option<u64> {
+    /// What `response` (to a `HEAD` request when `head`: no body sent),
+    /// answered `elapsed` after its call, cost; `None` where the measure
+    /// reads only what the handler reports and it reported nothing.
+    fn cost<B>(self, response: &Response<B>, elapsed: Duration, head: bool) -> Option<u64> {
         if let Some(ActualCost(n)) = response.extensions().get::<ActualCost>() {
             return Some(*n);
         }
         match self {
-            Measure::Elapsed { per } => {
-                let units = elapsed.as_nanos().div_ceil(per.as_nanos().max(1));
-                Some(u64::try_from(units).unwrap_or(u64::MAX))
-            }
+            Measure::Elapsed { per } => Some(Self::elapsed(per, elapsed)),
+            Measure::ResponseBytes { .. } if head => Some(0),
             Measure::ResponseBytes { per } => {
                 let bytes = response
                     .headers()
@@ -74,78 +77,152 @@ impl Measure {
             Measure::Reported => None,
         }
     }
-}
 
-/// Gives units to, or takes them from, a key of the rule's limiter
-/// (without waiting for the store).
-pub(crate) type Units = Arc<dyn Fn(&[u8], u64) + Send + Sync>;
+    /// `elapsed` in units of `per`, rounded up.
+    fn elapsed(per: Duration, elapsed: Duration) -> u64 {
+        let units = elapsed.as_nanos().div_ceil(per.as_nanos().max(1));
+        u64::try_from(units).unwrap_or(u64::MAX)
+    }
+}
 
 /// The most keys a layer keeps debts for; a key's debt is at most this
 /// many times the rule's capacity.
 const MAX_DEBTORS: usize = 100_000;
 const MAX_DEBT_CAPACITIES: u64 = 100;
 
+/// Gives units to, or takes them from, a key of the rule's limiter
+/// (without waiting for the store).
+pub(crate) type Units = Arc<dyn Fn(&[u8], u64) + Send + Sync>;
+
+/// A key's debt: `units` owed at `since`, which the rule frees at its
+/// steady rate from then on (as it would have, had they been charged).
+#[derive(Debug, Clone, Copy)]
+struct Debt {
+    units: u64,
+    since: Instant,
+}
+
 /// What one layer's keys owe, and how it measures.
 pub(crate) struct Debts {
     measure: Measure,
     capacity: u64,
-    owed: Mutex<HashMap<Box<[u8]>, u64>>,
+    /// The rule's window, in ns: it frees `capacity` units per window.
+    window: u64,
+    /// How many keys owe (read without the lock: most requests find none).
+    debtors: AtomicUsize,
+    owed: Mutex<HashMap<Box<[u8]>, Debt>>,
     /// Gives units back to the rule's limiter (a request that cost less
     /// than its estimate).
     refund: Units,
-    /// Charges what fits now, when the table is full (best effort).
+    /// Charges a debt at once, when the table is full (if the key's
+    /// budget holds it; else it is forgiven).
     charge: Units,
+}
+
+/// What a key's debt asks of its request.
+pub(crate) enum Owed {
+    /// Pay these units on top of the request's cost (0: nothing owed).
+    Pay(u64),
+    /// More is owed than the rule can charge with the request: refused
+    /// for this many ns, until enough of it is freed.
+    Wait(u64),
 }
 
 impl Debts {
     pub(crate) fn new(
         measure: Measure,
         capacity: u64,
+        window: u64,
         refund: Units,
         charge: Units,
     ) -> Self {
         Self {
             measure,
             capacity,
+            window,
+            debtors: AtomicUsize::new(0),
             owed: Mutex::default(),
             refund,
             charge,
         }
     }
 
-    fn owed(&self) -> std::sync::MutexGuard<'_, HashMap<Box<[u8]>, u64>> {
+    fn owed(&self) -> std::sync::MutexGuard<'_, HashMap<Box<[u8]>, Debt>> {
         self.owed.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Takes what `key` owes, up to `room` (what the rule can charge on
-    /// top of the request's own cost): the rest stays owed.
-    pub(crate) fn take(&self, key: &[u8], room: u64) -> u64 {
-        let mut owed = self.owed();
-        let Some(debt) = owed.get_mut(key) else {
-            return 0;
-        };
-        let paid = (*debt).min(room);
-        *debt = debt.saturating_sub(paid);
-        if *debt == 0 {
-            owed.remove(key);
-        }
-        paid
+    /// What of `d` is still owed at `now`: its units, less what the rule
+    /// freed since.
+    fn left(&self, d: Debt, now: Instant) -> u64 {
+        let ns = now.saturating_duration_since(d.since).as_nanos();
+        let freed = ns
+            .saturating_mul(u128::from(self.capacity))
+            .checked_div(u128::from(self.window.max(1)))
+            .unwrap_or(u128::MAX);
+        d.units
+            .saturating_sub(u64::try_from(freed).unwrap_or(u64::MAX))
     }
 
-    /// `key` owes `units` more (at most 100 capacities in all); a full
-    /// table charges what fits now instead.
+    /// How long the rule takes to free `units`, in ns (rounded up).
+    fn freeing(&self, units: u64) -> u64 {
+        let ns = u128::from(units)
+            .saturating_mul(u128::from(self.window))
+            .div_ceil(u128::from(self.capacity.max(1)));
+        u64::try_from(ns).unwrap_or(u64::MAX)
+    }
+
+    /// What `key` owes of a request that leaves `room` units of the
+    /// rule's capacity: all of it, paid with the request, if it fits;
+    /// else a wait until it does.
+    pub(crate) fn take(&self, key: &[u8], room: u64) -> Owed {
+        if self.debtors.load(Ordering::Relaxed) == 0 {
+            return Owed::Pay(0);
+        }
+        let now = Instant::now();
+        let mut owed = self.owed();
+        let Some(d) = owed.get(key).copied() else {
+            return Owed::Pay(0);
+        };
+        let left = self.left(d, now);
+        if left > room {
+            return Owed::Wait(self.freeing(left.saturating_sub(room)));
+        }
+        owed.remove(key);
+        self.debtors.store(owed.len(), Ordering::Relaxed);
+        Owed::Pay(left)
+    }
+
+    /// `key` owes `units` more (what it owed freeing at the rule's rate,
+    /// at most 100 capacities in all). A full table first drops the debts
+    /// freed already; still full, the debt is charged at once if the
+    /// key's budget holds it, and forgiven if not.
     pub(crate) fn owe(&self, key: &[u8], units: u64) {
         if units == 0 {
             return;
         }
+        let now = Instant::now();
         let cap = self.capacity.saturating_mul(MAX_DEBT_CAPACITIES);
         let mut owed = self.owed();
-        if let Some(debt) = owed.get_mut(key) {
-            *debt = debt.saturating_add(units).min(cap);
+        if let Some(d) = owed.get_mut(key) {
+            let left = self.left(*d, now);
+            *d = Debt {
+                units: left.saturating_add(units).min(cap),
+                since: now,
+            };
             return;
         }
+        if owed.len() >= MAX_DEBTORS {
+            owed.retain(|_, d| self.left(*d, now) > 0);
+        }
         if owed.len() < MAX_DEBTORS {
-            owed.insert(key.into(), units.min(cap));
+            owed.insert(
+                key.into(),
+                Debt {
+                    units: units.min(cap),
+                    since: now,
+                },
+            );
+            self.debtors.store(owed.len(), Ordering::Relaxed);
             return;
         }
         drop(owed);
@@ -153,52 +230,98 @@ impl Debts {
     }
 }
 
-/// One admitted request's settlement, for when its response is known.
+/// One admitted request's settlement, for when its response is known —
+/// or for when it ends without one (its future dropped, its service
+/// failed): then a request that was never charged owes again what it took
+/// of the key's debt, and one whose handler ran is charged its time so far
+/// (with [`Measure::Elapsed`]).
 pub(crate) struct Settle {
     debts: Arc<Debts>,
     key: KeyBytes,
     estimate: u64,
-    /// What it paid of the key's debt (given back to the debt if the
-    /// request is refused).
+    /// What it took of the key's debt.
     paid: u64,
     started: Instant,
+    /// Whether the request was charged and its handler called.
+    called: bool,
+    /// A `HEAD` request: no body is sent.
+    head: bool,
+    /// Settled already.
+    done: bool,
 }
 
 impl Settle {
-    pub(crate) fn new(debts: Arc<Debts>, key: KeyBytes, estimate: u64, paid: u64) -> Self {
+    pub(crate) fn new(
+        debts: Arc<Debts>,
+        key: KeyBytes,
+        estimate: u64,
+        paid: u64,
+        head: bool,
+    ) -> Self {
         Self {
             debts,
             key,
             estimate,
             paid,
             started: Instant::now(),
+            called: false,
+            head,
+            done: false,
         }
+    }
+
+    /// The request was charged and its handler is called now: its time
+    /// counts from here (not the store's round trip, nor a pacing wait).
+    pub(crate) fn calling(mut self: Box<Self>) -> Box<Self> {
+        self.called = true;
+        self.started = Instant::now();
+        self
     }
 
     /// The request was not charged (refused, or its store failed): what
     /// it took of the key's debt is owed again.
-    pub(crate) fn unpaid(self) {
-        let Self {
-            debts, key, paid, ..
-        } = self;
-        if paid > 0 {
-            let mut owed = debts.owed();
-            let debt = owed.entry(key.as_bytes().into()).or_insert(0);
-            *debt = debt.saturating_add(paid);
-        }
+    pub(crate) fn unpaid(mut self) {
+        self.done = true;
+        self.debts.owe(self.key.as_bytes(), self.paid);
     }
 
     /// Its response is known: a cost above the estimate is owed, one
-    /// below it is given back.
-    pub(crate) fn finish<B>(self, response: &Response<B>) {
-        let Some(actual) = self.debts.measure.cost(response, self.started.elapsed()) else {
-            return;
-        };
+    /// below it given back (an admitted request costs at least one
+    /// unit).
+    pub(crate) fn finish<B>(mut self, response: &Response<B>) {
+        self.done = true;
+        let elapsed = self.started.elapsed();
+        if let Some(actual) = self.debts.measure.cost(response, elapsed, self.head) {
+            self.settle(actual);
+        }
+    }
+
+    fn settle(&self, actual: u64) {
+        let actual = actual.max(1);
         let key = self.key.as_bytes();
         if actual > self.estimate {
             self.debts.owe(key, actual.saturating_sub(self.estimate));
         } else if actual < self.estimate {
             (self.debts.refund)(key, self.estimate.saturating_sub(actual));
+        }
+    }
+}
+
+impl Drop for Settle {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        if !self.called {
+            // Never charged (its decision or its pacing wait given up,
+            // which gives its cost back): the debt it took is owed again.
+            self.debts.owe(self.key.as_bytes(), self.paid);
+            return;
+        }
+        // Its handler ran and gave no response (failed, or given up): its
+        // time so far is what it cost.
+        if let Measure::Elapsed { per } = self.debts.measure {
+            self.settle(Measure::elapsed(per, self.started.elapsed()));
         }
     }
 }

@@ -206,12 +206,12 @@ where
         Outcome::Allow { .. } if responder.shadow => State::Calling {
             future: inner.call(request),
             decision: None,
-            settle,
+            settle: settle.map(Settle::calling),
         },
         Outcome::Allow { delay: 0 } => State::Calling {
             future: inner.call(request),
             decision: Some(decision),
-            settle,
+            settle: settle.map(Settle::calling),
         },
         // Needs tokio's timer (a runtime with time enabled, as axum's and
         // tonic's servers have).
@@ -316,7 +316,7 @@ where
                 } => State::Calling {
                     future: ready!(poll_paced(cx, sleep, waiting, refund))?,
                     decision: Some(*decision),
-                    settle: settle.take(),
+                    settle: settle.take().map(Settle::calling),
                 },
                 StateProj::Calling {
                     future,

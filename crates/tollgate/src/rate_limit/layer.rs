@@ -308,16 +308,29 @@ impl<K, C, St: Store> RateLimitLayerBuilder<K, C, St> {
     /// reports in an [`ActualCost`](super::ActualCost) extension. The
     /// request is admitted on its estimate (the layer's cost function);
     /// once the response's head is known a cost below the estimate is
-    /// given back, and one above it is owed and paid by the key's next
-    /// requests, on top of their own cost, as far as the rule's capacity
-    /// allows each (the rest stays owed). So a key's costly calls wait as
-    /// long as their real cost takes to free, and a cheap one does not pay
-    /// for the worst case. Debts are kept by this process (up to 100,000
-    /// keys, each up to 100 times the rule's capacity; beyond, what fits
-    /// is charged at once): in a fleet a key pays its debt on the
-    /// instance it incurred it on. A request the rule refuses pays none
-    /// of it; in shadow mode nothing is measured. A `per` of zero is a
-    /// build error naming `charge_after`.
+    /// given back (an admitted request costs at least one unit), and one
+    /// above it is owed: the rule frees a debt at its steady rate, as it
+    /// would have freed the units had they been charged, and the key's
+    /// next request pays what is left of it on top of its own cost — or,
+    /// when more is owed than the rule's capacity leaves room for, is
+    /// refused (`Retry-After`: until enough of it is freed). So a key's
+    /// costly calls wait as long as their real cost takes to free, and a
+    /// cheap call does not pay for the worst case. A request that ends
+    /// without a response (its service failed, its future was dropped:
+    /// a timeout above) is charged the handler's time so far with
+    /// [`Measure::Elapsed`](super::Measure::Elapsed), its estimate
+    /// otherwise; the time counts from the handler's call, not from the
+    /// store's answer or a pacing wait. A request the rule refuses pays
+    /// none of a debt. The response of the request that incurs a debt
+    /// states the budget before it. Debts are kept by this process (up to
+    /// 100,000 keys, each up to 100 times the rule's capacity; with the
+    /// table full of debts not yet freed, a new one is charged at once if
+    /// the key's budget holds it, forgiven if not): in a fleet a key pays
+    /// its debt on the instance it incurred it on, and a restart forgets
+    /// them. Every `charge_after` layer a response passes reads its
+    /// [`ActualCost`](super::ActualCost), in its own rule's units. In
+    /// shadow mode nothing is measured. A `per` of zero is a build error
+    /// naming `charge_after`.
     pub fn charge_after(mut self, measure: super::Measure) -> Self {
         self.cfg.charge_after = Some(measure);
         self
@@ -350,6 +363,7 @@ impl<K, C, St: Store> RateLimitLayerBuilder<K, C, St> {
                 Some(Arc::new(super::Debts::new(
                     measure,
                     rule.capacity(),
+                    rule.window(),
                     Arc::new(move |key: &[u8], units| {
                         crate::task::finish(give.refund(key, units));
                     }),

@@ -2,7 +2,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
-use tollgate_core::{Algorithm, Limiter, Store};
+use tollgate_core::{Algorithm, Decision, Limiter, Outcome, Store};
 use tower_service::Service;
 
 use super::future::{decided, ErrorFuture, Inner, RefundFn, ResponseFuture, State};
@@ -86,13 +86,35 @@ where
     // capacity allows.
     let (cost, settle) = match &shared.debts {
         Some(debts) => {
-            let room = shared.limiter.rule().capacity().saturating_sub(estimate);
-            let paid = debts.take(key.as_bytes(), room);
+            let capacity = shared.limiter.rule().capacity();
+            let paid = match debts.take(key.as_bytes(), capacity.saturating_sub(estimate)) {
+                super::Owed::Pay(units) => units,
+                // More owed than the rule can charge with this request:
+                // refused until enough of it is freed.
+                super::Owed::Wait(ns) => {
+                    let owing = Decision {
+                        outcome: Outcome::Deny { retry_after: ns },
+                        limit: capacity,
+                        remaining: 0,
+                        reset_after: ns,
+                    };
+                    return decided(
+                        Ok(owing),
+                        req,
+                        Inner::Borrowed(inner),
+                        &shared.responder,
+                        None,
+                        || None,
+                        None,
+                    );
+                }
+            };
             let settle = super::Settle::new(
                 Arc::clone(debts),
                 KeyBytes::new(&mut key.clone()),
                 estimate,
                 paid,
+                req.method() == http::Method::HEAD,
             );
             (estimate.saturating_add(paid), Some(Box::new(settle)))
         }

@@ -974,9 +974,16 @@ async fn a_reported_cost_or_length_settles_against_the_estimate() {
     // 2,500 bytes: 3 units; with the 5 owed, 8 more.
     send(&[("x-length", "2500")]).await.unwrap();
     assert_eq!(left_of(&layer, "k"), 9 - 1 - 5);
-    // Reported 0: the estimate goes back; the 2 owed were paid already.
+    // Reported 0: an admitted request costs at least 1, its estimate;
+    // it paid the 2 owed.
     send(&[("x-actual", "0")]).await.unwrap();
-    assert_eq!(left_of(&layer, "k"), 3 - 2);
+    assert_eq!(left_of(&layer, "k"), 3 - 2 - 1);
+    // A chunked response (no declared length) is not free either.
+    clock.advance(Duration::from_secs(60));
+    for _ in 0..10 {
+        assert_eq!(send(&[]).await.unwrap().status(), 200);
+    }
+    assert_eq!(send(&[]).await.unwrap().status(), 429);
     let e = per_key(&clock, Limit::fixed_window(10, Duration::from_secs(60)))
         .charge_after(Measure::Elapsed {
             per: Duration::ZERO,
@@ -984,4 +991,37 @@ async fn a_reported_cost_or_length_settles_against_the_estimate() {
         .build()
         .unwrap_err();
     assert_eq!(e.field(), "charge_after");
+}
+
+/// Review: a call given up by a timeout above (its future dropped) was
+/// charged only its estimate — the slowest calls, the ones this is for,
+/// were the cheapest. Its handler's time so far is what it cost; a debt
+/// larger than the rule can charge with one request refuses the key until
+/// enough of it is freed, at the rule's rate.
+#[tokio::test(start_paused = true)]
+async fn a_call_given_up_is_charged_its_time_and_a_large_debt_waits() {
+    let clock = ManualClock::starting_at(1);
+    let layer = per_key(&clock, Limit::gcra(Rate::per_second(10), 10))
+        .charge_after(Measure::Elapsed {
+            per: Duration::from_millis(100),
+        })
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(measured));
+    let send = |headers: &[(&'static str, &str)]| svc.clone().oneshot(asking("k", headers));
+    let given_up =
+        tokio::time::timeout(Duration::from_secs(2), send(&[("x-sleep-ms", "60000")])).await;
+    assert!(given_up.is_err());
+    // 2 s: 20 units, 19 owed; 9 fit with a request: refused for the time
+    // the other 10 take to free (1 s), decided without the store.
+    let refused = send(&[]).await.unwrap();
+    assert_eq!(refused.status(), 429);
+    assert_eq!(refused.headers()["retry-after"], "1");
+    assert_eq!(left_of(&layer, "k"), 9, "only the estimate was charged");
+    // A second later 9 are left to pay, and the store's budget is whole
+    // again (its own clock moved 100 ms): the request pays them.
+    tokio::time::advance(Duration::from_secs(1)).await;
+    clock.advance(Duration::from_millis(100));
+    assert_eq!(send(&[("x-sleep-ms", "1")]).await.unwrap().status(), 200);
+    assert_eq!(left_of(&layer, "k"), 0);
 }

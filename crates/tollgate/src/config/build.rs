@@ -876,14 +876,17 @@ fn rule(
             duration(&e.max_block, String::new())?,
         )
         .map_err(|err| {
-            let message = err.message().to_owned();
-            let f = field(&format!("escalate.{}", err.field()));
-            match err.field() {
-                "period" => at(&e.period, f, message),
-                "block" => at(&e.block, f, message),
-                "max_block" => at(&e.max_block, f, message),
-                _ => at(&e.strikes, f, message),
-            }
+            let spans = [
+                ("period", e.period.span()),
+                ("block", e.block.span()),
+                ("max_block", e.max_block.span()),
+            ];
+            ladder_error(
+                &err,
+                field(&format!("escalate.{}", err.field())),
+                &spans,
+                e.strikes.span(),
+            )
         })?;
     }
     if let Some(sd) = &r.slow_down {
@@ -911,14 +914,17 @@ fn rule(
             &steps,
         )
         .map_err(|err| {
-            let message = err.message().to_owned();
-            let f = field(&format!("slow_down.{}", err.field()));
-            match err.field() {
-                "period" => at(&sd.period, f, message),
-                "hold" => at(&sd.hold, f, message),
-                "steps" => at(&sd.steps, f, message),
-                _ => at(&sd.strikes, f, message),
-            }
+            let spans = [
+                ("period", sd.period.span()),
+                ("hold", sd.hold.span()),
+                ("steps", sd.steps.span()),
+            ];
+            ladder_error(
+                &err,
+                field(&format!("slow_down.{}", err.field())),
+                &spans,
+                sd.strikes.span(),
+            )
         })?;
         if let Some(e) = &r.escalate {
             return Err(at(
@@ -974,6 +980,21 @@ fn rule(
         field("cost"),
     )?;
     Ok(rule)
+}
+
+/// A ladder's own error (`escalate`'s, `slow_down`'s), as `field`, placed
+/// on the value of the field it names among `spans`, else on `strikes`.
+fn ladder_error(
+    err: &tollgate_core::ConfigError,
+    field: String,
+    spans: &[(&str, Range<usize>)],
+    strikes: Range<usize>,
+) -> Problem {
+    let span = spans
+        .iter()
+        .find(|(name, _)| *name == err.field())
+        .map_or(strikes, |(_, span)| span.clone());
+    (Some(span), field, err.message().to_owned())
 }
 
 /// The most networks one list file may hold.

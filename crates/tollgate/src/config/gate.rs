@@ -531,6 +531,14 @@ impl<St: Store + QuotaStore> Tollgate<St> {
     }
 }
 
+/// What [`Tollgate::decisions_from_file`] starts: the limits, their
+/// reloader, and the store they start on.
+pub type Started = (
+    Tollgate<crate::AnyStore>,
+    super::Reloader<Body, crate::AnyStore>,
+    crate::AnyStore,
+);
+
 impl Tollgate<crate::AnyStore> {
     /// Everything the file at `path` declares, the store included
     /// (`[store]`; the in-memory store without it), and a
@@ -579,20 +587,12 @@ impl Tollgate<crate::AnyStore> {
     /// can move to the new store (an error refuses the reload, naming
     /// `store`, before anything moved), then calls `moved` with it once
     /// the limits moved. Returns the store the limits start on.
-    #[allow(clippy::type_complexity)]
     pub fn decisions_from_file<C, M>(
         path: impl AsRef<std::path::Path>,
         file: &PolicyFile,
         check: C,
         moved: M,
-    ) -> Result<
-        (
-            Self,
-            super::Reloader<Body, crate::AnyStore>,
-            crate::AnyStore,
-        ),
-        FileError,
-    >
+    ) -> Result<Started, FileError>
     where
         C: Fn(&crate::AnyStore) -> Result<(), String> + Send + Sync + 'static,
         M: Fn(&crate::AnyStore) + Send + Sync + 'static,
@@ -602,21 +602,13 @@ impl Tollgate<crate::AnyStore> {
 
     /// [`from_file`](Self::from_file), or [`decisions_from_file`](Self::decisions_from_file)
     /// when `decisions`; and the store the limits start on.
-    #[allow(clippy::type_complexity)]
     fn from_file_as<C, M>(
         path: &std::path::Path,
         file: &PolicyFile,
         decisions: bool,
         check: C,
         moved: M,
-    ) -> Result<
-        (
-            Self,
-            super::Reloader<Body, crate::AnyStore>,
-            crate::AnyStore,
-        ),
-        FileError,
-    >
+    ) -> Result<Started, FileError>
     where
         C: Fn(&crate::AnyStore) -> Result<(), String> + Send + Sync + 'static,
         M: Fn(&crate::AnyStore) + Send + Sync + 'static,

@@ -170,9 +170,11 @@ impl<K, C> RateRule<K, C> {
     /// its `RateLimit` and `RateLimit-Policy` fields (and the legacy
     /// headers) state the lowered limit and what remains of it (see
     /// [`Escalation::slow_down`](tollgate_core::algorithm::Escalation::slow_down)).
-    /// The refusal that puts a key a step down asks it to wait until the
-    /// rule's budget is whole, so that a client that keeps to
-    /// `Retry-After` is not refused again at the raised cost. Keyless
+    /// The refusal that puts a key a step down asks it to wait as long as
+    /// the raised cost takes to free (its wait for the old cost, plus the
+    /// difference at the rule's steady rate; a token bucket's, until it is
+    /// whole), so that a client that keeps to `Retry-After` is not refused
+    /// again at the raised cost. Keyless
     /// requests (a shared fallback key) neither strike nor are slowed.
     ///
     /// The ladder's state is a rule named `"<name>:slow"` in the

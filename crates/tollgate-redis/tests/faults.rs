@@ -840,7 +840,7 @@ async fn a_hot_key_s_batch_larger_than_the_fallback_share_refuses_nobody() {
         return;
     };
     let store = store(&server, FailurePolicy::fallback_share(20));
-    // Leases of up to 64 (a tenth of 1,000); the share holds 50.
+    // Leases of up to 100 (a tenth of 1,000); the share holds 50.
     let rule = Rule::new("share-hot", Limit::gcra(Rate::per_second(1_000), 1_000)).unwrap();
     let hot = tollgate_redis::HotKeys::new()
         .ttl(Duration::from_secs(10))

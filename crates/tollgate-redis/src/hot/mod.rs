@@ -134,13 +134,13 @@ impl Default for HotKeys {
 }
 
 impl HotKeys {
-    /// Leases of 50 ms, batches up to 64 units and 10 % of a rule's
+    /// Leases of 50 ms, batches up to 512 units and 10 % of a rule's
     /// capacity, denials cached up to 1 s, up to 100,000 keys per rule,
     /// for every rule.
     pub fn new() -> Self {
         Self {
             ttl: Duration::from_millis(50),
-            max_batch: 64,
+            max_batch: 512,
             min_batch: 1,
             max_share: 0.1,
             max_denial: Duration::from_secs(1),

@@ -320,7 +320,7 @@ pub(super) struct HotKeysSpec {
     /// How long a lease lasts: `"50ms"` (1 ms to 10 s).
     #[serde(default)]
     pub(super) ttl: Option<Spanned<String>>,
-    /// The most units one lease takes (at least 1; default 64).
+    /// The most units one lease takes (at least 1; default 512).
     #[serde(default)]
     #[cfg_attr(feature = "schema", schemars(range(min = 1, max = u32::MAX)))]
     pub(super) max_batch: Option<Spanned<i64>>,

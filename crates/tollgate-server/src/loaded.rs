@@ -216,21 +216,8 @@ impl Envoy {
         let this = Arc::clone(self);
         crate::rls::watch_files(self.files.clone(), poll, move |files| {
             let mut running = this.running();
-            let loaded = crate::envoy::read(files).and_then(|texts| {
-                Domains::from_texts(&texts, &running.0.checking())?;
-                let domains = Domains::from_texts(&texts, &running.0.rebinding())?;
-                Ok((domains, texts))
-            });
-            match loaded {
-                Ok((domains, texts)) => {
-                    this.rls.replace(domains);
-                    running.1 = texts;
-                    tracing::info!("Envoy rate limit configuration reloaded");
-                }
-                Err(e) => tracing::error!(
-                    error = %e,
-                    "Envoy rate limit configuration rejected; the running one stays"
-                ),
+            if let Some(texts) = crate::rls::reload(files, &running.0, &this.rls) {
+                running.1 = texts;
             }
         })
     }

@@ -291,7 +291,9 @@ where
     St: tollgate::Store + Send + Sync + 'static,
     St::Limiter: Send + Sync + 'static,
 {
-    watch_files(files, poll, move |files| reload(files, &store, &rls))
+    watch_files(files, poll, move |files| {
+        reload(files, &store, &rls);
+    })
 }
 
 /// Calls `reload` with `files` on SIGHUP (Unix) and when their contents
@@ -333,22 +335,34 @@ where
 
 /// Loads `files` into `rls` on `store`: checked on a handle that binds
 /// nothing first, then bound (rebinding: unchanged limits keep their
-/// counts). A set that does not load is logged and the running one stays.
-pub(crate) fn reload<St>(files: &[std::path::PathBuf], store: &St, rls: &Rls<St::Limiter>)
+/// counts). A set that does not load is logged and the running one
+/// stays. Returns the texts it applied.
+pub(crate) fn reload<St>(
+    files: &[std::path::PathBuf],
+    store: &St,
+    rls: &Rls<St::Limiter>,
+) -> Option<Vec<(std::path::PathBuf, String)>>
 where
     St: tollgate::Store,
 {
-    let loaded = crate::envoy::Domains::load(files, &store.checking())
-        .and_then(|_| crate::envoy::Domains::load(files, &store.rebinding()));
+    let loaded = crate::envoy::read(files).and_then(|texts| {
+        crate::envoy::Domains::from_texts(&texts, &store.checking())?;
+        let domains = crate::envoy::Domains::from_texts(&texts, &store.rebinding())?;
+        Ok((domains, texts))
+    });
     match loaded {
-        Ok(domains) => {
+        Ok((domains, texts)) => {
             rls.replace(domains);
             tracing::info!("Envoy rate limit configuration reloaded");
+            Some(texts)
         }
-        Err(e) => tracing::error!(
-            error = %e,
-            "Envoy rate limit configuration rejected; the running one stays"
-        ),
+        Err(e) => {
+            tracing::error!(
+                error = %e,
+                "Envoy rate limit configuration rejected; the running one stays"
+            );
+            None
+        }
     }
 }
 

@@ -59,11 +59,14 @@ where
     /// Calls `inner` with `req`: the request's handler, bounded by its
     /// permit's lifetime where the layer caps it.
     pub(crate) fn calling(inner: &mut S, req: Request<ReqB>, admitted: Option<Admitted>) -> Self {
-        let grpc = crate::rejection::is_grpc(&req);
+        // (The content type is read only where a lifetime is capped.)
         let expires = admitted
             .as_ref()
             .and_then(Admitted::expires_at)
-            .map(|until| Box::new((Box::pin(tokio::time::sleep_until(until)), grpc)));
+            .map(|until| {
+                let grpc = crate::rejection::is_grpc(&req);
+                Box::new((Box::pin(tokio::time::sleep_until(until)), grpc))
+            });
         State::Calling {
             future: inner.call(req),
             admitted,

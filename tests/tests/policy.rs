@@ -945,3 +945,88 @@ async fn a_changed_store_section_moves_every_limit_to_the_new_store() {
     assert_eq!(status().await, 200);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A `Tollgate` takes requests of any body: here tonic's, as the first
+/// layer of a tonic `Server::builder()`, in front of a real health
+/// service and client. Its rule refuses the third call of a key with
+/// `RESOURCE_EXHAUSTED` and a `retry-after`; its in-flight limit holds a
+/// key's watch streams.
+#[tokio::test]
+async fn a_tollgate_is_a_layer_of_a_tonic_server() {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+
+    let file = tollgate::config::PolicyFile::parse(
+        r#"
+[[rules]]
+name = "per-key"
+key = "header:x-api-key"
+rate = "1/h"
+burst = 3
+
+[[concurrency]]
+name = "streams"
+key = "header:x-api-key"
+max = 1
+"#,
+    )
+    .unwrap();
+    let gate = tollgate::config::Tollgate::new(&file, &MemoryStore::new()).unwrap();
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_service_status("", tonic_health::ServingStatus::Serving)
+        .await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .layer(gate)
+            .add_service(health)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let keyed = |key: &str| {
+        let mut r = tonic::Request::new(HealthCheckRequest {
+            service: String::new(),
+        });
+        r.metadata_mut().insert("x-api-key", key.parse().unwrap());
+        r
+    };
+    let mut client = HealthClient::new(channel);
+    // A watch stream holds key a's one permit: its next call is refused
+    // by the in-flight limit, and a check of key b goes through.
+    let stream = client.watch(keyed("a")).await.unwrap();
+    let held = client.check(keyed("a")).await.unwrap_err();
+    assert_eq!(held.code(), tonic::Code::ResourceExhausted, "{held:?}");
+    drop(stream);
+    let mut back = false;
+    for _ in 0..100 {
+        match client.check(keyed("a")).await {
+            Ok(_) => {
+                back = true;
+                break;
+            }
+            Err(s) => assert_eq!(s.code(), tonic::Code::ResourceExhausted, "{s:?}"),
+        }
+        tokio::task::yield_now().await;
+    }
+    assert!(back, "the stream's permit did not come back");
+    // Key b: three calls (its burst), then refused by the rule.
+    for i in 0..3 {
+        client
+            .check(keyed("b"))
+            .await
+            .unwrap_or_else(|s| panic!("call {i}: {s:?}"));
+    }
+    let refused = client.check(keyed("b")).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
+    assert!(
+        refused.metadata().get("retry-after").is_some(),
+        "{:?}",
+        refused.metadata()
+    );
+}

@@ -39,8 +39,11 @@ type Pacing<St> = BandwidthLayer<FileKey, St>;
 /// state (its counts, its permits held) and a changed one goes on from
 /// it.
 ///
-/// Requests and responses are axum's [`Body`]: the layer fits an axum
-/// `Router` (`layer` or `route_layer`) and any Tower stack of that body.
+/// Requests of any body are taken, and handed on as axum's [`Body`]
+/// (boxed once; an axum body is handed on as it is), which an axum
+/// `Router` and a tonic service both take; responses are a [`Body`]
+/// too. The layer fits an axum `Router` (`layer` or `route_layer`), a
+/// tonic `Server::builder().layer(..)`, and any Tower stack over HTTP.
 ///
 /// ```
 /// use tollgate::config::{PolicyFile, Tollgate};
@@ -646,16 +649,16 @@ impl<S, St> Layer<S> for Tollgate<St>
 where
     St: Store + QuotaStore,
 {
-    type Service = PolicyService<Next<S, St>, Body, St>;
+    type Service = AnyBody<PolicyService<Next<S, St>, Body, St>>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        self.policy.layer(Next {
+        AnyBody(self.policy.layer(Next {
             inner,
             limits: Arc::clone(&self.limits),
             now: None,
             from: 0,
             applies: 0,
-        })
+        }))
     }
 }
 
@@ -770,8 +773,11 @@ where
     svc.call(req).await
 }
 
-/// A request body of any kind, as the rest of the stack takes it: what a
-/// pacing layer hands on (its paced body) goes on as a [`Body`].
+/// A request body of any kind, as the rest of the stack takes it: a
+/// [`Body`] (axum's, which boxes any other once and an axum body not at
+/// all). A [`Tollgate`] takes requests of any body this way (tonic's
+/// server among them), and what a pacing layer hands on (its paced body)
+/// goes on as a [`Body`] too.
 #[derive(Clone)]
 pub struct AnyBody<N>(N);
 

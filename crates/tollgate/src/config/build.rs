@@ -672,7 +672,7 @@ pub(super) fn builder<B>(
         .as_ref()
         .and_then(|c| c.get_ref().requester.as_ref())
     {
-        let key = FileKey::parse(requester.get_ref(), &client, v6_prefix, file.geo())
+        let key = FileKey::parse(requester.get_ref(), &client, v6_prefix, file)
             .map_err(|m| at(requester, "challenge.requester".to_owned(), m))?;
         b = b.challenge_requester(key);
     }
@@ -694,7 +694,7 @@ pub(super) fn builder<B>(
     }
     if let Some(idem) = &file.idempotency {
         let s = idem.get_ref();
-        let key = FileKey::parse(s.key.get_ref(), &client, v6_prefix, file.geo())
+        let key = FileKey::parse(s.key.get_ref(), &client, v6_prefix, file)
             .map_err(|m| at(&s.key, "idempotency.key".to_owned(), m))?;
         if s.key.get_ref().trim() == "global" {
             return Err(at(
@@ -785,7 +785,7 @@ fn rule(
     )?;
     let base = tollgate_core::Rule::new(r.name.get_ref(), lim)
         .map_err(|e| at(&r.name, field("name"), e.message().to_owned()))?;
-    let key = FileKey::parse(r.key.get_ref(), client, v6_prefix, file.geo())
+    let key = FileKey::parse(r.key.get_ref(), client, v6_prefix, file)
         .map_err(|m| at(&r.key, field("key"), m))?;
     let file_cost = rule_cost(file, r, &path)?;
     let costliest = file_cost.costliest();
@@ -1131,7 +1131,7 @@ fn never_passes(
 /// (`client-ip` by its trusted proxies and IPv6 prefix).
 fn file_key(file: &FileSpec, key: &Spanned<String>, path: &str) -> Result<FileKey, Problem> {
     let (client, v6_prefix) = client_ip(file)?;
-    FileKey::parse(key.get_ref(), &client, v6_prefix, file.geo())
+    FileKey::parse(key.get_ref(), &client, v6_prefix, file)
         .map_err(|m| at(key, format!("{path}.key"), m))
 }
 

@@ -3,6 +3,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -80,6 +81,9 @@ type Pacing<St> = BandwidthLayer<FileKey, St>;
 pub struct Tollgate<St: Store + QuotaStore> {
     policy: PolicyLayer<Body, St>,
     limits: Arc<ArcSwap<Limits<St>>>,
+    /// Whether two limits read one key: each request then reads each key
+    /// once ([`Extracted`](super::parts::Extracted)).
+    remember: Arc<AtomicBool>,
     /// Rules and quotas only ([`for_decisions`](Self::for_decisions)).
     decisions_only: bool,
 }
@@ -89,6 +93,7 @@ impl<St: Store + QuotaStore> Clone for Tollgate<St> {
         Self {
             policy: self.policy.clone(),
             limits: Arc::clone(&self.limits),
+            remember: Arc::clone(&self.remember),
             decisions_only: self.decisions_only,
         }
     }
@@ -422,6 +427,7 @@ impl<St: Store + QuotaStore> Tollgate<St> {
         Ok(Self {
             policy,
             limits: Arc::new(ArcSwap::from_pointee(limits)),
+            remember: Arc::new(AtomicBool::new(super::parts::keys_repeat(&file.spec))),
             decisions_only: false,
         })
     }
@@ -447,6 +453,7 @@ impl<St: Store + QuotaStore> Tollgate<St> {
         Ok(Self {
             policy,
             limits: Arc::new(ArcSwap::from_pointee(limits)),
+            remember: Arc::new(AtomicBool::new(super::parts::keys_repeat(&file.spec))),
             decisions_only: true,
         })
     }
@@ -516,6 +523,7 @@ impl<St: Store + QuotaStore> Tollgate<St> {
         St: Send + Sync + 'static,
     {
         let limits = Arc::clone(&self.limits);
+        let remember = Arc::clone(&self.remember);
         let decisions_only = self.decisions_only;
         super::Reloader::new(path, file, store, &self.policy)
             .customize(customize)
@@ -528,8 +536,12 @@ impl<St: Store + QuotaStore> Tollgate<St> {
                 let before = limits.load();
                 let before = (!fresh).then_some(&**before);
                 let next = Limits::build(file, store, before, decisions_only)?;
-                let limits = Arc::clone(&limits);
-                Ok(Box::new(move || limits.store(Arc::new(next))))
+                let repeat = super::parts::keys_repeat(&file.spec);
+                let (limits, remember) = (Arc::clone(&limits), Arc::clone(&remember));
+                Ok(Box::new(move || {
+                    limits.store(Arc::new(next));
+                    remember.store(repeat, Ordering::Relaxed);
+                }))
             })
     }
 }
@@ -649,16 +661,57 @@ impl<S, St> Layer<S> for Tollgate<St>
 where
     St: Store + QuotaStore,
 {
-    type Service = AnyBody<PolicyService<Next<S, St>, Body, St>>;
+    type Service = TollgateService<PolicyService<Next<S, St>, Body, St>>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        AnyBody(self.policy.layer(Next {
-            inner,
-            limits: Arc::clone(&self.limits),
-            now: None,
-            from: 0,
-            applies: 0,
-        }))
+        TollgateService {
+            inner: self.policy.layer(Next {
+                inner,
+                limits: Arc::clone(&self.limits),
+                now: None,
+                from: 0,
+                applies: 0,
+            }),
+            remember: Arc::clone(&self.remember),
+        }
+    }
+}
+
+/// A [`Tollgate`]'s service: it takes a request of any body, handed on
+/// as a [`Body`] ([`AnyBody`]), and where two of its limits read one key
+/// it has the request read each key once.
+#[derive(Clone)]
+pub struct TollgateService<N> {
+    inner: N,
+    remember: Arc<AtomicBool>,
+}
+
+impl<N: fmt::Debug> fmt::Debug for TollgateService<N> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.inner.fmt(f)
+    }
+}
+
+impl<N, B> Service<Request<B>> for TollgateService<N>
+where
+    N: Service<Request<Body>>,
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    type Response = N::Response;
+    type Error = N::Error;
+    type Future = N::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let mut req = req.map(Body::new);
+        if self.remember.load(Ordering::Relaxed) {
+            req.extensions_mut().insert(super::parts::Extracted::new());
+        }
+        self.inner.call(req)
     }
 }
 
@@ -775,9 +828,8 @@ where
 
 /// A request body of any kind, as the rest of the stack takes it: a
 /// [`Body`] (axum's, which boxes any other once and an axum body not at
-/// all). A [`Tollgate`] takes requests of any body this way (tonic's
-/// server among them), and what a pacing layer hands on (its paced body)
-/// goes on as a [`Body`] too.
+/// all). What a pacing layer hands on (its paced body) goes on as a
+/// [`Body`] this way.
 #[derive(Clone)]
 pub struct AnyBody<N>(N);
 

@@ -67,8 +67,87 @@ impl<B> KeyExtractor<B> for RetryKey {
 /// It writes the same store keys as the extractors built in code
 /// (`Header::named("x-api-key")?.or(ClientIp::…)`), so moving a rule
 /// between code and a file keeps its clients' state.
+///
+/// Behind a [`Tollgate`](super::Tollgate) whose limits read one key in
+/// several places, each distinct key is read from a request once: the
+/// first limit that reads it remembers it for the others.
 #[derive(Debug, Clone)]
-pub struct FileKey(Node);
+pub struct FileKey {
+    node: Node,
+    /// What the key means: its text's parts and what they read beyond
+    /// themselves ([`FileSpec::key_context`](super::spec::FileSpec::key_context)),
+    /// hashed. Two keys of one meaning read the same key of a request.
+    meaning: u64,
+}
+
+/// How many keys a request remembers: the first this many distinct keys
+/// its limits read (more are read where met, as without it).
+const REMEMBERED: usize = 4;
+
+/// The keys a request's limits have read, each read once: put in the
+/// request's extensions by a [`Tollgate`](super::Tollgate) whose limits
+/// share keys, filled by the first limit that reads each
+/// ([`FileKey::extract`]), copied by the others. A key not found is
+/// remembered too.
+pub(crate) struct Extracted(std::sync::Mutex<Remembered>);
+
+#[derive(Clone, Default)]
+struct Remembered {
+    len: usize,
+    keys: [(u64, Option<KeyBuf>); REMEMBERED],
+}
+
+impl Extracted {
+    pub(crate) fn new() -> Self {
+        Self(std::sync::Mutex::new(Remembered::default()))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Remembered> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The key of `meaning` into `key` (empty): as remembered, else read
+    /// by `read` and remembered (while there is room).
+    fn extract(
+        &self,
+        meaning: u64,
+        key: &mut KeyBuf,
+        read: impl FnOnce(&mut KeyBuf) -> Option<()>,
+    ) -> Option<()> {
+        {
+            let seen = self.lock();
+            let len = seen.len;
+            if let Some((_, found)) = seen.keys.iter().take(len).find(|(m, _)| *m == meaning) {
+                return found.as_ref().map(|k| key.clone_from(k));
+            }
+        }
+        // Read outside the lock.
+        let read = read(key);
+        let mut seen = self.lock();
+        let len = seen.len;
+        if let Some(slot) = seen.keys.get_mut(len) {
+            *slot = (meaning, read.map(|()| key.clone()));
+            seen.len = len.saturating_add(1);
+        }
+        read
+    }
+}
+
+#[cfg(test)]
+impl Extracted {
+    /// The keys remembered, found or not.
+    pub(crate) fn remembered(&self) -> usize {
+        self.lock().len
+    }
+}
+
+impl Clone for Extracted {
+    fn clone(&self) -> Self {
+        Self(std::sync::Mutex::new(self.lock().clone()))
+    }
+}
 
 #[derive(Debug, Clone)]
 enum Node {
@@ -94,7 +173,12 @@ impl<B> KeyExtractor<B> for Node {
 
 impl<B> KeyExtractor<B> for FileKey {
     fn extract(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()> {
-        self.0.extract(req, key)
+        if key.is_empty() {
+            if let Some(seen) = req.extensions().get::<Extracted>() {
+                return seen.extract(self.meaning, key, |key| self.node.extract(req, key));
+            }
+        }
+        self.node.extract(req, key)
     }
 }
 
@@ -108,8 +192,9 @@ impl FileKey {
         text: &str,
         client: &ClientIp,
         v6_prefix: u8,
-        geo: &super::spec::Geo,
+        file: &super::spec::FileSpec,
     ) -> Result<Self, String> {
+        let geo = file.geo();
         let mut alternatives = Vec::new();
         for parts in super::spec::key_parts(text) {
             let mut all = Vec::with_capacity(parts.len());
@@ -146,10 +231,36 @@ impl FileKey {
             .next()
             .ok_or_else(|| "the key is empty".to_owned())?;
         // `a | b | c` is `a.or(b).or(c)`.
-        Ok(Self(alternatives.fold(first, |acc, next| {
-            Node::Or(Arc::new(Or::new(acc, next)))
-        })))
+        Ok(Self {
+            node: alternatives.fold(first, |acc, next| Node::Or(Arc::new(Or::new(acc, next)))),
+            meaning: meaning(text, file),
+        })
     }
+}
+
+/// What the key `text` of `file` means, as a number: its parts, and what
+/// they read beyond themselves.
+fn meaning(text: &str, file: &super::spec::FileSpec) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    file.key_context().hash(&mut h);
+    super::spec::key_parts(text).hash(&mut h);
+    h.finish()
+}
+
+/// Whether two of `file`'s limits read one key: then a request's keys
+/// are worth remembering ([`Extracted`]).
+pub(super) fn keys_repeat(file: &super::spec::FileSpec) -> bool {
+    let keys = file
+        .rules
+        .iter()
+        .map(|r| &r.get_ref().key)
+        .chain(file.quotas.iter().map(|q| &q.get_ref().key))
+        .chain(file.concurrency.iter().map(|c| &c.get_ref().key))
+        .chain(file.bandwidth.iter().map(|b| &b.get_ref().key));
+    let mut seen = std::collections::HashSet::new();
+    keys.map(|k| meaning(k.get_ref(), file))
+        .any(|m| !seen.insert(m))
 }
 
 /// The key part `asn` or `country`: the client address's, in the

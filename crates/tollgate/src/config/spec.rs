@@ -712,6 +712,24 @@ impl FileSpec {
     pub(super) fn geo(&self) -> &Geo {
         self.geoip.as_ref().map_or(&NO_GEO, |g| &g.get_ref().loaded)
     }
+
+    /// What a key's text means beyond itself, as a number: two keys of
+    /// the same text read the same key of a request where this is the
+    /// same (the client address by the same proxies and prefix, the same
+    /// databases).
+    pub(super) fn key_context(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        self.trusted_proxies.as_ref().map(Spanned::get_ref).hash(&mut h);
+        self.forwarded_header.as_ref().map(Spanned::get_ref).hash(&mut h);
+        self.ipv6_prefix.as_ref().map(Spanned::get_ref).hash(&mut h);
+        if let Some(g) = &self.geoip {
+            let g = g.get_ref();
+            g.asn.as_ref().map(Spanned::get_ref).hash(&mut h);
+            g.country.as_ref().map(Spanned::get_ref).hash(&mut h);
+        }
+        h.finish()
+    }
 }
 
 /// `[idempotency]`.

@@ -112,11 +112,12 @@ async fn a_file_declares_what_the_builder_does() {
 fn file_keys_write_the_same_store_keys_as_code() {
     use crate::key::{ClientIp, Header, KeyBuf, KeyExtractor, KeyExtractorExt};
     let client = ClientIp::trusting(["10.0.0.0/8"]).unwrap();
+    let spec: super::spec::FileSpec = toml::from_str("").unwrap();
     let file = FileKey::parse(
         "header:x-api-key | client-ip",
         &client,
         64,
-        &super::spec::NO_GEO,
+        &spec,
     )
     .unwrap();
     let code = Header::named("x-api-key").unwrap().or(client.clone());
@@ -124,7 +125,7 @@ fn file_keys_write_the_same_store_keys_as_code() {
         "header:a | header:b + path | global",
         &client,
         64,
-        &super::spec::NO_GEO,
+        &spec,
     )
     .unwrap();
     let three_code = Header::named("a")
@@ -2038,4 +2039,102 @@ async fn the_audit_section_records_refusals_as_log_events() {
     let file = PolicyFile::parse(&format!("{RULE}[audit]\n{with_file}")).unwrap();
     assert!(file.layer::<String, _>(&store(&clock)).is_ok());
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A `Tollgate` whose limits share keys has each request read each
+/// distinct key once (two keys here, read by four limits), and each limit
+/// still counts by its own key: the tenant's rule by tenant, the key's
+/// quota by API key.
+#[tokio::test]
+async fn a_tollgate_reads_each_distinct_key_once_a_request() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let text = r#"
+[[rules]]
+name = "per-key"
+key = "header:x-api-key"
+rate = "1/h"
+burst = 10
+
+[[rules]]
+name = "per-tenant"
+key = " header:x-tenant "
+rate = "1/h"
+burst = 2
+
+[[quotas]]
+name = "daily"
+key = "header:x-api-key"
+limits = { day = 3 }
+
+[[concurrency]]
+name = "tenant"
+key = "header:x-tenant"
+max = 5
+"#;
+    let file = PolicyFile::parse(text).unwrap();
+    let gate = super::Tollgate::new(&file, &MemoryStore::new()).unwrap();
+    let remembered = Arc::new(AtomicUsize::new(usize::MAX));
+    let seen = Arc::clone(&remembered);
+    let mut svc = gate.layer(service_fn(move |r: Request<axum::body::Body>| {
+        let n = r
+            .extensions()
+            .get::<super::parts::Extracted>()
+            .map_or(0, super::parts::Extracted::remembered);
+        seen.store(n, Ordering::Relaxed);
+        async { Ok::<_, Infallible>(Response::new(axum::body::Body::empty())) }
+    }));
+    let mut send = async |key: &str, tenant: &str| {
+        let r = Request::get("/")
+            .header("x-api-key", key)
+            .header("x-tenant", tenant)
+            .body(axum::body::Body::empty())
+            .unwrap();
+        ServiceExt::<Request<axum::body::Body>>::ready(&mut svc)
+            .await
+            .unwrap()
+            .call(r)
+            .await
+            .unwrap()
+            .status()
+    };
+    // One tenant, three API keys: the tenant's burst of 2, then refused.
+    assert_eq!(send("k1", "t").await, StatusCode::OK);
+    assert_eq!(remembered.load(Ordering::Relaxed), 2, "two distinct keys");
+    assert_eq!(send("k2", "t").await, StatusCode::OK);
+    assert_eq!(send("k3", "t").await, StatusCode::TOO_MANY_REQUESTS);
+    // One API key, four tenants: its daily 3, then refused by the quota.
+    for t in ["u1", "u2", "u3"] {
+        assert_eq!(send("k9", t).await, StatusCode::OK, "{t}");
+    }
+    assert_eq!(send("k9", "u4").await, StatusCode::TOO_MANY_REQUESTS);
+
+    // Keys that do not repeat are read where met, as before.
+    let file = PolicyFile::parse(
+        "[[rules]]\nname = \"a\"\nkey = \"header:x-api-key\"\nrate = \"1/h\"\nburst = 1\n\n\
+         [[quotas]]\nname = \"q\"\nkey = \"header:x-tenant\"\nlimits = { day = 9 }\n",
+    )
+    .unwrap();
+    let gate = super::Tollgate::new(&file, &MemoryStore::new()).unwrap();
+    let seen = Arc::clone(&remembered);
+    let mut svc = gate.layer(service_fn(move |r: Request<axum::body::Body>| {
+        seen.store(
+            usize::from(r.extensions().get::<super::parts::Extracted>().is_some()),
+            Ordering::Relaxed,
+        );
+        async { Ok::<_, Infallible>(Response::new(axum::body::Body::empty())) }
+    }));
+    let r = Request::get("/")
+        .header("x-api-key", "k")
+        .header("x-tenant", "t")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let res = ServiceExt::<Request<axum::body::Body>>::ready(&mut svc)
+        .await
+        .unwrap()
+        .call(r)
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(remembered.load(Ordering::Relaxed), 0);
 }

@@ -498,6 +498,25 @@ fn missing_key(m: &Spanned<String>, field: String) -> Result<MissingKey, Problem
     })
 }
 
+/// `on_store_error` at `field` (an entry's, else the file's); `None`
+/// where neither says.
+fn on_store_error(
+    own: Option<&Spanned<String>>,
+    file: &FileSpec,
+    field: String,
+) -> Result<Option<crate::OnStoreError>, Problem> {
+    let (v, field) = match (own, &file.on_store_error) {
+        (Some(v), _) => (v, field),
+        (None, Some(v)) => (v, "on_store_error".to_owned()),
+        (None, None) => return Ok(None),
+    };
+    match v.get_ref().as_str() {
+        "admit" => Ok(Some(crate::OnStoreError::Admit)),
+        "refuse" => Ok(Some(crate::OnStoreError::Refuse)),
+        _ => Err(at(v, field, "must be \"admit\" or \"refuse\"")),
+    }
+}
+
 /// `$b` with its plan source from `plan_from` (`$p`): `"extension"` or
 /// `"header:<name>"`. (A macro: the builders of the policy, quota and
 /// concurrency layers each have these methods, and no trait in common.)
@@ -647,6 +666,9 @@ pub(super) fn builder<B>(
     }
     if let Some(p) = &file.plan_from {
         b = plan_source!(b, p);
+    }
+    if let Some(on) = on_store_error(None, file, String::new())? {
+        b = b.on_store_error(on);
     }
     if file.rules.is_empty() {
         let others = !file.quotas.is_empty()
@@ -1238,6 +1260,9 @@ pub(super) fn quota(
     let mut b = crate::QuotaLayer::builder(q.name.get_ref())
         .key(key)
         .cost(cost);
+    if let Some(on) = on_store_error(q.on_store_error.as_ref(), file, field("on_store_error"))? {
+        b = b.on_store_error(on);
+    }
     // What one request may cost at most and still pass: its plan's
     // smallest period limit, the most of any plan.
     let default = periods(&q.limits, &field("limits"))?;
@@ -1304,6 +1329,9 @@ pub(super) fn concurrency(
     let mut b = crate::ConcurrencyLayer::builder(c.name.get_ref(), max)
         .key(key)
         .cost(cost);
+    if let Some(on) = on_store_error(c.on_store_error.as_ref(), file, field("on_store_error"))? {
+        b = b.on_store_error(on);
+    }
     let mut capacity = u64::from(max);
     for (plan, m) in &c.plans {
         let plan_max = whole(*m.get_ref(), m, field(&format!("plans.{plan}")), 1)?;

@@ -143,6 +143,7 @@ fn same_context(a: &super::spec::FileSpec, b: &super::spec::FileSpec) -> bool {
         && a.forwarded_header == b.forwarded_header
         && a.ipv6_prefix == b.ipv6_prefix
         && a.plan_from == b.plan_from
+        && a.on_store_error == b.on_store_error
         && a.costs == b.costs
         && a.headers == b.headers
         && a.legacy_headers == b.legacy_headers

@@ -47,7 +47,11 @@
 //! `trusted_proxies` (CIDRs whose forwarding headers `client-ip` believes),
 //! `forwarded_header` (`"x-forwarded-for"`, the default, or
 //! `"forwarded"`), `ipv6_prefix` (bits an IPv6 client is keyed by, 64 by
-//! default), `plan_from` (`"extension"` or `"header:<name>"`), named
+//! default), `plan_from` (`"extension"` or `"header:<name>"`),
+//! `on_store_error` (what a store's error, rather than a decision, does:
+//! `"admit"`, the default, or `"refuse"` with a 429 and `Retry-After: 1`;
+//! for the rules and every quota and in-flight limit without its own
+//! `on_store_error`; see [`OnStoreError`](crate::OnStoreError)), named
 //! `[costs.<name>]`, `[access]` (`name`, `keys_from`, `allow_keys`,
 //! `deny_keys`, `allow_networks`, `deny_networks`, `deny_by_default`, and
 //! `allow_networks_file` / `deny_networks_file`: files of one CIDR or
@@ -95,6 +99,7 @@
 //! | `soft_limit` | the share of a period past which responses warn (above 0, at most 1) |
 //! | `zone` | where periods start: `"UTC"` (default), an offset (`"-05:00"`), or an IANA name (`"America/New_York"`, feature `tz`) |
 //! | `missing_key`, `shadow`, `routes` | as a rule's |
+//! | `on_store_error` | `"admit"` or `"refuse"` (the file's when absent) |
 //!
 //! Each `[[concurrency]]` entry is an in-flight limit, built by name as a
 //! [`ConcurrencyLayer`](crate::ConcurrencyLayer) with
@@ -104,7 +109,7 @@
 //! (`service = { name, max }`) or adaptive (`adaptive = { name,
 //! algorithm = "gradient" | "aimd", min, initial, max }`),
 //! `read_only = { above, window, min_requests }`, `missing_key`, `shadow`,
-//! `lease_ttl`, `retry_after`, `max_lifetime` (the longest a permit lives:
+//! `on_store_error`, `lease_ttl`, `retry_after`, `max_lifetime` (the longest a permit lives:
 //! a stream still running then ends), `routes`. (Which requests are critical is code:
 //! [`critical`](crate::concurrency::ConcurrencyLayerBuilder::critical).)
 //!

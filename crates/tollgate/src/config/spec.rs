@@ -101,6 +101,12 @@ pub(super) struct FileSpec {
     pub(super) ipv6_prefix: Option<Spanned<u8>>,
     #[serde(default)]
     pub(super) plan_from: Option<Spanned<String>>,
+    /// What a store's error (not a decision: a store that fails open or
+    /// closed answers with decisions) does to a request: `admit` (the
+    /// default) or `refuse`. For the rules, and for every quota and
+    /// in-flight limit without its own.
+    #[serde(default)]
+    pub(super) on_store_error: Option<Spanned<String>>,
     #[serde(default)]
     #[cfg_attr(feature = "schema", schemars(with = "BTreeMap<String, CostSpec>"))]
     pub(super) costs: BTreeMap<String, Spanned<toml::Value>>,
@@ -437,6 +443,10 @@ pub(super) struct QuotaSpec {
     pub(super) cost: Option<Spanned<toml::Value>>,
     #[serde(default)]
     pub(super) missing_key: Option<Spanned<String>>,
+    /// What a store's error does here: `admit` or `refuse` (the file's
+    /// `on_store_error` when absent).
+    #[serde(default)]
+    pub(super) on_store_error: Option<Spanned<String>>,
     #[serde(default)]
     pub(super) soft_limit: Option<Spanned<f64>>,
     /// Where periods start: `UTC` (the default), an offset (`+05:30`,
@@ -482,6 +492,10 @@ pub(super) struct ConcurrencySpec {
     pub(super) read_only: Option<Spanned<ReadOnlySpec>>,
     #[serde(default)]
     pub(super) missing_key: Option<Spanned<String>>,
+    /// What a store's error does here: `admit` or `refuse` (the file's
+    /// `on_store_error` when absent).
+    #[serde(default)]
+    pub(super) on_store_error: Option<Spanned<String>>,
     #[serde(default)]
     pub(super) shadow: Option<bool>,
     #[serde(default)]
@@ -720,8 +734,14 @@ impl FileSpec {
     pub(super) fn key_context(&self) -> u64 {
         use std::hash::{Hash, Hasher};
         let mut h = std::collections::hash_map::DefaultHasher::new();
-        self.trusted_proxies.as_ref().map(Spanned::get_ref).hash(&mut h);
-        self.forwarded_header.as_ref().map(Spanned::get_ref).hash(&mut h);
+        self.trusted_proxies
+            .as_ref()
+            .map(Spanned::get_ref)
+            .hash(&mut h);
+        self.forwarded_header
+            .as_ref()
+            .map(Spanned::get_ref)
+            .hash(&mut h);
         self.ipv6_prefix.as_ref().map(Spanned::get_ref).hash(&mut h);
         if let Some(g) = &self.geoip {
             let g = g.get_ref();

@@ -113,21 +113,9 @@ fn file_keys_write_the_same_store_keys_as_code() {
     use crate::key::{ClientIp, Header, KeyBuf, KeyExtractor, KeyExtractorExt};
     let client = ClientIp::trusting(["10.0.0.0/8"]).unwrap();
     let spec: super::spec::FileSpec = toml::from_str("").unwrap();
-    let file = FileKey::parse(
-        "header:x-api-key | client-ip",
-        &client,
-        64,
-        &spec,
-    )
-    .unwrap();
+    let file = FileKey::parse("header:x-api-key | client-ip", &client, 64, &spec).unwrap();
     let code = Header::named("x-api-key").unwrap().or(client.clone());
-    let three = FileKey::parse(
-        "header:a | header:b + path | global",
-        &client,
-        64,
-        &spec,
-    )
-    .unwrap();
+    let three = FileKey::parse("header:a | header:b + path | global", &client, 64, &spec).unwrap();
     let three_code = Header::named("a")
         .unwrap()
         .or((Header::named("b").unwrap(), crate::key::Path))
@@ -2137,4 +2125,24 @@ max = 5
         .unwrap();
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(remembered.load(Ordering::Relaxed), 0);
+}
+
+#[test]
+fn on_store_error_is_admit_or_refuse_and_names_its_field() {
+    let top = "on_store_error = \"deny\"\n\n[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\n";
+    assert_eq!(
+        error(top),
+        "1:18: on_store_error: must be \"admit\" or \"refuse\""
+    );
+    let quota = "[[quotas]]\nname = \"q\"\nkey = \"global\"\nlimits = { day = 1 }\non_store_error = \"closed\"\n";
+    assert_eq!(
+        error(quota),
+        "5:18: quotas[0].on_store_error: must be \"admit\" or \"refuse\""
+    );
+    let conc = "on_store_error = \"refuse\"\n\n[[concurrency]]\nname = \"c\"\nkey = \"global\"\nmax = 1\non_store_error = \"open\"\n";
+    assert_eq!(
+        error(conc),
+        "7:18: concurrency[0].on_store_error: must be \"admit\" or \"refuse\""
+    );
+    assert!(PolicyFile::parse(&conc.replace("\"open\"", "\"admit\"")).is_ok());
 }

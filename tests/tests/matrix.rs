@@ -96,7 +96,20 @@ struct Cell<'a> {
     redis: &'a str,
     /// A 3-master Redis Cluster (on Redis), for the rows that stop one.
     cluster: Option<&'a Cluster>,
+    /// The limit declared in a policy file and served by a `Tollgate`
+    /// (the composed layer), where it is built in code otherwise.
+    file: bool,
 }
+
+/// The layers a policy file declares too: each has a second column, the
+/// same limit from a file, in a `Tollgate`.
+const FROM_FILES: [Layer; 5] = [
+    Layer::Policy,
+    Layer::Quota,
+    Layer::Concurrency,
+    Layer::Adaptive,
+    Layer::Bandwidth,
+];
 
 /// A cell's verdict, when it does not fail.
 #[derive(Debug)]
@@ -462,12 +475,127 @@ struct Protected {
     adaptive_limit: Option<Box<dyn Fn() -> Option<u32> + Send + Sync>>,
 }
 
-/// `router` behind `layer` configured by `spec`, on `store`. The rule's
-/// name is `m` in every layer.
-fn protect<St>(layer: Layer, store: St, spec: Spec, router: Router) -> Protected
+/// `spec`'s limit of `layer` as a policy file's entry (`[[rules]]`,
+/// `[[quotas]]`, `[[concurrency]]` or `[[bandwidth]]`), and what the file
+/// says at its top.
+fn file_entry(layer: Layer, spec: &Spec) -> (String, String) {
+    let key = match spec.key {
+        KeyKind::ApiKey => "header:x-api-key",
+        KeyKind::Peer => "peer-ip",
+    };
+    let cost = if spec.header_cost {
+        format!("{{ header = \"x-cost\", default = 1, max = {} }}", i64::MAX)
+    } else {
+        format!(
+            "{{ default = 1, routes = [{{ method = \"GET\", path = \"{}\", cost = {R_COST} }}] }}",
+            spec.cost_path
+        )
+    };
+    let mut own = String::new();
+    if let Some((method, pattern)) = spec.routes {
+        own.push_str(&format!("routes = [\"{method} {pattern}\"]\n"));
+    }
+    let refuse = spec.on_store_error == OnStoreError::Refuse;
+    let (name, budget) = (spec.rule, spec.budget);
+    let mut top = String::new();
+    let entry = match layer {
+        Layer::Policy => {
+            if refuse {
+                top.push_str("on_store_error = \"refuse\"\n");
+            }
+            if let Some(status) = spec.count_if {
+                own.push_str(&format!("count_if = [{status}]\n"));
+            }
+            let mut entry = format!("[[rules]]\nname = \"{name}\"\nkey = \"{key}\"\nrate = \"1/h\"\nburst = {budget}\ncost = {cost}\n{own}");
+            if spec.idempotency {
+                entry.push_str(&format!(
+                    "\n[idempotency]\nname = \"idem\"\nkey = \"{key}\"\nttl = \"600s\"\n"
+                ));
+            }
+            entry
+        }
+        Layer::Quota => {
+            if refuse {
+                own.push_str("on_store_error = \"refuse\"\n");
+            }
+            format!("[[quotas]]\nname = \"{name}\"\nkey = \"{key}\"\nlimits = {{ day = {budget} }}\ncost = {cost}\n{own}")
+        }
+        Layer::Concurrency | Layer::Adaptive => {
+            if refuse {
+                own.push_str("on_store_error = \"refuse\"\n");
+            }
+            if let Some(max) = spec.max_lifetime {
+                own.push_str(&format!("max_lifetime = \"{}ms\"\n", max.as_millis()));
+            }
+            if layer == Layer::Adaptive {
+                let (algorithm, min, initial, max) = match (spec.adaptive)() {
+                    AdaptiveLimit::Aimd(_) => ("aimd", 1, 5, 10),
+                    _ => ("gradient", 16, 64, 1_000),
+                };
+                // One service-wide limit a name (names are the store's).
+                let svc = if name == "m" {
+                    "svc".to_owned()
+                } else {
+                    format!("svc-{name}")
+                };
+                own.push_str(&format!(
+                    "adaptive = {{ name = \"{svc}\", algorithm = \"{algorithm}\", min = {min}, initial = {initial}, max = {max} }}\n\
+                     read_only = {{ above = 0.5, window = \"60s\" }}\n"
+                ));
+            }
+            format!("[[concurrency]]\nname = \"{name}\"\nkey = \"{key}\"\nmax = {budget}\ncost = {cost}\n{own}")
+        }
+        Layer::Bandwidth => format!(
+            "[[bandwidth]]\nname = \"{name}\"\nkey = \"{key}\"\nrate = {}\nburst = {budget}\n{own}",
+            1 << 20
+        ),
+        Layer::Rate | Layer::Retry => panic!("{layer:?} has no policy file entry"),
+    };
+    (top, entry)
+}
+
+/// `router` behind one `Tollgate` over a policy file of `limits` (each a
+/// layer and its spec), on `store`.
+fn protect_file<St>(limits: &[(Layer, Spec)], store: St, router: Router) -> Protected
 where
     St: Store + QuotaStore,
 {
+    let (mut top, mut entries) = (String::new(), String::new());
+    for (layer, spec) in limits {
+        let (t, e) = file_entry(*layer, spec);
+        top.push_str(&t);
+        entries.push_str(&format!("\n{e}"));
+    }
+    // Top-level keys first, then the tables.
+    let text = format!("{top}{entries}");
+    let file =
+        tollgate::config::PolicyFile::parse(&text).unwrap_or_else(|e| panic!("{e}\n---\n{text}"));
+    let gate = tollgate::config::Tollgate::new(&file, &store).unwrap_or_else(|e| panic!("{e}"));
+    let adaptive_limit = limits
+        .iter()
+        .find(|(l, _)| matches!(l, Layer::Concurrency | Layer::Adaptive))
+        .map(|(_, spec)| {
+            let gate = gate.clone();
+            let name = spec.rule;
+            Box::new(move || gate.concurrency(name).and_then(|l| l.adaptive_limit()))
+                as Box<dyn Fn() -> Option<u32> + Send + Sync>
+        });
+    Protected {
+        router: router.layer(gate),
+        adaptive_limit,
+    }
+}
+
+/// `router` behind `layer` configured by `spec`, on `store`, built in
+/// code or (`file`) from a policy file. The rule's name is `m` in every
+/// layer.
+fn protect<St>(layer: Layer, file: bool, store: St, spec: Spec, router: Router) -> Protected
+where
+    St: Store + QuotaStore,
+{
+    if file {
+        return protect_file(&[(layer, spec)], store, router);
+    }
     let by_route = ByRoute::new(1).route(Some(Method::GET), spec.cost_path, R_COST);
     let from_header = spec
         .header_cost
@@ -596,8 +724,8 @@ fn protect_on(
     policy: tollgate::FailurePolicy,
 ) -> Protected {
     with_store(cell, policy, |store| match store {
-        StoreChoice::Memory(s) => protect(cell.layer, s, spec, router),
-        StoreChoice::Redis(s) => protect(cell.layer, s, spec, router),
+        StoreChoice::Memory(s) => protect(cell.layer, cell.file, s, spec, router),
+        StoreChoice::Redis(s) => protect(cell.layer, cell.file, s, spec, router),
     })
 }
 
@@ -1724,8 +1852,12 @@ async fn store_errors(cell: Cell<'_>) -> CellResult {
             ..Spec::default()
         };
         let protected = with_store(cell, tollgate::FailurePolicy::Open, |store| match store {
-            StoreChoice::Memory(s) => protect(cell.layer, Failing(s), spec, backend.router()),
-            StoreChoice::Redis(s) => protect(cell.layer, Failing(s), spec, backend.router()),
+            StoreChoice::Memory(s) => {
+                protect(cell.layer, cell.file, Failing(s), spec, backend.router())
+            }
+            StoreChoice::Redis(s) => {
+                protect(cell.layer, cell.file, Failing(s), spec, backend.router())
+            }
         });
         let s = common::spawn(protected.router).await;
         let mut statuses = Vec::new();
@@ -1786,8 +1918,8 @@ async fn key_rotation(cell: Cell<'_>) -> CellResult {
         other => (Some(other), other),
     };
     let router = with_store(cell, FailurePolicy::Open, |store| match store {
-        StoreChoice::Memory(s) => paired(inner, addr_layer, s, per_address, backend.router()),
-        StoreChoice::Redis(s) => paired(inner, addr_layer, s, per_address, backend.router()),
+        StoreChoice::Memory(s) => paired(cell, inner, addr_layer, s, per_address, backend.router()),
+        StoreChoice::Redis(s) => paired(cell, inner, addr_layer, s, per_address, backend.router()),
     });
     let addr = common::spawn(router).await;
     let concurrency = matches!(cell.layer, Layer::Concurrency | Layer::Adaptive);
@@ -1831,6 +1963,7 @@ async fn key_rotation(cell: Cell<'_>) -> CellResult {
 /// same kind of limit keyed by address (`per_address`); for the policy,
 /// one policy with both rules.
 fn paired<St>(
+    cell: Cell<'_>,
     layer: Layer,
     addr_layer: Option<Layer>,
     store: St,
@@ -1840,10 +1973,16 @@ fn paired<St>(
 where
     St: Store + QuotaStore,
 {
+    if cell.file {
+        // One file, as the quickstart's: both limits in one `Tollgate`.
+        let outer = addr_layer.unwrap_or(layer);
+        let limits = [(layer, Spec::default()), (outer, per_address)];
+        return protect_file(&limits, store, router).router;
+    }
     match addr_layer {
         Some(outer) => {
-            let inner = protect(layer, store.clone(), Spec::default(), router).router;
-            protect(outer, store, per_address, inner).router
+            let inner = protect(layer, false, store.clone(), Spec::default(), router).router;
+            protect(outer, false, store, per_address, inner).router
         }
         None => {
             let slow = Rate::new(1, Duration::from_secs(3_600));
@@ -2023,9 +2162,12 @@ fn custom_rejection(
 }
 
 async fn reload_mid_traffic(cell: Cell<'_>) -> CellResult {
+    if cell.file {
+        return reload_file_mid_traffic(cell).await;
+    }
     if cell.layer != Layer::Policy {
         return Ok(Verdict::NotApplicable(
-            "declared in code: a policy file holds PolicyLayer rules only",
+            "declared in code: its column from a policy file reloads",
         ));
     }
     let dir = std::env::temp_dir().join(format!("tollgate-matrix-{}", unique_prefix()));
@@ -2122,6 +2264,176 @@ async fn reload_mid_traffic(cell: Cell<'_>) -> CellResult {
     }
     let _ = std::fs::remove_dir_all(&dir);
     expect(flips > 1, || format!("only {flips} reloads ran"))?;
+    Ok(Verdict::Pass)
+}
+
+/// Row 9 for a `Tollgate` over the cell's limit in a file: a reload
+/// that adds a second limit of the same section keeps the first's state
+/// (its units spent, its permits held), and while reloads flip between
+/// the two files, every response is decided by one file whole.
+async fn reload_file_mid_traffic(cell: Cell<'_>) -> CellResult {
+    let layer = cell.layer;
+    let dir = std::env::temp_dir().join(format!("tollgate-matrix-{}", unique_prefix()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("policy.toml");
+    let text = |extra: bool| {
+        let (mut top, mut entries) = file_entry(layer, &Spec::default());
+        if extra {
+            let spec = Spec {
+                rule: "extra",
+                budget: 100,
+                ..Spec::default()
+            };
+            let (t, e) = file_entry(layer, &spec);
+            top.push_str(&t);
+            entries.push_str(&format!("\n{e}"));
+        }
+        format!("{top}{entries}")
+    };
+    std::fs::write(&path, text(false)).unwrap();
+    let file = tollgate::config::PolicyFile::read(&path).map_err(|e| e.to_string())?;
+    let backend = Backend::default();
+    let (router, reloader) = with_store(cell, FailurePolicy::Open, |store| {
+        fn gate<St: Store + QuotaStore + Send + Sync + 'static>(
+            path: &std::path::Path,
+            file: &tollgate::config::PolicyFile,
+            store: St,
+            router: Router,
+        ) -> (Router, Reload) {
+            let gate = tollgate::config::Tollgate::new(file, &store).unwrap();
+            let reloader = gate.reloader(path, file, store, |b| b);
+            (router.layer(gate), Box::new(move || reloader.reload()))
+        }
+        match store {
+            StoreChoice::Memory(s) => gate(&path, &file, s, backend.router()),
+            StoreChoice::Redis(s) => gate(&path, &file, s, backend.router()),
+        }
+    });
+    let addr = common::spawn(router).await;
+    let (path_of_traffic, policy_header) = match layer {
+        Layer::Policy | Layer::Quota => {
+            // One request under v1: 4 of 8 left; after the reload, the
+            // unchanged limit has 0 left.
+            let get = || send(addr, req(Method::GET, "/r", Some(b"k")));
+            let first = get().await.unwrap();
+            expect(
+                first.status == StatusCode::OK && remaining(&first) == Some(4),
+                || format!("v1: {} r={:?}", first.status, remaining(&first)),
+            )?;
+            std::fs::write(&path, text(true)).unwrap();
+            expect(reload(&reloader)? == "applied", || {
+                "v2 was not applied".into()
+            })?;
+            let second = get().await.unwrap();
+            expect(
+                second.status == StatusCode::OK && remaining(&second) == Some(0),
+                || {
+                    format!(
+                        "after the reload: {} r={:?} (an unchanged limit keeps its state)",
+                        second.status,
+                        remaining(&second)
+                    )
+                },
+            )?;
+            expect(
+                second.header("ratelimit-policy").contains("\"extra\""),
+                || format!("v2's policy: {:?}", second.header("ratelimit-policy")),
+            )?;
+            ("/r", true)
+        }
+        Layer::Concurrency | Layer::Adaptive => {
+            // v1's permits held across the reload still count.
+            let mut held = Vec::new();
+            for i in 0..BUDGET {
+                let o = open(addr, "/long", "k").await;
+                expect(o.status == StatusCode::OK, || {
+                    format!("permit {i}: {}", o.status)
+                })?;
+                held.push(o);
+            }
+            std::fs::write(&path, text(true)).unwrap();
+            expect(reload(&reloader)? == "applied", || {
+                "v2 was not applied".into()
+            })?;
+            let past = open(addr, "/long", "k").await;
+            expect(past.status == StatusCode::TOO_MANY_REQUESTS, || {
+                format!(
+                    "after the reload, a permit past the {BUDGET} held: {} (held permits must still count)",
+                    past.status
+                )
+            })?;
+            drop(past);
+            drop(held.pop());
+            let mut back = false;
+            for _ in 0..100 {
+                if open(addr, "/long", "k").await.status == StatusCode::OK {
+                    back = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            expect(back, || {
+                "a permit given back after the reload never came back".into()
+            })?;
+            drop(held);
+            // `/s` holds one permit (`/r` four: two at once would pass
+            // the adaptive limit's 5).
+            ("/s", true)
+        }
+        // Pacing sends no limit fields: every body whole is what counts.
+        _ => ("/r", false),
+    };
+
+    let sent = Arc::new(AtomicUsize::new(0));
+    let mut clients = Vec::new();
+    for c in 0..4u8 {
+        let sent = Arc::clone(&sent);
+        clients.push(tokio::spawn(async move {
+            let mut seen = Vec::new();
+            for i in 0..25u32 {
+                let key = format!("mid-{c}-{i}");
+                let r = send(
+                    addr,
+                    req(Method::GET, path_of_traffic, Some(key.as_bytes())),
+                )
+                .await
+                .unwrap();
+                sent.fetch_add(1, Ordering::SeqCst);
+                seen.push((r.status, r.header("ratelimit-policy").to_owned()));
+            }
+            seen
+        }));
+    }
+    let mut flips = 0;
+    while sent.load(Ordering::SeqCst) < 100 && flips < 1_000 {
+        std::fs::write(&path, text(flips % 2 == 1)).unwrap();
+        reload(&reloader)?;
+        flips += 1;
+        tokio::task::yield_now().await;
+    }
+    let mut policies = std::collections::BTreeSet::new();
+    for client in clients {
+        for (status, policy) in client.await.unwrap() {
+            expect(status == StatusCode::OK, || {
+                format!("mid-reload: {status} under policy {policy:?}")
+            })?;
+            policies.insert(policy);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    expect(flips > 1, || format!("only {flips} reloads ran"))?;
+    if policy_header {
+        // Each response names the limits of one file: `m` alone, or `m`
+        // and `extra`.
+        for p in &policies {
+            let whole = p.contains("\"m\"")
+                && (p.matches("\"extra\"").count() <= 1)
+                && p.matches("\"m\"").count() == 1;
+            expect(whole, || {
+                format!("mid-reload: a policy of no one file: {p:?}")
+            })?;
+        }
+    }
     Ok(Verdict::Pass)
 }
 
@@ -2546,8 +2858,13 @@ async fn scenario_matrix() {
     let mut failures = Vec::new();
     let (mut passed, mut not_applicable) = (0, 0);
     let mut table = String::new();
+    let columns = LAYERS
+        .iter()
+        .map(|&l| (l, false))
+        .chain(FROM_FILES.iter().map(|&l| (l, true)));
+    let columns: Vec<(Layer, bool)> = columns.collect();
     for row in ROWS {
-        for layer in LAYERS {
+        for &(layer, file) in &columns {
             for backing in [Backing::Memory, Backing::Redis] {
                 let url = match (backing, &redis) {
                     (Backing::Memory, _) => "",
@@ -2562,6 +2879,12 @@ async fn scenario_matrix() {
                     backing,
                     redis: url,
                     cluster: cluster.as_ref(),
+                    file,
+                };
+                let column = if file {
+                    format!("{layer:?}/file")
+                } else {
+                    format!("{layer:?}")
                 };
                 let verdict = tokio::time::timeout(Duration::from_secs(60), (row.check)(cell))
                     .await
@@ -2576,12 +2899,12 @@ async fn scenario_matrix() {
                         format!("n/a: {why}")
                     }
                     Err(e) => {
-                        failures.push(format!("{} × {layer:?} × {backing:?}: {e}", row.name));
+                        failures.push(format!("{} × {column} × {backing:?}: {e}", row.name));
                         format!("FAIL: {e}")
                     }
                 };
                 table.push_str(&format!(
-                    "{:<55} {layer:<12?} {backing:<7?} {mark}\n",
+                    "{:<55} {column:<17} {backing:<7?} {mark}\n",
                     row.name
                 ));
             }
@@ -2589,9 +2912,11 @@ async fn scenario_matrix() {
     }
     println!("{table}");
     println!(
-        "matrix: {} conditions × {} layers × 2 stores: {passed} passed, {not_applicable} not applicable, {} failed, {skipped} skipped (no redis-server)",
+        "matrix: {} conditions × {} columns ({} layers in code, {} from a policy file) × 2 stores: {passed} passed, {not_applicable} not applicable, {} failed, {skipped} skipped (no redis-server)",
         ROWS.len(),
+        columns.len(),
         LAYERS.len(),
+        FROM_FILES.len(),
         failures.len()
     );
     assert!(passed > 0, "the matrix ran no cell");
@@ -2641,7 +2966,8 @@ async fn full_store(cell: Cell<'_>) -> CellResult {
             on_store_error: on,
             ..Spec::default()
         };
-        let s = common::spawn(protect(cell.layer, store, spec, backend.router()).router).await;
+        let s = common::spawn(protect(cell.layer, cell.file, store, spec, backend.router()).router)
+            .await;
         // Two clients fill the store.
         for k in [&b"a"[..], b"b"] {
             let r = send(s, req(Method::GET, "/s", Some(k))).await.unwrap();

@@ -2146,3 +2146,27 @@ fn on_store_error_is_admit_or_refuse_and_names_its_field() {
     );
     assert!(PolicyFile::parse(&conc.replace("\"open\"", "\"admit\"")).is_ok());
 }
+
+/// Two service-wide limits of one name would count each other's
+/// requests (their counts are one store key), each against its own
+/// limit: refused at load, naming the second.
+#[test]
+fn a_service_wide_limit_s_name_is_the_store_s_too() {
+    let entry = |name: &str, svc: &str| {
+        format!("[[concurrency]]\nname = \"{name}\"\nkey = \"global\"\nmax = 4\nadaptive = {{ name = \"{svc}\", algorithm = \"aimd\", min = 1, initial = 5, max = 10 }}\n")
+    };
+    let two = format!("{}\n{}", entry("a", "svc"), entry("b", "svc"));
+    let e = error(&two);
+    assert!(
+        e.starts_with("11:21: concurrency[1].adaptive.name: the name \"svc\" is taken"),
+        "{e}"
+    );
+    let fixed = service_named("b", "c");
+    let e = error(&format!("{}\n{fixed}", entry("a", "c")));
+    assert!(e.contains("concurrency[1].service.name"), "{e}");
+    assert!(PolicyFile::parse(&format!("{}\n{}", entry("a", "svc"), entry("b", "svc-b"))).is_ok());
+}
+
+fn service_named(name: &str, svc: &str) -> String {
+    format!("[[concurrency]]\nname = \"{name}\"\nkey = \"global\"\nmax = 4\nservice = {{ name = \"{svc}\", max = 10 }}\n")
+}

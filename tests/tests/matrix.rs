@@ -2225,45 +2225,21 @@ async fn reload_mid_traffic(cell: Cell<'_>) -> CellResult {
 
     // Reloads back and forth while requests run: every response was
     // decided by one policy whole.
-    let sent = Arc::new(AtomicUsize::new(0));
-    let mut clients = Vec::new();
-    for c in 0..4u8 {
-        let sent = Arc::clone(&sent);
-        clients.push(tokio::spawn(async move {
-            let mut seen = Vec::new();
-            for i in 0..25u32 {
-                let key = format!("mid-{c}-{i}");
-                let r = send(addr, req(Method::GET, "/r", Some(key.as_bytes())))
-                    .await
-                    .unwrap();
-                sent.fetch_add(1, Ordering::SeqCst);
-                seen.push((r.status, r.header("ratelimit-policy").to_owned()));
-            }
-            seen
-        }));
-    }
-    let mut flips = 0;
-    while sent.load(Ordering::SeqCst) < 100 && flips < 1_000 {
-        let text = if flips % 2 == 0 {
-            RELOAD_V1.to_owned()
-        } else {
+    let seen = flip_under_traffic(addr, "/r", &path, reloader, |v2| {
+        if v2 {
             reload_v2()
-        };
-        std::fs::write(&path, text).unwrap();
-        reload(&reloader)?;
-        flips += 1;
-        tokio::task::yield_now().await;
-    }
-    for client in clients {
-        for (status, policy) in client.await.unwrap() {
-            expect(
-                status == StatusCode::OK && (policy == v1_policy || policy == v2_policy),
-                || format!("mid-reload: {status} under policy {policy:?}"),
-            )?;
+        } else {
+            RELOAD_V1.to_owned()
         }
+    })
+    .await?;
+    for (status, policy) in seen {
+        expect(
+            status == StatusCode::OK && (policy == v1_policy || policy == v2_policy),
+            || format!("mid-reload: {status} under policy {policy:?}"),
+        )?;
     }
     let _ = std::fs::remove_dir_all(&dir);
-    expect(flips > 1, || format!("only {flips} reloads ran"))?;
     Ok(Verdict::Pass)
 }
 
@@ -2384,44 +2360,15 @@ async fn reload_file_mid_traffic(cell: Cell<'_>) -> CellResult {
         _ => ("/r", false),
     };
 
-    let sent = Arc::new(AtomicUsize::new(0));
-    let mut clients = Vec::new();
-    for c in 0..4u8 {
-        let sent = Arc::clone(&sent);
-        clients.push(tokio::spawn(async move {
-            let mut seen = Vec::new();
-            for i in 0..25u32 {
-                let key = format!("mid-{c}-{i}");
-                let r = send(
-                    addr,
-                    req(Method::GET, path_of_traffic, Some(key.as_bytes())),
-                )
-                .await
-                .unwrap();
-                sent.fetch_add(1, Ordering::SeqCst);
-                seen.push((r.status, r.header("ratelimit-policy").to_owned()));
-            }
-            seen
-        }));
-    }
-    let mut flips = 0;
-    while sent.load(Ordering::SeqCst) < 100 && flips < 1_000 {
-        std::fs::write(&path, text(flips % 2 == 1)).unwrap();
-        reload(&reloader)?;
-        flips += 1;
-        tokio::task::yield_now().await;
-    }
+    let seen = flip_under_traffic(addr, path_of_traffic, &path, reloader, text).await?;
     let mut policies = std::collections::BTreeSet::new();
-    for client in clients {
-        for (status, policy) in client.await.unwrap() {
-            expect(status == StatusCode::OK, || {
-                format!("mid-reload: {status} under policy {policy:?}")
-            })?;
-            policies.insert(policy);
-        }
+    for (status, policy) in seen {
+        expect(status == StatusCode::OK, || {
+            format!("mid-reload: {status} under policy {policy:?}")
+        })?;
+        policies.insert(policy);
     }
     let _ = std::fs::remove_dir_all(&dir);
-    expect(flips > 1, || format!("only {flips} reloads ran"))?;
     if policy_header {
         // Each response names the limits of one file: `m` alone, or `m`
         // and `extra`.
@@ -2435,6 +2382,49 @@ async fn reload_file_mid_traffic(cell: Cell<'_>) -> CellResult {
         }
     }
     Ok(Verdict::Pass)
+}
+
+/// Four clients send 25 requests each (a key each) to `route` at `addr`
+/// while the file at `path` flips between `text(false)` and `text(true)`,
+/// each reloaded at once; what each response said (its status and
+/// `RateLimit-Policy`).
+async fn flip_under_traffic(
+    addr: SocketAddr,
+    route: &'static str,
+    path: &std::path::Path,
+    reloader: Reload,
+    text: impl Fn(bool) -> String,
+) -> Result<Vec<(StatusCode, String)>, String> {
+    let sent = Arc::new(AtomicUsize::new(0));
+    let mut clients = Vec::new();
+    for c in 0..4u8 {
+        let sent = Arc::clone(&sent);
+        clients.push(tokio::spawn(async move {
+            let mut seen = Vec::new();
+            for i in 0..25u32 {
+                let key = format!("mid-{c}-{i}");
+                let r = send(addr, req(Method::GET, route, Some(key.as_bytes())))
+                    .await
+                    .unwrap();
+                sent.fetch_add(1, Ordering::SeqCst);
+                seen.push((r.status, r.header("ratelimit-policy").to_owned()));
+            }
+            seen
+        }));
+    }
+    let mut flips = 0;
+    while sent.load(Ordering::SeqCst) < 100 && flips < 1_000 {
+        std::fs::write(path, text(flips % 2 == 1)).unwrap();
+        reload(&reloader)?;
+        flips += 1;
+        tokio::task::yield_now().await;
+    }
+    let mut seen = Vec::new();
+    for client in clients {
+        seen.extend(client.await.unwrap());
+    }
+    expect(flips > 1, || format!("only {flips} reloads ran"))?;
+    Ok(seen)
 }
 
 type Reload =

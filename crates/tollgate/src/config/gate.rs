@@ -144,6 +144,7 @@ fn same_context(a: &super::spec::FileSpec, b: &super::spec::FileSpec) -> bool {
         && a.ipv6_prefix == b.ipv6_prefix
         && a.plan_from == b.plan_from
         && a.on_store_error == b.on_store_error
+        && a.key_context() == b.key_context()
         && a.costs == b.costs
         && a.headers == b.headers
         && a.legacy_headers == b.legacy_headers
@@ -666,13 +667,13 @@ where
 
     fn layer(&self, inner: S) -> Self::Service {
         TollgateService {
-            inner: self.policy.layer(Next {
+            inner: AnyBody(self.policy.layer(Next {
                 inner,
                 limits: Arc::clone(&self.limits),
                 now: None,
                 from: 0,
                 applies: 0,
-            }),
+            })),
             remember: Arc::clone(&self.remember),
         }
     }
@@ -683,7 +684,7 @@ where
 /// it has the request read each key once.
 #[derive(Clone)]
 pub struct TollgateService<N> {
-    inner: N,
+    inner: AnyBody<N>,
     remember: Arc<AtomicBool>,
 }
 
@@ -695,20 +696,17 @@ impl<N: fmt::Debug> fmt::Debug for TollgateService<N> {
 
 impl<N, B> Service<Request<B>> for TollgateService<N>
 where
-    N: Service<Request<Body>>,
-    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
+    AnyBody<N>: Service<Request<B>>,
 {
-    type Response = N::Response;
-    type Error = N::Error;
-    type Future = N::Future;
+    type Response = <AnyBody<N> as Service<Request<B>>>::Response;
+    type Error = <AnyBody<N> as Service<Request<B>>>::Error;
+    type Future = <AnyBody<N> as Service<Request<B>>>::Future;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Request<B>) -> Self::Future {
-        let mut req = req.map(Body::new);
+    fn call(&mut self, mut req: Request<B>) -> Self::Future {
         if self.remember.load(Ordering::Relaxed) {
             req.extensions_mut().insert(super::parts::Extracted::new());
         }
@@ -792,6 +790,11 @@ where
                 _ => Routes::applies(s.routes.as_ref(), &req),
             });
         let Some((at, scoped)) = found else {
+            // The keys remembered are these limits' reading of the
+            // request: the service, and any layer in it (which may see
+            // another path, under a nested router), reads its own.
+            let mut req = req;
+            req.extensions_mut().remove::<super::parts::Extracted>();
             let mut inner = inner;
             let call = inner.call(req);
             return Box::pin(async move { Ok(call.await?.map(Body::new)) });

@@ -534,14 +534,17 @@ impl PolicyFile {
                     .map_err(|e| self.config_error(&e.in_item(list, i)))?;
             }
         }
-        // A service-wide limit's name is one store's too: two entries'
-        // limits of one name would count each other's requests, each
-        // against its own limit.
+        // A fixed service-wide limit's name is one store's too: two
+        // entries' limits of one name would count each other's requests,
+        // each against its own limit. (An adaptive limit counts in the
+        // process, each entry its own.)
         for (i, c) in self.spec.concurrency.iter().enumerate() {
-            let c = c.get_ref();
-            let service = (c.service.as_ref().map(|s| ("service", &s.get_ref().name)))
-                .or_else(|| c.adaptive.as_ref().map(|a| ("adaptive", &a.get_ref().name)));
-            let Some((field, name)) = service else {
+            let Some((field, name)) = c
+                .get_ref()
+                .service
+                .as_ref()
+                .map(|s| ("service", &s.get_ref().name))
+            else {
                 continue;
             };
             if let Some((other, _)) = taken.iter().find(|(_, n)| n == name.get_ref()) {

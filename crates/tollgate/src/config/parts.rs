@@ -135,14 +135,6 @@ impl Extracted {
     }
 }
 
-#[cfg(test)]
-impl Extracted {
-    /// The keys remembered, found or not.
-    pub(crate) fn remembered(&self) -> usize {
-        self.lock().len
-    }
-}
-
 impl Clone for Extracted {
     fn clone(&self) -> Self {
         Self(std::sync::Mutex::new(self.lock().clone()))
@@ -175,9 +167,24 @@ impl<B> KeyExtractor<B> for FileKey {
     fn extract(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()> {
         if key.is_empty() {
             if let Some(seen) = req.extensions().get::<Extracted>() {
-                return seen.extract(self.meaning, key, |key| self.node.extract(req, key));
+                return seen.extract(self.meaning, key, |key| self.read(req, key));
             }
         }
+        self.read(req, key)
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Keys read from requests on this thread (not copied).
+    pub(crate) static READS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+impl FileKey {
+    /// The key, read from `req`.
+    fn read<B>(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()> {
+        #[cfg(test)]
+        READS.with(|r| r.set(r.get().saturating_add(1)));
         self.node.extract(req, key)
     }
 }

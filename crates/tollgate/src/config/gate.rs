@@ -429,7 +429,9 @@ impl<St: Store + QuotaStore> Tollgate<St> {
         Ok(Self {
             policy,
             limits: Arc::new(ArcSwap::from_pointee(limits)),
-            remember: Arc::new(AtomicBool::new(super::parts::keys_repeat(&file.spec))),
+            remember: Arc::new(AtomicBool::new(super::parts::keys_repeat(
+                &file.spec, false,
+            ))),
             decisions_only: false,
         })
     }
@@ -455,7 +457,7 @@ impl<St: Store + QuotaStore> Tollgate<St> {
         Ok(Self {
             policy,
             limits: Arc::new(ArcSwap::from_pointee(limits)),
-            remember: Arc::new(AtomicBool::new(super::parts::keys_repeat(&file.spec))),
+            remember: Arc::new(AtomicBool::new(super::parts::keys_repeat(&file.spec, true))),
             decisions_only: true,
         })
     }
@@ -538,7 +540,7 @@ impl<St: Store + QuotaStore> Tollgate<St> {
                 let before = limits.load();
                 let before = (!fresh).then_some(&**before);
                 let next = Limits::build(file, store, before, decisions_only)?;
-                let repeat = super::parts::keys_repeat(&file.spec);
+                let repeat = super::parts::keys_repeat(&file.spec, decisions_only);
                 let (limits, remember) = (Arc::clone(&limits), Arc::clone(&remember));
                 Ok(Box::new(move || {
                     limits.store(Arc::new(next));
@@ -694,13 +696,13 @@ impl<N: fmt::Debug> fmt::Debug for TollgateService<N> {
     }
 }
 
-impl<N, B> Service<Request<B>> for TollgateService<N>
+impl<N, B, ResB> Service<Request<B>> for TollgateService<N>
 where
-    AnyBody<N>: Service<Request<B>>,
+    AnyBody<N>: Service<Request<B>, Response = Response<ResB>>,
 {
-    type Response = <AnyBody<N> as Service<Request<B>>>::Response;
+    type Response = Response<ResB>;
     type Error = <AnyBody<N> as Service<Request<B>>>::Error;
-    type Future = <AnyBody<N> as Service<Request<B>>>::Future;
+    type Future = Joined<<AnyBody<N> as Service<Request<B>>>::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -710,7 +712,37 @@ where
         if self.remember.load(Ordering::Relaxed) {
             req.extensions_mut().insert(super::parts::Extracted::new());
         }
-        self.inner.call(req)
+        Joined {
+            inner: self.inner.call(req),
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A [`TollgateService`]'s response: its limits' `RateLimit` and
+    /// `RateLimit-Policy` lines joined, one line a field.
+    pub struct Joined<F> {
+        #[pin]
+        inner: F,
+    }
+}
+
+impl<F: fmt::Debug> fmt::Debug for Joined<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.inner.fmt(f)
+    }
+}
+
+impl<F, ResB, E> Future for Joined<F>
+where
+    F: Future<Output = Result<Response<ResB>, E>>,
+{
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut res = std::task::ready!(self.project().inner.poll(cx))?;
+        crate::headers::Deferred::join(&mut res);
+        Poll::Ready(Ok(res))
     }
 }
 
@@ -797,7 +829,12 @@ where
             req.extensions_mut().remove::<super::parts::Extracted>();
             let mut inner = inner;
             let call = inner.call(req);
-            return Box::pin(async move { Ok(call.await?.map(Body::new)) });
+            return Box::pin(async move {
+                let mut res = call.await?.map(Body::new);
+                // The limits append their fields; the `Tollgate` joins them.
+                crate::headers::Deferred::mark(&mut res);
+                Ok(res)
+            });
         };
         let next = Next {
             inner,

@@ -251,20 +251,36 @@ fn meaning(text: &str, file: &super::spec::FileSpec) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     file.key_context().hash(&mut h);
-    super::spec::key_parts(text).hash(&mut h);
+    // As read: header names in any case, spaces around names dropped.
+    for alternative in super::spec::key_parts(text) {
+        alternative.len().hash(&mut h);
+        for part in alternative {
+            part.chars()
+                .filter(|c| !c.is_whitespace())
+                .map(|c| c.to_ascii_lowercase())
+                .collect::<String>()
+                .hash(&mut h);
+        }
+    }
     h.finish()
 }
 
 /// Whether two of `file`'s limits read one key: then a request's keys
 /// are worth remembering ([`Extracted`]).
-pub(super) fn keys_repeat(file: &super::spec::FileSpec) -> bool {
+pub(super) fn keys_repeat(file: &super::spec::FileSpec, decisions_only: bool) -> bool {
+    // A decision endpoint has no in-flight limits or pacing.
+    let (concurrency, bandwidth) = if decisions_only {
+        (&[][..], &[][..])
+    } else {
+        (&file.concurrency[..], &file.bandwidth[..])
+    };
     let keys = file
         .rules
         .iter()
         .map(|r| &r.get_ref().key)
         .chain(file.quotas.iter().map(|q| &q.get_ref().key))
-        .chain(file.concurrency.iter().map(|c| &c.get_ref().key))
-        .chain(file.bandwidth.iter().map(|b| &b.get_ref().key));
+        .chain(concurrency.iter().map(|c| &c.get_ref().key))
+        .chain(bandwidth.iter().map(|b| &b.get_ref().key));
     let mut seen = std::collections::HashSet::new();
     keys.map(|k| meaning(k.get_ref(), file))
         .any(|m| !seen.insert(m))

@@ -72,6 +72,17 @@ mod values {
         Text(String),
     }
 
+    /// What a store's error does.
+    #[derive(schemars::JsonSchema)]
+    #[schemars(rename_all = "lowercase")]
+    #[allow(dead_code)]
+    pub(super) enum OnStoreError {
+        /// Let the request through (the default).
+        Admit,
+        /// Refuse it: 429 with `Retry-After: 1`.
+        Refuse,
+    }
+
     /// `"error"`, an HTTP status, or a gRPC code by name.
     #[derive(schemars::JsonSchema)]
     #[schemars(untagged)]
@@ -106,6 +117,7 @@ pub(super) struct FileSpec {
     /// default) or `refuse`. For the rules, and for every quota and
     /// in-flight limit without its own.
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<values::OnStoreError>"))]
     pub(super) on_store_error: Option<Spanned<String>>,
     #[serde(default)]
     #[cfg_attr(feature = "schema", schemars(with = "BTreeMap<String, CostSpec>"))]
@@ -446,6 +458,7 @@ pub(super) struct QuotaSpec {
     /// What a store's error does here: `admit` or `refuse` (the file's
     /// `on_store_error` when absent).
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<values::OnStoreError>"))]
     pub(super) on_store_error: Option<Spanned<String>>,
     #[serde(default)]
     pub(super) soft_limit: Option<Spanned<f64>>,
@@ -495,6 +508,7 @@ pub(super) struct ConcurrencySpec {
     /// What a store's error does here: `admit` or `refuse` (the file's
     /// `on_store_error` when absent).
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<values::OnStoreError>"))]
     pub(super) on_store_error: Option<Spanned<String>>,
     #[serde(default)]
     pub(super) shadow: Option<bool>,
@@ -740,7 +754,7 @@ impl FileSpec {
             .hash(&mut h);
         self.forwarded_header
             .as_ref()
-            .map(Spanned::get_ref)
+            .map(|f| f.get_ref().to_ascii_lowercase())
             .hash(&mut h);
         self.ipv6_prefix.as_ref().map(Spanned::get_ref).hash(&mut h);
         if let Some(g) = &self.geoip {

@@ -2046,7 +2046,7 @@ burst = 10
 
 [[rules]]
 name = "per-tenant"
-key = " header:x-tenant "
+key = " header: X-Tenant "
 rate = "1/h"
 burst = 2
 
@@ -2187,4 +2187,71 @@ fn a_service_wide_limit_s_name_is_the_store_s_too() {
 
 fn service_named(name: &str, svc: &str) -> String {
     format!("[[concurrency]]\nname = \"{name}\"\nkey = \"global\"\nmax = 4\nservice = {{ name = \"{svc}\", max = 10 }}\n")
+}
+
+/// A `Tollgate` sends each list field as one line, its limits' items in
+/// the order a request meets them (rules, in-flight limits, quotas) and
+/// the service's own items last, as layers stacked by hand join them.
+#[tokio::test]
+async fn a_tollgate_joins_its_limits_fields_once_in_order() {
+    let text = r#"
+[[rules]]
+name = "per-key"
+key = "header:x-api-key"
+rate = "1/h"
+burst = 10
+
+[[quotas]]
+name = "daily"
+key = "header:x-api-key"
+limits = { day = 5 }
+
+[[concurrency]]
+name = "in-flight"
+key = "header:x-api-key"
+max = 3
+"#;
+    let file = PolicyFile::parse(text).unwrap();
+    let gate = super::Tollgate::new(&file, &MemoryStore::new()).unwrap();
+    let mut svc = gate.layer(service_fn(|_r: Request<axum::body::Body>| async {
+        let mut res = Response::new(axum::body::Body::empty());
+        res.headers_mut().append(
+            "ratelimit",
+            http::HeaderValue::from_static("\"upstream\";r=1"),
+        );
+        res.headers_mut().append(
+            "ratelimit",
+            http::HeaderValue::from_static("\"upstream-2\";r=2"),
+        );
+        Ok::<_, Infallible>(res)
+    }));
+    let r = Request::get("/")
+        .header("x-api-key", "k")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let res = ServiceExt::<Request<axum::body::Body>>::ready(&mut svc)
+        .await
+        .unwrap()
+        .call(r)
+        .await
+        .unwrap();
+    let lines = |name: &str| -> Vec<String> {
+        res.headers()
+            .get_all(name)
+            .iter()
+            .map(|v| v.to_str().unwrap().to_owned())
+            .collect()
+    };
+    let rl = lines("ratelimit");
+    assert_eq!(rl.len(), 1, "{rl:?}");
+    let items: Vec<&str> = rl[0].split(", ").collect();
+    assert_eq!(items.len(), 5, "{rl:?}");
+    assert!(items[0].starts_with("\"per-key\";r=9;t="), "{rl:?}");
+    assert_eq!(items[1], "\"in-flight\";r=2");
+    assert!(items[2].starts_with("\"daily\";r=4;t="), "{rl:?}");
+    assert_eq!(items[3..], ["\"upstream\";r=1", "\"upstream-2\";r=2"]);
+    assert_eq!(
+        lines("ratelimit-policy"),
+        ["\"per-key\";q=10;w=36000, \"in-flight\";q=3;qu=\"concurrent-requests\", \"daily\";q=5;w=86400"]
+    );
 }

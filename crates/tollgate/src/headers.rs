@@ -201,115 +201,6 @@ impl<const N: usize> fmt::Write for Buf<N> {
     }
 }
 
-/// Where a limit's list fields (`RateLimit`, `RateLimit-Policy`) go.
-/// A layer on its own joins its items into the field an inner layer set,
-/// one line. Inside a [`Tollgate`](crate::config::Tollgate), whose
-/// service's response carries [`Deferred`], each limit appends its items
-/// as a line of its own, and the `Tollgate` joins the lines once,
-/// outermost first ([`Deferred::join`]): one join a field, where each
-/// limit joined again what the ones inside it had joined.
-pub(crate) struct Fields<'a> {
-    map: &'a mut HeaderMap,
-    append: bool,
-}
-
-impl<'a> From<&'a mut HeaderMap> for Fields<'a> {
-    fn from(map: &'a mut HeaderMap) -> Self {
-        Self { map, append: false }
-    }
-}
-
-impl<'a> From<&'a mut Fields<'_>> for Fields<'a> {
-    fn from(f: &'a mut Fields<'_>) -> Self {
-        Self {
-            map: f.map,
-            append: f.append,
-        }
-    }
-}
-
-impl<'a> Fields<'a> {
-    /// The fields of `res`, appended to if a `Tollgate` joins them.
-    pub(crate) fn of<B>(res: &'a mut http::Response<B>) -> Self {
-        let append = res.extensions().get::<Deferred>().is_some();
-        Self {
-            map: res.headers_mut(),
-            append,
-        }
-    }
-
-    /// The header map, for fields that are set rather than listed.
-    pub(crate) fn map(&mut self) -> &mut HeaderMap {
-        self.map
-    }
-}
-
-/// On the response a [`Tollgate`](crate::config::Tollgate)'s service
-/// returned: its limits append their list fields as lines of their own
-/// ([`Fields`]), and the `Tollgate` joins them ([`join`](Self::join)).
-/// Holds how many lines of each field the service itself sent: those
-/// stay last, in their order.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Deferred {
-    theirs: [usize; 2],
-}
-
-impl Deferred {
-    /// The two list fields every limit sends.
-    fn names() -> [HeaderName; 2] {
-        [field::ratelimit_policy(), field::ratelimit()]
-    }
-
-    /// Marks `res` (the service's own response): the limits outside it
-    /// append their lines.
-    pub(crate) fn mark<B>(res: &mut http::Response<B>) {
-        let h = res.headers();
-        let theirs = Self::names().map(|n| h.get_all(n).iter().count());
-        res.extensions_mut().insert(Self { theirs });
-    }
-
-    /// Joins the lines the limits appended to `res` into one line a
-    /// field: the outermost limit's items first, the service's own last
-    /// (as each layer on its own would have joined them).
-    pub(crate) fn join<B>(res: &mut http::Response<B>) {
-        let Some(d) = res.extensions_mut().remove::<Self>() else {
-            return;
-        };
-        for (name, theirs) in Self::names().into_iter().zip(d.theirs) {
-            join_lines(res.headers_mut(), name, theirs);
-        }
-    }
-}
-
-/// Joins every line of field `name` into one: the lines after the first
-/// `theirs`, last first, then those `theirs`. Empty lines are left out.
-fn join_lines(map: &mut HeaderMap, name: HeaderName, theirs: usize) {
-    let all = map.get_all(&name);
-    let lines = all.iter().count();
-    if lines <= 1 {
-        return;
-    }
-    let ours = lines.saturating_sub(theirs);
-    let ordered = || {
-        all.iter()
-            .rev()
-            .take(ours)
-            .chain(all.iter().take(theirs))
-            .filter(|v| !v.is_empty())
-    };
-    let len = ordered().fold(0usize, |n, v| n.saturating_add(v.len()).saturating_add(2));
-    let mut joined = Vec::with_capacity(len);
-    for v in ordered() {
-        if !joined.is_empty() {
-            joined.extend_from_slice(b", ");
-        }
-        joined.extend_from_slice(v.as_bytes());
-    }
-    if let Ok(v) = HeaderValue::from_maybe_shared(bytes::Bytes::from(joined)) {
-        map.insert(name, v);
-    }
-}
-
 /// The most fields [`add_items`] scans for its name instead of looking it
 /// up.
 const SCANNED: usize = 8;
@@ -318,16 +209,9 @@ const SCANNED: usize = 8;
 /// limiter (an inner layer) put items there already, lists ours first and
 /// theirs after, in one field line. The common case, a field nobody set,
 /// is one append.
-pub(crate) fn add_items<'a>(fields: impl Into<Fields<'a>>, name: HeaderName, value: HeaderValue) {
+pub(crate) fn add_items(headers: &mut HeaderMap, name: HeaderName, value: HeaderValue) {
     // An empty list must not be sent (RFC 8941), nor joined into ", x".
     if value.is_empty() {
-        return;
-    }
-    let fields = fields.into();
-    let headers = fields.map;
-    // Inside a `Tollgate`, a line of our own: it joins them once.
-    if fields.append {
-        let _ = headers.try_append(name, value);
         return;
     }
     // The common case, a field nobody set, is one append: cheaper than an
@@ -422,8 +306,8 @@ fn push_decimal(v: &mut Vec<u8>, n: u64) {
 /// item (or of item `named`, the rule a rejection names) when `legacy`.
 /// `policy` is the `RateLimit-Policy` of exactly these items when the
 /// caller has it built (see [`set_policy`]).
-pub(crate) fn apply_set<'a>(
-    headers: impl Into<Fields<'a>>,
+pub(crate) fn apply_set(
+    headers: &mut HeaderMap,
     items: &[(&Headers, Decision)],
     policy: Option<&HeaderValue>,
     retry_after: Option<u64>,
@@ -431,9 +315,8 @@ pub(crate) fn apply_set<'a>(
     legacy: bool,
     named: Option<usize>,
 ) {
-    let mut headers = headers.into();
     if let Some(v) = retry_after.and_then(|r| number(retry_after_secs(r))) {
-        let _ = headers.map().try_insert(RETRY_AFTER, v);
+        let _ = headers.try_insert(RETRY_AFTER, v);
     }
     if standard && !items.is_empty() {
         let policy = match policy {
@@ -441,7 +324,7 @@ pub(crate) fn apply_set<'a>(
             None => set_policy(items.iter().map(|(h, _)| *h)),
         };
         if let Some(v) = policy {
-            add_items(&mut headers, field::ratelimit_policy(), v);
+            add_items(headers, field::ratelimit_policy(), v);
         }
         // Which rules, in order, and their numbers determine the value.
         let mut of = [0; NUMBERS + 1];
@@ -460,7 +343,7 @@ pub(crate) fn apply_set<'a>(
             HeaderValue::from_maybe_shared(bytes::Bytes::from(state)).ok()
         });
         if let Some(v) = value {
-            add_items(&mut headers, field::ratelimit(), v);
+            add_items(headers, field::ratelimit(), v);
         }
     }
     let tightest = named.and_then(|i| items.get(i)).or_else(|| {
@@ -470,7 +353,7 @@ pub(crate) fn apply_set<'a>(
         })
     });
     if let (true, Some((h, d))) = (legacy, tightest) {
-        h.apply_legacy(headers.map(), d);
+        h.apply_legacy(headers, d);
     }
 }
 
@@ -534,24 +417,23 @@ impl Headers {
     /// Adds the headers for `d`, and `Retry-After` when `rejected` and the
     /// decision is a denial for now (never on a response the inner service
     /// produced, e.g. in shadow mode).
-    pub(crate) fn apply<'a>(&self, headers: impl Into<Fields<'a>>, d: &Decision, rejected: bool) {
-        let mut headers = headers.into();
+    pub(crate) fn apply(&self, headers: &mut HeaderMap, d: &Decision, rejected: bool) {
         let t = t_secs(d);
         if let (true, Outcome::Deny { retry_after }) = (rejected, d.outcome) {
             if let Some(v) = number(retry_after_secs(retry_after)) {
-                let _ = headers.map().try_insert(RETRY_AFTER, v);
+                let _ = headers.try_insert(RETRY_AFTER, v);
             }
         }
         if self.standard {
             if let Some(p) = &self.policy {
-                add_items(&mut headers, field::ratelimit_policy(), p.clone());
+                add_items(headers, field::ratelimit_policy(), p.clone());
             }
             if let Some(v) = self.rate_limit(d.remaining, t) {
-                add_items(&mut headers, field::ratelimit(), v);
+                add_items(headers, field::ratelimit(), v);
             }
         }
         if self.legacy {
-            self.apply_legacy(headers.map(), d);
+            self.apply_legacy(headers, d);
         }
     }
 
@@ -858,11 +740,10 @@ impl ConcurrencyHeaders {
     }
 
     /// Adds the headers for `items` (one per limit, in order).
-    pub(crate) fn apply<'a>(&self, headers: impl Into<Fields<'a>>, items: &[Item]) {
+    pub(crate) fn apply(&self, headers: &mut HeaderMap, items: &[Item]) {
         if !self.standard {
             return;
         }
-        let mut headers = headers.into();
         let policy = self.policy.clone().or_else(|| {
             let mut of = [0; NUMBERS + 1];
             let of = pack(items.iter().map(|it| u64::from(it.q)), &mut of);
@@ -881,12 +762,12 @@ impl ConcurrencyHeaders {
             })
         });
         if let Some(p) = policy {
-            add_items(&mut headers, field::ratelimit_policy(), p);
+            add_items(headers, field::ratelimit_policy(), p);
         }
         if let [item] = items {
             if let (Some(r), None) = (item.r(), item.t()) {
                 if let Some(v) = usize::try_from(r).ok().and_then(|r| self.cached.get(r)) {
-                    add_items(&mut headers, field::ratelimit(), v.clone());
+                    add_items(headers, field::ratelimit(), v.clone());
                     return;
                 }
             }
@@ -915,7 +796,7 @@ impl ConcurrencyHeaders {
             b.value().filter(|v| !v.is_empty())
         });
         if let Some(v) = value {
-            add_items(&mut headers, field::ratelimit(), v);
+            add_items(headers, field::ratelimit(), v);
         }
     }
 }
@@ -948,19 +829,14 @@ impl QuotaHeaders {
     }
 
     /// Adds the headers for `d`.
-    pub(crate) fn apply<'a>(
-        &self,
-        headers: impl Into<Fields<'a>>,
-        d: &tollgate_core::QuotaDecision,
-    ) {
+    pub(crate) fn apply(&self, headers: &mut HeaderMap, d: &tollgate_core::QuotaDecision) {
         if !self.standard {
             return;
         }
-        let mut headers = headers.into();
         let [policy_id, left_id] = self.ids;
         let policy = |p: &PeriodStatus| [p.limit, ceil_secs(p.length)];
         self.field(
-            &mut headers,
+            headers,
             field::ratelimit_policy(),
             policy_id,
             d,
@@ -969,7 +845,7 @@ impl QuotaHeaders {
         );
         let left = |p: &PeriodStatus| [p.remaining, ceil_secs(p.reset_after)];
         self.field(
-            &mut headers,
+            headers,
             field::ratelimit(),
             left_id,
             d,
@@ -982,7 +858,7 @@ impl QuotaHeaders {
     /// with `[x, y] = numbers(period)`, remembered under `id`.
     fn field(
         &self,
-        headers: &mut Fields<'_>,
+        headers: &mut HeaderMap,
         name: HeaderName,
         id: u64,
         d: &tollgate_core::QuotaDecision,

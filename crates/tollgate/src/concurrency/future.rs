@@ -207,10 +207,9 @@ where
                         return Poll::Ready(Ok(response.map(|b| PermitBody::new(b, None, None))));
                     };
                     let mut response = response;
-                    responder.headers.apply(
-                        crate::headers::Fields::of(&mut response),
-                        admitted.items.as_slice(),
-                    );
+                    responder
+                        .headers
+                        .apply(response.headers_mut(), admitted.items.as_slice());
                     let lifetime = responder.lifetime.as_ref().and_then(|(_, ended)| {
                         let grpc = Completion::of(&response).awaits_trailers(response.headers());
                         Lifetime::of(admitted.permit.as_ref(), grpc, ended)

@@ -696,13 +696,13 @@ impl<N: fmt::Debug> fmt::Debug for TollgateService<N> {
     }
 }
 
-impl<N, B, ResB> Service<Request<B>> for TollgateService<N>
+impl<N, B> Service<Request<B>> for TollgateService<N>
 where
-    AnyBody<N>: Service<Request<B>, Response = Response<ResB>>,
+    AnyBody<N>: Service<Request<B>>,
 {
-    type Response = Response<ResB>;
+    type Response = <AnyBody<N> as Service<Request<B>>>::Response;
     type Error = <AnyBody<N> as Service<Request<B>>>::Error;
-    type Future = Joined<<AnyBody<N> as Service<Request<B>>>::Future>;
+    type Future = <AnyBody<N> as Service<Request<B>>>::Future;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -712,37 +712,7 @@ where
         if self.remember.load(Ordering::Relaxed) {
             req.extensions_mut().insert(super::parts::Extracted::new());
         }
-        Joined {
-            inner: self.inner.call(req),
-        }
-    }
-}
-
-pin_project_lite::pin_project! {
-    /// A [`TollgateService`]'s response: its limits' `RateLimit` and
-    /// `RateLimit-Policy` lines joined, one line a field.
-    pub struct Joined<F> {
-        #[pin]
-        inner: F,
-    }
-}
-
-impl<F: fmt::Debug> fmt::Debug for Joined<F> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.inner.fmt(f)
-    }
-}
-
-impl<F, ResB, E> Future for Joined<F>
-where
-    F: Future<Output = Result<Response<ResB>, E>>,
-{
-    type Output = F::Output;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut res = std::task::ready!(self.project().inner.poll(cx))?;
-        crate::headers::Deferred::join(&mut res);
-        Poll::Ready(Ok(res))
+        self.inner.call(req)
     }
 }
 
@@ -829,12 +799,7 @@ where
             req.extensions_mut().remove::<super::parts::Extracted>();
             let mut inner = inner;
             let call = inner.call(req);
-            return Box::pin(async move {
-                let mut res = call.await?.map(Body::new);
-                // The limits append their fields; the `Tollgate` joins them.
-                crate::headers::Deferred::mark(&mut res);
-                Ok(res)
-            });
+            return Box::pin(async move { Ok(call.await?.map(Body::new)) });
         };
         let next = Next {
             inner,

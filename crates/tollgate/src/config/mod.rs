@@ -202,7 +202,7 @@ use std::ops::Range;
 use std::path::Path;
 
 #[cfg(feature = "axum")]
-pub use gate::{AnyBody, Joined, Next, Started, Tollgate, TollgateService};
+pub use gate::{AnyBody, Next, Started, Tollgate, TollgateService};
 pub use parts::{FileCost, FileKey, RetryKey};
 pub use reload::{Reloaded, Reloader, Triggers};
 

@@ -2191,9 +2191,10 @@ fn service_named(name: &str, svc: &str) -> String {
 
 /// A `Tollgate` sends each list field as one line, its limits' items in
 /// the order a request meets them (rules, in-flight limits, quotas) and
-/// the service's own items last, as layers stacked by hand join them.
+/// the service's own items (two lines of them) last, as layers stacked
+/// by hand join them.
 #[tokio::test]
-async fn a_tollgate_joins_its_limits_fields_once_in_order() {
+async fn a_tollgate_sends_its_limits_fields_in_one_line_in_order() {
     let text = r#"
 [[rules]]
 name = "per-key"

@@ -242,7 +242,7 @@ where
                     headers(
                         this.shared,
                         this.report,
-                        crate::headers::Fields::of(&mut response),
+                        response.headers_mut(),
                         None,
                         None,
                         false,
@@ -268,10 +268,10 @@ where
 /// `blocked`: the named rule's key is blocked for `retry_after` by its
 /// escalation ladder — its item says so (`r=0`, `t` the block), so that a
 /// client that follows `t` does not come back before `Retry-After`.
-fn headers<'a, B, L>(
+fn headers<B, L>(
     shared: &Shared<B, L>,
     report: &Report,
-    map: impl Into<crate::headers::Fields<'a>>,
+    map: &mut http::HeaderMap,
     retry_after: Option<u64>,
     named: Option<usize>,
     blocked: bool,

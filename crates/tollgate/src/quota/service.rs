@@ -63,8 +63,8 @@ impl Responder {
     }
 
     /// Headers of an admitted response, and the soft limit's warning.
-    fn admitted(&self, mut headers: crate::headers::Fields<'_>, d: &QuotaDecision) {
-        self.headers.apply(&mut headers, d);
+    fn admitted(&self, headers: &mut http::HeaderMap, d: &QuotaDecision) {
+        self.headers.apply(headers, d);
         let Some(soft) = self.soft else { return };
         let used = |p: &tollgate_core::PeriodStatus| p.limit.saturating_sub(p.remaining);
         // Most responses warn of nothing: no buffer to clear for them.
@@ -82,7 +82,7 @@ impl Responder {
         if !warn.as_bytes().is_empty() {
             self.warnings.increment(1);
             if let Some(v) = warn.value() {
-                let _ = headers.map().try_insert(field::quota_warning(), v);
+                let _ = headers.try_insert(field::quota_warning(), v);
             }
         }
     }
@@ -461,7 +461,7 @@ where
                         }
                     }
                     if let Some(d) = decision {
-                        responder.admitted(crate::headers::Fields::of(&mut response), &d);
+                        responder.admitted(response.headers_mut(), &d);
                     }
                     return Poll::Ready(Ok(response));
                 }

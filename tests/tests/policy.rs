@@ -526,6 +526,73 @@ async fn refusals_of_audited_rules_land_in_a_redis_stream() {
     assert!(audit.dropped() >= 46, "{} dropped", audit.dropped());
 }
 
+/// `[audit] stream` in a policy file: the refusals of its rules land in
+/// that Redis stream of the store the `Tollgate` runs on; on the memory
+/// store the file is refused, naming `audit.stream`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_files_audit_stream_is_a_redis_stream_of_its_store() {
+    use tollgate::config::{PolicyFile, Tollgate};
+    let Some(redis) = Server::start() else {
+        return;
+    };
+    let text = r#"
+[[rules]]
+name = "per-key"
+key = "header:x-api-key"
+rate = "1/h"
+burst = 1
+
+[audit]
+rules = ["per-key"]
+stream = "refusals"
+maxlen = 1000
+queue = 16
+"#;
+    let file = PolicyFile::parse(text).unwrap();
+    let e = Tollgate::new(&file, &MemoryStore::new()).unwrap_err();
+    assert_eq!(e.field(), "audit.stream", "{e}");
+    let prefix = unique_prefix();
+    let store = RedisStore::builder(&redis.url())
+        .prefix(&prefix)
+        .build()
+        .unwrap();
+    let gate = Tollgate::new(&file, &store).unwrap();
+    let svc = gate.layer(service_fn(|_req: Request<axum::body::Body>| async {
+        Ok::<_, Infallible>(Response::new(axum::body::Body::empty()))
+    }));
+    let req = |key: &str| {
+        Request::get("/")
+            .header("x-api-key", key)
+            .body(axum::body::Body::empty())
+            .unwrap()
+    };
+    for key in ["one-raw-key", "two-raw-key"] {
+        assert_eq!(svc.clone().oneshot(req(key)).await.unwrap().status(), 200);
+        assert_eq!(svc.clone().oneshot(req(key)).await.unwrap().status(), 429);
+    }
+    let stream = format!("{prefix}:refusals");
+    let mut len = String::new();
+    for _ in 0..100 {
+        len = redis.cli(&["XLEN", &stream]);
+        if len.trim() == "2" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(len.trim(), "2");
+    let entries = redis.cli(&["XRANGE", &stream, "-", "+"]);
+    assert!(entries.contains("per-key"), "{entries}");
+    assert!(
+        !entries.contains("raw-key"),
+        "a raw key in the audit: {entries}"
+    );
+    // Bounds are the store's own, checked at load.
+    let e = PolicyFile::parse(&text.replace("maxlen = 1000", "maxlen = 0")).unwrap_err();
+    assert_eq!(e.field(), "audit.maxlen", "{e}");
+    let e = PolicyFile::parse(&text.replace("stream = \"refusals\"\n", "")).unwrap_err();
+    assert_eq!(e.field(), "audit.maxlen", "{e}");
+}
+
 /// A reload on a store: `v1`'s per-key GCRA (burst 2) and fixed window
 /// (3 a minute) spent by one key, then `v2` with a bigger burst and limit
 /// and a window of another length. The GCRA goes on from its state, the

@@ -84,6 +84,16 @@ impl AnyStore {
         }
     }
 
+    /// The Redis store, if this is one (leased or not).
+    #[cfg(feature = "redis")]
+    pub fn redis(&self) -> Option<&RedisStore> {
+        match &self.0 {
+            Inner::Memory(_) => None,
+            Inner::Redis(s) => Some(s),
+            Inner::Hot(hot) => Some(hot.store()),
+        }
+    }
+
     /// Whether `HotKeys` leases are in front of the store.
     pub fn is_leased(&self) -> bool {
         #[cfg(feature = "redis")]

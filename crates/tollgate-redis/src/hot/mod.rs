@@ -372,6 +372,13 @@ impl<S: Store, C> Clone for Hot<S, C> {
     }
 }
 
+impl<S: Store, C> Hot<S, C> {
+    /// The store the leases are taken from.
+    pub fn store(&self) -> &S {
+        &self.inner
+    }
+}
+
 impl<S: Store, C: Clock> Hot<S, C> {
     /// Gives back to the store what every lease still holds, and ends the
     /// leases: for an instance that stops (graceful shutdown), so the

@@ -498,6 +498,53 @@ fn missing_key(m: &Spanned<String>, field: String) -> Result<MissingKey, Problem
     })
 }
 
+/// `[audit]`'s Redis stream, if it names one: its name, `maxlen`
+/// (default 100,000; 1 to 10,000,000) and `queue` (default 10,000; 1 to
+/// 2^20).
+pub(super) fn audit_stream(
+    a: &super::spec::AuditSpec,
+) -> Result<Option<(&str, usize, usize)>, Problem> {
+    let bounded = |v: Option<&Spanned<i64>>, field: &str, default: usize, max: usize| {
+        let Some(v) = v else { return Ok(default) };
+        usize::try_from(*v.get_ref())
+            .ok()
+            .filter(|n| (1..=max).contains(n))
+            .ok_or_else(|| {
+                at(
+                    v,
+                    format!("audit.{field}"),
+                    format!("must be from 1 to {max}"),
+                )
+            })
+    };
+    let maxlen = bounded(a.maxlen.as_ref(), "maxlen", 100_000, 10_000_000)?;
+    let queue = bounded(a.queue.as_ref(), "queue", 10_000, 1 << 20)?;
+    let Some(stream) = &a.stream else {
+        for (v, field) in [(&a.maxlen, "maxlen"), (&a.queue, "queue")] {
+            if let Some(v) = v {
+                return Err(at(
+                    v,
+                    format!("audit.{field}"),
+                    "is a stream's: set stream too",
+                ));
+            }
+        }
+        return Ok(None);
+    };
+    let name = stream.get_ref();
+    if name.is_empty()
+        || name.len() > 128
+        || name.chars().any(|c| c.is_control() || c.is_whitespace())
+    {
+        return Err(at(
+            stream,
+            "audit.stream".to_owned(),
+            "must be 1 to 128 characters, no spaces or control characters",
+        ));
+    }
+    Ok(Some((name.as_str(), maxlen, queue)))
+}
+
 /// `on_store_error` at `field` (an entry's, else the file's); `None`
 /// where neither says.
 fn on_store_error(
@@ -745,6 +792,9 @@ pub(super) fn builder<B>(
     if let Some(audit) = &file.audit {
         let s = audit.get_ref();
         let rules: Vec<&str> = s.rules.get_ref().iter().map(String::as_str).collect();
+        // A stream's bounds are checked here; it is attached where the
+        // store is known (`PolicyFile::audit_stream`).
+        audit_stream(s)?;
         b = b.audit(crate::observe::LogAudit, &rules);
         if let Some(n) = &s.per_second {
             let n = u32::try_from(*n.get_ref())

@@ -421,8 +421,11 @@ impl<St: Store + QuotaStore> Tollgate<St> {
     where
         F: Fn(PolicyLayerBuilder<Body, MemoryStore>) -> PolicyLayerBuilder<Body, MemoryStore>,
     {
-        let policy = customize(file.builder::<Body>()?)
-            .store(store.clone())
+        let policy = file
+            .audit_stream(
+                store,
+                customize(file.builder::<Body>()?).store(store.clone()),
+            )?
             .build()
             .map_err(|e| file.config_error(&e))?;
         let limits = Limits::build(file, store, None, false)?;
@@ -449,8 +452,7 @@ impl<St: Store + QuotaStore> Tollgate<St> {
     pub fn for_decisions(file: &PolicyFile, store: &St) -> Result<Self, FileError> {
         decidable(file)?;
         let policy = file
-            .builder::<Body>()?
-            .store(store.clone())
+            .audit_stream(store, file.builder::<Body>()?.store(store.clone()))?
             .build()
             .map_err(|e| file.config_error(&e))?;
         let limits = Limits::build(file, store, None, true)?;

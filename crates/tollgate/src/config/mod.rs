@@ -60,8 +60,12 @@
 //! policy file and reloaded when either changes), `[idempotency]`, `[decision_log]` and
 //! `[audit]` (`rules`, the rules and access lists whose refusals are
 //! recorded as `tollgate::audit` log events; `per_second`; `secret_env`
-//! or `secret_file`, so that key fingerprints agree across a fleet; a
-//! sink set in code replaces the log).
+//! or `secret_file`, so that key fingerprints agree across a fleet;
+//! `stream`, a Redis stream of the store the rules run on to append the
+//! records to instead, with `maxlen`, about how many it keeps, 100,000 by
+//! default, and `queue`, how many may wait for Redis, 10,000 by default,
+//! past which they are dropped and counted; a sink set in code replaces
+//! either).
 //!
 //! Each `[[rules]]` entry (up to 8, decided in order; a file whose limits
 //! are all in its other sections needs none):
@@ -584,10 +588,55 @@ impl PolicyFile {
         &self,
         store: &St,
     ) -> Result<crate::policy::PolicyLayer<B, St>, FileError> {
-        self.builder::<B>()?
-            .store(store.clone())
+        self.audit_stream(store, self.builder::<B>()?.store(store.clone()))?
             .build()
             .map_err(|e| self.config_error(&e))
+    }
+
+    /// `b` with `[audit] stream` as its audit sink: a Redis stream of
+    /// `store`, which must be a Redis store (the file's `[store]`, or a
+    /// `RedisStore` given to the layer); `b` as it is without `stream`.
+    pub(crate) fn audit_stream<B, St: tollgate_core::Store>(
+        &self,
+        store: &St,
+        b: crate::policy::PolicyLayerBuilder<B, St>,
+    ) -> Result<crate::policy::PolicyLayerBuilder<B, St>, FileError> {
+        let Some(audit) = &self.spec.audit else {
+            return Ok(b);
+        };
+        let Some((stream, maxlen, queue)) =
+            build::audit_stream(audit.get_ref()).map_err(|p| self.placed(p))?
+        else {
+            return Ok(b);
+        };
+        let a = audit.get_ref();
+        let rules: Vec<&str> = a.rules.get_ref().iter().map(String::as_str).collect();
+        let span = a.stream.as_ref().map(spec::Spanned::span);
+        #[cfg(feature = "redis")]
+        {
+            let any = store as &dyn std::any::Any;
+            let redis = any.downcast_ref::<crate::RedisStore>().or_else(|| {
+                any.downcast_ref::<crate::AnyStore>()
+                    .and_then(crate::AnyStore::redis)
+            });
+            if let Some(redis) = redis {
+                let sink = redis.audit_stream(stream, maxlen, queue).map_err(|e| {
+                    self.placed((
+                        span.clone(),
+                        format!("audit.{}", e.field()),
+                        e.message().to_owned(),
+                    ))
+                })?;
+                return Ok(b.audit(sink, &rules));
+            }
+        }
+        #[cfg(not(feature = "redis"))]
+        let _ = (store, rules);
+        Err(self.placed((
+            span,
+            "audit.stream".to_owned(),
+            "a Redis stream needs a Redis store: [store] kind = \"redis\" (or a RedisStore given to the layer)".to_owned(),
+        )))
     }
 
     /// What the file declares, one line per limit, in the file's words:

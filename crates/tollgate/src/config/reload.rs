@@ -139,8 +139,8 @@ impl<B, St: Store> Reloader<B, St> {
             + 'static,
     {
         let file = PolicyFile::read(path.as_ref())?;
-        let layer = customize(file.builder::<B>()?)
-            .store(store.clone())
+        let layer = file
+            .audit_stream(&store, customize(file.builder::<B>()?).store(store.clone()))?
             .build()
             .map_err(|e| file.config_error(&e))?;
         let reloader = Self::new(path, &file, store, &layer).customize(customize);
@@ -354,8 +354,11 @@ impl<B, St: Store> Reloader<B, St> {
         } else {
             store.rebinding()
         };
-        let next = customize(file.builder::<B>()?)
-            .store(binding.clone())
+        let next = file
+            .audit_stream(
+                &binding,
+                customize(file.builder::<B>()?).store(binding.clone()),
+            )?
             .build()
             .map_err(|e| file.config_error(&e))?;
         let swap_others = match &self.also {

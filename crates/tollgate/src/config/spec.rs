@@ -169,6 +169,19 @@ pub(super) struct AuditSpec {
     /// The file that holds it.
     #[serde(default)]
     pub(super) secret_file: Option<Spanned<String>>,
+    /// A Redis stream the records are appended to (under the store's
+    /// prefix), where they are log events without it. Needs a Redis
+    /// store.
+    #[serde(default)]
+    pub(super) stream: Option<Spanned<String>>,
+    /// About how many records the stream keeps (`MAXLEN ~`; default
+    /// 100,000; 1 to 10,000,000).
+    #[serde(default)]
+    pub(super) maxlen: Option<Spanned<i64>>,
+    /// Records waiting for Redis at most (default 10,000; 1 to 2^20):
+    /// past that, records are dropped and counted, never waited for.
+    #[serde(default)]
+    pub(super) queue: Option<Spanned<i64>>,
 }
 
 /// `[challenge]`: what every rule's proof-of-work challenge shares.

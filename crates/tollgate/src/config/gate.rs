@@ -114,6 +114,9 @@ pub(super) struct Limits<St: Store + QuotaStore> {
     /// The file they were built from, as prepared (a reloader's `prepare`
     /// applied): a reload keeps the limits whose entries did not change.
     spec: super::spec::FileSpec,
+    /// The stamps of the files it named (databases among them): a limit
+    /// keyed by a database's answer is built again when they change.
+    stamps: String,
 }
 
 struct Scoped<St: Store + QuotaStore> {
@@ -242,6 +245,7 @@ impl<St: Store + QuotaStore> Limits<St> {
         Ok(Self {
             limits: out.into(),
             spec: spec.clone(),
+            stamps: file.stamps.clone(),
         })
     }
 }
@@ -340,6 +344,21 @@ impl Entries<'_> {
         }
     }
 
+    /// Whether entry `i`'s key reads a `[geoip]` database.
+    fn reads_databases(&self, i: usize) -> bool {
+        let key = match self {
+            Self::InFlight(e) => e.get(i).map(|e| &e.get_ref().key),
+            Self::Quota(e) => e.get(i).map(|e| &e.get_ref().key),
+            Self::Pacing(e) => e.get(i).map(|e| &e.get_ref().key),
+        };
+        key.is_some_and(|k| {
+            super::spec::key_parts(k.get_ref())
+                .iter()
+                .flatten()
+                .any(|p| matches!(*p, "asn" | "country"))
+        })
+    }
+
     fn len(&self) -> usize {
         match self {
             Self::InFlight(e) => e.len(),
@@ -383,6 +402,8 @@ fn entries_of<St: Store + QuotaStore>(
         };
         let kept = before
             .filter(|b| same_context(&b.spec, &file.spec) && entries.unchanged_in(i, &b.spec))
+            // A database read anew (its file changed) answers anew.
+            .filter(|b| !(entries.reads_databases(i) && b.stamps != file.stamps))
             .and_then(|b| b.limits.iter().find(|s| s.list == list && s.name == *name))
             .map(|s| s.limit.clone());
         let limit = match kept {

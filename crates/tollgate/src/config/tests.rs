@@ -2256,3 +2256,55 @@ max = 3
         ["\"per-key\";q=10;w=36000, \"in-flight\";q=3;qu=\"concurrent-requests\", \"daily\";q=5;w=86400"]
     );
 }
+
+/// A quota keyed by autonomous system reads the database anew when the
+/// database file changes (a reload it triggers): an address moved to
+/// another ASN counts there, not on its old ASN's spent quota.
+#[cfg(feature = "geoip")]
+#[tokio::test]
+async fn a_limit_keyed_by_a_database_follows_the_database_on_reload() {
+    use std::net::Ipv4Addr;
+    let dir = std::env::temp_dir().join(format!("tollgate-geoip-reload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let db = |asn: u32, extra: bool| {
+        let mut nets = vec![(Ipv4Addr::new(198, 51, 100, 0), 24, asn, "DE")];
+        if extra {
+            nets.push((Ipv4Addr::new(203, 0, 113, 0), 24, 64_999, "FR"));
+        }
+        std::fs::write(
+            dir.join("asn.mmdb"),
+            crate::key::geo::testing::database(&nets),
+        )
+        .unwrap();
+    };
+    db(64_500, false);
+    let path = dir.join("policy.toml");
+    std::fs::write(
+        &path,
+        "[geoip]\nasn = \"asn.mmdb\"\n\n[[quotas]]\nname = \"per-asn\"\nkey = \"asn\"\nlimits = { day = 1 }\n",
+    )
+    .unwrap();
+    let file = PolicyFile::read(&path).unwrap();
+    let store = MemoryStore::new();
+    let gate = super::Tollgate::new(&file, &store).unwrap();
+    let reloader = gate.reloader(&path, &file, store, |b| b);
+    let svc = gate.layer(service_fn(|_r: Request<axum::body::Body>| async {
+        Ok::<_, Infallible>(Response::new(axum::body::Body::empty()))
+    }));
+    let from = || {
+        let mut r = Request::get("/").body(axum::body::Body::empty()).unwrap();
+        r.extensions_mut()
+            .insert("198.51.100.7:4000".parse::<std::net::SocketAddr>().unwrap());
+        r
+    };
+    let ok = StatusCode::OK;
+    let refused = StatusCode::TOO_MANY_REQUESTS;
+    assert_eq!(svc.clone().oneshot(from()).await.unwrap().status(), ok);
+    assert_eq!(svc.clone().oneshot(from()).await.unwrap().status(), refused);
+    // The network moves to another ASN: its quota is that ASN's, whole.
+    db(64_501, true);
+    assert!(matches!(reloader.reload(), Ok(super::Reloaded::Applied)));
+    assert_eq!(svc.clone().oneshot(from()).await.unwrap().status(), ok);
+    assert_eq!(svc.clone().oneshot(from()).await.unwrap().status(), refused);
+    let _ = std::fs::remove_dir_all(&dir);
+}

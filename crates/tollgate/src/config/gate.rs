@@ -832,15 +832,64 @@ where
             applies,
         };
         match &scoped.limit {
-            Limit::Quota(l) => Box::pin(oneshot(l.layer(next), req)),
+            Limit::Quota(l) => Box::pin(call_now(l.layer(next), req)),
             Limit::InFlight(l) => {
-                let svc = l.layer(next);
-                Box::pin(async move { Ok(oneshot(svc, req).await?.map(Body::new)) })
+                let call = call_now(l.layer(next), req);
+                Box::pin(async move { Ok(call.await?.map(Body::new)) })
             }
             Limit::Pacing(l) => {
-                let svc = l.layer(AnyBody(next));
-                Box::pin(async move { Ok(oneshot(svc, req).await?.map(Body::new)) })
+                let call = call_now(l.layer(AnyBody(next)), req);
+                Box::pin(async move { Ok(call.await?.map(Body::new)) })
             }
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// [`call_now`]'s future: the call's, or, for a service not ready at
+    /// once, one that waits until it is and then calls.
+    #[project = CalledProj]
+    enum Called<F, O> {
+        Now { #[pin] call: F },
+        Later { call: BoxFuture<O> },
+    }
+}
+
+/// Calls `svc` with `req` at once if it is ready now (the usual case: a
+/// limit's service is ready when the rest of the chain is, which its
+/// caller made ready), else once it is ([`oneshot`]). Where it is ready,
+/// neither the service nor the request is moved into a future of their
+/// own (a copy of both per limit per request otherwise).
+fn call_now<S, R>(mut svc: S, req: R) -> Called<S::Future, Result<S::Response, S::Error>>
+where
+    S: Service<R> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Response: Send + 'static,
+    S::Error: Send + 'static,
+    R: Send + 'static,
+{
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    match svc.poll_ready(&mut cx) {
+        Poll::Ready(Ok(())) => Called::Now {
+            call: svc.call(req),
+        },
+        Poll::Ready(Err(e)) => Called::Later {
+            call: Box::pin(std::future::ready(Err(e))),
+        },
+        // Polled again, with the caller's waker, by `oneshot`.
+        Poll::Pending => Called::Later {
+            call: Box::pin(oneshot(svc, req)),
+        },
+    }
+}
+
+impl<F: Future> Future for Called<F, F::Output> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project() {
+            CalledProj::Now { call } => call.poll(cx),
+            CalledProj::Later { call } => call.as_mut().poll(cx),
         }
     }
 }

@@ -2308,3 +2308,62 @@ async fn a_limit_keyed_by_a_database_follows_the_database_on_reload() {
     assert_eq!(svc.clone().oneshot(from()).await.unwrap().status(), refused);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A limit's service is called at once when it is ready, and otherwise
+/// once it is: behind a service that is ready only on every other poll
+/// (so the chain finds it not ready when it calls), every request of a
+/// `Tollgate` is still served and charged.
+#[tokio::test]
+async fn a_tollgate_waits_for_a_service_not_ready_at_once() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::task::{Context, Poll};
+
+    /// Ready on every other poll; a call it was not made ready for is
+    /// answered 500.
+    #[derive(Clone)]
+    struct Fickle(Arc<AtomicUsize>, bool);
+    impl tower::Service<Request<axum::body::Body>> for Fickle {
+        type Response = Response<axum::body::Body>;
+        type Error = Infallible;
+        type Future = std::future::Ready<Result<Self::Response, Infallible>>;
+        fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            self.1 = self.0.fetch_add(1, Ordering::SeqCst) % 2 == 1;
+            if self.1 {
+                Poll::Ready(Ok(()))
+            } else {
+                cx.waker().wake_by_ref();
+                Poll::Pending
+            }
+        }
+        fn call(&mut self, _r: Request<axum::body::Body>) -> Self::Future {
+            let mut res = Response::new(axum::body::Body::empty());
+            if !std::mem::take(&mut self.1) {
+                *res.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+            }
+            std::future::ready(Ok(res))
+        }
+    }
+    let file = PolicyFile::parse(
+        "[[quotas]]\nname = \"q\"\nkey = \"header:x-api-key\"\nlimits = { day = 3 }\n",
+    )
+    .unwrap();
+    let gate = super::Tollgate::new(&file, &MemoryStore::new()).unwrap();
+    let polls = Arc::new(AtomicUsize::new(0));
+    let svc = gate.layer(Fickle(Arc::clone(&polls), false));
+    let req = || {
+        Request::get("/")
+            .header("x-api-key", "k")
+            .body(axum::body::Body::empty())
+            .unwrap()
+    };
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        statuses.push(svc.clone().oneshot(req()).await.unwrap().status().as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 200, 429]);
+    assert!(
+        polls.load(Ordering::SeqCst) > 8,
+        "the service was polled as ready each time"
+    );
+}

@@ -526,6 +526,37 @@ async fn refusals_of_audited_rules_land_in_a_redis_stream() {
     assert!(audit.dropped() >= 46, "{} dropped", audit.dropped());
 }
 
+/// Asking a store for the same audit stream again (a reloaded policy
+/// does) gives the sink already running: one queue, one task, one count
+/// of what was dropped, not a new one per reload.
+#[tokio::test]
+async fn the_same_audit_stream_asked_again_is_the_same_sink() {
+    let Some(redis) = Server::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url())
+        .prefix(&unique_prefix())
+        .build()
+        .unwrap();
+    let first = store.audit_stream("audit", 100, 1).unwrap();
+    // The queue holds one record; its task has not run yet (nothing here
+    // yields), so the next two are dropped.
+    let record = || vec![("rule", "r".to_owned())];
+    assert!(first.record(record()));
+    assert!(!first.record(record()));
+    assert!(!first.record(record()));
+    let again = store.audit_stream("audit", 100, 1).unwrap();
+    assert_eq!(
+        again.dropped(),
+        2,
+        "a new queue and task for the same stream"
+    );
+    assert!(!again.record(record()), "the same queue, still full");
+    // Another stream, or the same with other bounds, is its own.
+    assert_eq!(store.audit_stream("audit", 100, 2).unwrap().dropped(), 0);
+    assert_eq!(store.audit_stream("other", 100, 1).unwrap().dropped(), 0);
+}
+
 /// `[audit] stream` in a policy file: the refusals of its rules land in
 /// that Redis stream of the store the `Tollgate` runs on; on the memory
 /// store the file is refused, naming `audit.stream`.
@@ -585,6 +616,37 @@ queue = 16
     assert!(
         !entries.contains("raw-key"),
         "a raw key in the audit: {entries}"
+    );
+    // A sink set in code stays: the file's stream does not replace it.
+    struct Counted(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+    impl tollgate::observe::AuditSink for Counted {
+        fn record(&self, _: &tollgate::observe::AuditRecord) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+    let counted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let sink = Counted(std::sync::Arc::clone(&counted));
+    let gate = Tollgate::with(&file, &store, move |b| {
+        b.audit(Counted(std::sync::Arc::clone(&sink.0)), &["per-key"])
+    })
+    .unwrap();
+    let svc = gate.layer(service_fn(|_req: Request<axum::body::Body>| async {
+        Ok::<_, Infallible>(Response::new(axum::body::Body::empty()))
+    }));
+    assert_eq!(
+        svc.clone().oneshot(req("three")).await.unwrap().status(),
+        200
+    );
+    assert_eq!(
+        svc.clone().oneshot(req("three")).await.unwrap().status(),
+        429
+    );
+    assert_eq!(counted.load(std::sync::atomic::Ordering::SeqCst), 1);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        redis.cli(&["XLEN", &stream]).trim(),
+        "2",
+        "the stream got the code sink's record"
     );
     // Bounds are the store's own, checked at load.
     let e = PolicyFile::parse(&text.replace("maxlen = 1000", "maxlen = 0")).unwrap_err();

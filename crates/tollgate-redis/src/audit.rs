@@ -110,4 +110,37 @@ impl RedisAudit {
     pub fn dropped(&self) -> u64 {
         self.dropped.load(Ordering::Relaxed)
     }
+
+    /// This sink, kept without keeping its task alive.
+    pub(crate) fn keep(&self) -> Kept {
+        Kept {
+            queue: self.queue.downgrade(),
+            dropped: Arc::clone(&self.dropped),
+            metric: self.metric.clone(),
+            stream: Arc::clone(&self.stream),
+        }
+    }
+}
+
+/// A [`RedisAudit`] a store remembers, so that asking for the same stream
+/// again (a policy reloaded) gives the same queue and task rather than a
+/// new one each time. Weak: once no sink is left, its task ends as it
+/// would have.
+pub(crate) struct Kept {
+    queue: mpsc::WeakSender<AuditFields>,
+    dropped: Arc<AtomicU64>,
+    metric: metrics::Counter,
+    stream: Arc<str>,
+}
+
+impl Kept {
+    /// The sink, if any clone of it is still alive.
+    pub(crate) fn upgrade(&self) -> Option<RedisAudit> {
+        Some(RedisAudit {
+            queue: self.queue.upgrade()?,
+            dropped: Arc::clone(&self.dropped),
+            metric: self.metric.clone(),
+            stream: Arc::clone(&self.stream),
+        })
+    }
 }

@@ -197,6 +197,10 @@ pub(crate) struct Backend {
     /// The retry budgets bound, by rule name: a rule bound twice shares
     /// its counted deposits (see [`crate::RedisRetryBudget`]).
     pub(crate) retry_budgets: crate::retry_budget::Bindings,
+    /// The audit streams asked for, by (name, maxlen, capacity): one
+    /// queue and task each however often they are asked for.
+    pub(crate) audits:
+        std::sync::Mutex<std::collections::HashMap<(String, usize, usize), crate::audit::Kept>>,
 }
 
 /// The settings a [`Backend`] is made of.
@@ -238,6 +242,7 @@ impl Backend {
             name: config.name,
             nodes,
             retry_budgets: crate::retry_budget::Bindings::default(),
+            audits: std::sync::Mutex::default(),
         }
     }
 

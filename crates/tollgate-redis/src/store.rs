@@ -108,7 +108,9 @@ impl RedisStore {
     /// a queue of `capacity` records (1 to 2^20); see
     /// [`RedisAudit`](crate::RedisAudit). Errors name `maxlen` or
     /// `capacity` (a `maxlen` of 0 would keep nothing, a huge one would
-    /// let the stream grow without bound).
+    /// let the stream grow without bound). Asked again for the same
+    /// stream (a reloaded policy) while a sink of it lives, it gives that
+    /// sink: one queue and one task, not one per reload.
     pub fn audit_stream(
         &self,
         name: &str,
@@ -124,13 +126,26 @@ impl RedisStore {
         if !(1..=1 << 20).contains(&capacity) {
             return Err(ConfigError::new("capacity", "must be 1 to 2^20 records"));
         }
-        Ok(crate::RedisAudit::spawn(
+        let mut kept = self
+            .backend
+            .audits
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let key = (name.to_owned(), maxlen, capacity);
+        if let Some(live) = kept.get(&key).and_then(crate::audit::Kept::upgrade) {
+            return Ok(live);
+        }
+        // Streams no sink holds any more are forgotten.
+        kept.retain(|_, k| k.upgrade().is_some());
+        let audit = crate::RedisAudit::spawn(
             Arc::clone(&self.backend),
             &self.runtime,
             name.to_owned(),
             maxlen,
             capacity,
-        ))
+        );
+        kept.insert(key, audit.keep());
+        Ok(audit)
     }
 
     /// Whether a breaker is open (Redis is being skipped for some keys: on

@@ -795,7 +795,7 @@ pub(super) fn builder<B>(
         // A stream's bounds are checked here; it is attached where the
         // store is known (`PolicyFile::audit_stream`).
         audit_stream(s)?;
-        b = b.audit(crate::observe::LogAudit, &rules);
+        b = b.audit(crate::observe::LogAudit, &rules).audit_from_file();
         if let Some(n) = &s.per_second {
             let n = u32::try_from(*n.get_ref())
                 .ok()

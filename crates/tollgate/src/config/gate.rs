@@ -114,8 +114,9 @@ pub(super) struct Limits<St: Store + QuotaStore> {
     /// The file they were built from, as prepared (a reloader's `prepare`
     /// applied): a reload keeps the limits whose entries did not change.
     spec: super::spec::FileSpec,
-    /// The stamps of the files it named (databases among them): a limit
-    /// keyed by a database's answer is built again when they change.
+    /// The stamps of the `[geoip]` databases it named: a limit keyed by
+    /// a database's answer is built again when they change (a network
+    /// list's change keeps it).
     stamps: String,
 }
 
@@ -245,7 +246,7 @@ impl<St: Store + QuotaStore> Limits<St> {
         Ok(Self {
             limits: out.into(),
             spec: spec.clone(),
-            stamps: file.stamps.clone(),
+            stamps: file.database_stamps(),
         })
     }
 }
@@ -403,7 +404,7 @@ fn entries_of<St: Store + QuotaStore>(
         let kept = before
             .filter(|b| same_context(&b.spec, &file.spec) && entries.unchanged_in(i, &b.spec))
             // A database read anew (its file changed) answers anew.
-            .filter(|b| !(entries.reads_databases(i) && b.stamps != file.stamps))
+            .filter(|b| !(entries.reads_databases(i) && b.stamps != file.database_stamps()))
             .and_then(|b| b.limits.iter().find(|s| s.list == list && s.name == *name))
             .map(|s| s.limit.clone());
         let limit = match kept {
@@ -554,6 +555,7 @@ impl<St: Store + QuotaStore> Tollgate<St> {
         let decisions_only = self.decisions_only;
         super::Reloader::new(path, file, store, &self.policy)
             .customize(customize)
+            .with_audit_stream()
             .also(move |file, store, fresh| {
                 if decisions_only {
                     decidable(file)?;

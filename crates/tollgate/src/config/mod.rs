@@ -342,6 +342,12 @@ fn named_files(spec: &spec::FileSpec, dir: Option<&Path>) -> [Option<std::path::
     ]
 }
 
+/// The stamps of the `[geoip]` databases `spec` names (see [`stamps`]).
+fn database_stamps(spec: &spec::FileSpec, dir: Option<&Path>) -> String {
+    let [_, _, asn, country] = named_files(spec, dir);
+    stamps(&[None, None, asn, country])
+}
+
 /// What a poll compares of the files a policy names, without reading
 /// them: each one's length and modification time (or why it cannot be
 /// read).
@@ -477,6 +483,11 @@ impl PolicyFile {
         self.origin.as_deref().and_then(|o| Path::new(o).parent())
     }
 
+    /// The stamps of its `[geoip]` databases, as they are now.
+    pub(super) fn database_stamps(&self) -> String {
+        database_stamps(&self.spec, self.dir())
+    }
+
     /// The text and the stamps of the files it names (length and
     /// modification time): what a reload compares to tell whether
     /// anything changed.
@@ -604,6 +615,10 @@ impl PolicyFile {
         let Some(audit) = &self.spec.audit else {
             return Ok(b);
         };
+        // A sink set in code stays.
+        if !b.audits_as_the_file_says() {
+            return Ok(b);
+        }
         let Some((stream, maxlen, queue)) =
             build::audit_stream(audit.get_ref()).map_err(|p| self.placed(p))?
         else {
@@ -621,9 +636,14 @@ impl PolicyFile {
             });
             if let Some(redis) = redis {
                 let sink = redis.audit_stream(stream, maxlen, queue).map_err(|e| {
+                    // The store's `capacity` is the file's `queue`.
+                    let field = match e.field() {
+                        "capacity" => "queue",
+                        f => f,
+                    };
                     self.placed((
                         span.clone(),
-                        format!("audit.{}", e.field()),
+                        format!("audit.{field}"),
                         e.message().to_owned(),
                     ))
                 })?;
@@ -635,7 +655,10 @@ impl PolicyFile {
         Err(self.placed((
             span,
             "audit.stream".to_owned(),
-            "a Redis stream needs a Redis store: [store] kind = \"redis\" (or a RedisStore given to the layer)".to_owned(),
+            format!(
+                "a Redis stream needs a Redis store: [store] kind = \"redis\", or a RedisStore or AnyStore of one given to the layer (this one is a {})",
+                std::any::type_name::<St>()
+            ),
         )))
     }
 
@@ -1065,7 +1088,10 @@ impl PolicyFile {
     /// A builder holding everything the file declares, on a new memory
     /// store: add what a file cannot hold (a rejection, an audit sink, a
     /// plan closure), set the store, and build. Errors of `build` map back
-    /// to the file with [`config_error`](Self::config_error).
+    /// to the file with [`config_error`](Self::config_error). `[audit]
+    /// stream` needs the store, so this builder records to the log: the
+    /// stream is attached by [`layer`](Self::layer), [`Reloader::load`]
+    /// and [`Tollgate`].
     pub fn builder<B>(
         &self,
     ) -> Result<crate::policy::PolicyLayerBuilder<B, crate::MemoryStore>, FileError> {

@@ -75,6 +75,9 @@ pub struct Reloader<B, St: Store> {
     /// The text the last poll read: a poll applies a text only when the
     /// poll before read it too.
     settling: Mutex<String>,
+    /// Whether reloads attach the file's `[audit] stream` (as the first
+    /// layer did: built by [`load`](Self::load) or a `Tollgate`).
+    streams: bool,
 }
 
 impl<B, St: Store> fmt::Debug for Reloader<B, St> {
@@ -143,7 +146,9 @@ impl<B, St: Store> Reloader<B, St> {
             .audit_stream(&store, customize(file.builder::<B>()?).store(store.clone()))?
             .build()
             .map_err(|e| file.config_error(&e))?;
-        let reloader = Self::new(path, &file, store, &layer).customize(customize);
+        let reloader = Self::new(path, &file, store, &layer)
+            .customize(customize)
+            .with_audit_stream();
         Ok((layer, reloader))
     }
 
@@ -151,7 +156,12 @@ impl<B, St: Store> Reloader<B, St> {
     /// `path`) on `store`. If `layer` was built with additions a file
     /// cannot hold, give the reloader the same ones with
     /// [`customize`](Self::customize), or a reload drops them without a
-    /// word: [`load_with`](Self::load_with) does both in one.
+    /// word: [`load_with`](Self::load_with) does both in one. A file's
+    /// `[audit] stream` is attached by the constructors that build the
+    /// layer themselves ([`load`](Self::load), [`load_with`](Self::load_with),
+    /// a `Tollgate`'s): a layer built by hand from
+    /// [`PolicyFile::builder`] records to the log, and so does each of
+    /// its reloads.
     pub fn new(
         path: impl AsRef<Path>,
         file: &PolicyFile,
@@ -169,7 +179,15 @@ impl<B, St: Store> Reloader<B, St> {
             running: Mutex::new((file.text().to_owned(), file.watched())),
             tried: Mutex::new(file.watched()),
             settling: Mutex::new(file.watched()),
+            streams: false,
         }
+    }
+
+    /// Reloads attach the file's `[audit] stream`, as the first layer's
+    /// build did.
+    pub(crate) fn with_audit_stream(mut self) -> Self {
+        self.streams = true;
+        self
     }
 
     /// What to add to every reloaded policy that a file cannot hold (a
@@ -354,13 +372,13 @@ impl<B, St: Store> Reloader<B, St> {
         } else {
             store.rebinding()
         };
-        let next = file
-            .audit_stream(
-                &binding,
-                customize(file.builder::<B>()?).store(binding.clone()),
-            )?
-            .build()
-            .map_err(|e| file.config_error(&e))?;
+        let next = customize(file.builder::<B>()?).store(binding.clone());
+        let next = if self.streams {
+            file.audit_stream(&binding, next)?
+        } else {
+            next
+        };
+        let next = next.build().map_err(|e| file.config_error(&e))?;
         let swap_others = match &self.also {
             Some(also) => Some(also(&file, &binding, fresh)?),
             None => None,

@@ -82,6 +82,7 @@ impl<B> PolicyLayer<B, MemoryStore> {
             canary_secret: None,
             audit_secret: None,
             audit: None,
+            audit_from_file: false,
             audit_per_second: 1_000,
             no_rules: false,
         }
@@ -167,6 +168,8 @@ pub struct PolicyLayerBuilder<B, St> {
     idempotency: Option<(String, Box<dyn DynRule<B>>, std::time::Duration)>,
     log: Option<crate::observe::DecisionLog>,
     audit: Option<(Arc<dyn crate::observe::AuditSink>, Vec<String>)>,
+    /// The audit sink is a policy file's (code has not set one since).
+    audit_from_file: bool,
     audit_per_second: u32,
     route_label: bool,
     on_store_error: OnStoreError,
@@ -230,6 +233,7 @@ impl<B, St> PolicyLayerBuilder<B, St> {
             log: self.log,
             route_label: self.route_label,
             audit: self.audit,
+            audit_from_file: self.audit_from_file,
             audit_per_second: self.audit_per_second,
             on_store_error: self.on_store_error,
             requester: self.requester,
@@ -318,7 +322,21 @@ impl<B, St> PolicyLayerBuilder<B, St> {
     pub fn audit<A: crate::observe::AuditSink>(mut self, sink: A, rules: &[&str]) -> Self {
         let rules = rules.iter().map(|r| (*r).to_owned()).collect();
         self.audit = Some((Arc::new(sink), rules));
+        self.audit_from_file = false;
         self
+    }
+
+    /// Marks the audit sink as a policy file's: one its `[audit] stream`
+    /// may replace, where a sink code set stays.
+    pub(crate) fn audit_from_file(mut self) -> Self {
+        self.audit_from_file = self.audit.is_some();
+        self
+    }
+
+    /// Whether the audit sink is a policy file's (see
+    /// [`audit_from_file`](Self::audit_from_file)).
+    pub(crate) fn audits_as_the_file_says(&self) -> bool {
+        self.audit_from_file
     }
 
     /// At most `n` audit records a second for each audited rule or access

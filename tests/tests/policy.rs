@@ -491,15 +491,7 @@ async fn refusals_of_audited_rules_land_in_a_redis_stream() {
         assert_eq!(svc.clone().oneshot(req(key)).await.unwrap().status(), 429);
     }
     let stream = format!("{prefix}:audit");
-    let mut len = String::new();
-    for _ in 0..100 {
-        len = redis.cli(&["XLEN", &stream]);
-        if len.trim() == "2" {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(len.trim(), "2");
+    assert_eq!(stream_len(&redis, &stream, 2).await, 2);
     let entries = redis.cli(&["XRANGE", &stream, "-", "+"]);
     assert!(
         entries.contains("per-key") && entries.contains("limited"),
@@ -524,6 +516,20 @@ async fn refusals_of_audited_rules_land_in_a_redis_stream() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(audit.dropped() >= 46, "{} dropped", audit.dropped());
+}
+
+/// The length of Redis stream `stream` once it is `want` (waiting up to
+/// 2 s for an audit sink's batches), or as it is then.
+async fn stream_len(redis: &Server, stream: &str, want: usize) -> usize {
+    let mut len = 0;
+    for _ in 0..100 {
+        len = redis.cli(&["XLEN", stream]).trim().parse().unwrap_or(0);
+        if len == want {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    len
 }
 
 /// Asking a store for the same audit stream again (a reloaded policy
@@ -602,15 +608,7 @@ queue = 16
         assert_eq!(svc.clone().oneshot(req(key)).await.unwrap().status(), 429);
     }
     let stream = format!("{prefix}:refusals");
-    let mut len = String::new();
-    for _ in 0..100 {
-        len = redis.cli(&["XLEN", &stream]);
-        if len.trim() == "2" {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(len.trim(), "2");
+    assert_eq!(stream_len(&redis, &stream, 2).await, 2);
     let entries = redis.cli(&["XRANGE", &stream, "-", "+"]);
     assert!(entries.contains("per-key"), "{entries}");
     assert!(

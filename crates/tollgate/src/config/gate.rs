@@ -143,12 +143,11 @@ impl<St: Store + QuotaStore> Clone for Limit<St> {
 /// Whether what every limit after the rules reads beyond its own entry
 /// (client addresses, plans, named costs, headers) is the same in both.
 fn same_context(a: &super::spec::FileSpec, b: &super::spec::FileSpec) -> bool {
-    a.trusted_proxies == b.trusted_proxies
-        && a.forwarded_header == b.forwarded_header
-        && a.ipv6_prefix == b.ipv6_prefix
+    // What keys read beyond their text: trusted proxies, forwarded
+    // header, IPv6 prefix, `[geoip]` databases.
+    a.key_context() == b.key_context()
         && a.plan_from == b.plan_from
         && a.on_store_error == b.on_store_error
-        && a.key_context() == b.key_context()
         && a.costs == b.costs
         && a.headers == b.headers
         && a.legacy_headers == b.legacy_headers
@@ -219,8 +218,10 @@ impl<St: Store + QuotaStore> Limits<St> {
         // A decision endpoint never sees a response: no in-flight limits
         // or pacing.
         let mut out = Vec::new();
+        // Read once (file metadata), for every entry keyed by a database.
+        let stamps = file.database_stamps();
         let mut section = |list, entries, build: &dyn Fn(&str) -> Result<Limit<St>, FileError>| {
-            entries_of(file, before, list, entries, build, &mut out)
+            entries_of(file, &stamps, before, list, entries, build, &mut out)
         };
         section(
             "concurrency",
@@ -246,7 +247,7 @@ impl<St: Store + QuotaStore> Limits<St> {
         Ok(Self {
             limits: out.into(),
             spec: spec.clone(),
-            stamps: file.database_stamps(),
+            stamps,
         })
     }
 }
@@ -388,9 +389,11 @@ impl Entries<'_> {
 /// reload, an entry that neither changed nor reads anything that changed
 /// beyond it keeps the limit `before` built, which goes on as it runs (its
 /// in-process state — an adaptive limit, a queue, read-only mode; store
-/// state is kept either way).
+/// state is kept either way). `stamps`: the `[geoip]` databases' now (an
+/// entry keyed by one is built again when they differ from `before`'s).
 fn entries_of<St: Store + QuotaStore>(
     file: &PolicyFile,
+    stamps: &str,
     before: Option<&Limits<St>>,
     list: &'static str,
     entries: Entries<'_>,
@@ -404,7 +407,7 @@ fn entries_of<St: Store + QuotaStore>(
         let kept = before
             .filter(|b| same_context(&b.spec, &file.spec) && entries.unchanged_in(i, &b.spec))
             // A database read anew (its file changed) answers anew.
-            .filter(|b| !(entries.reads_databases(i) && b.stamps != file.database_stamps()))
+            .filter(|b| !(entries.reads_databases(i) && b.stamps != stamps))
             .and_then(|b| b.limits.iter().find(|s| s.list == list && s.name == *name))
             .map(|s| s.limit.clone());
         let limit = match kept {

@@ -321,6 +321,15 @@ const MAX_LIST_BYTES: u64 = 64 << 20;
 /// The most bytes a `[geoip]` database may hold.
 const MAX_DATABASE_BYTES: u64 = 1 << 30;
 
+/// The list whose entry (or service-wide limit) holds `name` in `taken`,
+/// if one does.
+fn taken_by<'a>(taken: &[(&'a str, &str)], name: &str) -> Option<&'a str> {
+    taken
+        .iter()
+        .find(|(_, n)| *n == name)
+        .map(|(list, _)| *list)
+}
+
 /// The files a policy names, resolved against its directory (`dir`, the
 /// policy file's; the working directory for a text without one): the
 /// network lists (allow, deny) and the `[geoip]` databases (asn,
@@ -537,7 +546,7 @@ impl PolicyFile {
             ("retry_budgets", self.retry_budget_names()),
         ] {
             for (i, name) in names.iter().enumerate() {
-                if let Some((other, _)) = taken.iter().find(|(_, n)| n == name) {
+                if let Some(other) = taken_by(&taken, name) {
                     let e = tollgate_core::ConfigError::new(
                         "name",
                         format!("the name {name:?} is taken by another entry of [[{other}]]"),
@@ -554,18 +563,14 @@ impl PolicyFile {
         // each against its own limit. (An adaptive limit counts in the
         // process, each entry its own.)
         for (i, c) in self.spec.concurrency.iter().enumerate() {
-            let Some((field, name)) = c
-                .get_ref()
-                .service
-                .as_ref()
-                .map(|s| ("service", &s.get_ref().name))
-            else {
+            let Some(service) = &c.get_ref().service else {
                 continue;
             };
-            if let Some((other, _)) = taken.iter().find(|(_, n)| n == name.get_ref()) {
+            let name = &service.get_ref().name;
+            if let Some(other) = taken_by(&taken, name.get_ref()) {
                 return Err(self.placed((
                     Some(name.span()),
-                    format!("concurrency[{i}].{field}.name"),
+                    format!("concurrency[{i}].service.name"),
                     format!(
                         "the name {:?} is taken by another entry of [[{other}]] or its service-wide limit",
                         name.get_ref()

@@ -52,6 +52,17 @@ fn req(method: &str, path: &str, key: &str) -> Req {
     r
 }
 
+/// A `GET /` with API key `k` from the peer `ip`.
+fn from(ip: &str) -> Req {
+    let mut r = req("GET", "/", "k");
+    r.extensions_mut().insert(
+        format!("{ip}:4000")
+            .parse::<std::net::SocketAddr>()
+            .unwrap(),
+    );
+    r
+}
+
 async fn status<S>(svc: &mut S, r: Req) -> (StatusCode, Option<String>)
 where
     S: Service<Req, Response = Response<String>, Error = Infallible>,
@@ -397,15 +408,6 @@ async fn a_network_list_file_is_read_and_reloaded_with_the_policy() {
     .unwrap();
     let (layer, reloader) = Reloader::<String, _>::load(&path, store(&clock)).unwrap();
     let mut svc = layer.layer(ok_service());
-    let from = |ip: &str| {
-        let mut r = req("GET", "/", "k");
-        r.extensions_mut().insert(
-            format!("{ip}:4000")
-                .parse::<std::net::SocketAddr>()
-                .unwrap(),
-        );
-        r
-    };
     assert_eq!(
         status(&mut svc, from("198.51.100.7")).await.0,
         StatusCode::FORBIDDEN
@@ -473,15 +475,6 @@ async fn a_rule_per_autonomous_system_from_the_files_database() {
         .layer::<String, _>(&store(&clock))
         .unwrap();
     let mut svc = layer.layer(ok_service());
-    let from = |ip: &str| {
-        let mut r = req("GET", "/", "k");
-        r.extensions_mut().insert(
-            format!("{ip}:4000")
-                .parse::<std::net::SocketAddr>()
-                .unwrap(),
-        );
-        r
-    };
     assert_eq!(
         status(&mut svc, from("198.51.100.1")).await.0,
         StatusCode::OK

@@ -921,6 +921,17 @@ fn asking(key: &str, headers: &[(&'static str, &str)]) -> Req {
     r
 }
 
+/// 10 a second per key in bursts of 10, each request charged its
+/// handler's time at 100 ms a unit.
+fn charged_by_time(clock: &ManualClock) -> RateLimitLayer<Header, Fixed, MemoryStore<ManualClock>> {
+    per_key(clock, Limit::gcra(Rate::per_second(10), 10))
+        .charge_after(Measure::Elapsed {
+            per: Duration::from_millis(100),
+        })
+        .build()
+        .unwrap()
+}
+
 /// Issue 34 item 5, the handler's time: a call that took 1 s at 100 ms a
 /// unit owes 9 units beyond its estimate of 1, which the key's next
 /// request pays (refused until the rule can hold both); a call that took
@@ -928,12 +939,7 @@ fn asking(key: &str, headers: &[(&'static str, &str)]) -> Req {
 #[tokio::test(start_paused = true)]
 async fn a_slow_call_is_paid_for_by_the_keys_next_request() {
     let clock = ManualClock::starting_at(1);
-    let layer = per_key(&clock, Limit::gcra(Rate::per_second(10), 10))
-        .charge_after(Measure::Elapsed {
-            per: Duration::from_millis(100),
-        })
-        .build()
-        .unwrap();
+    let layer = charged_by_time(&clock);
     let svc = layer.layer(service_fn(measured));
     let send = |headers: &[(&'static str, &str)]| svc.clone().oneshot(asking("k", headers));
     assert_eq!(send(&[("x-sleep-ms", "1000")]).await.unwrap().status(), 200);
@@ -1001,12 +1007,7 @@ async fn a_reported_cost_or_length_settles_against_the_estimate() {
 #[tokio::test(start_paused = true)]
 async fn a_call_given_up_is_charged_its_time_and_a_large_debt_waits() {
     let clock = ManualClock::starting_at(1);
-    let layer = per_key(&clock, Limit::gcra(Rate::per_second(10), 10))
-        .charge_after(Measure::Elapsed {
-            per: Duration::from_millis(100),
-        })
-        .build()
-        .unwrap();
+    let layer = charged_by_time(&clock);
     let svc = layer.layer(service_fn(measured));
     let send = |headers: &[(&'static str, &str)]| svc.clone().oneshot(asking("k", headers));
     let given_up =

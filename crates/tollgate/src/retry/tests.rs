@@ -632,10 +632,18 @@ async fn marked_posts_of_unknown_length_are_buffered_and_retried() {
         req
     };
     // Marked by its extension: two attempts, the same bytes each time.
+    // The upstream heals once the first attempt has failed: before the
+    // retry's backoff ends (time, paused, does not move while this task
+    // is busy), whatever the jitter drew. (A fixed 1 ms lost to a backoff
+    // drawn below it, and the retry failed again.)
     let flaky = Flaky::new(503, &[]);
     let first = flaky.clone();
     tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(1)).await;
+        // `seen` is written in the same poll that answers (no await in
+        // between): once it holds the first attempt, that one failed.
+        while first.seen.lock().unwrap().is_empty() {
+            tokio::task::yield_now().await;
+        }
         first.failing.store(false, Ordering::Relaxed);
     });
     let res = client(&flaky, 1024)

@@ -1024,6 +1024,20 @@ fn rule(
             }
         }
     }
+    if let Some(c) = &r.charge_after {
+        if let Some(statuses) = &r.count_if {
+            return Err(at(
+                statuses,
+                field("count_if"),
+                "a rule settles on its response one way: count_if (which responses count) \
+                 or charge_after (what they cost), not both",
+            ));
+        }
+        rule = rule.charge_after(charge_after(c, &field("charge_after"))?);
+    }
+    if let Some(m) = r.messages {
+        rule = rule.messages(m);
+    }
     for (plan, p) in &r.plans {
         let LimitSpec {
             rate,
@@ -1052,6 +1066,61 @@ fn rule(
         field("cost"),
     )?;
     Ok(rule)
+}
+
+/// A rule's `charge_after`, read at `field`.
+fn charge_after(
+    c: &Spanned<super::spec::ChargeAfterSpec>,
+    field: &str,
+) -> Result<crate::rate_limit::Measure, Problem> {
+    use crate::rate_limit::Measure;
+    let spec = c.get_ref();
+    let per_field = format!("{field}.per");
+    let per = || {
+        spec.per.as_ref().ok_or_else(|| {
+            at(
+                c,
+                per_field.clone(),
+                "is needed: what one unit buys (a duration for elapsed, bytes for response_bytes)",
+            )
+        })
+    };
+    let measure = match spec.measure.get_ref().as_str() {
+        "elapsed" => {
+            let per = per()?;
+            let text = per
+                .get_ref()
+                .as_str()
+                .ok_or_else(|| at(per, per_field.clone(), "is not a duration like \"100ms\""))?;
+            let d = spec::duration(text).map_err(|m| at(per, per_field.clone(), m))?;
+            Measure::Elapsed { per: d }
+        }
+        "response_bytes" => Measure::ResponseBytes {
+            per: u64::from(bytes(per()?, per_field.clone(), false)?),
+        },
+        "reported" => {
+            if let Some(p) = &spec.per {
+                return Err(at(
+                    p,
+                    per_field,
+                    "is not taken by reported: the handler reports the units",
+                ));
+            }
+            Measure::Reported
+        }
+        _ => {
+            return Err(at(
+                &spec.measure,
+                format!("{field}.measure"),
+                "must be one of elapsed, response_bytes, reported",
+            ))
+        }
+    };
+    measure.check().map_err(|e| {
+        let span = spec.per.as_ref().map_or_else(|| c.span(), Spanned::span);
+        (Some(span), per_field, e.message().to_owned())
+    })?;
+    Ok(measure)
 }
 
 /// A ladder's own error (`escalate`'s, `slow_down`'s), as `field`, placed

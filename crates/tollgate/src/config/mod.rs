@@ -86,6 +86,8 @@
 //! | `count_if` | statuses that count (response-aware), e.g. `[401, 403]` |
 //! | `escalate` | `{ strikes, period, block, max_block }`: repeated refusals block the key |
 //! | `slow_down` | `{ strikes, period, hold, steps }`: repeated refusals lower the key's rate, e.g. `steps = [50, 25]` (percent kept, 1 to 8 steps, each below the one before), one step per `strikes` refusals within `period`, for `hold`, climbing back one step per `hold` (a rule has `escalate` or `slow_down`, not both) |
+//! | `charge_after` | `{ measure, per }`: charge what a request really cost once its response is known, e.g. `{ measure = "elapsed", per = "100ms" }` (the handler's time), `{ measure = "response_bytes", per = "64 KiB" }` (its `Content-Length`) or `{ measure = "reported" }` (only the handler's [`ActualCost`](crate::rate_limit::ActualCost)); a cheaper response gives the difference back, a dearer one is owed by the key's next request (see [`RateRule::charge_after`](crate::policy::RateRule::charge_after); not with `count_if`) |
+//! | `messages = true` | the messages of an upgraded connection (WebSocket) spend this rule's budget too: the handler gets a [`MessageBudget`](crate::rate_limit::MessageBudget) |
 //! | `challenge` | `{ difficulty, window }`: a proof-of-work challenge in its refusals (see [`ProofOfWork`](crate::policy::ProofOfWork)), signed with `[challenge]`'s secret |
 //! | `plans.<plan>` | the plan's own `rate`, `burst`, `max_delay`, `buckets` (the rule's algorithm; `buckets` the rule's when absent) |
 //! | `routes` | the routes it applies to, e.g. `["GET /api/download", "/files/{*path}", "/users/{id}"]` (axum's syntax; every route without it): see [`Routes`](crate::Routes) |

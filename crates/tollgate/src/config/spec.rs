@@ -83,6 +83,19 @@ mod values {
         Refuse,
     }
 
+    /// How a rule measures what a request really cost.
+    #[derive(schemars::JsonSchema)]
+    #[schemars(rename_all = "snake_case")]
+    #[allow(dead_code)]
+    pub(super) enum Measure {
+        /// The handler's time: one unit per `per` (a duration).
+        Elapsed,
+        /// The response's declared length: one unit per `per` bytes.
+        ResponseBytes,
+        /// Only what the handler reports (`ActualCost`).
+        Reported,
+    }
+
     /// `"error"`, an HTTP status, or a gRPC code by name.
     #[derive(schemars::JsonSchema)]
     #[schemars(untagged)]
@@ -210,6 +223,22 @@ pub(super) struct RuleChallengeSpec {
     pub(super) difficulty: Spanned<i64>,
     /// How long a challenge holds: `"5m"` (1 s to 1 h).
     pub(super) window: Spanned<String>,
+}
+
+/// A rule's `charge_after`: how it measures what a request cost.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub(super) struct ChargeAfterSpec {
+    /// `elapsed` (the handler's time), `response_bytes` (the response's
+    /// `Content-Length`) or `reported` (only what the handler reports).
+    #[cfg_attr(feature = "schema", schemars(with = "values::Measure"))]
+    pub(super) measure: Spanned<String>,
+    /// What one unit buys: a duration for `elapsed` (`"100ms"`), bytes
+    /// for `response_bytes` (`1024`, `"64 KiB"`); none for `reported`.
+    #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(with = "Option<values::Bytes>"))]
+    pub(super) per: Option<Spanned<toml::Value>>,
 }
 
 /// `[server]`: where `tollgate-server` listens.
@@ -446,6 +475,15 @@ pub(super) struct RuleSpec {
     /// A proof-of-work challenge in this rule's refusals.
     #[serde(default)]
     pub(super) challenge: Option<Spanned<RuleChallengeSpec>>,
+    /// Charge what a request really cost once its response is known:
+    /// the difference to its estimate given back, or owed by the key's
+    /// next request.
+    #[serde(default)]
+    pub(super) charge_after: Option<Spanned<ChargeAfterSpec>>,
+    /// Count the messages of upgraded connections (WebSockets) in this
+    /// rule's budget too.
+    #[serde(default)]
+    pub(super) messages: Option<bool>,
     #[serde(default)]
     pub(super) plans: BTreeMap<String, Spanned<LimitSpec>>,
     /// The routes the limit applies to (`"GET /api/download"`,

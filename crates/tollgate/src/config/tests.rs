@@ -2360,3 +2360,91 @@ async fn a_tollgate_waits_for_a_service_not_ready_at_once() {
         "the service was polled as ready each time"
     );
 }
+
+/// Issue 32: a file's rule charges what a request really cost
+/// (`charge_after`) and counts an upgrade's messages (`messages`).
+#[tokio::test(start_paused = true)]
+async fn a_files_rule_charges_after_the_response_and_counts_messages() {
+    use crate::rate_limit::MessageBudget;
+    let clock = ManualClock::new();
+    let text = "[[rules]]\nname = \"per-key\"\nkey = \"header:x-api-key\"\nalgorithm = \"fixed_window\"\nrate = \"10/1m\"\ncharge_after = { measure = \"elapsed\", per = \"100ms\" }\nmessages = true\n";
+    let layer = PolicyFile::parse(text)
+        .unwrap()
+        .layer::<String, _>(&store(&clock))
+        .unwrap();
+    let kept = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let k2 = std::sync::Arc::clone(&kept);
+    let mut svc = layer.layer(service_fn(move |r: Req| {
+        *k2.lock().unwrap() = r.extensions().get::<MessageBudget>().cloned();
+        async move {
+            if r.uri().path() == "/slow" {
+                tokio::time::sleep(Duration::from_millis(800)).await;
+            }
+            Ok::<_, Infallible>(Response::new(String::new()))
+        }
+    }));
+    // 800 ms at 100 ms a unit: 8 where 1 was charged, 7 owed.
+    let slow = status(&mut svc, req("GET", "/slow", "a")).await;
+    assert_eq!(slow.0, StatusCode::OK);
+    // The next pays 1 and the 7: 10 - 1 - 8 leaves 1, for one message.
+    let mut upgrade = req("GET", "/", "a");
+    upgrade
+        .headers_mut()
+        .insert("upgrade", "websocket".parse().unwrap());
+    assert_eq!(status(&mut svc, upgrade).await.0, StatusCode::OK);
+    let budget = kept.lock().unwrap().take().expect("a message budget");
+    budget.spend(1).await.unwrap();
+    assert_eq!(budget.spend(1).await.unwrap_err().rule(), "per-key");
+    assert_eq!(
+        status(&mut svc, req("GET", "/", "a")).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+#[test]
+fn charge_after_errors_name_their_field() {
+    let rule = "[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\nburst = 1\n";
+    for (extra, want) in [
+        (
+            "charge_after = { measure = \"cpu\" }",
+            "6:28: rules[0].charge_after.measure: must be one of elapsed, response_bytes, reported",
+        ),
+        (
+            "charge_after = { measure = \"elapsed\" }",
+            "6:16: rules[0].charge_after.per: is needed",
+        ),
+        (
+            "charge_after = { measure = \"elapsed\", per = 5 }",
+            "6:45: rules[0].charge_after.per: is not a duration",
+        ),
+        (
+            "charge_after = { measure = \"elapsed\", per = \"0s\" }",
+            "6:45: rules[0].charge_after.per: a unit must be worth more than zero",
+        ),
+        (
+            "charge_after = { measure = \"response_bytes\", per = \"lots\" }",
+            "6:52: rules[0].charge_after.per: is not a number of bytes",
+        ),
+        (
+            "charge_after = { measure = \"reported\", per = 1 }",
+            "6:46: rules[0].charge_after.per: is not taken by reported",
+        ),
+        (
+            "count_if = [401]\ncharge_after = { measure = \"reported\" }",
+            "6:12: rules[0].count_if: a rule settles on its response one way",
+        ),
+    ] {
+        let e = error(&format!("{rule}{extra}\n"));
+        assert!(e.starts_with(want), "{extra}: {e}");
+    }
+    // Each measure loads.
+    for ok in [
+        "{ measure = \"elapsed\", per = \"250ms\" }",
+        "{ measure = \"response_bytes\", per = \"64 KiB\" }",
+        "{ measure = \"response_bytes\", per = 1024 }",
+        "{ measure = \"reported\" }",
+    ] {
+        let file = PolicyFile::parse(&format!("{rule}charge_after = {ok}\n")).unwrap();
+        file.layer::<String, _>(&MemoryStore::new()).unwrap();
+    }
+}

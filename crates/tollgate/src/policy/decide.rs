@@ -112,6 +112,14 @@ impl Report {
         Some(rule.shown(self.plan, self.slowed(i), d).1)
     }
 
+    /// Whether rule `i` admitted the request and charged its store (not
+    /// a failure policy's admission, nor a joint decision that wrote
+    /// nothing).
+    pub(super) fn charged(&self, i: usize) -> bool {
+        matches!(self.decided.get(i), Some(Some((d, _))) if d.is_allowed())
+            && self.unconsumed & bit(i) == 0
+    }
+
     /// Rule `i`'s decision and cost, if it consumed a cost to refund.
     fn consumed(&self, i: usize) -> Option<(Decision, u64)> {
         let (d, cost) = (*self.decided.get(i)?)?;

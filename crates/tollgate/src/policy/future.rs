@@ -21,7 +21,7 @@ use crate::body::RejectionBody;
 use crate::headers::apply_set;
 use crate::key::KeyBytes;
 use crate::outcome::Completion;
-use crate::rate_limit::{poll_paced, Inner, Refund};
+use crate::rate_limit::{poll_paced, Inner, MessageBudget, Refund, Settle};
 use crate::rejection::{LimitKind, Reason, Rejected};
 
 /// A walk waiting for its store.
@@ -69,6 +69,10 @@ pin_project! {
         pub(super) after: Option<Vec<(usize, KeyBytes)>>,
         // A refusal's challenge, for the rule's key.
         pub(super) challenge: Option<http::HeaderValue>,
+        // The settlements of the rules that charge what the request
+        // really cost, once its response is known (dropped without one,
+        // each settles as `Settle` says).
+        pub(super) settles: Vec<(usize, Settle)>,
     }
 
     impl<S, B, L> PinnedDrop for PolicyFuture<S, B, L>
@@ -116,23 +120,30 @@ where
             shared,
             after: None,
             challenge: None,
+            settles: Vec::new(),
         }
+    }
+
+    /// Takes on what `walk` leaves to the response (before the future is
+    /// pinned): the keys kept until then ([`Walk::after`]), a refusal's
+    /// challenge, the settlements.
+    pub(super) fn follow(&mut self, walk: &mut Walk) {
+        let shared = &*self.shared;
+        self.after = walk.after(shared);
+        self.challenge = walk.challenge(shared);
+        self.settles = std::mem::take(&mut walk.settles);
     }
 }
 
-/// The state a decided walk leads to, the keys kept until the response
-/// ([`Walk::after`]), and a refusal's challenge.
-#[allow(clippy::type_complexity)]
+/// The state a decided walk leads to. The settlements of a request that
+/// is not served are dropped (what each took of a debt is owed again);
+/// those of one called now start its time.
 pub(super) fn next<S, B, L>(
     shared: &Arc<Shared<B, L>>,
-    walk: &Walk,
-    req: Request<B>,
+    walk: &mut Walk,
+    mut req: Request<B>,
     inner: Inner<'_, S>,
-) -> (
-    State<S, B>,
-    Option<Vec<(usize, KeyBytes)>>,
-    Option<http::HeaderValue>,
-)
+) -> State<S, B>
 where
     S: Service<Request<B>> + Clone,
     B: 'static,
@@ -143,10 +154,25 @@ where
     if shared.route_label {
         count_by_route(shared, report, verdict, &req);
     }
-    let state = match verdict {
-        Verdict::Pass { delay: 0 } | Verdict::Repeat => State::Calling {
-            future: inner.call(req),
-        },
+    if matches!(verdict, Verdict::Pass { .. }) {
+        // A rule that charged nothing (its store failed) settles nothing.
+        let report = walk.report;
+        walk.settles.retain(|(i, _)| report.charged(*i));
+        if shared.messages && crate::rejection::is_upgrade(&req) {
+            offer_messages(shared, walk, &mut req);
+        }
+    } else {
+        walk.settles.clear();
+    }
+    match verdict {
+        Verdict::Pass { delay: 0 } | Verdict::Repeat => {
+            for (_, settle) in &mut walk.settles {
+                settle.call();
+            }
+            State::Calling {
+                future: inner.call(req),
+            }
+        }
         // Needs tokio's timer (a runtime with time enabled, as axum's and
         // tonic's servers have).
         Verdict::Pass { delay } => {
@@ -161,8 +187,32 @@ where
         | Verdict::MissingKey { .. }
         | Verdict::Denied
         | Verdict::Blocked { .. } => State::Rejected { verdict },
-    };
-    (state, walk.after(shared), walk.challenge(shared))
+    }
+}
+
+/// Offers an admitted upgrade request the message budget of every rule
+/// that counts messages and enforced its key, at the request's plan (an
+/// outer layer's budget first).
+fn offer_messages<B, L: Limiter>(shared: &Shared<B, L>, walk: &Walk, req: &mut Request<B>) {
+    let plan = walk.report.plan;
+    let mut budget = req.extensions_mut().remove::<MessageBudget>();
+    for (i, rule) in shared.rules.iter().enumerate() {
+        if !rule.messages || walk.report.shadows(i) {
+            continue;
+        }
+        let (Some(Some(_)), Some(key)) = (walk.report.decided.get(i), walk.owned_key(i)) else {
+            continue;
+        };
+        let (limiter, responder) = rule.at(plan);
+        let ours = MessageBudget::new(limiter.clone(), key.clone(), Arc::clone(responder));
+        budget = Some(match budget {
+            Some(outer) => outer.and(&ours),
+            None => ours,
+        });
+    }
+    if let Some(budget) = budget {
+        req.extensions_mut().insert(budget);
+    }
 }
 
 /// Counts each rule's decision of `req` under its matched route (see
@@ -205,20 +255,25 @@ where
                         return Poll::Pending;
                     };
                     let (req, inner) = *waiting;
-                    let (state, after, challenge) =
-                        next(this.shared, &walk, req, Inner::Owned(inner));
+                    let mut walk = walk;
+                    let state = next(this.shared, &mut walk, req, Inner::Owned(inner));
                     *this.report = walk.report;
-                    *this.after = after;
-                    *this.challenge = challenge;
+                    *this.after = walk.after(this.shared);
+                    *this.challenge = walk.challenge(this.shared);
+                    *this.settles = walk.settles;
                     state
                 }
                 StateProj::Pacing {
                     sleep,
                     waiting,
                     refund,
-                } => State::Calling {
-                    future: ready!(poll_paced(cx, sleep, waiting, refund))?,
-                },
+                } => {
+                    let future = ready!(poll_paced(cx, sleep, waiting, refund))?;
+                    for (_, settle) in this.settles.iter_mut() {
+                        settle.call();
+                    }
+                    State::Calling { future }
+                }
                 StateProj::Calling { future } => {
                     let mut response = match ready!(future.poll(cx)) {
                         Ok(response) => response,
@@ -229,6 +284,9 @@ where
                             return Poll::Ready(Err(e));
                         }
                     };
+                    for (_, settle) in this.settles.drain(..) {
+                        settle.finish(&response);
+                    }
                     if let Some(keys) = this.after.take() {
                         let status = Completion::of(&response).status();
                         settle_response(this.shared, this.report, status, &keys);

@@ -151,6 +151,8 @@ struct Unbound<B> {
     challenge: Option<Arc<dyn super::Challenge>>,
     warn_at: Option<f64>,
     routes: Option<crate::Routes>,
+    charge_after: Option<crate::rate_limit::Measure>,
+    messages: bool,
 }
 
 /// The most plans one policy knows.
@@ -215,6 +217,8 @@ impl<B, St> PolicyLayerBuilder<B, St> {
             challenge: rule.challenge,
             warn_at: rule.warn_at,
             routes: rule.routes,
+            charge_after: rule.charge_after,
+            messages: rule.messages,
         });
         self
     }
@@ -614,16 +618,18 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
             };
             let limiter = self.store.limiter(&rule).map_err(at)?;
             // Metrics carry a `plan` label where the policy has plans.
-            let responder = |rule: &Rule, plan: Option<&str>| Responder {
-                rule: rule.name().into(),
-                headers: Headers::new(rule, self.headers, self.legacy_headers),
-                shadow: r.shadow,
-                rejection: self.rejection.clone(),
-                rendered: Rendered::new(LimitKind::Rate, rule.name()),
-                metrics: Metrics::register_plan(rule.name(), plan),
-                on_store_error: self.on_store_error.answer(rule.capacity()),
-                // Counted by the policy, rule by rule.
-                route_label: false,
+            let responder = |rule: &Rule, plan: Option<&str>| {
+                Arc::new(Responder {
+                    rule: rule.name().into(),
+                    headers: Headers::new(rule, self.headers, self.legacy_headers),
+                    shadow: r.shadow,
+                    rejection: self.rejection.clone(),
+                    rendered: Rendered::new(LimitKind::Rate, rule.name()),
+                    metrics: Metrics::register_plan(rule.name(), plan),
+                    on_store_error: self.on_store_error.answer(rule.capacity()),
+                    // Counted by the policy, rule by rule.
+                    route_label: false,
+                })
             };
             // Each kind of ladder keeps its own state: a key blocked by
             // one is not slowed by the other (nor the reverse) when the
@@ -723,6 +729,32 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                         .in_item("rules", i),
                 );
             }
+            // What keys owe, per plan (see `Bound::debts`).
+            let debts: Box<[_]> = match r.charge_after {
+                None => Box::default(),
+                Some(_) if r.count_if.is_some() => {
+                    return Err(at(ConfigError::new(
+                        "charge_after",
+                        "a rule settles on its response one way: count_if (which responses \
+                         count) or charge_after (what they cost), not both",
+                    )))
+                }
+                Some(measure) => {
+                    measure.check().map_err(at)?;
+                    // Shadow mode changes nothing: no debts.
+                    if r.shadow {
+                        Box::default()
+                    } else {
+                        let default = crate::rate_limit::Debts::of(measure, &limiter);
+                        std::iter::once(Arc::clone(&default))
+                            .chain(plans.iter().map(|p| match p {
+                                Some((l, _)) => crate::rate_limit::Debts::of(measure, l),
+                                None => Arc::clone(&default),
+                            }))
+                            .collect()
+                    }
+                }
+            };
             // Solutions used, each remembered for its challenge's lifetime.
             let challenge = match r.challenge {
                 None => None,
@@ -745,6 +777,8 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 ladder,
                 lowered: lowered_plans.into(),
                 warn_at: r.warn_at,
+                debts,
+                messages: r.messages,
                 retired: Arc::default(),
                 predecessors: std::sync::Mutex::default(),
             });
@@ -820,6 +854,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
         };
         let response_aware = bound.iter().any(|b| b.count_if.is_some());
         let laddered = bound.iter().any(|b| b.ladder.is_some());
+        let messages = bound.iter().any(|b| b.messages);
         let warns = bound.iter().any(|b| b.warn_at.is_some());
         let requester = bound
             .iter()
@@ -840,6 +875,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 enforced: count,
                 response_aware,
                 laddered,
+                messages,
                 warns,
                 log: self.log,
                 route_label: self.route_label,

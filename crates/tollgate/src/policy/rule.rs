@@ -36,6 +36,8 @@ pub struct RateRule<K, C = Fixed> {
     pub(crate) challenge: Option<Arc<dyn super::Challenge>>,
     pub(crate) warn_at: Option<f64>,
     pub(crate) routes: Option<crate::Routes>,
+    pub(crate) charge_after: Option<crate::rate_limit::Measure>,
+    pub(crate) messages: bool,
 }
 
 /// An escalation ladder's parameters: strikes, period, first block,
@@ -85,6 +87,8 @@ impl<K> RateRule<K, Fixed> {
             challenge: None,
             warn_at: None,
             routes: None,
+            charge_after: None,
+            messages: false,
         }
     }
 }
@@ -107,6 +111,8 @@ impl<K, C> RateRule<K, C> {
             challenge: self.challenge,
             warn_at: self.warn_at,
             routes: self.routes,
+            charge_after: self.charge_after,
+            messages: self.messages,
         }
     }
 
@@ -239,6 +245,40 @@ impl<K, C> RateRule<K, C> {
         F: Fn(StatusCode) -> bool + Send + Sync + 'static,
     {
         self.count_if = Some(Arc::new(f));
+        self
+    }
+
+    /// Charges what a request really cost under this rule once its
+    /// response is known, measured by `measure`, as
+    /// [`RateLimitLayerBuilder::charge_after`](crate::rate_limit::RateLimitLayerBuilder::charge_after)
+    /// does: the request is admitted on its estimate (the rule's cost); a
+    /// response that cost less gives the difference back, one that cost
+    /// more leaves a debt the key's next request pays on top of its cost
+    /// (or, when more is owed than the rule's limit leaves room for, is
+    /// refused until enough of it is freed). A request that another rule
+    /// of the policy refuses pays none of a debt: what it took is owed
+    /// again. Debts are kept per plan by this process (see the layer's
+    /// method for the bounds), and a reload that keeps the rule alike
+    /// keeps them. A rule in shadow mode, or a key a canary leaves out,
+    /// measures nothing. With [`count_if`](Self::count_if) (which also
+    /// settles on the response) it is a build error naming
+    /// `charge_after`; so is a `per` of zero.
+    pub fn charge_after(mut self, measure: crate::rate_limit::Measure) -> Self {
+        self.charge_after = Some(measure);
+        self
+    }
+
+    /// Counts the messages of upgraded connections (WebSockets) in this
+    /// rule's budget too (default off), as
+    /// [`RateLimitLayerBuilder::messages`](crate::rate_limit::RateLimitLayerBuilder::messages)
+    /// does: an admitted upgrade request carries a
+    /// [`MessageBudget`](crate::rate_limit::MessageBudget) bound to this
+    /// rule (at the request's plan) and its key. Where several rules of a
+    /// policy, or several layers, count messages, the one budget spends on
+    /// all of them. A key this rule only watches (shadow, or a canary
+    /// that leaves it out) is not offered this rule's budget.
+    pub fn messages(mut self, on: bool) -> Self {
+        self.messages = on;
         self
     }
 

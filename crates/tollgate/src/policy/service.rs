@@ -85,11 +85,9 @@ where
         let mut walk = Walk::start(&shared, &req);
         match walk.advance(&shared) {
             None => {
-                let (state, after, challenge) =
-                    next(&shared, &walk, req, Inner::Borrowed(&mut self.inner));
+                let state = next(&shared, &mut walk, req, Inner::Borrowed(&mut self.inner));
                 let mut future = PolicyFuture::new(shared, state, walk.report, grpc);
-                future.after = after;
-                future.challenge = challenge;
+                future.follow(&mut walk);
                 future
             }
             Some(io) => {

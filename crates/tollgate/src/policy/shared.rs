@@ -18,16 +18,19 @@ pub const MAX_RULES: usize = 8;
 
 pub(super) type RejectFn = Arc<dyn Fn(&Rejected) -> Response<Bytes> + Send + Sync>;
 
+/// A plan's own limiter and responder for a rule.
+pub(super) type Variant<L> = (L, Arc<Responder>);
+
 /// A rule bound to its store.
 pub(super) struct Bound<B, L> {
     pub(super) rule: Box<dyn DynRule<B>>,
     pub(super) limiter: L,
     pub(super) keying: Keying,
-    pub(super) responder: Responder,
+    pub(super) responder: Arc<Responder>,
     /// A canary's share as a threshold on the key's hash: enforced below.
     pub(super) canary: Option<(u64, (u64, u64))>,
     /// Plan `i + 1`'s limiter and responder, where this rule names it.
-    pub(super) plans: Box<[Option<(L, Responder)>]>,
+    pub(super) plans: Box<[Option<Variant<L>>]>,
     /// A response-aware rule's test of which responses count.
     pub(super) count_if: Option<super::rule::CountIf>,
     /// The rule's challenge, and the limiter that remembers the
@@ -40,6 +43,12 @@ pub(super) struct Bound<B, L> {
     pub(super) lowered: Box<[Box<[Headers]>]>,
     /// The share of capacity past which admitted responses warn.
     pub(super) warn_at: Option<f64>,
+    /// What keys owe where the rule charges what requests really cost,
+    /// per plan as [`lowered`](Self::lowered) is kept (empty: it does
+    /// not).
+    pub(super) debts: Box<[Arc<crate::rate_limit::Debts>]>,
+    /// Whether an admitted upgrade is offered this rule's message budget.
+    pub(super) messages: bool,
     /// Set when a reload replaced this rule by one whose refunds mean
     /// something else (another rate, another window; or dropped it): its
     /// limiters' refunds would give back by the old parameters what the
@@ -84,15 +93,36 @@ impl<B, L> Bound<B, L> {
     }
 
     /// The limiter and responder of plan `plan` (0: the default).
-    pub(super) fn at(&self, plan: u8) -> (&L, &Responder) {
+    pub(super) fn at(&self, plan: u8) -> (&L, &Arc<Responder>) {
         match self.variant(plan) {
             Some(p) => (&p.0, &p.1),
             None => (&self.limiter, &self.responder),
         }
     }
 
+    /// Where plan `plan`'s own state is kept in per-plan lists
+    /// ([`lowered`](Self::lowered), [`debts`](Self::debts)): its index
+    /// where this rule names the plan, else 0 (the default's).
+    fn own(&self, plan: u8) -> usize {
+        if self.variant(plan).is_some() {
+            usize::from(plan)
+        } else {
+            0
+        }
+    }
+
+    /// What keys on plan `plan` owe, where the rule charges after the
+    /// response.
+    #[inline]
+    pub(super) fn debts(&self, plan: u8) -> Option<&Arc<crate::rate_limit::Debts>> {
+        if self.debts.is_empty() {
+            return None;
+        }
+        self.debts.get(self.own(plan))
+    }
+
     /// Plan `plan`'s own limiter and responder, where this rule names it.
-    fn variant(&self, plan: u8) -> Option<&(L, Responder)> {
+    fn variant(&self, plan: u8) -> Option<&Variant<L>> {
         usize::from(plan)
             .checked_sub(1)
             .and_then(|p| self.plans.get(p))
@@ -107,11 +137,7 @@ impl<B, L> Bound<B, L> {
         let (Some(step), Some(ladder)) = (usize::from(level).checked_sub(1), &self.ladder) else {
             return (headers, d);
         };
-        let own = if self.variant(plan).is_some() {
-            usize::from(plan)
-        } else {
-            0
-        };
+        let own = self.own(plan);
         // A level past the last step (a state a longer ladder left) is
         // charged as the last: so it is shown.
         let Some(lowered) = self
@@ -183,6 +209,8 @@ pub(super) struct Shared<B, L> {
     pub(super) response_aware: bool,
     /// Whether any rule has an escalation ladder.
     pub(super) laddered: bool,
+    /// Whether any rule counts the messages of upgraded connections.
+    pub(super) messages: bool,
     /// Whether any rule warns past a share of its capacity.
     pub(super) warns: bool,
     /// Whether decisions are also counted by route.
@@ -235,8 +263,13 @@ impl<B, L> Current<B, L> {
             let mut flags = std::mem::take(&mut *lock(&rule.predecessors));
             flags.push(Arc::clone(&rule.retired));
             match next.rules.iter().find(|n| rule.refunds_alike(n)) {
-                // Its successor carries its flags on.
-                Some(successor) => lock(&successor.predecessors).extend(flags),
+                // Its successor carries its flags on, and what keys owe.
+                Some(successor) => {
+                    lock(&successor.predecessors).extend(flags);
+                    for (new, old) in successor.debts.iter().zip(rule.debts.iter()) {
+                        new.inherit(old);
+                    }
+                }
                 None => {
                     for flag in flags {
                         flag.store(true, std::sync::atomic::Ordering::Release);

@@ -67,12 +67,15 @@ struct Networked {
     memory: MemoryStore<ManualClock>,
     broken: &'static [&'static str],
     sync: &'static [&'static str],
+    /// Set: every limiter's store is down.
+    down: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 #[derive(Clone)]
 struct NetLimiter {
     inner: tollgate_memory::MemoryLimiter<ManualClock>,
     broken: bool,
+    down: std::sync::Arc<std::sync::atomic::AtomicBool>,
     sync: bool,
 }
 
@@ -85,19 +88,28 @@ impl Limiter for NetLimiter {
     }
 
     fn decide(&self, key: &[u8], cost: u64) -> Self::DecideFuture {
-        if self.broken {
+        if self.broken || self.is_down() {
             return ready(Err(StoreError::new(StoreErrorKind::Unavailable, "down")));
         }
         ready(Ok(self.inner.decide_now(key, cost)))
     }
 
     fn refund(&self, key: &[u8], cost: u64) -> Self::RefundFuture {
+        if self.is_down() {
+            return ready(Err(StoreError::new(StoreErrorKind::Unavailable, "down")));
+        }
         self.inner.refund_now(key, cost);
         ready(Ok(()))
     }
 
     fn decide_sync(&self, key: &[u8], cost: u64) -> Option<Result<Decision, StoreError>> {
         self.sync.then(|| Ok(self.inner.decide_now(key, cost)))
+    }
+}
+
+impl NetLimiter {
+    fn is_down(&self) -> bool {
+        self.down.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 
@@ -109,6 +121,7 @@ impl Store for Networked {
         Ok(NetLimiter {
             inner: self.memory.limiter(rule)?,
             broken: self.broken.contains(&rule.name()),
+            down: std::sync::Arc::clone(&self.down),
             sync: self.sync.contains(&rule.name()),
         })
     }
@@ -148,6 +161,7 @@ macro_rules! on_both_paths {
                     memory: store(&clock),
                     broken: &[],
                     sync: &[],
+                    down: Default::default(),
                 };
                 ($body)(s, clock).await;
             }
@@ -334,6 +348,7 @@ async fn a_failing_store_for_one_rule_leaves_the_others_in_force() {
         memory: store(&clock),
         broken: &["per-ip"],
         sync: &[],
+        down: Default::default(),
     };
     let layer = PolicyLayer::builder()
         .rule(per_key(Limit::fixed_window(1, Duration::from_secs(60))))
@@ -1606,6 +1621,7 @@ async fn a_challenge_settled_before_a_handover_is_not_settled_again() {
         memory: store(&clock),
         broken: &[],
         sync: &["per-key:challenge"],
+        down: Default::default(),
     };
     let svc = metrics::with_local_recorder(&recorder, || {
         PolicyLayer::builder()
@@ -2084,6 +2100,7 @@ async fn a_store_fault_is_no_strike_toward_a_block() {
             memory: store(&clock),
             broken: &["per-key"],
             sync: &[],
+            down: Default::default(),
         };
         let svc = PolicyLayer::builder()
             .rule(
@@ -2592,3 +2609,196 @@ async fn each_rules_key_is_extracted_once_per_request<S: Store>(store: S, _clock
     }
 }
 on_both_paths!(keys_once, each_rules_key_is_extracted_once_per_request);
+
+/// A handler that reports `x-actual` as what the request cost (an
+/// `ActualCost`).
+async fn reporting(req: Req) -> Result<Response<String>, Infallible> {
+    let mut res = Response::new(String::new());
+    let actual = req
+        .headers()
+        .get("x-actual")
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if let Some(n) = actual {
+        res.extensions_mut()
+            .insert(crate::rate_limit::ActualCost(n));
+    }
+    Ok(res)
+}
+
+fn costing(key: &str, ip: &str, actual: Option<u64>) -> Req {
+    let mut r = req(key, ip);
+    if let Some(n) = actual {
+        r.headers_mut()
+            .insert("x-actual", n.to_string().parse().unwrap());
+    }
+    r
+}
+
+/// per-key: 20 a minute, each request estimated at 2 and charged what
+/// its handler reports; per-ip: 1 a minute.
+fn charged_policy<S: Store>(store: S) -> PolicyLayer<String, S> {
+    PolicyLayer::builder()
+        .rule(
+            per_key(Limit::fixed_window(20, Duration::from_secs(60)))
+                .cost(Fixed(2))
+                .charge_after(crate::rate_limit::Measure::Reported),
+        )
+        .rule(per_ip(Limit::fixed_window(1, Duration::from_secs(60))))
+        .store(store)
+        .build()
+        .unwrap()
+}
+
+/// Issue 32: `charge_after` on a policy rule. A debt is paid by the key's
+/// next request that the policy serves: one another rule refuses pays
+/// none of it (it is owed again), a cost below the estimate is given back,
+/// and a debt the rule cannot charge with one request refuses the key
+/// until enough of it is freed (the other rules refunded).
+async fn a_policy_rules_debt_is_paid_by_the_next_request_served<S: Store>(
+    store: S,
+    _clock: ManualClock,
+) {
+    let layer = charged_policy(store);
+    let svc = layer.layer(service_fn(reporting));
+    let send = |r: Req| {
+        let svc = svc.clone();
+        async move { svc.oneshot(r).await.unwrap() }
+    };
+    // Reported 8 where 2 was charged: 6 owed.
+    assert_eq!(send(costing("k", "ip1", Some(8))).await.status(), 200);
+    assert_eq!(remaining(&layer, 0, "k").await, 18);
+    // per-ip refuses the next: per-key pays nothing, the debt stays.
+    assert_eq!(send(costing("k", "ip1", None)).await.status(), 429);
+    assert_eq!(remaining(&layer, 0, "k").await, 18);
+    // Served: the estimate and the debt (8), then 1 of the estimate back.
+    assert_eq!(send(costing("k", "ip2", Some(1))).await.status(), 200);
+    assert_eq!(remaining(&layer, 0, "k").await, 11);
+    // Paid once: the next request costs its estimate.
+    assert_eq!(send(costing("k", "ip3", None)).await.status(), 200);
+    assert_eq!(remaining(&layer, 0, "k").await, 9);
+    // 100 reported: 98 owed, more than a request can carry (18 besides
+    // its estimate): refused until 80 are freed, at 20 a minute.
+    assert_eq!(send(costing("k", "ip4", Some(100))).await.status(), 200);
+    let refused = send(costing("k", "ip5", None)).await;
+    assert_eq!(refused.status(), 429);
+    assert_eq!(refused.headers()["retry-after"], "240");
+    assert_eq!(remaining(&layer, 1, "ip5").await, 1, "per-ip refunded");
+    assert_eq!(remaining(&layer, 0, "k").await, 7, "per-key not charged");
+}
+on_both_paths!(
+    policy_debts,
+    a_policy_rules_debt_is_paid_by_the_next_request_served
+);
+
+#[test]
+fn a_rule_settles_on_its_response_one_way() {
+    let e = PolicyLayer::<String, _>::builder()
+        .rule(
+            per_key(Limit::fixed_window(20, Duration::from_secs(60)))
+                .count_if(|s| s == 401)
+                .charge_after(crate::rate_limit::Measure::Reported),
+        )
+        .build()
+        .unwrap_err();
+    assert_eq!(e.field(), "charge_after", "{e}");
+    let e = PolicyLayer::<String, _>::builder()
+        .rule(
+            per_key(Limit::fixed_window(20, Duration::from_secs(60)))
+                .charge_after(crate::rate_limit::Measure::ResponseBytes { per: 0 }),
+        )
+        .build()
+        .unwrap_err();
+    assert_eq!(e.field(), "charge_after", "{e}");
+}
+
+/// What keys owe survives a reload that keeps the rule alike.
+#[tokio::test]
+async fn a_reload_keeps_what_keys_owe() {
+    let clock = ManualClock::starting_at(1);
+    let shared = store(&clock);
+    let layer = charged_policy(shared.clone());
+    let svc = layer.layer(service_fn(reporting));
+    let send = |r: Req| svc.clone().oneshot(r);
+    assert_eq!(
+        send(costing("k", "ip1", Some(8))).await.unwrap().status(),
+        200
+    );
+    layer.replace(&charged_policy(shared));
+    assert_eq!(send(costing("k", "ip2", None)).await.unwrap().status(), 200);
+    assert_eq!(remaining(&layer, 0, "k").await, 20 - 2 - 8);
+}
+
+/// `messages` on a policy rule: an admitted upgrade is offered the
+/// budget of the rules that count messages, for their keys.
+#[tokio::test]
+async fn a_policy_rule_offers_its_message_budget_to_an_upgrade() {
+    use crate::rate_limit::MessageBudget;
+    let clock = ManualClock::starting_at(1);
+    let layer = PolicyLayer::builder()
+        .rule(per_key(Limit::fixed_window(3, Duration::from_secs(60))).messages(true))
+        .rule(per_ip(Limit::fixed_window(100, Duration::from_secs(60))))
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let kept = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let k2 = std::sync::Arc::clone(&kept);
+    let svc = layer.layer(service_fn(move |req: Req| {
+        *k2.lock().unwrap() = req.extensions().get::<MessageBudget>().cloned();
+        ok(req)
+    }));
+    assert_eq!(
+        svc.clone().oneshot(req("k", "ip")).await.unwrap().status(),
+        200
+    );
+    assert!(kept.lock().unwrap().is_none(), "a plain request has none");
+    let mut upgrade = req("k", "ip");
+    upgrade
+        .headers_mut()
+        .insert("upgrade", "websocket".parse().unwrap());
+    assert_eq!(svc.clone().oneshot(upgrade).await.unwrap().status(), 200);
+    let budget = kept.lock().unwrap().take().expect("offered to the handler");
+    assert_eq!(budget.rule(), "per-key");
+    // One of 3 left after the two requests: one message, then refused.
+    budget.spend(1).await.unwrap();
+    assert_eq!(budget.spend(1).await.unwrap_err().rule(), "per-key");
+    assert_eq!(
+        svc.clone().oneshot(req("k", "ip")).await.unwrap().status(),
+        429
+    );
+    assert_eq!(
+        remaining(&layer, 1, "ip").await,
+        98,
+        "per-ip counts no message"
+    );
+}
+
+/// A request admitted while its rule's store is down was charged nothing:
+/// the debt it took is owed again, not lost (nor settled against a charge
+/// that was never made).
+#[tokio::test]
+async fn a_request_admitted_by_a_failed_store_pays_no_debt() {
+    let clock = ManualClock::starting_at(1);
+    let s = Networked {
+        memory: store(&clock),
+        broken: &[],
+        sync: &[],
+        down: Default::default(),
+    };
+    let down = std::sync::Arc::clone(&s.down);
+    let layer = charged_policy(s);
+    let svc = layer.layer(service_fn(reporting));
+    let send = |r: Req| svc.clone().oneshot(r);
+    assert_eq!(
+        send(costing("k", "ip1", Some(8))).await.unwrap().status(),
+        200
+    );
+    down.store(true, std::sync::atomic::Ordering::Relaxed);
+    // Admitted by the failure policy, charged nothing.
+    assert_eq!(
+        send(costing("k", "ip2", Some(1))).await.unwrap().status(),
+        200
+    );
+    down.store(false, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(send(costing("k", "ip3", None)).await.unwrap().status(), 200);
+    assert_eq!(remaining(&layer, 0, "k").await, 20 - 2 - 8);
+}

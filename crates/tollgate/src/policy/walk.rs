@@ -38,6 +38,7 @@ use super::decide::{
 };
 use super::shared::{Keyed, Shared, MAX_RULES};
 use crate::key::KeyBytes;
+use crate::rate_limit::{Owed, Settle};
 
 /// The step a walk is at.
 #[derive(Debug, Clone, Copy)]
@@ -106,6 +107,10 @@ pub(super) struct Walk {
     taken: bool,
     /// The longest block the strikes started (rule, ns).
     longest: Option<(usize, u64)>,
+    /// The settlements of the rules that charge what a request really
+    /// cost (rule, settlement): each takes its key's debt before the
+    /// rules decide, and owes it again unless the request is served.
+    pub(super) settles: Vec<(usize, Settle)>,
     step: Step,
 }
 
@@ -127,6 +132,7 @@ impl Walk {
             marker: None,
             taken: false,
             longest: None,
+            settles: Vec::new(),
             step: if shared.laddered {
                 Step::Ladders(0)
             } else {
@@ -139,12 +145,12 @@ impl Walk {
                 let (keyed, own) = rule.key(req, key);
                 (keyed == Keyed::Key, (keyed, own))
             });
-            let key = match (keyed, slot) {
+            let owned = match (keyed, slot) {
                 ((Keyed::Key, own), Some(key)) => {
                     if own {
                         walk.own |= bit(i);
                     }
-                    key.as_bytes()
+                    &*key
                 }
                 ((Keyed::Reject, _), _) => {
                     walk.missing = walk.missing.or(Some(i));
@@ -152,13 +158,21 @@ impl Walk {
                 }
                 _ => continue,
             };
-            if rule.shadows(key) {
+            let key = owned.as_bytes();
+            let shadows = rule.shadows(key);
+            if shadows {
                 walk.report.shadow |= bit(i);
             }
             if let (Some(cost), Some(solution)) = (walk.costs.get_mut(i), walk.solutions.get_mut(i))
             {
                 *cost = rule.rule.cost(req);
                 *solution = challenge::solved(rule, req, key, &walk.report.requester);
+                // A key the rule only watches is measured by nothing.
+                if let (Some(debts), false) = (rule.debts(walk.report.plan), shadows) {
+                    let head = req.method() == http::Method::HEAD;
+                    let settle = Settle::new(Arc::clone(debts), owned.clone(), *cost, 0, head);
+                    walk.settles.push((i, settle));
+                }
             }
         }
         if let Some(idem) = &shared.idempotency {
@@ -171,6 +185,11 @@ impl Walk {
     #[inline]
     fn key(&self, i: usize) -> Option<&[u8]> {
         self.keys.get(i)?.as_ref().map(KeyBytes::as_bytes)
+    }
+
+    /// Rule `i`'s key, owned, if it has one.
+    pub(super) fn owned_key(&self, i: usize) -> Option<&KeyBytes> {
+        self.keys.get(i)?.as_ref()
     }
 
     /// Where refunds, logs and audits get each rule's key.
@@ -214,11 +233,14 @@ impl Walk {
         Some((rule, ladder, self.ladder_key(i)?))
     }
 
-    /// Whether rule `i` is decided by its limit: it has a key, and no
-    /// solution passed the request past it.
+    /// Whether rule `i` is decided by its limit: it has a key, no
+    /// solution passed the request past it, and its key's debt did not
+    /// refuse it already.
     #[inline]
     fn decides(&self, i: usize) -> bool {
-        self.key(i).is_some() && !self.report.cleared(i)
+        self.key(i).is_some()
+            && !self.report.cleared(i)
+            && self.report.decided.get(i).is_some_and(Option::is_none)
     }
 
     /// Takes every step the store answers at once, in order; `Some(io)`
@@ -266,6 +288,7 @@ impl Walk {
                         Some((i, used, (*self.solutions.get(i)?)?))
                     });
                     let Some((i, used, id)) = next else {
+                        self.take_debts(shared);
                         self.step = Step::Rules(0);
                         continue;
                     };
@@ -527,6 +550,36 @@ impl Walk {
         if let Some(rule) = shared.rules.get(i) {
             if challenge::first_use(rule, answer) {
                 self.report.set_cleared(i);
+            }
+        }
+    }
+
+    /// Debts (before the rules decide): each rule that charges what
+    /// requests really cost adds what the key owes to its cost, as far
+    /// as the rule's limit leaves room; where more is owed, the rule
+    /// refuses the request until enough of it is freed.
+    fn take_debts<B, L: Limiter>(&mut self, shared: &Shared<B, L>) {
+        for (i, settle) in &mut self.settles {
+            let i = *i;
+            let (Some(rule), Some(cost)) = (shared.rules.get(i), self.costs.get_mut(i)) else {
+                continue;
+            };
+            if self.report.cleared(i) {
+                continue;
+            }
+            let capacity = rule.at(self.report.plan).0.rule().capacity();
+            match settle.take_owed(capacity.saturating_sub(*cost)) {
+                Owed::Pay(units) => *cost = cost.saturating_add(units),
+                Owed::Wait(ns) => {
+                    let owing = Decision {
+                        outcome: Outcome::Deny { retry_after: ns },
+                        limit: capacity,
+                        remaining: 0,
+                        reset_after: ns,
+                    };
+                    self.report.set(i, owing, *cost, false);
+                    self.report.set_unconsumed(i);
+                }
             }
         }
     }

@@ -56,6 +56,20 @@ pub enum Measure {
 pub struct ActualCost(pub u64);
 
 impl Measure {
+    /// A build error naming `charge_after` for a unit worth nothing.
+    pub(crate) fn check(self) -> Result<(), tollgate_core::ConfigError> {
+        match self {
+            Measure::Elapsed {
+                per: Duration::ZERO,
+            }
+            | Measure::ResponseBytes { per: 0 } => Err(tollgate_core::ConfigError::new(
+                "charge_after",
+                "a unit must be worth more than zero (time or bytes)",
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// What `response` (to a `HEAD` request when `head`: no body sent),
     /// answered `elapsed` after its call, cost; `None` where the measure
     /// reads only what the handler reports and it reported nothing.
@@ -145,6 +159,46 @@ impl Debts {
             refund,
             charge,
         }
+    }
+
+    /// The debts of `limiter`'s rule, measured by `measure`: refunds give
+    /// units back to it, a debt charged at once is decided on it.
+    pub(crate) fn of<L: tollgate_core::Limiter>(measure: Measure, limiter: &L) -> Arc<Self> {
+        let rule = limiter.rule();
+        let (give, take) = (limiter.clone(), limiter.clone());
+        Arc::new(Self::new(
+            measure,
+            rule.capacity(),
+            rule.window(),
+            Arc::new(move |key: &[u8], units| {
+                crate::task::finish(give.refund(key, units));
+            }),
+            Arc::new(move |key: &[u8], units| {
+                crate::task::finish(take.decide(key, units));
+            }),
+        ))
+    }
+
+    /// Takes over what `old` (the rule this one replaces in a reload)
+    /// is owed, where its units mean the same here: the same measure,
+    /// capacity and window. Debts `old` records later (requests decided by
+    /// it that end after the reload) stay with it.
+    pub(crate) fn inherit(&self, old: &Self) {
+        if std::ptr::eq(self, old)
+            || (self.measure, self.capacity, self.window) != (old.measure, old.capacity, old.window)
+        {
+            return;
+        }
+        let taken = std::mem::take(&mut *old.owed());
+        old.debtors.store(0, Ordering::Relaxed);
+        let mut owed = self.owed();
+        for (key, debt) in taken {
+            if owed.len() >= MAX_DEBTORS {
+                break;
+            }
+            owed.entry(key).or_insert(debt);
+        }
+        self.debtors.store(owed.len(), Ordering::Relaxed);
     }
 
     fn owed(&self) -> std::sync::MutexGuard<'_, HashMap<Box<[u8]>, Debt>> {
@@ -273,9 +327,25 @@ impl Settle {
     /// The request was charged and its handler is called now: its time
     /// counts from here (not the store's round trip, nor a pacing wait).
     pub(crate) fn calling(mut self: Box<Self>) -> Box<Self> {
+        self.call();
+        self
+    }
+
+    /// [`calling`](Self::calling), in place.
+    pub(crate) fn call(&mut self) {
         self.called = true;
         self.started = Instant::now();
-        self
+    }
+
+    /// Takes what the key owes for a request that leaves `room` units of
+    /// the rule's capacity (see [`Debts::take`]): what is paid is owed
+    /// again if the request is not charged after all.
+    pub(crate) fn take_owed(&mut self, room: u64) -> Owed {
+        let owed = self.debts.take(self.key.as_bytes(), room);
+        if let Owed::Pay(units) = owed {
+            self.paid = units;
+        }
+        owed
     }
 
     /// The request was not charged (refused, or its store failed): what

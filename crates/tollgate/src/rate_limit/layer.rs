@@ -343,34 +343,11 @@ impl<K, C, St: Store> RateLimitLayerBuilder<K, C, St> {
         let rule = Rule::new(&cfg.name, cfg.limit)?;
         crate::Routes::check(cfg.routes.as_ref())?;
         let limiter = self.store.limiter(&rule)?;
-        use tollgate_core::Limiter as _;
         let debts = match cfg.charge_after {
-            Some(
-                super::Measure::Elapsed {
-                    per: std::time::Duration::ZERO,
-                }
-                | super::Measure::ResponseBytes { per: 0 },
-            ) => {
-                return Err(ConfigError::new(
-                    "charge_after",
-                    "a unit must be worth more than zero (time or bytes)",
-                ))
-            }
-            // Shadow mode changes nothing: no debts.
-            Some(_) if cfg.shadow => None,
             Some(measure) => {
-                let (give, take) = (limiter.clone(), limiter.clone());
-                Some(Arc::new(super::Debts::new(
-                    measure,
-                    rule.capacity(),
-                    rule.window(),
-                    Arc::new(move |key: &[u8], units| {
-                        crate::task::finish(give.refund(key, units));
-                    }),
-                    Arc::new(move |key: &[u8], units| {
-                        crate::task::finish(take.decide(key, units));
-                    }),
-                )))
+                measure.check()?;
+                // Shadow mode changes nothing: no debts.
+                (!cfg.shadow).then(|| super::Debts::of(measure, &limiter))
             }
             None => None,
         };

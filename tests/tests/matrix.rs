@@ -45,6 +45,7 @@ use tollgate::cost::{ByRoute, Cost as _, HeaderCost};
 use tollgate::key::{Header, KeyBuf, KeyExtractor, PeerIp};
 use tollgate::policy::{PolicyLayer, RateRule};
 use tollgate::quota::QuotaLayer;
+use tollgate::rate_limit::{ActualCost, Measure, MessageBudget};
 use tollgate::retry::RetryBudgetLayer;
 use tollgate::FailurePolicy;
 use tollgate::{Limit, MemoryStore, OnStoreError, Rate, RateLimitLayer, RedisStore, Store};
@@ -220,6 +221,18 @@ const ROWS: &[Row] = &[
         name: "12 hedged calls: each hedge a withdrawal, none from a failing store",
         check: |c| Box::pin(hedged_calls(c)),
     },
+    Row {
+        name: "13 expensive calls: what a response cost is paid by its key's next requests",
+        check: |c| Box::pin(expensive_calls(c)),
+    },
+    Row {
+        name: "14 a WebSocket's messages spend its key's budget",
+        check: |c| Box::pin(socket_messages(c)),
+    },
+    Row {
+        name: "15 repeated refusals slow a key down, and it is told so",
+        check: |c| Box::pin(slowed_keys(c)),
+    },
 ];
 
 // ---------------------------------------------------------------------------
@@ -276,6 +289,10 @@ impl Backend {
                 "/download",
                 get(|| async { Response::new(Body::new(Paced::download())) }),
             )
+            // An upgraded connection's task: it spends `x-messages`
+            // messages of cost 1 from the budget it was offered, stopping
+            // at the first refused, and says how many went through.
+            .route("/ws", get(messages))
             // A handler that never answers.
             .route("/hang", get(std::future::pending::<&'static str>))
             .route(
@@ -290,13 +307,44 @@ impl Backend {
     }
 }
 
+/// `/ws`: spends `x-messages` messages from the request's
+/// `MessageBudget`; answers `x-sent` (how many were admitted) or
+/// `x-sent: none` when it was offered no budget.
+async fn messages(req: AxumRequest) -> Response<Body> {
+    let wanted: u32 = req
+        .headers()
+        .get("x-messages")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .unwrap_or(0);
+    let sent = match req.extensions().get::<MessageBudget>() {
+        None => "none".to_owned(),
+        Some(budget) => {
+            let mut sent = 0;
+            while sent < wanted && budget.spend(1).await.is_ok() {
+                sent += 1;
+            }
+            sent.to_string()
+        }
+    };
+    Response::builder()
+        .header("x-sent", sent)
+        .body(Body::empty())
+        .unwrap()
+}
+
 /// `x-answer`: `ok` (default), `status:N`, `grpc:N` (a trailers-only gRPC
-/// answer), `grpc-trailer:N` (a gRPC body, then trailers).
+/// answer), `grpc-trailer:N` (a gRPC body, then trailers), `cost:N` (the
+/// handler reports that the request cost N: an `ActualCost`).
 fn answer(headers: &HeaderMap) -> Response<Body> {
     let how = headers
         .get("x-answer")
         .and_then(|v| v.to_str().ok())
         .unwrap_or("ok");
+    if let Some(n) = how.strip_prefix("cost:") {
+        let mut res = Response::new(Body::from("ok"));
+        res.extensions_mut().insert(ActualCost(n.parse().unwrap()));
+        return res;
+    }
     let grpc = |b: http::response::Builder| b.header("content-type", "application/grpc");
     if let Some(code) = how.strip_prefix("status:") {
         // `status:503;retry-after=garbage`: a status, and headers.
@@ -440,6 +488,14 @@ struct Spec {
     routes: Option<(&'static str, &'static str)>,
     /// The concurrency limit's `max_lifetime`.
     max_lifetime: Option<Duration>,
+    /// A rate rule charges what the handler reports a request cost
+    /// (`charge_after`, `Measure::Reported`).
+    charge_after: bool,
+    /// A rate rule's budget spends an upgraded connection's messages.
+    messages: bool,
+    /// A policy rule's slowing ladder: one refusal in a minute keeps 50 %
+    /// of the limit for a minute.
+    slow_down: bool,
 }
 
 fn aimd_5() -> AdaptiveLimit {
@@ -465,6 +521,9 @@ impl Default for Spec {
             budget: BUDGET,
             routes: None,
             max_lifetime: None,
+            charge_after: false,
+            messages: false,
+            slow_down: false,
         }
     }
 }
@@ -505,6 +564,17 @@ fn file_entry(layer: Layer, spec: &Spec) -> (String, String) {
             }
             if let Some(status) = spec.count_if {
                 own.push_str(&format!("count_if = [{status}]\n"));
+            }
+            if spec.charge_after {
+                own.push_str("charge_after = { measure = \"reported\" }\n");
+            }
+            if spec.messages {
+                own.push_str("messages = true\n");
+            }
+            if spec.slow_down {
+                own.push_str(
+                    "slow_down = { strikes = 1, period = \"60s\", hold = \"60s\", steps = [50] }\n",
+                );
             }
             let mut entry = format!("[[rules]]\nname = \"{name}\"\nkey = \"{key}\"\nrate = \"1/h\"\nburst = {budget}\ncost = {cost}\n{own}");
             if spec.idempotency {
@@ -625,23 +695,34 @@ where
     }
     let mut adaptive_limit = None;
     let router = match layer {
-        Layer::Rate => router.layer(
-            scoped!(
+        Layer::Rate => {
+            let mut b = scoped!(
                 RateLimitLayer::builder(spec.rule, Limit::gcra(slow, spec.budget))
                     .key(key)
                     .cost(cost)
                     .on_store_error(spec.on_store_error)
                     .store(store)
             )
-            .build()
-            .unwrap(),
-        ),
+            .messages(spec.messages);
+            if spec.charge_after {
+                b = b.charge_after(Measure::Reported);
+            }
+            router.layer(b.build().unwrap())
+        }
         Layer::Policy => {
             let mut rule =
                 scoped!(RateRule::new(spec.rule, Limit::gcra(slow, spec.budget), key).cost(cost));
             if let Some(status) = spec.count_if {
                 rule = rule.count_if(move |s| s.as_u16() == status);
             }
+            if spec.charge_after {
+                rule = rule.charge_after(Measure::Reported);
+            }
+            if spec.slow_down {
+                let minute = Duration::from_secs(60);
+                rule = rule.slow_down(1, minute, minute, &[50]);
+            }
+            rule = rule.messages(spec.messages);
             let mut policy = PolicyLayer::<Body>::builder()
                 .rule(rule)
                 .on_store_error(spec.on_store_error);
@@ -3077,4 +3158,205 @@ where
         call_once(client.clone()).await?;
     }
     Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Row 13: a call whose cost is known only afterwards (a report, a search):
+// the handler reports it, and the key's next requests pay what it cost
+// beyond the estimate. A cost no budget holds refuses the key for a while
+// (429, Retry-After), never a 500.
+
+async fn expensive_calls(cell: Cell<'_>) -> CellResult {
+    match cell.layer {
+        Layer::Rate | Layer::Policy => {}
+        Layer::Quota => {
+            return Ok(Verdict::NotApplicable(
+                "a quota charges when the request arrives; settling afterwards is a rate rule's",
+            ))
+        }
+        Layer::Concurrency | Layer::Adaptive => {
+            return Ok(Verdict::NotApplicable(
+                "a permit is held for as long as the call takes: its real cost already",
+            ))
+        }
+        Layer::Bandwidth => {
+            return Ok(Verdict::NotApplicable(
+                "counts the bytes themselves as they pass",
+            ))
+        }
+        Layer::Retry => return Ok(Verdict::NotApplicable("a client's budget of retries")),
+    }
+    let spec = Spec {
+        charge_after: true,
+        ..Spec::default()
+    };
+    let s = serve(cell, spec, &Backend::default(), true).await;
+    let call = |key: &'static [u8], cost: Option<&str>| {
+        let mut r = req(Method::GET, "/s", Some(key));
+        if let Some(c) = cost {
+            r.headers_mut()
+                .insert("x-answer", HeaderValue::from_str(c).unwrap());
+        }
+        send(s.addr, r)
+    };
+    // Estimated at 1 of 8, reported 6: 5 owed.
+    let first = call(b"k", Some("cost:6")).await.unwrap();
+    expect(
+        first.status == StatusCode::OK && remaining(&first) == Some(7),
+        || {
+            format!(
+                "the costly call: HTTP {}, left {:?}, want 200 and 7",
+                first.status,
+                remaining(&first)
+            )
+        },
+    )?;
+    // The next pays 1 and the 5; then 1 is left for one more.
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        let r = call(b"k", None).await.unwrap();
+        got.push((r.status.as_u16(), remaining(&r)));
+    }
+    let want = vec![(200, Some(1)), (200, Some(0)), (429, Some(0))];
+    expect(got == want, || format!("after it: {got:?}, want {want:?}"))?;
+    // A cost no budget can hold: the key waits, it is not an error.
+    let huge = call(b"j", Some(&format!("cost:{}", u64::MAX)))
+        .await
+        .unwrap();
+    expect(huge.status == StatusCode::OK, || {
+        format!("a reported u64::MAX: HTTP {}", huge.status)
+    })?;
+    let after = call(b"j", None).await.unwrap();
+    expect(
+        after.status == StatusCode::TOO_MANY_REQUESTS && !after.header("retry-after").is_empty(),
+        || {
+            format!(
+                "after u64::MAX: HTTP {}, Retry-After {:?}",
+                after.status,
+                after.header("retry-after")
+            )
+        },
+    )?;
+    Ok(Verdict::Pass)
+}
+
+// ---------------------------------------------------------------------------
+// Row 14: a client moves its traffic to one long-lived socket: each
+// message spends the budget its key's requests draw on.
+
+async fn socket_messages(cell: Cell<'_>) -> CellResult {
+    match cell.layer {
+        Layer::Rate | Layer::Policy => {}
+        Layer::Quota => {
+            return Ok(Verdict::NotApplicable(
+                "counts requests against a calendar period; a socket's messages are a rate rule's",
+            ))
+        }
+        Layer::Concurrency | Layer::Adaptive => {
+            return Ok(Verdict::NotApplicable(
+                "a socket holds one permit for its life (max_lifetime caps it: row 4b)",
+            ))
+        }
+        Layer::Bandwidth => {
+            return Ok(Verdict::NotApplicable(
+                "paces the upgrade response's bytes; a socket's frames are the application's",
+            ))
+        }
+        Layer::Retry => return Ok(Verdict::NotApplicable("a client's budget of retries")),
+    }
+    let spec = Spec {
+        messages: true,
+        ..Spec::default()
+    };
+    let s = serve(cell, spec, &Backend::default(), true).await;
+    let ws = |upgrade: bool| {
+        let mut r = req(Method::GET, "/ws", Some(b"k"));
+        r.headers_mut()
+            .insert("x-messages", HeaderValue::from_static("20"));
+        if upgrade {
+            r.headers_mut()
+                .insert("upgrade", HeaderValue::from_static("websocket"));
+            r.headers_mut()
+                .insert("connection", HeaderValue::from_static("upgrade"));
+        }
+        send(s.addr, r)
+    };
+    // A plain request is offered no budget (and costs 1 of 8).
+    let plain = ws(false).await.unwrap();
+    expect(plain.header("x-sent") == "none", || {
+        format!(
+            "a plain request: x-sent {:?}, want none",
+            plain.header("x-sent")
+        )
+    })?;
+    // The upgrade costs 1: 6 left, so 6 of its 20 messages go through.
+    let upgraded = ws(true).await.unwrap();
+    expect(upgraded.header("x-sent") == "6", || {
+        format!(
+            "an upgrade's messages: HTTP {}, x-sent {:?}, want 6 of 20",
+            upgraded.status,
+            upgraded.header("x-sent")
+        )
+    })?;
+    // The messages spent the key's budget: its requests are refused.
+    let after = send(s.addr, req(Method::GET, "/s", Some(b"k")))
+        .await
+        .unwrap();
+    expect(after.status == StatusCode::TOO_MANY_REQUESTS, || {
+        format!(
+            "a request after the messages: HTTP {}, want 429",
+            after.status
+        )
+    })?;
+    Ok(Verdict::Pass)
+}
+
+// ---------------------------------------------------------------------------
+// Row 15: a key that keeps hitting its limit is slowed (a policy rule's
+// slowing ladder): it keeps half its limit for a while, and its
+// `RateLimit-Policy` says so; another key keeps the whole.
+
+async fn slowed_keys(cell: Cell<'_>) -> CellResult {
+    if cell.layer != Layer::Policy {
+        return Ok(Verdict::NotApplicable(
+            "slowing ladders are a policy rule's",
+        ));
+    }
+    let spec = Spec {
+        slow_down: true,
+        ..Spec::default()
+    };
+    let s = serve(cell, spec, &Backend::default(), true).await;
+    let get = |key: &'static [u8]| send(s.addr, req(Method::GET, "/r", Some(key)));
+    let q = |r: &Reply| {
+        r.item("ratelimit-policy", "m")
+            .split(';')
+            .find_map(|p| p.strip_prefix("q="))
+            .and_then(|q| q.parse::<u64>().ok())
+    };
+    // /r costs 4 of 8: two, then a refusal (a strike: slowed).
+    let mut got = Vec::new();
+    for _ in 0..4 {
+        let r = get(b"k").await.unwrap();
+        got.push((r.status.as_u16(), q(&r)));
+    }
+    let want = vec![
+        (200, Some(8)),
+        (200, Some(8)),
+        (429, Some(4)),
+        (429, Some(4)),
+    ];
+    expect(got == want, || format!("key k: {got:?}, want {want:?}"))?;
+    let other = get(b"j").await.unwrap();
+    expect(
+        other.status == StatusCode::OK && q(&other) == Some(8),
+        || {
+            format!(
+                "another key: HTTP {}, q {:?}, want 200 and 8",
+                other.status,
+                q(&other)
+            )
+        },
+    )?;
+    Ok(Verdict::Pass)
 }

@@ -1025,18 +1025,18 @@ fn rule(
         }
     }
     if let Some(c) = &r.charge_after {
-        if let Some(statuses) = &r.count_if {
+        if r.count_if.is_some() {
             return Err(at(
-                statuses,
-                field("count_if"),
+                c,
+                field("charge_after"),
                 "a rule settles on its response one way: count_if (which responses count) \
                  or charge_after (what they cost), not both",
             ));
         }
         rule = rule.charge_after(charge_after(c, &field("charge_after"))?);
     }
-    if let Some(m) = r.messages {
-        rule = rule.messages(m);
+    if let Some(m) = &r.messages {
+        rule = rule.messages(*m.get_ref());
     }
     for (plan, p) in &r.plans {
         let LimitSpec {

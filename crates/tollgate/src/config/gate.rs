@@ -253,8 +253,8 @@ impl<St: Store + QuotaStore> Limits<St> {
 }
 
 /// Refuses what a decision alone cannot do: what needs the response (a
-/// rule's `count_if`) or the body (`[idempotency]`, costs by
-/// `bytes_per_unit`).
+/// rule's `count_if`, `charge_after`), the connection (`messages`) or the
+/// body (`[idempotency]`, costs by `bytes_per_unit`).
 fn decidable(file: &PolicyFile) -> Result<(), FileError> {
     let spec = &file.spec;
     let never = |span, field: String, why: &str| {
@@ -265,11 +265,26 @@ fn decidable(file: &PolicyFile) -> Result<(), FileError> {
         )))
     };
     for (i, r) in spec.rules.iter().enumerate() {
-        if let Some(c) = &r.get_ref().count_if {
+        let r = r.get_ref();
+        if let Some(c) = &r.count_if {
             return never(
                 c.span(),
                 format!("rules[{i}].count_if"),
                 "counts by the response's status",
+            );
+        }
+        if let Some(c) = &r.charge_after {
+            return never(
+                c.span(),
+                format!("rules[{i}].charge_after"),
+                "charges what the response cost",
+            );
+        }
+        if let Some(m) = r.messages.as_ref().filter(|m| *m.get_ref()) {
+            return never(
+                m.span(),
+                format!("rules[{i}].messages"),
+                "counts an upgraded connection's messages",
             );
         }
     }
@@ -1213,6 +1228,17 @@ routes = ["GET /slow"]
         };
         assert!(refused("count_if = [401]\n")
             .starts_with("rules[0].count_if: counts by the response's status"));
+        // Review: the endpoint's stub answers at once with no body, so an
+        // elapsed or response_bytes charge would give back all but 1 of
+        // every cost.
+        assert!(
+            refused("charge_after = { measure = \"elapsed\", per = \"100ms\" }\n")
+                .starts_with("rules[0].charge_after: charges what the response cost")
+        );
+        assert!(refused("messages = true\n")
+            .starts_with("rules[0].messages: counts an upgraded connection's messages"));
+        let file = PolicyFile::parse(&format!("{base}messages = false\n")).unwrap();
+        assert!(Tollgate::for_decisions(&file, &MemoryStore::new()).is_ok());
         assert!(refused(
             "\n[idempotency]\nname = \"idem\"\nkey = \"header:x-api-key\"\nttl = \"1h\"\n"
         )

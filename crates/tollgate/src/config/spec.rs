@@ -483,7 +483,7 @@ pub(super) struct RuleSpec {
     /// Count the messages of upgraded connections (WebSockets) in this
     /// rule's budget too.
     #[serde(default)]
-    pub(super) messages: Option<bool>,
+    pub(super) messages: Option<Spanned<bool>>,
     #[serde(default)]
     pub(super) plans: BTreeMap<String, Spanned<LimitSpec>>,
     /// The routes the limit applies to (`"GET /api/download"`,

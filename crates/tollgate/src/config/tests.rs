@@ -2431,7 +2431,7 @@ fn charge_after_errors_name_their_field() {
         ),
         (
             "count_if = [401]\ncharge_after = { measure = \"reported\" }",
-            "6:12: rules[0].count_if: a rule settles on its response one way",
+            "7:16: rules[0].charge_after: a rule settles on its response one way",
         ),
     ] {
         let e = error(&format!("{rule}{extra}\n"));

@@ -191,8 +191,10 @@ where
 }
 
 /// Offers an admitted upgrade request the message budget of every rule
-/// that counts messages and enforced its key, at the request's plan (an
-/// outer layer's budget first).
+/// that counts messages and enforces its key, at the request's plan (an
+/// outer layer's budget first) — whether or not the rule decided the
+/// request itself: a solved challenge passes a request past its rule, not
+/// its messages, and a store that failed decides each message anew.
 fn offer_messages<B, L: Limiter>(shared: &Shared<B, L>, walk: &Walk, req: &mut Request<B>) {
     let plan = walk.report.plan;
     let mut budget = req.extensions_mut().remove::<MessageBudget>();
@@ -200,7 +202,7 @@ fn offer_messages<B, L: Limiter>(shared: &Shared<B, L>, walk: &Walk, req: &mut R
         if !rule.messages || walk.report.shadows(i) {
             continue;
         }
-        let (Some(Some(_)), Some(key)) = (walk.report.decided.get(i), walk.owned_key(i)) else {
+        let Some(key) = walk.owned_key(i) else {
             continue;
         };
         let (limiter, responder) = rule.at(plan);

@@ -2802,3 +2802,53 @@ async fn a_request_admitted_by_a_failed_store_pays_no_debt() {
     assert_eq!(send(costing("k", "ip3", None)).await.unwrap().status(), 200);
     assert_eq!(remaining(&layer, 0, "k").await, 20 - 2 - 8);
 }
+
+/// Review: a solved challenge passes the upgrade past its rule, which
+/// then offered no message budget: the socket's messages went unmetered.
+/// The rule's budget is offered whether or not the rule decided.
+#[tokio::test]
+async fn a_solved_challenge_does_not_buy_unmetered_messages() {
+    use crate::rate_limit::MessageBudget;
+    let clock = ManualClock::starting_at(1);
+    let pow = ProofOfWork::new(&[9; 32], 8, Duration::from_secs(60))
+        .unwrap()
+        .clock(clock.clone());
+    let layer = PolicyLayer::builder()
+        .rule(
+            per_key(Limit::fixed_window(1, Duration::from_secs(10)))
+                .challenge(pow)
+                .messages(true),
+        )
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let kept = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let k2 = std::sync::Arc::clone(&kept);
+    let svc = layer.layer(service_fn(move |req: Req| {
+        *k2.lock().unwrap() = req.extensions().get::<MessageBudget>().cloned();
+        ok(req)
+    }));
+    let upgrade = |solution: Option<&str>| {
+        let mut r = req("m", "ip");
+        r.headers_mut()
+            .insert("upgrade", "websocket".parse().unwrap());
+        if let Some(s) = solution {
+            r.headers_mut().insert(SOLUTION_HEADER, s.parse().unwrap());
+        }
+        svc.clone().oneshot(r)
+    };
+    assert_eq!(upgrade(None).await.unwrap().status(), 200);
+    let res = upgrade(None).await.unwrap();
+    assert_eq!(res.status(), 429);
+    let challenge = res.headers()[CHALLENGE_HEADER].to_str().unwrap().to_owned();
+    let solution = ProofOfWork::solve(&challenge, 20).unwrap();
+    kept.lock().unwrap().take();
+    assert_eq!(upgrade(Some(&solution)).await.unwrap().status(), 200);
+    let budget = kept
+        .lock()
+        .unwrap()
+        .take()
+        .expect("a budget for the solved upgrade");
+    // The key's budget is spent: its messages are refused.
+    assert_eq!(budget.spend(1).await.unwrap_err().rule(), "per-key");
+}

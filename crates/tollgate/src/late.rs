@@ -1,6 +1,7 @@
-//! A store for the unit tests: the memory store whose concurrency
+//! For the unit tests: a store, the memory store whose concurrency
 //! acquires and retry-budget withdrawals answer late, as a distant Redis
-//! does (under `tokio::time::pause()`, exactly `delay` late).
+//! does (under `tokio::time::pause()`, exactly `delay` late); and a
+//! service that is ready only when a test says so.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -100,5 +101,34 @@ impl<L: RetryBudgetLimiter> RetryBudgetLimiter for LateLimiter<L> {
             tokio::time::sleep(delay).await;
             inner.withdraw(&key).await
         })
+    }
+}
+
+/// A service that is ready only while `open` is set (it never wakes a
+/// caller it kept waiting).
+#[derive(Clone)]
+pub(crate) struct Gated<S> {
+    pub(crate) open: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    pub(crate) inner: S,
+}
+
+impl<S: tower_service::Service<R>, R> tower_service::Service<R> for Gated<S> {
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), S::Error>> {
+        if self.open.load(std::sync::atomic::Ordering::Relaxed) {
+            self.inner.poll_ready(cx)
+        } else {
+            std::task::Poll::Pending
+        }
+    }
+
+    fn call(&mut self, req: R) -> S::Future {
+        self.inner.call(req)
     }
 }

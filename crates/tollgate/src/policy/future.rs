@@ -155,9 +155,6 @@ where
         count_by_route(shared, report, verdict, &req);
     }
     if matches!(verdict, Verdict::Pass { .. }) {
-        // A rule that charged nothing (its store failed) settles nothing.
-        let report = walk.report;
-        walk.settles.retain(|(i, _)| report.charged(*i));
         if shared.messages && crate::rejection::is_upgrade(&req) {
             offer_messages(shared, walk, &mut req);
         }
@@ -270,7 +267,15 @@ where
                     waiting,
                     refund,
                 } => {
-                    let future = ready!(poll_paced(cx, sleep, waiting, refund))?;
+                    let called = poll_paced(cx, sleep, waiting, refund);
+                    // Its wait is over: the charges stand, the debts paid
+                    // with them too (even if the service is never ready).
+                    if refund.is_defused() {
+                        for (_, settle) in this.settles.iter_mut() {
+                            settle.keep();
+                        }
+                    }
+                    let future = ready!(called)?;
                     for (_, settle) in this.settles.iter_mut() {
                         settle.call();
                     }

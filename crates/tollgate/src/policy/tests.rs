@@ -2852,3 +2852,179 @@ async fn a_solved_challenge_does_not_buy_unmetered_messages() {
     // The key's budget is spent: its messages are refused.
     assert_eq!(budget.spend(1).await.unwrap_err().rule(), "per-key");
 }
+
+/// Review: a paced request whose wait is over keeps its charge (the
+/// refund is defused) even if its service never gets ready; given up
+/// then, it owed its debt again as well, so the debt was paid twice.
+#[tokio::test(start_paused = true)]
+async fn a_paced_request_given_up_after_its_wait_keeps_the_debt_it_paid() {
+    let clock = ManualClock::starting_at(1);
+    let layer = PolicyLayer::builder()
+        .rule(
+            per_key(Limit::fixed_window(20, Duration::from_secs(60)))
+                .cost(Fixed(2))
+                .charge_after(crate::rate_limit::Measure::Reported),
+        )
+        .rule(RateRule::new(
+            "paced",
+            Limit::leaky_bucket(Rate::per_second(10), Duration::from_secs(1)),
+            Global,
+        ))
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let open = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let svc = layer.layer(crate::late::Gated {
+        open: std::sync::Arc::clone(&open),
+        inner: service_fn(reporting),
+    });
+    // Reported 8 where 2 was charged: 6 owed.
+    let first = svc.clone().oneshot(costing("k", "ip", Some(8))).await;
+    assert_eq!(first.unwrap().status(), 200);
+    assert_eq!(remaining(&layer, 0, "k").await, 18);
+    // The next pays 2 and the 6, waits its turn (100 ms), and finds its
+    // service not ready; given up then, its charge stands.
+    let mut waiting = svc.clone();
+    let fut = waiting
+        .ready()
+        .await
+        .unwrap()
+        .call(costing("k", "ip", None));
+    open.store(false, std::sync::atomic::Ordering::Relaxed);
+    assert!(tokio::time::timeout(Duration::from_millis(500), fut)
+        .await
+        .is_err());
+    assert_eq!(remaining(&layer, 0, "k").await, 10);
+    open.store(true, std::sync::atomic::Ordering::Relaxed);
+    // Paid once: the next request costs its estimate.
+    let third = svc.clone().oneshot(costing("k", "ip", None)).await;
+    assert_eq!(third.unwrap().status(), 200);
+    assert_eq!(remaining(&layer, 0, "k").await, 8);
+}
+
+/// A memory store whose decisions are made at once and answered late:
+/// markers (rule `idem`) a second later, rule `per-key`'s after each
+/// delay of `per_key` in turn (none once they are used up).
+#[derive(Clone)]
+struct Scheduled {
+    memory: MemoryStore<ManualClock>,
+    per_key: std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<Duration>>>,
+}
+
+#[derive(Clone)]
+struct ScheduledLimiter {
+    inner: tollgate_memory::MemoryLimiter<ManualClock>,
+    delays: Option<std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<Duration>>>>,
+}
+
+impl Limiter for ScheduledLimiter {
+    type DecideFuture =
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<Decision, StoreError>> + Send>>;
+    type RefundFuture = Ready<Result<(), StoreError>>;
+
+    fn rule(&self) -> &Rule {
+        self.inner.rule()
+    }
+
+    fn decide(&self, key: &[u8], cost: u64) -> Self::DecideFuture {
+        let d = self.inner.decide_now(key, cost);
+        let late = match &self.delays {
+            Some(delays) => delays.lock().unwrap().pop_front().unwrap_or_default(),
+            None => Duration::from_secs(1),
+        };
+        Box::pin(async move {
+            tokio::time::sleep(late).await;
+            Ok(d)
+        })
+    }
+
+    fn refund(&self, key: &[u8], cost: u64) -> Self::RefundFuture {
+        self.inner.refund_now(key, cost);
+        ready(Ok(()))
+    }
+}
+
+impl Store for Scheduled {
+    type Limiter = ScheduledLimiter;
+    type ConcurrencyLimiter = <MemoryStore<ManualClock> as Store>::ConcurrencyLimiter;
+
+    fn limiter(&self, rule: &Rule) -> Result<ScheduledLimiter, ConfigError> {
+        Ok(ScheduledLimiter {
+            inner: self.memory.limiter(rule)?,
+            delays: (rule.name() != "idem").then(|| std::sync::Arc::clone(&self.per_key)),
+        })
+    }
+
+    fn concurrency_limiter(
+        &self,
+        rule: &ConcurrencyRule,
+    ) -> Result<Self::ConcurrencyLimiter, ConfigError> {
+        self.memory.concurrency_limiter(rule)
+    }
+}
+
+/// Review: a debt must be paid once, by a charge that stands. Taken by a
+/// request dropped while its marker's take was under way (its charge
+/// stands: nothing gives it back), it was owed again and paid twice;
+/// taken by a first request that turns out a repeat at the take (its
+/// charge given back), it must be owed again.
+#[tokio::test(start_paused = true)]
+async fn a_debt_is_paid_once_by_a_charge_that_stands() {
+    let clock = ManualClock::starting_at(1);
+    let store = Scheduled {
+        memory: store(&clock),
+        per_key: std::sync::Arc::default(),
+    };
+    let delays = std::sync::Arc::clone(&store.per_key);
+    let layer = PolicyLayer::builder()
+        .rule(
+            per_key(Limit::fixed_window(30, Duration::from_secs(3_600)))
+                .cost(Fixed(2))
+                .charge_after(crate::rate_limit::Measure::Reported),
+        )
+        .idempotency(
+            "idem",
+            Header::named("x-api-key").unwrap(),
+            Duration::from_secs(60),
+        )
+        .store(store)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(reporting));
+    let post = |idem: &str, actual: Option<u64>| {
+        let mut r = idempotent(http::Method::POST, "/orders", "a", idem);
+        if let Some(n) = actual {
+            r.headers_mut()
+                .insert("x-actual", n.to_string().parse().unwrap());
+        }
+        svc.clone().oneshot(r)
+    };
+    // Reported 8 where 2 was charged: 6 owed.
+    assert_eq!(post("A", Some(8)).await.unwrap().status(), 200);
+    assert_eq!(remaining(&layer, 0, "a").await, 28);
+    // Pays 2 and the 6; dropped at 1.5 s, its marker's take under way
+    // (peek answered at 1 s, take at 2 s): the charge stands, and so
+    // does the debt it paid.
+    let dropped = tokio::spawn(post("B", None));
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    dropped.abort();
+    let _ = dropped.await;
+    assert_eq!(remaining(&layer, 0, "a").await, 20);
+    // Reported 6: 4 owed.
+    assert_eq!(post("C", Some(6)).await.unwrap().status(), 200);
+    assert_eq!(remaining(&layer, 0, "a").await, 18);
+    // Two first requests with one Idempotency-Key: the first past its
+    // peek takes the debt, and its rule's answer comes 2 s late; the
+    // second takes the marker meanwhile, so the first is a repeat at its
+    // take, its charge and the debt given back.
+    delays.lock().unwrap().push_back(Duration::from_secs(2));
+    let first = tokio::spawn(post("D", None));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let second = tokio::spawn(post("D", None));
+    assert_eq!(first.await.unwrap().unwrap().status(), 200);
+    assert_eq!(second.await.unwrap().unwrap().status(), 200);
+    assert_eq!(remaining(&layer, 0, "a").await, 16, "one of them charged 2");
+    // The debt is still owed: the next request pays it.
+    assert_eq!(post("E", None).await.unwrap().status(), 200);
+    assert_eq!(remaining(&layer, 0, "a").await, 16 - 2 - 4);
+}

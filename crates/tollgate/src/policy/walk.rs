@@ -318,6 +318,7 @@ impl Walk {
                 }
                 Step::Settle => {
                     self.verdict = settle(shared, &mut self.report);
+                    self.settled();
                     self.step = match self.verdict {
                         Verdict::Deny { .. } => {
                             refund_consumed(shared, &self.report, self.key_of());
@@ -584,6 +585,30 @@ impl Walk {
         }
     }
 
+    /// Settle, for the debts: an admitted request keeps the settlements
+    /// of the rules that charged it (a rule whose store failed charged
+    /// nothing: the debt it took is owed again), and, unpaced, its charges
+    /// stand from here on (a repeat found at Take gives them back and the
+    /// debts with them; a paced one's stand once its wait is over). A
+    /// refused request keeps none: the debts are owed again.
+    fn settled(&mut self) {
+        if self.settles.is_empty() {
+            return;
+        }
+        let report = self.report;
+        match self.verdict {
+            Verdict::Pass { delay } => {
+                self.settles.retain(|(i, _)| report.charged(*i));
+                if delay == 0 {
+                    for (_, settle) in &mut self.settles {
+                        settle.keep();
+                    }
+                }
+            }
+            _ => self.settles.clear(),
+        }
+    }
+
     /// Rules: rule `i`'s decision; a store's error is the rule's failure
     /// policy (admit, consuming nothing, or refuse).
     #[inline]
@@ -744,6 +769,10 @@ impl Walk {
                     idem.metrics.repeat.increment(1);
                 }
                 refund_consumed(shared, &self.report, self.key_of());
+                // Given back: so is each debt the request paid.
+                for (_, settle) in self.settles.drain(..) {
+                    settle.unpaid();
+                }
                 self.verdict = Verdict::Repeat;
             }
             _ => {}

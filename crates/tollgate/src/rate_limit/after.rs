@@ -298,6 +298,9 @@ pub(crate) struct Settle {
     started: Instant,
     /// Whether the request was charged and its handler called.
     called: bool,
+    /// Its charge stands, whatever happens now (no refund will come): if
+    /// it ends before its handler is called, the debt it paid stays paid.
+    kept: bool,
     /// A `HEAD` request: no body is sent.
     head: bool,
     /// Settled already.
@@ -319,6 +322,7 @@ impl Settle {
             paid,
             started: Instant::now(),
             called: false,
+            kept: false,
             head,
             done: false,
         }
@@ -329,6 +333,12 @@ impl Settle {
     pub(crate) fn calling(mut self: Box<Self>) -> Box<Self> {
         self.call();
         self
+    }
+
+    /// Its charge stands from now on: no refund will come (see
+    /// [`Drop`]).
+    pub(crate) fn keep(&mut self) {
+        self.kept = true;
     }
 
     /// [`calling`](Self::calling), in place.
@@ -385,7 +395,10 @@ impl Drop for Settle {
         if !self.called {
             // Never charged (its decision or its pacing wait given up,
             // which gives its cost back): the debt it took is owed again.
-            self.debts.owe(self.key.as_bytes(), self.paid);
+            // Charged for good, it stays paid.
+            if !self.kept {
+                self.debts.owe(self.key.as_bytes(), self.paid);
+            }
             return;
         }
         // Its handler ran and gave no response (failed, or given up): its

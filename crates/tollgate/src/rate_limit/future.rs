@@ -130,6 +130,12 @@ impl Refund {
     pub(crate) fn defuse(&mut self) {
         self.0 = None;
     }
+
+    /// Whether the cost stays spent whatever happens now (defused, or
+    /// nothing to give back).
+    pub(crate) fn is_defused(&self) -> bool {
+        self.0.is_none()
+    }
 }
 
 impl Drop for Refund {
@@ -313,11 +319,19 @@ where
                     decision,
                     refund,
                     settle,
-                } => State::Calling {
-                    future: ready!(poll_paced(cx, sleep, waiting, refund))?,
-                    decision: Some(*decision),
-                    settle: settle.take().map(Settle::calling),
-                },
+                } => {
+                    let called = poll_paced(cx, sleep, waiting, refund);
+                    // Its wait is over: the charge stands, the debt paid
+                    // with it too (even if the service is never ready).
+                    if let (true, Some(s)) = (refund.is_defused(), settle.as_mut()) {
+                        s.keep();
+                    }
+                    State::Calling {
+                        future: ready!(called)?,
+                        decision: Some(*decision),
+                        settle: settle.take().map(Settle::calling),
+                    }
+                }
                 StateProj::Calling {
                     future,
                     decision,

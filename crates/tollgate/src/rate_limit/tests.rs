@@ -1026,3 +1026,43 @@ async fn a_call_given_up_is_charged_its_time_and_a_large_debt_waits() {
     assert_eq!(send(&[("x-sleep-ms", "1")]).await.unwrap().status(), 200);
     assert_eq!(left_of(&layer, "k"), 0);
 }
+
+/// Review: a paced request whose wait is over keeps its charge (the
+/// refund is defused) even if its service never gets ready; given up
+/// then, it owed its debt again as well, so the debt was paid twice.
+#[tokio::test(start_paused = true)]
+async fn a_paced_request_given_up_after_its_wait_keeps_the_debt_it_paid() {
+    let clock = ManualClock::starting_at(1);
+    let layer = per_key(
+        &clock,
+        Limit::leaky_bucket(Rate::per_second(10), Duration::from_secs(2)),
+    )
+    .charge_after(Measure::Reported)
+    .build()
+    .unwrap();
+    let open = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let svc = layer.layer(crate::late::Gated {
+        open: std::sync::Arc::clone(&open),
+        inner: service_fn(measured),
+    });
+    // Reported 6 where 1 was charged: 5 owed.
+    let first = svc.clone().oneshot(asking("k", &[("x-actual", "6")])).await;
+    assert_eq!(first.unwrap().status(), 200);
+    let before = left_of(&layer, "k");
+    // The next pays 1 and the 5, waits its turn, and finds its service
+    // not ready; given up then, its charge stands.
+    let mut waiting = svc.clone();
+    let fut = waiting.ready().await.unwrap().call(asking("k", &[]));
+    open.store(false, std::sync::atomic::Ordering::Relaxed);
+    assert!(tokio::time::timeout(Duration::from_secs(5), fut)
+        .await
+        .is_err());
+    assert_eq!(left_of(&layer, "k"), before - 6, "the charge stands");
+    open.store(true, std::sync::atomic::Ordering::Relaxed);
+    // Paid once: the next request costs its estimate.
+    clock.advance(Duration::from_secs(5));
+    let whole = left_of(&layer, "k");
+    let third = svc.clone().oneshot(asking("k", &[])).await;
+    assert_eq!(third.unwrap().status(), 200);
+    assert_eq!(left_of(&layer, "k"), whole - 1);
+}

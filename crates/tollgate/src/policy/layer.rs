@@ -729,6 +729,8 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                         .in_item("rules", i),
                 );
             }
+            // Set when a reload replaces the rule by one unlike it.
+            let retired = Arc::<std::sync::atomic::AtomicBool>::default();
             // What keys owe, per plan (see `Bound::debts`).
             let debts: Box<[_]> = match r.charge_after {
                 None => Box::default(),
@@ -745,10 +747,13 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                     if r.shadow {
                         Box::default()
                     } else {
-                        let default = crate::rate_limit::Debts::of(measure, &limiter);
+                        let of = |l: &St::Limiter| {
+                            crate::rate_limit::Debts::of(measure, l, Some(Arc::clone(&retired)))
+                        };
+                        let default = of(&limiter);
                         std::iter::once(Arc::clone(&default))
                             .chain(plans.iter().map(|p| match p {
-                                Some((l, _)) => crate::rate_limit::Debts::of(measure, l),
+                                Some((l, _)) => of(l),
                                 None => Arc::clone(&default),
                             }))
                             .collect()
@@ -779,7 +784,7 @@ impl<B, St: Store> PolicyLayerBuilder<B, St> {
                 warn_at: r.warn_at,
                 debts,
                 messages: r.messages,
-                retired: Arc::default(),
+                retired,
                 predecessors: std::sync::Mutex::default(),
             });
         }

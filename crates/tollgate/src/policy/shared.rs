@@ -255,21 +255,26 @@ impl<B, L> Current<B, L> {
     where
         L: tollgate_core::Limiter,
     {
-        let old = self.0.swap(Arc::clone(&next));
-        if Arc::ptr_eq(&old, &next) {
+        let now = self.0.load();
+        if Arc::ptr_eq(&now, &next) {
             return;
         }
+        // What keys owe moves first: a request the new policy decides
+        // finds its key's debt there.
+        for rule in now.rules.iter() {
+            if let Some(successor) = next.rules.iter().find(|n| rule.refunds_alike(n)) {
+                for (new, old) in successor.debts.iter().zip(rule.debts.iter()) {
+                    new.inherit(old);
+                }
+            }
+        }
+        let old = self.0.swap(Arc::clone(&next));
         for rule in old.rules.iter() {
             let mut flags = std::mem::take(&mut *lock(&rule.predecessors));
             flags.push(Arc::clone(&rule.retired));
             match next.rules.iter().find(|n| rule.refunds_alike(n)) {
-                // Its successor carries its flags on, and what keys owe.
-                Some(successor) => {
-                    lock(&successor.predecessors).extend(flags);
-                    for (new, old) in successor.debts.iter().zip(rule.debts.iter()) {
-                        new.inherit(old);
-                    }
-                }
+                // Its successor carries its flags on.
+                Some(successor) => lock(&successor.predecessors).extend(flags),
                 None => {
                     for flag in flags {
                         flag.store(true, std::sync::atomic::Ordering::Release);

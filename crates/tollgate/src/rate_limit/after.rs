@@ -131,6 +131,9 @@ pub(crate) struct Debts {
     /// Charges a debt at once, when the table is full (if the key's
     /// budget holds it; else it is forgiven).
     charge: Units,
+    /// The rule's debts after a reload ([`inherit`](Self::inherit)):
+    /// requests this one decided that end later owe there.
+    successor: Mutex<std::sync::Weak<Debts>>,
 }
 
 /// What a key's debt asks of its request.
@@ -158,47 +161,58 @@ impl Debts {
             owed: Mutex::default(),
             refund,
             charge,
+            successor: Mutex::default(),
         }
     }
 
     /// The debts of `limiter`'s rule, measured by `measure`: refunds give
-    /// units back to it, a debt charged at once is decided on it.
-    pub(crate) fn of<L: tollgate_core::Limiter>(measure: Measure, limiter: &L) -> Arc<Self> {
+    /// units back to it, a debt charged at once is decided on it — none
+    /// once `retired` is set (a reload replaced the rule by one whose
+    /// units mean something else).
+    pub(crate) fn of<L: tollgate_core::Limiter>(
+        measure: Measure,
+        limiter: &L,
+        retired: Option<Arc<std::sync::atomic::AtomicBool>>,
+    ) -> Arc<Self> {
         let rule = limiter.rule();
         let (give, take) = (limiter.clone(), limiter.clone());
+        let live = move || !retired.as_ref().is_some_and(|r| r.load(Ordering::Acquire));
+        let also = live.clone();
         Arc::new(Self::new(
             measure,
             rule.capacity(),
             rule.window(),
             Arc::new(move |key: &[u8], units| {
-                crate::task::finish(give.refund(key, units));
+                if live() {
+                    crate::task::finish(give.refund(key, units));
+                }
             }),
             Arc::new(move |key: &[u8], units| {
-                crate::task::finish(take.decide(key, units));
+                if also() {
+                    crate::task::finish(take.decide(key, units));
+                }
             }),
         ))
     }
 
     /// Takes over what `old` (the rule this one replaces in a reload)
-    /// is owed, where its units mean the same here: the same measure,
-    /// capacity and window. Debts `old` records later (requests decided by
-    /// it that end after the reload) stay with it.
-    pub(crate) fn inherit(&self, old: &Self) {
-        if std::ptr::eq(self, old)
+    /// is owed, where its units mean the same here (the same measure,
+    /// capacity and window): each key's debt is added to what it owes
+    /// here, and what `old`'s requests still in flight owe later is owed
+    /// here too.
+    pub(crate) fn inherit(self: &Arc<Self>, old: &Self) {
+        if std::ptr::eq(&**self, old)
             || (self.measure, self.capacity, self.window) != (old.measure, old.capacity, old.window)
         {
             return;
         }
+        *old.successor.lock().unwrap_or_else(PoisonError::into_inner) = Arc::downgrade(self);
+        let now = Instant::now();
         let taken = std::mem::take(&mut *old.owed());
         old.debtors.store(0, Ordering::Relaxed);
-        let mut owed = self.owed();
         for (key, debt) in taken {
-            if owed.len() >= MAX_DEBTORS {
-                break;
-            }
-            owed.entry(key).or_insert(debt);
+            self.owe(&key, old.left(debt, now));
         }
-        self.debtors.store(owed.len(), Ordering::Relaxed);
     }
 
     fn owed(&self) -> std::sync::MutexGuard<'_, HashMap<Box<[u8]>, Debt>> {
@@ -253,6 +267,14 @@ impl Debts {
     pub(crate) fn owe(&self, key: &[u8], units: u64) {
         if units == 0 {
             return;
+        }
+        let successor = self
+            .successor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .upgrade();
+        if let Some(next) = successor {
+            return next.owe(key, units);
         }
         let now = Instant::now();
         let cap = self.capacity.saturating_mul(MAX_DEBT_CAPACITIES);

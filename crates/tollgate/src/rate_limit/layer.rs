@@ -347,7 +347,7 @@ impl<K, C, St: Store> RateLimitLayerBuilder<K, C, St> {
             Some(measure) => {
                 measure.check()?;
                 // Shadow mode changes nothing: no debts.
-                (!cfg.shadow).then(|| super::Debts::of(measure, &limiter))
+                (!cfg.shadow).then(|| super::Debts::of(measure, &limiter, None))
             }
             None => None,
         };

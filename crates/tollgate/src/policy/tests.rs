@@ -3029,15 +3029,14 @@ async fn a_debt_is_paid_once_by_a_charge_that_stands() {
     assert_eq!(remaining(&layer, 0, "a").await, 16 - 2 - 4);
 }
 
+/// A boxed response future of the test handlers.
+type Answer = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<Response<String>, Infallible>> + Send>,
+>;
+
 /// A handler that waits for a permit of `go`, then answers as
 /// [`reporting`] does.
-fn held_reporting(
-    go: std::sync::Arc<tokio::sync::Semaphore>,
-) -> impl Fn(
-    Req,
-) -> std::pin::Pin<
-    Box<dyn std::future::Future<Output = Result<Response<String>, Infallible>> + Send>,
-> + Clone {
+fn held_reporting(go: std::sync::Arc<tokio::sync::Semaphore>) -> impl Fn(Req) -> Answer + Clone {
     move |req: Req| {
         let go = std::sync::Arc::clone(&go);
         Box::pin(async move {

@@ -257,12 +257,16 @@ impl<K, C> RateRule<K, C> {
     /// (or, when more is owed than the rule's limit leaves room for, is
     /// refused until enough of it is freed). A request that another rule
     /// of the policy refuses pays none of a debt: what it took is owed
-    /// again. Debts are kept per plan by this process (see the layer's
-    /// method for the bounds), and a reload that keeps the rule alike
-    /// keeps them. A rule in shadow mode, or a key a canary leaves out,
-    /// measures nothing. With [`count_if`](Self::count_if) (which also
-    /// settles on the response) it is a build error naming
-    /// `charge_after`; so is a `per` of zero.
+    /// again. A key a slowing ladder put on a lower step settles at the
+    /// step's price (each unit it really cost counts what the step charges
+    /// a unit). A refusal for a debt is a refusal like any other: a strike
+    /// on the rule's ladder. Debts are kept per plan by this process (see
+    /// the layer's method for the bounds); a reload that keeps the rule
+    /// alike keeps them (and what its requests in flight owe later), one
+    /// that changes it forgets them. A rule in shadow mode, or a key a
+    /// canary leaves out, measures nothing. With
+    /// [`count_if`](Self::count_if) (which also settles on the response)
+    /// it is a build error naming `charge_after`; so is a `per` of zero.
     pub fn charge_after(mut self, measure: crate::rate_limit::Measure) -> Self {
         self.charge_after = Some(measure);
         self
@@ -275,8 +279,10 @@ impl<K, C> RateRule<K, C> {
     /// [`MessageBudget`](crate::rate_limit::MessageBudget) bound to this
     /// rule (at the request's plan) and its key. Where several rules of a
     /// policy, or several layers, count messages, the one budget spends on
-    /// all of them. A key this rule only watches (shadow, or a canary
-    /// that leaves it out) is not offered this rule's budget.
+    /// all of them, at the whole rate (a slowing ladder's step slows
+    /// requests, not messages). A key this rule only watches (shadow, or a
+    /// canary that leaves it out) is not offered this rule's budget; a
+    /// request a solved challenge passed past the rule is.
     pub fn messages(mut self, on: bool) -> Self {
         self.messages = on;
         self

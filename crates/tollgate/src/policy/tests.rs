@@ -3127,3 +3127,77 @@ async fn a_settlement_in_flight_across_a_reload_never_uses_the_old_parameters() 
         after - before
     );
 }
+
+/// Review: a key a slowing ladder put on a lower step pays more for each
+/// request; what its responses really cost settles at the same price (a
+/// costly one owed at the step's price, not the whole rate's).
+#[tokio::test]
+async fn a_slowed_key_settles_at_its_steps_price() {
+    let clock = ManualClock::starting_at(1);
+    let d = Duration::from_secs;
+    let layer = PolicyLayer::builder()
+        .rule(
+            per_key(Limit::fixed_window(20, d(10)))
+                .cost(Fixed(2))
+                .charge_after(crate::rate_limit::Measure::Reported)
+                .slow_down(1, d(60), d(60), &[50]),
+        )
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(reporting));
+    let send = |actual: Option<u64>| svc.clone().oneshot(costing("k", "ip", actual));
+    for _ in 0..10 {
+        assert_eq!(send(None).await.unwrap().status(), 200);
+    }
+    // Refused: a strike, and the key keeps 50 % (its requests cost 4).
+    assert_eq!(send(None).await.unwrap().status(), 429);
+    clock.advance(d(10));
+    // Charged 4; it cost 5 units, 10 at the step's price: 6 owed.
+    assert_eq!(send(Some(5)).await.unwrap().status(), 200);
+    assert_eq!(remaining(&layer, 0, "k").await, 16);
+    // The next pays its 4 and the 6.
+    assert_eq!(send(None).await.unwrap().status(), 200);
+    assert_eq!(remaining(&layer, 0, "k").await, 6);
+}
+
+/// Review: a request that costs more than the rule can ever admit was
+/// refused for a debt's wait (429 with a Retry-After it could never
+/// keep) when its key owed; it is told it never fits.
+#[tokio::test]
+async fn a_request_too_costly_for_the_rule_is_never_told_to_wait_for_a_debt() {
+    let clock = ManualClock::starting_at(1);
+    let layer = PolicyLayer::builder()
+        .rule(
+            per_key(Limit::fixed_window(20, Duration::from_secs(60)))
+                .cost(HeaderCost::named("x-cost", 1, 1_000).unwrap())
+                .charge_after(crate::rate_limit::Measure::Reported),
+        )
+        .store(store(&clock))
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(reporting));
+    assert_eq!(
+        svc.clone()
+            .oneshot(costing("k", "ip", Some(5)))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let mut huge = costing("k", "ip", None);
+    huge.headers_mut().insert("x-cost", "21".parse().unwrap());
+    let res = svc.clone().oneshot(huge).await.unwrap();
+    assert_eq!(res.status(), 429);
+    assert!(res.headers().get("retry-after").is_none(), "never fits");
+    // The debt is still owed.
+    assert_eq!(
+        svc.clone()
+            .oneshot(costing("k", "ip", None))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(remaining(&layer, 0, "k").await, 20 - 1 - 1 - 4);
+}

@@ -569,6 +569,16 @@ impl Walk {
                 continue;
             }
             let capacity = rule.at(self.report.plan).0.rule().capacity();
+            // A request the rule can never admit is told so (the debt
+            // stays): a debt's wait would send it back for nothing.
+            if *cost > capacity {
+                continue;
+            }
+            // A slowed key settles at its step's price.
+            let level = u32::from(self.report.slowed(i));
+            if let (true, Some(ladder)) = (level > 0, &rule.ladder) {
+                settle.slowed(*cost, ladder.rule().escalation().charge(1, level));
+            }
             match settle.take_owed(capacity.saturating_sub(*cost)) {
                 Owed::Pay(units) => *cost = cost.saturating_add(units),
                 Owed::Wait(ns) => {

@@ -314,7 +314,11 @@ impl Debts {
 pub(crate) struct Settle {
     debts: Arc<Debts>,
     key: KeyBytes,
+    /// What the request was charged for itself (its debt aside).
     estimate: u64,
+    /// What each unit it really cost is charged: more than 1 for a key a
+    /// slowing ladder put on a lower step (its requests cost more).
+    share: u64,
     /// What it took of the key's debt.
     paid: u64,
     started: Instant,
@@ -341,6 +345,7 @@ impl Settle {
             debts,
             key,
             estimate,
+            share: 1,
             paid,
             started: Instant::now(),
             called: false,
@@ -361,6 +366,15 @@ impl Settle {
     /// [`Drop`]).
     pub(crate) fn keep(&mut self) {
         self.kept = true;
+    }
+
+    /// The request's key is on a lower step of a slowing ladder: it was
+    /// charged `charged` for itself, and each unit it really cost counts
+    /// `share` (what the step charges a unit), so that a cheap or a
+    /// costly response settles at the step's price.
+    pub(crate) fn slowed(&mut self, charged: u64, share: u64) {
+        self.estimate = charged;
+        self.share = share.max(1);
     }
 
     /// [`calling`](Self::calling), in place.
@@ -399,7 +413,7 @@ impl Settle {
     }
 
     fn settle(&self, actual: u64) {
-        let actual = actual.max(1);
+        let actual = actual.max(1).saturating_mul(self.share);
         let key = self.key.as_bytes();
         if actual > self.estimate {
             self.debts.owe(key, actual.saturating_sub(self.estimate));

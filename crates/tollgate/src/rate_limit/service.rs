@@ -84,9 +84,12 @@ where
     // Where the rule charges what requests really cost, the key pays what
     // it owes on top of this request's estimate, as far as the rule's
     // capacity allows.
+    let capacity = shared.limiter.rule().capacity();
     let (cost, settle) = match &shared.debts {
+        // A request the rule can never admit is told so (the debt stays):
+        // a debt's wait would send it back for nothing.
+        Some(_) if estimate > capacity => (estimate, None),
         Some(debts) => {
-            let capacity = shared.limiter.rule().capacity();
             let paid = match debts.take(key.as_bytes(), capacity.saturating_sub(estimate)) {
                 super::Owed::Pay(units) => units,
                 // More owed than the rule can charge with this request:

@@ -885,7 +885,7 @@ async fn a_shadow_rule_refuses_no_message() {
 }
 
 /// The key's remaining budget under `layer`'s rule (a peek).
-fn left_of(layer: &RateLimitLayer<Header, Fixed, MemoryStore<ManualClock>>, key: &str) -> u64 {
+fn left_of<C>(layer: &RateLimitLayer<Header, C, MemoryStore<ManualClock>>, key: &str) -> u64 {
     let mut buf = crate::key::KeyBuf::new();
     buf.push(key.as_bytes());
     layer.limiter().decide_now(buf.as_bytes(), 0).remaining
@@ -1065,4 +1065,25 @@ async fn a_paced_request_given_up_after_its_wait_keeps_the_debt_it_paid() {
     let third = svc.clone().oneshot(asking("k", &[])).await;
     assert_eq!(third.unwrap().status(), 200);
     assert_eq!(left_of(&layer, "k"), whole - 1);
+}
+
+/// Review: a request that costs more than the rule can ever admit was
+/// refused for a debt's wait (a Retry-After it could never keep) when its
+/// key owed; it is told it never fits, and the debt stays.
+#[tokio::test]
+async fn a_request_too_costly_for_the_rule_is_never_told_to_wait_for_a_debt() {
+    let clock = ManualClock::starting_at(1);
+    let layer = per_key(&clock, Limit::fixed_window(20, Duration::from_secs(60)))
+        .cost(crate::cost::HeaderCost::named("x-cost", 1, 1_000).unwrap())
+        .charge_after(Measure::Reported)
+        .build()
+        .unwrap();
+    let svc = layer.layer(service_fn(measured));
+    let send = |headers: &[(&'static str, &str)]| svc.clone().oneshot(asking("k", headers));
+    assert_eq!(send(&[("x-actual", "5")]).await.unwrap().status(), 200);
+    let res = send(&[("x-cost", "21")]).await.unwrap();
+    assert_eq!(res.status(), 429);
+    assert!(res.headers().get("retry-after").is_none(), "never fits");
+    assert_eq!(send(&[]).await.unwrap().status(), 200);
+    assert_eq!(left_of(&layer, "k"), 20 - 1 - 1 - 4);
 }

@@ -31,7 +31,7 @@ pub(crate) struct Admitted {
     /// The permit, or (for an upgrade) the slot offered to the handler.
     pub(crate) permit: Option<Holding>,
     pub(crate) items: Items,
-    pub(crate) started: Option<Instant>,
+    pub(crate) started: super::stamp::Stamp,
     /// An upgrade's share of the adaptive limit, held apart from the
     /// permit the handler may take, until the response's head.
     pub(crate) adaptive: Option<AdaptiveHold>,
@@ -183,9 +183,16 @@ impl<K, C, P, L> Limits<K, C, P, L>
 where
     L: ConcurrencyLimiter,
 {
-    fn items(&self, plan: &PlanLimit) -> Items {
+    /// The header items of a request decided `per_key` by the per-key
+    /// limit (the service limit's item is set once it decides); none where
+    /// the layer sends no headers.
+    #[inline(always)]
+    fn items(&self, plan: &PlanLimit, per_key: Option<Decision>) -> Items {
+        if !plan.responder.headers.standard {
+            return Items::new(0);
+        }
         let mut items = Items::new(if self.service.is_some() { 2 } else { 1 });
-        items.set(0, u64::from(plan.max), None);
+        items.set(0, u64::from(plan.max), per_key);
         if let Some(ServiceLimit::Adaptive(a)) = &self.service {
             // Its `q` is in the policy even when it is not decided.
             items.set(1, u64::from(a.limit()), None);
@@ -495,8 +502,7 @@ where
     ) -> Admission {
         let (permits, critical, grpc) = (p.permits, p.critical, p.grpc);
         let limit = self.plans.get(p.plan);
-        let mut items = self.items(limit);
-        items.set(0, u64::from(limit.max), step.decision());
+        let mut items = self.items(limit, step.decision());
         match step {
             Step::Granted(..) | Step::Pass(_) => {}
             Step::Reject(reason, d) => {
@@ -577,7 +583,10 @@ where
         })
     }
 
-    fn started(&self) -> Option<Instant> {
-        matches!(self.service, Some(ServiceLimit::Adaptive(_))).then(Instant::now)
+    fn started(&self) -> super::stamp::Stamp {
+        match self.service {
+            Some(ServiceLimit::Adaptive(_)) => super::stamp::Stamp::at(Instant::now()),
+            _ => super::stamp::Stamp::NONE,
+        }
     }
 }

@@ -57,11 +57,18 @@ where
     S: Service<Request<ReqB>>,
 {
     /// Calls `inner` with `req`: the request's handler, bounded by its
-    /// permit's lifetime where the layer caps it.
-    pub(crate) fn calling(inner: &mut S, req: Request<ReqB>, admitted: Option<Admitted>) -> Self {
+    /// permit's lifetime where the layer caps it (`capped`).
+    #[inline]
+    pub(crate) fn calling(
+        inner: &mut S,
+        req: Request<ReqB>,
+        admitted: Option<Admitted>,
+        capped: bool,
+    ) -> Self {
         // (The content type is read only where a lifetime is capped.)
         let expires = admitted
             .as_ref()
+            .filter(|_| capped)
             .and_then(Admitted::expires_at)
             .map(|until| {
                 let grpc = crate::rejection::is_grpc(&req);
@@ -162,7 +169,7 @@ where
                     if let Some(a) = &mut admitted {
                         a.offer(responder, &mut request);
                     }
-                    State::calling(&mut inner, request, admitted)
+                    State::calling(&mut inner, request, admitted, responder.lifetime.is_some())
                 }
                 StateProj::Calling {
                     future,
@@ -197,16 +204,22 @@ where
                             ));
                         }
                     };
-                    let mut admitted = admitted.take();
+                    // Read in place: only the permit moves on, to the
+                    // body (the rest goes with this future, dropped next).
                     let sampling = match (&responder.adaptive, admitted.as_mut()) {
                         (Some(adaptive), Some(a)) => sample_at_head(adaptive, a, &result),
                         _ => None,
                     };
-                    let response = result?;
-                    let Some(admitted) = admitted else {
+                    let mut response = match result {
+                        Ok(response) => response,
+                        Err(e) => {
+                            drop(admitted.take());
+                            return Poll::Ready(Err(e));
+                        }
+                    };
+                    let Some(admitted) = admitted.as_mut() else {
                         return Poll::Ready(Ok(response.map(|b| PermitBody::new(b, None, None))));
                     };
-                    let mut response = response;
                     responder
                         .headers
                         .apply(response.headers_mut(), admitted.items.as_slice());
@@ -214,7 +227,7 @@ where
                         let grpc = Completion::of(&response).awaits_trailers(response.headers());
                         Lifetime::of(admitted.permit.as_ref(), grpc, ended)
                     });
-                    let holding = admitted.permit;
+                    let holding = admitted.permit.take();
                     return Poll::Ready(Ok(
                         response.map(|b| PermitBody::new(b, holding, sampling).lasting(lifetime))
                     ));
@@ -245,7 +258,7 @@ fn sample_at_head<B, E>(
     result: &Result<Response<B>, E>,
 ) -> Option<Box<Sampling>> {
     release_adaptive(adaptive, admitted);
-    let rtt = Adaptive::rtt_since(admitted.started?);
+    let rtt = Adaptive::rtt_since(admitted.started.get()?);
     let completion = match result {
         Ok(res) => {
             let completion = Completion::of(res);

@@ -115,6 +115,7 @@ mod permit;
 mod queue;
 mod respond;
 mod service;
+mod stamp;
 #[cfg(test)]
 mod tests;
 mod wait;

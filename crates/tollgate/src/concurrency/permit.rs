@@ -13,6 +13,8 @@ use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 use tollgate_core::Lease;
 
+use super::stamp::Stamp;
+
 use super::adaptive::Adaptive;
 use crate::outcome::Completion;
 
@@ -165,7 +167,7 @@ pub struct Permit {
     held: Held,
     /// The end of its lifetime, where the layer caps it
     /// ([`max_lifetime`](super::ConcurrencyLayerBuilder::max_lifetime)).
-    until: Option<Instant>,
+    until: Stamp,
 }
 
 impl Permit {
@@ -173,7 +175,7 @@ impl Permit {
         Self {
             owner,
             held,
-            until: None,
+            until: Stamp::NONE,
         }
     }
 
@@ -183,14 +185,14 @@ impl Permit {
 
     /// Caps the permit's lifetime at `until`.
     pub(crate) fn set_until(&mut self, until: Instant) {
-        self.until = Some(until);
+        self.until = Stamp::at(until);
     }
 
     /// When the permit's lifetime ends, where the layer caps it
     /// ([`max_lifetime`](super::ConcurrencyLayerBuilder::max_lifetime));
     /// `None` if it does not.
     pub fn expires_at(&self) -> Option<Instant> {
-        self.until
+        self.until.get()
     }
 
     /// Resolves when the permit's lifetime ends (never, if the layer sets
@@ -198,7 +200,7 @@ impl Permit {
     /// connection cleanly at the cap (a WebSocket `Close` frame, say),
     /// then drops the permit.
     pub async fn expired(&self) {
-        match self.until {
+        match self.until.get() {
             Some(until) => tokio::time::sleep_until(until).await,
             None => std::future::pending().await,
         }
@@ -513,7 +515,11 @@ where
             // The response is over: free the permit now, not when the
             // server gets round to dropping the body.
             drop(this.permit.take());
-            drop(this.lifetime.take());
+            // (Checked first: the drop of a lifetime is out of line, and
+            // most bodies have none.)
+            if this.lifetime.is_some() {
+                drop(this.lifetime.take());
+            }
         }
         polled
     }

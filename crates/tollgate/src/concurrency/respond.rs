@@ -83,14 +83,14 @@ impl Responder {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Items {
     items: [Item; 2],
-    len: usize,
+    len: u8,
 }
 
 impl Items {
     pub(super) fn new(len: usize) -> Self {
         Self {
             items: [Item::default(); 2],
-            len,
+            len: u8::try_from(len).unwrap_or(2).min(2),
         }
     }
 
@@ -101,6 +101,6 @@ impl Items {
     }
 
     pub(crate) fn as_slice(&self) -> &[Item] {
-        self.items.get(..self.len).unwrap_or_default()
+        self.items.get(..usize::from(self.len)).unwrap_or_default()
     }
 }

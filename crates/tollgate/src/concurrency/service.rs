@@ -67,7 +67,7 @@ where
         let plan = self.shared.plans.index(&req);
         let responder = Arc::clone(&self.shared.plans.get(plan).responder);
         if !self.shared.keying.applies(&req) {
-            let state = State::calling(&mut self.inner, req, None);
+            let state = State::calling(&mut self.inner, req, None, false);
             return ResponseFuture::new(state, responder);
         }
         let admission = self.shared.start(&req, plan);
@@ -76,7 +76,8 @@ where
             Admission::Go(mut admitted) => {
                 admitted.cap(&responder);
                 admitted.offer(&responder, &mut req);
-                State::calling(&mut self.inner, req, Some(admitted))
+                let capped = responder.lifetime.is_some();
+                State::calling(&mut self.inner, req, Some(admitted), capped)
             }
             Admission::Reject(rejected, items) => State::Rejected {
                 rejected: Some((rejected, items)),

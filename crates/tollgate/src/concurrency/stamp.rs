@@ -17,15 +17,20 @@ impl Stamp {
         Instant::from_std(*ORIGIN.get_or_init(std::time::Instant::now))
     }
 
+    /// `when`; none if it is too far to name (some 292 years from the
+    /// origin: a cap that far is none).
     pub(crate) fn at(when: Instant) -> Self {
         let origin = Self::origin();
-        let nanos = |d: std::time::Duration| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX);
+        let nanos = |d: std::time::Duration| i64::try_from(d.as_nanos()).ok();
         let ns = if when >= origin {
             nanos(when.duration_since(origin))
         } else {
-            nanos(origin.duration_since(when)).saturating_neg()
+            nanos(origin.duration_since(when)).map(i64::wrapping_neg)
         };
-        Self(ns.max(i64::MIN + 1))
+        match ns {
+            Some(ns) if ns != i64::MIN => Self(ns),
+            _ => Self::NONE,
+        }
     }
 
     pub(crate) fn get(self) -> Option<Instant> {
@@ -59,5 +64,10 @@ mod tests {
             assert_eq!(Stamp::at(when).get(), Some(when));
         }
         assert_eq!(Stamp::NONE.get(), None);
+        // Too far to name: none, as a cap too far is.
+        assert_eq!(
+            Stamp::at(now + Duration::from_secs(400 * 365 * 86_400)).get(),
+            None
+        );
     }
 }

@@ -108,7 +108,12 @@ impl<B, St: Store> PolicyLayer<B, St> {
     /// that rules keep their state: an unchanged rule goes on exactly
     /// where it was, a changed one from its keys' states where their
     /// meaning allows ([`Algorithm::keeps_state_of`](tollgate_core::Algorithm::keeps_state_of)).
-    /// `next` itself stays as it was.
+    /// What keys owe to rules that charge after the response
+    /// ([`RateRule::charge_after`](super::RateRule::charge_after)) moves to
+    /// `next`'s like rules, as do debts its requests in flight incur
+    /// later. `next`'s policy is this layer's from now on: serve through
+    /// one of the two (a policy installed again, after another, is current
+    /// again and keeps what it is owed). Replacements are one at a time.
     pub fn replace(&self, next: &PolicyLayer<B, St>) {
         let shared = next.current.load();
         self.current.replace(shared);

@@ -236,11 +236,19 @@ pub(super) struct Shared<B, L> {
 /// reload ([`PolicyLayer::replace`](super::PolicyLayer::replace)). Read
 /// once per request, lock-free (`arc-swap`): a request keeps the policy
 /// that decided it, and an old policy is freed with its last request.
-pub(super) struct Current<B, L>(arc_swap::ArcSwap<Shared<B, L>>);
+pub(super) struct Current<B, L>(
+    arc_swap::ArcSwap<Shared<B, L>>,
+    /// One replacement at a time: each moves what the policy now holds to
+    /// the next, and must see the policy it replaces.
+    std::sync::Mutex<()>,
+);
 
 impl<B, L> Current<B, L> {
     pub(super) fn new(shared: Shared<B, L>) -> Self {
-        Self(arc_swap::ArcSwap::from_pointee(shared))
+        Self(
+            arc_swap::ArcSwap::from_pointee(shared),
+            std::sync::Mutex::new(()),
+        )
     }
 
     /// The policy now.
@@ -255,9 +263,19 @@ impl<B, L> Current<B, L> {
     where
         L: tollgate_core::Limiter,
     {
+        let _one_at_a_time = lock(&self.1);
         let now = self.0.load();
         if Arc::ptr_eq(&now, &next) {
             return;
+        }
+        // `next` is current from here (perhaps again: a layer installed
+        // anew): its rules are live, and its debt tables forward nothing.
+        for rule in next.rules.iter() {
+            rule.retired
+                .store(false, std::sync::atomic::Ordering::Release);
+            for debts in rule.debts.iter() {
+                debts.current();
+            }
         }
         // What keys owe moves first: a request the new policy decides
         // finds its key's debt there.

@@ -595,12 +595,12 @@ impl Walk {
         }
     }
 
-    /// Settle, for the debts: an admitted request keeps the settlements
-    /// of the rules that charged it (a rule whose store failed charged
-    /// nothing: the debt it took is owed again), and, unpaced, its charges
-    /// stand from here on (a repeat found at Take gives them back and the
-    /// debts with them; a paced one's stand once its wait is over). A
-    /// refused request keeps none: the debts are owed again.
+    /// Settle, for the debts. Each rule's charge stood from its answer
+    /// (see [`on_rule`](Self::on_rule)). An admitted request keeps the
+    /// settlements of the rules that charged it (a rule whose store failed
+    /// charged nothing: the debt it took is owed again); a paced one's may
+    /// yet be given back, while it waits. A refused request's charges are
+    /// given back: each debt it paid is owed again.
     fn settled(&mut self) {
         if self.settles.is_empty() {
             return;
@@ -609,13 +609,17 @@ impl Walk {
         match self.verdict {
             Verdict::Pass { delay } => {
                 self.settles.retain(|(i, _)| report.charged(*i));
-                if delay == 0 {
+                if delay > 0 {
                     for (_, settle) in &mut self.settles {
-                        settle.keep();
+                        settle.unkeep();
                     }
                 }
             }
-            _ => self.settles.clear(),
+            _ => {
+                for (_, settle) in self.settles.drain(..) {
+                    settle.unpaid();
+                }
+            }
         }
     }
 
@@ -635,6 +639,15 @@ impl Walk {
                 }
                 if answer.failed {
                     self.report.set_faulted(i);
+                }
+                // Charged: the charge stands, and the debt paid with it,
+                // unless the walk gives it back (a refusal, a repeat): a
+                // request dropped now, waiting on another rule's store,
+                // keeps it.
+                if self.report.charged(i) {
+                    if let Some((_, settle)) = self.settles.iter_mut().find(|(j, _)| *j == i) {
+                        settle.keep();
+                    }
                 }
             }
             Err(e) => {

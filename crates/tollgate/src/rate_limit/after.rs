@@ -103,6 +103,9 @@ impl Measure {
 /// many times the rule's capacity.
 const MAX_DEBTORS: usize = 100_000;
 const MAX_DEBT_CAPACITIES: u64 = 100;
+/// The most reloads a debt follows to the table current now; past them it
+/// is owed where it got to.
+const MAX_RELOADS: usize = 64;
 
 /// Gives units to, or takes them from, a key of the rule's limiter
 /// (without waiting for the store).
@@ -132,8 +135,11 @@ pub(crate) struct Debts {
     /// budget holds it; else it is forgiven).
     charge: Units,
     /// The rule's debts after a reload ([`inherit`](Self::inherit)):
-    /// requests this one decided that end later owe there.
-    successor: Mutex<std::sync::Weak<Debts>>,
+    /// requests this one decided that end later owe there. Held strongly
+    /// (a reload's new layer may be dropped at once; the policy it made
+    /// current keeps its own tables), and only by tables that are no
+    /// longer current, which live as long as their requests in flight.
+    successor: Mutex<Option<Arc<Debts>>>,
 }
 
 /// What a key's debt asks of its request.
@@ -161,7 +167,7 @@ impl Debts {
             owed: Mutex::default(),
             refund,
             charge,
-            successor: Mutex::default(),
+            successor: Mutex::new(None),
         }
     }
 
@@ -206,13 +212,31 @@ impl Debts {
         {
             return;
         }
-        *old.successor.lock().unwrap_or_else(PoisonError::into_inner) = Arc::downgrade(self);
         let now = Instant::now();
-        let taken = std::mem::take(&mut *old.owed());
-        old.debtors.store(0, Ordering::Relaxed);
+        // Under `old`'s table lock (taken first, as `owe` takes it): a
+        // debt owed meanwhile lands in the table taken here, or goes on.
+        let taken = {
+            let mut owed = old.owed();
+            *old.successor() = Some(Arc::clone(self));
+            old.debtors.store(0, Ordering::Relaxed);
+            std::mem::take(&mut *owed)
+        };
         for (key, debt) in taken {
             self.owe(&key, old.left(debt, now));
         }
+    }
+
+    /// This table is current again (its layer installed anew): it keeps
+    /// what it is owed, and forwards nothing.
+    pub(crate) fn current(&self) {
+        let _owed = self.owed();
+        *self.successor() = None;
+    }
+
+    fn successor(&self) -> std::sync::MutexGuard<'_, Option<Arc<Debts>>> {
+        self.successor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     fn owed(&self) -> std::sync::MutexGuard<'_, HashMap<Box<[u8]>, Debt>> {
@@ -268,24 +292,38 @@ impl Debts {
         if units == 0 {
             return;
         }
-        let successor = self
-            .successor
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .upgrade();
-        if let Some(next) = successor {
-            return next.owe(key, units);
+        // Down the chain of reloads, to the table current now (a bounded
+        // walk: the chain is as long as the reloads a request outlived).
+        let mut next: Option<Arc<Debts>> = None;
+        for _ in 0..MAX_RELOADS {
+            let here = next.as_deref().unwrap_or(self);
+            match here.owe_here(key, units, false) {
+                Some(successor) => next = Some(successor),
+                None => return,
+            }
         }
+        let here = next.as_deref().unwrap_or(self);
+        here.owe_here(key, units, true);
+    }
+
+    /// [`owe`](Self::owe) in this table, unless it has a successor (then
+    /// returned, checked under the table's lock) and `here` is not set.
+    fn owe_here(&self, key: &[u8], units: u64, here: bool) -> Option<Arc<Debts>> {
         let now = Instant::now();
         let cap = self.capacity.saturating_mul(MAX_DEBT_CAPACITIES);
         let mut owed = self.owed();
+        if !here {
+            if let Some(next) = self.successor().clone() {
+                return Some(next);
+            }
+        }
         if let Some(d) = owed.get_mut(key) {
             let left = self.left(*d, now);
             *d = Debt {
                 units: left.saturating_add(units).min(cap),
                 since: now,
             };
-            return;
+            return None;
         }
         if owed.len() >= MAX_DEBTORS {
             owed.retain(|_, d| self.left(*d, now) > 0);
@@ -299,10 +337,11 @@ impl Debts {
                 },
             );
             self.debtors.store(owed.len(), Ordering::Relaxed);
-            return;
+            return None;
         }
         drop(owed);
         (self.charge)(key, units.min(self.capacity));
+        None
     }
 }
 
@@ -319,6 +358,10 @@ pub(crate) struct Settle {
     /// What each unit it really cost is charged: more than 1 for a key a
     /// slowing ladder put on a lower step (its requests cost more).
     share: u64,
+    /// What its estimate costs at that price: above `estimate` where the
+    /// step's price was capped at the rule's whole limit (what lies
+    /// between is forgiven, as the cap forgave it).
+    full: u64,
     /// What it took of the key's debt.
     paid: u64,
     started: Instant,
@@ -346,6 +389,7 @@ impl Settle {
             key,
             estimate,
             share: 1,
+            full: estimate,
             paid,
             started: Instant::now(),
             called: false,
@@ -368,13 +412,20 @@ impl Settle {
         self.kept = true;
     }
 
+    /// Its charge may be given back after all (a paced request's, while it
+    /// waits): dropped uncalled, it owes its debt again.
+    pub(crate) fn unkeep(&mut self) {
+        self.kept = false;
+    }
+
     /// The request's key is on a lower step of a slowing ladder: it was
     /// charged `charged` for itself, and each unit it really cost counts
     /// `share` (what the step charges a unit), so that a cheap or a
     /// costly response settles at the step's price.
     pub(crate) fn slowed(&mut self, charged: u64, share: u64) {
-        self.estimate = charged;
         self.share = share.max(1);
+        self.full = self.estimate.saturating_mul(self.share).max(charged);
+        self.estimate = charged;
     }
 
     /// [`calling`](Self::calling), in place.
@@ -415,8 +466,8 @@ impl Settle {
     fn settle(&self, actual: u64) {
         let actual = actual.max(1).saturating_mul(self.share);
         let key = self.key.as_bytes();
-        if actual > self.estimate {
-            self.debts.owe(key, actual.saturating_sub(self.estimate));
+        if actual > self.full {
+            self.debts.owe(key, actual.saturating_sub(self.full));
         } else if actual < self.estimate {
             (self.debts.refund)(key, self.estimate.saturating_sub(actual));
         }
@@ -442,5 +493,50 @@ impl Drop for Settle {
         if let Measure::Elapsed { per } = self.debts.measure {
             self.settle(Measure::elapsed(per, self.started.elapsed()));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Debts, Measure, Owed};
+    use std::sync::Arc;
+
+    fn table() -> Arc<Debts> {
+        Arc::new(Debts::new(
+            Measure::Reported,
+            100,
+            60_000_000_000,
+            Arc::new(|_: &[u8], _| {}),
+            Arc::new(|_: &[u8], _| {}),
+        ))
+    }
+
+    fn owes(d: &Debts, key: &[u8]) -> u64 {
+        match d.take(key, u64::MAX) {
+            Owed::Pay(units) => units,
+            Owed::Wait(_) => u64::MAX,
+        }
+    }
+
+    /// A reload moves what keys owe to the rule's successor, and what is
+    /// owed to the old table later goes on there; a table current again
+    /// keeps what it is owed, and two tables never lead to each other.
+    #[test]
+    fn debts_follow_the_rule_and_stop_at_the_table_current_now() {
+        let (a, b) = (table(), table());
+        a.owe(b"k", 5);
+        b.inherit(&a);
+        assert_eq!(owes(&a, b"k"), 0, "moved");
+        a.owe(b"k", 3);
+        assert_eq!(owes(&b, b"k"), 8, "the old table's later debt goes on");
+        // a is installed again: b's debts move back, and a forwards none.
+        b.owe(b"j", 4);
+        a.current();
+        a.inherit(&b);
+        b.owe(b"j", 1);
+        assert_eq!(owes(&a, b"j"), 5);
+        a.owe(b"i", 2);
+        assert_eq!(owes(&a, b"i"), 2, "owed where it is current");
+        assert_eq!(owes(&b, b"i"), 0);
     }
 }

@@ -3055,41 +3055,18 @@ fn held_reporting(go: std::sync::Arc<tokio::sync::Semaphore>) -> impl Fn(Req) ->
     }
 }
 
-/// Review: a request decided before a reload that ends after it owed its
-/// debt into the old rule's table, which nothing reads any more: a long
-/// report's cost, the one `charge_after` is for, was lost. It is owed to
-/// the rule's successor.
-#[tokio::test]
-async fn a_debt_incurred_across_a_reload_is_owed_to_the_new_rule() {
-    use std::sync::Arc;
-    let clock = ManualClock::starting_at(1);
-    let st = store(&clock);
-    let policy = |st: MemoryStore<ManualClock>| {
-        PolicyLayer::builder()
-            .rule(
-                per_key(Limit::fixed_window(30, Duration::from_secs(3_600)))
-                    .cost(Fixed(2))
-                    .charge_after(crate::rate_limit::Measure::Reported),
-            )
-            .store(st)
-            .build()
-            .unwrap()
-    };
-    let layer = policy(st.clone());
-    let go = Arc::new(tokio::sync::Semaphore::new(0));
-    let svc = layer.layer(service_fn(held_reporting(Arc::clone(&go))));
-    let in_flight = tokio::spawn(svc.clone().oneshot(costing("a", "ip", Some(8))));
-    while remaining(&layer, 0, "a").await != 28 {
-        tokio::task::yield_now().await;
-    }
-    layer.replace(&policy(st.rebinding()));
-    go.add_permits(1);
-    assert_eq!(in_flight.await.unwrap().unwrap().status(), 200);
-    // The next request pays its 2 and the 6 owed.
-    go.add_permits(1);
-    let next = svc.clone().oneshot(costing("a", "ip", None)).await;
-    assert_eq!(next.unwrap().status(), 200);
-    assert_eq!(remaining(&layer, 0, "a").await, 30 - 2 - 8);
+/// A policy of one rule, per `x-api-key`: `limit`, each request estimated
+/// at `cost` and charged what its handler reports.
+fn reported<S: Store>(limit: Limit, cost: u64, store: S) -> PolicyLayer<String, S> {
+    PolicyLayer::builder()
+        .rule(
+            per_key(limit)
+                .cost(Fixed(cost))
+                .charge_after(crate::rate_limit::Measure::Reported),
+        )
+        .store(store)
+        .build()
+        .unwrap()
 }
 
 /// Review: a settlement in flight across a reload that changed the rule
@@ -3101,17 +3078,7 @@ async fn a_settlement_in_flight_across_a_reload_never_uses_the_old_parameters() 
     use std::sync::Arc;
     let clock = ManualClock::starting_at(1);
     let st = store(&clock);
-    let policy = |limit, st: MemoryStore<ManualClock>| {
-        PolicyLayer::builder()
-            .rule(
-                per_key(limit)
-                    .cost(Fixed(4))
-                    .charge_after(crate::rate_limit::Measure::Reported),
-            )
-            .store(st)
-            .build()
-            .unwrap()
-    };
+    let policy = |limit, st| reported(limit, 4, st);
     let hourly = Limit::gcra(Rate::new(1, Duration::from_secs(3_600)), 4);
     let layer = policy(hourly, st.clone());
     let go = Arc::new(tokio::sync::Semaphore::new(0));
@@ -3211,9 +3178,11 @@ async fn a_request_too_costly_for_the_rule_is_never_told_to_wait_for_a_debt() {
     assert_eq!(remaining(&layer, 0, "k").await, 20 - 1 - 1 - 4);
 }
 
-/// Review: a request that outlived two reloads owed into a table only a
-/// weak link led to, freed with the reload's layer: its debt was lost. It
-/// is owed to the rule current now. And a layer installed again (a, b,
+/// Review: a request decided before a reload that ends after it owed its
+/// debt into the old rule's table, which nothing reads any more (a long
+/// report's cost, the one `charge_after` is for, was lost); then, the
+/// request outliving two reloads, into a table only a weak link led to,
+/// freed with the reload's layer. It is owed to the rule current now. And a layer installed again (a, b,
 /// then a) forwards nothing: its tables and the one it replaced led to
 /// each other, and a debt went round until the stack overflowed.
 #[tokio::test]
@@ -3221,17 +3190,7 @@ async fn debts_follow_every_reload_and_a_layer_installed_again_keeps_its_own() {
     use std::sync::Arc;
     let clock = ManualClock::starting_at(1);
     let st = store(&clock);
-    let policy = |st: MemoryStore<ManualClock>| {
-        PolicyLayer::builder()
-            .rule(
-                per_key(Limit::fixed_window(30, Duration::from_secs(3_600)))
-                    .cost(Fixed(2))
-                    .charge_after(crate::rate_limit::Measure::Reported),
-            )
-            .store(st)
-            .build()
-            .unwrap()
-    };
+    let policy = |st| reported(Limit::fixed_window(30, Duration::from_secs(3_600)), 2, st);
     let layer = policy(st.clone());
     let go = Arc::new(tokio::sync::Semaphore::new(0));
     let svc = layer.layer(service_fn(held_reporting(Arc::clone(&go))));
@@ -3337,17 +3296,7 @@ async fn a_capped_slowed_price_is_not_owed_back_through_the_settlement() {
 async fn a_policy_installed_again_settles_again() {
     let clock = ManualClock::starting_at(1);
     let st = store(&clock);
-    let policy = |window: u64, st: MemoryStore<ManualClock>| {
-        PolicyLayer::builder()
-            .rule(
-                per_key(Limit::fixed_window(30, Duration::from_secs(window)))
-                    .cost(Fixed(4))
-                    .charge_after(crate::rate_limit::Measure::Reported),
-            )
-            .store(st)
-            .build()
-            .unwrap()
-    };
+    let policy = |window, st| reported(Limit::fixed_window(30, Duration::from_secs(window)), 4, st);
     let layer = policy(3_600, st.clone());
     let svc = layer.layer(service_fn(reporting));
     let a = policy(3_600, st.rebinding());

@@ -69,6 +69,7 @@ const COUNTED: u8 = 8;
 
 impl Held {
     /// Holding the per-key limit's `lease`, if any, for `key`.
+    #[inline]
     pub(crate) fn new(key: Box<[u8]>, per_key: Option<Lease>) -> Self {
         let mut held = Self {
             key,

@@ -87,6 +87,7 @@ pub(crate) struct Items {
 }
 
 impl Items {
+    #[inline]
     pub(super) fn new(len: usize) -> Self {
         Self {
             items: [Item::default(); 2],

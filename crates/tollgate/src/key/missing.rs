@@ -85,6 +85,7 @@ impl Keying {
     /// into `key` (and warns, once per layer: it is usually a setup
     /// mistake). `counters` are the layer's `(unkeyed, missing_key)`, or
     /// `None` for a second look at a request already counted.
+    #[inline]
     pub(crate) fn resolve(
         &self,
         extracted: Option<()>,

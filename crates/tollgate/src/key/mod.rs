@@ -153,6 +153,7 @@ impl KeyBuf {
     }
 
     /// Appends one part.
+    #[inline]
     pub fn push(&mut self, part: &[u8]) {
         // The usual part (shorter than 128 bytes, into a raw key): its
         // one-byte length written in place, then the part (a copy of a
@@ -176,6 +177,12 @@ impl KeyBuf {
                 }
             }
         }
+        self.push_slow(part);
+    }
+
+    /// [`push`](Self::push) of a long part, or into a long key.
+    #[cold]
+    fn push_slow(&mut self, part: &[u8]) {
         let mut prefix = [0u8; 10];
         let prefix = varint(part.len(), &mut prefix);
         if let Some(h) = &mut self.hasher {

@@ -287,7 +287,6 @@ where
 {
     /// Reads `req` (the access lists, its key, read-only mode, its weight
     /// and class), then admits it as far as the store answers at once.
-    #[inline(always)]
     pub(crate) fn start<B>(self: &Arc<Self>, req: &Request<B>, plan: u8) -> Admission
     where
         K: KeyExtractor<B>,

@@ -58,7 +58,7 @@ where
 {
     /// Calls `inner` with `req`: the request's handler, bounded by its
     /// permit's lifetime where the layer caps it (`capped`).
-    #[inline(always)]
+    #[inline]
     pub(crate) fn calling(
         inner: &mut S,
         req: Request<ReqB>,
@@ -100,7 +100,6 @@ impl<S, ReqB> ResponseFuture<S, ReqB>
 where
     S: Service<Request<ReqB>>,
 {
-    #[inline(always)]
     pub(crate) fn new(state: State<S, ReqB>, responder: Arc<Responder>) -> Self {
         Self { state, responder }
     }

@@ -153,7 +153,6 @@ impl KeyBuf {
     }
 
     /// Appends one part.
-    #[inline]
     pub fn push(&mut self, part: &[u8]) {
         // The usual part (shorter than 128 bytes, into a raw key): its
         // one-byte length written in place, then the part (a copy of a

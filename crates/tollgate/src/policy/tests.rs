@@ -3104,6 +3104,27 @@ async fn a_settlement_in_flight_across_a_reload_never_uses_the_old_parameters() 
     );
 }
 
+/// A rule of `limit` per 10 s per `x-api-key`, each request estimated
+/// at `cost` and charged what its handler reports; one refusal a minute
+/// keeps a key at 50 % for a minute.
+fn slowed_and_reported(
+    clock: &ManualClock,
+    limit: u32,
+    cost: u64,
+) -> PolicyLayer<String, MemoryStore<ManualClock>> {
+    let d = Duration::from_secs;
+    PolicyLayer::builder()
+        .rule(
+            per_key(Limit::fixed_window(limit, d(10)))
+                .cost(Fixed(cost))
+                .charge_after(crate::rate_limit::Measure::Reported)
+                .slow_down(1, d(60), d(60), &[50]),
+        )
+        .store(store(clock))
+        .build()
+        .unwrap()
+}
+
 /// Review: a key a slowing ladder put on a lower step pays more for each
 /// request; what its responses really cost settles at the same price (a
 /// costly one owed at the step's price, not the whole rate's).
@@ -3111,16 +3132,7 @@ async fn a_settlement_in_flight_across_a_reload_never_uses_the_old_parameters() 
 async fn a_slowed_key_settles_at_its_steps_price() {
     let clock = ManualClock::starting_at(1);
     let d = Duration::from_secs;
-    let layer = PolicyLayer::builder()
-        .rule(
-            per_key(Limit::fixed_window(20, d(10)))
-                .cost(Fixed(2))
-                .charge_after(crate::rate_limit::Measure::Reported)
-                .slow_down(1, d(60), d(60), &[50]),
-        )
-        .store(store(&clock))
-        .build()
-        .unwrap();
+    let layer = slowed_and_reported(&clock, 20, 2);
     let svc = layer.layer(service_fn(reporting));
     let send = |actual: Option<u64>| svc.clone().oneshot(costing("k", "ip", actual));
     for _ in 0..10 {
@@ -3266,16 +3278,7 @@ async fn a_debt_paid_by_a_charge_that_stood_while_another_rule_waited_is_not_owe
 async fn a_capped_slowed_price_is_not_owed_back_through_the_settlement() {
     let clock = ManualClock::starting_at(1);
     let d = Duration::from_secs;
-    let layer = PolicyLayer::builder()
-        .rule(
-            per_key(Limit::fixed_window(10, d(10)))
-                .cost(Fixed(8))
-                .charge_after(crate::rate_limit::Measure::Reported)
-                .slow_down(1, d(60), d(60), &[50]),
-        )
-        .store(store(&clock))
-        .build()
-        .unwrap();
+    let layer = slowed_and_reported(&clock, 10, 8);
     let svc = layer.layer(service_fn(reporting));
     let send = |actual: Option<u64>| svc.clone().oneshot(costing("k", "ip", actual));
     assert_eq!(send(None).await.unwrap().status(), 200);

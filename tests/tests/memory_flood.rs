@@ -214,11 +214,14 @@ async fn a_key_flood_levels_off_below_the_stated_bound() {
     }
     // And it levels off: each rule's table grows to what churn asks of it
     // (about five days here), then stays. Over the last four days it moves
-    // by less than a tenth of the stated bound.
+    // by less than a tenth of the stated bound, plus what other threads
+    // may hold at one measurement and not at another (`NOISE`: a run read
+    // a spread of 992 KB against the 918 KB bound, others 214 to 811 KB).
+    // A leak of 16 bytes a client (512 KB a day here) still fails it.
     let last = heaps.get(heaps.len() - 4..).unwrap();
     let spread = last.iter().max().unwrap() - last.iter().min().unwrap();
     assert!(
-        spread < BYTES_PER_KEY * MAX_KEYS as isize / 10,
+        spread < BYTES_PER_KEY * MAX_KEYS as isize / 10 + NOISE,
         "the heap still moves by {spread} B a day after {} days of churn: {heaps:?}",
         heaps.len()
     );

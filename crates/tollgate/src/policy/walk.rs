@@ -38,7 +38,7 @@ use super::decide::{
 };
 use super::shared::{Keyed, Shared, MAX_RULES};
 use crate::key::KeyBytes;
-use crate::rate_limit::{Owed, Settle};
+use crate::rate_limit::Settle;
 
 /// The step a walk is at.
 #[derive(Debug, Clone, Copy)]
@@ -569,25 +569,14 @@ impl Walk {
                 continue;
             }
             let capacity = rule.at(self.report.plan).0.rule().capacity();
-            // A request the rule can never admit is told so (the debt
-            // stays): a debt's wait would send it back for nothing.
-            if *cost > capacity {
-                continue;
-            }
             // A slowed key settles at its step's price.
             let level = u32::from(self.report.slowed(i));
             if let (true, Some(ladder)) = (level > 0, &rule.ladder) {
                 settle.slowed(*cost, ladder.rule().escalation().charge(1, level));
             }
-            match settle.take_owed(capacity.saturating_sub(*cost)) {
-                Owed::Pay(units) => *cost = cost.saturating_add(units),
-                Owed::Wait(ns) => {
-                    let owing = Decision {
-                        outcome: Outcome::Deny { retry_after: ns },
-                        limit: capacity,
-                        remaining: 0,
-                        reset_after: ns,
-                    };
+            match settle.take_owed(capacity, *cost) {
+                Ok(units) => *cost = cost.saturating_add(units),
+                Err(owing) => {
                     self.report.set(i, owing, *cost, false);
                     self.report.set_unconsumed(i);
                 }

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use http::Response;
 use tokio::time::Instant;
+use tollgate_core::{Decision, Outcome};
 
 use crate::key::KeyBytes;
 
@@ -434,15 +435,32 @@ impl Settle {
         self.started = Instant::now();
     }
 
-    /// Takes what the key owes for a request that leaves `room` units of
-    /// the rule's capacity (see [`Debts::take`]): what is paid is owed
-    /// again if the request is not charged after all.
-    pub(crate) fn take_owed(&mut self, room: u64) -> Owed {
-        let owed = self.debts.take(self.key.as_bytes(), room);
-        if let Owed::Pay(units) = owed {
-            self.paid = units;
+    /// What the key owes, taken for a request of `cost` under a rule of
+    /// `capacity` (see [`Debts::take`]): `Ok(units)` to add to its cost
+    /// (owed again if the request is not charged after all), or the
+    /// refusal while more is owed than the rule can charge with it. A
+    /// request the rule can never admit pays none (the debt stays): the
+    /// rule tells it so, where a debt's wait would send it back for
+    /// nothing.
+    pub(crate) fn take_owed(&mut self, capacity: u64, cost: u64) -> Result<u64, Decision> {
+        if cost > capacity {
+            return Ok(0);
         }
-        owed
+        match self
+            .debts
+            .take(self.key.as_bytes(), capacity.saturating_sub(cost))
+        {
+            Owed::Pay(units) => {
+                self.paid = units;
+                Ok(units)
+            }
+            Owed::Wait(ns) => Err(Decision {
+                outcome: Outcome::Deny { retry_after: ns },
+                limit: capacity,
+                remaining: 0,
+                reset_after: ns,
+            }),
+        }
     }
 
     /// The request was not charged (refused, or its store failed): what

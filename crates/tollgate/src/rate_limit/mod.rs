@@ -50,7 +50,7 @@ pub(crate) mod tests;
 
 pub use crate::key::MissingKey;
 pub use after::{ActualCost, Measure};
-pub(crate) use after::{Debts, Owed, Settle};
+pub(crate) use after::{Debts, Settle};
 pub use error::RateLimited;
 pub(crate) use future::{poll_paced, Inner, Refund, RefundFn};
 pub use future::{ErrorFuture, ResponseFuture};

@@ -2,7 +2,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
-use tollgate_core::{Algorithm, Decision, Limiter, Outcome, Store};
+use tollgate_core::{Algorithm, Limiter, Store};
 use tower_service::Service;
 
 use super::future::{decided, ErrorFuture, Inner, RefundFn, ResponseFuture, State};
@@ -84,23 +84,20 @@ where
     // Where the rule charges what requests really cost, the key pays what
     // it owes on top of this request's estimate, as far as the rule's
     // capacity allows.
-    let capacity = shared.limiter.rule().capacity();
     let (cost, settle) = match &shared.debts {
-        // A request the rule can never admit is told so (the debt stays):
-        // a debt's wait would send it back for nothing.
-        Some(_) if estimate > capacity => (estimate, None),
         Some(debts) => {
-            let paid = match debts.take(key.as_bytes(), capacity.saturating_sub(estimate)) {
-                super::Owed::Pay(units) => units,
+            let mut settle = Box::new(super::Settle::new(
+                Arc::clone(debts),
+                KeyBytes::new(&mut key.clone()),
+                estimate,
+                0,
+                req.method() == http::Method::HEAD,
+            ));
+            match settle.take_owed(shared.limiter.rule().capacity(), estimate) {
+                Ok(paid) => (estimate.saturating_add(paid), Some(settle)),
                 // More owed than the rule can charge with this request:
                 // refused until enough of it is freed.
-                super::Owed::Wait(ns) => {
-                    let owing = Decision {
-                        outcome: Outcome::Deny { retry_after: ns },
-                        limit: capacity,
-                        remaining: 0,
-                        reset_after: ns,
-                    };
+                Err(owing) => {
                     return decided(
                         Ok(owing),
                         req,
@@ -111,15 +108,7 @@ where
                         None,
                     );
                 }
-            };
-            let settle = super::Settle::new(
-                Arc::clone(debts),
-                KeyBytes::new(&mut key.clone()),
-                estimate,
-                paid,
-                req.method() == http::Method::HEAD,
-            );
-            (estimate.saturating_add(paid), Some(Box::new(settle)))
+            }
         }
         None => (estimate, None),
     };

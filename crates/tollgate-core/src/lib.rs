@@ -71,10 +71,10 @@ mod store;
 pub mod testing;
 
 pub use algorithm::{
-    FixedWindow, Gcra, InFlight, LeakyBucket, PeriodStatus, Quota, QuotaDecision, QuotaState,
-    RateAlgorithm, RetryBudget, RetryBudgetState, Semaphore, SemaphoreState, SlidingWindowBuckets,
-    SlidingWindowBucketsState, SlidingWindowCounter, SlidingWindowCounterState, SlidingWindowLog,
-    SlidingWindowLogState, TokenBucket,
+    update_word, FixedWindow, Gcra, InFlight, LeakyBucket, PeriodStatus, PinnedPermits, Quota,
+    QuotaDecision, QuotaState, RateAlgorithm, RetryBudget, RetryBudgetState, Semaphore,
+    SemaphoreState, SlidingWindowBuckets, SlidingWindowBucketsState, SlidingWindowCounter,
+    SlidingWindowCounterState, SlidingWindowLog, SlidingWindowLogState, TokenBucket,
 };
 pub use clock::{duration_to_nanos, Clock, ManualClock, SystemClock};
 pub use config::{

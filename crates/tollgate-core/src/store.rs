@@ -455,6 +455,17 @@ pub trait ConcurrencyLimiter: Clone + Send + Sync + 'static {
 
     /// The permits `key` holds now.
     fn held(&self, key: &[u8]) -> Self::HeldFuture;
+
+    /// `key`'s permits as a handle that acquires and releases at once,
+    /// without looking the key up, for a caller whose every request has
+    /// that key (a service-wide limit, bound once). From then on the
+    /// store counts the key there for every caller. `None` (the default):
+    /// the store keeps no such handle; use [`acquire`](Self::acquire) and
+    /// [`release`](Self::release).
+    fn pin(&self, key: &[u8]) -> Option<crate::PinnedPermits> {
+        let _ = key;
+        None
+    }
 }
 
 /// A store that keeps calendar quotas. A separate trait from [`Store`] so

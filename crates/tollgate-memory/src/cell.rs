@@ -26,24 +26,11 @@ impl Cell<u64> for AtomicU64 {
         AtomicU64::new(state)
     }
 
-    /// Governor's trick: compute on a copy, publish with one
-    /// compare-and-swap, retry on a race. A result that leaves the word
-    /// unchanged (a denial, a peek) writes nothing, so denied traffic does
-    /// not bounce the cache line between cores.
+    /// Governor's trick ([`update_word`](tollgate_core::update_word)):
+    /// compute on a copy, publish with one compare-and-swap.
     #[inline]
-    fn update<R>(&self, mut f: impl FnMut(&mut u64) -> R) -> R {
-        let mut current = self.load(Ordering::Acquire);
-        loop {
-            let mut next = current;
-            let result = f(&mut next);
-            if next == current {
-                return result;
-            }
-            match self.compare_exchange_weak(current, next, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => return result,
-                Err(actual) => current = actual,
-            }
-        }
+    fn update<R>(&self, f: impl FnMut(&mut u64) -> R) -> R {
+        tollgate_core::update_word(self, f)
     }
 
     #[inline]

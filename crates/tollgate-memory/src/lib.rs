@@ -102,7 +102,7 @@ use tollgate_core::{
     RetryBudgetRule, RetryBudgetStore, Rule, Semaphore, SlidingWindowBuckets, SlidingWindowCounter,
     SlidingWindowLog, Store, StoreError, SystemClock, TokenBucket, Withdrawal,
 };
-use tollgate_core::{BoxFuture, EscalationLimiter, EscalationRule};
+use tollgate_core::{BoxFuture, EscalationLimiter, EscalationRule, PinnedPermits};
 
 use crate::key::KeyHash;
 use crate::table::{Shared, Slot, Table};
@@ -882,6 +882,20 @@ impl<C: Clock> ConcurrencyLimiter for MemoryConcurrencyLimiter<C> {
 
     fn held(&self, key: &[u8]) -> Self::HeldFuture {
         ready(Ok(self.held_now(key)))
+    }
+
+    /// The key's count, moved out of the table into a word of its own
+    /// (see [`PinnedPermits`]). Kept for as long as the binding's rule is
+    /// (never swept), and outside `max_keys`: pin only keys that every
+    /// request shares, once per binding.
+    fn pin(&self, key: &[u8]) -> Option<PinnedPermits> {
+        let t = &self.table;
+        let hash = t.hash(key);
+        Some(PinnedPermits::new(
+            t.pin(hash),
+            &self.rule,
+            hash.lease_id(false),
+        ))
     }
 }
 

@@ -309,6 +309,22 @@ pub(crate) struct Table<K: Kind, C> {
 struct ShardSet<Ce, C> {
     shards: Box<[Shard<Ce>]>,
     shared: std::sync::Arc<Shared<C>>,
+    pins: Pins<Ce>,
+}
+
+/// Keys kept apart from the shards' maps ([`Table::pin`]): a shared cell
+/// each, which its holder updates without a lookup, and which the table's
+/// own lookups find on a miss. Never swept; one per binding that pins.
+struct Pins<Ce> {
+    /// Whether any key is pinned: the lookups' one check otherwise.
+    any: std::sync::atomic::AtomicBool,
+    cells: RwLock<Vec<(u64, std::sync::Arc<Ce>)>>,
+}
+
+impl<Ce> Pins<Ce> {
+    fn find(cells: &[(u64, std::sync::Arc<Ce>)], slot: u64) -> Option<&std::sync::Arc<Ce>> {
+        cells.iter().find(|(s, _)| *s == slot).map(|(_, cell)| cell)
+    }
 }
 
 impl<Ce, C> std::ops::Deref for ShardSet<Ce, C> {
@@ -372,6 +388,10 @@ impl<K: Kind, C: Clock> Table<K, C> {
         let shards = std::sync::Arc::new(ShardSet {
             shards,
             shared: std::sync::Arc::clone(&shared),
+            pins: Pins {
+                any: std::sync::atomic::AtomicBool::new(false),
+                cells: RwLock::new(Vec::new()),
+            },
         });
         Self {
             kind,
@@ -491,6 +511,9 @@ impl<K: Kind, C: Clock> Table<K, C> {
         } else if let Some(cell) = read(&shard.map).get(&hash.slot) {
             return (cell.update(&mut f), Slot::Own);
         }
+        if let Some(result) = self.in_pin(hash.slot, &mut f) {
+            return (result, Slot::Own);
+        }
         if seed && self.full_until_the_next_sweep(shard, now) {
             // A flood into a full store: no write lock, no second lookup,
             // no reservation that must fail; straight to the overflow
@@ -522,12 +545,59 @@ impl<K: Kind, C: Clock> Table<K, C> {
             // (held exclusively, under the write lock).
             return (cell.update_mut(&mut f), Slot::Own);
         }
+        // Pinned meanwhile (a pin moves the key out under this lock).
+        if let Some(result) = self.in_pin(hash.slot, &mut f) {
+            return (result, Slot::Own);
+        }
         if !self.reserve(shard, &mut map, now) {
             drop(map);
             return (self.overflow(shard, hash.slot, &mut f), Slot::Overflow);
         }
         map.insert(hash.slot, K::Cell::new(fresh));
         (result, Slot::Own)
+    }
+
+    /// Runs `f` on the cell of the key in `slot` if it is pinned.
+    #[inline]
+    fn in_pin<R>(&self, slot: u64, f: &mut impl FnMut(&mut K::State) -> R) -> Option<R> {
+        if !self.shards.pins.any.load(Ordering::Acquire) {
+            return None;
+        }
+        self.in_pinned(slot, f)
+    }
+
+    #[cold]
+    fn in_pinned<R>(&self, slot: u64, f: &mut impl FnMut(&mut K::State) -> R) -> Option<R> {
+        let cells = read(&self.shards.pins.cells);
+        Some(Pins::find(&cells, slot)?.update(f))
+    }
+
+    /// The cell of the key whose hash is `hash`, kept apart from its
+    /// shard's map from now on (moved out with the state it had there), so
+    /// that its holder updates it with no lookup; the table's own lookups
+    /// of the key find it there. Pinning a key twice gives the same cell.
+    pub(crate) fn pin(&self, hash: KeyHash) -> std::sync::Arc<K::Cell> {
+        let pins = &self.shards.pins;
+        if let Some(cell) = Pins::find(&read(&pins.cells), hash.slot) {
+            return std::sync::Arc::clone(cell);
+        }
+        // The shard's lock first, as a lookup that misses takes them.
+        let mut map = write(&self.shard(hash.shard as usize).map);
+        let mut cells = write(&pins.cells);
+        if let Some(cell) = Pins::find(&cells, hash.slot) {
+            return std::sync::Arc::clone(cell);
+        }
+        let state = match map.remove(&hash.slot) {
+            Some(cell) => {
+                self.shared.keys.fetch_sub(1, Ordering::AcqRel);
+                cell.with(Clone::clone)
+            }
+            None => K::State::default(),
+        };
+        let cell = std::sync::Arc::new(K::Cell::new(state));
+        cells.push((hash.slot, std::sync::Arc::clone(&cell)));
+        pins.any.store(true, Ordering::Release);
+        cell
     }
 
     /// Decides in `shard`'s overflow state, remembering `slot` as a member.

@@ -596,3 +596,43 @@ fn a_quiet_store_s_sweeper_drops_idle_keys_without_a_request() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+#[test]
+fn a_pinned_key_is_one_count_for_every_caller() {
+    // A layer whose every request has one key pins it: the store then
+    // counts the key in a word of its own, and every other caller of the
+    // same binding (an acquire through the store, a release of either's
+    // lease, a count) reads and writes that word.
+    let clock = ManualClock::starting_at(1);
+    let s = store(&clock, 2, 1);
+    let sem = semaphore(&s, 3);
+    // Held through the table before the pin: moved with it.
+    let before = sem.acquire_now(b"global", 1, u32::MAX).lease.unwrap();
+    assert_eq!(s.key_count(), 1);
+    let pinned = sem.pin(b"global").unwrap();
+    assert_eq!(pinned.held(), 1);
+    assert_eq!(
+        s.key_count(),
+        0,
+        "a pinned key is outside the table's bound"
+    );
+    // Another binding of the rule pins the same word.
+    let again = semaphore(&s, 3).pin(b"global").unwrap();
+    let through_pin = again.acquire(1, u32::MAX).lease.unwrap();
+    let through_store = sem.acquire_now(b"global", 1, u32::MAX).lease.unwrap();
+    assert_eq!((pinned.held(), sem.held_now(b"global")), (3, 3));
+    assert!(!pinned.acquire(1, u32::MAX).decision.is_allowed());
+    assert!(sem.acquire_now(b"global", 1, u32::MAX).lease.is_none());
+    // Leases go back either way.
+    sem.release_now(b"global", through_pin);
+    pinned.release(through_store);
+    sem.release_now(b"", before);
+    assert_eq!((pinned.held(), sem.held_now(b"global")), (0, 0));
+    // Other keys are kept as before, and a pinned key is never swept.
+    let other = sem.acquire_now(b"other", 2, u32::MAX).lease.unwrap();
+    assert_eq!(sem.held_now(b"other"), 2);
+    sem.release_now(b"other", other);
+    assert!(pinned.acquire(3, u32::MAX).lease.is_some());
+    assert_eq!(s.purge_idle(), 1);
+    assert_eq!(sem.held_now(b"global"), 3);
+}

@@ -519,6 +519,10 @@ impl ConcurrencyLimiter for AnyConcurrencyLimiter {
         forward!(plain self, |l| l.releases_by_lease())
     }
 
+    fn pin(&self, key: &[u8]) -> Option<tollgate_core::PinnedPermits> {
+        forward!(plain self, |l| l.pin(key))
+    }
+
     fn held(&self, key: &[u8]) -> Self::HeldFuture {
         forward!(self, |l| l.held(key))
     }

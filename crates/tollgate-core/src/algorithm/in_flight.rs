@@ -1,4 +1,7 @@
-use crate::{Decision, Outcome, Semaphore};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::{Acquire, Decision, Lease, Outcome, Semaphore};
 
 /// A concurrency limit as an in-process counter: the state is the number of
 /// permits a key holds, one `u64`, so acquire and release are one
@@ -77,6 +80,96 @@ impl InFlight {
     #[inline]
     pub fn is_idle(&self, held: u64) -> bool {
         held == 0
+    }
+}
+
+/// Runs `f` on a copy of `word`'s value and publishes the result with one
+/// compare-and-swap, retrying on a race (governor's trick). A result that
+/// leaves the value unchanged (a denial, a peek) writes nothing, so refused
+/// traffic does not bounce the cache line between cores.
+#[inline]
+pub fn update_word<R>(word: &AtomicU64, mut f: impl FnMut(&mut u64) -> R) -> R {
+    let mut current = word.load(Ordering::Acquire);
+    loop {
+        let mut next = current;
+        let result = f(&mut next);
+        if next == current {
+            return result;
+        }
+        match word.compare_exchange_weak(current, next, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return result,
+            Err(actual) => current = actual,
+        }
+    }
+}
+
+/// One key's permits, kept by a store apart from its table of keys, so
+/// that a caller whose every request has that key (a service-wide limit)
+/// takes and gives them back with one compare-and-swap each, no lookup
+/// and no hashing: see [`ConcurrencyLimiter::pin`](crate::ConcurrencyLimiter::pin).
+///
+/// The store counts the key here for every caller from then on: an
+/// acquire, a release or a count of the key through the store reads and
+/// writes the same word, and a lease granted here can go back either way.
+///
+/// ```
+/// use std::sync::{atomic::AtomicU64, Arc};
+/// use std::time::Duration;
+/// use tollgate_core::{ConcurrencyRule, PinnedPermits};
+///
+/// let rule = ConcurrencyRule::new("service", 2, Duration::from_secs(30))?;
+/// let pinned = PinnedPermits::new(Arc::new(AtomicU64::new(0)), &rule, 7);
+/// let lease = pinned.acquire(2, u32::MAX).lease.expect("granted");
+/// assert!(!pinned.acquire(1, u32::MAX).decision.is_allowed());
+/// pinned.release(lease);
+/// assert_eq!(pinned.held(), 0);
+/// # Ok::<(), tollgate_core::ConfigError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct PinnedPermits {
+    held: Arc<AtomicU64>,
+    counter: InFlight,
+    lease_id: u64,
+}
+
+impl PinnedPermits {
+    /// The permits counted in `held`, under `rule`'s limit; each lease
+    /// granted gets `lease_id` (the store's id for the key's leases, so
+    /// that its own release finds them).
+    pub fn new(held: Arc<AtomicU64>, rule: &crate::ConcurrencyRule, lease_id: u64) -> Self {
+        Self {
+            held,
+            counter: rule.semaphore().in_flight(),
+            lease_id,
+        }
+    }
+
+    /// [`ConcurrencyLimiter::acquire`](crate::ConcurrencyLimiter::acquire)
+    /// of the pinned key, at once.
+    #[inline]
+    pub fn acquire(&self, permits: u32, ceiling: u32) -> Acquire {
+        let decision = update_word(&self.held, |held| {
+            self.counter.acquire(held, permits, ceiling)
+        });
+        let granted = decision.is_allowed() && permits > 0;
+        Acquire {
+            decision,
+            lease: granted.then_some(Lease {
+                id: self.lease_id,
+                permits,
+            }),
+        }
+    }
+
+    /// Gives `lease` back (never below zero).
+    #[inline]
+    pub fn release(&self, lease: Lease) {
+        update_word(&self.held, |held| self.counter.release(held, lease.permits));
+    }
+
+    /// The permits the key holds now.
+    pub fn held(&self) -> u64 {
+        self.held.load(Ordering::Acquire)
     }
 }
 

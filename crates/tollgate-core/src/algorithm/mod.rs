@@ -32,7 +32,7 @@ mod token_bucket;
 pub use escalation::{Escalation, EscalationState, Standing, Strike};
 pub use fixed_window::FixedWindow;
 pub use gcra::Gcra;
-pub use in_flight::InFlight;
+pub use in_flight::{update_word, InFlight, PinnedPermits};
 pub use leaky_bucket::LeakyBucket;
 pub use quota::{PeriodStatus, Quota, QuotaDecision, QuotaState, Window, MAX_PERIODS};
 pub use retry_budget::{RetryBudget, RetryBudgetState, RetrySlot, RETRY_SLOTS, UNIT as RETRY_UNIT};

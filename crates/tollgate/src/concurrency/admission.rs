@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use http::{Method, Request};
 use tokio::time::Instant;
-use tollgate_core::{Acquire, ConcurrencyLimiter, Decision, Outcome, StoreError};
+use tollgate_core::{Acquire, ConcurrencyLimiter, Decision, Outcome, PinnedPermits, StoreError};
 
 use super::adaptive::Adaptive;
 use super::critical::Critical;
@@ -216,6 +216,30 @@ where
         }
     }
 
+    /// The per-key limit's key counted apart by the store, pinned at the
+    /// first request: where the key is fixed ([`KeyExtractor::is_fixed`]),
+    /// no queue waits by key, and the store pins.
+    #[inline]
+    fn pinned<B>(&self, req: &Request<B>) -> Option<&PinnedPermits>
+    where
+        K: KeyExtractor<B>,
+    {
+        self.pinned.get_or_init(|| self.pin(req)).as_ref()
+    }
+
+    #[cold]
+    fn pin<B>(&self, req: &Request<B>) -> Option<PinnedPermits>
+    where
+        K: KeyExtractor<B>,
+    {
+        if self.queue.is_some() || !self.key.is_fixed() {
+            return None;
+        }
+        let mut key = KeyBuf::new();
+        self.key.extract(req, &mut key)?;
+        self.per_key.limiter.pin(key.as_bytes())
+    }
+
     /// Reads one store acquire: granted, let through, refused, or (when
     /// `queue` and the queue exists) waiting.
     #[inline(always)]
@@ -317,7 +341,8 @@ where
                 }
             }
         }
-        if p.keyed {
+        // A pinned key is not read: it is the same for every request.
+        if p.keyed && self.pinned(req).is_none() {
             let m = &self.metrics;
             let extracted = self.key.extract(req, &mut p.key);
             match self.keying.resolve(
@@ -384,10 +409,13 @@ where
                     return Admission::Defer(Box::new((p, Io::Queue(None))));
                 }
                 let ceiling = self.plans.get(p.plan).ceiling(p.critical);
-                let acquired =
-                    self.per_key
+                let acquired = match self.pinned.get() {
+                    Some(Some(pinned)) => Some(Ok(pinned.acquire(p.permits, ceiling))),
+                    _ => self
+                        .per_key
                         .limiter
-                        .acquire_sync(p.key.raw_bytes(), p.permits, ceiling);
+                        .acquire_sync(p.key.raw_bytes(), p.permits, ceiling),
+                };
                 match acquired.map(|result| self.step(result, true)) {
                     None => return Admission::Defer(Box::new((p, Io::PerKey))),
                     Some(Step::Wait(d)) => {

@@ -93,6 +93,13 @@ impl<K, C, P, St: Store> ConcurrencyLayer<K, C, P, St> {
         &self.shared.per_key.limiter
     }
 
+    /// Whether the per-key limit's key is pinned at the store (`None`
+    /// before the first request).
+    #[cfg(test)]
+    pub(crate) fn pinned(&self) -> Option<bool> {
+        self.shared.pinned.get().map(Option::is_some)
+    }
+
     /// The permits the key of `req` holds now, under the per-key limit:
     /// the key the layer would extract from `req` (for a dashboard, a
     /// support tool, a test), `Ok(0)` for a request it finds no key in.
@@ -715,6 +722,7 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
                     .map(|l| Listed::new(l, crate::observe::CONCURRENCY))
                     .transpose()?,
                 refuse_on_store_error: cfg.on_store_error == OnStoreError::Refuse,
+                pinned: std::sync::OnceLock::new(),
             }),
         })
     }

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use tollgate_core::ConcurrencyLimiter;
+use tollgate_core::{ConcurrencyLimiter, PinnedPermits};
 
 use super::adaptive::Adaptive;
 use super::permit::{Held, Release};
@@ -74,6 +74,10 @@ pub(crate) struct Limits<K, C, P, L> {
     pub(crate) access: Option<Listed>,
     /// Refuse on a store error, as a closed store does (else admit).
     pub(crate) refuse_on_store_error: bool,
+    /// The per-key limit's one key, counted apart by the store (a fixed
+    /// key, no queue, a store that pins): set at the first request, which
+    /// brings the request type the key is read for.
+    pub(crate) pinned: std::sync::OnceLock<Option<PinnedPermits>>,
 }
 
 impl<K, C, P, L> Release for Limits<K, C, P, L>
@@ -85,11 +89,12 @@ where
 {
     fn release(&self, held: &mut Held) {
         if let Some(lease) = held.take_per_key() {
-            let key = &*held.key;
-            // The release is under way once called.
-            let done = self.per_key.limiter.release(key, lease);
-            if let Some(q) = &self.queue {
-                wake_when_released(q, q.hash(key), done);
+            if let Some(Some(pinned)) = self.pinned.get() {
+                // Every lease of a pinned key was granted there (the pin
+                // is set before the first acquire), and no queue waits.
+                pinned.release(lease);
+            } else {
+                self.release_per_key(&held.key, lease);
             }
         }
         match (&self.service, held.take_service()) {
@@ -107,6 +112,16 @@ where
         let counted = held.take_counted();
         if counted > 0 {
             self.metrics.in_flight.decrement(f64::from(counted));
+        }
+    }
+}
+
+impl<K, C, P, L: ConcurrencyLimiter> Limits<K, C, P, L> {
+    fn release_per_key(&self, key: &[u8], lease: tollgate_core::Lease) {
+        // The release is under way once called.
+        let done = self.per_key.limiter.release(key, lease);
+        if let Some(q) = &self.queue {
+            wake_when_released(q, q.hash(key), done);
         }
     }
 }

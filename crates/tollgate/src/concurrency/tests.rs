@@ -229,6 +229,48 @@ async fn a_service_limit_sheds_load_and_gives_back_the_per_key_permit() {
 }
 
 #[tokio::test]
+async fn a_service_wide_key_is_counted_apart_and_the_same_for_every_caller() {
+    // A layer keyed `Global` pins its key at the store (one word, no
+    // lookup); a layer of the same rule whose key is written by a
+    // closure is not pinned, and goes through the store's table: both
+    // count the same permits.
+    let store = MemoryStore::new();
+    let global = ConcurrencyLayer::builder("service", 2)
+        .key(crate::key::Global)
+        .store(store.clone())
+        .build()
+        .unwrap();
+    let closure = |_: &Req, key: &mut crate::key::KeyBuf| {
+        key.push(b"global");
+        Some(())
+    };
+    let same = ConcurrencyLayer::builder("service", 2)
+        .key(closure)
+        .store(store.clone())
+        .build()
+        .unwrap();
+    let (inner, _feeds) = streaming();
+    let (pinned, table) = (global.layer(inner.clone()), same.layer(inner));
+    let a = pinned.clone().oneshot(req("a")).await.unwrap();
+    assert_eq!(global.pinned(), Some(true));
+    let b = table.clone().oneshot(req("b")).await.unwrap();
+    assert_eq!(same.pinned(), Some(false));
+    assert_eq!((a.status(), b.status()), (StatusCode::OK, StatusCode::OK));
+    assert_eq!(
+        pinned.clone().oneshot(req("c")).await.unwrap().status(),
+        429
+    );
+    assert_eq!(table.clone().oneshot(req("c")).await.unwrap().status(), 429);
+    assert_eq!(held(&global, "x").await, 2);
+    assert_eq!(global.limiter().held_now(b"\x06global"), 2);
+    drop(a);
+    assert_eq!(held(&same, "x").await, 1);
+    drop(b);
+    assert_eq!(held(&global, "x").await, 0);
+    assert_eq!(pinned.oneshot(req("d")).await.unwrap().status(), 200);
+}
+
+#[tokio::test]
 async fn a_request_refused_per_key_takes_nothing_from_the_service() {
     let store = MemoryStore::new();
     let layer = builder(1)

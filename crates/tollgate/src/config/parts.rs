@@ -41,6 +41,10 @@ impl<B> KeyExtractor<B> for Part {
             Part::Geo(g) => g.extract(req, key),
         }
     }
+
+    fn is_fixed(&self) -> bool {
+        matches!(self, Part::Global)
+    }
 }
 
 /// Whose budget a `[[retry_budgets]]` entry's call draws on: the
@@ -59,6 +63,13 @@ impl<B> KeyExtractor<B> for RetryKey {
         match self {
             Self::Upstream => crate::retry::Upstream.extract(req, key),
             Self::File(k) => k.extract(req, key),
+        }
+    }
+
+    fn is_fixed(&self) -> bool {
+        match self {
+            Self::Upstream => false,
+            Self::File(k) => KeyExtractor::<B>::is_fixed(k),
         }
     }
 }
@@ -161,6 +172,13 @@ impl<B> KeyExtractor<B> for Node {
             Node::Or(or) => or.extract(req, key),
         }
     }
+
+    fn is_fixed(&self) -> bool {
+        match self {
+            Node::All(parts) => parts.iter().all(KeyExtractor::<B>::is_fixed),
+            Node::Or(or) => KeyExtractor::<B>::is_fixed(&**or),
+        }
+    }
 }
 
 impl<B> KeyExtractor<B> for FileKey {
@@ -171,6 +189,10 @@ impl<B> KeyExtractor<B> for FileKey {
             }
         }
         self.read(req, key)
+    }
+
+    fn is_fixed(&self) -> bool {
+        KeyExtractor::<B>::is_fixed(&self.node)
     }
 }
 

@@ -146,6 +146,35 @@ fn file_keys_write_the_same_store_keys_as_code() {
     }
 }
 
+#[test]
+fn a_file_key_is_fixed_as_the_code_it_stands_for_is() {
+    // A fixed key (every request's the same) is counted apart by a store
+    // that pins it: a file's `global` must say so as `Global` does.
+    use crate::key::{ClientIp, KeyExtractor, KeyExtractorExt};
+    let client = ClientIp::trusting(["10.0.0.0/8"]).unwrap();
+    let spec: super::spec::FileSpec = toml::from_str("").unwrap();
+    let fixed = |text: &str| {
+        let key = FileKey::parse(text, &client, 64, &spec).unwrap();
+        KeyExtractor::<String>::is_fixed(&key)
+    };
+    for (text, expected) in [
+        ("global", true),
+        ("global + global", true),
+        ("global | client-ip", true),
+        ("client-ip | global", false),
+        ("global + path", false),
+        ("header:x-api-key", false),
+    ] {
+        assert_eq!(fixed(text), expected, "{text}");
+    }
+    fn is_fixed(key: impl KeyExtractor<String>) -> bool {
+        key.is_fixed()
+    }
+    assert!(is_fixed(crate::key::Global));
+    assert!(is_fixed(crate::key::Global.or(client.clone())));
+    assert!(!is_fixed((crate::key::Global, crate::key::Path)));
+}
+
 /// The error `text` gives, as `line:column: field: message`.
 fn error(text: &str) -> String {
     shown(&PolicyFile::parse(text).unwrap_err())

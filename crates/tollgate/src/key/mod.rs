@@ -374,6 +374,15 @@ fn canonical(ip: IpAddr) -> IpAddr {
 pub trait KeyExtractor<B>: Clone + Send + Sync + 'static {
     /// Pushes this request's key parts into `key`.
     fn extract(&self, req: &Request<B>, key: &mut KeyBuf) -> Option<()>;
+
+    /// Whether `extract` writes one key for every request, never none
+    /// ([`Global`]): a limit so keyed is service-wide, and may count its
+    /// key apart from the store's table, with no lookup
+    /// ([`ConcurrencyLimiter::pin`](tollgate_core::ConcurrencyLimiter::pin)).
+    /// `false` (the default) unless the extractor says so.
+    fn is_fixed(&self) -> bool {
+        false
+    }
 }
 
 impl<B, F> KeyExtractor<B> for F
@@ -393,6 +402,12 @@ macro_rules! tuple_extractor {
                 let ($($name,)+) = self;
                 $($name.extract(req, key)?;)+
                 Some(())
+            }
+
+            #[allow(non_snake_case)]
+            fn is_fixed(&self) -> bool {
+                let ($($name,)+) = self;
+                true $(&& $name.is_fixed())+
             }
         }
     };
@@ -443,6 +458,11 @@ impl<B, A: KeyExtractor<B>, O: KeyExtractor<B>> KeyExtractor<B> for Or<A, O> {
         key.reset(mark);
         key.push(b"\x01or1");
         self.1.extract(req, key)
+    }
+
+    /// The first's key is the key, when it is fixed.
+    fn is_fixed(&self) -> bool {
+        self.0.is_fixed()
     }
 }
 

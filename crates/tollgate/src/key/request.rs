@@ -20,6 +20,10 @@ impl<B> KeyExtractor<B> for Global {
         key.push(b"global");
         Some(())
     }
+
+    fn is_fixed(&self) -> bool {
+        true
+    }
 }
 
 /// A header's value, e.g. an API key. Absent, empty or only whitespace:

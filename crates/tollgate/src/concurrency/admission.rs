@@ -216,15 +216,16 @@ where
         }
     }
 
-    /// The per-key limit's key counted apart by the store, pinned at the
-    /// first request: where the key is fixed ([`KeyExtractor::is_fixed`]),
-    /// no queue waits by key, and the store pins.
+    /// The per-key limit's key counted apart by the store
+    /// ([`StoreLimit::pinned`]), pinned at the first request: where the
+    /// key is fixed ([`KeyExtractor::is_fixed`]), no queue waits by key,
+    /// and the store pins.
     #[inline]
     fn pinned<B>(&self, req: &Request<B>) -> Option<&PinnedPermits>
     where
         K: KeyExtractor<B>,
     {
-        self.pinned.get_or_init(|| self.pin(req)).as_ref()
+        self.per_key.pinned.get_or_init(|| self.pin(req)).as_ref()
     }
 
     #[cold]
@@ -342,7 +343,7 @@ where
             }
         }
         // A pinned key is not read: it is the same for every request.
-        if p.keyed && self.pinned(req).is_none() {
+        if p.keyed && !(self.key.is_fixed() && self.pinned(req).is_some()) {
             let m = &self.metrics;
             let extracted = self.key.extract(req, &mut p.key);
             match self.keying.resolve(
@@ -409,13 +410,9 @@ where
                     return Admission::Defer(Box::new((p, Io::Queue(None))));
                 }
                 let ceiling = self.plans.get(p.plan).ceiling(p.critical);
-                let acquired = match self.pinned.get() {
-                    Some(Some(pinned)) => Some(Ok(pinned.acquire(p.permits, ceiling))),
-                    _ => self
-                        .per_key
-                        .limiter
-                        .acquire_sync(p.key.raw_bytes(), p.permits, ceiling),
-                };
+                let acquired = self
+                    .per_key
+                    .acquire_sync(p.key.raw_bytes(), p.permits, ceiling);
                 match acquired.map(|result| self.step(result, true)) {
                     None => return Admission::Defer(Box::new((p, Io::PerKey))),
                     Some(Step::Wait(d)) => {
@@ -431,7 +428,7 @@ where
         let service = match &self.service {
             Some(ServiceLimit::Fixed(limit)) if step.admits() => {
                 let ceiling = self.ceiling(limit, p.critical);
-                match limit.limiter.acquire_sync(SERVICE_KEY, p.permits, ceiling) {
+                match limit.acquire_sync(SERVICE_KEY, p.permits, ceiling) {
                     Some(result) => Some(result),
                     None => {
                         p.per_key = Some(step);

@@ -11,7 +11,7 @@ use tower_layer::Layer;
 
 use super::adaptive::{non_critical_ceiling, Adaptive, DropFn, ReadOnly};
 use super::critical::AllCritical;
-use super::limits::{Limits, PlanLimit, ServiceLimit, StoreLimit};
+use super::limits::{Limits, PlanLimit, ServiceLimit, StoreLimit, SERVICE_KEY};
 use super::queue::Queue;
 use super::respond::{RejectFn, Responder};
 use super::service::ConcurrencyService;
@@ -97,7 +97,14 @@ impl<K, C, P, St: Store> ConcurrencyLayer<K, C, P, St> {
     /// before the first request).
     #[cfg(test)]
     pub(crate) fn pinned(&self) -> Option<bool> {
-        self.shared.pinned.get().map(Option::is_some)
+        self.shared.per_key.pinned.get().map(Option::is_some)
+    }
+
+    /// Whether the fixed service limit's key is pinned at the store.
+    #[cfg(test)]
+    pub(crate) fn service_pinned(&self) -> bool {
+        matches!(&self.shared.service, Some(super::limits::ServiceLimit::Fixed(l))
+            if matches!(l.pinned.get(), Some(Some(_))))
     }
 
     /// The permits the key of `req` holds now, under the per-key limit:
@@ -565,12 +572,12 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
             Some((len, wait)) => Some(Arc::new(Queue::new(len, wait, per_key_rule.name()))),
         };
         let name: Arc<str> = per_key_rule.name().into();
-        let per_key = StoreLimit {
-            limiter: self.store.concurrency_limiter(&per_key_rule)?,
-            name: Arc::clone(&name),
-            // (Each plan has its own share.)
-            share: u32::MAX,
-        };
+        // (Each plan has its own share.)
+        let per_key = StoreLimit::new(
+            self.store.concurrency_limiter(&per_key_rule)?,
+            Arc::clone(&name),
+            u32::MAX,
+        );
         if cfg.conflict {
             return Err(ConfigError::new(
                 "service_limit",
@@ -629,11 +636,15 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
             }
             Some(ServiceConfig::Fixed(n, max)) => {
                 let r = rule(&n, max).map_err(service_error)?;
-                Some(ServiceLimit::Fixed(StoreLimit {
-                    limiter: self.store.concurrency_limiter(&r).map_err(service_error)?,
-                    name: r.name().into(),
-                    share: share_of(max),
-                }))
+                let limit = StoreLimit::new(
+                    self.store.concurrency_limiter(&r).map_err(service_error)?,
+                    r.name().into(),
+                    share_of(max),
+                );
+                // Every request's key: counted apart where the store can.
+                let pinned = limit.limiter.pin(SERVICE_KEY);
+                limit.pinned.get_or_init(|| pinned);
+                Some(ServiceLimit::Fixed(limit))
             }
             Some(ServiceConfig::Adaptive(n, limit)) => {
                 // Checks the name as every rule's is checked.
@@ -722,7 +733,6 @@ impl<K, C, P, St: Store> ConcurrencyLayerBuilder<K, C, P, St> {
                     .map(|l| Listed::new(l, crate::observe::CONCURRENCY))
                     .transpose()?,
                 refuse_on_store_error: cfg.on_store_error == OnStoreError::Refuse,
-                pinned: std::sync::OnceLock::new(),
             }),
         })
     }

@@ -5,7 +5,9 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use tollgate_core::{ConcurrencyLimiter, PinnedPermits};
+use std::sync::OnceLock;
+
+use tollgate_core::{Acquire, ConcurrencyLimiter, Lease, PinnedPermits, StoreError};
 
 use super::adaptive::Adaptive;
 use super::permit::{Held, Release};
@@ -48,6 +50,52 @@ pub(crate) struct StoreLimit<L> {
     pub(crate) name: Arc<str>,
     /// The ceiling of non-critical requests.
     pub(crate) share: u32,
+    /// The limit's one key, counted apart by the store
+    /// ([`ConcurrencyLimiter::pin`]), where every request has the same
+    /// key and no queue waits by key: set when the limit is built (the
+    /// service limit) or at the first request, which brings the request
+    /// type a per-key limit's key is read from. Every lease of the limit
+    /// is then granted there.
+    pub(crate) pinned: OnceLock<Option<PinnedPermits>>,
+}
+
+impl<L: ConcurrencyLimiter> StoreLimit<L> {
+    pub(crate) fn new(limiter: L, name: Arc<str>, share: u32) -> Self {
+        Self {
+            limiter,
+            name,
+            share,
+            pinned: OnceLock::new(),
+        }
+    }
+
+    /// The store's acquire at once, if it answers at once: through the
+    /// pinned key where there is one (`key` is then that key).
+    #[inline]
+    pub(crate) fn acquire_sync(
+        &self,
+        key: &[u8],
+        permits: u32,
+        ceiling: u32,
+    ) -> Option<Result<Acquire, StoreError>> {
+        match self.pinned.get() {
+            Some(Some(pinned)) => Some(Ok(pinned.acquire(permits, ceiling))),
+            _ => self.limiter.acquire_sync(key, permits, ceiling),
+        }
+    }
+
+    /// Gives `lease` back: to the pinned key, or to the store (`None`
+    /// then: the store's release is under way).
+    #[inline]
+    pub(crate) fn release(&self, key: &[u8], lease: Lease) -> Option<L::ReleaseFuture> {
+        match self.pinned.get() {
+            Some(Some(pinned)) => {
+                pinned.release(lease);
+                None
+            }
+            _ => Some(self.limiter.release(key, lease)),
+        }
+    }
 }
 
 pub(crate) enum ServiceLimit<L> {
@@ -74,10 +122,6 @@ pub(crate) struct Limits<K, C, P, L> {
     pub(crate) access: Option<Listed>,
     /// Refuse on a store error, as a closed store does (else admit).
     pub(crate) refuse_on_store_error: bool,
-    /// The per-key limit's one key, counted apart by the store (a fixed
-    /// key, no queue, a store that pins): set at the first request, which
-    /// brings the request type the key is read for.
-    pub(crate) pinned: std::sync::OnceLock<Option<PinnedPermits>>,
 }
 
 impl<K, C, P, L> Release for Limits<K, C, P, L>
@@ -89,17 +133,18 @@ where
 {
     fn release(&self, held: &mut Held) {
         if let Some(lease) = held.take_per_key() {
-            if let Some(Some(pinned)) = self.pinned.get() {
-                // Every lease of a pinned key was granted there (the pin
-                // is set before the first acquire), and no queue waits.
-                pinned.release(lease);
-            } else {
-                self.release_per_key(&held.key, lease);
+            let key = &*held.key;
+            // The release is under way once called (a pinned key has no
+            // queue to wake).
+            if let Some(done) = self.per_key.release(key, lease) {
+                if let Some(q) = &self.queue {
+                    wake_when_released(q, q.hash(key), done);
+                }
             }
         }
         match (&self.service, held.take_service()) {
             (Some(ServiceLimit::Fixed(slot)), Some(lease)) => {
-                drop(slot.limiter.release(SERVICE_KEY, lease));
+                drop(slot.release(SERVICE_KEY, lease));
             }
             (Some(ServiceLimit::Adaptive(a)), _) => {
                 let permits = held.take_adaptive();
@@ -112,16 +157,6 @@ where
         let counted = held.take_counted();
         if counted > 0 {
             self.metrics.in_flight.decrement(f64::from(counted));
-        }
-    }
-}
-
-impl<K, C, P, L: ConcurrencyLimiter> Limits<K, C, P, L> {
-    fn release_per_key(&self, key: &[u8], lease: tollgate_core::Lease) {
-        // The release is under way once called.
-        let done = self.per_key.limiter.release(key, lease);
-        if let Some(q) = &self.queue {
-            wake_when_released(q, q.hash(key), done);
         }
     }
 }

@@ -290,6 +290,10 @@ async fn a_request_refused_per_key_takes_nothing_from_the_service() {
         assert_eq!(svc.clone().oneshot(req("k")).await.unwrap().status(), 429);
     }
     assert_eq!(service.held_now(super::limits::SERVICE_KEY), 1);
+    // The service limit's one key is counted apart (pinned), not in the
+    // store's table, where only the client's key is.
+    assert!(layer.service_pinned());
+    assert_eq!(store.key_count(), 1);
     drop(first);
     assert_eq!(service.held_now(super::limits::SERVICE_KEY), 0);
 }

@@ -109,6 +109,30 @@ impl Routes {
         })
     }
 
+    /// The same routes, in the same order: `other`'s set itself where the
+    /// two are the same (so that limits of one scope share it), else this.
+    pub(crate) fn shared_with(self, other: &Self) -> Self {
+        let same = |a: &Entry, b: &Entry| a.method == b.method && a.pattern == b.pattern;
+        if self.entries.len() == other.entries.len()
+            && self
+                .entries
+                .iter()
+                .zip(other.entries.iter())
+                .all(|(a, b)| same(a, b))
+        {
+            other.clone()
+        } else {
+            self
+        }
+    }
+
+    /// Whether `other` is this very set (shared, as
+    /// [`shared_with`](Self::shared_with) makes it): the same answer for
+    /// every request.
+    pub(crate) fn is(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.entries, &other.entries)
+    }
+
     /// Whether there are no routes.
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()

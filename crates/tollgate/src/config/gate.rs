@@ -165,13 +165,22 @@ impl<St: Store + QuotaStore> Limits<St> {
     /// request's path is read once for every limit's routes.
     fn applying_to<B>(&self, req: &Request<B>) -> u64 {
         let mut target = None;
+        // The last routes matched, and their answer: limits of one scope
+        // share theirs, and follow one another in the usual file.
+        let mut last: Option<(&Routes, bool)> = None;
         let mut bits = 0u64;
         for (i, s) in self.limits.iter().take(64).enumerate() {
             let applies = match &s.routes {
                 None => true,
-                Some(r) => {
-                    r.matches_target(target.get_or_insert_with(|| crate::routes::Target::of(req)))
-                }
+                Some(r) => match last {
+                    Some((seen, applies)) if seen.is(r) => applies,
+                    _ => {
+                        let target = target.get_or_insert_with(|| crate::routes::Target::of(req));
+                        let applies = r.matches_target(target);
+                        last = Some((r, applies));
+                        applies
+                    }
+                },
             };
             if applies {
                 bits |= 1u64
@@ -433,7 +442,14 @@ fn entries_of<St: Store + QuotaStore>(
             .as_ref()
             .map(|l| build::routes(l, format!("{list}[{i}].routes")))
             .transpose()
-            .map_err(|p| file.placed(p))?;
+            .map_err(|p| file.placed(p))?
+            // Limits of one scope share its routes: a request is matched
+            // against them once.
+            .map(|r| {
+                out.iter()
+                    .filter_map(|s| s.routes.as_ref())
+                    .fold(r, |r, seen| r.shared_with(seen))
+            });
         out.push(Scoped {
             routes,
             list,
@@ -1079,6 +1095,49 @@ routes = ["GET /slow"]
         drop(held);
         clock.advance(Duration::from_secs(1));
         assert_eq!(send(&svc, req("/slow", "s")).await.status(), StatusCode::OK);
+    }
+
+    /// Limits of one scope share its routes, matched once per request;
+    /// a scope written alike but for its method, or another path, is its
+    /// own.
+    #[tokio::test]
+    async fn limits_of_one_scope_share_its_routes() {
+        let clock = ManualClock::starting_at(1_796_472_000_000_000_000);
+        let mut text = FILE.to_owned();
+        for (i, routes) in [r#"["/a"]"#, r#"["/a"]"#, r#"["GET /a"]"#, r#"["/b"]"#]
+            .iter()
+            .enumerate()
+        {
+            text.push_str(&format!(
+                "\n[[quotas]]\nname = \"q{i}\"\nkey = \"global\"\nlimits = {{ day = 9 }}\nroutes = {routes}\n"
+            ));
+        }
+        let file = PolicyFile::parse(&text).unwrap();
+        let gate = Tollgate::new(&file, &store(&clock)).unwrap();
+        let limits = gate.limits.load_full();
+        let scope = |name: &str| {
+            let s = limits.limits.iter().find(|s| s.name == name).unwrap();
+            s.routes.as_ref().unwrap().clone()
+        };
+        assert!(scope("q0").is(&scope("q1")));
+        assert!(!scope("q0").is(&scope("q2")) && !scope("q0").is(&scope("q3")));
+        let svc = app(&gate);
+        let items = |r: &Response<Body>| {
+            ["q0", "q1", "q2", "q3"]
+                .into_iter()
+                .filter(|q| left(r, q).is_some())
+                .collect::<Vec<_>>()
+        };
+        let mut post = req("/a", "post");
+        *post.method_mut() = http::Method::POST;
+        // (A key each: the file's rule allows two at once.)
+        assert_eq!(
+            items(&send(&svc, req("/a", "get")).await),
+            ["q0", "q1", "q2"]
+        );
+        assert_eq!(items(&send(&svc, post).await), ["q0", "q1"]);
+        assert_eq!(items(&send(&svc, req("/b", "b")).await), ["q3"]);
+        assert!(items(&send(&svc, req("/c", "c")).await).is_empty());
     }
 
     /// Routes are read once per request for the first 64 limits, and

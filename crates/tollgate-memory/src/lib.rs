@@ -516,6 +516,8 @@ impl<C: Clock> Store for MemoryStore<C> {
                     Some(MemoryConcurrencyLimiter {
                         rule: rule.clone(),
                         table: Arc::clone(table),
+                        // A checking handle changes nothing of the store's.
+                        pins: self.staged.is_none(),
                     })
                 }
                 _ => None,
@@ -783,6 +785,9 @@ impl<C: Clock> MemoryLimiter<C> {
 pub struct MemoryConcurrencyLimiter<C = SystemClock> {
     rule: ConcurrencyRule,
     table: Arc<Table<InFlight, C>>,
+    /// Whether [`pin`](ConcurrencyLimiter::pin) may pin (not for a
+    /// checking handle's binding).
+    pins: bool,
 }
 
 impl<C> Clone for MemoryConcurrencyLimiter<C> {
@@ -790,6 +795,7 @@ impl<C> Clone for MemoryConcurrencyLimiter<C> {
         Self {
             rule: self.rule.clone(),
             table: Arc::clone(&self.table),
+            pins: self.pins,
         }
     }
 }
@@ -886,16 +892,19 @@ impl<C: Clock> ConcurrencyLimiter for MemoryConcurrencyLimiter<C> {
 
     /// The key's count, moved out of the table into a word of its own
     /// (see [`PinnedPermits`]). Kept for as long as the binding's rule is
-    /// (never swept), and outside `max_keys`: pin only keys that every
-    /// request shares, once per binding.
+    /// (never swept), and outside `max_keys` and
+    /// [`key_count`](MemoryStore::key_count): for a key every request of
+    /// a limit shares. A rule's table pins at most 16 keys (then `None`:
+    /// the key stays in the table), and a checking handle's binding
+    /// ([`Store::checking`]) none.
     fn pin(&self, key: &[u8]) -> Option<PinnedPermits> {
+        if !self.pins {
+            return None;
+        }
         let t = &self.table;
         let hash = t.hash(key);
-        Some(PinnedPermits::new(
-            t.pin(hash),
-            &self.rule,
-            hash.lease_id(false),
-        ))
+        let cell = t.pin(hash)?;
+        Some(PinnedPermits::new(cell, &self.rule, hash.lease_id(false)))
     }
 }
 

@@ -290,6 +290,7 @@ struct Shard<Ce> {
     /// Sweep before growing past this length.
     next_sweep: AtomicUsize,
     last_sweep: AtomicU64,
+    pins: Pins<Ce>,
 }
 
 pub(crate) struct Table<K: Kind, C> {
@@ -309,14 +310,19 @@ pub(crate) struct Table<K: Kind, C> {
 struct ShardSet<Ce, C> {
     shards: Box<[Shard<Ce>]>,
     shared: std::sync::Arc<Shared<C>>,
-    pins: Pins<Ce>,
+    /// How many keys are pinned ([`Table::pin`]), at most [`MAX_PINS`].
+    pinned: AtomicUsize,
 }
 
-/// Keys kept apart from the shards' maps ([`Table::pin`]): a shared cell
-/// each, which its holder updates without a lookup, and which the table's
-/// own lookups find on a miss. Never swept; one per binding that pins.
+/// The most keys a table pins: a pin is for a key every request of a
+/// limit shares (one a binding), never swept and outside `max_keys`.
+pub(crate) const MAX_PINS: usize = 16;
+
+/// A shard's keys kept apart from its map ([`Table::pin`]): a shared cell
+/// each, which its holder updates without a lookup, and which the shard's
+/// own lookups find on a miss.
 struct Pins<Ce> {
-    /// Whether any key is pinned: the lookups' one check otherwise.
+    /// Whether the shard has any: a miss's one check otherwise.
     any: std::sync::atomic::AtomicBool,
     cells: RwLock<Vec<(u64, std::sync::Arc<Ce>)>>,
 }
@@ -383,15 +389,16 @@ impl<K: Kind, C: Clock> Table<K, C> {
                 overflow_members: Members::default(),
                 next_sweep: AtomicUsize::new(MIN_SWEEP_LEN),
                 last_sweep: AtomicU64::new(0),
+                pins: Pins {
+                    any: std::sync::atomic::AtomicBool::new(false),
+                    cells: RwLock::new(Vec::new()),
+                },
             })
             .collect();
         let shards = std::sync::Arc::new(ShardSet {
             shards,
             shared: std::sync::Arc::clone(&shared),
-            pins: Pins {
-                any: std::sync::atomic::AtomicBool::new(false),
-                cells: RwLock::new(Vec::new()),
-            },
+            pinned: AtomicUsize::new(0),
         });
         Self {
             kind,
@@ -511,7 +518,7 @@ impl<K: Kind, C: Clock> Table<K, C> {
         } else if let Some(cell) = read(&shard.map).get(&hash.slot) {
             return (cell.update(&mut f), Slot::Own);
         }
-        if let Some(result) = self.in_pin(hash.slot, &mut f) {
+        if let Some(result) = Self::in_pin(shard, hash.slot, &mut f) {
             return (result, Slot::Own);
         }
         if seed && self.full_until_the_next_sweep(shard, now) {
@@ -546,7 +553,7 @@ impl<K: Kind, C: Clock> Table<K, C> {
             return (cell.update_mut(&mut f), Slot::Own);
         }
         // Pinned meanwhile (a pin moves the key out under this lock).
-        if let Some(result) = self.in_pin(hash.slot, &mut f) {
+        if let Some(result) = Self::in_pin(shard, hash.slot, &mut f) {
             return (result, Slot::Own);
         }
         if !self.reserve(shard, &mut map, now) {
@@ -557,35 +564,54 @@ impl<K: Kind, C: Clock> Table<K, C> {
         (result, Slot::Own)
     }
 
-    /// Runs `f` on the cell of the key in `slot` if it is pinned.
+    /// Runs `f` on the cell of the key in `slot` if `shard` pins it.
     #[inline]
-    fn in_pin<R>(&self, slot: u64, f: &mut impl FnMut(&mut K::State) -> R) -> Option<R> {
-        if !self.shards.pins.any.load(Ordering::Acquire) {
+    fn in_pin<R>(
+        shard: &Shard<K::Cell>,
+        slot: u64,
+        f: &mut impl FnMut(&mut K::State) -> R,
+    ) -> Option<R> {
+        if !shard.pins.any.load(Ordering::Acquire) {
             return None;
         }
-        self.in_pinned(slot, f)
+        Self::in_pinned(shard, slot, f)
     }
 
     #[cold]
-    fn in_pinned<R>(&self, slot: u64, f: &mut impl FnMut(&mut K::State) -> R) -> Option<R> {
-        let cells = read(&self.shards.pins.cells);
+    fn in_pinned<R>(
+        shard: &Shard<K::Cell>,
+        slot: u64,
+        f: &mut impl FnMut(&mut K::State) -> R,
+    ) -> Option<R> {
+        let cells = read(&shard.pins.cells);
         Some(Pins::find(&cells, slot)?.update(f))
     }
 
     /// The cell of the key whose hash is `hash`, kept apart from its
     /// shard's map from now on (moved out with the state it had there), so
-    /// that its holder updates it with no lookup; the table's own lookups
-    /// of the key find it there. Pinning a key twice gives the same cell.
-    pub(crate) fn pin(&self, hash: KeyHash) -> std::sync::Arc<K::Cell> {
-        let pins = &self.shards.pins;
+    /// that its holder updates it with no lookup; the shard's own lookups
+    /// of the key find it there. Pinning a key twice gives the same cell;
+    /// `None` once the table pins [`MAX_PINS`] keys.
+    pub(crate) fn pin(&self, hash: KeyHash) -> Option<std::sync::Arc<K::Cell>> {
+        let shard = self.shard(hash.shard as usize);
+        let pins = &shard.pins;
         if let Some(cell) = Pins::find(&read(&pins.cells), hash.slot) {
-            return std::sync::Arc::clone(cell);
+            return Some(std::sync::Arc::clone(cell));
         }
-        // The shard's lock first, as a lookup that misses takes them.
-        let mut map = write(&self.shard(hash.shard as usize).map);
+        // The map's lock first, as a lookup that misses takes them.
+        let mut map = write(&shard.map);
         let mut cells = write(&pins.cells);
         if let Some(cell) = Pins::find(&cells, hash.slot) {
-            return std::sync::Arc::clone(cell);
+            return Some(std::sync::Arc::clone(cell));
+        }
+        let taken = self
+            .shards
+            .pinned
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < MAX_PINS).then_some(n.saturating_add(1))
+            });
+        if taken.is_err() {
+            return None;
         }
         let state = match map.remove(&hash.slot) {
             Some(cell) => {
@@ -597,7 +623,8 @@ impl<K: Kind, C: Clock> Table<K, C> {
         let cell = std::sync::Arc::new(K::Cell::new(state));
         cells.push((hash.slot, std::sync::Arc::clone(&cell)));
         pins.any.store(true, Ordering::Release);
-        cell
+        drop(map);
+        Some(cell)
     }
 
     /// Decides in `shard`'s overflow state, remembering `slot` as a member.

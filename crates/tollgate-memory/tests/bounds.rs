@@ -636,3 +636,35 @@ fn a_pinned_key_is_one_count_for_every_caller() {
     assert_eq!(s.purge_idle(), 1);
     assert_eq!(sem.held_now(b"global"), 3);
 }
+
+#[test]
+fn a_rule_pins_a_bounded_number_of_keys_and_a_checking_handle_none() {
+    // Pins are never swept and outside `max_keys`: a caller that pinned
+    // a key a client sends would grow them without bound. Past 16 a key
+    // stays in the table, counted as before.
+    let clock = ManualClock::starting_at(1);
+    let s = store(&clock, 100, 4);
+    let sem = semaphore(&s, 2);
+    for i in 0..16 {
+        assert!(sem.pin(format!("k{i}").as_bytes()).is_some(), "{i}");
+    }
+    assert!(sem.pin(b"k0").is_some(), "a pinned key again is its pin");
+    assert!(sem.pin(b"k16").is_none());
+    let lease = sem.acquire_now(b"k16", 2, u32::MAX).lease.unwrap();
+    assert!(sem.acquire_now(b"k16", 1, u32::MAX).lease.is_none());
+    assert_eq!(s.key_count(), 1);
+    sem.release_now(b"k16", lease);
+    // A checking handle (a reload's trial build) changes nothing of the
+    // store's: its binding pins nothing, and the key stays in the table.
+    let other = s
+        .concurrency_limiter(&ConcurrencyRule::new("other", 2, Duration::from_secs(30)).unwrap())
+        .unwrap();
+    let held = other.acquire_now(b"service", 1, u32::MAX).lease.unwrap();
+    let checking = s.checking();
+    let trial = checking
+        .concurrency_limiter(&ConcurrencyRule::new("other", 2, Duration::from_secs(30)).unwrap())
+        .unwrap();
+    assert!(trial.pin(b"service").is_none());
+    assert_eq!(s.key_count(), 2);
+    other.release_now(b"service", held);
+}

@@ -83,10 +83,13 @@ impl InFlight {
     }
 }
 
+/// (For stores: the update of one key's word.)
+///
 /// Runs `f` on a copy of `word`'s value and publishes the result with one
 /// compare-and-swap, retrying on a race (governor's trick). A result that
 /// leaves the value unchanged (a denial, a peek) writes nothing, so refused
 /// traffic does not bounce the cache line between cores.
+#[doc(hidden)]
 #[inline]
 pub fn update_word<R>(word: &AtomicU64, mut f: impl FnMut(&mut u64) -> R) -> R {
     let mut current = word.load(Ordering::Acquire);
@@ -161,9 +164,11 @@ impl PinnedPermits {
         }
     }
 
-    /// Gives `lease` back (never below zero).
+    /// Gives `lease` back (never below zero): a lease of this key, granted
+    /// here or by the store.
     #[inline]
     pub fn release(&self, lease: Lease) {
+        debug_assert_eq!(lease.id, self.lease_id, "a lease of another key");
         update_word(&self.held, |held| self.counter.release(held, lease.permits));
     }
 

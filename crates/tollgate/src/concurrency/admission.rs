@@ -463,7 +463,6 @@ where
                     let ceiling = self.plans.get(p.plan).ceiling(p.critical);
                     let first = self
                         .per_key
-                        .limiter
                         .acquire(p.key.raw_bytes(), p.permits, ceiling)
                         .await;
                     p.per_key = Some(match self.step(first, true) {
@@ -480,7 +479,7 @@ where
                         return self.complete(guard, step, None, &p);
                     };
                     let ceiling = self.ceiling(limit, p.critical);
-                    let result = limit.limiter.acquire(SERVICE_KEY, p.permits, ceiling).await;
+                    let result = limit.acquire(SERVICE_KEY, p.permits, ceiling).await;
                     return self.complete(guard, step, Some(result), &p);
                 }
             }

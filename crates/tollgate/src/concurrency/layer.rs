@@ -94,7 +94,7 @@ impl<K, C, P, St: Store> ConcurrencyLayer<K, C, P, St> {
     }
 
     /// Whether the per-key limit's key is pinned at the store (`None`
-    /// before the first request).
+    /// before the first request, and for a key that is not fixed).
     #[cfg(test)]
     pub(crate) fn pinned(&self) -> Option<bool> {
         self.shared.per_key.pinned.get().map(Option::is_some)

@@ -84,6 +84,19 @@ impl<L: ConcurrencyLimiter> StoreLimit<L> {
         }
     }
 
+    /// The store's acquire, through the pinned key where there is one.
+    pub(crate) async fn acquire(
+        &self,
+        key: &[u8],
+        permits: u32,
+        ceiling: u32,
+    ) -> Result<Acquire, StoreError> {
+        match self.pinned.get() {
+            Some(Some(pinned)) => Ok(pinned.acquire(permits, ceiling)),
+            _ => self.limiter.acquire(key, permits, ceiling).await,
+        }
+    }
+
     /// Gives `lease` back: to the pinned key, or to the store (`None`
     /// then: the store's release is under way).
     #[inline]

@@ -380,6 +380,11 @@ pub trait KeyExtractor<B>: Clone + Send + Sync + 'static {
     /// key apart from the store's table, with no lookup
     /// ([`ConcurrencyLimiter::pin`](tollgate_core::ConcurrencyLimiter::pin)).
     /// `false` (the default) unless the extractor says so.
+    ///
+    /// Say `true` only of an extractor that reads nothing of the request:
+    /// a concurrency layer then reads the key of its first request only,
+    /// and counts every later request under it (whatever key `extract`
+    /// would have written for it).
     fn is_fixed(&self) -> bool {
         false
     }

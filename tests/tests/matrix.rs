@@ -233,6 +233,10 @@ const ROWS: &[Row] = &[
         name: "15 repeated refusals slow a key down, and it is told so",
         check: |c| Box::pin(slowed_keys(c)),
     },
+    Row {
+        name: "16 a service-wide in-flight limit: every client counts, every permit comes back",
+        check: |c| Box::pin(service_wide(c)),
+    },
 ];
 
 // ---------------------------------------------------------------------------
@@ -447,6 +451,8 @@ impl http_body::Body for Paced {
 enum KeyKind {
     ApiKey,
     Peer,
+    /// One key for every request (`Global`, a file's `global`).
+    Global,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -457,7 +463,12 @@ impl<B> KeyExtractor<B> for TestKey {
         match self.0 {
             KeyKind::ApiKey => Header::named("x-api-key").unwrap().extract(req, key),
             KeyKind::Peer => PeerIp::new().extract(req, key),
+            KeyKind::Global => tollgate::key::Global.extract(req, key),
         }
+    }
+
+    fn is_fixed(&self) -> bool {
+        matches!(self.0, KeyKind::Global)
     }
 }
 
@@ -541,6 +552,7 @@ fn file_entry(layer: Layer, spec: &Spec) -> (String, String) {
     let key = match spec.key {
         KeyKind::ApiKey => "header:x-api-key",
         KeyKind::Peer => "peer-ip",
+        KeyKind::Global => "global",
     };
     let cost = if spec.header_cost {
         format!("{{ header = \"x-cost\", default = 1, max = {} }}", i64::MAX)
@@ -3358,5 +3370,71 @@ async fn slowed_keys(cell: Cell<'_>) -> CellResult {
             )
         },
     )?;
+    Ok(Verdict::Pass)
+}
+
+// ---------------------------------------------------------------------------
+// Row 16: an in-flight limit keyed `Global` (one key for every request,
+// which the memory store counts apart from its table, with no lookup):
+// open responses of different clients all count against it, and every
+// permit comes back when their connections drop, so the limit fills
+// again, round after round.
+
+async fn service_wide(cell: Cell<'_>) -> CellResult {
+    match cell.layer {
+        Layer::Concurrency => {}
+        Layer::Adaptive => {
+            return Ok(Verdict::NotApplicable(
+                "the adaptive limit is service-wide already (rows 4 and 5)",
+            ))
+        }
+        Layer::Rate | Layer::Policy | Layer::Quota | Layer::Bandwidth => {
+            return Ok(Verdict::NotApplicable(
+                "a fixed key is one budget in the store like any other; only in-flight limits count it apart",
+            ))
+        }
+        Layer::Retry => {
+            return Ok(Verdict::NotApplicable(
+                "a client layer's budget is keyed by upstream",
+            ))
+        }
+    }
+    let spec = Spec {
+        key: KeyKind::Global,
+        ..Spec::default()
+    };
+    let s = serve(cell, spec, &Backend::default(), true).await;
+    for round in 0..3 {
+        // BUDGET clients, one open response each (retried until admitted:
+        // a permit of the last round may be on its way back).
+        let mut held = Vec::new();
+        for i in 0..BUDGET {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+            loop {
+                let o = open(s.addr, "/long", &format!("client-{round}-{i}")).await;
+                if o.status == StatusCode::OK {
+                    held.push(o);
+                    break;
+                }
+                if tokio::time::Instant::now() > deadline {
+                    return Err(format!("round {round}: permit {i} never came back"));
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        let r = send(s.addr, req(Method::GET, "/s", Some(b"another-client")))
+            .await
+            .unwrap();
+        expect(r.status == StatusCode::TOO_MANY_REQUESTS, || {
+            format!(
+                "round {round}: {BUDGET} clients hold the service's {BUDGET} permits, yet another got HTTP {}",
+                r.status
+            )
+        })?;
+        expect(r.headers.contains_key("retry-after"), || {
+            format!("round {round}: a refusal without Retry-After")
+        })?;
+        drop(held);
+    }
     Ok(Verdict::Pass)
 }

@@ -755,13 +755,13 @@ impl<N: fmt::Debug> fmt::Debug for TollgateService<N> {
     }
 }
 
-impl<N, B> Service<Request<B>> for TollgateService<N>
+impl<N, B, ResB> Service<Request<B>> for TollgateService<N>
 where
-    AnyBody<N>: Service<Request<B>>,
+    AnyBody<N>: Service<Request<B>, Response = Response<ResB>>,
 {
-    type Response = <AnyBody<N> as Service<Request<B>>>::Response;
+    type Response = Response<ResB>;
     type Error = <AnyBody<N> as Service<Request<B>>>::Error;
-    type Future = <AnyBody<N> as Service<Request<B>>>::Future;
+    type Future = TollgateFuture<<AnyBody<N> as Service<Request<B>>>::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -771,7 +771,70 @@ where
         if self.remember.load(Ordering::Relaxed) {
             req.extensions_mut().insert(super::parts::Extracted::new());
         }
-        self.inner.call(req)
+        TollgateFuture {
+            inner: self.inner.call(req),
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The future of a [`TollgateService`]: its limits' `RateLimit` and
+    /// `RateLimit-Policy` items are joined into each field once, as the
+    /// response leaves (each limit adding to the field another had set
+    /// built it again, once a limit).
+    pub struct TollgateFuture<F> {
+        #[pin]
+        inner: F,
+    }
+}
+
+impl<F: fmt::Debug> fmt::Debug for TollgateFuture<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.inner.fmt(f)
+    }
+}
+
+impl<F, ResB, E> Future for TollgateFuture<F>
+where
+    F: Future<Output = Result<Response<ResB>, E>>,
+{
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        // The limits add their items in the poll that hands the response
+        // on; the service they protect adds at once ([`AtOnce`]).
+        let deferred = crate::headers::Deferred::start();
+        let mut polled = self.project().inner.poll(cx);
+        if let Some(deferred) = deferred {
+            match &mut polled {
+                Poll::Ready(Ok(response)) => deferred.finish(response.headers_mut()),
+                // Items are added only as a response leaves.
+                Poll::Pending => {
+                    debug_assert!(deferred.holds_none(), "items held back, no response")
+                }
+                Poll::Ready(Err(_)) => {}
+            }
+        }
+        polled
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The protected service's future, polled with our fields' items added
+    /// at once (its layers, and what reads their fields, see them as
+    /// anywhere else).
+    struct AtOnce<F> {
+        #[pin]
+        inner: F,
+    }
+}
+
+impl<F: Future> Future for AtOnce<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let _at_once = crate::headers::AtOnce::start();
+        self.project().inner.poll(cx)
     }
 }
 
@@ -857,7 +920,9 @@ where
             let mut req = req;
             req.extensions_mut().remove::<super::parts::Extracted>();
             let mut inner = inner;
-            let call = inner.call(req);
+            let call = AtOnce {
+                inner: inner.call(req),
+            };
             return Box::pin(async move { Ok(call.await?.map(Body::new)) });
         };
         let next = Next {
@@ -1095,6 +1160,81 @@ routes = ["GET /slow"]
         drop(held);
         clock.advance(Duration::from_secs(1));
         assert_eq!(send(&svc, req("/slow", "s")).await.status(), StatusCode::OK);
+    }
+
+    /// A composed layer builds each field once, as its limits' items
+    /// joined one after another would read: the outermost first, then
+    /// each inner one, then the lines the service sent. A layer inside the
+    /// service sees its own limits' fields at once, as anywhere else.
+    #[tokio::test]
+    async fn each_field_is_built_once_and_the_service_sees_its_own_at_once() {
+        use crate::key::Header;
+        use tollgate_core::{Limit, Rate};
+        let clock = ManualClock::starting_at(1_796_472_000_000_000_000);
+        let file = PolicyFile::parse(FILE).unwrap();
+        let gate = Tollgate::new(&file, &store(&clock)).unwrap();
+        // The service: a handler that sends a field of its own (two
+        // lines), behind a rate limit of its own, behind a layer that
+        // copies what it sees of `RateLimit` into `x-seen`.
+        let handler = service_fn(|_r: Request<Body>| async move {
+            let mut res = Response::new(Body::from("ok"));
+            res.headers_mut()
+                .append("ratelimit", http::HeaderValue::from_static("\"svc\";r=5"));
+            res.headers_mut()
+                .append("ratelimit", http::HeaderValue::from_static("\"svc2\";r=6"));
+            Ok::<_, Infallible>(res)
+        });
+        let own = crate::RateLimitLayer::builder("own", Limit::gcra(Rate::per_second(1), 9))
+            .key(Header::named("x-api-key").unwrap())
+            .store(store(&clock))
+            .build()
+            .unwrap();
+        let seen = tower::util::MapResponseLayer::new(|mut res: Response<Body>| {
+            let seen = res
+                .headers()
+                .get_all("ratelimit")
+                .iter()
+                .cloned()
+                .collect::<Vec<_>>();
+            for v in seen {
+                res.headers_mut().append("x-seen", v);
+            }
+            res
+        });
+        let inner = seen.layer(own.layer(handler));
+        let svc = gate.layer(
+            tower::util::MapResponseLayer::new(|r: Response<_>| r.map(Body::new)).layer(inner),
+        );
+        let res = svc.clone().oneshot(req("/a", "k")).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        let lines = |name: &str| {
+            res.headers()
+                .get_all(name)
+                .iter()
+                .map(|v| v.to_str().unwrap().to_owned())
+                .collect::<Vec<_>>()
+        };
+        // The service's own limit joined its item with the handler's at
+        // once: the layer above it saw one line.
+        assert_eq!(
+            lines("x-seen"),
+            ["\"own\";r=8;t=1, \"svc\";r=5, \"svc2\";r=6"]
+        );
+        // The composed layer's limits lead, outermost first: the rule,
+        // then the day's quota; then the service's line.
+        let field = lines("ratelimit");
+        assert_eq!(field.len(), 1, "{field:?}");
+        let names: Vec<&str> = field[0]
+            .split(", ")
+            .map(|item| item.split(';').next().unwrap())
+            .collect();
+        assert_eq!(
+            names,
+            ["\"rate\"", "\"daily\"", "\"own\"", "\"svc\"", "\"svc2\""]
+        );
+        let policy = lines("ratelimit-policy");
+        assert_eq!(policy.len(), 1, "{policy:?}");
+        assert!(policy[0].starts_with("\"rate\";q=2"), "{policy:?}");
     }
 
     /// Limits of one scope share its routes, matched once per request;

@@ -18,6 +18,23 @@ pub(crate) fn add_items(headers: &mut HeaderMap, name: HeaderName, value: Header
     if value.is_empty() {
         return;
     }
+    // Inside a composed layer, its limits' items are joined once, as it
+    // hands the response on ([`Deferred`]).
+    let mut item = Some((name, value));
+    let _ = JOINS.try_with(|joins| {
+        if let Ok(mut joins) = joins.try_borrow_mut() {
+            if joins.deferring {
+                joins.items.extend(item.take());
+            }
+        }
+    });
+    if let Some((name, value)) = item {
+        add_now(headers, name, value);
+    }
+}
+
+/// [`add_items`], at once.
+fn add_now(headers: &mut HeaderMap, name: HeaderName, value: HeaderValue) {
     // The common case, a field nobody set, is one append: cheaper than an
     // entry's insert (which takes http's displacing path even into an
     // empty slot). A few fields (a handler's own) are scanned for the
@@ -78,5 +95,181 @@ pub(crate) fn add_items(headers: &mut HeaderMap, name: HeaderName, value: Header
         Some(joined) => drop(entry.insert(joined)),
         // Not a header value (it always is): theirs, then ours.
         None => entry.append(value),
+    }
+}
+
+/// The items held back on this thread while a composed layer polls the
+/// limits inside it ([`Deferred`]).
+struct Joins {
+    deferring: bool,
+    items: Vec<(HeaderName, HeaderValue)>,
+}
+
+thread_local! {
+    static JOINS: std::cell::RefCell<Joins> = const {
+        std::cell::RefCell::new(Joins {
+            deferring: false,
+            items: Vec::new(),
+        })
+    };
+}
+
+/// While alive, the items our layers add to a field (`RateLimit`,
+/// `RateLimit-Policy`, the warnings) are held back, to be joined once by
+/// [`finish`](Self::finish): a composed layer's limits each add theirs,
+/// and the field is built once instead of joined again at every limit.
+/// Started around one poll of the composed layer's inner future (its
+/// limits add their items in the poll that hands the response on; the
+/// service they protect adds at once, under [`AtOnce`]). Dropped
+/// without `finish` (no response, an error, a panic), what was held back
+/// is dropped.
+pub(crate) struct Deferred {
+    mark: usize,
+    was: bool,
+}
+
+impl Deferred {
+    pub(crate) fn start() -> Option<Self> {
+        JOINS
+            .try_with(|joins| {
+                let mut joins = joins.try_borrow_mut().ok()?;
+                let was = std::mem::replace(&mut joins.deferring, true);
+                Some(Self {
+                    mark: joins.items.len(),
+                    was,
+                })
+            })
+            .ok()
+            .flatten()
+    }
+
+    /// Adds what was held back to `headers`: each field's items as the
+    /// limits added them one after another would have (the outermost
+    /// first, then the next, then any lines the service sent), in one
+    /// line built once.
+    pub(crate) fn finish(self, headers: &mut HeaderMap) {
+        let _ = JOINS.try_with(|joins| {
+            let Ok(joins) = joins.try_borrow() else {
+                return;
+            };
+            let held = joins.items.get(self.mark..).unwrap_or_default();
+            // The fields, in the order first met: each name, its items'
+            // count and their bytes joined. (Names differ in length, so
+            // comparing them is mostly comparing lengths.)
+            let mut fields = [("", 0usize, 0usize); FIELDS];
+            let mut met = 0;
+            let mut more = false;
+            for (name, value) in held {
+                let name = name.as_str();
+                match fields
+                    .get_mut(..met)
+                    .and_then(|f| f.iter_mut().find(|f| f.0 == name))
+                {
+                    Some(field) => {
+                        field.1 = field.1.saturating_add(1);
+                        field.2 = field.2.saturating_add(2).saturating_add(value.len());
+                    }
+                    None => match fields.get_mut(met) {
+                        Some(field) => {
+                            *field = (name, 1, value.len());
+                            met = met.saturating_add(1);
+                        }
+                        // More fields than ours: added below, one by one.
+                        None => more = true,
+                    },
+                }
+            }
+            for &(field, count, len) in fields.get(..met).unwrap_or_default() {
+                // This field's items, added innermost first: the
+                // outermost's leads the line.
+                let mut items = held.iter().rev().filter(|(n, _)| n.as_str() == field);
+                let Some((name, first)) = items.next() else {
+                    continue;
+                };
+                let value = if count == 1 {
+                    Some(first.clone())
+                } else {
+                    let mut joined = Vec::with_capacity(len);
+                    joined.extend_from_slice(first.as_bytes());
+                    for (_, v) in items {
+                        joined.extend_from_slice(b", ");
+                        joined.extend_from_slice(v.as_bytes());
+                    }
+                    HeaderValue::from_maybe_shared(bytes::Bytes::from(joined)).ok()
+                };
+                if let Some(value) = value {
+                    add_now(headers, name.clone(), value);
+                }
+            }
+            if more {
+                let known = fields.get(..met).unwrap_or_default();
+                for (name, value) in held {
+                    if !known.iter().any(|f| f.0 == name.as_str()) {
+                        // Innermost first, as each limit would have.
+                        add_now(headers, name.clone(), value.clone());
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// The most fields a composed layer's limits add to (`RateLimit`,
+/// `RateLimit-Policy`, the two warnings, and room to spare).
+const FIELDS: usize = 8;
+
+impl Deferred {
+    /// Whether nothing is held back since it started.
+    pub(crate) fn holds_none(&self) -> bool {
+        JOINS
+            .try_with(|joins| {
+                joins
+                    .try_borrow()
+                    .map_or(true, |j| j.items.len() <= self.mark)
+            })
+            .unwrap_or(true)
+    }
+}
+
+impl Drop for Deferred {
+    fn drop(&mut self) {
+        let _ = JOINS.try_with(|joins| {
+            if let Ok(mut joins) = joins.try_borrow_mut() {
+                let mark = self.mark.min(joins.items.len());
+                joins.items.truncate(mark);
+                joins.deferring = self.was;
+            }
+        });
+    }
+}
+
+/// While alive, items are added at once: around a poll of the service a
+/// composed layer protects, whose own layers (and anything that reads
+/// their fields) see them as they would anywhere.
+pub(crate) struct AtOnce {
+    was: bool,
+}
+
+impl AtOnce {
+    pub(crate) fn start() -> Self {
+        let was = JOINS
+            .try_with(|joins| {
+                joins
+                    .try_borrow_mut()
+                    .map(|mut j| std::mem::replace(&mut j.deferring, false))
+                    .unwrap_or(false)
+            })
+            .unwrap_or(false);
+        Self { was }
+    }
+}
+
+impl Drop for AtOnce {
+    fn drop(&mut self) {
+        let _ = JOINS.try_with(|joins| {
+            if let Ok(mut joins) = joins.try_borrow_mut() {
+                joins.deferring = self.was;
+            }
+        });
     }
 }

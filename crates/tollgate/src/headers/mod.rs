@@ -11,8 +11,10 @@
 //!   `X-RateLimit-Reset` (seconds).
 //!
 //! By role: `render` writes values, `merge` joins ours with an inner
-//! limiter's fields, `cache` remembers rendered values per thread; one
-//! module per kind of header set (`rate`, `concurrency`, `quota`).
+//! limiter's fields (or, inside a composed layer, holds them back to be
+//! joined once as the response leaves), `cache` remembers rendered values
+//! per thread; one module per kind of header set (`rate`, `concurrency`,
+//! `quota`).
 
 use tollgate_core::{Decision, Outcome};
 
@@ -26,7 +28,7 @@ mod render;
 mod tests;
 
 pub(crate) use concurrency::{ConcurrencyHeaders, Item};
-pub(crate) use merge::add_items;
+pub(crate) use merge::{add_items, AtOnce, Deferred};
 pub(crate) use quota::QuotaHeaders;
 pub(crate) use rate::{apply_set, set_policy, Headers};
 pub(crate) use render::{push_warning, Buf};

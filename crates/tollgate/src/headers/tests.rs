@@ -467,3 +467,71 @@ fn shares_are_exact_at_their_thresholds() {
     assert!(!is_past(0, 0, 0.5));
     assert!(is_past(u64::MAX, u64::MAX, 1.0));
 }
+
+#[test]
+fn fields_held_back_read_as_items_added_one_after_another() {
+    // A composed layer holds its limits' items back and builds each field
+    // once: the result must be what adding them one by one gives, with
+    // the service's own lines kept after ours, for our usual fields and
+    // for more fields than it groups at once.
+    let mut names: Vec<HeaderName> = [
+        "ratelimit",
+        "ratelimit-policy",
+        "ratelimit",
+        "quota-warning",
+    ]
+    .into_iter()
+    .map(HeaderName::from_static)
+    .collect();
+    for i in 0..10 {
+        names.push(HeaderName::from_bytes(format!("x-field-{i}").as_bytes()).unwrap());
+        names.push(HeaderName::from_static("ratelimit"));
+    }
+    let items: Vec<(HeaderName, HeaderValue)> = names
+        .into_iter()
+        .enumerate()
+        .map(|(i, n)| {
+            (
+                n,
+                HeaderValue::from_str(&format!("\"l{i}\";r={i}")).unwrap(),
+            )
+        })
+        .collect();
+    let service = || {
+        let mut m = HeaderMap::new();
+        m.append("ratelimit", HeaderValue::from_static("\"svc\";r=1"));
+        m.append("ratelimit", HeaderValue::from_static("\"svc2\";r=2"));
+        m.append("x-field-3", HeaderValue::from_static("theirs"));
+        m
+    };
+    let mut one_by_one = service();
+    for (n, v) in &items {
+        add_items(&mut one_by_one, n.clone(), v.clone());
+    }
+    let mut held_back = service();
+    let deferred = Deferred::start().unwrap();
+    for (n, v) in &items {
+        add_items(&mut held_back, n.clone(), v.clone());
+    }
+    assert_eq!(held_back, service(), "nothing is added while held back");
+    deferred.finish(&mut held_back);
+    assert_eq!(held_back, one_by_one);
+    // Held back and dropped without a response: nothing is kept, and
+    // items are added at once again.
+    let dropped = Deferred::start().unwrap();
+    add_items(
+        &mut HeaderMap::new(),
+        HeaderName::from_static("ratelimit"),
+        HeaderValue::from_static("\"x\""),
+    );
+    drop(dropped);
+    let mut m = HeaderMap::new();
+    add_items(
+        &mut m,
+        HeaderName::from_static("ratelimit"),
+        HeaderValue::from_static("\"y\""),
+    );
+    assert_eq!(m["ratelimit"], "\"y\"");
+    let again = Deferred::start().unwrap();
+    assert!(again.holds_none());
+}

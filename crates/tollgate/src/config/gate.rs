@@ -808,7 +808,9 @@ where
         if let Some(deferred) = deferred {
             match &mut polled {
                 Poll::Ready(Ok(response)) => deferred.finish(response.headers_mut()),
-                // Items are added only as a response leaves.
+                // Our limits add items only in the poll that hands the
+                // response on (one that awaited after adding them would
+                // lose them here: the tests run with this check).
                 Poll::Pending => {
                     debug_assert!(deferred.holds_none(), "items held back, no response")
                 }
@@ -889,6 +891,8 @@ where
     type Future = BoxFuture<Result<Response<Body>, S::Error>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // The protected service's code adds items at once (see `AtOnce`).
+        let _at_once = crate::headers::AtOnce::start();
         self.inner.poll_ready(cx)
     }
 
@@ -920,8 +924,11 @@ where
             let mut req = req;
             req.extensions_mut().remove::<super::parts::Extracted>();
             let mut inner = inner;
-            let call = AtOnce {
-                inner: inner.call(req),
+            let call = {
+                let _at_once = crate::headers::AtOnce::start();
+                AtOnce {
+                    inner: inner.call(req),
+                }
             };
             return Box::pin(async move { Ok(call.await?.map(Body::new)) });
         };

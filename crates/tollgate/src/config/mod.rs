@@ -208,7 +208,7 @@ use std::ops::Range;
 use std::path::Path;
 
 #[cfg(feature = "axum")]
-pub use gate::{AnyBody, Next, Started, Tollgate, TollgateService};
+pub use gate::{AnyBody, Next, Started, Tollgate, TollgateFuture, TollgateService};
 pub use parts::{FileCost, FileKey, RetryKey};
 pub use reload::{Reloaded, Reloader, Triggers};
 

@@ -2,6 +2,7 @@
 
 use http::header::{HeaderName, HeaderValue};
 use http::HeaderMap;
+use std::cell::{Cell, RefCell};
 
 use super::cache::{remembered_if, JOIN};
 
@@ -20,17 +21,19 @@ pub(crate) fn add_items(headers: &mut HeaderMap, name: HeaderName, value: Header
     }
     // Inside a composed layer, its limits' items are joined once, as it
     // hands the response on ([`Deferred`]).
-    let mut item = Some((name, value));
-    let _ = JOINS.try_with(|joins| {
-        if let Ok(mut joins) = joins.try_borrow_mut() {
-            if joins.deferring {
-                joins.items.extend(item.take());
+    if DEFERRING.try_with(Cell::get).unwrap_or(false) {
+        let mut item = Some((name, value));
+        let _ = HELD.try_with(|held| {
+            if let Ok(mut held) = held.try_borrow_mut() {
+                held.extend(item.take());
             }
+        });
+        if let Some((name, value)) = item {
+            add_now(headers, name, value);
         }
-    });
-    if let Some((name, value)) = item {
-        add_now(headers, name, value);
+        return;
     }
+    add_now(headers, name, value);
 }
 
 /// [`add_items`], at once.
@@ -98,20 +101,13 @@ fn add_now(headers: &mut HeaderMap, name: HeaderName, value: HeaderValue) {
     }
 }
 
-/// The items held back on this thread while a composed layer polls the
-/// limits inside it ([`Deferred`]).
-struct Joins {
-    deferring: bool,
-    items: Vec<(HeaderName, HeaderValue)>,
-}
-
 thread_local! {
-    static JOINS: std::cell::RefCell<Joins> = const {
-        std::cell::RefCell::new(Joins {
-            deferring: false,
-            items: Vec::new(),
-        })
-    };
+    /// Whether a composed layer holds our fields' items back on this
+    /// thread now ([`Deferred`]): read by every [`add_items`], so a flag
+    /// of its own (no destructor, nothing to set up).
+    static DEFERRING: Cell<bool> = const { Cell::new(false) };
+    /// The items held back.
+    static HELD: RefCell<Vec<(HeaderName, HeaderValue)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// While alive, the items our layers add to a field (`RateLimit`,
@@ -130,17 +126,12 @@ pub(crate) struct Deferred {
 
 impl Deferred {
     pub(crate) fn start() -> Option<Self> {
-        JOINS
-            .try_with(|joins| {
-                let mut joins = joins.try_borrow_mut().ok()?;
-                let was = std::mem::replace(&mut joins.deferring, true);
-                Some(Self {
-                    mark: joins.items.len(),
-                    was,
-                })
-            })
+        let mark = HELD
+            .try_with(|held| held.try_borrow().map(|h| h.len()).ok())
             .ok()
-            .flatten()
+            .flatten()?;
+        let was = DEFERRING.try_with(|d| d.replace(true)).ok()?;
+        Some(Self { mark, was })
     }
 
     /// Adds what was held back to `headers`: each field's items as the
@@ -148,11 +139,11 @@ impl Deferred {
     /// first, then the next, then any lines the service sent), in one
     /// line built once.
     pub(crate) fn finish(self, headers: &mut HeaderMap) {
-        let _ = JOINS.try_with(|joins| {
-            let Ok(joins) = joins.try_borrow() else {
+        let _ = HELD.try_with(|held| {
+            let Ok(held) = held.try_borrow() else {
                 return;
             };
-            let held = joins.items.get(self.mark..).unwrap_or_default();
+            let held = held.get(self.mark..).unwrap_or_default();
             // The fields, in the order first met: each name, its items'
             // count and their bytes joined. (Names differ in length, so
             // comparing them is mostly comparing lengths.)
@@ -221,25 +212,19 @@ const FIELDS: usize = 8;
 impl Deferred {
     /// Whether nothing is held back since it started.
     pub(crate) fn holds_none(&self) -> bool {
-        JOINS
-            .try_with(|joins| {
-                joins
-                    .try_borrow()
-                    .map_or(true, |j| j.items.len() <= self.mark)
-            })
+        HELD.try_with(|held| held.try_borrow().map_or(true, |h| h.len() <= self.mark))
             .unwrap_or(true)
     }
 }
 
 impl Drop for Deferred {
     fn drop(&mut self) {
-        let _ = JOINS.try_with(|joins| {
-            if let Ok(mut joins) = joins.try_borrow_mut() {
-                let mark = self.mark.min(joins.items.len());
-                joins.items.truncate(mark);
-                joins.deferring = self.was;
+        let _ = HELD.try_with(|held| {
+            if let Ok(mut held) = held.try_borrow_mut() {
+                held.truncate(self.mark);
             }
         });
+        let _ = DEFERRING.try_with(|d| d.set(self.was));
     }
 }
 
@@ -252,24 +237,14 @@ pub(crate) struct AtOnce {
 
 impl AtOnce {
     pub(crate) fn start() -> Self {
-        let was = JOINS
-            .try_with(|joins| {
-                joins
-                    .try_borrow_mut()
-                    .map(|mut j| std::mem::replace(&mut j.deferring, false))
-                    .unwrap_or(false)
-            })
-            .unwrap_or(false);
-        Self { was }
+        Self {
+            was: DEFERRING.try_with(|d| d.replace(false)).unwrap_or(false),
+        }
     }
 }
 
 impl Drop for AtOnce {
     fn drop(&mut self) {
-        let _ = JOINS.try_with(|joins| {
-            if let Ok(mut joins) = joins.try_borrow_mut() {
-                joins.deferring = self.was;
-            }
-        });
+        let _ = DEFERRING.try_with(|d| d.set(self.was));
     }
 }

@@ -123,6 +123,18 @@ impl<B> Cost<B> for ByMethod {
 pub struct ByRoute {
     default: u64,
     routes: Arc<[RouteCost]>,
+    /// What it charges, as a number: two tables of the same entries
+    /// charge a request alike (a composed layer computes it once).
+    #[cfg_attr(not(feature = "config"), allow(dead_code))]
+    meaning: u64,
+}
+
+/// `what` folded into the meaning `so_far`.
+fn meaning_with(so_far: u64, what: impl std::hash::Hash) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (so_far, what).hash(&mut h);
+    h.finish()
 }
 
 /// One entry of a [`ByRoute`] table: method (any if `None`), path, cost.
@@ -134,6 +146,7 @@ impl ByRoute {
         Self {
             default,
             routes: Arc::new([]),
+            meaning: meaning_with(0, default),
         }
     }
 
@@ -143,11 +156,24 @@ impl ByRoute {
     /// the one inside the nest (`/orders`) both match.
     pub fn route(self, method: Option<Method>, path: &str, cost: u64) -> Self {
         let mut routes = self.routes.to_vec();
-        routes.push((method, normalize_path(path).into(), cost));
+        let path: Box<str> = normalize_path(path).into();
+        let meaning = meaning_with(
+            self.meaning,
+            (method.as_ref().map(Method::as_str), &path, cost),
+        );
+        routes.push((method, path, cost));
         Self {
             default: self.default,
             routes: routes.into(),
+            meaning,
         }
+    }
+
+    /// What it charges, as a number: equal for tables of the same
+    /// entries, in the same order.
+    #[cfg(feature = "config")]
+    pub(crate) fn meaning(&self) -> u64 {
+        self.meaning
     }
 
     /// The costliest entry: its cost and what it is.

@@ -111,6 +111,7 @@ impl Routes {
 
     /// The same routes, in the same order: `other`'s set itself where the
     /// two are the same (so that limits of one scope share it), else this.
+    #[cfg(all(feature = "axum", feature = "config"))]
     pub(crate) fn shared_with(self, other: &Self) -> Self {
         let same = |a: &Entry, b: &Entry| a.method == b.method && a.pattern == b.pattern;
         if self.entries.len() == other.entries.len()
@@ -129,6 +130,7 @@ impl Routes {
     /// Whether `other` is this very set (shared, as
     /// [`shared_with`](Self::shared_with) makes it): the same answer for
     /// every request.
+    #[cfg(all(feature = "axum", feature = "config"))]
     pub(crate) fn is(&self, other: &Self) -> bool {
         Arc::ptr_eq(&self.entries, &other.entries)
     }

@@ -106,6 +106,9 @@ pub(crate) struct Extracted(std::sync::Mutex<Remembered>);
 struct Remembered {
     len: usize,
     keys: [(u64, Option<KeyBuf>); REMEMBERED],
+    /// Route costs computed, by meaning ([`ByRoute::meaning`]).
+    costs_len: usize,
+    costs: [(u64, u64); REMEMBERED],
 }
 
 impl Extracted {
@@ -143,6 +146,29 @@ impl Extracted {
             seen.len = len.saturating_add(1);
         }
         read
+    }
+}
+
+impl Extracted {
+    /// The cost of `meaning`: as remembered, else computed by `compute`
+    /// and remembered (while there is room).
+    fn cost(&self, meaning: u64, compute: impl FnOnce() -> u64) -> u64 {
+        {
+            let seen = self.lock();
+            let len = seen.costs_len;
+            if let Some((_, c)) = seen.costs.iter().take(len).find(|(m, _)| *m == meaning) {
+                return *c;
+            }
+        }
+        // Computed outside the lock.
+        let cost = compute();
+        let mut seen = self.lock();
+        let len = seen.costs_len;
+        if let Some(slot) = seen.costs.get_mut(len) {
+            *slot = (meaning, cost);
+            seen.costs_len = len.saturating_add(1);
+        }
+        cost
     }
 }
 
@@ -200,6 +226,8 @@ impl<B> KeyExtractor<B> for FileKey {
 thread_local! {
     /// Keys read from requests on this thread (not copied).
     pub(crate) static READS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// Route costs computed on this thread (not remembered).
+    pub(crate) static COSTED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 impl FileKey {
@@ -367,7 +395,19 @@ impl<B> Cost<B> for FileCost {
             FileCost::Query(c) => Cost::<B>::cost(c, req),
             FileCost::Body(c) => Cost::<B>::cost(c, req),
             FileCost::Methods(c) => Cost::<B>::cost(c, req),
-            FileCost::Routes(c) => Cost::<B>::cost(c, req),
+            // Behind a `Tollgate` whose limits share it, computed once a
+            // request (it normalises and compares the path).
+            FileCost::Routes(c) => {
+                let compute = || {
+                    #[cfg(test)]
+                    COSTED.with(|n| n.set(n.get().saturating_add(1)));
+                    Cost::<B>::cost(c, req)
+                };
+                match req.extensions().get::<Extracted>() {
+                    Some(seen) => seen.cost(c.meaning(), compute),
+                    None => compute(),
+                }
+            }
         }
     }
 }

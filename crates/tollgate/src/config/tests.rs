@@ -146,6 +146,74 @@ fn file_keys_write_the_same_store_keys_as_code() {
     }
 }
 
+#[tokio::test]
+async fn a_route_cost_several_limits_share_is_computed_once_a_request() {
+    // Two rules and two quotas charge the named cost "api"; a third
+    // table, "other", prices the same route apart and is its own.
+    let text = r#"
+[costs.api]
+default = 1
+routes = [{ method = "POST", path = "/orders", cost = 3 }]
+
+[costs.other]
+default = 1
+routes = [{ method = "POST", path = "/orders", cost = 5 }]
+
+[[rules]]
+name = "a"
+key = "header:x-api-key"
+rate = "1/h"
+burst = 100
+cost = "api"
+
+[[rules]]
+name = "b"
+key = "header:x-api-key"
+rate = "1/h"
+burst = 100
+cost = "api"
+
+[[quotas]]
+name = "qa"
+key = "header:x-api-key"
+limits = { day = 100 }
+cost = "api"
+
+[[quotas]]
+name = "qo"
+key = "header:x-api-key"
+limits = { day = 100 }
+cost = "other"
+"#;
+    let file = PolicyFile::parse(text).unwrap();
+    let gate = super::Tollgate::new(&file, &MemoryStore::new()).unwrap();
+    let mut svc = gate.layer(service_fn(|_r: Request<axum::body::Body>| async {
+        Ok::<_, Infallible>(Response::new(axum::body::Body::empty()))
+    }));
+    let costed = || super::parts::COSTED.with(std::cell::Cell::get);
+    let before = costed();
+    let r = Request::post("/orders")
+        .header("x-api-key", "k")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let res = ServiceExt::<Request<axum::body::Body>>::ready(&mut svc)
+        .await
+        .unwrap()
+        .call(r)
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(costed() - before, 2, "one computation a table");
+    let field = res.headers()["ratelimit"].to_str().unwrap().to_owned();
+    for (name, left) in [("a", 97), ("b", 97), ("qa", 97), ("qo", 95)] {
+        let item = field
+            .split(", ")
+            .find(|i| i.starts_with(&format!("\"{name}\";")))
+            .unwrap_or_else(|| panic!("{name} in {field}"));
+        assert!(item.contains(&format!(";r={left}")), "{name}: {item}");
+    }
+}
+
 #[test]
 fn a_file_key_is_fixed_as_the_code_it_stands_for_is() {
     // A fixed key (every request's the same) is counted apart by a store

@@ -119,11 +119,13 @@ thread_local! {
 /// service they protect adds at once, under [`AtOnce`]). Dropped
 /// without `finish` (no response, an error, a panic), what was held back
 /// is dropped.
+#[cfg(all(feature = "axum", feature = "config"))]
 pub(crate) struct Deferred {
     mark: usize,
     was: bool,
 }
 
+#[cfg(all(feature = "axum", feature = "config"))]
 impl Deferred {
     pub(crate) fn start() -> Option<Self> {
         let mark = HELD
@@ -207,8 +209,10 @@ impl Deferred {
 
 /// The most fields a composed layer's limits add to (`RateLimit`,
 /// `RateLimit-Policy`, the two warnings, and room to spare).
+#[cfg(all(feature = "axum", feature = "config"))]
 const FIELDS: usize = 8;
 
+#[cfg(all(feature = "axum", feature = "config"))]
 impl Deferred {
     /// Whether nothing is held back since it started.
     pub(crate) fn holds_none(&self) -> bool {
@@ -217,6 +221,7 @@ impl Deferred {
     }
 }
 
+#[cfg(all(feature = "axum", feature = "config"))]
 impl Drop for Deferred {
     fn drop(&mut self) {
         let _ = HELD.try_with(|held| {
@@ -231,10 +236,12 @@ impl Drop for Deferred {
 /// While alive, items are added at once: around a poll of the service a
 /// composed layer protects, whose own layers (and anything that reads
 /// their fields) see them as they would anywhere.
+#[cfg(all(feature = "axum", feature = "config"))]
 pub(crate) struct AtOnce {
     was: bool,
 }
 
+#[cfg(all(feature = "axum", feature = "config"))]
 impl AtOnce {
     pub(crate) fn start() -> Self {
         Self {
@@ -243,6 +250,7 @@ impl AtOnce {
     }
 }
 
+#[cfg(all(feature = "axum", feature = "config"))]
 impl Drop for AtOnce {
     fn drop(&mut self) {
         let _ = DEFERRING.try_with(|d| d.set(self.was));

@@ -28,7 +28,9 @@ mod render;
 mod tests;
 
 pub(crate) use concurrency::{ConcurrencyHeaders, Item};
-pub(crate) use merge::{add_items, AtOnce, Deferred};
+pub(crate) use merge::add_items;
+#[cfg(all(feature = "axum", feature = "config"))]
+pub(crate) use merge::{AtOnce, Deferred};
 pub(crate) use quota::QuotaHeaders;
 pub(crate) use rate::{apply_set, set_policy, Headers};
 pub(crate) use render::{push_warning, Buf};

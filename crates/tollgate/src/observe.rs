@@ -255,6 +255,33 @@ struct RouteCounter {
 #[cfg(feature = "axum")]
 struct RouteCounters;
 
+/// A hash of a counter's labels, by their bytes (not their addresses,
+/// which vary from run to run), eight at a time (a multiply carries each
+/// word into the top bits, which pick its cache entry's set), each label
+/// ended by its length.
+#[cfg(feature = "axum")]
+fn labels_hash(parts: [&[u8]; 3]) -> u64 {
+    const K: u64 = 0x517c_c1b7_2722_0a95;
+    let mix = |h: u64, w: u64| (h.rotate_left(5) ^ w).wrapping_mul(K);
+    let mut h = 0u64;
+    for part in parts {
+        let mut words = part.chunks_exact(8);
+        for w in &mut words {
+            h = mix(h, w.try_into().map_or(0, u64::from_le_bytes));
+        }
+        let rest = words.remainder();
+        if !rest.is_empty() {
+            let mut tail = [0u8; 8];
+            if let Some(t) = tail.get_mut(..rest.len()) {
+                t.copy_from_slice(rest);
+            }
+            h = mix(h, u64::from_le_bytes(tail));
+        }
+        h = mix(h, part.len() as u64);
+    }
+    h
+}
+
 #[cfg(feature = "axum")]
 impl RouteCounters {
     const WAYS: usize = 8;
@@ -269,14 +296,7 @@ impl RouteCounters {
             static COUNTERS: std::cell::RefCell<Option<Box<Kept>>> =
                 const { std::cell::RefCell::new(None) };
         }
-        // FNV-1a over the three labels' bytes (not their addresses, which
-        // vary from run to run), each ended by a byte no label holds.
-        let mut h = 0xcbf2_9ce4_8422_2325u64;
-        for part in [rule.as_bytes(), route.as_bytes(), outcome.as_bytes()] {
-            for &b in part.iter().chain(&[0xff]) {
-                h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-            }
-        }
+        let h = labels_hash([rule.as_bytes(), route.as_bytes(), outcome.as_bytes()]);
         let set = Kept::set_of(h);
         let this = |e: &RouteCounter| {
             e.hash == h
@@ -309,6 +329,11 @@ impl RouteCounters {
         if !matches!(counted, Ok(Some(()))) {
             Self::register(rule, route, outcome).increment(1);
         }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn hash_of(rule: &str, route: &str, outcome: &str) -> u64 {
+        labels_hash([rule.as_bytes(), route.as_bytes(), outcome.as_bytes()])
     }
 
     fn register(rule: &std::sync::Arc<str>, route: &str, outcome: &'static str) -> Counter {
@@ -893,6 +918,34 @@ mod route_counter_tests {
             );
             assert_eq!(rec.get(&series), rounds, "{series}");
         }
+    }
+
+    #[test]
+    fn labels_hash_apart_and_spread_over_the_sets() {
+        let h = RouteCounters::hash_of;
+        // Where one label ends is part of the hash.
+        assert_ne!(h("ab", "c", "allowed"), h("a", "bc", "allowed"));
+        assert_ne!(h("rule-1", "/a", "allowed"), h("rule-1", "/a", "limited"));
+        assert_ne!(h("", "", "x"), h("", "x", ""));
+        assert_eq!(
+            h("per-key", "/api/hello", "allowed"),
+            h("per-key", "/api/hello", "allowed")
+        );
+        // Rules and routes alike spread over the top bits (which pick
+        // the cache's set): 512 counters take at least 56 of the 64
+        // values of the top six.
+        let mut used = [false; 64];
+        for rule in 0..32 {
+            for route in 0..16 {
+                let top = h(&format!("rule-{rule}"), &format!("/r/{route}"), "allowed") >> 58;
+                let set = usize::try_from(top).unwrap_or(0);
+                if let Some(u) = used.get_mut(set) {
+                    *u = true;
+                }
+            }
+        }
+        let sets = used.iter().filter(|u| **u).count();
+        assert!(sets >= 56, "{sets} values of 64");
     }
 
     #[test]

@@ -196,12 +196,7 @@ cost = "other"
         .header("x-api-key", "k")
         .body(axum::body::Body::empty())
         .unwrap();
-    let res = ServiceExt::<Request<axum::body::Body>>::ready(&mut svc)
-        .await
-        .unwrap()
-        .call(r)
-        .await
-        .unwrap();
+    let res = call_once(&mut svc, r).await;
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(costed() - before, 2, "one computation a table");
     let field = res.headers()["ratelimit"].to_str().unwrap().to_owned();
@@ -2211,14 +2206,22 @@ max = 5
         .header("x-tenant", "t")
         .body(axum::body::Body::empty())
         .unwrap();
-    let res = ServiceExt::<Request<axum::body::Body>>::ready(&mut svc)
-        .await
-        .unwrap()
-        .call(r)
-        .await
-        .unwrap();
+    let res = call_once(&mut svc, r).await;
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(reads() - before, 2, "each limit reads its own key");
+}
+
+/// `req` through `svc`, made ready first.
+async fn call_once<S, B>(svc: &mut S, req: Request<axum::body::Body>) -> Response<B>
+where
+    S: Service<Request<axum::body::Body>, Response = Response<B>, Error = Infallible>,
+{
+    ServiceExt::<Request<axum::body::Body>>::ready(svc)
+        .await
+        .unwrap()
+        .call(req)
+        .await
+        .unwrap()
 }
 
 #[test]

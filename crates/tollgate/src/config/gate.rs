@@ -488,7 +488,7 @@ impl<St: Store + QuotaStore> Tollgate<St> {
         Ok(Self {
             policy,
             limits: Arc::new(ArcSwap::from_pointee(limits)),
-            remember: Arc::new(AtomicBool::new(super::parts::keys_repeat(
+            remember: Arc::new(AtomicBool::new(super::parts::reads_repeat(
                 &file.spec, false,
             ))),
             decisions_only: false,
@@ -515,7 +515,9 @@ impl<St: Store + QuotaStore> Tollgate<St> {
         Ok(Self {
             policy,
             limits: Arc::new(ArcSwap::from_pointee(limits)),
-            remember: Arc::new(AtomicBool::new(super::parts::keys_repeat(&file.spec, true))),
+            remember: Arc::new(AtomicBool::new(super::parts::reads_repeat(
+                &file.spec, true,
+            ))),
             decisions_only: true,
         })
     }
@@ -599,7 +601,7 @@ impl<St: Store + QuotaStore> Tollgate<St> {
                 let before = limits.load();
                 let before = (!fresh).then_some(&**before);
                 let next = Limits::build(file, store, before, decisions_only)?;
-                let repeat = super::parts::keys_repeat(&file.spec, decisions_only);
+                let repeat = super::parts::reads_repeat(&file.spec, decisions_only);
                 let (limits, remember) = (Arc::clone(&limits), Arc::clone(&remember));
                 Ok(Box::new(move || {
                     limits.store(Arc::new(next));

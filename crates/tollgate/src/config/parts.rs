@@ -164,6 +164,9 @@ impl Extracted {
         let cost = compute();
         let mut seen = self.lock();
         let len = seen.costs_len;
+        if seen.costs.iter().take(len).any(|(m, _)| *m == meaning) {
+            return cost;
+        }
         if let Some(slot) = seen.costs.get_mut(len) {
             *slot = (meaning, cost);
             seen.costs_len = len.saturating_add(1);
@@ -315,9 +318,10 @@ fn meaning(text: &str, file: &super::spec::FileSpec) -> u64 {
     h.finish()
 }
 
-/// Whether two of `file`'s limits read one key: then a request's keys
-/// are worth remembering ([`Extracted`]).
-pub(super) fn keys_repeat(file: &super::spec::FileSpec, decisions_only: bool) -> bool {
+/// Whether two of `file`'s limits read one key, or charge one named
+/// cost: then a request's keys and route costs are worth remembering
+/// ([`Extracted`]).
+pub(super) fn reads_repeat(file: &super::spec::FileSpec, decisions_only: bool) -> bool {
     // A decision endpoint has no in-flight limits or pacing.
     let (concurrency, bandwidth) = if decisions_only {
         (&[][..], &[][..])
@@ -332,8 +336,23 @@ pub(super) fn keys_repeat(file: &super::spec::FileSpec, decisions_only: bool) ->
         .chain(concurrency.iter().map(|c| &c.get_ref().key))
         .chain(bandwidth.iter().map(|b| &b.get_ref().key));
     let mut seen = std::collections::HashSet::new();
-    keys.map(|k| meaning(k.get_ref(), file))
+    if keys
+        .map(|k| meaning(k.get_ref(), file))
         .any(|m| !seen.insert(m))
+    {
+        return true;
+    }
+    let in_flight = concurrency.iter().map(|c| c.get_ref().cost.as_ref());
+    let costs = file
+        .rules
+        .iter()
+        .map(|r| r.get_ref().cost.as_ref())
+        .chain(file.quotas.iter().map(|q| q.get_ref().cost.as_ref()))
+        .chain(in_flight);
+    let mut named = std::collections::HashSet::new();
+    costs
+        .filter_map(|c| c.and_then(|c| c.get_ref().as_str()))
+        .any(|name| !named.insert(name))
 }
 
 /// The key part `asn` or `country`: the client address's, in the

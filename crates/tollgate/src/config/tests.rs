@@ -207,6 +207,38 @@ cost = "other"
             .unwrap_or_else(|| panic!("{name} in {field}"));
         assert!(item.contains(&format!(";r={left}")), "{name}: {item}");
     }
+    // Keys that do not repeat: the named cost alone is worth remembering.
+    let text = r#"
+[costs.api]
+default = 1
+routes = [{ method = "POST", path = "/orders", cost = 3 }]
+
+[[rules]]
+name = "a"
+key = "header:x-a"
+rate = "1/h"
+burst = 100
+cost = "api"
+
+[[quotas]]
+name = "q"
+key = "header:x-b"
+limits = { day = 100 }
+cost = "api"
+"#;
+    let file = PolicyFile::parse(text).unwrap();
+    let gate = super::Tollgate::new(&file, &MemoryStore::new()).unwrap();
+    let mut svc = gate.layer(service_fn(|_r: Request<axum::body::Body>| async {
+        Ok::<_, Infallible>(Response::new(axum::body::Body::empty()))
+    }));
+    let before = costed();
+    let r = Request::post("/orders")
+        .header("x-a", "k")
+        .header("x-b", "k")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    assert_eq!(call_once(&mut svc, r).await.status(), StatusCode::OK);
+    assert_eq!(costed() - before, 1);
 }
 
 #[test]

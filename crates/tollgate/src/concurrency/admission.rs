@@ -225,6 +225,10 @@ where
     where
         K: KeyExtractor<B>,
     {
+        // (Known when compiled for most extractors: no check at all.)
+        if !self.key.is_fixed() {
+            return None;
+        }
         self.per_key.pinned.get_or_init(|| self.pin(req)).as_ref()
     }
 
@@ -233,7 +237,7 @@ where
     where
         K: KeyExtractor<B>,
     {
-        if self.queue.is_some() || !self.key.is_fixed() {
+        if self.queue.is_some() {
             return None;
         }
         let mut key = KeyBuf::new();
@@ -343,7 +347,7 @@ where
             }
         }
         // A pinned key is not read: it is the same for every request.
-        if p.keyed && !(self.key.is_fixed() && self.pinned(req).is_some()) {
+        if p.keyed && self.pinned(req).is_none() {
             let m = &self.metrics;
             let extracted = self.key.extract(req, &mut p.key);
             match self.keying.resolve(

@@ -185,11 +185,7 @@ key = "header:x-api-key"
 limits = { day = 100 }
 cost = "other"
 "#;
-    let file = PolicyFile::parse(text).unwrap();
-    let gate = super::Tollgate::new(&file, &MemoryStore::new()).unwrap();
-    let mut svc = gate.layer(service_fn(|_r: Request<axum::body::Body>| async {
-        Ok::<_, Infallible>(Response::new(axum::body::Body::empty()))
-    }));
+    let mut svc = empty_behind(text);
     let costed = || super::parts::COSTED.with(std::cell::Cell::get);
     let before = costed();
     let r = Request::post("/orders")
@@ -226,11 +222,7 @@ key = "header:x-b"
 limits = { day = 100 }
 cost = "api"
 "#;
-    let file = PolicyFile::parse(text).unwrap();
-    let gate = super::Tollgate::new(&file, &MemoryStore::new()).unwrap();
-    let mut svc = gate.layer(service_fn(|_r: Request<axum::body::Body>| async {
-        Ok::<_, Infallible>(Response::new(axum::body::Body::empty()))
-    }));
+    let mut svc = empty_behind(text);
     let before = costed();
     let r = Request::post("/orders")
         .header("x-a", "k")
@@ -2223,15 +2215,10 @@ max = 5
     assert_eq!(send("k9", "u4").await, StatusCode::TOO_MANY_REQUESTS);
 
     // Keys that do not repeat are read where met, as before.
-    let file = PolicyFile::parse(
+    let mut svc = empty_behind(
         "[[rules]]\nname = \"a\"\nkey = \"header:x-api-key\"\nrate = \"1/h\"\nburst = 1\n\n\
          [[quotas]]\nname = \"q\"\nkey = \"header:x-tenant\"\nlimits = { day = 9 }\n",
-    )
-    .unwrap();
-    let gate = super::Tollgate::new(&file, &MemoryStore::new()).unwrap();
-    let mut svc = gate.layer(service_fn(move |_r: Request<axum::body::Body>| async {
-        Ok::<_, Infallible>(Response::new(axum::body::Body::empty()))
-    }));
+    );
     let before = reads();
     let r = Request::get("/")
         .header("x-api-key", "k")
@@ -2241,6 +2228,19 @@ max = 5
     let res = call_once(&mut svc, r).await;
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(reads() - before, 2, "each limit reads its own key");
+}
+
+/// A service answering 200 with an empty body, behind a `Tollgate` of
+/// the file `text`, on a memory store.
+fn empty_behind(
+    text: &str,
+) -> impl Service<Request<axum::body::Body>, Response = Response<axum::body::Body>, Error = Infallible>
+{
+    let file = PolicyFile::parse(text).unwrap();
+    let gate = super::Tollgate::new(&file, &MemoryStore::new()).unwrap();
+    gate.layer(service_fn(|_r: Request<axum::body::Body>| async {
+        Ok::<_, Infallible>(Response::new(axum::body::Body::empty()))
+    }))
 }
 
 /// `req` through `svc`, made ready first.

@@ -41,6 +41,14 @@ fn per_ip(limit: Limit) -> RateRule<Header> {
     RateRule::new("per-ip", limit, Header::named("x-ip").unwrap())
 }
 
+/// Rule `per-key` of `limit`, each request estimated at `cost` and
+/// charged what its handler reports.
+fn charged_after(limit: Limit, cost: u64) -> RateRule<Header, Fixed> {
+    per_key(limit)
+        .cost(Fixed(cost))
+        .charge_after(crate::rate_limit::Measure::Reported)
+}
+
 /// Rule `i`'s remaining budget for the store key its extractor makes of
 /// `key` (an `x-api-key` or `x-ip` value; any for `Global`), read without
 /// consuming.
@@ -2638,11 +2646,10 @@ fn costing(key: &str, ip: &str, actual: Option<u64>) -> Req {
 /// its handler reports; per-ip: 1 a minute.
 fn charged_policy<S: Store>(store: S) -> PolicyLayer<String, S> {
     PolicyLayer::builder()
-        .rule(
-            per_key(Limit::fixed_window(20, Duration::from_secs(60)))
-                .cost(Fixed(2))
-                .charge_after(crate::rate_limit::Measure::Reported),
-        )
+        .rule(charged_after(
+            Limit::fixed_window(20, Duration::from_secs(60)),
+            2,
+        ))
         .rule(per_ip(Limit::fixed_window(1, Duration::from_secs(60))))
         .store(store)
         .build()
@@ -2860,11 +2867,10 @@ async fn a_solved_challenge_does_not_buy_unmetered_messages() {
 async fn a_paced_request_given_up_after_its_wait_keeps_the_debt_it_paid() {
     let clock = ManualClock::starting_at(1);
     let layer = PolicyLayer::builder()
-        .rule(
-            per_key(Limit::fixed_window(20, Duration::from_secs(60)))
-                .cost(Fixed(2))
-                .charge_after(crate::rate_limit::Measure::Reported),
-        )
+        .rule(charged_after(
+            Limit::fixed_window(20, Duration::from_secs(60)),
+            2,
+        ))
         .rule(RateRule::new(
             "paced",
             Limit::leaky_bucket(Rate::per_second(10), Duration::from_secs(1)),
@@ -2986,11 +2992,10 @@ async fn a_debt_is_paid_once_by_a_charge_that_stands() {
     };
     let delays = std::sync::Arc::clone(&store.per_key);
     let layer = PolicyLayer::builder()
-        .rule(
-            per_key(Limit::fixed_window(30, Duration::from_secs(3_600)))
-                .cost(Fixed(2))
-                .charge_after(crate::rate_limit::Measure::Reported),
-        )
+        .rule(charged_after(
+            Limit::fixed_window(30, Duration::from_secs(3_600)),
+            2,
+        ))
         .idempotency(
             "idem",
             Header::named("x-api-key").unwrap(),
@@ -3059,11 +3064,7 @@ fn held_reporting(go: std::sync::Arc<tokio::sync::Semaphore>) -> impl Fn(Req) ->
 /// at `cost` and charged what its handler reports.
 fn reported<S: Store>(limit: Limit, cost: u64, store: S) -> PolicyLayer<String, S> {
     PolicyLayer::builder()
-        .rule(
-            per_key(limit)
-                .cost(Fixed(cost))
-                .charge_after(crate::rate_limit::Measure::Reported),
-        )
+        .rule(charged_after(limit, cost))
         .store(store)
         .build()
         .unwrap()
@@ -3244,11 +3245,10 @@ async fn a_debt_paid_by_a_charge_that_stood_while_another_rule_waited_is_not_owe
     };
     let delays = std::sync::Arc::clone(&store.per_key);
     let layer = PolicyLayer::builder()
-        .rule(
-            per_key(Limit::fixed_window(30, Duration::from_secs(3_600)))
-                .cost(Fixed(2))
-                .charge_after(crate::rate_limit::Measure::Reported),
-        )
+        .rule(charged_after(
+            Limit::fixed_window(30, Duration::from_secs(3_600)),
+            2,
+        ))
         .rule(per_ip(Limit::fixed_window(100, Duration::from_secs(3_600))))
         .store(store)
         .build()
